@@ -1,0 +1,1 @@
+"""The control plane across replicas: controller, virtual replicas, routing, simulator."""

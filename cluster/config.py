@@ -1,0 +1,133 @@
+"""The cluster's one configuration object: typed, validated, loadable from YAML.
+
+Every field is checked when the object is built, so a bad config fails at start with the
+field's name instead of deep inside a replica actor.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cluster.routing import BackupPolicy, FirstHop
+
+SPEC_POLICY = re.compile(r"^(none|slos|ngram|fixed:[1-9][0-9]?)$")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """A named SLO tier clients can ask for by name (e.g. "chat", "code")."""
+
+    name: str
+    ttft_ms: float
+    tpot_ms: float
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("tiers[].name must not be empty")
+        for key in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"tiers[{self.name}].{key} must be a number, got {value!r}")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"tiers[{self.name}].{key} must be finite and > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What runs: replicas of one model (and draft), and how requests are admitted and routed."""
+
+    model: str
+    """Local directory of the target checkpoint (HF format)."""
+    draft: str | None = None
+    """Local directory of the draft checkpoint; None disables draft-model speculation."""
+    model_name: str = "demo"
+    """Name clients use in the `model` field."""
+    replicas: int = 2
+    spec_policy: str = "slos"
+    """none | slos (SLO-adaptive lengths) | ngram | fixed:k."""
+    tiers: tuple[TierConfig, ...] = ()
+    route_limit: int = 2
+    first_hop: FirstHop = FirstHop.ROUND_ROBIN
+    backup_policy: BackupPolicy = BackupPolicy.BEST_EFFORT
+    retry_after_s: float = 1.0
+    tick_interval_ms: float = 10.0
+    """Planning period of the controller."""
+    num_kv_blocks: int = 1024
+    """KV cache blocks (16 tokens each) per replica."""
+    profile: str | None = None
+    """Perf-model profile JSON; None: the shipped CPU profile."""
+    num_cpus_per_replica: float = 1.0
+    num_gpus_per_replica: float = 0.0
+    tensor_parallel_size: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty path")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
+            raise ValueError(f"replicas must be an integer, got {self.replicas!r}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if not isinstance(self.spec_policy, str) or not SPEC_POLICY.match(self.spec_policy):
+            raise ValueError(
+                f"spec_policy must be none, slos, ngram or fixed:k (1-99), got {self.spec_policy!r}"
+            )
+        needs_draft = self.spec_policy == "slos" or self.spec_policy.startswith("fixed:")
+        if needs_draft and self.draft is None:
+            raise ValueError(f"spec_policy={self.spec_policy!r} needs a draft model")
+        if self.route_limit < 1:
+            raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
+        object.__setattr__(self, "first_hop", FirstHop(self.first_hop))
+        object.__setattr__(self, "backup_policy", BackupPolicy(self.backup_policy))
+        object.__setattr__(
+            self,
+            "tiers",
+            tuple(t if isinstance(t, TierConfig) else TierConfig(**t) for t in self.tiers),
+        )
+        names = [t.name for t in self.tiers]
+        if len(names) != len(set(names)):
+            raise ValueError(f"tier names must be unique, got {names}")
+        if not (0 < self.tick_interval_ms <= 10_000):
+            raise ValueError(f"tick_interval_ms must be in (0, 10000], got {self.tick_interval_ms}")
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_cpus_per_replica < 0 or self.num_gpus_per_replica < 0:
+            raise ValueError("num_cpus_per_replica and num_gpus_per_replica must be >= 0")
+
+    @property
+    def spec_k(self) -> int:
+        """The fixed speculation length of `fixed:k` (0 otherwise)."""
+        return int(self.spec_policy.split(":")[1]) if self.spec_policy.startswith("fixed:") else 0
+
+    def tier(self, name: str) -> TierConfig:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise ValueError(f"unknown tier {name!r}; known: {[t.name for t in self.tiers]}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"cluster config must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown cluster config field(s): {', '.join(unknown)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"invalid cluster config: {exc}") from exc
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ClusterConfig:
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})

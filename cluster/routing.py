@@ -1,0 +1,109 @@
+"""Where a request goes: first hop, sequential SLO-driven hops, route limit, backup policy.
+
+SLOs-Serve section 4.2: a request tries one replica's admission; if that replica cannot
+guarantee its SLOs it tries the next, up to `route_limit` replicas; then the backup policy
+serves it best-effort or declines it. Pure and deterministic: the controller and the simulator
+share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FirstHop(StrEnum):
+    ROUND_ROBIN = "round_robin"
+    """The paper's choice: spreads arrivals evenly, needs no load signal."""
+    LEAST_LOAD = "least_load"
+    """Lowest planned load first; ties go to the lower index."""
+
+
+class BackupPolicy(StrEnum):
+    BEST_EFFORT = "best_effort"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True)
+class Backup:
+    """The backup policy's verdict once every allowed hop declined."""
+
+    best_effort_replica: int | None
+    """Replica that serves the request best-effort; None when it is rejected."""
+    reason: str = ""
+    retry_after_s: float = 0.0
+
+
+@dataclass
+class RouteState:
+    """The hops one request has made so far."""
+
+    visited: list[int] = field(default_factory=list)
+
+    @property
+    def hops(self) -> int:
+        return len(self.visited)
+
+
+@dataclass
+class Router:
+    """Routing policy over replicas identified by index.
+
+    Caveat: sequential hops cost one planning tick each, so a large route limit trades TTFT for
+    admission; the paper found a small limit (a few hops) enough.
+    """
+
+    first_hop: FirstHop = FirstHop.ROUND_ROBIN
+    route_limit: int = 2
+    backup_policy: BackupPolicy = BackupPolicy.BEST_EFFORT
+    retry_after_s: float = 1.0
+    _next_rr: int = 0
+
+    def __post_init__(self) -> None:
+        self.first_hop = FirstHop(self.first_hop)
+        self.backup_policy = BackupPolicy(self.backup_policy)
+        if self.route_limit < 1:
+            raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+
+    def first(self, loads: Sequence[float], alive: Sequence[bool]) -> int | None:
+        """The first replica to try, or None when no replica is up."""
+        up = [i for i, ok in enumerate(alive) if ok]
+        if not up:
+            return None
+        if self.first_hop is FirstHop.LEAST_LOAD:
+            return min(up, key=lambda i: (loads[i], i))
+        n = len(alive)
+        for step in range(n):
+            i = (self._next_rr + step) % n
+            if alive[i]:
+                self._next_rr = (i + 1) % n
+                return i
+        raise AssertionError("unreachable: some replica is up")
+
+    def next_hop(self, state: RouteState, alive: Sequence[bool]) -> int | None:
+        """The next replica after a decline, or None when the route limit is spent."""
+        if state.hops >= self.route_limit or not state.visited:
+            return None
+        n = len(alive)
+        last = state.visited[-1]
+        for step in range(1, n):
+            i = (last + step) % n
+            if alive[i] and i not in state.visited:
+                return i
+        return None
+
+    def backup(self, state: RouteState, loads: Sequence[float], alive: Sequence[bool]) -> Backup:
+        """Best-effort on the least loaded live replica, or a clean rejection."""
+        up = [i for i, ok in enumerate(alive) if ok]
+        if not up:
+            return Backup(None, "no replica is up", self.retry_after_s)
+        if self.backup_policy is BackupPolicy.REJECT:
+            return Backup(
+                None,
+                f"no replica could guarantee the SLO after {state.hops} hop(s)",
+                self.retry_after_s,
+            )
+        return Backup(min(up, key=lambda i: (loads[i], i)))

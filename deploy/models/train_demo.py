@@ -1,0 +1,361 @@
+"""Train the tiny demo target + draft pair that every slos-serve test and demo runs on.
+
+No model hub is reachable from our machines, so the project ships its own real checkpoints.
+The corpus is the Python standard library's own source (every machine has it); test folders,
+codec tables and pydoc data are dropped because they are boilerplate that teaches nothing.
+Files are split into train / held-out by a hash of their path so the split is stable.
+
+The target is a small Llama; the draft is a 2-layer Llama on the same tokenizer, first trained
+on the corpus and then distilled on the target's own distribution (KL), because speculative
+decoding pays only when the draft agrees with the target, not with the data.
+
+Run with `make models`; deterministic for a seed; writes HF-format folders next to this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+EXCLUDED_DIRS = {
+    "test",
+    "tests",
+    "idle_test",
+    "encodings",
+    "pydoc_data",
+    "site-packages",
+    "__pycache__",
+    "lib2to3",
+}
+HELDOUT_PERCENT = 5
+SPECIALS = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Architecture of one member of the pair."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+
+
+TARGET = ModelShape(layers=6, hidden=256, intermediate=768, heads=8, kv_heads=4)
+DRAFT = ModelShape(layers=2, hidden=256, intermediate=512, heads=8, kv_heads=4)
+VOCAB = 4096
+MAX_POSITIONS = 2048
+
+
+def is_heldout(relpath: str) -> bool:
+    """Stable file-level split: the same files are held out on every machine."""
+    digest = hashlib.sha256(relpath.encode()).digest()
+    return digest[0] * 100 // 256 < HELDOUT_PERCENT
+
+
+def corpus_files() -> list[tuple[str, Path]]:
+    """Every .py file of the standard library outside the excluded folders, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = Path(dirpath) / name
+                found.append((str(path.relative_to(root)), path))
+    return found
+
+
+def read_split() -> tuple[list[str], list[str]]:
+    """Return (train texts, held-out texts)."""
+    train: list[str] = []
+    heldout: list[str] = []
+    for rel, path in corpus_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        (heldout if is_heldout(rel) else train).append(text)
+    return train, heldout
+
+
+def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        model_max_length=MAX_POSITIONS,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def encode_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor:
+    """One long token stream, documents separated by EOS."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def make_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def batches(stream: torch.Tensor, seq: int, batch: int, gen: torch.Generator):
+    """Endless random windows of seq+1 tokens."""
+    high = len(stream) - seq - 1
+    while True:
+        starts = torch.randint(0, high, (batch,), generator=gen)
+        yield torch.stack([stream[s : s + seq + 1] for s in starts.tolist()])
+
+
+def lr_at(step: int, steps: int, peak: float) -> float:
+    warmup = max(1, steps // 50)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor, seq: int, windows: int) -> float:
+    """Mean next-token cross-entropy (nats) over evenly spaced held-out windows."""
+    model.eval()
+    stride = max(1, (len(stream) - seq - 1) // windows)
+    total = 0.0
+    for i in range(windows):
+        chunk = stream[i * stride : i * stride + seq + 1].unsqueeze(0)
+        logits = model(chunk[:, :-1]).logits.float()
+        total += F.cross_entropy(logits[0], chunk[0, 1:]).item()
+    model.train()
+    return total / windows
+
+
+def train(
+    model: LlamaForCausalLM,
+    stream: torch.Tensor,
+    steps: int,
+    seq: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    teacher: LlamaForCausalLM | None = None,
+    label: str = "",
+) -> float:
+    """AdamW on next-token loss; with a teacher, on KL to the teacher plus a little CE."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model.train()
+    start = time.time()
+    data = batches(stream, seq, batch, gen)
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr)
+        chunk = next(data)
+        inputs, labels = chunk[:, :-1], chunk[:, 1:]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(inputs).logits.float()
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        if teacher is None:
+            loss = ce
+        else:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                t_logits = teacher(inputs).logits.float()
+            kl = (
+                F.kl_div(
+                    F.log_softmax(logits, -1),
+                    F.log_softmax(t_logits, -1),
+                    log_target=True,
+                    reduction="batchmean",
+                )
+                / inputs.shape[1]
+            )
+            loss = kl + 0.1 * ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            rate = (step + 1) * batch * seq / (time.time() - start)
+            print(f"[{label}] step {step}/{steps} loss {loss.item():.3f} ({rate:.0f} tok/s)")
+    model.eval()
+    return time.time() - start
+
+
+@torch.no_grad()
+def greedy_agreement(
+    target: LlamaForCausalLM, draft: LlamaForCausalLM, stream: torch.Tensor, prompts: int, gen: int
+) -> float:
+    """Share of target-greedy positions where the draft's argmax equals the target's token.
+
+    This is the acceptance rate of greedy speculative decoding for one proposed token.
+    """
+    stride = max(1, (len(stream) - 64) // prompts)
+    hits = 0
+    total = 0
+    for i in range(prompts):
+        prompt = stream[i * stride : i * stride + 32].unsqueeze(0)
+        out = target.generate(
+            prompt, max_new_tokens=gen, do_sample=False, pad_token_id=target.config.pad_token_id
+        )
+        t_next = target(out).logits[0, prompt.shape[1] - 1 : -1].argmax(-1)
+        d_next = draft(out).logits[0, prompt.shape[1] - 1 : -1].argmax(-1)
+        hits += int((t_next == d_next).sum())
+        total += t_next.numel()
+    return hits / total
+
+
+def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to(torch.float32)
+    model.generation_config.do_sample = False
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target-steps", type=int, default=3000)
+    parser.add_argument("--draft-steps", type=int, default=600)
+    parser.add_argument("--distill-steps", type=int, default=1500)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(os.cpu_count() or 1)
+    began = time.time()
+    train_texts, heldout_texts = read_split()
+    tokenizer = train_tokenizer(train_texts)
+    train_stream = encode_stream(tokenizer, train_texts)
+    heldout_stream = encode_stream(tokenizer, heldout_texts)
+    print(
+        f"corpus: {len(train_texts)} train files ({len(train_stream)} tokens), "
+        f"{len(heldout_texts)} held-out files ({len(heldout_stream)} tokens)"
+    )
+
+    target = make_model(TARGET, tokenizer)
+    t_secs = train(
+        target,
+        train_stream,
+        args.target_steps,
+        args.seq,
+        args.batch,
+        3e-3,
+        args.seed,
+        None,
+        "target",
+    )
+    draft = make_model(DRAFT, tokenizer)
+    draft.model.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    d_secs = train(
+        draft,
+        train_stream,
+        args.draft_steps,
+        args.seq,
+        args.batch,
+        3e-3,
+        args.seed + 1,
+        None,
+        "draft",
+    )
+    d_secs += train(
+        draft,
+        train_stream,
+        args.distill_steps,
+        args.seq,
+        args.batch,
+        1.5e-3,
+        args.seed + 2,
+        target,
+        "distill",
+    )
+
+    report = {
+        "corpus": "CPython standard library source (.py), excluding "
+        + ", ".join(sorted(EXCLUDED_DIRS)),
+        "python": sysconfig.get_python_version(),
+        "train_files": len(train_texts),
+        "heldout_files": len(heldout_texts),
+        "train_tokens": len(train_stream),
+        "heldout_tokens": len(heldout_stream),
+        "vocab": len(tokenizer),
+        "seq": args.seq,
+        "batch": args.batch,
+        "seed": args.seed,
+        "target": {
+            **asdict(TARGET),
+            "params": sum(p.numel() for p in target.parameters()),
+            "steps": args.target_steps,
+            "train_seconds": round(t_secs, 1),
+            "heldout_loss": round(heldout_loss(target, heldout_stream, args.seq, 64), 4),
+        },
+        "draft": {
+            **asdict(DRAFT),
+            "params": sum(p.numel() for p in draft.parameters()),
+            "steps": args.draft_steps,
+            "distill_steps": args.distill_steps,
+            "train_seconds": round(d_secs, 1),
+            "heldout_loss": round(heldout_loss(draft, heldout_stream, args.seq, 64), 4),
+        },
+        "greedy_agreement": round(greedy_agreement(target, draft, heldout_stream, 24, 48), 4),
+        "total_seconds": round(time.time() - began, 1),
+    }
+    save(target, tokenizer, args.out / "demo-target")
+    save(draft, tokenizer, args.out / "demo-draft")
+    (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Workloads, traces, clients, SLO metrics, capacity search, benchmarks and the CLI."""

@@ -1,0 +1,72 @@
+"""The `slos-serve` command.
+
+It lives in loadgen because loadgen is the top of the dependency graph (it may use every other
+package). Subcommands import their module only when chosen, so `--help` stays instant and
+`version` never loads torch or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("replica.demo", "generate with the demo pair on one local replica and print tokens/s"),
+    "profile": ("replica.profiler", "profile the engine and fit a batch-time model"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "engine": ("loadgen.bench_engine", "engine vs transformers throughput, speculative speedup"),
+    "planner": ("loadgen.bench_planner", "planning latency over randomized calls"),
+}
+
+
+def package_version() -> str:
+    try:
+        return version("slos-serve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _load(module: str) -> object:
+    return importlib.import_module(module)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slos-serve", description="Multi-SLO LLM serving cluster on Ray."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub.add_parser("version", help="print the version")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, add_help=False)
+        p.set_defaults(module=module)
+    bench = sub.add_parser("bench", help="benchmarks (JSON output)")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, (module, help_text) in BENCHES.items():
+        p = bench_sub.add_parser(name, help=help_text, add_help=False)
+        p.set_defaults(module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    known, rest = parser.parse_known_args(args_list)
+    if known.command == "version":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        print(f"slos-serve {package_version()}")
+        return 0
+    module = _load(known.module)
+    prog = f"slos-serve {known.command}" + (f" {known.bench}" if known.command == "bench" else "")
+    sub_parser = argparse.ArgumentParser(prog=prog)
+    module.add_arguments(sub_parser)  # type: ignore[attr-defined]
+    sub_args = sub_parser.parse_args(rest)
+    return int(module.run(sub_args))  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

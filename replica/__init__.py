@@ -1,0 +1,1 @@
+"""One replica: domain types, engine, model runner, KV cache, planner, performance model."""

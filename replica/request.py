@@ -1,0 +1,228 @@
+"""Domain types every layer shares: what a request asks for and what it is promised.
+
+Validation lives here, once, so the HTTP door, the gRPC door, the Python API and the simulator
+all refuse the same bad input with the same message naming the field at fault.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+MAX_SEED = 2**63 - 1
+MAX_LATENCY_MS = 24 * 3600 * 1000.0
+
+
+def _check_finite(name: str, value: float, *, positive: bool, upper: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if not positive and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name} must be <= {upper:g}, got {value!r}")
+
+
+def _check_int(name: str, value: int, *, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+class Tier(StrEnum):
+    """Service tier: SLO requests are admitted only when guaranteed; best-effort use leftovers."""
+
+    SLO = "slo"
+    BEST_EFFORT = "best_effort"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (OpenAI / vLLM semantics)."""
+
+    max_tokens: int = 16
+    """Most output tokens; the planner reserves memory for all of them."""
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = 0
+    """0 disables top-k."""
+    seed: int | None = None
+    """Per-request generator seed: same seed, same output."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation (not included in the output)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_finite("temperature", self.temperature, positive=False, upper=100.0)
+        _check_finite("top_p", self.top_p, positive=True, upper=1.0)
+        _check_int("top_k", self.top_k, low=0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=MAX_SEED)
+        if isinstance(self.stop, str) or not isinstance(self.stop, Sequence):
+            raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop entries must be non-empty strings, got {s!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a multi-stage SLO, e.g. a reasoning model's thinking, then its answer.
+
+    The stage covers the next `num_tokens` output tokens (None: all that remain). Its first
+    token is due `ttft_ms` after the previous stage's last deadline (default: one `tpot_ms`).
+    """
+
+    tpot_ms: float
+    num_tokens: int | None = None
+    ttft_ms: float | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        _check_finite("stages[].tpot_ms", self.tpot_ms, positive=True, upper=MAX_LATENCY_MS)
+        if self.num_tokens is not None:
+            _check_int("stages[].num_tokens", self.num_tokens, low=1)
+        if self.ttft_ms is not None:
+            _check_finite("stages[].ttft_ms", self.ttft_ms, positive=False, upper=MAX_LATENCY_MS)
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets with deadline semantics.
+
+    Token j (0-based) is on time if it arrives by arrival + ttft + j * tpot; early tokens bank
+    slack. With stages, the first stage starts at token 0 (due at ttft) and each later stage
+    restarts the line from the previous stage's last deadline.
+    """
+
+    ttft_ms: float
+    tpot_ms: float
+    stages: tuple[Stage, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_finite("slo.ttft_ms", self.ttft_ms, positive=True, upper=MAX_LATENCY_MS)
+        _check_finite("slo.tpot_ms", self.tpot_ms, positive=True, upper=MAX_LATENCY_MS)
+        object.__setattr__(self, "stages", tuple(self.stages))
+        for i, stage in enumerate(self.stages):
+            if not isinstance(stage, Stage):
+                raise ValueError(f"slo.stages[{i}] must be a Stage, got {stage!r}")
+            if stage.num_tokens is None and i != len(self.stages) - 1:
+                raise ValueError(f"slo.stages[{i}].num_tokens is required except on the last stage")
+
+    def _pieces(self) -> list[tuple[int | None, float, float]]:
+        """(tokens, tpot_s, gap before the first token of the piece, seconds)."""
+        if not self.stages:
+            return [(None, self.tpot_ms / 1e3, self.ttft_ms / 1e3)]
+        pieces: list[tuple[int | None, float, float]] = []
+        for i, st in enumerate(self.stages):
+            gap = self.ttft_ms if i == 0 else (st.ttft_ms if st.ttft_ms is not None else st.tpot_ms)
+            pieces.append((st.num_tokens, st.tpot_ms / 1e3, gap / 1e3))
+        if pieces[-1][0] is not None:
+            last_tpot = self.stages[-1].tpot_ms / 1e3
+            pieces.append((None, last_tpot, last_tpot))
+        return pieces
+
+    def deadline_s(self, j: int) -> float:
+        """Seconds after arrival by which output token j (0-based) must be out."""
+        t = 0.0
+        start = 0
+        for count, tpot, gap in self._pieces():
+            t += gap
+            if count is None or j < start + count:
+                return t + (j - start) * tpot
+            t += (count - 1) * tpot
+            start += count
+        raise AssertionError("the last piece is unbounded")
+
+    def stage_at(self, j: int) -> int:
+        """Index of the stage output token j belongs to (0 without stages)."""
+        start = 0
+        for i, st in enumerate(self.stages):
+            if st.num_tokens is None or j < start + st.num_tokens:
+                return i
+            start += st.num_tokens
+        return max(0, len(self.stages) - 1)
+
+    def tpot_at(self, j: int) -> float:
+        """TPOT in seconds that governs output token j."""
+        if not self.stages:
+            return self.tpot_ms / 1e3
+        return self.stages[self.stage_at(j)].tpot_ms / 1e3
+
+
+@dataclass
+class Request:
+    """One generation request as the scheduler and engine see it.
+
+    The prompt is token ids: tokenization happens at the door, so every layer below is
+    tokenizer-free and the simulator can run on lengths alone.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    slo: SLO | None = None
+    tier: Tier = Tier.SLO
+    arrival_time: float = 0.0
+    value: float = 1.0
+    """Admission weight (e.g. from priority); the DP maximizes the admitted total."""
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        if not isinstance(self.prompt_token_ids, list | tuple) or not self.prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        for t in self.prompt_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"prompt token ids must be non-negative integers, got {t!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
+        if self.slo is not None and not isinstance(self.slo, SLO):
+            raise ValueError(f"slo must be an SLO, got {type(self.slo).__name__}")
+        self.tier = Tier(self.tier)
+        if self.tier is Tier.SLO and self.slo is None:
+            raise ValueError("slo is required for tier 'slo' (use tier 'best_effort' without one)")
+        _check_finite("arrival_time", self.arrival_time, positive=False)
+        _check_finite("value", self.value, positive=True, upper=1e6)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def check_fits(self, max_model_len: int, vocab_size: int | None = None) -> None:
+        """Refuse what the model cannot hold: prompt + max_tokens beyond its context."""
+        total = self.prompt_len + self.sampling.max_tokens
+        if self.prompt_len >= max_model_len:
+            raise ValueError(
+                f"prompt has {self.prompt_len} tokens; the model context is {max_model_len}"
+            )
+        if total > max_model_len:
+            raise ValueError(
+                f"max_tokens={self.sampling.max_tokens} with a {self.prompt_len}-token prompt "
+                f"exceeds the model context of {max_model_len} tokens"
+            )
+        if vocab_size is not None:
+            bad = next((t for t in self.prompt_token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad} is outside the vocabulary ({vocab_size})")

@@ -1,0 +1,1 @@
+"""The front door: HTTP (Ray Serve, OpenAI-compatible), gRPC, client SDK, auth, metrics."""

@@ -1,0 +1,60 @@
+"""The cluster config refuses bad values by name and loads from YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ClusterConfig, TierConfig
+from cluster.routing import BackupPolicy
+
+
+def test_yaml_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: deploy/models/demo-target\n"
+        "draft: deploy/models/demo-draft\n"
+        "replicas: 3\n"
+        "spec_policy: fixed:4\n"
+        "backup_policy: reject\n"
+        "tiers:\n"
+        "  - {name: chat, ttft_ms: 500, tpot_ms: 50}\n"
+        "  - {name: code, ttft_ms: 300, tpot_ms: 100}\n"
+    )
+    cfg = ClusterConfig.from_yaml(path)
+    assert cfg.replicas == 3 and cfg.spec_k == 4
+    assert cfg.backup_policy is BackupPolicy.REJECT
+    assert cfg.tier("code") == TierConfig("code", 300, 100)
+    with pytest.raises(ValueError, match="unknown tier"):
+        cfg.tier("gold")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("replicas", 0, "replicas"),
+        ("replicas", True, "replicas"),
+        ("spec_policy", "fixed:0", "spec_policy"),
+        ("spec_policy", "magic", "spec_policy"),
+        ("route_limit", 0, "route_limit"),
+        ("backup_policy", "drop", "drop"),
+        ("tick_interval_ms", 0, "tick_interval_ms"),
+        ("num_kv_blocks", 0, "num_kv_blocks"),
+        ("tiers", [{"name": "a", "ttft_ms": -1, "tpot_ms": 1}], "ttft_ms"),
+        ("tiers", [{"name": "a", "ttft_ms": 1, "tpot_ms": float("nan")}], "tpot_ms"),
+        ("tiers", [{"name": "a", "ttft_ms": 1, "tpot_ms": 1}] * 2, "unique"),
+    ],
+)
+def test_bad_values_are_named(field: str, value: object, message: str) -> None:
+    data = {"model": "m", "draft": "d", field: value}
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig.from_dict(data)
+
+
+def test_unknown_field_and_missing_draft() -> None:
+    with pytest.raises(ValueError, match="unknown cluster config field"):
+        ClusterConfig.from_dict({"model": "m", "replica": 2})
+    with pytest.raises(ValueError, match="needs a draft"):
+        ClusterConfig(model="m", spec_policy="slos")
+    assert ClusterConfig(model="m", spec_policy="ngram").spec_k == 0

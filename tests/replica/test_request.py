@@ -1,0 +1,148 @@
+"""Validation of the domain types: every bad field is refused with its name in the message."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from replica.request import SLO, Request, SamplingParams, Stage, Tier
+
+BAD_FLOATS = st.one_of(
+    st.just(math.nan),
+    st.just(math.inf),
+    st.just(-math.inf),
+    st.floats(max_value=0.0, allow_nan=False, allow_infinity=False),
+    st.booleans(),
+    st.text(max_size=3),
+)
+
+
+def make(**kw: object) -> Request:
+    args: dict[str, object] = {
+        "request_id": "r",
+        "prompt_token_ids": [1, 2, 3],
+        "slo": SLO(ttft_ms=100, tpot_ms=50),
+    }
+    args.update(kw)
+    return Request(**args)  # type: ignore[arg-type]
+
+
+@given(BAD_FLOATS)
+def test_slo_ttft_rejects_non_positive_and_non_finite(value: object) -> None:
+    with pytest.raises(ValueError, match=r"slo\.ttft_ms"):
+        SLO(ttft_ms=value, tpot_ms=50)  # type: ignore[arg-type]
+
+
+@given(BAD_FLOATS)
+def test_slo_tpot_rejects_non_positive_and_non_finite(value: object) -> None:
+    with pytest.raises(ValueError, match=r"slo\.tpot_ms"):
+        SLO(ttft_ms=100, tpot_ms=value)  # type: ignore[arg-type]
+
+
+@given(st.floats(min_value=1e-3, max_value=1e6), st.floats(min_value=1e-3, max_value=1e6))
+def test_valid_slo_accepted(ttft: float, tpot: float) -> None:
+    slo = SLO(ttft_ms=ttft, tpot_ms=tpot)
+    assert slo.deadline_s(0) == pytest.approx(ttft / 1e3)
+    assert slo.deadline_s(10) == pytest.approx(ttft / 1e3 + 10 * tpot / 1e3)
+
+
+@given(st.one_of(st.integers(max_value=0), st.floats(allow_nan=True), st.booleans()))
+def test_max_tokens_must_be_positive_int(value: object) -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=value)  # type: ignore[arg-type]
+
+
+@given(st.one_of(st.floats(max_value=-1e-9), st.just(math.nan), st.floats(min_value=100.01)))
+def test_temperature_range(value: float) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=value)
+
+
+@given(st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0001), st.just(math.nan)))
+def test_top_p_range(value: float) -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=value)
+
+
+@given(st.integers(max_value=-1))
+def test_top_k_and_seed_non_negative(value: int) -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=value)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=value)
+
+
+def test_seed_upper_bound_and_stop_entries() -> None:
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**63)
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop="abc")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=("",))
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")  # type: ignore[arg-type]
+
+
+def test_empty_prompt_and_bad_ids() -> None:
+    with pytest.raises(ValueError, match="prompt must not be empty"):
+        make(prompt_token_ids=[])
+    with pytest.raises(ValueError, match="prompt token ids"):
+        make(prompt_token_ids=[1, -2])
+    with pytest.raises(ValueError, match="request_id"):
+        make(request_id="")
+
+
+def test_slo_tier_needs_slo_and_best_effort_does_not() -> None:
+    with pytest.raises(ValueError, match="slo is required"):
+        make(slo=None)
+    assert make(slo=None, tier="best_effort").tier is Tier.BEST_EFFORT
+    with pytest.raises(ValueError):
+        make(tier="gold")
+
+
+@given(st.integers(min_value=1, max_value=64), st.integers(min_value=1, max_value=64))
+def test_check_fits_against_context(prompt_len: int, max_tokens: int) -> None:
+    req = make(prompt_token_ids=[5] * prompt_len, sampling=SamplingParams(max_tokens=max_tokens))
+    context = 64
+    if prompt_len + max_tokens > context:
+        with pytest.raises(ValueError, match="context"):
+            req.check_fits(context)
+    else:
+        req.check_fits(context)
+
+
+def test_check_fits_vocab() -> None:
+    with pytest.raises(ValueError, match="vocabulary"):
+        make(prompt_token_ids=[1, 9000]).check_fits(2048, vocab_size=4096)
+
+
+def test_stage_deadlines_piecewise() -> None:
+    slo = SLO(
+        ttft_ms=1000,
+        tpot_ms=100,
+        stages=(Stage(tpot_ms=10, num_tokens=5, name="think"), Stage(tpot_ms=100, name="answer")),
+    )
+    assert slo.deadline_s(0) == pytest.approx(1.0)
+    assert slo.deadline_s(4) == pytest.approx(1.04)
+    assert slo.deadline_s(5) == pytest.approx(1.14)
+    assert slo.deadline_s(6) == pytest.approx(1.24)
+    assert [slo.stage_at(j) for j in (0, 4, 5, 100)] == [0, 0, 1, 1]
+    assert slo.tpot_at(3) == pytest.approx(0.01)
+    assert slo.tpot_at(7) == pytest.approx(0.1)
+
+
+def test_stage_without_count_must_be_last() -> None:
+    with pytest.raises(ValueError, match="num_tokens is required"):
+        SLO(ttft_ms=1, tpot_ms=1, stages=(Stage(tpot_ms=1), Stage(tpot_ms=2)))
+
+
+@given(st.integers(min_value=0, max_value=500))
+def test_deadlines_increase(j: int) -> None:
+    slo = SLO(
+        ttft_ms=200,
+        tpot_ms=50,
+        stages=(Stage(tpot_ms=20, num_tokens=30), Stage(tpot_ms=80, num_tokens=10, ttft_ms=500)),
+    )
+    assert slo.deadline_s(j + 1) > slo.deadline_s(j)

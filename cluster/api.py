@@ -1,0 +1,88 @@
+"""The contract between the front door (router) and the cluster.
+
+`ClusterHandle.submit(request)` yields `TokenChunk`s as the replica produces them and ends with
+exactly one `FinalRecord`, which says what the cluster did with the request (admitted, served
+best-effort, or rejected), where, after how many hops, and whether each SLO stage was met.
+Token ids only: the router tokenizes and detokenizes, the cluster never needs a tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Verdict(StrEnum):
+    ADMITTED = "admitted"
+    BEST_EFFORT = "best_effort"
+    REJECTED = "rejected"
+
+
+class ClusterUnavailable(RuntimeError):
+    """No replica is up (HTTP 503 / gRPC UNAVAILABLE); the request was not started."""
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New output tokens of one request, in order, never repeated (also across migrations)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    times: tuple[float, ...]
+    """Wall-clock time (time.time()) each token was produced."""
+
+
+@dataclass(frozen=True)
+class StageVerdict:
+    """Whether one SLO stage was met under deadline semantics (token j by its deadline)."""
+
+    name: str
+    attained: bool
+    late_tokens: int
+
+
+@dataclass(frozen=True)
+class FinalRecord:
+    """The one last item of every submit stream."""
+
+    request_id: str
+    verdict: Verdict
+    replica: int | None
+    hops: int
+    finish_reason: str | None = None
+    """length | stop | abort; None for a rejected request."""
+    reason: str = ""
+    """Why a request was rejected or aborted."""
+    retry_after_s: float = 0.0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    migrations: int = 0
+    stages: tuple[StageVerdict, ...] = ()
+
+    @property
+    def slo_attained(self) -> bool | None:
+        """All stages met; None when the request had no SLO (best-effort by choice)."""
+        return all(s.attained for s in self.stages) if self.stages else None
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    replica: int
+    alive: bool
+    running: int
+    waiting: int
+    admitted: int
+    best_effort: int
+    kv_usage: float
+    """Fraction of KV blocks in use."""
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    model: str
+    replicas: tuple[ReplicaStatus, ...]
+    counters: dict[str, int] = field(default_factory=dict)
+    """admitted, best_effort, rejected, routed, migrated, preempted (since start)."""

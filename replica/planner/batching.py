@@ -1,0 +1,201 @@
+"""Batch formation from the admitted set: EDF over decode tokens and prefill chunks.
+
+One batch holds at most `batch_tokens` query tokens, so it ends within the period. SLO work
+comes first, earliest deadline first: every prompt chunk of an admitted request (keyed by its
+prefill deadline) and every decode whose next token is due before the end of the next batch
+(keyed by that deadline). Decodes not yet due fill what is left, then best-effort work in the
+memory not reserved for admitted requests; best-effort requests holding memory that admitted
+requests may need are preempted (KV dropped, tokens kept). If a due decode is closer than a
+period (the period grew, or the request fell behind), the batch shrinks to reach it in time
+when it can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from replica.batch import BatchPlan, DecodeStep, PlanEntry, PrefillChunk
+from replica.perf_model import PerfModel
+from replica.planner.base import CacheBudget, RequestState
+from replica.planner.budget import BatchBudget
+from replica.planner.deadlines import (
+    chain_deadline,
+    early_stage_starts,
+    remaining_tpot,
+    token_deadline,
+    upcoming_deadlines,
+)
+from replica.planner.invocation import lags
+from replica.planner.queues import RequestQueues, peak_tokens
+
+
+@dataclass(slots=True)
+class SloWork:
+    """An admitted request as the plan holds it: its TPOT and its EDF key.
+
+    Kept per request and refreshed only when the request or the budget changes, because
+    recomputing deadlines for hundreds of running requests every batch is the planner's
+    largest cost."""
+
+    state: RequestState
+    base_tpot_s: float
+    """Tightest TPOT of the stages ahead."""
+    tpot_s: float
+    """The TPOT the plan holds it to (tighter while behind)."""
+    deadline_s: float
+    """Next token's deadline while decoding; the (effective) prefill deadline before."""
+    decoding: bool
+    early_tokens: int
+    """Tokens ahead that may fall due sooner than even TPOT spacing (`early_stage_starts`)."""
+    urgency_s: float
+    """EDF key: `deadline_s`, or earlier before a stage that starts early (`chain_deadline`)."""
+    peak_tokens: int
+    """KV slots it may hold at its longest (prompt + max_tokens - 1)."""
+
+    def refresh(self, now: float, period_s: float, behind_factor: float) -> None:
+        """Recompute from the request's progress, the batch period and the time."""
+        state = self.state
+        produced = len(state.output_token_ids)
+        self.base_tpot_s = remaining_tpot(state.request, max(1, produced))
+        self.decoding = state.is_decoding
+        # A decoder's next deadline is exact; before the first token, token 1 is assumed one
+        # TPOT after token 0, so a stage starting early right after token 0 counts too.
+        self.early_tokens = early_stage_starts(state.request, produced if self.decoding else 0)
+        if self.decoding:
+            self.deadline_s = token_deadline(state.request, produced)
+            behind = lags(self.deadline_s, now, period_s)
+            self.tpot_s = self.base_tpot_s * (behind_factor if behind else 1.0)
+            self.urgency_s = self.deadline_s
+        else:
+            self.tpot_s = self.base_tpot_s
+            shift = max(0.0, period_s - self.tpot_s)
+            self.deadline_s = token_deadline(state.request, produced) - shift
+            self.urgency_s = self.deadline_s
+        if self.early_tokens:
+            chain = chain_deadline(upcoming_deadlines(state.request, produced), period_s)
+            self.urgency_s = min(self.urgency_s, chain)
+
+    @classmethod
+    def of(cls, state: RequestState, now: float, period_s: float, behind_factor: float) -> SloWork:
+        work = cls(state, 0.0, 0.0, 0.0, False, 0, 0.0, peak_tokens(state.request))
+        work.refresh(now, period_s, behind_factor)
+        return work
+
+
+@dataclass
+class _Step:
+    tokens_left: int
+    entries: list[PlanEntry]
+
+    def decode(self, state: RequestState, spec: int) -> None:
+        if self.tokens_left < 1:
+            return
+        k = max(0, min(spec, state.remaining_output - 1, self.tokens_left - 1)) if spec else 0
+        self.entries.append(DecodeStep(state.request_id, k))
+        self.tokens_left -= k + 1
+
+    def prefill(self, state: RequestState, limit: int) -> None:
+        n = min(state.num_uncomputed, self.tokens_left, limit)
+        if n >= 1:
+            self.entries.append(PrefillChunk(state.request_id, n))
+            self.tokens_left -= n
+
+
+def form_batch(
+    now: float,
+    budget: BatchBudget,
+    perf: PerfModel,
+    slo: Sequence[SloWork],
+    best_effort: Sequence[RequestState],
+    queues: RequestQueues,
+    reserved_blocks: int,
+    max_best_effort: int,
+) -> BatchPlan | None:
+    """The next step: SLO work by deadline, then best-effort work in what is left.
+
+    `reserved_blocks` are the admitted requests' KV blocks at their longest."""
+    period = budget.period_s
+    horizon = now + 2 * period
+    due: list[tuple[float, SloWork]] = []
+    later: list[tuple[float, SloWork]] = []
+    for work in slo:
+        if work.decoding:
+            (due if work.urgency_s < horizon else later).append((work.urgency_s, work))
+        elif work.state.num_uncomputed > 0:
+            due.append((work.urgency_s, work))
+    due.sort(key=lambda item: item[0])
+    later.sort(key=lambda item: item[0])
+
+    tokens = budget.batch_tokens
+    closest = min((d - now for d, w in due if w.decoding), default=period)
+    if 0 < closest < period:
+        tokens = budget.tokens_within(perf, closest) or tokens
+    step = _Step(tokens, [])
+    spec_lens = {tpot: budget.spec_len(tpot) for tpot in {w.tpot_s for _, w in due + later}}
+    for _, work in [*due, *later]:
+        if work.decoding:
+            step.decode(work.state, spec_lens[work.tpot_s])
+        else:
+            step.prefill(work.state, step.tokens_left)
+    preempt = _fill_best_effort(step, best_effort, queues, reserved_blocks, max_best_effort)
+    if not step.entries and not preempt:
+        return None
+    return BatchPlan(entries=tuple(step.entries), preempt=tuple(preempt))
+
+
+def _fill_best_effort(
+    step: _Step,
+    best_effort: Sequence[RequestState],
+    queues: RequestQueues,
+    reserved: int,
+    max_best_effort: int,
+) -> list[str]:
+    """Schedule best-effort work, oldest first, in memory not reserved by admitted requests.
+
+    The newest best-effort holders are preempted when admitted requests' reservations need
+    their blocks, or when an older best-effort request cannot grow otherwise (so the tier
+    never deadlocks). Returns the preempted ids."""
+    cache = queues.budget
+    running = set(queues.running)
+    holders = [s for s in best_effort if s.request_id in running]
+    free = cache.num_blocks - reserved - sum(queues.held_blocks(s) for s in holders)
+    preempt: list[str] = []
+
+    def evict_newest(after: int) -> bool:
+        nonlocal free
+        for state in reversed(holders[after:]):
+            if state.request_id not in preempt:
+                preempt.append(state.request_id)
+                free += queues.held_blocks(state)
+                return True
+        return False
+
+    while free < 0 and evict_newest(0):
+        pass
+    scheduled = 0
+    for state in best_effort:
+        if step.tokens_left < 1 or scheduled >= max_best_effort:
+            break
+        if state.request_id in preempt:
+            continue
+        held = state.num_computed_tokens
+        younger = holders.index(state) + 1 if state in holders else len(holders)
+        while _fits(cache, held, free) < 1 and evict_newest(younger):
+            pass
+        want = 1 if state.is_decoding else min(state.num_uncomputed, step.tokens_left)
+        n = min(want, _fits(cache, held, free))
+        if n < 1:
+            continue
+        if state.is_decoding:
+            step.decode(state, 0)
+        else:
+            step.prefill(state, n)
+        free -= cache.blocks_for(held + n) - cache.blocks_for(held)
+        scheduled += 1
+    return preempt
+
+
+def _fits(cache: CacheBudget, held: int, free_blocks: int) -> int:
+    """Tokens a request holding `held` slots can add: its last block's slack plus free blocks."""
+    return cache.blocks_for(held) * cache.block_size - held + free_blocks * cache.block_size

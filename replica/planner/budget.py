@@ -1,0 +1,235 @@
+"""The budget function: how many prefill tokens a batch period leaves once decoders are served.
+
+Autoregressive (Algorithm 2): the period is the tightest TPOT among SLO requests and the batch
+is the largest whose predicted time fits it; a decoder of a looser tier needs a token only
+every tpot / period batches, so it costs period / tpot tokens per batch on average.
+
+Speculative (Appendix D): with per-token acceptance a, a verify of s drafts yields
+E(s) = (1 - a^(s+1)) / (1 - a) tokens on average, so the tightest tier may stretch the period to
+tpot * E(s). For each s of the tightest tier, every looser tier takes the shortest s_t with
+tpot_t * E(s_t) >= period (0 when its TPOT already covers the period), the draft model's cost
+enters the batch time, and the choice with the most prefill tokens per second wins. s = 0 is
+always a candidate, so speculation is chosen only when it pays.
+
+The capacity is computed for a worst-case batch: every request counted, each reading its whole
+KV cache at its longest (prompt + max_tokens) and every query token attending to the longest
+context, so any batch the planner forms within `batch_tokens` tokens finishes within the period
+(attention taken as ragged, as the perf model's inverse does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from replica.perf_model import PerfModel
+from replica.planner.config import SpecConfig
+
+
+def expected_tokens(acceptance: float, spec_len: int) -> float:
+    """Tokens one verify of `spec_len` drafts yields on average (the bonus token included)."""
+    if acceptance >= 1.0:
+        return float(spec_len + 1)
+    return (1.0 - acceptance ** (spec_len + 1)) / (1.0 - acceptance)
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    """Decoders sharing one TPOT."""
+
+    tpot_s: float
+    num_decoders: int
+
+
+@dataclass(frozen=True)
+class BatchBudget:
+    """One choice of period, batch size and per-tier speculation, valid until the next replan."""
+
+    period_s: float
+    batch_tokens: int
+    """Query tokens one batch may hold and still finish within the period."""
+    num_requests: int
+    """Requests per batch the capacity was computed for."""
+    max_context: int
+    """Keys per query token the capacity was computed for."""
+    kv_tokens: int
+    """KV entries read per batch the capacity was computed for."""
+    acceptance: float
+    max_spec_tokens: int
+    draft_steps: int
+    draft_batch: int
+
+    def spec_len(self, tpot_s: float) -> int:
+        """Shortest speculation that lets a decoder of this TPOT keep up with the period."""
+        need = self.period_s / tpot_s
+        if need <= 1.0 + 1e-9:
+            return 0
+        for s in range(1, self.max_spec_tokens + 1):
+            if expected_tokens(self.acceptance, s) >= need - 1e-9:
+                return s
+        return self.max_spec_tokens
+
+    def cost_per_batch(self, tpot_s: float) -> float:
+        """Query tokens a decoder of this TPOT costs per batch on average."""
+        s = self.spec_len(tpot_s)
+        return float(s + 1) if s > 0 else self.period_s / tpot_s
+
+    def prefill_tokens(self, loads: Sequence[TierLoad]) -> float:
+        """Prefill tokens per batch left after the decoders of `loads`."""
+        decode = sum(load.num_decoders * self.cost_per_batch(load.tpot_s) for load in loads)
+        return self.batch_tokens - decode
+
+    def tokens_within(self, perf: PerfModel, seconds: float) -> int:
+        """Batch capacity under the same worst-case assumptions for a shorter time limit."""
+        return capacity(
+            perf,
+            seconds,
+            self.num_requests,
+            self.max_context,
+            self.kv_tokens,
+            self.draft_steps,
+            self.draft_batch,
+        )
+
+
+def capacity(
+    perf: PerfModel,
+    seconds: float,
+    num_requests: int,
+    max_context: int,
+    kv_tokens: int,
+    draft_steps: int = 0,
+    draft_batch: int = 0,
+) -> int:
+    """Most query tokens a batch of `num_requests` requests can hold within `seconds` when
+    every token attends to `max_context` keys and the requests read `kv_tokens` cached keys."""
+    return perf.max_new_tokens_within(
+        seconds,
+        num_requests=num_requests,
+        base_tokens=0,
+        base_attn_tokens=0,
+        context_per_new_token=max_context,
+        draft_steps=draft_steps,
+        draft_batch=draft_batch,
+        base_kv_tokens=kv_tokens,
+    )
+
+
+def plan_budgets(
+    perf: PerfModel,
+    loads: Sequence[TierLoad],
+    *,
+    num_requests: int,
+    max_context: int,
+    kv_tokens: int,
+    idle_period_s: float,
+    spec: SpecConfig | None = None,
+    acceptance: float = 0.0,
+    min_period_s: float = 0.0,
+) -> tuple[BatchBudget, ...]:
+    """The period and speculation lengths with the most prefill tokens per second, followed by
+    the autoregressive budget when the best one speculates.
+
+    A longer period makes a speculating request's prefill end earlier (its first verify must
+    land within one TPOT of its first token), which throughput alone does not see; the caller
+    keeps whichever admits more. The period never drops below `min_period_s` (the caller's
+    time for one batch of the running decoders: a TPOT tighter than that cannot be met, and
+    smaller batches would only fall further behind). `loads` lists the decoders the plan must
+    serve per TPOT (running and candidates); tiers without decoders still bound the period.
+    Without loads the period is `idle_period_s` (at least one token per batch, so best-effort
+    work always progresses)."""
+    if num_requests < sum(load.num_decoders for load in loads):
+        raise ValueError(
+            f"num_requests={num_requests} is below the {sum(load.num_decoders for load in loads)} "
+            "decoders the budget must serve"
+        )
+    max_spec = spec.max_spec_tokens if spec is not None and acceptance > 0 else 0
+    if not loads:
+        idle = BatchBudget(
+            period_s=idle_period_s,
+            batch_tokens=max(
+                1, capacity(perf, idle_period_s, num_requests, max_context, kv_tokens)
+            ),
+            num_requests=num_requests,
+            max_context=max_context,
+            kv_tokens=kv_tokens,
+            acceptance=acceptance,
+            max_spec_tokens=max_spec,
+            draft_steps=0,
+            draft_batch=0,
+        )
+        return (idle,)
+    tightest = max(min(load.tpot_s for load in loads), min_period_s)
+    options = [
+        option
+        for s0 in range(max_spec + 1)
+        if (
+            option := _option(
+                perf,
+                loads,
+                tightest,
+                s0,
+                (num_requests, max_context, kv_tokens),
+                acceptance,
+                max_spec,
+            )
+        )
+        is not None
+    ]
+    # max() keeps the first of equal options, i.e. the shorter speculation.
+    best = max(options, key=lambda o: o[0])[1]
+    return (best,) if best.draft_steps == 0 else (best, options[0][1])
+
+
+def _option(
+    perf: PerfModel,
+    loads: Sequence[TierLoad],
+    tightest: float,
+    s0: int,
+    shape: tuple[int, int, int],
+    acceptance: float,
+    max_spec: int,
+) -> tuple[float, BatchBudget] | None:
+    """(prefill tokens per second, budget) when the tightest tier speculates s0 tokens; None
+    when speculating makes some tier unable to keep up with the period (s0 = 0 is always an
+    option, even in overload)."""
+    num_requests, max_context, kv_tokens = shape
+    period = tightest * expected_tokens(acceptance, s0)
+    probe = BatchBudget(period, 0, *shape, acceptance, max_spec, 0, 0)
+    lens = [probe.spec_len(load.tpot_s) for load in loads]
+    if s0 > 0 and any(
+        expected_tokens(acceptance, s) < period / load.tpot_s - 1e-9
+        for load, s in zip(loads, lens, strict=True)
+    ):
+        return None
+    draft_batch = sum(load.num_decoders for load, s in zip(loads, lens, strict=True) if s > 0)
+    draft_steps = max(lens) if draft_batch > 0 else 0
+    budget = BatchBudget(
+        period_s=period,
+        batch_tokens=capacity(perf, period, *shape, draft_steps, draft_batch),
+        num_requests=num_requests,
+        max_context=max_context,
+        kv_tokens=kv_tokens,
+        acceptance=acceptance,
+        max_spec_tokens=max_spec,
+        draft_steps=draft_steps,
+        draft_batch=draft_batch,
+    )
+    return budget.prefill_tokens(loads) / period, budget
+
+
+class AcceptanceEstimate:
+    """Per-token acceptance of the draft model, an EMA over observed verifies."""
+
+    def __init__(self, spec: SpecConfig) -> None:
+        self.spec = spec
+        self.value = min(spec.initial_acceptance, spec.max_acceptance)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted={accepted} must be within [0, drafted={drafted}]")
+        rate = accepted / drafted
+        blended = (1.0 - self.spec.ema_weight) * self.value + self.spec.ema_weight * rate
+        self.value = min(self.spec.max_acceptance, blended)

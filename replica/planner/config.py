@@ -1,0 +1,97 @@
+"""Knobs of the SLOs-Serve planner, validated once so a bad value fails at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def _check_positive_int(name: str, value: int, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_fraction(name: str, value: float, *, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """SLO-adaptive speculation (Appendix D): per-tier lengths chosen from the acceptance rate."""
+
+    max_spec_tokens: int = 4
+    """Longest speculation the planner may choose for a tier (0 disables speculation)."""
+    initial_acceptance: float = 0.6
+    """Per-token acceptance assumed before any verify has been observed."""
+    ema_weight: float = 0.1
+    """Weight of each batch's observed acceptance in the running estimate."""
+    max_acceptance: float = 0.95
+    """Cap on the estimate: plans never assume near-certain acceptance."""
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_spec_tokens", self.max_spec_tokens, low=0)
+        _check_fraction("initial_acceptance", self.initial_acceptance, low=0.0, high=1.0)
+        _check_fraction("ema_weight", self.ema_weight, low=0.0, high=1.0)
+        _check_fraction("max_acceptance", self.max_acceptance, low=0.0, high=0.999)
+
+
+@dataclass(frozen=True)
+class InvocationConfig:
+    """When the planner re-solves admission and the batch budget (Algorithm 1's triggers)."""
+
+    interval_s: float = 0.05
+    """Replan at least this often while requests are waiting for a verdict."""
+    new_requests: int = 1
+    """Replan once this many requests await admission."""
+    finished_requests: int = 8
+    """Replan after this many requests finished (frees memory and decode budget)."""
+    drift_fraction: float = 0.25
+    """Replan when a batch's measured time exceeds its prediction by this fraction."""
+    behind_tpot_factor: float = 0.5
+    """A request that fell behind its token deadlines is planned with TPOT times this factor."""
+
+    def __post_init__(self) -> None:
+        _check_seconds("interval_s", self.interval_s)
+        _check_positive_int("new_requests", self.new_requests)
+        _check_positive_int("finished_requests", self.finished_requests)
+        _check_fraction("drift_fraction", self.drift_fraction, low=0.0, high=10.0)
+        _check_fraction("behind_tpot_factor", self.behind_tpot_factor, low=0.05, high=1.0)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The DP's resolution and the batch shapes it may plan."""
+
+    memory_units: int = 16
+    """Free KV memory is split into this many units for the DP (requests round up)."""
+    max_dp_candidates: int = 16
+    """Larger bursts are decided in deadline-ordered groups of this size (bounds DP time)."""
+    idle_period_s: float = 0.05
+    """Batch period when no SLO request bounds it (only best-effort work)."""
+    max_best_effort_requests: int = 8
+    """Most best-effort requests per batch; the budget reserves their per-request cost."""
+    spec: SpecConfig | None = None
+    """Speculation settings; None plans autoregressive decoding only."""
+    invocation: InvocationConfig = field(default_factory=InvocationConfig)
+
+    def __post_init__(self) -> None:
+        _check_positive_int("memory_units", self.memory_units)
+        _check_positive_int("max_dp_candidates", self.max_dp_candidates)
+        _check_seconds("idle_period_s", self.idle_period_s)
+        _check_positive_int("max_best_effort_requests", self.max_best_effort_requests, low=0)
+        if self.spec is not None and not isinstance(self.spec, SpecConfig):
+            raise ValueError(f"spec must be a SpecConfig or None, got {self.spec!r}")
+        if not isinstance(self.invocation, InvocationConfig):
+            raise ValueError(f"invocation must be an InvocationConfig, got {self.invocation!r}")

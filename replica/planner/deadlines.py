@@ -1,0 +1,62 @@
+"""Where a request stands against its SLO line (deadline semantics, absolute seconds)."""
+
+from __future__ import annotations
+
+from replica.request import SLO, Request
+
+
+def _slo(request: Request) -> SLO:
+    if request.slo is None:
+        raise ValueError(f"request {request.request_id!r} has no SLO")
+    return request.slo
+
+
+def token_deadline(request: Request, j: int) -> float:
+    """Absolute time by which output token j (0-based) must be out."""
+    return request.arrival_time + _slo(request).deadline_s(j)
+
+
+def prefill_deadline(request: Request) -> float:
+    """The first token's deadline: the prompt must be fully computed by then."""
+    return token_deadline(request, 0)
+
+
+def remaining_tpot(request: Request, j: int) -> float:
+    """The tightest TPOT (seconds) governing token j or any later token.
+
+    A multi-stage request is planned with the tightest stage still ahead of it, so a tight
+    thinking stage bounds its demand until the stage ends, and a loose answer stage after it."""
+    slo = _slo(request)
+    if not slo.stages:
+        return slo.tpot_ms / 1e3
+    first = slo.stage_at(j)
+    return min(stage.tpot_ms for stage in slo.stages[first:]) / 1e3
+
+
+def early_stage_starts(request: Request, after: int) -> int:
+    """Stages after the one of token `after` that start sooner than one `remaining_tpot`
+    (from token after + 1 on) after the previous stage's last deadline, i.e. with an explicit
+    short stage TTFT. Each lets at most one token fall due earlier than even spacing at that
+    TPOT from token after + 1, so plans count one more token per such stage."""
+    slo = _slo(request)
+    if not slo.stages:
+        return 0
+    tpot_ms = remaining_tpot(request, after + 1) * 1e3
+    later = slo.stages[slo.stage_at(after) + 1 :]
+    return sum(1 for stage in later if stage.ttft_ms is not None and stage.ttft_ms < tpot_ms)
+
+
+CHAIN_WINDOW = 8
+"""Tokens ahead considered when a stage that starts early crowds deadlines together."""
+
+
+def upcoming_deadlines(request: Request, first: int) -> tuple[float, ...]:
+    """Deadlines of tokens first, first + 1, ... (up to CHAIN_WINDOW, within max_tokens)."""
+    last = min(first + CHAIN_WINDOW, request.sampling.max_tokens)
+    return tuple(token_deadline(request, j) for j in range(first, last))
+
+
+def chain_deadline(deadlines: tuple[float, ...], period_s: float) -> float:
+    """When the first of `deadlines` must be out so that the rest, one per batch of
+    `period_s`, are on time too."""
+    return min(d - m * period_s for m, d in enumerate(deadlines))

@@ -1,0 +1,208 @@
+"""Runs batch plans on token counts with the perf model as the clock.
+
+The engine's twin for tests and the simulator: a prefill chunk that reaches the end of the
+known tokens samples one token, a decode step appends accepted drafts plus one, preemption
+drops the KV and keeps the tokens. Token ids are a function of (request, position), so a
+resumed request produces exactly the tokens it would have had. It refuses plans that overrun
+the cache or feed tokens a request does not have, which makes it a referee as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from replica.batch import (
+    BatchOutcome,
+    BatchPlan,
+    DecodeStep,
+    FinishReason,
+    PrefillChunk,
+    RequestOutcome,
+)
+from replica.perf_model import BatchShape, PerfModel
+from replica.planner.base import CacheBudget, Scheduler
+from replica.request import Request
+
+AcceptFn = Callable[[str, int], int]
+"""(request id, drafted tokens) -> accepted drafts."""
+
+
+def token_id(request_id: str, position: int) -> int:
+    """The token a request has at output position `position` (deterministic)."""
+    return (sum(map(ord, request_id)) * 31 + position * 7) % 4096
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    output: list[int] = field(default_factory=list)
+    computed: int = 0
+    finished: bool = False
+
+    @property
+    def known(self) -> int:
+        return self.request.prompt_len + len(self.output)
+
+
+class PerfExecutor:
+    """Executes plans against a perf model; records when every token came out."""
+
+    def __init__(self, perf: PerfModel, cache: CacheBudget, accept: AcceptFn | None = None):
+        self.perf = perf
+        self.cache = cache
+        self.accept = accept
+        self.sequences: dict[str, _Sequence] = {}
+        self.token_times: dict[str, list[float]] = {}
+        self.peak_blocks = 0
+        self.preemptions: list[str] = []
+        self.drafted: list[int] = []
+        """Speculative tokens of every decode step executed, in order."""
+
+    def add(self, request: Request, output: Sequence[int] = (), computed: int = 0) -> None:
+        """Track a request; `output` and `computed` resume one already under way."""
+        if request.request_id in self.sequences:
+            raise ValueError(f"request {request.request_id!r} is already known")
+        if not 0 <= computed <= request.prompt_len + len(output):
+            raise ValueError(f"computed={computed} exceeds the request's known tokens")
+        self.sequences[request.request_id] = _Sequence(request, list(output), computed)
+        self.token_times[request.request_id] = []
+
+    def output(self, request_id: str) -> list[int]:
+        return list(self.sequences[request_id].output)
+
+    def shape(self, plan: BatchPlan) -> BatchShape:
+        new_tokens, context = [], []
+        for entry in plan.entries:
+            seq = self.sequences[entry.request_id]
+            if isinstance(entry, PrefillChunk):
+                new_tokens.append(entry.num_tokens)
+            else:
+                new_tokens.append(entry.num_spec_tokens + 1)
+            context.append(0 if entry.request_id in plan.preempt else seq.computed)
+        drafts = [e.num_spec_tokens for e in plan.entries if isinstance(e, DecodeStep)]
+        drafting = [k for k in drafts if k > 0]
+        return BatchShape(
+            new_tokens=tuple(new_tokens),
+            context=tuple(context),
+            draft_steps=max(drafting, default=0),
+            draft_batch=len(drafting),
+        )
+
+    def execute(self, plan: BatchPlan, now: float) -> tuple[BatchOutcome, float]:
+        """Run one step starting at `now`; returns the outcome and the step's duration."""
+        for rid in plan.preempt:
+            self.sequences[rid].computed = 0
+            self.preemptions.append(rid)
+        self._check_memory(plan)
+        duration = self.perf.predict(self.shape(plan))
+        end = now + duration
+        outcomes = [self._run_entry(entry, end) for entry in plan.entries]
+        free = self.cache.num_blocks - self._held_blocks()
+        return BatchOutcome(outcomes=outcomes, target_s=duration, free_blocks=free), duration
+
+    def _run_entry(self, entry: DecodeStep | PrefillChunk, end: float) -> RequestOutcome:
+        seq = self.sequences[entry.request_id]
+        if seq.finished:
+            raise ValueError(f"request {entry.request_id!r} is already finished")
+        new: list[int] = []
+        drafted = accepted = 0
+        if isinstance(entry, PrefillChunk):
+            if entry.num_tokens > seq.known - seq.computed:
+                raise ValueError(
+                    f"prefill of {entry.num_tokens} tokens for {entry.request_id!r} exceeds "
+                    f"its {seq.known - seq.computed} uncomputed tokens"
+                )
+            seq.computed += entry.num_tokens
+            if seq.computed == seq.known:
+                new = [token_id(entry.request_id, len(seq.output))]
+        else:
+            if seq.known - seq.computed != 1 or not seq.output:
+                raise ValueError(f"request {entry.request_id!r} is not decoding")
+            drafted = entry.num_spec_tokens
+            remaining = seq.request.sampling.max_tokens - len(seq.output)
+            if drafted > remaining - 1:
+                raise ValueError(
+                    f"{entry.request_id!r} speculates {drafted} tokens with {remaining} to go"
+                )
+            self.drafted.append(drafted)
+            accepted = (
+                min(max(0, self.accept(entry.request_id, drafted)), drafted)
+                if (self.accept is not None and drafted > 0)
+                else 0
+            )
+            count = accepted + 1
+            new = [token_id(entry.request_id, len(seq.output) + i) for i in range(count)]
+            seq.computed = seq.known + count - 1
+        seq.output.extend(new)
+        self.token_times[entry.request_id].extend([end] * len(new))
+        reason = None
+        if len(seq.output) >= seq.request.sampling.max_tokens:
+            seq.finished = True
+            seq.computed = 0
+            reason = FinishReason.LENGTH
+        return RequestOutcome(
+            request_id=entry.request_id,
+            new_token_ids=new,
+            num_computed_tokens=seq.computed,
+            num_draft_tokens=drafted,
+            num_accepted_tokens=accepted,
+            finish_reason=reason,
+        )
+
+    def _held_blocks(self) -> int:
+        return sum(self.cache.blocks_for(s.computed) for s in self.sequences.values())
+
+    def _check_memory(self, plan: BatchPlan) -> None:
+        """The step's KV peak: every fed token (drafts included) needs a slot."""
+        fed = {e.request_id: e.num_tokens for e in plan.entries if isinstance(e, PrefillChunk)}
+        fed.update(
+            {e.request_id: e.num_spec_tokens + 1 for e in plan.entries if isinstance(e, DecodeStep)}
+        )
+        blocks = sum(
+            self.cache.blocks_for(s.computed + fed.get(rid, 0)) for rid, s in self.sequences.items()
+        )
+        self.peak_blocks = max(self.peak_blocks, blocks)
+        if blocks > self.cache.num_blocks:
+            raise ValueError(
+                f"plan needs {blocks} KV blocks; the cache has {self.cache.num_blocks}"
+            )
+
+
+def late_tokens(request: Request, times: Sequence[float], tol: float = 1e-9) -> list[int]:
+    """Output positions that came out after their deadline (deadline semantics)."""
+    if request.slo is None:
+        return []
+    return [
+        j for j, t in enumerate(times) if t > request.arrival_time + request.slo.deadline_s(j) + tol
+    ]
+
+
+def run_workload(
+    scheduler: Scheduler,
+    executor: PerfExecutor,
+    requests: Sequence[Request],
+    *,
+    max_steps: int = 100_000,
+) -> float:
+    """Feed requests at their arrival times, run plans until all finish; returns the end time."""
+    arrivals = sorted(requests, key=lambda r: r.arrival_time)
+    now = arrivals[0].arrival_time if arrivals else 0.0
+    nxt = 0
+    for _ in range(max_steps):
+        while nxt < len(arrivals) and arrivals[nxt].arrival_time <= now:
+            executor.add(arrivals[nxt])
+            scheduler.add_request(arrivals[nxt], now)
+            nxt += 1
+        plan = scheduler.schedule(now)
+        if plan is None:
+            if nxt < len(arrivals):
+                now = arrivals[nxt].arrival_time
+                continue
+            if not scheduler.has_unfinished():
+                return now
+            raise RuntimeError("the scheduler has unfinished requests but planned nothing")
+        outcome, duration = executor.execute(plan, now)
+        now += duration
+        scheduler.update_from_outcome(plan, outcome, now)
+    raise RuntimeError(f"workload did not finish within {max_steps} steps")

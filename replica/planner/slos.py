@@ -1,0 +1,312 @@
+"""The SLOs-Serve scheduler for one replica (Algorithm 1 with soft admission control).
+
+New requests wait for the next planning invocation, where the DP admits the most valuable set
+whose SLOs it can guarantee next to the running ones (forced in). Declined requests join the
+best-effort tier, which runs on leftover tokens and unreserved memory and is preempted when
+admitted requests need the memory. A cluster controller asks `plan_admission` for a verdict
+without changing anything, then binds the request here with `add_admitted`, or routes it on.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from replica.batch import BatchOutcome, BatchPlan
+from replica.perf_model import PerfModel
+from replica.planner.admission import (
+    AdmissionProblem,
+    AdmissionResult,
+    Candidate,
+    RunningDecoders,
+    RunningPrefill,
+    solve_admission,
+)
+from replica.planner.base import CacheBudget, Scheduler
+from replica.planner.batching import SloWork, form_batch
+from replica.planner.budget import AcceptanceEstimate, BatchBudget, TierLoad, plan_budgets
+from replica.planner.config import PlannerConfig
+from replica.planner.deadlines import (
+    early_stage_starts,
+    prefill_deadline,
+    remaining_tpot,
+    upcoming_deadlines,
+)
+from replica.planner.executor import AcceptFn, PerfExecutor
+from replica.planner.invocation import InvocationPolicy, lags
+from replica.planner.queues import RequestQueues, peak_tokens
+from replica.request import Request, Tier
+
+
+class SlosScheduler(Scheduler):
+    """DP admission + EDF batch formation + best-effort tier, replanned by InvocationPolicy."""
+
+    def __init__(
+        self, perf: PerfModel, cache: CacheBudget, config: PlannerConfig | None = None
+    ) -> None:
+        self.perf = perf
+        self.config = config or PlannerConfig()
+        self.queues = RequestQueues(cache)
+        self.pending: list[str] = []
+        self.best_effort: list[str] = []
+        spec = self.config.spec
+        self.acceptance = AcceptanceEstimate(spec) if spec is not None else None
+        self.invocation = InvocationPolicy(self.config.invocation)
+        self.budget: BatchBudget | None = None
+        self.last_admission: AdmissionResult | None = None
+        self.verdicts: dict[str, bool] = {}
+        """Admission verdict of every request that went through the DP (True: admitted)."""
+        self._work: dict[str, SloWork] = {}
+        self._reserved_blocks = 0
+        self._reserved_tokens = 0
+
+    @property
+    def admitted(self) -> dict[str, float]:
+        """Admitted request -> the TPOT the current plan holds it to."""
+        return {rid: work.tpot_s for rid, work in self._work.items()}
+
+    # -- requests in ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request, now: float) -> None:
+        """Queue for the next admission decision (best-effort requests skip it)."""
+        self.queues.add(request)
+        if request.tier is Tier.BEST_EFFORT:
+            self.best_effort.append(request.request_id)
+        else:
+            self.pending.append(request.request_id)
+            self.invocation.note_new()
+
+    def add_admitted(self, request: Request, now: float) -> None:
+        """Bind a request a controller admitted with `plan_admission` on this replica."""
+        if request.tier is not Tier.SLO:
+            raise ValueError(f"request {request.request_id!r} is best-effort; it has no SLO")
+        self.queues.add(request)
+        self._admit(request.request_id, now)
+        self.invocation.note_new()
+
+    def add_best_effort(self, request: Request, now: float) -> None:
+        """Serve a request (e.g. declined by every replica) from leftovers, without a promise."""
+        self.queues.add(request)
+        self.best_effort.append(request.request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        self.queues.abort(request_id)
+        self._forget(request_id)
+
+    def _admit(self, request_id: str, now: float) -> None:
+        state = self.queues.states[request_id]
+        period = self.budget.period_s if self.budget is not None else 0.0
+        factor = self.config.invocation.behind_tpot_factor
+        work = SloWork.of(state, now, period, factor)
+        self._work[request_id] = work
+        self._reserved_tokens += work.peak_tokens
+        self._reserved_blocks += self.queues.budget.blocks_for(work.peak_tokens)
+
+    def _forget(self, request_id: str) -> None:
+        work = self._work.pop(request_id, None)
+        if work is not None:
+            self._reserved_tokens -= work.peak_tokens
+            self._reserved_blocks -= self.queues.budget.blocks_for(work.peak_tokens)
+        if request_id in self.pending:
+            self.pending.remove(request_id)
+        if request_id in self.best_effort:
+            self.best_effort.remove(request_id)
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def plan_admission(self, new: Sequence[Request], now: float) -> AdmissionResult:
+        """Which of `new` this replica can guarantee next to its admitted requests.
+
+        Pure: nothing changes until the caller binds the admitted ones. Best-effort requests
+        in `new` are always declined. Every budget option (see `plan_budgets`) is solved and
+        the one keeping the running requests on time with the most admitted value wins."""
+        slo_new = [r for r in new if r.tier is Tier.SLO]
+        decoders, prefills = self._running(now)
+        cache = self.queues.budget
+        candidates = tuple(_candidate(r, cache) for r in slo_new)
+        results = [
+            solve_admission(
+                AdmissionProblem(
+                    now=now,
+                    budget=budget,
+                    candidates=candidates,
+                    prefills=prefills,
+                    decoders=decoders,
+                    free_blocks=cache.num_blocks - self._reserved_blocks,
+                    memory_units=self.config.memory_units,
+                ),
+                self.config.max_dp_candidates,
+            )
+            for budget in self._budgets(decoders, prefills, slo_new)
+        ]
+        result = max(results, key=lambda r: (r.forced_feasible, -r.forced_late, r.value))
+        if len(slo_new) == len(new):
+            return result
+        best_effort = tuple(r.request_id for r in new if r.tier is not Tier.SLO)
+        return replace(result, declined=result.declined + best_effort)
+
+    def _running(self, now: float) -> tuple[RunningDecoders, tuple[RunningPrefill, ...]]:
+        """The admitted requests as the DP forces them in; decoders behind their line are
+        held to a tighter TPOT (InvocationConfig.behind_tpot_factor)."""
+        works = list(self._work.values())
+        decoding = [w for w in works if w.decoding]
+        deadlines = np.array([w.deadline_s for w in decoding], dtype=float)
+        tpots = np.array([w.base_tpot_s for w in decoding], dtype=float)
+        if self.budget is not None:
+            behind = lags(deadlines, now, self.budget.period_s)
+            tpots = np.where(behind, tpots * self.config.invocation.behind_tpot_factor, tpots)
+        remaining = np.array([w.state.remaining_output for w in decoding], dtype=float)
+        early = np.array([w.early_tokens for w in decoding], dtype=float)
+        prefills = tuple(
+            RunningPrefill(
+                prefill_tokens=w.state.num_uncomputed,
+                deadline_s=prefill_deadline(w.state.request),
+                tpot_s=w.tpot_s,
+                decode_tokens=w.state.request.sampling.max_tokens - 1,
+                early_tokens=w.early_tokens,
+                chain=upcoming_deadlines(w.state.request, 0) if w.early_tokens else (),
+            )
+            for w in works
+            if not w.decoding
+        )
+        return RunningDecoders(deadlines, tpots, remaining, early), prefills
+
+    def _budgets(
+        self,
+        decoders: RunningDecoders,
+        prefills: Sequence[RunningPrefill],
+        slo_new: Sequence[Request],
+    ) -> tuple[BatchBudget, ...]:
+        """Budget options for the running requests plus all of `slo_new`; the batch also
+        reserves room for `max_best_effort_requests` best-effort requests."""
+        loads = Counter(dict(zip(*np.unique(decoders.tpot_s, return_counts=True), strict=True)))
+        loads.update(p.tpot_s for p in prefills)
+        loads.update(remaining_tpot(r, 1) for r in slo_new)
+        peaks = [peak_tokens(r) for r in slo_new]
+        others = [peak_tokens(self.queues.states[rid].request) for rid in self.best_effort]
+        admitted = [w.peak_tokens for w in self._work.values()]
+        max_context = max([1, *admitted, *others, *peaks])
+        extra = self.config.max_best_effort_requests
+        num_requests = len(self._work) + len(slo_new) + extra
+        kv_tokens = self._reserved_tokens + sum(peaks) + extra * max_context
+        running = len(decoders) + len(prefills)
+        one_batch = self.perf.predict_aggregate(
+            num_tokens=running,
+            num_requests=num_requests,
+            attn_tokens=running * max_context,
+            kv_tokens=kv_tokens + running,
+        )
+        return plan_budgets(
+            self.perf,
+            [TierLoad(float(tpot), int(n)) for tpot, n in sorted(loads.items())],
+            num_requests=num_requests,
+            max_context=max_context,
+            kv_tokens=kv_tokens,
+            idle_period_s=self.config.idle_period_s,
+            spec=self.config.spec,
+            acceptance=self.acceptance.value if self.acceptance is not None else 0.0,
+            min_period_s=one_batch if running else 0.0,
+        )
+
+    def _replan(self, now: float) -> BatchBudget:
+        new = [self.queues.states[rid].request for rid in self.pending]
+        result = self.plan_admission(new, now)
+        self.budget = result.budget
+        factor = self.config.invocation.behind_tpot_factor
+        for work in self._work.values():
+            work.refresh(now, result.budget.period_s, factor)
+        for request in new:
+            rid = request.request_id
+            self.verdicts[rid] = result.is_admitted(rid)
+            if result.is_admitted(rid):
+                self._admit(rid, now)
+            else:
+                self.best_effort.append(rid)
+        self.pending.clear()
+        self.last_admission = result
+        self.invocation.planned(now)
+        return result.budget
+
+    def schedule(self, now: float) -> BatchPlan | None:
+        budget = self.budget
+        if budget is None or self.invocation.due(now):
+            budget = self._replan(now)
+        return form_batch(
+            now,
+            budget,
+            self.perf,
+            list(self._work.values()),
+            [self.queues.states[rid] for rid in self.best_effort],
+            self.queues,
+            self._reserved_blocks,
+            self.config.max_best_effort_requests,
+        )
+
+    def plan_ahead(
+        self, now: float, count: int, accept: AcceptFn | None = None
+    ) -> list[tuple[float, BatchPlan]]:
+        """The next `count` batches with their predicted start times, as this scheduler would
+        form them if every batch ran as the perf model predicts (speculation accepting as
+        `accept` says; none by default). Runs on a copy: nothing here changes."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be a positive integer, got {count!r}")
+        twin = copy.deepcopy(self, {id(self.perf): self.perf})
+        executor = PerfExecutor(self.perf, self.queues.budget, accept)
+        for state in twin.queues.states.values():
+            executor.add(state.request, state.output_token_ids, state.num_computed_tokens)
+        plans: list[tuple[float, BatchPlan]] = []
+        for _ in range(count):
+            plan = twin.schedule(now)
+            if plan is None:
+                break
+            plans.append((now, plan))
+            outcome, duration = executor.execute(plan, now)
+            now += duration
+            twin.update_from_outcome(plan, outcome, now)
+        return plans
+
+    # -- outcomes ------------------------------------------------------------------------------
+
+    def update_from_outcome(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None:
+        finished = self.queues.apply(plan, outcome, now)
+        for state in finished:
+            self._forget(state.request_id)
+        self.invocation.note_finished(len(finished))
+        if self.acceptance is not None:
+            self.acceptance.observe(
+                sum(o.num_draft_tokens for o in outcome.outcomes),
+                sum(o.num_accepted_tokens for o in outcome.outcomes),
+            )
+        if self.budget is None:
+            return
+        period = self.budget.period_s
+        self.invocation.note_batch(period, outcome.total_s)
+        factor = self.config.invocation.behind_tpot_factor
+        for result in outcome.outcomes:
+            work = self._work.get(result.request_id)
+            if work is not None:
+                work.refresh(now, period, factor)
+        if any(w.decoding and lags(w.deadline_s, now, period) for w in self._work.values()):
+            self.invocation.note_behind()
+
+    def has_unfinished(self) -> bool:
+        return self.queues.has_unfinished()
+
+
+def _candidate(request: Request, cache: CacheBudget) -> Candidate:
+    early = early_stage_starts(request, 0)
+    return Candidate(
+        request_id=request.request_id,
+        prefill_tokens=request.prompt_len,
+        deadline_s=prefill_deadline(request),
+        tpot_s=remaining_tpot(request, 1),
+        decode_tokens=request.sampling.max_tokens - 1,
+        blocks=cache.blocks_for(peak_tokens(request)),
+        value=request.value,
+        early_tokens=early,
+        chain=upcoming_deadlines(request, 0) if early else (),
+    )

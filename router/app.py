@@ -1,0 +1,68 @@
+"""The Ray Serve application: `serve run` imports `router.app:build_app`.
+
+One ingress deployment replica hosts everything at the door: it launches the cluster, then
+serves HTTP through Ray Serve's proxy (FastAPI) and gRPC with its own grpc.aio server on the
+same event loop, both over one FrontDoor. One replica, because the door's metrics are counted
+where requests pass (a second replica would split the counters between two /metrics views)
+and the cluster controller, not the door, is the throughput limit.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve import Application
+
+import cluster
+from router.auth import ApiKeys
+from router.config import FrontDoorConfig
+from router.frontdoor import FrontDoor
+from router.grpc_server import GrpcServer, start_grpc_server
+from router.http import create_app
+from router.metrics import FrontDoorMetrics
+from router.openai_schema import SchemaContext
+from router.tokenizer import TextCodec
+
+logger = logging.getLogger(__name__)
+
+
+async def build_front_door(config: FrontDoorConfig) -> tuple[FrontDoor, Any]:
+    """Launch the cluster and wrap it; returns the door and the cluster handle."""
+    handle = await cluster.launch(config.cluster)
+    codec = TextCodec.from_dir(config.cluster.model)
+    schema = SchemaContext(
+        model_name=handle.model_name,
+        max_model_len=handle.max_model_len,
+        vocab_size=handle.vocab_size,
+        default_slo=config.default_slo,
+        tiers=config.tiers,
+        default_chat_max_tokens=config.default_chat_max_tokens,
+    )
+    keys = ApiKeys.load(config.api_keys_file)
+    door = FrontDoor(handle, codec, schema, keys, FrontDoorMetrics(handle.model_name))
+    return door, handle
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=1024)
+@serve.ingress()
+class FrontDoorDeployment:
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.config = FrontDoorConfig.from_args(args)
+        self.grpc: GrpcServer | None = None
+
+    async def __serve_build_asgi_app__(self) -> FastAPI:
+        door, _ = await build_front_door(self.config)
+        door.keys.bind_host(self.config.http_host, "HTTP (Ray Serve http_options)")
+        if self.config.grpc_port:
+            host = door.keys.bind_host(self.config.grpc_host, "gRPC")
+            self.grpc = await start_grpc_server(door, host, self.config.grpc_port)
+        return create_app(door)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Ray Serve application builder (validates the args before anything starts)."""
+    FrontDoorConfig.from_args(args)
+    return FrontDoorDeployment.bind(args)  # type: ignore[attr-defined]

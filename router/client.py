@@ -1,0 +1,379 @@
+"""Python SDK for the gRPC door: `Client` (blocking) and `AsyncClient` (asyncio).
+
+`generate` streams `Chunk`s and ends with one `Result` (verdict, replica, hops, usage, SLO
+attainment). Calls have a deadline (`timeout_s`, spanning retries). Only UNAVAILABLE is
+retried, with exponential backoff, and only before the first response arrived: a started
+stream is never replayed, so no token is ever delivered twice. Every other failure raises
+`ClientError` with the gRPC code (RESOURCE_EXHAUSTED carries the server's retry-after).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from cluster.api import ClusterStatus, ReplicaStatus
+from replica.request import SLO
+from router.gen.slos_serve.v1 import serving_pb2 as pb
+from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StageResult:
+    name: str
+    attained: bool
+    late_tokens: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """What the cluster did with the request; the last item of every stream."""
+
+    request_id: str
+    verdict: str
+    """admitted | best_effort."""
+    replica: int | None
+    hops: int
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    slo_attained: bool | None
+    stages: tuple[StageResult, ...]
+    migrations: int
+    ttft_s: float | None
+    e2e_s: float | None
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    result: Result
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 4
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.initial_backoff_s < 0 or self.max_backoff_s < 0 or self.multiplier < 1:
+            raise ValueError("backoffs must be >= 0 and multiplier >= 1")
+
+    def backoff_s(self, attempt: int) -> float:
+        """Wait before retry number `attempt` (1-based)."""
+        return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
+
+
+class ClientError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after_s: float | None = None):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """Everything `generate` sends besides the input; see the proto for each field."""
+
+    max_tokens: int | None = None
+    slo: SLO | str | None = None
+    """An SLO, or the name of a tier the server configured."""
+    service_tier: str = "default"
+    """default | flex (best-effort)."""
+    priority: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    model: str = ""
+
+
+def build_request(
+    prompt: str | Sequence[int] | None,
+    messages: Sequence[tuple[str, str]] | None,
+    options: GenerateOptions,
+) -> pb.GenerateRequest:
+    if options.service_tier not in ("default", "flex"):
+        raise ValueError(f"service_tier must be default or flex, got {options.service_tier!r}")
+    request = pb.GenerateRequest(
+        model=options.model,
+        stop=list(options.stop),
+        ignore_eos=options.ignore_eos,
+        priority=options.priority,
+        service_tier=pb.SERVICE_TIER_FLEX
+        if options.service_tier == "flex"
+        else pb.SERVICE_TIER_DEFAULT,
+    )
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif prompt is not None:
+        request.prompt_token_ids.extend(prompt)
+    for role, content in messages or ():
+        request.messages.add(role=role, content=content)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        value = getattr(options, name)
+        if value is not None:
+            setattr(request, name, value)
+    if isinstance(options.slo, str):
+        request.slo.tier = options.slo
+    elif options.slo is not None:
+        request.slo.ttft_ms = options.slo.ttft_ms
+        request.slo.tpot_ms = options.slo.tpot_ms
+        for st in options.slo.stages:
+            stage = request.slo.stages.add(tpot_ms=st.tpot_ms, name=st.name)
+            if st.num_tokens is not None:
+                stage.num_tokens = st.num_tokens
+            if st.ttft_ms is not None:
+                stage.ttft_ms = st.ttft_ms
+    return request
+
+
+def result_from_proto(final: pb.Final) -> Result:
+    return Result(
+        request_id=final.request_id,
+        verdict=final.verdict,
+        replica=final.replica if final.HasField("replica") else None,
+        hops=final.hops,
+        finish_reason=final.finish_reason,
+        prompt_tokens=final.prompt_tokens,
+        completion_tokens=final.completion_tokens,
+        slo_attained=final.slo_attained if final.HasField("slo_attained") else None,
+        stages=tuple(StageResult(s.name, s.attained, s.late_tokens) for s in final.stages),
+        migrations=final.migrations,
+        ttft_s=final.ttft_s if final.HasField("ttft_s") else None,
+        e2e_s=final.e2e_s if final.HasField("e2e_s") else None,
+    )
+
+
+def status_from_proto(status: pb.ClusterStatus) -> ClusterStatus:
+    return ClusterStatus(
+        model=status.model,
+        replicas=tuple(
+            ReplicaStatus(
+                r.replica, r.alive, r.running, r.waiting, r.admitted, r.best_effort, r.kv_usage
+            )
+            for r in status.replicas
+        ),
+        counters=dict(status.counters),
+    )
+
+
+def _item(response: pb.GenerateResponse) -> Chunk | Result:
+    if response.HasField("final"):
+        return result_from_proto(response.final)
+    return Chunk(response.chunk.text, tuple(response.chunk.token_ids))
+
+
+def _error(exc: grpc.RpcError) -> ClientError:
+    """The typed error of a failed call (grpc raises the call itself, with code and trailers)."""
+    retry_after = None
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after-ms":
+            retry_after = float(value) / 1000
+    return ClientError(exc.code(), exc.details() or "", retry_after)
+
+
+def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    return grpc.ssl_channel_credentials(root_certificates) if tls else None
+
+
+class _Base:
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout_s: float | None = 60.0,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.target = target
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.credentials = _credentials(tls, root_certificates)
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+
+    def _deadline(self, timeout_s: float | None) -> float | None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        return None if timeout is None else time.monotonic() + timeout
+
+    @staticmethod
+    def _remaining(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _may_retry(self, error: ClientError, attempt: int, deadline: float | None) -> bool:
+        if error.code is not grpc.StatusCode.UNAVAILABLE or attempt >= self.retry.max_attempts:
+            return False
+        left = self._remaining(deadline)
+        return left is None or left > self.retry.backoff_s(attempt)
+
+
+class Client(_Base):
+    """Blocking client. Use as a context manager or call `close()`."""
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        super().__init__(target, **kwargs)
+        if self.credentials is not None:
+            self.channel = grpc.secure_channel(target, self.credentials)
+        else:
+            self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.ServingStub(self.channel)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[tuple[str, str]] | None = None,
+        timeout_s: float | None = None,
+        **options: Any,
+    ) -> Iterator[Chunk | Result]:
+        """Stream the output: `Chunk`s, then one `Result`."""
+        request = build_request(prompt, messages, GenerateOptions(**options))
+        deadline = self._deadline(timeout_s)
+        attempt = 1
+        while True:
+            call = self.stub.Generate(
+                request, timeout=self._remaining(deadline), metadata=self.metadata
+            )
+            started = False
+            try:
+                for response in call:
+                    started = True
+                    yield _item(response)
+                return
+            except grpc.RpcError as exc:
+                error = _error(exc)
+                if started or not self._may_retry(error, attempt, deadline):
+                    raise error from None
+            finally:
+                call.cancel()
+            time.sleep(self.retry.backoff_s(attempt))
+            attempt += 1
+
+    def complete(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
+        """The whole output at once."""
+        parts: list[str] = []
+        for item in self.generate(prompt, **kwargs):
+            if isinstance(item, Result):
+                return Completion("".join(parts), item)
+            parts.append(item.text)
+        raise ClientError(grpc.StatusCode.INTERNAL, "stream ended without a result")
+
+    def cluster_status(self, timeout_s: float | None = None) -> ClusterStatus:
+        deadline = self._deadline(timeout_s)
+        try:
+            reply = self.stub.GetClusterStatus(
+                pb.GetClusterStatusRequest(),
+                timeout=self._remaining(deadline),
+                metadata=self.metadata,
+            )
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return status_from_proto(reply)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client (grpc.aio). Use as an async context manager or await `close()`."""
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        super().__init__(target, **kwargs)
+        if self.credentials is not None:
+            self.channel = grpc.aio.secure_channel(target, self.credentials)
+        else:
+            self.channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.ServingStub(self.channel)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[tuple[str, str]] | None = None,
+        timeout_s: float | None = None,
+        **options: Any,
+    ) -> AsyncIterator[Chunk | Result]:
+        """Stream the output: `Chunk`s, then one `Result`."""
+        request = build_request(prompt, messages, GenerateOptions(**options))
+        deadline = self._deadline(timeout_s)
+        attempt = 1
+        while True:
+            call = self.stub.Generate(
+                request, timeout=self._remaining(deadline), metadata=self.metadata
+            )
+            started = False
+            try:
+                async for response in call:
+                    started = True
+                    yield _item(response)
+                return
+            except grpc.RpcError as exc:
+                error = _error(exc)
+                if started or not self._may_retry(error, attempt, deadline):
+                    raise error from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(self.retry.backoff_s(attempt))
+            attempt += 1
+
+    async def complete(
+        self, prompt: str | Sequence[int] | None = None, **kwargs: Any
+    ) -> Completion:
+        parts: list[str] = []
+        async for item in self.generate(prompt, **kwargs):
+            if isinstance(item, Result):
+                return Completion("".join(parts), item)
+            parts.append(item.text)
+        raise ClientError(grpc.StatusCode.INTERNAL, "stream ended without a result")
+
+    async def cluster_status(self, timeout_s: float | None = None) -> ClusterStatus:
+        deadline = self._deadline(timeout_s)
+        try:
+            reply = await self.stub.GetClusterStatus(
+                pb.GetClusterStatusRequest(),
+                timeout=self._remaining(deadline),
+                metadata=self.metadata,
+            )
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return status_from_proto(reply)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

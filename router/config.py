@@ -1,0 +1,90 @@
+"""The front door's configuration: the Ray Serve application args, typed and validated.
+
+Args shape (deploy/serve-*.yaml): {"cluster": {ClusterConfig fields}, "http": {"host", "port"},
+"grpc": {"host", "port"}, "api_keys_file": path | null, "default_slo": tier name |
+{"ttft_ms", "tpot_ms"} | null, "default_chat_max_tokens": int}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.config import ClusterConfig
+from replica.request import SLO
+
+FALLBACK_SLO = SLO(ttft_ms=5000.0, tpot_ms=500.0)
+"""The default SLO when the config names none and defines no tiers: loose enough for CPU."""
+TOP_LEVEL = {"cluster", "http", "grpc", "api_keys_file", "default_slo", "default_chat_max_tokens"}
+
+
+@dataclass(frozen=True)
+class FrontDoorConfig:
+    cluster: ClusterConfig
+    http_host: str | None = None
+    """Only checked and logged: Ray Serve's http_options decide where HTTP listens."""
+    http_port: int = 8000
+    grpc_host: str | None = None
+    """None: 127.0.0.1 without API keys, 0.0.0.0 with them."""
+    grpc_port: int = 50051
+    api_keys_file: str | None = None
+    default_slo: SLO = FALLBACK_SLO
+    """Used when a request names no SLO (body, headers) and is not flex."""
+    default_chat_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port"):
+            port = getattr(self, name)
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be an integer in [0, 65535], got {port!r}")
+        if self.default_chat_max_tokens < 1:
+            raise ValueError(
+                f"default_chat_max_tokens must be >= 1, got {self.default_chat_max_tokens}"
+            )
+
+    @property
+    def tiers(self) -> dict[str, SLO]:
+        return {t.name: SLO(t.ttft_ms, t.tpot_ms) for t in self.cluster.tiers}
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> FrontDoorConfig:
+        unknown = sorted(set(args) - TOP_LEVEL)
+        if unknown:
+            raise ValueError(f"unknown front door arg(s): {', '.join(unknown)}")
+        cluster = ClusterConfig.from_dict(dict(args.get("cluster") or {}))
+        http = _section(args, "http")
+        grpc = _section(args, "grpc")
+        return cls(
+            cluster=cluster,
+            http_host=http.get("host"),
+            http_port=http.get("port", 8000),
+            grpc_host=grpc.get("host"),
+            grpc_port=grpc.get("port", 50051),
+            api_keys_file=args.get("api_keys_file"),
+            default_slo=_default_slo(args.get("default_slo"), cluster),
+            default_chat_max_tokens=args.get("default_chat_max_tokens", 256),
+        )
+
+
+def _section(args: Mapping[str, Any], name: str) -> dict[str, Any]:
+    section = args.get(name) or {}
+    if not isinstance(section, dict) or set(section) - {"host", "port"}:
+        raise ValueError(f"{name} must be a mapping with host and port only, got {section!r}")
+    return section
+
+
+def _default_slo(raw: object, cluster: ClusterConfig) -> SLO:
+    """A named tier, explicit numbers, or else the first configured tier (else FALLBACK_SLO)."""
+    if isinstance(raw, str):
+        tier = cluster.tier(raw)
+        return SLO(tier.ttft_ms, tier.tpot_ms)
+    if isinstance(raw, dict):
+        if set(raw) != {"ttft_ms", "tpot_ms"}:
+            raise ValueError(f"default_slo must have ttft_ms and tpot_ms, got {sorted(raw)}")
+        return SLO(raw["ttft_ms"], raw["tpot_ms"])
+    if raw is not None:
+        raise ValueError(f"default_slo must be a tier name or {{ttft_ms, tpot_ms}}, got {raw!r}")
+    if cluster.tiers:
+        return SLO(cluster.tiers[0].ttft_ms, cluster.tiers[0].tpot_ms)
+    return FALLBACK_SLO

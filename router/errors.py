@@ -1,0 +1,64 @@
+"""The front door's error types, each with its HTTP status and gRPC code.
+
+One hierarchy serves both doors, so a bad field, a missing key or a rejection reads the same
+over HTTP (OpenAI's error JSON) and gRPC (status code + details).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+
+@dataclass
+class ApiError(Exception):
+    """An error the client caused or must handle; never a server bug."""
+
+    message: str
+    param: str | None = None
+    """The request field at fault (OpenAI's `param`)."""
+
+    status = 500
+    code = grpc.StatusCode.INTERNAL
+    type = "server_error"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class BadRequest(ApiError, ValueError):
+    status = 400
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    type = "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    code = grpc.StatusCode.UNAUTHENTICATED
+    type = "authentication_error"
+
+
+class ModelNotFound(ApiError):
+    status = 404
+    code = grpc.StatusCode.NOT_FOUND
+    type = "not_found_error"
+
+
+@dataclass
+class Rejected(ApiError):
+    """The backup policy declined the request: no replica could guarantee its SLO."""
+
+    retry_after_s: float = 1.0
+
+    status = 429
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    type = "rate_limit_error"
+
+
+class Unavailable(ApiError):
+    """No replica is up; the request was not started."""
+
+    status = 503
+    code = grpc.StatusCode.UNAVAILABLE
+    type = "service_unavailable"

@@ -1,0 +1,172 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ServiceTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVICE_TIER_DEFAULT: _ClassVar[ServiceTier]
+    SERVICE_TIER_FLEX: _ClassVar[ServiceTier]
+SERVICE_TIER_DEFAULT: ServiceTier
+SERVICE_TIER_FLEX: ServiceTier
+
+class Stage(_message.Message):
+    __slots__ = ("tpot_ms", "num_tokens", "ttft_ms", "name")
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    tpot_ms: float
+    num_tokens: int
+    ttft_ms: float
+    name: str
+    def __init__(self, tpot_ms: _Optional[float] = ..., num_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., name: _Optional[str] = ...) -> None: ...
+
+class SLO(_message.Message):
+    __slots__ = ("ttft_ms", "tpot_ms", "stages", "tier")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: float
+    tpot_ms: float
+    stages: _containers.RepeatedCompositeFieldContainer[Stage]
+    tier: str
+    def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "slo", "service_tier", "priority")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_TIER_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    slo: SLO
+    service_tier: ServiceTier
+    priority: int
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., service_tier: _Optional[_Union[ServiceTier, str]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class TextChunk(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StageVerdict(_message.Message):
+    __slots__ = ("name", "attained", "late_tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ATTAINED_FIELD_NUMBER: _ClassVar[int]
+    LATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    attained: bool
+    late_tokens: int
+    def __init__(self, name: _Optional[str] = ..., attained: _Optional[bool] = ..., late_tokens: _Optional[int] = ...) -> None: ...
+
+class Final(_message.Message):
+    __slots__ = ("request_id", "verdict", "replica", "hops", "finish_reason", "prompt_tokens", "completion_tokens", "slo_attained", "stages", "migrations", "ttft_s", "e2e_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLO_ATTAINED_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    E2E_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    verdict: str
+    replica: int
+    hops: int
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    slo_attained: bool
+    stages: _containers.RepeatedCompositeFieldContainer[StageVerdict]
+    migrations: int
+    ttft_s: float
+    e2e_s: float
+    def __init__(self, request_id: _Optional[str] = ..., verdict: _Optional[str] = ..., replica: _Optional[int] = ..., hops: _Optional[int] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., slo_attained: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[StageVerdict, _Mapping]]] = ..., migrations: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("chunk", "final")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    chunk: TextChunk
+    final: Final
+    def __init__(self, chunk: _Optional[_Union[TextChunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
+
+class GetClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica", "alive", "running", "waiting", "admitted", "best_effort", "kv_usage")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    BEST_EFFORT_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    alive: bool
+    running: int
+    waiting: int
+    admitted: int
+    best_effort: int
+    kv_usage: float
+    def __init__(self, replica: _Optional[int] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., admitted: _Optional[int] = ..., best_effort: _Optional[int] = ..., kv_usage: _Optional[float] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("model", "replicas", "counters")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...

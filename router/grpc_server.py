@@ -1,0 +1,236 @@
+"""The gRPC door: `slos_serve.v1.Serving`, grpc.health.v1 health checking, server reflection.
+
+Why a grpc.aio server hosted inside the Ray Serve ingress replica, not Ray Serve's gRPC proxy:
+the proxy serves only user methods routed by its own metadata (`application`), answers health
+on its own RayServeAPIService instead of the standard grpc.health.v1 that load balancers and
+Kubernetes probes speak, offers no server reflection, and would put a second hop between the
+client and the FrontDoor. Hosting grpc.aio in the same replica (same event loop) as the HTTP
+door shares one FrontDoor, one tokenizer, one metrics registry and one cluster handle.
+SO_REUSEPORT (grpc's default on Linux) lets several ingress replicas on a node share the port.
+
+Every request goes through the same `router.openai_schema` validation as HTTP: the protobuf
+message is turned into the equivalent OpenAI body first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from cluster.api import ClusterStatus, FinalRecord
+from router.errors import ApiError, BadRequest, Rejected, Unavailable
+from router.frontdoor import Finished, FrontDoor
+from router.gen.slos_serve.v1 import serving_pb2 as pb
+from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
+from router.openai_schema import Endpoint
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Serving"].full_name
+HEALTH_PERIOD_S = 5.0
+
+logger = logging.getLogger(__name__)
+
+
+def request_to_body(
+    request: pb.GenerateRequest, default_model: str
+) -> tuple[Endpoint, dict[str, Any]]:
+    """The OpenAI body equivalent to a GenerateRequest (only the fields it sets)."""
+    inputs = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
+    if sum(inputs) != 1:
+        raise BadRequest("set exactly one of prompt, prompt_token_ids, messages", "prompt")
+    body: dict[str, Any] = {"model": request.model or default_model}
+    endpoint = Endpoint.CHAT if request.messages else Endpoint.COMPLETIONS
+    if request.messages:
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+    else:
+        body["prompt"] = request.prompt or list(request.prompt_token_ids)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if request.HasField(name):
+            body[name] = getattr(request, name)
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.ignore_eos:
+        body["ignore_eos"] = True
+    if request.priority:
+        body["priority"] = request.priority
+    if request.service_tier == pb.SERVICE_TIER_FLEX:
+        body["service_tier"] = "flex"
+    if request.HasField("slo"):
+        body["slo"] = _slo_to_body(request.slo)
+    return endpoint, body
+
+
+def _slo_to_body(slo: pb.SLO) -> str | dict[str, Any]:
+    if slo.tier:
+        if slo.HasField("ttft_ms") or slo.HasField("tpot_ms") or slo.stages:
+            raise BadRequest("slo.tier excludes ttft_ms, tpot_ms and stages", "slo.tier")
+        return slo.tier
+    out: dict[str, Any] = {}
+    for name in ("ttft_ms", "tpot_ms"):
+        if slo.HasField(name):
+            out[name] = getattr(slo, name)
+    if slo.stages:
+        out["stages"] = [_stage_to_body(s) for s in slo.stages]
+    return out
+
+
+def _stage_to_body(stage: pb.Stage) -> dict[str, Any]:
+    out: dict[str, Any] = {"tpot_ms": stage.tpot_ms, "name": stage.name}
+    for name in ("num_tokens", "ttft_ms"):
+        if stage.HasField(name):
+            out[name] = getattr(stage, name)
+    return out
+
+
+def final_to_proto(record: FinalRecord) -> pb.Final:
+    final = pb.Final(
+        request_id=record.request_id,
+        verdict=record.verdict.value,
+        hops=record.hops,
+        finish_reason=record.finish_reason or "",
+        prompt_tokens=record.num_prompt_tokens,
+        completion_tokens=record.num_output_tokens,
+        migrations=record.migrations,
+        stages=[
+            pb.StageVerdict(name=s.name, attained=s.attained, late_tokens=s.late_tokens)
+            for s in record.stages
+        ],
+    )
+    if record.replica is not None:
+        final.replica = record.replica
+    if record.slo_attained is not None:
+        final.slo_attained = record.slo_attained
+    if record.first_token_time is not None:
+        final.ttft_s = record.first_token_time - record.arrival_time
+    if record.finish_time is not None:
+        final.e2e_s = record.finish_time - record.arrival_time
+    return final
+
+
+def status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
+    return pb.ClusterStatus(
+        model=status.model,
+        replicas=[
+            pb.ReplicaStatus(
+                replica=r.replica,
+                alive=r.alive,
+                running=r.running,
+                waiting=r.waiting,
+                admitted=r.admitted,
+                best_effort=r.best_effort,
+                kv_usage=r.kv_usage,
+            )
+            for r in status.replicas
+        ],
+        counters=dict(status.counters),
+    )
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: ApiError) -> None:
+    if isinstance(error, Rejected):
+        context.set_trailing_metadata((("retry-after-ms", str(int(error.retry_after_s * 1000))),))
+    details = f"{error.param}: {error.message}" if error.param else error.message
+    await context.abort(error.code, details)
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+
+
+class ServingServicer(pb_grpc.ServingServicer):
+    def __init__(self, door: FrontDoor) -> None:
+        self.door = door
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        metadata = _metadata(context)
+        try:
+            tenant = self.door.authenticate(metadata.get("authorization"))
+            endpoint, body = request_to_body(request, self.door.model_name)
+            parsed = self.door.parse(endpoint, body, metadata, tenant)
+            generation = await self.door.start(parsed, tenant)
+        except ApiError as exc:
+            await _abort(context, exc)
+            return
+        try:
+            async for event in generation.events():
+                if isinstance(event, Finished):
+                    yield pb.GenerateResponse(final=final_to_proto(event.record))
+                elif event.text or event.token_ids:
+                    chunk = pb.TextChunk(text=event.text, token_ids=event.token_ids)
+                    yield pb.GenerateResponse(chunk=chunk)
+        except ApiError as exc:
+            await _abort(context, exc)
+        finally:
+            generation.close()
+
+    async def GetClusterStatus(
+        self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClusterStatus:
+        try:
+            self.door.authenticate(_metadata(context).get("authorization"))
+        except ApiError as exc:
+            await _abort(context, exc)
+        return status_to_proto(await self.door.status())
+
+
+class GrpcServer:
+    """A running gRPC door and the task that keeps its health status current."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, health: HealthServicer, door: FrontDoor):
+        self.server = server
+        self.port = port
+        self.health = health
+        self.door = door
+        self.health_task = asyncio.create_task(self._watch_health())
+
+    async def _watch_health(self) -> None:
+        while True:
+            try:
+                status = await self.door.status()
+                up = any(r.alive for r in status.replicas)
+            except Unavailable:
+                up = False
+            serving = health_pb2.HealthCheckResponse.SERVING
+            state = serving if up else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, state)
+            await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        self.health_task.cancel()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def start_grpc_server(
+    door: FrontDoor,
+    host: str,
+    port: int,
+    *,
+    tls_cert: bytes | None = None,
+    tls_key: bytes | None = None,
+) -> GrpcServer:
+    """Bind, register Serving + health + reflection, start; port 0 picks a free port."""
+    server = grpc.aio.server()
+    pb_grpc.add_ServingServicer_to_server(ServingServicer(door), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+    address = f"{host}:{port}"
+    if tls_cert is not None and tls_key is not None:
+        credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
+        bound = server.add_secure_port(address, credentials)
+    else:
+        bound = server.add_insecure_port(address)
+    await server.start()
+    logger.info("gRPC door listening on %s:%d", host, bound)
+    return GrpcServer(server, bound, health, door)

@@ -1,0 +1,115 @@
+"""The OpenAI-compatible HTTP door: a FastAPI app over a `FrontDoor`.
+
+Plain FastAPI, so it runs under Ray Serve (router.app) and under any ASGI server alike.
+The body is read as raw JSON and validated by `router.openai_schema`, never by FastAPI models,
+so every bad body gets the same OpenAI error JSON with the field named, and never a 422 or 500.
+Streams are SSE in OpenAI's chunk format; the status (200, 429, 503) is decided before the
+first byte, from the cluster's first answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from router.errors import ApiError, BadRequest, Rejected, Unavailable
+from router.frontdoor import Finished, FrontDoor, Generation
+from router.openai_format import ChunkWriter, cluster_headers, error_body, full_response
+from router.openai_schema import Endpoint, ParsedRequest
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    headers = {}
+    if isinstance(error, Rejected):
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    return JSONResponse(error_body(error), status_code=error.status, headers=headers)
+
+
+def create_app(door: FrontDoor) -> FastAPI:
+    app = FastAPI(title="slos-serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(door, request, Endpoint.COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(door, request, Endpoint.CHAT)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        door.authenticate(request.headers.get("authorization"))
+        card = {
+            "id": door.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "slos-serve",
+            "max_model_len": door.schema.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/cluster/status")
+    async def cluster_status(request: Request) -> JSONResponse:
+        door.authenticate(request.headers.get("authorization"))
+        return JSONResponse(dataclasses.asdict(await door.status()))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = await door.status()
+        alive = sum(r.alive for r in status.replicas)
+        if not alive:
+            raise Unavailable("no replica is up")
+        return JSONResponse({"status": "ok", "replicas_alive": alive})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await door.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Response:
+    tenant = door.authenticate(request.headers.get("authorization"))
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, RecursionError):
+        door.metrics.reject(tenant, "bad_request")
+        raise BadRequest("the request body is not valid JSON") from None
+    parsed = door.parse(endpoint, body, request.headers, tenant)
+    generation = await door.start(parsed, tenant)
+    if parsed.stream:
+        return StreamingResponse(
+            _sse(generation, parsed, door.model_name),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    text, record = await generation.collect()
+    created = int(parsed.request.arrival_time)
+    content = full_response(endpoint, generation.request_id, created, door.model_name, text, record)
+    return JSONResponse(content, headers=cluster_headers(record))
+
+
+async def _sse(generation: Generation, parsed: ParsedRequest, model: str) -> AsyncIterator[bytes]:
+    writer = ChunkWriter(
+        parsed.endpoint, generation.request_id, int(parsed.request.arrival_time), model
+    )
+    try:
+        async for event in generation.events():
+            if isinstance(event, Finished):
+                yield writer.finish(event.record, parsed.include_usage)
+            elif event.text:
+                yield writer.text(event.text)
+    except ApiError as exc:
+        yield writer.error(exc)
+    finally:
+        generation.close()

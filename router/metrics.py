@@ -1,0 +1,209 @@
+"""Prometheus metrics of the front door, vLLM-style names under the `slos_serve:` prefix.
+
+One dedicated CollectorRegistry per front door, fed from three sources that never overlap, so
+nothing is counted twice however many replicas a request touched:
+- FinalRecords and token times (one per request, seen once at the door): latencies, SLO
+  verdicts, admitted / best-effort / rejected, route hops;
+- ClusterStatus (a snapshot, replaced at each scrape): per-replica running / waiting / KV usage,
+  exported as gauges labelled by replica, so `sum()` in PromQL is the cluster total;
+- the controller's own counters and histograms (planner latency, speculation tokens), passed on
+  as they are, since only the controller sees them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from cluster.api import ClusterStatus, FinalRecord, Verdict
+
+PREFIX = "slos_serve:"
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 5.0)
+HOP_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0)
+REJECT_REASONS = ("backup_policy", "unavailable", "bad_request", "unauthorized", "not_found")
+CONTROLLER_COUNTERS = {
+    "spec_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+CONTROLLER_HISTOGRAMS = {
+    "planner_latency_s": ("planner_latency_seconds", "Wall time of one planning tick."),
+}
+
+
+@dataclass(eq=False)
+class ClusterCollector(Collector):
+    """Exports the latest cluster snapshot; `refresh` replaces it (gauges, never sums)."""
+
+    model: str
+    status: ClusterStatus | None = None
+    controller: Mapping[str, Any] = field(default_factory=dict)
+    """{"counters": {name: int}, "histograms": {name: {bounds, counts, sum, count}}}."""
+
+    def collect(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily(
+            PREFIX + "num_requests_running",
+            "Requests in a replica's batch.",
+            labels=["model", "replica"],
+        )
+        waiting = GaugeMetricFamily(
+            PREFIX + "num_requests_waiting",
+            "Requests queued at a replica.",
+            labels=["model", "replica"],
+        )
+        kv = GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc",
+            "Fraction of KV blocks in use.",
+            labels=["model", "replica"],
+        )
+        up = GaugeMetricFamily(
+            PREFIX + "replica_up", "1 when the replica is alive.", labels=["model", "replica"]
+        )
+        for r in self.status.replicas if self.status else ():
+            labels = [self.model, str(r.replica)]
+            up.add_metric(labels, 1.0 if r.alive else 0.0)
+            if r.alive:
+                running.add_metric(labels, r.running)
+                waiting.add_metric(labels, r.waiting)
+                kv.add_metric(labels, r.kv_usage)
+        yield from (running, waiting, kv, up)
+        counters = self.controller.get("counters", {})
+        for key, (name, doc) in CONTROLLER_COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model"])
+            if key in counters:
+                family.add_metric([self.model], float(counters[key]))
+            yield family
+        histograms = self.controller.get("histograms", {})
+        for key, (name, doc) in CONTROLLER_HISTOGRAMS.items():
+            hist_family = HistogramMetricFamily(PREFIX + name, doc, labels=["model"])
+            hist = histograms.get(key)
+            if hist is not None:
+                hist_family.add_metric([self.model], _buckets(hist), sum_value=float(hist["sum"]))
+            yield hist_family
+
+
+def _buckets(hist: Mapping[str, Any]) -> list[tuple[str, float]]:
+    """Cumulative buckets in Prometheus order, ending with +Inf = the total count."""
+    pairs = [
+        (repr(float(b)), float(c)) for b, c in zip(hist["bounds"], hist["counts"], strict=True)
+    ]
+    return [*pairs, ("+Inf", float(hist["count"]))]
+
+
+class FrontDoorMetrics:
+    """All metrics of one front door and its cluster, in their own registry."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry(auto_describe=True)
+        by_tier = ["model", "tier"]
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival to first output token.",
+            by_tier,
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Gap between consecutive output tokens.",
+            by_tier,
+            buckets=ITL_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to the last output token.",
+            by_tier,
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        by_stage = ["model", "tier", "stage"]
+        self.attained = Counter(
+            PREFIX + "slo_attained", "SLO stages met.", by_stage, registry=self.registry
+        )
+        self.violated = Counter(
+            PREFIX + "slo_violated", "SLO stages missed.", by_stage, registry=self.registry
+        )
+        by_tenant = ["model", "tenant"]
+        self.admitted = Counter(
+            PREFIX + "requests_admitted",
+            "Requests admitted with an SLO guarantee.",
+            by_tenant,
+            registry=self.registry,
+        )
+        self.best_effort = Counter(
+            PREFIX + "requests_best_effort",
+            "Requests served by the best-effort tier.",
+            by_tenant,
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            PREFIX + "requests_rejected",
+            "Requests refused, by reason.",
+            [*by_tenant, "reason"],
+            registry=self.registry,
+        )
+        self.hops = Histogram(
+            PREFIX + "route_hops",
+            "Replicas a request tried before its verdict.",
+            ["model"],
+            buckets=HOP_BUCKETS,
+            registry=self.registry,
+        )
+        self.cluster = ClusterCollector(model)
+        self.registry.register(self.cluster)
+
+    def record_tokens(
+        self, tier: str, previous: float | None, times: Sequence[float]
+    ) -> float | None:
+        """Observe the gaps between output tokens; returns the last token's time."""
+        for t in times:
+            if previous is not None:
+                self.itl.labels(self.model, tier).observe(max(0.0, t - previous))
+            previous = t
+        return previous
+
+    def record_final(self, record: FinalRecord, tier: str, tenant: str) -> None:
+        """Count one finished request (called exactly once per request)."""
+        if record.verdict is Verdict.REJECTED:
+            self.reject(tenant, "backup_policy")
+            self.hops.labels(self.model).observe(record.hops)
+            return
+        counter = self.admitted if record.verdict is Verdict.ADMITTED else self.best_effort
+        counter.labels(self.model, tenant).inc()
+        self.hops.labels(self.model).observe(record.hops)
+        if record.first_token_time is not None:
+            self.ttft.labels(self.model, tier).observe(
+                record.first_token_time - record.arrival_time
+            )
+        if record.finish_time is not None and record.num_output_tokens:
+            self.e2e.labels(self.model, tier).observe(record.finish_time - record.arrival_time)
+        for i, stage in enumerate(record.stages):
+            name = stage.name or str(i)
+            target = self.attained if stage.attained else self.violated
+            target.labels(self.model, tier, name).inc()
+
+    def reject(self, tenant: str, reason: str) -> None:
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"unknown reject reason {reason!r}; known: {REJECT_REASONS}")
+        self.rejected.labels(self.model, tenant, reason).inc()
+
+    def refresh(
+        self, status: ClusterStatus | None, controller: Mapping[str, Any] | None = None
+    ) -> None:
+        self.cluster.status = status
+        self.cluster.controller = controller or {}
+
+    def exposition(self) -> bytes:
+        return bytes(generate_latest(self.registry))

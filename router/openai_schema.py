@@ -1,0 +1,486 @@
+"""OpenAI request bodies -> `Request`: parsing, validation, tokenization, SLO resolution.
+
+Pure (no I/O, no clock: the caller passes the id and arrival time) and shared by the HTTP and
+gRPC doors. Every problem raises `BadRequest` naming the field at fault, or `ModelNotFound`;
+nothing else escapes, whatever the body holds.
+
+SLO sources, first match wins: the body's `slo` (an object, or the name of a configured tier),
+then the headers `x-slo-ttft-ms` / `x-slo-tpot-ms` (llm-d's names), then the configured default.
+Fields an object or the headers leave out come from the default SLO.
+
+`service_tier`: "auto" and "default" ask for an SLO guarantee; "flex" is the best-effort tier
+(no SLO, served from leftover capacity, preemptible).
+
+`priority` (vLLM's convention: integer, lower is served earlier) becomes the admission weight
+`value = 2 ** -priority`: priority 0 is worth 1, each step down doubles the worth of admitting
+the request when the DP cannot admit everyone. Allowed range: -19..19.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import partial
+from typing import Any, Protocol, TypeVar
+
+from replica.request import MAX_SEED, SLO, Request, SamplingParams, Stage, Tier
+from router.errors import BadRequest, ModelNotFound
+
+MAX_PRIORITY = 19
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+CHARS_PER_TOKEN_LIMIT = 16
+"""A prompt longer than this many characters per context token cannot fit; refuse it unread."""
+HEADER_TTFT = "x-slo-ttft-ms"
+HEADER_TPOT = "x-slo-tpot-ms"
+T = TypeVar("T")
+
+
+class Endpoint(StrEnum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+
+class Codec(Protocol):
+    """What parsing needs from a tokenizer."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+
+
+@dataclass(frozen=True)
+class SchemaContext:
+    """What the served model and the config say about acceptable requests."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    default_slo: SLO
+    tiers: Mapping[str, SLO] = field(default_factory=dict)
+    """Named SLO tiers a body may ask for with `"slo": "<name>"`."""
+    default_chat_max_tokens: int = 256
+    """Chat's `max_tokens` when absent (capped by the context left after the prompt)."""
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * CHARS_PER_TOKEN_LIMIT
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    request: Request
+    stream: bool
+    include_usage: bool
+    slo_label: str
+    """Where the SLO came from, for metrics: a tier name, custom, header, default or flex."""
+
+
+COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "slo",
+    "service_tier",
+    "priority",
+    "user",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+}
+FIELDS = {
+    Endpoint.COMPLETIONS: COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"},
+    Endpoint.CHAT: COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"},
+}
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def parse_body(
+    endpoint: Endpoint,
+    body: object,
+    headers: Mapping[str, str],
+    ctx: SchemaContext,
+    codec: Codec,
+    *,
+    request_id: str,
+    arrival_time: float,
+) -> ParsedRequest:
+    """Validate an OpenAI body and build the cluster request (prompt tokenized)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(str(k)[:64] for k in body if k not in FIELDS[endpoint])
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(unknown[:8])}", unknown[0])
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model is required and must be a string", "model")
+    if model != ctx.model_name:
+        raise ModelNotFound(
+            f"model {_short(model)} does not exist; this server has {ctx.model_name!r}", "model"
+        )
+    _check_unsupported(endpoint, body)
+    prompt = _prompt_ids(endpoint, body, ctx, codec)
+    sampling = _sampling(endpoint, body, ctx, len(prompt))
+    tier, slo, slo_label = _tier_and_slo(body, headers, ctx)
+    request = _build(
+        lambda: Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            slo=slo,
+            tier=tier,
+            arrival_time=arrival_time,
+            value=_value(body),
+            model=model,
+        ),
+        "prompt",
+    )
+    _build(lambda: request.check_fits(ctx.max_model_len, ctx.vocab_size), "max_tokens")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise BadRequest("stream_options needs stream: true", "stream_options")
+    include_usage = True
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise BadRequest("stream_options may hold only include_usage", "stream_options")
+        include_usage = _bool(options, "include_usage", True, "stream_options.include_usage")
+    return ParsedRequest(endpoint, request, stream, include_usage, slo_label)
+
+
+def _build(make: Callable[[], T], param: str) -> T:
+    """Run a domain constructor, turning its ValueError into a 400 that names the field."""
+    try:
+        return make()
+    except BadRequest:
+        raise
+    except ValueError as exc:
+        message = str(exc)
+        head = message.split(" ", 1)[0]
+        named = head.replace("[]", "").replace(".", "").replace("_", "").isalnum()
+        raise BadRequest(message, head if named else param) from exc
+
+
+def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
+    """Refuse OpenAI options we would otherwise silently ignore, unless set to their no-op."""
+    noop: dict[str, tuple[object, ...]] = {
+        "n": (None, 1),
+        "best_of": (None, 1),
+        "presence_penalty": (None, 0, 0.0),
+        "frequency_penalty": (None, 0, 0.0),
+        "logprobs": (None, False) + ((0,) if endpoint is Endpoint.COMPLETIONS else ()),
+        "top_logprobs": (None, 0),
+        "echo": (None, False),
+        "suffix": (None,),
+    }
+    for name, allowed in noop.items():
+        value = body.get(name)
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            raise BadRequest(f"{name}={value!r} is not supported", name)
+    bias = body.get("logit_bias")
+    if bias not in (None, {}):
+        raise BadRequest("logit_bias is not supported", "logit_bias")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest("user must be a string", "user")
+
+
+def _prompt_ids(
+    endpoint: Endpoint, body: dict[str, Any], ctx: SchemaContext, codec: Codec
+) -> list[int]:
+    if endpoint is Endpoint.CHAT:
+        return _encode(codec.render_chat(_messages(body.get("messages"), ctx)), ctx, codec)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return _encode(prompt, ctx, codec)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if len(prompt) >= ctx.max_model_len:
+            raise BadRequest(
+                f"prompt has {len(prompt)} tokens; the model context is {ctx.max_model_len}",
+                "prompt",
+            )
+        return [int(t) for t in prompt]
+    raise BadRequest(
+        "prompt must be a non-empty string or a list of token ids (one prompt)", "prompt"
+    )
+
+
+def _encode(text: str, ctx: SchemaContext, codec: Codec) -> list[int]:
+    if not text:
+        raise BadRequest("prompt must not be empty", "prompt")
+    if len(text) > ctx.max_prompt_chars:
+        raise BadRequest(
+            f"prompt has {len(text)} characters; at most {ctx.max_prompt_chars} can fit the "
+            f"{ctx.max_model_len}-token context",
+            "prompt",
+        )
+    ids = codec.encode(text)
+    if not ids:
+        raise BadRequest("prompt encodes to no tokens", "prompt")
+    return ids
+
+
+def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    messages: list[dict[str, str]] = []
+    total = 0
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"{where} must be an object", where)
+        extra = sorted(str(k)[:64] for k in m if k not in ("role", "content", "name"))
+        if extra:
+            raise BadRequest(f"{where} has unsupported field(s): {', '.join(extra[:8])}", where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise BadRequest(
+                f"{where}.role must be one of {', '.join(CHAT_ROLES)}", f"{where}.role"
+            )
+        content = _content(m.get("content"), f"{where}.content")
+        total += len(content)
+        if total > ctx.max_prompt_chars:
+            raise BadRequest(
+                f"messages exceed {ctx.max_prompt_chars} characters; they cannot fit the "
+                f"{ctx.max_model_len}-token context",
+                "messages",
+            )
+        messages.append(
+            {"role": "system" if role == "developer" else str(role), "content": content}
+        )
+    return messages
+
+
+def _content(raw: object, where: str) -> str:
+    """Message content: a string, or a list of text parts (OpenAI's multi-part form)."""
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list):
+        parts = []
+        for j, part in enumerate(raw):
+            ok = isinstance(part, dict) and part.get("type") == "text"
+            if not ok or set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise BadRequest(f"{where}[{j}] must be {{type: text, text: <string>}}", where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(f"{where} must be a string or a list of text parts", where)
+
+
+def _sampling(
+    endpoint: Endpoint, body: dict[str, Any], ctx: SchemaContext, prompt_len: int
+) -> SamplingParams:
+    room = max(1, ctx.max_model_len - prompt_len)
+    max_tokens_name = "max_tokens"
+    if endpoint is Endpoint.CHAT and body.get("max_completion_tokens") is not None:
+        if body.get("max_tokens") is not None:
+            raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_tokens")
+        max_tokens_name = "max_completion_tokens"
+    default = 16 if endpoint is Endpoint.COMPLETIONS else min(ctx.default_chat_max_tokens, room)
+    max_tokens = _int(body, max_tokens_name, default, low=1, high=ctx.max_model_len)
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _int(body, "seed", 0, low=0, high=MAX_SEED)
+    return _build(
+        lambda: SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
+            top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0),
+            top_k=_int(body, "top_k", 0, low=0, high=ctx.vocab_size),
+            seed=seed,
+            stop=_stop(body.get("stop")),
+            ignore_eos=_bool(body, "ignore_eos", False),
+        ),
+        "sampling",
+    )
+
+
+def _stop(raw: object) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"stop must be a string or a list of at most {MAX_STOP_STRINGS}", "stop")
+    for s in stops:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+            raise BadRequest(f"stop entries must be strings of 1..{MAX_STOP_CHARS} chars", "stop")
+    return tuple(stops)
+
+
+def _value(body: dict[str, Any]) -> float:
+    priority = _int(body, "priority", 0, low=-MAX_PRIORITY, high=MAX_PRIORITY)
+    return float(2.0**-priority)
+
+
+def _tier_and_slo(
+    body: dict[str, Any], headers: Mapping[str, str], ctx: SchemaContext
+) -> tuple[Tier, SLO | None, str]:
+    service_tier = body.get("service_tier")
+    if service_tier not in (None, "auto", "default", "flex"):
+        raise BadRequest("service_tier must be auto, default or flex", "service_tier")
+    if service_tier == "flex":
+        if body.get("slo") is not None:
+            raise BadRequest("slo cannot be combined with service_tier flex", "slo")
+        return Tier.BEST_EFFORT, None, "flex"
+    raw = body.get("slo")
+    lowered = {k.lower(): v for k, v in headers.items()}
+    if isinstance(raw, str):
+        if raw not in ctx.tiers:
+            raise BadRequest(
+                f"unknown SLO tier {reprlib.repr(raw)}; known: {sorted(ctx.tiers)}", "slo"
+            )
+        return Tier.SLO, ctx.tiers[raw], raw
+    if raw is not None:
+        return Tier.SLO, _body_slo(raw, ctx.default_slo), "custom"
+    if HEADER_TTFT in lowered or HEADER_TPOT in lowered:
+        return Tier.SLO, _header_slo(lowered, ctx.default_slo), "header"
+    return Tier.SLO, ctx.default_slo, "default"
+
+
+def _body_slo(raw: object, base: SLO) -> SLO:
+    if not isinstance(raw, dict):
+        raise BadRequest("slo must be an object or the name of a tier", "slo")
+    extra = sorted(str(k)[:64] for k in raw if k not in ("ttft_ms", "tpot_ms", "stages"))
+    if extra:
+        raise BadRequest(f"unknown slo field(s): {', '.join(extra[:8])}", f"slo.{extra[0]}")
+    stages = _stages(raw.get("stages"))
+    tpot_default = stages[0].tpot_ms if stages else base.tpot_ms
+    ttft = _number(raw, "ttft_ms", base.ttft_ms, low=0.0, name="slo.ttft_ms")
+    tpot = _number(raw, "tpot_ms", tpot_default, low=0.0, name="slo.tpot_ms")
+    return _build(partial(SLO, ttft_ms=ttft, tpot_ms=tpot, stages=stages), "slo")
+
+
+def _header_slo(lowered: Mapping[str, str], base: SLO) -> SLO:
+    return _build(
+        lambda: SLO(
+            ttft_ms=_header_ms(lowered, HEADER_TTFT, base.ttft_ms),
+            tpot_ms=_header_ms(lowered, HEADER_TPOT, base.tpot_ms),
+        ),
+        "slo",
+    )
+
+
+def _stages(raw: object) -> tuple[Stage, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw or len(raw) > 16:
+        raise BadRequest("slo.stages must be a list of 1..16 stages", "slo.stages")
+    stages = []
+    for i, st in enumerate(raw):
+        where = f"slo.stages[{i}]"
+        if not isinstance(st, dict):
+            raise BadRequest(f"{where} must be an object", where)
+        extra = sorted(
+            str(k)[:64] for k in st if k not in ("tpot_ms", "num_tokens", "ttft_ms", "name")
+        )
+        if extra:
+            raise BadRequest(
+                f"unknown {where} field(s): {', '.join(extra[:8])}", f"{where}.{extra[0]}"
+            )
+        if "tpot_ms" not in st:
+            raise BadRequest(f"{where}.tpot_ms is required", f"{where}.tpot_ms")
+        name = st.get("name", "")
+        if not isinstance(name, str) or len(name) > 64:
+            raise BadRequest(f"{where}.name must be a string of at most 64 chars", f"{where}.name")
+        num_tokens = None
+        if st.get("num_tokens") is not None:
+            num_tokens = _int(st, "num_tokens", 1, low=1, high=2**31, name=f"{where}.num_tokens")
+        ttft = None
+        if st.get("ttft_ms") is not None:
+            ttft = _number(st, "ttft_ms", 0.0, low=0.0, name=f"{where}.ttft_ms")
+        tpot = _number(st, "tpot_ms", 0.0, low=0.0, name=f"{where}.tpot_ms")
+        make = partial(Stage, tpot_ms=tpot, num_tokens=num_tokens, ttft_ms=ttft, name=name)
+        stages.append(_build(make, where))
+    return tuple(stages)
+
+
+def _header_ms(headers: Mapping[str, str], name: str, default: float) -> float:
+    raw = headers.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequest(f"header {name} must be a number of milliseconds", name) from None
+    if not math.isfinite(value) or value <= 0:
+        raise BadRequest(f"header {name} must be finite and > 0, got {raw!r}", name)
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(
+    body: Mapping[str, Any],
+    key: str,
+    default: int,
+    *,
+    low: int,
+    high: int,
+    name: str | None = None,
+) -> int:
+    name = name or key
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        value = int(value)
+    if not _is_int(value):
+        raise BadRequest(f"{name} must be an integer, got {_short(value)}", name)
+    if not low <= value <= high:
+        raise BadRequest(f"{name} must be in [{low}, {high}], got {_short(value)}", name)
+    return int(value)
+
+
+def _number(
+    body: Mapping[str, Any],
+    key: str,
+    default: float,
+    *,
+    low: float,
+    high: float = float("inf"),
+    name: str | None = None,
+) -> float:
+    name = name or key
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(f"{name} must be a number, got {_short(value)}", name)
+    if isinstance(value, int) and abs(value) > 2**53:
+        raise BadRequest(f"{name} is out of range, got {_short(value)}", name)
+    number = float(value)
+    if not math.isfinite(number) or not low <= number <= high:
+        raise BadRequest(
+            f"{name} must be a finite number in [{low:g}, {high:g}], got {_short(value)}", name
+        )
+    return number
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool, name: str | None = None) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name or key} must be true or false, got {_short(value)}", name or key)
+    return value
+
+
+def _short(value: object) -> str:
+    """A bounded repr, so an enormous field never makes an enormous error message."""
+    return reprlib.repr(value)

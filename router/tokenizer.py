@@ -1,0 +1,104 @@
+"""Text <-> token ids at the door: encoding, the chat template, incremental decoding.
+
+Built on `tokenizers` and a sandboxed Jinja environment (the way HF renders chat templates),
+so the router needs neither torch nor transformers to start.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from router.errors import BadRequest
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class TextCodec:
+    """One model's tokenizer and chat template."""
+
+    tokenizer: Tokenizer
+    chat_template: str | None = None
+    eos_token: str | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> TextCodec:
+        """Load `tokenizer.json` plus the chat template of an HF folder."""
+        root = Path(model_dir)
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"no tokenizer.json in {root}")
+        config_path = root / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = root / "chat_template.jinja"
+        template = template_path.read_text() if template_path.is_file() else None
+        template = template or config.get("chat_template")
+        eos = config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        return cls(Tokenizer.from_file(str(path)), template, eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size())
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for chat messages, ending with the assistant's turn opener."""
+        if not self.chat_template:
+            raise BadRequest("this model has no chat template; use /v1/completions", "messages")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(
+                messages=messages, add_generation_prompt=True, eos_token=self.eos_token or ""
+            )
+        except TemplateError as exc:
+            raise BadRequest(f"chat template failed on these messages: {exc}", "messages") from exc
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self)
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas that never split a character.
+
+    Byte-level BPE can end a token in the middle of a UTF-8 sequence; decoding it alone yields
+    U+FFFD. A delta is released only when the text no longer ends in one, and it is decoded
+    with a few tokens of left context so merges across the boundary (leading spaces) are right.
+    """
+
+    codec: TextCodec
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add new ids; return the text they complete (may be empty)."""
+        self.ids.extend(token_ids)
+        prefix_text = self.codec.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self.codec.decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """The text held back at the end (a truncated character stays U+FFFD)."""
+        prefix_text = self.codec.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self.codec.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]

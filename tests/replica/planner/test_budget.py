@@ -1,0 +1,120 @@
+"""The budget function: batch period, batch size and SLO-adaptive speculation lengths."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from replica.perf_model import FEATURES, FORMAT, PerfModel
+from replica.planner.budget import (
+    AcceptanceEstimate,
+    BatchBudget,
+    TierLoad,
+    expected_tokens,
+    plan_budgets,
+)
+from replica.planner.config import InvocationConfig, PlannerConfig, SpecConfig
+
+
+def perf_model(*terms: dict[str, float]) -> PerfModel:
+    return PerfModel.from_dict(
+        {
+            "format": FORMAT,
+            "source": "analytic",
+            "backend": "test",
+            "device": "test",
+            "model": "test",
+            "features": list(FEATURES),
+            "terms": [
+                {"name": f"t{i}", "coefficients": {f: t.get(f, 0.0) for f in FEATURES}}
+                for i, t in enumerate(terms)
+            ],
+        }
+    )
+
+
+# 10 ms fixed cost, 0.1 ms per token, a cheap draft model.
+PERF = perf_model({"const": 0.01, "tokens": 1e-4, "draft_steps": 5e-4, "draft_tokens": 1e-5})
+
+
+def budgets(
+    loads: list[TierLoad], acceptance: float = 0.0, spec: SpecConfig | None = None
+) -> tuple[BatchBudget, ...]:
+    return plan_budgets(
+        PERF,
+        loads,
+        num_requests=sum(load.num_decoders for load in loads),
+        max_context=1,
+        kv_tokens=0,
+        idle_period_s=0.05,
+        spec=spec,
+        acceptance=acceptance,
+    )
+
+
+def test_expected_tokens_matches_the_geometric_series() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 3) == 4.0
+
+
+def test_autoregressive_period_is_the_tightest_tpot_and_batch_fills_it() -> None:
+    (budget,) = budgets([TierLoad(0.05, 10), TierLoad(0.2, 20)])
+    assert budget.period_s == 0.05
+    assert budget.batch_tokens == 400  # (50 ms - 10 ms) / 0.1 ms
+    # Loose decoders cost a quarter token per batch: EDF serves them every 4th batch.
+    assert budget.cost_per_batch(0.2) == pytest.approx(0.25)
+    assert budget.prefill_tokens([TierLoad(0.05, 10), TierLoad(0.2, 20)]) == pytest.approx(385)
+
+
+def test_dynamic_batch_size_grows_with_a_looser_tightest_tier() -> None:
+    (tight,) = budgets([TierLoad(0.02, 5)])
+    (loose,) = budgets([TierLoad(0.05, 5)])
+    assert tight.batch_tokens / tight.period_s < loose.batch_tokens / loose.period_s
+
+
+def test_speculation_is_chosen_when_it_pays_and_looser_tiers_derive_shorter_lengths() -> None:
+    spec = SpecConfig(max_spec_tokens=4)
+    best, autoregressive = budgets([TierLoad(0.02, 2), TierLoad(0.05, 2)], 0.8, spec)
+    assert best.draft_steps > 0 and autoregressive.draft_steps == 0
+    assert best.period_s > 0.02
+    assert best.spec_len(0.02) >= best.spec_len(0.05)
+    assert expected_tokens(0.8, best.spec_len(0.02)) >= best.period_s / 0.02 - 1e-9
+
+
+def test_no_speculation_under_heavy_load_or_poor_acceptance() -> None:
+    spec = SpecConfig(max_spec_tokens=4)
+    (heavy,) = budgets([TierLoad(0.05, 350)], 0.8, spec)
+    assert heavy.draft_steps == 0
+    (poor,) = budgets([TierLoad(0.05, 2)], 0.0, spec)
+    assert poor.draft_steps == 0 and poor.spec_len(0.05) == 0
+
+
+def test_acceptance_estimate_moves_toward_observations_and_stays_capped() -> None:
+    estimate = AcceptanceEstimate(SpecConfig(initial_acceptance=0.5, ema_weight=0.5))
+    estimate.observe(drafted=4, accepted=4)
+    assert estimate.value == pytest.approx(0.75)
+    for _ in range(20):
+        estimate.observe(drafted=4, accepted=4)
+    assert estimate.value == pytest.approx(0.95)
+    estimate.observe(drafted=0, accepted=0)
+    assert estimate.value == pytest.approx(0.95)
+    with pytest.raises(ValueError, match="accepted=5"):
+        estimate.observe(drafted=4, accepted=5)
+
+
+@pytest.mark.parametrize(
+    ("factory", "field"),
+    [
+        (lambda: PlannerConfig(memory_units=0), "memory_units"),
+        (lambda: PlannerConfig(idle_period_s=-1.0), "idle_period_s"),
+        (lambda: SpecConfig(max_spec_tokens=-1), "max_spec_tokens"),
+        (lambda: SpecConfig(initial_acceptance=1.5), "initial_acceptance"),
+        (lambda: InvocationConfig(interval_s=0.0), "interval_s"),
+        (lambda: InvocationConfig(behind_tpot_factor=0.0), "behind_tpot_factor"),
+    ],
+)
+def test_config_rejects_bad_values_by_name(factory: Callable[[], object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        factory()

@@ -1,0 +1,79 @@
+"""The perf-model executor: token semantics, its clock, and the plans it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from replica.batch import BatchPlan, DecodeStep, PrefillChunk
+from replica.perf_model import FEATURES, FORMAT, PerfModel
+from replica.planner.base import CacheBudget
+from replica.planner.executor import PerfExecutor, late_tokens, token_id
+from replica.request import SLO, Request, SamplingParams
+
+PERF = PerfModel.from_dict(
+    {
+        "format": FORMAT,
+        "source": "analytic",
+        "backend": "test",
+        "device": "test",
+        "model": "test",
+        "features": list(FEATURES),
+        "terms": [
+            {"name": "t", "coefficients": {f: 0.5 if f == "tokens" else 0.0 for f in FEATURES}}
+        ],
+    }
+)
+
+
+def make(prompt: int = 4, max_tokens: int = 4) -> Request:
+    return Request("a", [1] * prompt, SamplingParams(max_tokens=max_tokens), SLO(1000.0, 500.0))
+
+
+def test_prefill_samples_the_first_token_and_decode_appends_accepted_drafts() -> None:
+    executor = PerfExecutor(PERF, CacheBudget(4, 4), accept=lambda _rid, k: k - 1)
+    executor.add(make(prompt=4, max_tokens=5))
+    outcome, duration = executor.execute(BatchPlan((PrefillChunk("a", 4),)), 0.0)
+    assert duration == 2.0 and outcome.outcomes[0].new_token_ids == [token_id("a", 0)]
+    outcome, _ = executor.execute(BatchPlan((DecodeStep("a", 2),)), 2.0)
+    assert outcome.outcomes[0].num_accepted_tokens == 1
+    assert executor.output("a") == [token_id("a", j) for j in range(3)]
+    assert executor.token_times["a"] == [2.0, 3.5, 3.5]
+
+
+def test_preemption_keeps_tokens_and_resume_recomputes_them() -> None:
+    executor = PerfExecutor(PERF, CacheBudget(4, 4))
+    executor.add(make(prompt=4, max_tokens=3))
+    executor.execute(BatchPlan((PrefillChunk("a", 4),)), 0.0)
+    executor.execute(BatchPlan((DecodeStep("a"),)), 2.0)
+    executor.execute(BatchPlan((), preempt=("a",)), 2.5)
+    assert executor.output("a") == [token_id("a", 0), token_id("a", 1)]
+    executor.execute(BatchPlan((PrefillChunk("a", 6),)), 2.5)
+    assert executor.output("a") == [token_id("a", j) for j in range(3)]
+    assert executor.preemptions == ["a"]
+
+
+def test_refuses_plans_that_overrun_the_cache_or_feed_unknown_tokens() -> None:
+    executor = PerfExecutor(PERF, CacheBudget(1, 4))
+    executor.add(make(prompt=6))
+    with pytest.raises(ValueError, match="KV blocks"):
+        executor.execute(BatchPlan((PrefillChunk("a", 6),)), 0.0)
+    roomy = PerfExecutor(PERF, CacheBudget(8, 4))
+    roomy.add(make(prompt=6))
+    with pytest.raises(ValueError, match="uncomputed"):
+        roomy.execute(BatchPlan((PrefillChunk("a", 7),)), 0.0)
+    with pytest.raises(ValueError, match="not decoding"):
+        executor.execute(BatchPlan((DecodeStep("a"),)), 0.0)
+
+
+def test_late_tokens_uses_deadline_semantics() -> None:
+    request = make()  # TTFT 1 s, TPOT 0.5 s
+    assert late_tokens(request, [1.0, 1.5, 2.0]) == []
+    assert late_tokens(request, [0.2, 1.6, 1.7]) == [1]  # early tokens bank slack
+
+
+def test_refuses_speculation_past_max_tokens() -> None:
+    executor = PerfExecutor(PERF, CacheBudget(8, 4), accept=lambda _rid, k: k)
+    executor.add(make(prompt=4, max_tokens=3))
+    executor.execute(BatchPlan((PrefillChunk("a", 4),)), 0.0)
+    with pytest.raises(ValueError, match="speculates 2 tokens with 2 to go"):
+        executor.execute(BatchPlan((DecodeStep("a", 2),)), 2.0)

@@ -1,0 +1,295 @@
+"""The SLOs-Serve scheduler end to end: plans executed on the perf model as the clock."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from replica.perf_model import FEATURES, FORMAT, PerfModel
+from replica.planner.base import CacheBudget, Scheduler
+from replica.planner.config import InvocationConfig, PlannerConfig, SpecConfig
+from replica.planner.deadlines import token_deadline
+from replica.planner.executor import (
+    AcceptFn,
+    PerfExecutor,
+    late_tokens,
+    run_workload,
+    token_id,
+)
+from replica.planner.queues import peak_tokens
+from replica.planner.sarathi import SarathiConfig, SarathiScheduler
+from replica.planner.slos import SlosScheduler
+from replica.planner.vllm import VllmScheduler
+from replica.request import SLO, Request, SamplingParams, Stage, Tier
+
+
+def perf_model(*terms: dict[str, float]) -> PerfModel:
+    return PerfModel.from_dict(
+        {
+            "format": FORMAT,
+            "source": "analytic",
+            "backend": "test",
+            "device": "test",
+            "model": "test",
+            "features": list(FEATURES),
+            "terms": [
+                {"name": f"t{i}", "coefficients": {f: t.get(f, 0.0) for f in FEATURES}}
+                for i, t in enumerate(terms)
+            ],
+        }
+    )
+
+
+SIX_PER_UNIT = perf_model({"tokens": 1 / 6})
+GPU_LIKE = perf_model(
+    {
+        "const": 0.004,
+        "tokens": 5e-5,
+        "attn_tokens": 2e-8,
+        "draft_steps": 1e-3,
+        "draft_tokens": 2e-5,
+    },
+    {"const": 0.006, "requests": 2e-4, "kv_tokens": 1e-7, "draft_steps": 1e-3},
+)
+
+
+def request(
+    rid: str,
+    prompt: int,
+    max_tokens: int,
+    ttft_s: float = 1.0,
+    tpot_s: float = 0.05,
+    arrival: float = 0.0,
+    stages: tuple[Stage, ...] = (),
+    tier: Tier = Tier.SLO,
+    value: float = 1.0,
+) -> Request:
+    slo = SLO(ttft_ms=ttft_s * 1e3, tpot_ms=tpot_s * 1e3, stages=stages)
+    return Request(
+        rid,
+        [1] * prompt,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        slo if tier is Tier.SLO else None,
+        tier=tier,
+        arrival_time=arrival,
+        value=value,
+    )
+
+
+def figure3_requests() -> list[Request]:
+    """Three decoders exactly on their line (TPOT 1 unit) when four 6-token prompts (TTFT 6
+    units) arrive at t = 1."""
+    running = [request(f"run{i}", 2, 12, 1.0, 1.0) for i in range(3)]
+    burst = [request(f"new{i}", 6, 5, 6.0, 1.0, arrival=1.0) for i in range(4)]
+    return running + burst
+
+
+def run(
+    scheduler: Scheduler,
+    perf: PerfModel,
+    cache: CacheBudget,
+    requests: list[Request],
+    accept: AcceptFn | None = None,
+) -> tuple[PerfExecutor, dict[str, list[int]]]:
+    executor = PerfExecutor(perf, cache, accept)
+    run_workload(scheduler, executor, requests)
+    late = {r.request_id: late_tokens(r, executor.token_times[r.request_id]) for r in requests}
+    return executor, late
+
+
+def test_figure3_prefill_first_misses_tpot_and_decode_first_misses_ttft() -> None:
+    cache = CacheBudget(100, 16)
+    _, vllm_late = run(VllmScheduler(cache), SIX_PER_UNIT, cache, figure3_requests())
+    assert all(vllm_late[f"run{i}"] for i in range(3))  # decodes stalled behind prefills
+    sarathi = SarathiScheduler(cache, SarathiConfig(token_budget=6))
+    _, sarathi_late = run(sarathi, SIX_PER_UNIT, cache, figure3_requests())
+    assert sarathi_late["new2"][:1] == [0] and sarathi_late["new3"][:1] == [0]  # TTFT missed
+
+
+def test_figure3_slos_admits_three_and_every_admitted_slo_holds() -> None:
+    cache = CacheBudget(100, 16)
+    config = PlannerConfig(idle_period_s=1.0)
+    scheduler = SlosScheduler(SIX_PER_UNIT, cache, config)
+    _, late = run(scheduler, SIX_PER_UNIT, cache, figure3_requests())
+    admitted = [rid for rid, ok in scheduler.verdicts.items() if ok]
+    assert sorted(admitted) == ["new0", "new1", "new2", "run0", "run1", "run2"]
+    assert all(not late[rid] for rid in admitted)
+    assert late["new3"]  # declined: served best-effort afterwards
+
+
+def test_plan_admission_is_a_pure_verdict() -> None:
+    cache = CacheBudget(100, 16)
+    scheduler = SlosScheduler(SIX_PER_UNIT, cache, PlannerConfig(idle_period_s=1.0))
+    for r in figure3_requests()[:3]:
+        scheduler.add_request(r, 0.0)
+    assert scheduler.schedule(0.0) is not None
+    burst = figure3_requests()[3:]
+    result = scheduler.plan_admission(burst, 0.0)
+    assert len(result.admitted) + len(result.declined) == 4
+    assert set(scheduler.admitted) == {"run0", "run1", "run2"}
+    assert scheduler.plan_admission(burst, 0.0) == result
+    be = request("be", 4, 2, tier=Tier.BEST_EFFORT)
+    assert scheduler.plan_admission([be], 0.0).declined == ("be",)
+
+
+def test_plan_ahead_forms_the_next_batches_without_changing_state() -> None:
+    cache = CacheBudget(100, 16)
+    scheduler = SlosScheduler(SIX_PER_UNIT, cache, PlannerConfig(idle_period_s=1.0))
+    for r in figure3_requests():
+        scheduler.add_request(r, r.arrival_time)
+    ahead = scheduler.plan_ahead(1.0, count=4)
+    assert [t for t, _ in ahead] == [1.0, 2.0, 3.0, 4.0]
+    assert scheduler.pending and not scheduler.verdicts
+    assert scheduler.schedule(1.0) == ahead[0][1]
+    assert all(plan.num_tokens == 6 for _, plan in ahead)  # full batches of one time unit
+
+
+def test_reasoning_request_is_planned_with_the_tight_tier_only_while_thinking() -> None:
+    stages = (Stage(tpot_ms=20.0, num_tokens=6, name="think"), Stage(tpot_ms=200.0, name="answer"))
+    reasoning = request("r", 8, 12, ttft_s=0.2, tpot_s=0.2, stages=stages)
+    chat = request("c", 8, 40, ttft_s=0.2, tpot_s=0.2)
+    cache = CacheBudget(64, 16)
+    config = PlannerConfig(invocation=InvocationConfig(interval_s=1e-3))
+    scheduler = SlosScheduler(GPU_LIKE, cache, config)
+    executor = PerfExecutor(GPU_LIKE, cache)
+    now = 0.0
+    periods: list[tuple[int, float]] = []
+    for r in (reasoning, chat):
+        executor.add(r)
+        scheduler.add_request(r, now)
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule(now)
+        assert plan is not None and scheduler.budget is not None
+        if "r" in scheduler.queues.states:
+            periods.append(
+                (len(scheduler.queues.states["r"].output_token_ids), scheduler.budget.period_s)
+            )
+        outcome, duration = executor.execute(plan, now)
+        now += duration
+        scheduler.update_from_outcome(plan, outcome, now)
+    assert all(p == 0.02 for n, p in periods if n < 6)
+    assert any(p == 0.2 for n, p in periods if n > 6)
+    for r in (reasoning, chat):
+        assert not late_tokens(r, executor.token_times[r.request_id])
+
+
+def test_speculation_lengths_follow_the_measured_acceptance() -> None:
+    cache = CacheBudget(64, 16)
+    config = PlannerConfig(spec=SpecConfig(initial_acceptance=0.3, ema_weight=0.5))
+    scheduler = SlosScheduler(GPU_LIKE, cache, config)
+    requests = [request(f"r{i}", 16, 24, ttft_s=0.1, tpot_s=0.015) for i in range(2)]
+    executor, late = run(scheduler, GPU_LIKE, cache, requests, accept=lambda _r, k: k)
+    assert scheduler.acceptance is not None and scheduler.acceptance.value > 0.9
+    assert any(k > 0 for k in executor.drafted)
+    assert not any(late.values())
+
+
+def test_best_effort_requests_are_preempted_and_resume_with_their_tokens() -> None:
+    cache = CacheBudget(6, 16)
+    background = [request(f"be{i}", 20, 30, tier=Tier.BEST_EFFORT) for i in range(2)]
+    urgent = request("slo", 40, 20, ttft_s=0.5, tpot_s=0.05, arrival=0.05)
+    scheduler = SlosScheduler(GPU_LIKE, cache)
+    executor = PerfExecutor(GPU_LIKE, cache)
+    run_workload(scheduler, executor, [*background, urgent])
+    assert scheduler.verdicts == {"slo": True}
+    assert set(executor.preemptions) <= {"be0", "be1"} and executor.preemptions
+    for r in [*background, urgent]:
+        expected = [token_id(r.request_id, j) for j in range(r.sampling.max_tokens)]
+        assert executor.output(r.request_id) == expected
+    assert not late_tokens(urgent, executor.token_times["slo"])
+    assert executor.peak_blocks <= cache.num_blocks
+
+
+def test_a_request_falling_behind_is_planned_with_a_tighter_tpot() -> None:
+    cache = CacheBudget(64, 16)
+    scheduler = SlosScheduler(GPU_LIKE, cache)
+    executor = PerfExecutor(GPU_LIKE, cache)
+    r = request("r", 8, 20, ttft_s=0.1, tpot_s=0.05)
+    executor.add(r)
+    scheduler.add_request(r, 0.0)
+    now = 0.0
+    for _ in range(3):
+        plan = scheduler.schedule(now)
+        assert plan is not None
+        outcome, duration = executor.execute(plan, now)
+        now += duration
+        scheduler.update_from_outcome(plan, outcome, now)
+    assert scheduler.admitted["r"] == 0.05
+    # The next step runs far slower than predicted: when it reports, the token after it is due
+    # sooner than a batch period away.
+    plan = scheduler.schedule(now)
+    assert plan is not None and scheduler.budget is not None
+    outcome, _ = executor.execute(plan, now)
+    produced = len(executor.output("r"))
+    stalled = token_deadline(r, produced) - scheduler.budget.period_s / 2
+    scheduler.update_from_outcome(plan, outcome, stalled)
+    assert scheduler.invocation.drifted
+    assert scheduler.schedule(stalled) is not None
+    # Replanned with the request at half its TPOT: batches now come twice as often.
+    assert scheduler.budget.period_s == 0.025
+
+
+@st.composite
+def slo_request(draw: st.DrawFn, rid: str, tpots: list[float]) -> Request:
+    """SLO or best-effort; some with a second stage, possibly starting early."""
+    max_tokens = draw(st.integers(1, 30))
+    stages: tuple[Stage, ...] = ()
+    if max_tokens > 2 and draw(st.booleans()):
+        split = draw(st.integers(1, max_tokens - 1))
+        first = Stage(tpot_ms=draw(st.sampled_from(tpots)) * 1e3, num_tokens=split)
+        gap = draw(st.sampled_from([None, 0.0, 20.0, 100.0]))
+        stages = (first, Stage(tpot_ms=draw(st.sampled_from(tpots)) * 1e3, ttft_ms=gap))
+    tier = Tier.BEST_EFFORT if draw(st.integers(0, 9)) == 0 else Tier.SLO
+    return request(
+        rid,
+        prompt=draw(st.integers(1, 300)),
+        max_tokens=max_tokens,
+        ttft_s=draw(st.sampled_from([0.02, 0.05, 0.1, 0.3])),
+        tpot_s=draw(st.sampled_from(tpots)),
+        arrival=draw(st.floats(0.0, 0.3)),
+        stages=stages,
+        tier=tier,
+        value=draw(st.sampled_from([1.0, 2.5])),
+    )
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[list[Request], int, int]:
+    """Requests over 1-3 TPOT tiers, KV blocks (enough for the largest alone and up to 6x
+    that), and the DP's group size."""
+    tpots = draw(
+        st.lists(st.sampled_from([0.015, 0.025, 0.04, 0.08]), min_size=1, max_size=3, unique=True)
+    )
+    requests = [draw(slo_request(f"r{i}", tpots)) for i in range(draw(st.integers(1, 12)))]
+    need = max(-(-peak_tokens(r) // 16) for r in requests)
+    return requests, draw(st.integers(need, 6 * need)), draw(st.sampled_from([3, 16]))
+
+
+def check_admitted_slos_hold(workload: tuple[list[Request], int, int], spec: bool) -> None:
+    requests, num_blocks, group = workload
+    cache = CacheBudget(num_blocks, 16)
+    config = PlannerConfig(spec=SpecConfig() if spec else None, max_dp_candidates=group)
+    scheduler = SlosScheduler(GPU_LIKE, cache, config)
+    # With speculation every draft is accepted: at least what the planner's E(s) assumes.
+    executor, late = run(scheduler, GPU_LIKE, cache, requests, (lambda _r, k: k) if spec else None)
+    for r in requests:
+        assert len(executor.output(r.request_id)) == r.sampling.max_tokens
+        if scheduler.verdicts.get(r.request_id):
+            assert not late[r.request_id], (r.request_id, late[r.request_id])
+    assert executor.peak_blocks <= num_blocks
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_property_admitted_requests_meet_their_slos(
+    workload: tuple[list[Request], int, int],
+) -> None:
+    check_admitted_slos_hold(workload, spec=False)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_property_admitted_requests_meet_their_slos_with_speculation(
+    workload: tuple[list[Request], int, int],
+) -> None:
+    check_admitted_slos_hold(workload, spec=True)

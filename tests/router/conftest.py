@@ -1,0 +1,56 @@
+"""A real front door for end-to-end tests: the demo pair on a local Ray cluster (2 replicas,
+backup policy reject), with both doors on 127.0.0.1 and API keys required."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from router.config import FrontDoorConfig
+from router.local import LocalFrontDoor
+from tests.cluster.conftest import write_profile
+
+API_KEY = "sk-test"
+TENANT = "team-a"
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
+        )
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live(
+    ray_local: None, target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalFrontDoor]:
+    tmp = tmp_path_factory.mktemp("frontdoor")
+    keys = tmp / "keys"
+    keys.write_text(f"{API_KEY} {TENANT}\n")
+    config = FrontDoorConfig.from_args(
+        {
+            "cluster": {
+                "model": str(target_dir),
+                "draft": str(draft_dir),
+                "profile": str(write_profile(tmp / "profile.json")),
+                "replicas": 2,
+                "num_kv_blocks": 128,
+                "backup_policy": "reject",
+                "tiers": [{"name": "chat", "ttft_ms": 3000, "tpot_ms": 500}],
+            },
+            "http": {"port": 0},
+            "grpc": {"port": 0},
+            "api_keys_file": str(keys),
+        }
+    )
+    with LocalFrontDoor(config) as front:
+        yield front

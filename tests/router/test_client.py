@@ -1,0 +1,192 @@
+"""The SDK against a minimal in-test gRPC servicer on 127.0.0.1.
+
+The servicer stands in for no real component's logic: it only scripts the status codes a
+client must handle (UNAVAILABLE, RESOURCE_EXHAUSTED with retry-after, slow streams, a stream
+broken midway), so retries, deadlines and typed results of the client can be checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from replica.request import SLO, Stage
+from router.client import AsyncClient, Chunk, Client, ClientError, Result, RetryPolicy
+from router.gen.slos_serve.v1 import serving_pb2 as pb
+from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
+
+FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
+
+
+@dataclass
+class ScriptedServicer(pb_grpc.ServingServicer):
+    """Fails the first `unavailable` calls, then behaves as `mode` says."""
+
+    mode: str = "ok"
+    unavailable: int = 0
+    calls: int = 0
+    seen: list[tuple[pb.GenerateRequest, dict[str, str]]] = field(default_factory=list)
+
+    def Generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        self.calls += 1
+        self.seen.append((request, dict(context.invocation_metadata())))
+        if self.calls <= self.unavailable:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no replica is up")
+        if self.mode == "reject":
+            context.set_trailing_metadata((("retry-after-ms", "1500"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no replica could guarantee the SLO")
+        yield pb.GenerateResponse(chunk=pb.TextChunk(text="Hel", token_ids=[1, 2]))
+        if self.mode == "slow":
+            time.sleep(2.0)
+        if self.mode == "break":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "replica lost")
+        yield pb.GenerateResponse(chunk=pb.TextChunk(text="lo", token_ids=[3]))
+        final = pb.Final(
+            request_id="r1", verdict="admitted", replica=1, hops=2, finish_reason="length"
+        )
+        final.prompt_tokens, final.completion_tokens, final.slo_attained = 4, 3, True
+        final.stages.add(name="default", attained=True)
+        yield pb.GenerateResponse(final=final)
+
+    def GetClusterStatus(
+        self, request: pb.GetClusterStatusRequest, context: grpc.ServicerContext
+    ) -> pb.ClusterStatus:
+        status = pb.ClusterStatus(model="demo", counters={"admitted": 3})
+        status.replicas.add(replica=0, alive=True, running=2, kv_usage=0.25)
+        return status
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[ScriptedServicer, str]]:
+    servicer = ScriptedServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_ServingServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_stream_is_typed_and_request_carries_options(served: tuple[ScriptedServicer, str]) -> None:
+    servicer, target = served
+    slo = SLO(300, 40, (Stage(20, 8, name="think"), Stage(60)))
+    with Client(target, api_key="sk-1", retry=FAST_RETRY) as client:
+        items = list(client.generate("Hi", max_tokens=3, slo=slo, priority=-1, seed=5))
+        status = client.cluster_status()
+    assert items[:2] == [Chunk("Hel", (1, 2)), Chunk("lo", (3,))]
+    result = items[2]
+    assert isinstance(result, Result)
+    assert (result.verdict, result.replica, result.hops, result.slo_attained) == (
+        "admitted",
+        1,
+        2,
+        True,
+    )
+    assert result.ttft_s is None and result.completion_tokens == 3
+    request, metadata = servicer.seen[0]
+    assert metadata["authorization"] == "Bearer sk-1"
+    assert request.prompt == "Hi" and request.max_tokens == 3 and request.seed == 5
+    assert request.priority == -1 and not request.HasField("temperature")
+    assert request.slo.ttft_ms == 300 and [s.name for s in request.slo.stages] == ["think", ""]
+    assert request.slo.stages[0].num_tokens == 8 and not request.slo.stages[1].HasField(
+        "num_tokens"
+    )
+    assert (
+        status.model == "demo"
+        and status.replicas[0].running == 2
+        and status.counters == {"admitted": 3}
+    )
+
+
+def test_unavailable_is_retried_then_succeeds(served: tuple[ScriptedServicer, str]) -> None:
+    servicer, target = served
+    servicer.unavailable = 2
+    with Client(target, retry=FAST_RETRY) as client:
+        completion = client.complete([5, 6], service_tier="flex", slo="chat")
+    assert completion.text == "Hello" and servicer.calls == 3
+    request = servicer.seen[-1][0]
+    assert list(request.prompt_token_ids) == [5, 6]
+    assert request.service_tier == pb.SERVICE_TIER_FLEX and request.slo.tier == "chat"
+
+
+def test_retries_stop_at_max_attempts(served: tuple[ScriptedServicer, str]) -> None:
+    servicer, target = served
+    servicer.unavailable = 10
+    with Client(target, retry=FAST_RETRY) as client, pytest.raises(ClientError) as info:
+        client.complete("x")
+    assert info.value.code is grpc.StatusCode.UNAVAILABLE and servicer.calls == 4
+
+
+def test_rejection_is_not_retried_and_carries_retry_after(
+    served: tuple[ScriptedServicer, str],
+) -> None:
+    servicer, target = served
+    servicer.mode = "reject"
+    with Client(target, retry=FAST_RETRY) as client, pytest.raises(ClientError) as info:
+        client.complete("x")
+    assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.retry_after_s == 1.5 and servicer.calls == 1
+
+
+def test_broken_stream_is_never_replayed(served: tuple[ScriptedServicer, str]) -> None:
+    servicer, target = served
+    servicer.mode = "break"
+    received: list[object] = []
+    with Client(target, retry=FAST_RETRY) as client, pytest.raises(ClientError) as info:
+        for item in client.generate("x"):
+            received.append(item)
+    assert info.value.code is grpc.StatusCode.UNAVAILABLE
+    assert received == [Chunk("Hel", (1, 2))] and servicer.calls == 1
+
+
+def test_deadline_is_enforced(served: tuple[ScriptedServicer, str]) -> None:
+    servicer, target = served
+    servicer.mode = "slow"
+    with Client(target, retry=FAST_RETRY) as client, pytest.raises(ClientError) as info:
+        client.complete("x", timeout_s=0.3)
+    assert info.value.code is grpc.StatusCode.DEADLINE_EXCEEDED and servicer.calls == 1
+
+
+def test_async_client_retries_and_streams(served: tuple[ScriptedServicer, str]) -> None:
+    servicer, target = served
+    servicer.unavailable = 1
+
+    async def run() -> tuple[list[object], int]:
+        async with AsyncClient(target, api_key="sk-2", retry=FAST_RETRY) as client:
+            items = [item async for item in client.generate("Hi")]
+            status = await client.cluster_status()
+        return items, len(status.replicas)
+
+    items, replicas = asyncio.run(run())
+    assert [i.text for i in items if isinstance(i, Chunk)] == ["Hel", "lo"]
+    assert isinstance(items[-1], Result) and replicas == 1 and servicer.calls == 2
+    assert servicer.seen[-1][1]["authorization"] == "Bearer sk-2"
+
+
+def test_async_client_rejection(served: tuple[ScriptedServicer, str]) -> None:
+    servicer, target = served
+    servicer.mode = "reject"
+
+    async def run() -> None:
+        async with AsyncClient(target, retry=FAST_RETRY) as client:
+            await client.complete("x")
+
+    with pytest.raises(ClientError) as info:
+        asyncio.run(run())
+    assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.retry_after_s == 1.5
+
+
+def test_bad_service_tier_fails_before_sending() -> None:
+    with (
+        Client("127.0.0.1:9", retry=FAST_RETRY) as client,
+        pytest.raises(ValueError, match="service_tier"),
+    ):
+        client.complete("x", service_tier="gold")

@@ -1,0 +1,47 @@
+"""Application args: validated before anything starts, default SLO resolution."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from replica.request import SLO
+from router.app import build_app
+from router.config import FALLBACK_SLO, FrontDoorConfig
+
+CLUSTER = {"model": "m", "spec_policy": "none"}
+TIERS = [
+    {"name": "chat", "ttft_ms": 2000, "tpot_ms": 200},
+    {"name": "code", "ttft_ms": 1000, "tpot_ms": 400},
+]
+
+
+def test_defaults_and_default_slo() -> None:
+    config = FrontDoorConfig.from_args({"cluster": CLUSTER})
+    assert (config.http_port, config.grpc_port, config.grpc_host) == (8000, 50051, None)
+    assert config.default_slo == FALLBACK_SLO
+    tiered = {"cluster": {**CLUSTER, "tiers": TIERS}}
+    assert FrontDoorConfig.from_args(tiered).default_slo == SLO(2000, 200)
+    named = FrontDoorConfig.from_args({**tiered, "default_slo": "code"})
+    assert named.default_slo == SLO(1000, 400) and named.tiers["chat"] == SLO(2000, 200)
+    explicit = FrontDoorConfig.from_args({**tiered, "default_slo": {"ttft_ms": 9, "tpot_ms": 8}})
+    assert explicit.default_slo == SLO(9, 8)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"cluster": CLUSTER, "htp": {}}, "htp"),
+        ({"cluster": CLUSTER, "http": {"port": 70000}}, "http_port"),
+        ({"cluster": CLUSTER, "grpc": {"port": "x"}}, "grpc_port"),
+        ({"cluster": CLUSTER, "grpc": {"prot": 1}}, "grpc"),
+        ({"cluster": {**CLUSTER, "replicas": 0}}, "replicas"),
+        ({"cluster": CLUSTER, "default_slo": "gold"}, "gold"),
+        ({"cluster": CLUSTER, "default_slo": {"ttft_ms": 1}}, "default_slo"),
+        ({"cluster": CLUSTER, "default_chat_max_tokens": 0}, "default_chat_max_tokens"),
+    ],
+)
+def test_bad_args_fail_before_start(args: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_app(args)

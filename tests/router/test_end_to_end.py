@@ -1,0 +1,225 @@
+"""Both doors on the real cluster (demo pair, 2 replicas, backup policy: reject).
+
+HTTP is driven by the official `openai` package (and httpx for raw headers); gRPC by our SDK
+plus the standard health and reflection clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from replica.request import SLO
+from router.client import AsyncClient, Chunk, Client, ClientError, Result
+from router.local import LocalFrontDoor
+from tests.router.conftest import API_KEY, TENANT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPT = "Once upon a time"
+IMPOSSIBLE = {"ttft_ms": 0.001, "tpot_ms": 0.001}
+"""No replica can promise a first token within a microsecond: the backup policy rejects."""
+
+
+@pytest.fixture(scope="module")
+def oai(live: LocalFrontDoor) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.http_url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def greedy_text(oai: openai.OpenAI) -> str:
+    out = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=8, temperature=0)
+    return out.choices[0].text
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_completion(oai: openai.OpenAI, live: LocalFrontDoor, greedy_text: str) -> None:
+    out = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert out.choices[0].text == greedy_text and out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage is not None and out.usage.completion_tokens <= 8
+    assert out.usage.prompt_tokens == len(live.door.codec.encode(PROMPT))
+    info = out.model_extra["slos_serve"]
+    assert info["verdict"] == "admitted" and info["replica"] in (0, 1) and info["hops"] >= 1
+
+
+def test_streamed_completion_equals_unstreamed(oai: openai.OpenAI, greedy_text: str) -> None:
+    stream = oai.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=8, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == greedy_text
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+
+
+def test_chat_stream_with_usage(oai: openai.OpenAI) -> None:
+    stream = oai.chat.completions.create(
+        model="demo",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 6
+    full = oai.chat.completions.create(
+        model="demo",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        temperature=0,
+    )
+    assert "".join(d.content or "" for d in deltas) == full.choices[0].message.content
+
+
+def test_flex_is_served_best_effort(oai: openai.OpenAI) -> None:
+    out = oai.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=4,
+        service_tier="flex",
+        temperature=0,
+    )
+    assert out.service_tier == "flex"
+    assert out.model_extra["slos_serve"]["verdict"] == "best_effort"
+    assert out.model_extra["slos_serve"]["slo_attained"] is None
+
+
+def test_headers_say_what_the_cluster_did(live: LocalFrontDoor) -> None:
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2}
+    headers = {**auth(), "x-slo-ttft-ms": "5000", "x-slo-tpot-ms": "1000"}
+    r = httpx.post(live.http_url + "/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200
+    assert r.headers["x-slos-serve-verdict"] == "admitted"
+    assert (
+        r.headers["x-slos-serve-replica"] in ("0", "1") and int(r.headers["x-slos-serve-hops"]) >= 1
+    )
+
+
+def test_errors_have_the_right_status(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.completions.create(model="demo", prompt="x", max_tokens=-3)
+    assert bad.value.body["param"] == "max_tokens"
+    anonymous = openai.OpenAI(base_url=live.http_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.completions.create(model="demo", prompt="x", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as limited:
+        oai.completions.create(
+            model="demo", prompt="x", max_tokens=2, extra_body={"slo": IMPOSSIBLE}
+        )
+    assert int(limited.value.response.headers["retry-after"]) >= 1
+    r = httpx.post(
+        live.http_url + "/v1/completions", content=b"{not json", headers=auth(), timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(
+        live.http_url + "/v1/completions", content=b"[[[[" * 5000, headers=auth(), timeout=30
+    )
+    assert r.status_code == 400
+
+
+def test_models_health_status_metrics(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
+    assert [m.id for m in oai.models.list()] == ["demo"]
+    assert httpx.get(live.http_url + "/health", timeout=30).json()["status"] == "ok"
+    status = httpx.get(live.http_url + "/v1/cluster/status", headers=auth(), timeout=30).json()
+    assert status["model"] == "demo" and len(status["replicas"]) == 2
+    assert httpx.get(live.http_url + "/v1/cluster/status", timeout=30).status_code == 401
+    text = httpx.get(live.http_url + "/metrics", timeout=30).text
+    values = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    admitted = values[
+        ("slos_serve:requests_admitted_total", (("model", "demo"), ("tenant", TENANT)))
+    ]
+    assert admitted == status["counters"]["admitted"]
+    running = [v for (name, _), v in values.items() if name == "slos_serve:num_requests_running"]
+    assert len(running) == 2
+
+
+def test_grpc_sdk_streams_the_same_text(live: LocalFrontDoor, greedy_text: str) -> None:
+    with Client(live.grpc_target, api_key=API_KEY) as client:
+        items = list(client.generate(PROMPT, max_tokens=8, temperature=0.0, slo="chat"))
+        status = client.cluster_status()
+    chunks = [i for i in items if isinstance(i, Chunk)]
+    result = items[-1]
+    assert isinstance(result, Result) and result.verdict == "admitted"
+    assert "".join(c.text for c in chunks) == greedy_text
+    assert sum(len(c.token_ids) for c in chunks) == result.completion_tokens
+    assert result.ttft_s is not None and result.ttft_s > 0 and len(status.replicas) == 2
+
+
+def test_grpc_status_codes(live: LocalFrontDoor) -> None:
+    with Client(live.grpc_target) as client, pytest.raises(ClientError) as info:
+        client.complete(PROMPT, max_tokens=2)
+    assert info.value.code is grpc.StatusCode.UNAUTHENTICATED
+    with Client(live.grpc_target, api_key=API_KEY) as client:
+        with pytest.raises(ClientError) as info:
+            client.complete(PROMPT, max_tokens=2, top_p=7.0)
+        assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT and "top_p" in info.value.details
+        with pytest.raises(ClientError) as info:
+            client.complete(PROMPT, max_tokens=2, model="gpt-4")
+        assert info.value.code is grpc.StatusCode.NOT_FOUND
+        with pytest.raises(ClientError) as info:
+            client.complete(PROMPT, max_tokens=2, slo=SLO(**IMPOSSIBLE))
+        assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.retry_after_s is not None and info.value.retry_after_s > 0
+
+
+def test_grpc_async_client_and_standard_services(live: LocalFrontDoor) -> None:
+    async def run() -> Result:
+        async with AsyncClient(live.grpc_target, api_key=API_KEY) as client:
+            done = await client.complete(PROMPT, max_tokens=3, service_tier="flex")
+        return done.result
+
+    result = asyncio.run(run())
+    assert result.verdict == "best_effort" and result.slo_attained is None
+    with grpc.insecure_channel(live.grpc_target) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="slos_serve.v1.Serving"), timeout=10
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"slos_serve.v1.Serving", "grpc.health.v1.Health"} <= names
+
+
+def test_client_disconnect_aborts_the_request(live: LocalFrontDoor) -> None:
+    body = {
+        "model": "demo",
+        "prompt": PROMPT,
+        "max_tokens": 1500,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", live.http_url + "/v1/completions", json=body, headers=auth()) as r,
+    ):
+        assert r.status_code == 200
+        next(r.iter_lines())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = httpx.get(live.http_url + "/v1/cluster/status", headers=auth(), timeout=30).json()
+        if all(rep["running"] == 0 and rep["waiting"] == 0 for rep in status["replicas"]):
+            break
+        time.sleep(0.1)
+    assert all(rep["running"] == 0 for rep in status["replicas"]), status

@@ -1,0 +1,83 @@
+"""gRPC messages map onto the same validation as HTTP bodies, and records map back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.api import ClusterStatus, FinalRecord, ReplicaStatus, StageVerdict, Verdict
+from replica.request import SLO, Stage, Tier
+from router.client import GenerateOptions, build_request, result_from_proto, status_from_proto
+from router.errors import BadRequest
+from router.gen.slos_serve.v1 import serving_pb2 as pb
+from router.grpc_server import final_to_proto, request_to_body, status_to_proto
+from router.openai_schema import Endpoint, SchemaContext, parse_body
+from router.tokenizer import TextCodec
+
+
+@pytest.fixture(scope="module")
+def codec(target_dir: Path) -> TextCodec:
+    return TextCodec.from_dir(target_dir)
+
+
+CTX = SchemaContext("demo", 2048, 4096, SLO(2000, 200), {"chat": SLO(1000, 100)})
+
+
+def test_sdk_request_parses_like_the_http_body(codec: TextCodec) -> None:
+    slo = SLO(300, 40, (Stage(20, 8, name="think"), Stage(60)))
+    options = GenerateOptions(max_tokens=4, slo=slo, priority=1, temperature=0.0, stop=["\n"])
+    endpoint, body = request_to_body(build_request("Hello", None, options), "demo")
+    assert endpoint is Endpoint.COMPLETIONS
+    req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).request
+    assert req.slo == slo and req.value == 0.5 and req.sampling.temperature == 0.0
+    assert req.sampling.max_tokens == 4 and req.sampling.stop == ("\n",)
+    assert req.prompt_token_ids == codec.encode("Hello")
+
+
+def test_chat_flex_and_tier_name(codec: TextCodec) -> None:
+    messages = [("user", "Hi")]
+    options = GenerateOptions(service_tier="flex")
+    endpoint, body = request_to_body(build_request(None, messages, options), "demo")
+    req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).request
+    assert endpoint is Endpoint.CHAT and req.tier is Tier.BEST_EFFORT and req.slo is None
+    _, body = request_to_body(build_request([7, 8], None, GenerateOptions(slo="chat")), "demo")
+    req = parse_body(
+        Endpoint.COMPLETIONS, body, {}, CTX, codec, request_id="g", arrival_time=1.0
+    ).request
+    assert req.slo == SLO(1000, 100) and req.prompt_token_ids == [7, 8]
+
+
+def test_input_must_be_exactly_one() -> None:
+    for request in (pb.GenerateRequest(), pb.GenerateRequest(prompt="x", prompt_token_ids=[1])):
+        with pytest.raises(BadRequest) as info:
+            request_to_body(request, "demo")
+        assert info.value.param == "prompt"
+
+
+def test_tier_name_excludes_numbers() -> None:
+    request = pb.GenerateRequest(prompt="x", slo=pb.SLO(tier="chat", ttft_ms=5))
+    with pytest.raises(BadRequest) as info:
+        request_to_body(request, "demo")
+    assert info.value.param == "slo.tier"
+
+
+def test_final_and_status_round_trip() -> None:
+    record = FinalRecord(
+        "r",
+        Verdict.ADMITTED,
+        replica=0,
+        hops=1,
+        finish_reason="stop",
+        arrival_time=1.0,
+        first_token_time=1.25,
+        finish_time=2.0,
+        num_prompt_tokens=3,
+        num_output_tokens=2,
+        stages=(StageVerdict("default", True, 0),),
+    )
+    result = result_from_proto(final_to_proto(record))
+    assert (result.verdict, result.replica, result.finish_reason) == ("admitted", 0, "stop")
+    assert result.ttft_s == 0.25 and result.e2e_s == 1.0 and result.slo_attained is True
+    status = ClusterStatus("demo", (ReplicaStatus(0, True, 1, 2, 1, 0, 0.5),), {"admitted": 4})
+    assert status_from_proto(status_to_proto(status)) == status

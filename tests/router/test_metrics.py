@@ -1,0 +1,108 @@
+"""Exposition parses, and every count equals what the records fed in say (no double counting)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.api import ClusterStatus, FinalRecord, ReplicaStatus, StageVerdict, Verdict
+from router.metrics import PREFIX, FrontDoorMetrics
+
+
+def samples(metrics: FrontDoorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = metrics.exposition().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def record(verdict: Verdict, hops: int, stages: tuple[StageVerdict, ...] = ()) -> FinalRecord:
+    served = verdict is not Verdict.REJECTED
+    return FinalRecord(
+        request_id="r",
+        verdict=verdict,
+        replica=0 if served else None,
+        hops=hops,
+        finish_reason="length" if served else None,
+        arrival_time=10.0,
+        first_token_time=10.5 if served else None,
+        finish_time=12.0 if served else None,
+        num_prompt_tokens=5,
+        num_output_tokens=4 if served else 0,
+        stages=stages,
+    )
+
+
+def test_counts_match_records_fed() -> None:
+    m = FrontDoorMetrics("demo")
+    met = (StageVerdict("think", True, 0), StageVerdict("answer", False, 2))
+    m.record_final(record(Verdict.ADMITTED, 1, met), "chat", "team-a")
+    m.record_final(record(Verdict.ADMITTED, 2, met), "chat", "team-a")
+    m.record_final(record(Verdict.BEST_EFFORT, 2), "flex", "team-b")
+    m.record_final(record(Verdict.REJECTED, 2), "chat", "team-a")
+    m.reject("team-b", "bad_request")
+    last = m.record_tokens("chat", None, [1.0, 1.1, 1.3])
+    assert m.record_tokens("chat", last, [1.6]) == 1.6
+    s = samples(m)
+    admitted = (("model", "demo"), ("tenant", "team-a"))
+    assert s[(PREFIX + "requests_admitted_total", admitted)] == 2
+    best = (("model", "demo"), ("tenant", "team-b"))
+    assert s[(PREFIX + "requests_best_effort_total", best)] == 1
+    rejected = (("model", "demo"), ("reason", "backup_policy"), ("tenant", "team-a"))
+    assert s[(PREFIX + "requests_rejected_total", rejected)] == 1
+    bad = (("model", "demo"), ("reason", "bad_request"), ("tenant", "team-b"))
+    assert s[(PREFIX + "requests_rejected_total", bad)] == 1
+    think = (("model", "demo"), ("stage", "think"), ("tier", "chat"))
+    answer = (("model", "demo"), ("stage", "answer"), ("tier", "chat"))
+    assert s[(PREFIX + "slo_attained_total", think)] == 2
+    assert s[(PREFIX + "slo_violated_total", answer)] == 2
+    chat = (("model", "demo"), ("tier", "chat"))
+    assert s[(PREFIX + "time_to_first_token_seconds_count", chat)] == 2
+    assert s[(PREFIX + "time_to_first_token_seconds_sum", chat)] == 1.0
+    assert s[(PREFIX + "e2e_request_latency_seconds_sum", chat)] == 4.0
+    assert s[(PREFIX + "inter_token_latency_seconds_count", chat)] == 3
+    assert abs(s[(PREFIX + "inter_token_latency_seconds_sum", chat)] - 0.6) < 1e-9
+    assert s[(PREFIX + "route_hops_count", (("model", "demo"),))] == 4
+    assert s[(PREFIX + "route_hops_sum", (("model", "demo"),))] == 7
+
+
+def test_cluster_snapshot_is_replaced_not_summed() -> None:
+    m = FrontDoorMetrics("demo")
+    replicas = (
+        ReplicaStatus(0, True, running=3, waiting=1, admitted=3, best_effort=0, kv_usage=0.5),
+        ReplicaStatus(1, False, running=9, waiting=9, admitted=0, best_effort=0, kv_usage=0.9),
+    )
+    snapshot = {
+        "counters": {"spec_draft_tokens": 40, "spec_accepted_tokens": 25, "admitted": 7},
+        "histograms": {
+            "planner_latency_s": {
+                "bounds": [0.001, 0.01],
+                "counts": [2, 3],
+                "sum": 0.02,
+                "count": 4,
+            }
+        },
+    }
+    for _ in range(3):
+        m.refresh(ClusterStatus("demo", replicas), snapshot)
+        s = samples(m)
+    r0 = (("model", "demo"), ("replica", "0"))
+    r1 = (("model", "demo"), ("replica", "1"))
+    assert s[(PREFIX + "num_requests_running", r0)] == 3
+    assert s[(PREFIX + "num_requests_waiting", r0)] == 1
+    assert s[(PREFIX + "kv_cache_usage_perc", r0)] == 0.5
+    assert (PREFIX + "num_requests_running", r1) not in s
+    assert s[(PREFIX + "replica_up", r1)] == 0
+    model = (("model", "demo"),)
+    assert s[(PREFIX + "spec_decode_num_draft_tokens_total", model)] == 40
+    assert s[(PREFIX + "spec_decode_num_accepted_tokens_total", model)] == 25
+    assert s[(PREFIX + "planner_latency_seconds_count", model)] == 4
+    inf = (("le", "+Inf"), ("model", "demo"))
+    assert s[(PREFIX + "planner_latency_seconds_bucket", inf)] == 4
+
+
+def test_unknown_reject_reason_is_refused() -> None:
+    with pytest.raises(ValueError, match="bored"):
+        FrontDoorMetrics("demo").reject("t", "bored")

@@ -1,0 +1,290 @@
+"""Body parsing: valid bodies build the right Request; any other body is a clean 400 (or 404)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from replica.request import SLO, Stage, Tier
+from router.errors import ApiError, BadRequest, ModelNotFound
+from router.openai_schema import (
+    MAX_PRIORITY,
+    Endpoint,
+    ParsedRequest,
+    SchemaContext,
+    parse_body,
+)
+from router.tokenizer import TextCodec
+
+DEFAULT = SLO(ttft_ms=2000, tpot_ms=200)
+CHAT_TIER = SLO(ttft_ms=1000, tpot_ms=100)
+
+
+@pytest.fixture(scope="module")
+def codec(target_dir: Path) -> TextCodec:
+    return TextCodec.from_dir(target_dir)
+
+
+@pytest.fixture(scope="module")
+def ctx() -> SchemaContext:
+    return SchemaContext(
+        model_name="demo",
+        max_model_len=2048,
+        vocab_size=4096,
+        default_slo=DEFAULT,
+        tiers={"chat": CHAT_TIER},
+    )
+
+
+def parse(
+    codec: TextCodec,
+    ctx: SchemaContext,
+    body: object,
+    headers: dict[str, str] | None = None,
+    endpoint: Endpoint = Endpoint.COMPLETIONS,
+) -> ParsedRequest:
+    return parse_body(
+        endpoint, body, headers or {}, ctx, codec, request_id="r1", arrival_time=100.0
+    )
+
+
+def test_completion_defaults(codec: TextCodec, ctx: SchemaContext) -> None:
+    parsed = parse(codec, ctx, {"model": "demo", "prompt": "Hello world"})
+    req = parsed.request
+    assert req.prompt_token_ids == codec.encode("Hello world")
+    assert req.sampling.max_tokens == 16
+    assert req.sampling.temperature == 1.0
+    assert req.slo == DEFAULT and req.tier is Tier.SLO and req.value == 1.0
+    assert req.request_id == "r1" and req.arrival_time == 100.0 and req.model == "demo"
+    assert not parsed.stream and parsed.include_usage and parsed.slo_label == "default"
+
+
+def test_completion_fields(codec: TextCodec, ctx: SchemaContext) -> None:
+    body = {
+        "model": "demo",
+        "prompt": [5, 6, 7],
+        "max_tokens": 8.0,
+        "temperature": 0,
+        "top_p": 0.5,
+        "top_k": 4,
+        "seed": 7,
+        "stop": "\n",
+        "stream": True,
+        "stream_options": {"include_usage": False},
+        "priority": -2,
+        "n": 1,
+        "user": "alice",
+    }
+    parsed = parse(codec, ctx, body)
+    s = parsed.request.sampling
+    assert parsed.request.prompt_token_ids == [5, 6, 7]
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (
+        8,
+        0.0,
+        0.5,
+        4,
+        7,
+        ("\n",),
+    )
+    assert parsed.stream and not parsed.include_usage
+    assert parsed.request.value == 4.0
+
+
+def test_chat_uses_template_and_remaining_context(codec: TextCodec, ctx: SchemaContext) -> None:
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
+    parsed = parse(codec, ctx, {"model": "demo", "messages": messages}, endpoint=Endpoint.CHAT)
+    text = "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    assert parsed.request.prompt_token_ids == codec.encode(text)
+    assert parsed.request.sampling.max_tokens == ctx.default_chat_max_tokens
+    body = {"model": "demo", "messages": messages, "max_completion_tokens": 3}
+    assert parse(codec, ctx, body, endpoint=Endpoint.CHAT).request.sampling.max_tokens == 3
+
+
+def test_slo_sources_in_order(codec: TextCodec, ctx: SchemaContext) -> None:
+    base = {"model": "demo", "prompt": "x"}
+    headers = {"X-SLO-TTFT-MS": "500", "x-slo-tpot-ms": "50"}
+    by_header = parse(codec, ctx, base, headers)
+    assert by_header.request.slo == SLO(500, 50) and by_header.slo_label == "header"
+    only_ttft = parse(codec, ctx, base, {"x-slo-ttft-ms": "700"}).request.slo
+    assert only_ttft == SLO(700, DEFAULT.tpot_ms)
+    body = {**base, "slo": {"ttft_ms": 300}}
+    assert parse(codec, ctx, body, headers).request.slo == SLO(300, DEFAULT.tpot_ms)
+    named = parse(codec, ctx, {**base, "slo": "chat"}, headers)
+    assert named.request.slo == CHAT_TIER and named.slo_label == "chat"
+    staged = {
+        **base,
+        "slo": {
+            "ttft_ms": 100,
+            "stages": [{"name": "think", "tpot_ms": 20, "num_tokens": 50}, {"tpot_ms": 80}],
+        },
+    }
+    slo = parse(codec, ctx, staged).request.slo
+    assert slo == SLO(100, 20, (Stage(20, 50, None, "think"), Stage(80)))
+
+
+def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -> None:
+    parsed = parse(codec, ctx, {"model": "demo", "prompt": "x", "service_tier": "flex"})
+    assert parsed.request.tier is Tier.BEST_EFFORT and parsed.request.slo is None
+    assert parsed.slo_label == "flex"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "demo"}, "prompt"),
+        ({"model": "demo", "prompt": ""}, "prompt"),
+        ({"model": "demo", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "demo", "prompt": [1, 99999]}, "prompt"),
+        ({"prompt": "x"}, "model"),
+        ({"model": "demo", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": "demo", "prompt": "x", "max_tokens": 2048}, "max_tokens"),
+        ({"model": "demo", "prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"model": "demo", "prompt": "x", "temperature": math.nan}, "temperature"),
+        ({"model": "demo", "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": "demo", "prompt": "x", "seed": -1}, "seed"),
+        ({"model": "demo", "prompt": "x", "stop": ["a", 3]}, "stop"),
+        ({"model": "demo", "prompt": "x", "n": 2}, "n"),
+        ({"model": "demo", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "demo", "prompt": "x", "priority": MAX_PRIORITY + 1}, "priority"),
+        ({"model": "demo", "prompt": "x", "service_tier": "scale"}, "service_tier"),
+        ({"model": "demo", "prompt": "x", "slo": {"ttft_ms": -1}}, "slo.ttft_ms"),
+        ({"model": "demo", "prompt": "x", "slo": {"ttfb_ms": 1}}, "slo.ttfb_ms"),
+        ({"model": "demo", "prompt": "x", "slo": "gold"}, "slo"),
+        ({"model": "demo", "prompt": "x", "slo": {"stages": [{"num_tokens": 3}]}}, None),
+        ({"model": "demo", "prompt": "x", "slo": "chat", "service_tier": "flex"}, "slo"),
+        ({"model": "demo", "prompt": "x", "stream_options": {}}, "stream_options"),
+        ({"model": "demo", "prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ({"model": "demo", "prompt": "x" * 2048 * 17}, "prompt"),
+    ],
+)
+def test_bad_fields_are_named(
+    codec: TextCodec, ctx: SchemaContext, body: dict[str, Any], param: str | None
+) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse(codec, ctx, body)
+    if param is not None:
+        assert info.value.param == param
+    else:
+        assert info.value.param is not None and info.value.param.startswith("slo.stages[0]")
+
+
+def test_bad_header_is_named(codec: TextCodec, ctx: SchemaContext) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse(codec, ctx, {"model": "demo", "prompt": "x"}, {"x-slo-tpot-ms": "fast"})
+    assert info.value.param == "x-slo-tpot-ms"
+
+
+def test_unknown_model_is_404(codec: TextCodec, ctx: SchemaContext) -> None:
+    with pytest.raises(ModelNotFound):
+        parse(codec, ctx, {"model": "gpt-4", "prompt": "x"})
+
+
+def test_chat_message_errors(codec: TextCodec, ctx: SchemaContext) -> None:
+    for messages, param in [
+        ([], "messages"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0]"),
+    ]:
+        with pytest.raises(BadRequest) as info:
+            parse(codec, ctx, {"model": "demo", "messages": messages}, endpoint=Endpoint.CHAT)
+        assert info.value.param == param
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELD_NAMES = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "slo",
+    "service_tier",
+    "priority",
+    "n",
+    "logprobs",
+    "ignore_eos",
+    "unknown_field",
+]
+bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from(["demo", "demo", "demo", "other", 3])},
+    optional={name: json_values for name in FIELD_NAMES},
+)
+headers = st.dictionaries(
+    st.sampled_from(["x-slo-ttft-ms", "x-slo-tpot-ms", "other"]), st.text(max_size=12), max_size=2
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=bodies, hdrs=headers, endpoint=st.sampled_from(list(Endpoint)))
+def test_any_body_parses_or_fails_cleanly(
+    codec: TextCodec,
+    ctx: SchemaContext,
+    body: dict[str, Any],
+    hdrs: dict[str, str],
+    endpoint: Endpoint,
+) -> None:
+    try:
+        parsed = parse(codec, ctx, body, hdrs, endpoint)
+    except ApiError as exc:
+        assert isinstance(exc, BadRequest | ModelNotFound)
+        assert exc.message and len(exc.message) < 1000
+        json.dumps({"message": exc.message, "param": exc.param})
+        return
+    assert parsed.request.prompt_len + parsed.request.sampling.max_tokens <= ctx.max_model_len
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt=st.one_of(
+        st.text(min_size=1, max_size=3000),
+        st.lists(st.integers(min_value=-5, max_value=5000), min_size=1, max_size=3000),
+    )
+)
+def test_any_prompt_parses_or_fails_cleanly(
+    codec: TextCodec, ctx: SchemaContext, prompt: object
+) -> None:
+    try:
+        parse(codec, ctx, {"model": "demo", "prompt": prompt, "max_tokens": 1})
+    except BadRequest as exc:
+        assert exc.param == "prompt"
+
+
+def test_enormous_names_make_short_messages(codec: TextCodec, ctx: SchemaContext) -> None:
+    long = "k" * 100_000
+    bodies: list[dict[str, Any]] = [
+        {"model": "demo", "prompt": "x", long: 1},
+        {"model": long, "prompt": "x"},
+        {"model": "demo", "prompt": "x", "slo": {long: 1}},
+        {"model": "demo", "prompt": "x", "stop": [long]},
+        {"model": "demo", "prompt": "x", "max_tokens": 10**100},
+    ]
+    for body in bodies:
+        with pytest.raises(ApiError) as info:
+            parse(codec, ctx, body)
+        assert len(info.value.message) < 1000

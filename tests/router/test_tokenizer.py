@@ -1,0 +1,51 @@
+"""Incremental detokenization never splits a character and adds up to the full decode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.errors import BadRequest
+from router.tokenizer import REPLACEMENT_CHAR, TextCodec
+
+
+@pytest.fixture(scope="module")
+def codec(target_dir: Path) -> TextCodec:
+    return TextCodec.from_dir(target_dir)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=60), step=st.integers(min_value=1, max_value=4))
+def test_deltas_rebuild_the_text_without_broken_characters(
+    codec: TextCodec, text: str, step: int
+) -> None:
+    ids = codec.encode(text)
+    detok = codec.detokenizer()
+    deltas = [detok.push(ids[i : i + step]) for i in range(0, len(ids), step)]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == codec.decode(ids)
+    if REPLACEMENT_CHAR not in text:
+        assert all(REPLACEMENT_CHAR not in d for d in deltas)
+
+
+def test_truncated_character_is_flushed_as_replacement(codec: TextCodec) -> None:
+    ids = codec.encode("😀")
+    detok = codec.detokenizer()
+    assert detok.push(ids[:-1]) == ""
+    assert detok.flush() == REPLACEMENT_CHAR
+
+
+def test_eos_is_not_text(codec: TextCodec) -> None:
+    detok = codec.detokenizer()
+    eos = codec.tokenizer.token_to_id("<|endoftext|>")
+    assert detok.push([*codec.encode("hi"), eos]) + detok.flush() == "hi"
+
+
+def test_chat_without_template_is_a_bad_request(codec: TextCodec) -> None:
+    bare = TextCodec(codec.tokenizer, None)
+    with pytest.raises(BadRequest) as info:
+        bare.render_chat([{"role": "user", "content": "x"}])
+    assert info.value.param == "messages"

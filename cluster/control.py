@@ -1,0 +1,212 @@
+"""The controller's decisions, without Ray: admission per replica, sequential routing, backup.
+
+Requests wait at their current hop until the next planning tick; in a tick every replica in
+index order runs the DP over the requests waiting at it. A declined request moves to its next
+hop, which is evaluated in the same tick when that replica comes later in the order (else in
+the next tick). After `route_limit` hops the backup policy serves it best-effort or rejects
+it. The Ray actor (cluster.controller) and the benchmark drive the same object.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cluster.api import Verdict
+from cluster.messages import ReplicaSnapshot
+from cluster.metrics import HOP_BUCKETS, PLANNER_BUCKETS_S, Metrics
+from cluster.migration import resumed_request
+from cluster.routing import Router, RouteState
+from cluster.virtual_replica import VirtualReplica
+from replica.planner.admission import AdmissionResult
+from replica.request import Request, Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where a request goes. `verdict` None: no replica is up, the request was not started."""
+
+    request_id: str
+    verdict: Verdict | None
+    replica: int | None
+    hops: int
+    reason: str = ""
+    retry_after_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    request: Request
+    binding: Binding
+    resumed: bool = False
+    """The request was already streaming (never rejected; see `ControlPlane.resume`)."""
+
+
+@dataclass
+class _Pending:
+    request: Request
+    route: RouteState
+    resumed: bool
+
+
+class ControlPlane:
+    """Virtual replicas + router + the requests waiting for a verdict."""
+
+    def __init__(
+        self, replicas: Sequence[VirtualReplica], router: Router, metrics: Metrics | None = None
+    ) -> None:
+        if not replicas:
+            raise ValueError("a cluster needs at least one replica")
+        self.replicas = list(replicas)
+        self.router = router
+        self.metrics = metrics or Metrics()
+        self._queues: list[list[_Pending]] = [[] for _ in self.replicas]
+
+    def alive(self) -> list[bool]:
+        return [vr.alive for vr in self.replicas]
+
+    def loads(self) -> list[float]:
+        return [vr.load for vr in self.replicas]
+
+    def holder(self, request_id: str) -> int | None:
+        """The replica bound to the request, if any."""
+        for vr in self.replicas:
+            if request_id in vr.held:
+                return vr.index
+        return None
+
+    def is_pending(self, request_id: str) -> bool:
+        return any(p.request.request_id == request_id for q in self._queues for p in q)
+
+    def num_pending(self, replica: int) -> int:
+        return len(self._queues[replica])
+
+    def submit(self, request: Request, now: float, *, resumed: bool = False) -> Decision | None:
+        """Queue a request at its first hop; a Decision when the verdict needs no tick."""
+        rid = request.request_id
+        held = self.holder(rid)
+        if held is not None:
+            vr = self.replicas[held]
+            verdict = Verdict.ADMITTED if rid in vr.admitted else Verdict.BEST_EFFORT
+            return Decision(request, Binding(rid, verdict, held, 1), resumed)
+        if self.is_pending(rid):
+            return None
+        first = self.router.first(self.loads(), self.alive())
+        if first is None:
+            return Decision(
+                request,
+                Binding(rid, None, None, 0, "no replica is up", self.router.retry_after_s),
+                resumed,
+            )
+        pending = _Pending(request, RouteState([first]), resumed)
+        if request.tier is Tier.BEST_EFFORT:
+            return self._serve_best_effort(pending, first, now)
+        self._queues[first].append(pending)
+        return None
+
+    def resume(
+        self, original: Request, delivered: Sequence[int], from_replica: int, now: float
+    ) -> Decision | None:
+        """Continue `original` elsewhere after `delivered` tokens (its replica failed)."""
+        self.replicas[from_replica].abort(original.request_id)
+        self.metrics.inc("migrated")
+        return self.submit(resumed_request(original, delivered), now, resumed=True)
+
+    def tick(self, now: float) -> list[Decision]:
+        """One planning round over every replica in index order."""
+        decisions: list[Decision] = []
+        for vr in self.replicas:
+            batch, self._queues[vr.index] = self._queues[vr.index], []
+            if not batch:
+                continue
+            declined = batch
+            result = self._plan_admission(vr, batch, now) if vr.alive else None
+            if result is not None:
+                declined = []
+                for p in batch:
+                    if result.is_admitted(p.request.request_id):
+                        vr.admit(p.request, now)
+                        decisions.append(self._decided(p, Verdict.ADMITTED, vr.index))
+                    else:
+                        declined.append(p)
+            for p in declined:
+                decision = self._route_on(p, now)
+                if decision is not None:
+                    decisions.append(decision)
+        return decisions
+
+    def _plan_admission(
+        self, vr: VirtualReplica, batch: list[_Pending], now: float
+    ) -> AdmissionResult | None:
+        """The replica's verdict; None (decline all) when its planner fails, so one planner
+        error costs those requests a hop, not the controller."""
+        started = time.perf_counter()
+        try:
+            result = vr.plan_admission([p.request for p in batch], now)
+        except (ValueError, ArithmeticError):
+            log.exception("admission planning failed on replica %d; routing on", vr.index)
+            self.metrics.inc("planner_errors")
+            return None
+        self.metrics.observe("planner_latency_s", time.perf_counter() - started, PLANNER_BUCKETS_S)
+        return result
+
+    def abort(self, request_id: str) -> int | None:
+        """Forget a request wherever it is; the replica that held it, if any."""
+        for queue in self._queues:
+            queue[:] = [p for p in queue if p.request.request_id != request_id]
+        for vr in self.replicas:
+            if vr.abort(request_id):
+                return vr.index
+        return None
+
+    def mark_dead(self, replica: int) -> None:
+        """The replica is gone: forget what it held (its clients resume their requests) and
+        route what waits at it onwards at the next tick."""
+        vr = self.replicas[replica]
+        vr.reset()
+        vr.alive = False
+
+    def restore(self, replica: int, snapshot: ReplicaSnapshot, now: float) -> None:
+        vr = self.replicas[replica]
+        vr.restore(snapshot, now)
+        vr.alive = True
+
+    def _route_on(self, p: _Pending, now: float) -> Decision | None:
+        alive = self.alive()
+        nxt = self.router.next_hop(p.route, alive)
+        if nxt is not None:
+            p.route.visited.append(nxt)
+            self._queues[nxt].append(p)
+            return None
+        backup = self.router.backup(p.route, self.loads(), alive)
+        target = backup.best_effort_replica
+        if target is None and p.resumed:
+            # A request already streaming is never rejected mid-way: it finishes best-effort.
+            up = [i for i, ok in enumerate(alive) if ok]
+            target = min(up, key=lambda i: (self.replicas[i].load, i)) if up else None
+        if target is None:
+            self.metrics.inc("rejected")
+            rid = p.request.request_id
+            verdict = Verdict.REJECTED if any(alive) or not p.resumed else None
+            return Decision(
+                p.request,
+                Binding(rid, verdict, None, p.route.hops, backup.reason, backup.retry_after_s),
+                p.resumed,
+            )
+        return self._serve_best_effort(p, target, now)
+
+    def _serve_best_effort(self, p: _Pending, replica: int, now: float) -> Decision:
+        self.replicas[replica].add_best_effort(p.request, now)
+        return self._decided(p, Verdict.BEST_EFFORT, replica)
+
+    def _decided(self, p: _Pending, verdict: Verdict, replica: int) -> Decision:
+        hops = p.route.hops
+        self.metrics.inc(str(verdict))
+        self.metrics.observe("route_hops", float(hops), HOP_BUCKETS)
+        if hops > 1:
+            self.metrics.inc("routed")
+        return Decision(p.request, Binding(p.request.request_id, verdict, replica, hops), p.resumed)

@@ -1,0 +1,305 @@
+"""ClusterController: the Ray actor that admits, routes and plans for every replica.
+
+It owns a `ControlPlane` (virtual replicas + router) and does the I/O around it: a planning
+tick every `tick_interval_ms`, binding admitted requests to their replica, sending each replica
+its next plan after every step it reports, and watching replica health. Its state is a cache
+of the replicas' state: after a restart (max_restarts) it rebuilds every mirror from the
+replicas' snapshots, while the replicas keep decoding on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError, RayTaskError
+
+from cluster.api import ClusterStatus, Verdict
+from cluster.config import ClusterConfig
+from cluster.control import Binding, ControlPlane, Decision
+from cluster.messages import StepReport
+from cluster.metrics import Metrics
+from cluster.routing import Router
+from cluster.virtual_replica import ReportFit, VirtualReplica
+from replica.perf_model import PerfModel
+from replica.planner.base import CacheBudget
+from replica.planner.config import PlannerConfig, SpecConfig
+from replica.request import Request
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "deploy" / "profiles" / "cpu-demo.json"
+HEALTH_PERIOD_S = 0.5
+HEALTH_TIMEOUT_S = 2.0
+PLAN_RESEND_S = 0.25
+"""A plan sent without a report back this long ago is considered lost."""
+
+
+def load_profile(config: ClusterConfig) -> PerfModel:
+    path = Path(config.profile) if config.profile else DEFAULT_PROFILE
+    if not path.is_file():
+        raise ValueError(f"perf profile {str(path)!r} does not exist (set `profile`)")
+    return PerfModel.load(path)
+
+
+def planner_config(config: ClusterConfig) -> PlannerConfig:
+    """Speculation as the planner sees it: fixed:k caps lengths at k, none disables them."""
+    if config.spec_policy == "none":
+        return PlannerConfig()
+    if config.spec_k:
+        return PlannerConfig(spec=SpecConfig(max_spec_tokens=config.spec_k))
+    return PlannerConfig(spec=SpecConfig())
+
+
+def build_plane(config: ClusterConfig, metrics: Metrics | None = None) -> ControlPlane:
+    perf = load_profile(config)
+    cache = CacheBudget(config.num_kv_blocks)
+    planner = planner_config(config)
+    router = Router(
+        first_hop=config.first_hop,
+        route_limit=config.route_limit,
+        backup_policy=config.backup_policy,
+        retry_after_s=config.retry_after_s,
+    )
+    replicas = [VirtualReplica(i, perf, cache, planner) for i in range(config.replicas)]
+    return ControlPlane(replicas, router, metrics)
+
+
+class ClusterController:
+    """Submit, resume and abort requests; receive step reports; report status."""
+
+    def __init__(self, config: ClusterConfig, replicas: Sequence[ActorHandle]) -> None:
+        if len(replicas) != config.replicas:
+            raise ValueError(f"config has {config.replicas} replicas, got {len(replicas)} handles")
+        self.config = config
+        self.replicas = list(replicas)
+        self.plane = build_plane(config)
+        self._waiters: dict[str, asyncio.Future[Binding]] = {}
+        self._binding: dict[int, dict[str, tuple[Request, bool]]] = {
+            i: {} for i in range(config.replicas)
+        }
+        """Requests being handed to each replica (request, admitted)."""
+        self._aborted: set[str] = set()
+        """Requests aborted while being handed to a replica: released once the hand-off ends."""
+        self._plan_sent: dict[int, float] = {}
+        self._syncing: set[int] = set()
+        self._ready: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def ready(self) -> None:
+        """Returns once every mirror is built from its replica's snapshot."""
+        if self._ready is None:
+            self._ready = asyncio.Event()
+            self._spawn(self._boot())
+        await self._ready.wait()
+
+    async def _boot(self) -> None:
+        await asyncio.gather(*(self._sync(i) for i in range(len(self.replicas))))
+        assert self._ready is not None
+        self._ready.set()
+        self._spawn(self._tick_loop())
+        self._spawn(self._health_loop())
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def submit(self, request: Request) -> Binding:
+        """The request's verdict and replica (idempotent: a retried submit gets the same)."""
+        await self.ready()
+        return await self._decide(request, self.plane.submit(request, time.time()))
+
+    async def resume(
+        self, original: Request, delivered: Sequence[int], from_replica: int
+    ) -> Binding:
+        """Continue a request whose replica failed mid-stream, after `delivered` tokens."""
+        await self.ready()
+        self._binding[from_replica].pop(original.request_id, None)
+        decision = self.plane.resume(original, list(delivered), from_replica, time.time())
+        return await self._decide(original, decision)
+
+    async def abort(self, request_id: str) -> None:
+        await self.ready()
+        waiter = self._waiters.pop(request_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+        if any(request_id in binding for binding in self._binding.values()):
+            self._aborted.add(request_id)
+        replica = self.plane.abort(request_id)
+        if replica is not None:
+            self.replicas[replica].abort.remote(request_id)
+
+    async def _decide(self, request: Request, decision: Decision | None) -> Binding:
+        if decision is not None:
+            binding = await self._bind(decision)
+            if binding is not None:
+                return binding
+        waiter = self._waiters.get(request.request_id)
+        if waiter is None:
+            waiter = self._waiters[request.request_id] = asyncio.get_running_loop().create_future()
+        return await asyncio.shield(waiter)
+
+    async def _bind(self, decision: Decision) -> Binding | None:
+        """Hand an accepted request to its replica; only then is the verdict final. None:
+        the replica was down, the request waits for a verdict again (a later tick's)."""
+        binding = decision.binding
+        if binding.verdict not in (Verdict.ADMITTED, Verdict.BEST_EFFORT):
+            return binding
+        replica = binding.replica
+        assert replica is not None
+        request = decision.request
+        rid = request.request_id
+        admitted = binding.verdict is Verdict.ADMITTED
+        self._binding[replica][rid] = (request, admitted)
+        try:
+            await self.replicas[replica].add_request.remote(request, admitted)
+        except RayActorError:
+            self.plane.abort(rid)
+            self.plane.mark_dead(replica)
+            retry = self.plane.submit(request, time.time(), resumed=decision.resumed)
+            return None if retry is None else await self._bind(retry)
+        except RayTaskError as exc:
+            self.plane.abort(rid)
+            self.plane.metrics.inc("rejected")
+            return Binding(rid, Verdict.REJECTED, None, binding.hops, str(exc.cause))
+        finally:
+            self._binding[replica].pop(rid, None)
+        if rid in self._aborted:
+            self._aborted.discard(rid)
+            self.replicas[replica].abort.remote(rid)
+            return binding
+        self._keep_bound(replica, request, admitted)
+        self._send_plan(replica, time.time())
+        return binding
+
+    def _keep_bound(self, replica: int, request: Request, admitted: bool) -> None:
+        """A mirror rebuilt while the request was being bound may not have it: re-add it."""
+        vr = self.plane.replicas[replica]
+        if not vr.alive or request.request_id in vr.held:
+            return
+        if admitted:
+            vr.admit(request, time.time())
+        else:
+            vr.add_best_effort(request, time.time())
+
+    async def _resolve(self, decision: Decision) -> None:
+        binding = await self._bind(decision)
+        if binding is None:
+            return
+        waiter = self._waiters.pop(decision.request.request_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(binding)
+        elif binding.replica is not None:
+            # Nobody waits any more (the client went away): release the request.
+            self.plane.abort(binding.request_id)
+            self.replicas[binding.replica].abort.remote(binding.request_id)
+
+    # -- planning -------------------------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        period = self.config.tick_interval_ms / 1e3
+        while True:
+            await asyncio.sleep(period)
+            now = time.time()
+            for decision in self.plane.tick(now):
+                self._spawn(self._resolve(decision))
+            for vr in self.plane.replicas:
+                sent = self._plan_sent.get(vr.index)
+                idle = sent is None or now - sent > PLAN_RESEND_S
+                if vr.alive and idle and vr.has_work():
+                    self._send_plan(vr.index, now)
+
+    def _send_plan(self, replica: int, now: float) -> None:
+        try:
+            plan = self.plane.replicas[replica].next_plan(now)
+        except (ValueError, ArithmeticError):
+            # The replica keeps decoding on its own; the next report or tick tries again.
+            log.exception("planning replica %d failed", replica)
+            self.plane.metrics.inc("planner_errors")
+            return
+        if plan is None:
+            self._plan_sent.pop(replica, None)
+            return
+        self._plan_sent[replica] = now
+        self.replicas[replica].set_plan.remote(plan)
+
+    async def report(self, report: StepReport) -> None:
+        """A replica executed a step: fold it in and send that replica its next plan."""
+        await self.ready()
+        vr = self.plane.replicas[report.replica]
+        if not vr.alive or report.replica in self._syncing:
+            return
+        try:
+            fit = vr.apply(report)
+        except (ValueError, ArithmeticError):
+            log.exception("folding a report of replica %d failed; resyncing", report.replica)
+            fit = ReportFit.RESYNC
+        if fit is ReportFit.RESYNC:
+            self._spawn(self._sync(report.replica))
+        elif fit is ReportFit.APPLIED:
+            self.plane.metrics.inc("preempted", len(report.plan.preempt))
+            self._send_plan(report.replica, time.time())
+
+    # -- health ---------------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_PERIOD_S)
+            await asyncio.gather(*(self._check(i) for i in range(len(self.replicas))))
+
+    async def _check(self, replica: int) -> None:
+        vr = self.plane.replicas[replica]
+        try:
+            incarnation = await _within(self.replicas[replica].health.remote(), HEALTH_TIMEOUT_S)
+        except (RayActorError, TimeoutError):
+            if vr.alive:
+                log.warning("replica %d is down; its requests resume elsewhere", replica)
+                self.plane.mark_dead(replica)
+            return
+        if not vr.alive or incarnation != vr.incarnation:
+            await self._sync(replica)
+
+    async def _sync(self, replica: int) -> None:
+        """Rebuild a mirror from its replica's snapshot (or mark the replica down)."""
+        if replica in self._syncing:
+            return
+        self._syncing.add(replica)
+        try:
+            snapshot = await _within(self.replicas[replica].snapshot.remote(), HEALTH_TIMEOUT_S)
+            self.plane.restore(replica, snapshot, time.time())
+            for request, admitted in list(self._binding[replica].values()):
+                self._keep_bound(replica, request, admitted)
+            self._send_plan(replica, time.time())
+        except (RayActorError, TimeoutError):
+            self.plane.mark_dead(replica)
+        finally:
+            self._syncing.discard(replica)
+
+    # -- status ---------------------------------------------------------------------------------
+
+    async def status(self) -> ClusterStatus:
+        await self.ready()
+        return ClusterStatus(
+            model=self.config.model_name,
+            replicas=tuple(
+                vr.status(self.plane.num_pending(vr.index)) for vr in self.plane.replicas
+            ),
+            counters=dict(self.plane.metrics.counters),
+        )
+
+    async def metrics(self) -> dict[str, object]:
+        return self.plane.metrics.snapshot()
+
+
+async def _within(awaitable: Awaitable[Any], timeout_s: float) -> Any:
+    return await asyncio.wait_for(awaitable, timeout_s)

@@ -1,0 +1,326 @@
+"""The front door's entry to the cluster: launch it, submit requests, read status, shut down.
+
+`submit` is where a request's stream is kept whole. It learns the verdict and the replica
+from the controller, then reads tokens straight from that replica. If the replica dies, it
+asks the controller to resume the request elsewhere from the tokens it already delivered, so
+the client sees every token exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
+
+from cluster.api import (
+    ClusterStatus,
+    ClusterUnavailable,
+    FinalRecord,
+    StageVerdict,
+    TokenChunk,
+    Verdict,
+)
+from cluster.config import ClusterConfig
+from cluster.control import Binding
+from cluster.controller import ClusterController, load_profile
+from cluster.messages import StreamItem
+from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
+from cluster.replica_actor import CONTROLLER_NAME, ReplicaActor, replica_name
+from replica.planner.base import CacheBudget
+from replica.planner.queues import peak_tokens
+from replica.request import Request
+
+CONTROLLER_RETRIES = 20
+"""Controller calls retried while Ray restarts it (each after RETRY_DELAY_S)."""
+RETRY_DELAY_S = 0.5
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Progress:
+    """What the client has received so far: the source of truth for a resume."""
+
+    tokens: list[int]
+    times: list[float]
+    migrations: int = 0
+
+
+def stage_verdicts(request: Request, times: Sequence[float]) -> tuple[StageVerdict, ...]:
+    """Per SLO stage: token j on time iff it came by arrival + deadline_s(j)."""
+    slo = request.slo
+    if slo is None:
+        return ()
+    names = [st.name or f"stage{i}" for i, st in enumerate(slo.stages)] or ["default"]
+    late = [0] * len(names)
+    for j, t in enumerate(times):
+        if t > request.arrival_time + slo.deadline_s(j):
+            late[slo.stage_at(j)] += 1
+    return tuple(StageVerdict(name, n == 0, n) for name, n in zip(names, late, strict=True))
+
+
+class ClusterHandle:
+    """A running cluster: its controller and replica actors."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        controller: ActorHandle,
+        replicas: Sequence[ActorHandle],
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.config = config
+        self._controller = controller
+        self._replicas = list(replicas)
+        self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
+        self._active: set[str] = set()
+        """Request ids being streamed by this handle (an id streams to one client only)."""
+        self.metrics = Metrics()
+        """What clients saw: TTFT and TPOT per tier (the controller counts decisions)."""
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def controller(self) -> ActorHandle:
+        return self._controller
+
+    @property
+    def replicas(self) -> list[ActorHandle]:
+        return list(self._replicas)
+
+    def validate(self, request: Request) -> None:
+        """The checks a replica would make, made here so bad input fails before routing."""
+        if request.model and request.model != self.model_name:
+            raise ValueError(
+                f"unknown model {request.model!r}; this cluster serves {self.model_name!r}"
+            )
+        request.check_fits(self.max_model_len, self.vocab_size)
+        blocks = CacheBudget(self.config.num_kv_blocks).blocks_for(peak_tokens(request))
+        if blocks > self.config.num_kv_blocks:
+            raise ValueError(
+                f"prompt + max_tokens need {blocks} KV blocks; a replica has "
+                f"{self.config.num_kv_blocks}"
+            )
+
+    async def submit(self, request: Request) -> AsyncIterator[TokenChunk | FinalRecord]:
+        """Token chunks as produced, then exactly one FinalRecord.
+
+        Raises ValueError for invalid requests and ClusterUnavailable when no replica is up,
+        before anything is yielded. Closing the iterator early aborts the request."""
+        self.validate(request)
+        rid = request.request_id
+        if rid in self._active:
+            raise ValueError(f"request {rid!r} is already in flight")
+        if request.arrival_time <= 0:
+            request = replace(request, arrival_time=time.time())
+        self._active.add(rid)
+        progress = _Progress([], [])
+        finished = False
+        try:
+            binding = await self._call("submit", request)
+            if binding.verdict is None:
+                finished = True
+                raise ClusterUnavailable(binding.reason)
+            if binding.verdict is Verdict.REJECTED:
+                finished = True
+                yield self._final(request, binding, None, progress)
+                return
+            while True:
+                assert binding.replica is not None
+                end = None
+                try:
+                    async for item in self._stream(binding.replica, rid):
+                        if item.token_ids:
+                            progress.tokens.extend(item.token_ids)
+                            progress.times.extend(item.times)
+                            yield TokenChunk(rid, item.token_ids, item.times)
+                        if item.lost:
+                            raise _Lost
+                        if item.finish_reason is not None:
+                            end = item.finish_reason
+                            break
+                except (RayActorError, _Lost):
+                    moved = await self._resume(request, binding, progress)
+                    if moved.verdict in (Verdict.ADMITTED, Verdict.BEST_EFFORT):
+                        binding = replace(moved, hops=binding.hops)
+                        continue
+                    end = "abort"
+                    binding = replace(binding, reason=moved.reason or "no replica is up")
+                finished = True
+                yield self._final(request, binding, end, progress)
+                return
+        finally:
+            self._active.discard(rid)
+            if not finished:
+                self.abort(rid)
+
+    async def _stream(self, replica: int, request_id: str) -> AsyncIterator[StreamItem]:
+        gen: Any = (
+            self._replicas[replica].stream.options(num_returns="streaming").remote(request_id)
+        )
+        async for ref in gen:
+            yield await ref
+
+    async def _resume(self, request: Request, binding: Binding, progress: _Progress) -> Binding:
+        if len(progress.tokens) >= request.sampling.max_tokens:
+            return replace(binding, verdict=None, reason="replica failed after the last token")
+        progress.migrations += 1
+        assert binding.replica is not None
+        result: Binding = await self._call(
+            "resume", request, list(progress.tokens), binding.replica
+        )
+        return result
+
+    def _final(
+        self, request: Request, binding: Binding, end: str | None, progress: _Progress
+    ) -> FinalRecord:
+        times = progress.times
+        tier = str(request.tier)
+        if times:
+            self.metrics.observe(
+                f"ttft_s:{tier}", times[0] - request.arrival_time, LATENCY_BUCKETS_S
+            )
+            for a, b in itertools.pairwise(times):
+                self.metrics.observe(f"tpot_s:{tier}", b - a, LATENCY_BUCKETS_S)
+        return FinalRecord(
+            request_id=request.request_id,
+            verdict=binding.verdict or Verdict.REJECTED,
+            replica=binding.replica,
+            hops=binding.hops,
+            finish_reason=end,
+            reason=binding.reason,
+            retry_after_s=binding.retry_after_s,
+            arrival_time=request.arrival_time,
+            first_token_time=times[0] if times else None,
+            finish_time=time.time() if end is not None else None,
+            num_prompt_tokens=request.prompt_len,
+            num_output_tokens=len(progress.tokens),
+            migrations=progress.migrations,
+            stages=stage_verdicts(request, times) if end is not None else (),
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV (fire-and-forget; unknown ids are ignored)."""
+        self._controller.abort.remote(request_id)
+
+    async def status(self) -> ClusterStatus:
+        status: ClusterStatus = await self._call("status")
+        return status
+
+    async def metrics_snapshot(self) -> dict[str, object]:
+        """Controller decisions and client-seen latencies, each counted once."""
+        controller = await self._call("metrics")
+        return merge_snapshots(controller, self.metrics.snapshot())
+
+    async def _call(self, method: str, *args: object) -> Any:
+        """A controller call that rides out a controller restart."""
+        for _ in range(CONTROLLER_RETRIES):
+            try:
+                return await getattr(self._controller, method).remote(*args)
+            except RayActorError:
+                await asyncio.sleep(RETRY_DELAY_S)
+        raise ClusterUnavailable("the cluster controller does not answer")
+
+    async def shutdown(self) -> None:
+        """Stop the controller, then the replicas (open streams end); returns once their
+        names are free, so a new cluster can launch on the same Ray instance."""
+        ray.kill(self._controller, no_restart=True)
+        for replica in self._replicas:
+            ray.kill(replica, no_restart=True)
+        names = [CONTROLLER_NAME, *(replica_name(i) for i in range(len(self._replicas)))]
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        while time.monotonic() < deadline and any(_exists(name) for name in names):
+            await asyncio.sleep(0.1)
+
+
+def _exists(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
+
+
+class _Lost(Exception):
+    """The replica no longer holds the request (it restarted)."""
+
+
+async def launch(config: ClusterConfig) -> ClusterHandle:
+    """Start the replicas and the controller on the current Ray cluster (a local one is
+    started when Ray is not initialized); returns once every replica has loaded its model."""
+    load_profile(config)
+    if not ray.is_initialized():
+        ray.init()
+    replicas = [
+        start_actor(
+            ReplicaActor,
+            i,
+            config,
+            name=replica_name(i),
+            max_restarts=-1,
+            num_cpus=config.num_cpus_per_replica,
+            num_gpus=config.num_gpus_per_replica,
+            **await _placement(config),
+        )
+        for i in range(config.replicas)
+    ]
+    infos = await asyncio.gather(*(r.info.remote() for r in replicas))
+    max_model_len, vocab_size = infos[0]
+    controller = start_actor(
+        ClusterController,
+        config,
+        replicas,
+        name=CONTROLLER_NAME,
+        max_restarts=-1,
+        max_task_retries=-1,
+        num_cpus=0,
+    )
+    await controller.ready.remote()
+    return ClusterHandle(config, controller, replicas, max_model_len, vocab_size)
+
+
+async def _placement(config: ClusterConfig) -> dict[str, Any]:
+    """A GPU replica gets its own placement group, so its devices are reserved together
+    (and stay reserved across restarts); CPU replicas need none."""
+    if config.num_gpus_per_replica <= 0:
+        return {}
+    if ray.cluster_resources().get("GPU", 0) < config.num_gpus_per_replica:
+        raise ValueError(
+            f"num_gpus_per_replica={config.num_gpus_per_replica} but the Ray cluster has "
+            f"{ray.cluster_resources().get('GPU', 0)} GPU(s)"
+        )
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"CPU": config.num_cpus_per_replica, "GPU": config.num_gpus_per_replica}
+    group = placement_group([bundle], strategy="STRICT_PACK")
+    await group.ready()
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
+
+
+def start_actor(cls: type, *args: object, **options: Any) -> Any:
+    """`cls` as a Ray actor with `options` (typed Any: Ray's stubs do not know the methods)."""
+    return ray.remote(cls).options(**options).remote(*args)
+
+
+def launch_sync(config: ClusterConfig) -> ClusterHandle:
+    """`launch` for callers without an event loop."""
+    return asyncio.run(launch(config))

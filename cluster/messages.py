@@ -1,0 +1,56 @@
+"""What replicas and the controller tell each other (plain dataclasses, pickled by Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replica.batch import BatchOutcome, BatchPlan
+from replica.request import Request
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One executed step. `seq` counts steps of this replica incarnation from 1, so the
+    controller can tell a report it already folded in (after a rebuild) from a lost one."""
+
+    replica: int
+    incarnation: str
+    seq: int
+    plan: BatchPlan
+    """The plan as executed (after reconciliation), not as sent."""
+    outcome: BatchOutcome
+    time: float
+
+
+@dataclass(frozen=True)
+class HeldRequest:
+    """A request a replica holds, with the progress that survives a controller restart."""
+
+    request: Request
+    admitted: bool
+    """True: admitted with an SLO guarantee; False: best-effort."""
+    output_token_ids: tuple[int, ...]
+    num_computed: int
+
+
+@dataclass(frozen=True)
+class ReplicaSnapshot:
+    """Everything a replica holds after step `seq` of `incarnation`."""
+
+    replica: int
+    incarnation: str
+    seq: int
+    requests: tuple[HeldRequest, ...]
+    free_blocks: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """New tokens of one request; the last item carries the finish reason. `lost` says the
+    replica does not hold the request (it restarted): the client resumes it elsewhere."""
+
+    token_ids: tuple[int, ...] = ()
+    times: tuple[float, ...] = ()
+    finish_reason: str | None = None
+    lost: bool = False

@@ -1,0 +1,83 @@
+"""Counters and histograms of the cluster, in plain Python (the front door exports them).
+
+Each fact is counted by exactly one party: the controller counts routing decisions and planner
+latency, the submitting handle counts what clients saw (TTFT, TPOT). Their snapshots hold
+disjoint names, so merging them never counts anything twice.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+PLANNER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+HOP_BUCKETS = (1.0, 2.0, 3.0, 4.0, 8.0)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram (Prometheus semantics: counts[i] observations <= bounds[i])."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if list(self.bounds) != sorted(self.bounds):
+            raise ValueError(f"histogram bounds must be increasing, got {self.bounds}")
+        if not self.counts:
+            self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        for i in range(bisect.bisect_left(self.bounds, value), len(self.bounds)):
+            self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "bounds": list(self.bounds),
+            "counts": list(self.counts),
+            "sum": self.total,
+            "count": self.count,
+        }
+
+
+@dataclass
+class Metrics:
+    """Named counters and histograms of one party."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+
+    def inc(self, name: str, amount: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + amount
+
+    def observe(self, name: str, value: float, bounds: tuple[float, ...]) -> None:
+        hist = self.histograms.get(name)
+        if hist is None:
+            hist = self.histograms[name] = Histogram(bounds)
+        hist.observe(value)
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "counters": dict(self.counters),
+            "histograms": {name: h.to_dict() for name, h in self.histograms.items()},
+        }
+
+
+def merge_snapshots(*snapshots: dict[str, object]) -> dict[str, object]:
+    """One view of several parties' snapshots; a name owned by two parties is a bug."""
+    counters: dict[str, object] = {}
+    histograms: dict[str, object] = {}
+    for snap in snapshots:
+        for target, key in ((counters, "counters"), (histograms, "histograms")):
+            part = snap.get(key, {})
+            assert isinstance(part, dict)
+            overlap = set(target) & set(part)
+            if overlap:
+                raise ValueError(f"metrics counted by two parties: {sorted(overlap)}")
+            target.update(part)
+    return {"counters": counters, "histograms": histograms}

@@ -1,0 +1,223 @@
+"""One replica's serving loop without Ray: engine, plan inbox, per-request streams.
+
+The loop never waits for the controller: it runs the latest plan it received (fitted to the
+engine's state first, since the plan was made from a lagging mirror) or, with none, decodes
+every decoding request with the last plan's shape. Only with nothing to do does it sleep.
+Requests and aborts reach the engine between steps; the step itself runs in a worker thread
+so streams keep flowing. Each step is reported (fire-and-forget) through a callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from cluster.messages import HeldRequest, ReplicaSnapshot, StepReport, StreamItem
+from cluster.plans import SeqView, derive_plan, reconcile
+from replica.batch import BatchOutcome, BatchPlan, FinishReason
+from replica.engine import Engine
+from replica.request import Request
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[StepReport], None]
+Clock = Callable[[], float]
+
+
+@dataclass
+class _Held:
+    request: Request
+    admitted: bool
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+    def view(self) -> SeqView:
+        return SeqView(
+            num_known=self.request.prompt_len + len(self.output),
+            num_computed=self.num_computed,
+            num_generated=len(self.output),
+        )
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
+    ended: bool = False
+
+
+class ReplicaCore:
+    """Serves the requests the controller binds here, with the plans it sends."""
+
+    def __init__(
+        self, engine: Engine, index: int, report: Report, *, clock: Clock = time.time
+    ) -> None:
+        self.engine = engine
+        self.index = index
+        self.incarnation = uuid.uuid4().hex
+        self.seq = 0
+        self._report = report
+        self._clock = clock
+        self._held: dict[str, _Held] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._aborts: list[str] = []
+        self._inbox: BatchPlan | None = None
+        self._last: BatchPlan | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"replica-{self.index}-steps")
+
+    async def stop(self) -> None:
+        """Finish the step in flight; open streams end as aborted."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        for rid in list(self._held):
+            self._end(rid, FinishReason.ABORT)
+
+    def add_request(self, request: Request, admitted: bool) -> None:
+        """Hold a request; a ValueError (from the engine's checks) leaves nothing behind.
+
+        The engine only records the request here (a dict insert, atomic under the GIL), so
+        doing it while a step runs in the worker thread is safe; KV is touched by steps only."""
+        if request.request_id in self._held or request.request_id in self._streams:
+            raise ValueError(f"request {request.request_id!r} is already held by this replica")
+        self.engine.add_request(request)
+        self._held[request.request_id] = _Held(request, admitted)
+        self._streams[request.request_id] = _Stream()
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """End a request before the next step, freeing its KV; unknown ids are ignored."""
+        if request_id in self._held and request_id not in self._aborts:
+            self._aborts.append(request_id)
+            self._wake.set()
+
+    def set_plan(self, plan: BatchPlan) -> None:
+        """The controller's next plan; replaces one not yet started."""
+        self._inbox = plan
+        self._wake.set()
+
+    def snapshot(self) -> ReplicaSnapshot:
+        return ReplicaSnapshot(
+            replica=self.index,
+            incarnation=self.incarnation,
+            seq=self.seq,
+            requests=tuple(
+                HeldRequest(h.request, h.admitted, tuple(h.output), h.num_computed)
+                for h in self._held.values()
+            ),
+            free_blocks=self.engine.num_free_blocks,
+            num_blocks=self.engine.cache.num_blocks,
+        )
+
+    async def stream(self, request_id: str) -> AsyncIterator[StreamItem]:
+        """The request's tokens as steps produce them; the last item has the finish reason.
+
+        Leaving early aborts the request (the client went away)."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            yield StreamItem(lost=True)
+            return
+        try:
+            while True:
+                item = await stream.queue.get()
+                yield item
+                if item.finish_reason is not None or item.lost:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.ended:
+                self.abort(request_id)
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            self._apply_aborts()
+            plan, from_inbox = self._next_plan()
+            if plan is None:
+                await self._wake.wait()
+                continue
+            try:
+                outcome = await asyncio.to_thread(self.engine.step, plan)
+            except ValueError:
+                # Refused before anything changed (e.g. KV is short): a derived plan waits for
+                # the controller's next one; a refused controller plan falls back to deriving.
+                if not from_inbox:
+                    await self._wake.wait()
+                continue
+            except Exception:
+                log.exception("replica %d: step failed; ending the requests it touched", self.index)
+                self._fail(plan)
+                continue
+            self._after_step(plan, outcome)
+
+    def _next_plan(self) -> tuple[BatchPlan | None, bool]:
+        views = {rid: h.view() for rid, h in self._held.items()}
+        if self._inbox is not None:
+            plan = reconcile(self._inbox, views)
+            self._inbox = None
+            if plan is not None:
+                return plan, True
+        return derive_plan(self._last, views), False
+
+    def _after_step(self, plan: BatchPlan, outcome: BatchOutcome) -> None:
+        now = self._clock()
+        self.seq += 1
+        if plan.entries:
+            self._last = plan
+        for rid in plan.preempt:
+            if rid in self._held:
+                self._held[rid].num_computed = 0
+        for result in outcome.outcomes:
+            held = self._held.get(result.request_id)
+            if held is None:
+                continue
+            held.output.extend(result.new_token_ids)
+            held.num_computed = result.num_computed_tokens
+            item = StreamItem(tuple(result.new_token_ids), (now,) * len(result.new_token_ids))
+            if result.finish_reason is not None:
+                self._end(result.request_id, result.finish_reason, item)
+            elif item.token_ids:
+                self._push(result.request_id, item)
+        self._report(StepReport(self.index, self.incarnation, self.seq, plan, outcome, now))
+
+    def _fail(self, plan: BatchPlan) -> None:
+        """End the requests of a step that failed midway (their KV state is unknown). The
+        step counts without a report: the controller sees the gap and rebuilds its mirror."""
+        self.seq += 1
+        for rid in {*(e.request_id for e in plan.entries), *plan.preempt}:
+            self._end(rid, FinishReason.ABORT)
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            self._end(rid, FinishReason.ABORT)
+
+    def _push(self, request_id: str, item: StreamItem) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(item)
+
+    def _end(self, request_id: str, reason: FinishReason, last: StreamItem | None = None) -> None:
+        """Release the request's engine state and close its stream with `reason` (carried by
+        the same item as the last tokens, so a client never holds tokens without the end)."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        if self.engine.has_request(request_id):
+            self.engine.abort(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.ended = True
+            last = last or StreamItem()
+            stream.queue.put_nowait(StreamItem(last.token_ids, last.times, str(reason)))

@@ -1,0 +1,150 @@
+"""The controller's mirror of one replica: its SLOs-Serve planner fed with its reports.
+
+The replica is authoritative. The mirror folds in every executed step, in order; a report out
+of sequence (lost, or from a restarted replica) means the mirror is wrong, and it is rebuilt
+from the replica's snapshot instead of being patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+
+from cluster.api import ReplicaStatus
+from cluster.messages import ReplicaSnapshot, StepReport
+from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
+from replica.perf_model import PerfModel
+from replica.planner.admission import AdmissionResult
+from replica.planner.base import CacheBudget
+from replica.planner.config import PlannerConfig
+from replica.planner.slos import SlosScheduler
+from replica.request import Request
+
+
+class ReportFit(StrEnum):
+    APPLIED = "applied"
+    STALE = "stale"
+    """Already reflected (e.g. in the snapshot the mirror was rebuilt from): ignored."""
+    RESYNC = "resync"
+    """A gap or another incarnation: the mirror must be rebuilt from a snapshot."""
+
+
+class VirtualReplica:
+    """Planner + perf model + the requests one replica holds."""
+
+    def __init__(
+        self,
+        index: int,
+        perf: PerfModel,
+        cache: CacheBudget,
+        config: PlannerConfig | None = None,
+    ) -> None:
+        self.index = index
+        self.perf = perf
+        self.cache = cache
+        self.config = config or PlannerConfig()
+        self.alive = True
+        self.incarnation = ""
+        self.seq = 0
+        self.held: dict[str, Request] = {}
+        self.admitted: set[str] = set()
+        self.scheduler = SlosScheduler(perf, cache, self.config)
+
+    @property
+    def load(self) -> float:
+        """Requests held: the least-load first hop's signal."""
+        return float(len(self.held))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def plan_admission(self, requests: Sequence[Request], now: float) -> AdmissionResult:
+        return self.scheduler.plan_admission(requests, now)
+
+    def admit(self, request: Request, now: float) -> None:
+        self.scheduler.add_admitted(request, now)
+        self.held[request.request_id] = request
+        self.admitted.add(request.request_id)
+
+    def add_best_effort(self, request: Request, now: float) -> None:
+        self.scheduler.add_best_effort(request, now)
+        self.held[request.request_id] = request
+
+    def abort(self, request_id: str) -> bool:
+        """Forget a request; False when this replica does not hold it."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.admitted.discard(request_id)
+        self.scheduler.abort_request(request_id)
+        return True
+
+    def next_plan(self, now: float) -> BatchPlan | None:
+        return self.scheduler.schedule(now)
+
+    def apply(self, report: StepReport) -> ReportFit:
+        """Fold an executed step in, if it is the next one of the incarnation mirrored."""
+        if report.incarnation != self.incarnation or report.seq > self.seq + 1:
+            return ReportFit.RESYNC
+        if report.seq <= self.seq:
+            return ReportFit.STALE
+        self.seq = report.seq
+        self.scheduler.update_from_outcome(report.plan, report.outcome, report.time)
+        for result in report.outcome.outcomes:
+            if result.finished:
+                self.held.pop(result.request_id, None)
+                self.admitted.discard(result.request_id)
+        return ReportFit.APPLIED
+
+    def status(self, waiting_for_verdict: int = 0) -> ReplicaStatus:
+        queues = self.scheduler.queues
+        return ReplicaStatus(
+            replica=self.index,
+            alive=self.alive,
+            running=len(queues.running),
+            waiting=len(queues.waiting) + waiting_for_verdict,
+            admitted=len(self.admitted),
+            best_effort=len(self.held) - len(self.admitted),
+            kv_usage=queues.used_blocks() / self.cache.num_blocks,
+        )
+
+    def reset(self) -> None:
+        """Forget everything (the replica died; its requests resume elsewhere)."""
+        self.held.clear()
+        self.admitted.clear()
+        self.scheduler = SlosScheduler(self.perf, self.cache, self.config)
+        self.incarnation = ""
+        self.seq = 0
+
+    def restore(self, snapshot: ReplicaSnapshot, now: float) -> None:
+        """Rebuild the mirror from what the replica holds.
+
+        Progress is replayed as one synthetic step through the planner's own outcome path,
+        so the planner's bookkeeping stays its own: requests with cached tokens become
+        running, the others wait with their tokens kept (like a preempted request)."""
+        self.reset()
+        self.incarnation = snapshot.incarnation
+        self.seq = snapshot.seq
+        entries = []
+        outcomes = []
+        for held in snapshot.requests:
+            if held.admitted:
+                self.admit(held.request, now)
+            else:
+                self.add_best_effort(held.request, now)
+            rid = held.request.request_id
+            if held.num_computed > 0:
+                entries.append(PrefillChunk(rid, held.num_computed))
+            if held.num_computed > 0 or held.output_token_ids:
+                outcomes.append(
+                    RequestOutcome(
+                        rid,
+                        new_token_ids=list(held.output_token_ids),
+                        num_computed_tokens=held.num_computed,
+                    )
+                )
+        if outcomes:
+            self.scheduler.update_from_outcome(
+                BatchPlan(entries=tuple(entries)),
+                BatchOutcome(outcomes=outcomes, free_blocks=snapshot.free_blocks),
+                now,
+            )

@@ -1,0 +1,78 @@
+"""Fixtures of the cluster tests: a synthetic perf profile, one local Ray instance (2 CPUs,
+127.0.0.1), and a cluster of the demo pair per module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from replica.batch import BatchPlan, DecodeStep, PrefillChunk
+from replica.engine import Engine
+from replica.perf_model import FEATURES
+from replica.request import Request, SamplingParams
+
+
+def write_profile(
+    path: Path, *, const: float = 0.05, tokens: float = 0.04, draft_steps: float = 0.05
+) -> Path:
+    """A one-term profile with round numbers, so admission verdicts are predictable: with
+    these defaults a replica holds one request of a 100 ms TPOT tier, not two."""
+    coefficients = dict.fromkeys(FEATURES, 0.0)
+    coefficients.update(const=const, tokens=tokens, draft_steps=draft_steps)
+    data = {
+        "format": "slos-serve-perf-model/1",
+        "source": "analytic",
+        "backend": "synthetic",
+        "device": "test",
+        "model": "demo-target",
+        "tp": 1,
+        "features": list(FEATURES),
+        "terms": [{"name": "step", "coefficients": coefficients}],
+        "notes": ["Synthetic coefficients for tests, not a measurement."],
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_profile(tmp_path_factory.mktemp("profile") / "synthetic.json")
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    ray = pytest.importorskip("ray")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runner() -> Iterator[asyncio.Runner]:
+    """One event loop per module: a cluster handle lives on the loop that launched it."""
+    with asyncio.Runner() as r:
+        yield r
+
+
+def greedy_reference(
+    engine: Engine, request_id: str, prompt: list[int], max_tokens: int
+) -> list[int]:
+    """The engine's own greedy output, without speculation or a scheduler."""
+    engine.add_request(
+        Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), tier="best_effort")
+    )
+    engine.step(BatchPlan((PrefillChunk(request_id, len(prompt)),)))
+    while engine.finish_reason(request_id) is None:
+        engine.step(BatchPlan((DecodeStep(request_id),)))
+    out = engine.output_token_ids(request_id)
+    engine.abort(request_id)
+    return out

@@ -1,0 +1,221 @@
+"""The cluster on a local Ray instance: correct text, routing, best-effort, cancellation and
+bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from cluster.api import FinalRecord, TokenChunk, Verdict
+from cluster.config import ClusterConfig
+from cluster.handle import ClusterHandle, launch
+from replica.engine import Engine
+from replica.request import SLO, Request, SamplingParams, Tier
+from tests.cluster.conftest import greedy_reference
+
+pytestmark = pytest.mark.timeout(180)
+
+TIGHT = SLO(ttft_ms=1500, tpot_ms=100)
+"""The synthetic profile fits one such request per replica, not two."""
+CHAT = SLO(ttft_ms=3000, tpot_ms=500)
+BATCH = SLO(ttft_ms=6000, tpot_ms=1000)
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    ray_session: None, runner: asyncio.Runner, target_dir: Path, draft_dir: Path, profile_path: Path
+) -> Iterator[ClusterHandle]:
+    config = ClusterConfig(
+        model=str(target_dir), draft=str(draft_dir), profile=str(profile_path), num_kv_blocks=256
+    )
+    handle = runner.run(launch(config))
+    yield handle
+    runner.run(handle.shutdown())
+
+
+@pytest.fixture(scope="module")
+def engine(target_dir: Path) -> Engine:
+    return Engine.from_dirs(target_dir, num_blocks=64)
+
+
+async def collect(stream: AsyncIterator[TokenChunk | FinalRecord]) -> tuple[list[int], FinalRecord]:
+    tokens: list[int] = []
+    async for item in stream:
+        if isinstance(item, TokenChunk):
+            tokens.extend(item.token_ids)
+        else:
+            return tokens, item
+    raise AssertionError("the stream ended without a FinalRecord")
+
+
+def request(rid: str, prompt: list[int], max_tokens: int, slo: SLO | None) -> Request:
+    tier = Tier.SLO if slo is not None else Tier.BEST_EFFORT
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), slo=slo, tier=tier)
+
+
+def test_concurrent_two_tiers_match_standalone_greedy(
+    cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
+) -> None:
+    prompts = {f"e2e-{i}": [11 + i, 200 + 7 * i, 31, 400 + i, 9] for i in range(4)}
+    slos = [CHAT, BATCH, CHAT, BATCH]
+
+    async def run() -> list[tuple[list[int], FinalRecord]]:
+        reqs = [
+            request(rid, p, 16, slo) for (rid, p), slo in zip(prompts.items(), slos, strict=True)
+        ]
+        return await asyncio.gather(*(collect(cluster.submit(r)) for r in reqs))
+
+    for (rid, prompt), (tokens, final) in zip(prompts.items(), runner.run(run()), strict=True):
+        assert tokens == greedy_reference(engine, rid, prompt, 16)
+        assert final.request_id == rid
+        assert final.verdict in (Verdict.ADMITTED, Verdict.BEST_EFFORT)
+        assert final.finish_reason in ("length", "stop")
+        assert final.num_output_tokens == len(tokens)
+        assert final.first_token_time is not None and final.first_token_time >= final.arrival_time
+        assert final.migrations == 0
+    status = runner.run(cluster.status())
+    assert status.counters.get("admitted", 0) + status.counters.get("best_effort", 0) >= 4
+
+
+def test_declined_request_is_admitted_by_the_next_hop_then_best_effort(
+    cluster: ClusterHandle, runner: asyncio.Runner
+) -> None:
+    async def run() -> None:
+        first = cluster.submit(request("route-0", [5, 6, 7], 400, TIGHT))
+        assert isinstance(await anext(first), TokenChunk)
+        status = await cluster.status()
+        loaded = [r.replica for r in status.replicas if r.admitted == 1]
+        assert len(loaded) == 1
+        # Round robin: the best-effort filler takes the other replica's turn, so the next
+        # tight request's first hop is the loaded replica, which declines it.
+        _, filler = await collect(cluster.submit(request("route-1", [8, 9], 2, None)))
+        assert filler.verdict is Verdict.BEST_EFFORT
+        second = cluster.submit(request("route-2", [10, 11, 12], 400, TIGHT))
+        assert isinstance(await anext(second), TokenChunk)
+        # Both replicas now hold a tight request: the third is served best-effort, later.
+        tokens, third = await collect(cluster.submit(request("route-3", [13, 14], 8, TIGHT)))
+        assert third.verdict is Verdict.BEST_EFFORT
+        assert third.hops == 2
+        assert len(tokens) == third.num_output_tokens > 0
+        await second.aclose()
+        await first.aclose()
+        counters = (await cluster.status()).counters
+        assert counters["routed"] >= 1
+
+    runner.run(run())
+
+
+def test_routed_request_final_record_shows_the_hop(
+    cluster: ClusterHandle, runner: asyncio.Runner
+) -> None:
+    async def run() -> FinalRecord:
+        first = cluster.submit(request("hop-0", [5, 6, 7], 400, TIGHT))
+        assert isinstance(await anext(first), TokenChunk)
+        loaded = [r.replica for r in (await cluster.status()).replicas if r.admitted == 1]
+        await collect(cluster.submit(request("hop-1", [8, 9], 2, None)))
+        _, routed = await collect(cluster.submit(request("hop-2", [10, 11], 6, TIGHT)))
+        await first.aclose()
+        assert routed.replica not in loaded
+        return routed
+
+    routed = runner.run(run())
+    assert routed.verdict is Verdict.ADMITTED
+    assert routed.hops == 2
+
+
+def test_closing_the_stream_frees_the_request_on_its_replica(
+    cluster: ClusterHandle, runner: asyncio.Runner
+) -> None:
+    async def held() -> list[str]:
+        snaps = await asyncio.gather(*(r.snapshot.remote() for r in cluster.replicas))
+        return [h.request.request_id for s in snaps for h in s.requests]
+
+    async def run() -> None:
+        stream = cluster.submit(request("cancel-0", [3, 4, 5], 500, CHAT))
+        assert isinstance(await anext(stream), TokenChunk)
+        assert "cancel-0" in await held()
+        await stream.aclose()
+        for _ in range(100):
+            if "cancel-0" not in await held():
+                break
+            await asyncio.sleep(0.05)
+        assert "cancel-0" not in await held()
+        snaps = await asyncio.gather(*(r.snapshot.remote() for r in cluster.replicas))
+        assert all(s.free_blocks == s.num_blocks for s in snaps if not s.requests)
+
+    runner.run(run())
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (dict(prompt=[1] * 4096), "context"),
+        (dict(prompt=[1, 2], max_tokens=4000), "context"),
+        (dict(prompt=[1, 99999]), "vocabulary"),
+        (dict(prompt=[1, 2], model="no-such-model"), "unknown model"),
+    ],
+)
+def test_bad_input_is_refused_and_others_are_unaffected(
+    cluster: ClusterHandle,
+    runner: asyncio.Runner,
+    engine: Engine,
+    bad: dict[str, object],
+    message: str,
+) -> None:
+    prompt = bad.get("prompt", [1, 2])
+    assert isinstance(prompt, list)
+    max_tokens = bad.get("max_tokens", 4)
+    assert isinstance(max_tokens, int)
+    bad_request = Request(
+        "bad",
+        prompt,
+        SamplingParams(max_tokens=max_tokens),
+        slo=CHAT,
+        model=str(bad.get("model", "")),
+    )
+
+    async def run() -> tuple[list[int], FinalRecord]:
+        good = asyncio.ensure_future(
+            collect(cluster.submit(request("good", [21, 22, 23], 8, CHAT)))
+        )
+        with pytest.raises(ValueError, match=message):
+            await collect(cluster.submit(bad_request))
+        return await good
+
+    tokens, final = runner.run(run())
+    assert tokens == greedy_reference(engine, "good", [21, 22, 23], 8)
+    assert final.finish_reason in ("length", "stop")
+
+
+def test_invalid_slo_is_refused_when_the_request_is_built() -> None:
+    with pytest.raises(ValueError, match=r"slo\.tpot_ms"):
+        Request("x", [1], slo=SLO(ttft_ms=100, tpot_ms=-1))
+
+
+def test_metrics_merge_decisions_and_latencies(
+    cluster: ClusterHandle, runner: asyncio.Runner
+) -> None:
+    snapshot = runner.run(cluster.metrics_snapshot())
+    counters = snapshot["counters"]
+    histograms = snapshot["histograms"]
+    assert isinstance(counters, dict) and isinstance(histograms, dict)
+    assert counters["admitted"] >= 1
+    assert "route_hops" in histograms and "planner_latency_s" in histograms
+    assert "ttft_s:slo" in histograms and "tpot_s:slo" in histograms
+
+
+def test_a_request_id_streams_to_one_client_at_a_time(
+    cluster: ClusterHandle, runner: asyncio.Runner
+) -> None:
+    async def run() -> None:
+        first = cluster.submit(request("dup", [1, 2, 3], 12, CHAT))
+        assert isinstance(await anext(first), TokenChunk)
+        with pytest.raises(ValueError, match="already in flight"):
+            await anext(cluster.submit(request("dup", [1, 2, 3], 4, CHAT)))
+        rest = [item async for item in first]
+        assert isinstance(rest[-1], FinalRecord) and rest[-1].finish_reason in ("length", "stop")
+
+    runner.run(run())

@@ -1,0 +1,144 @@
+"""Failures: a replica killed mid-stream, a controller restarted mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from cluster.api import FinalRecord, TokenChunk
+from cluster.config import ClusterConfig
+from cluster.handle import ClusterHandle, launch
+from replica.engine import Engine
+from replica.request import SLO, Request, SamplingParams
+from tests.cluster.conftest import greedy_reference
+
+pytestmark = pytest.mark.timeout(240)
+
+LOOSE = SLO(ttft_ms=5000, tpot_ms=1000)
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    ray_session: None, runner: asyncio.Runner, target_dir: Path, draft_dir: Path, profile_path: Path
+) -> Iterator[ClusterHandle]:
+    config = ClusterConfig(
+        model=str(target_dir), draft=str(draft_dir), profile=str(profile_path), num_kv_blocks=256
+    )
+    handle = runner.run(launch(config))
+    yield handle
+    runner.run(handle.shutdown())
+
+
+@pytest.fixture(scope="module")
+def engine(target_dir: Path) -> Engine:
+    return Engine.from_dirs(target_dir, num_blocks=64)
+
+
+def prompts(tag: str) -> dict[str, list[int]]:
+    return {f"{tag}-{i}": [40 + i, 300 + 11 * i, 77, 5 + i] for i in range(3)}
+
+
+async def stream_with_hook(
+    cluster: ClusterHandle, rid: str, prompt: list[int], started: asyncio.Event
+) -> tuple[list[int], FinalRecord]:
+    """Collect a stream; set `started` once it has delivered a few tokens."""
+    req = Request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS), slo=LOOSE)
+    tokens: list[int] = []
+    async for item in cluster.submit(req):
+        if isinstance(item, TokenChunk):
+            tokens.extend(item.token_ids)
+            if len(tokens) >= 3:
+                started.set()
+        else:
+            return tokens, item
+    raise AssertionError("no FinalRecord")
+
+
+async def holder(cluster: ClusterHandle, rid: str) -> int:
+    snaps = await asyncio.gather(*(r.snapshot.remote() for r in cluster.replicas))
+    return next(s.replica for s in snaps if any(h.request.request_id == rid for h in s.requests))
+
+
+def test_killed_replica_streams_resume_elsewhere_without_loss_or_duplicates(
+    cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
+) -> None:
+    reqs = prompts("kill")
+
+    async def run() -> list[tuple[list[int], FinalRecord]]:
+        started = {rid: asyncio.Event() for rid in reqs}
+        tasks = [
+            asyncio.ensure_future(stream_with_hook(cluster, rid, p, started[rid]))
+            for rid, p in reqs.items()
+        ]
+        first = next(iter(reqs))
+        await asyncio.wait_for(started[first].wait(), 60)
+        victim = await holder(cluster, first)
+        ray.kill(cluster.replicas[victim], no_restart=False)
+        return list(await asyncio.gather(*tasks))
+
+    results = runner.run(run())
+    for (rid, prompt), (tokens, final) in zip(reqs.items(), results, strict=True):
+        assert tokens == greedy_reference(engine, rid, prompt, MAX_TOKENS), rid
+        assert final.num_output_tokens == len(tokens)
+        assert final.finish_reason in ("length", "stop")
+    # The victim's requests moved (possibly back to the victim once Ray restarted it).
+    assert any(final.migrations > 0 for _, final in results)
+
+    async def back() -> bool:
+        for _ in range(240):
+            status = await cluster.status()
+            if all(r.alive for r in status.replicas):
+                return True
+            await asyncio.sleep(0.25)
+        return False
+
+    assert runner.run(back()), "the killed replica did not rejoin after its restart"
+    assert runner.run(cluster.status()).counters["migrated"] >= 1
+
+
+def test_controller_restart_keeps_in_flight_requests(
+    cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
+) -> None:
+    reqs = prompts("restart")
+
+    async def run() -> list[tuple[list[int], FinalRecord]]:
+        started = {rid: asyncio.Event() for rid in reqs}
+        tasks = [
+            asyncio.ensure_future(stream_with_hook(cluster, rid, p, started[rid]))
+            for rid, p in reqs.items()
+        ]
+        long = cluster.submit(
+            Request(
+                "restart-long", [3, 1, 4], SamplingParams(max_tokens=600, ignore_eos=True), LOOSE
+            )
+        )
+        assert isinstance(await anext(long), TokenChunk)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
+        ray.kill(cluster.controller, no_restart=False)
+        # The restarted controller (fresh counters) mirrors what the replicas hold.
+        for _ in range(300):
+            status = await cluster.status()
+            if "admitted" not in status.counters:
+                break
+            await asyncio.sleep(0.05)
+        assert "admitted" not in status.counters
+        assert sum(r.admitted + r.best_effort for r in status.replicas) >= 1
+        await long.aclose()
+        return list(await asyncio.gather(*tasks))
+
+    for (rid, prompt), (tokens, final) in zip(reqs.items(), runner.run(run()), strict=True):
+        assert tokens == greedy_reference(engine, rid, prompt, MAX_TOKENS), rid
+        assert final.finish_reason in ("length", "stop")
+        assert final.migrations == 0
+
+    async def after() -> tuple[list[int], FinalRecord]:
+        return await stream_with_hook(cluster, "after-restart", [9, 8, 7], asyncio.Event())
+
+    tokens, final = runner.run(after())
+    assert tokens == greedy_reference(engine, "after-restart", [9, 8, 7], MAX_TOKENS)
+    assert final.verdict in ("admitted", "best_effort")

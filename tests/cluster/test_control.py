@@ -1,0 +1,127 @@
+"""Admission and sequential routing across virtual replicas (the controller without Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.api import Verdict
+from cluster.config import ClusterConfig
+from cluster.control import ControlPlane, Decision
+from cluster.controller import build_plane
+from cluster.routing import BackupPolicy, Router
+from replica.request import SLO, Request, SamplingParams, Tier
+from tests.cluster.conftest import write_profile
+
+TIGHT = SLO(ttft_ms=1500, tpot_ms=100)
+"""The default synthetic profile fits one such request per replica."""
+
+
+def plane(tmp_path: Path, **overrides: object) -> ControlPlane:
+    profile = write_profile(tmp_path / "p.json")
+    fields: dict[str, object] = dict(model="m", draft="d", profile=str(profile))
+    fields.update(overrides)
+    return build_plane(ClusterConfig.from_dict(fields))
+
+
+def tight(rid: str, arrival: float = 100.0) -> Request:
+    return Request(rid, [1] * 8, SamplingParams(max_tokens=64), slo=TIGHT, arrival_time=arrival)
+
+
+def decide(p: ControlPlane, request: Request, now: float = 100.0, ticks: int = 3) -> Decision:
+    immediate = p.submit(request, now)
+    if immediate is not None:
+        return immediate
+    for _ in range(ticks):
+        for decision in p.tick(now):
+            if decision.request.request_id == request.request_id:
+                return decision
+    raise AssertionError(f"no verdict for {request.request_id}")
+
+
+def test_declined_request_is_admitted_at_the_next_hop(tmp_path: Path) -> None:
+    p = plane(tmp_path)
+    first = decide(p, tight("a"))
+    assert first.binding.verdict is Verdict.ADMITTED and first.binding.hops == 1
+    filler = Request("be", [1], SamplingParams(max_tokens=2), tier=Tier.BEST_EFFORT)
+    assert decide(p, filler).binding.verdict is Verdict.BEST_EFFORT
+    routed = decide(p, tight("b"))
+    assert routed.binding.verdict is Verdict.ADMITTED
+    assert routed.binding.hops == 2
+    assert routed.binding.replica != first.binding.replica
+    assert p.metrics.counters["routed"] == 1
+    assert p.holder("b") == routed.binding.replica
+
+
+def test_full_cluster_serves_best_effort_after_the_route_limit(tmp_path: Path) -> None:
+    p = plane(tmp_path)
+    decide(p, tight("a"))
+    decide(p, tight("b"))
+    backup = decide(p, tight("c"))
+    assert backup.binding.verdict is Verdict.BEST_EFFORT
+    assert backup.binding.hops == 2
+    assert "c" in p.replicas[backup.binding.replica or 0].held
+
+
+def test_reject_policy_declines_with_reason_and_retry_after(tmp_path: Path) -> None:
+    p = plane(tmp_path, backup_policy=BackupPolicy.REJECT, retry_after_s=3.0)
+    decide(p, tight("a"))
+    decide(p, tight("b"))
+    rejected = decide(p, tight("c"))
+    assert rejected.binding.verdict is Verdict.REJECTED
+    assert "2 hop(s)" in rejected.binding.reason
+    assert rejected.binding.retry_after_s == 3.0
+    assert p.holder("c") is None
+    assert p.metrics.counters["rejected"] == 1
+
+
+def test_resumed_request_is_never_rejected(tmp_path: Path) -> None:
+    p = plane(tmp_path, backup_policy=BackupPolicy.REJECT)
+    a = decide(p, tight("a"))
+    decide(p, tight("b"))
+    resumed = p.resume(tight("a"), [7, 7, 7], a.binding.replica or 0, 100.0)
+    decisions = [resumed] if resumed else [d for _ in range(3) for d in p.tick(100.0)]
+    (decision,) = [d for d in decisions if d.request.request_id == "a"]
+    assert decision.resumed
+    assert decision.binding.verdict in (Verdict.ADMITTED, Verdict.BEST_EFFORT)
+    assert decision.request.prompt_token_ids[-3:] == [7, 7, 7]
+    assert decision.request.sampling.max_tokens == 61
+    assert p.metrics.counters["migrated"] == 1
+
+
+def test_no_live_replica_means_unavailable(tmp_path: Path) -> None:
+    p = plane(tmp_path)
+    p.mark_dead(0)
+    p.mark_dead(1)
+    decision = p.submit(tight("a"), 100.0)
+    assert decision is not None and decision.binding.verdict is None
+    assert "no replica" in decision.binding.reason
+
+
+def test_requests_waiting_at_a_dead_replica_move_on(tmp_path: Path) -> None:
+    p = plane(tmp_path)
+    assert p.submit(tight("a"), 100.0) is None
+    waiting_at = next(i for i in range(2) if p.num_pending(i))
+    p.mark_dead(waiting_at)
+    decision = decide(p, tight("a"))
+    assert decision.binding.replica == 1 - waiting_at
+    assert decision.binding.verdict is Verdict.ADMITTED
+
+
+def test_submit_is_idempotent_and_abort_forgets(tmp_path: Path) -> None:
+    p = plane(tmp_path)
+    first = decide(p, tight("a"))
+    again = p.submit(tight("a"), 101.0)
+    assert again is not None and again.binding.replica == first.binding.replica
+    assert p.submit(tight("w"), 101.0) is None
+    assert p.submit(tight("w"), 101.0) is None
+    assert sum(p.num_pending(i) for i in range(2)) == 1
+    assert p.abort("w") is None and not p.is_pending("w")
+    assert p.abort("a") == first.binding.replica
+    assert p.holder("a") is None
+
+
+def test_empty_cluster_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one replica"):
+        ControlPlane([], Router())

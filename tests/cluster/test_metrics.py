@@ -1,0 +1,34 @@
+"""Plain-Python counters and histograms, merged without double counting."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.metrics import Histogram, Metrics, merge_snapshots
+
+
+def test_histogram_buckets_are_cumulative() -> None:
+    hist = Histogram((1.0, 2.0, 5.0))
+    for value in (0.5, 1.0, 1.5, 7.0):
+        hist.observe(value)
+    assert hist.counts == [2, 3, 3]
+    assert hist.count == 4
+    assert hist.total == pytest.approx(10.0)
+
+
+def test_histogram_bounds_must_increase() -> None:
+    with pytest.raises(ValueError, match="increasing"):
+        Histogram((2.0, 1.0))
+
+
+def test_merge_keeps_each_party_once_and_refuses_overlap() -> None:
+    controller, handle = Metrics(), Metrics()
+    controller.inc("admitted", 2)
+    handle.observe("ttft_s:slo", 0.1, (0.5,))
+    merged = merge_snapshots(controller.snapshot(), handle.snapshot())
+    assert merged["counters"] == {"admitted": 2}
+    histograms = merged["histograms"]
+    assert isinstance(histograms, dict) and set(histograms) == {"ttft_s:slo"}
+    handle.inc("admitted")
+    with pytest.raises(ValueError, match="admitted"):
+        merge_snapshots(controller.snapshot(), handle.snapshot())

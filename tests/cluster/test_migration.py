@@ -1,0 +1,63 @@
+"""Resuming a request: the shifted SLO keeps every remaining token's original deadline."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cluster.migration import resumed_request, shift_slo
+from replica.request import SLO, Request, SamplingParams, Stage, Tier
+
+STAGED = SLO(
+    ttft_ms=400,
+    tpot_ms=50,
+    stages=(Stage(20, 5, name="think"), Stage(80, 3, ttft_ms=300, name="answer")),
+)
+
+
+@given(
+    slo=st.sampled_from(
+        [SLO(ttft_ms=250, tpot_ms=40), STAGED, SLO(100, 10, stages=(Stage(10, 2), Stage(30)))]
+    ),
+    delivered=st.integers(0, 30),
+)
+def test_shifted_line_keeps_original_deadlines(slo: SLO, delivered: int) -> None:
+    shifted = shift_slo(slo, delivered)
+    for j in range(12):
+        assert shifted.deadline_s(j) == pytest.approx(slo.deadline_s(j + delivered), abs=1e-9)
+
+
+def test_shifted_stages_keep_their_tpot_and_name() -> None:
+    shifted = shift_slo(STAGED, 6)
+    assert [s.name for s in shifted.stages] == ["answer"]
+    assert shifted.stages[0].num_tokens == 2
+    assert shifted.tpot_at(0) == pytest.approx(0.08)
+
+
+def test_resumed_request_continues_from_delivered_tokens() -> None:
+    original = Request(
+        "r", [1, 2, 3], SamplingParams(max_tokens=10, temperature=0.5), slo=STAGED, arrival_time=7.0
+    )
+    resumed = resumed_request(original, [9, 8, 7, 6])
+    assert resumed.request_id == "r"
+    assert resumed.prompt_token_ids == [1, 2, 3, 9, 8, 7, 6]
+    assert resumed.sampling.max_tokens == 6
+    assert resumed.sampling.temperature == 0.5
+    assert resumed.arrival_time == 7.0
+    assert resumed.slo is not None
+    assert resumed.slo.deadline_s(0) == pytest.approx(STAGED.deadline_s(4))
+    assert original.prompt_token_ids == [1, 2, 3]
+
+
+def test_resumed_best_effort_request_has_no_slo() -> None:
+    original = Request("b", [1], SamplingParams(max_tokens=3), tier=Tier.BEST_EFFORT)
+    assert resumed_request(original, [5]).slo is None
+
+
+def test_nothing_left_to_resume_is_an_error() -> None:
+    original = Request("r", [1], SamplingParams(max_tokens=2), slo=SLO(100, 10))
+    with pytest.raises(ValueError, match="nothing is left"):
+        resumed_request(original, [4, 5])
+    with pytest.raises(ValueError, match="delivered"):
+        shift_slo(SLO(100, 10), -1)

@@ -1,0 +1,122 @@
+"""The replica loop without Ray: plans in, tokens out, reports back, KV freed on abort."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from cluster.messages import StepReport, StreamItem
+from cluster.replica_core import ReplicaCore
+from replica.batch import BatchPlan, DecodeStep, PrefillChunk
+from replica.engine import Engine
+from replica.request import SLO, Request, SamplingParams
+from tests.cluster.conftest import greedy_reference
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = [17, 230, 45, 9, 300]
+
+
+@pytest.fixture(scope="module")
+def engine(target_dir: Path) -> Engine:
+    return Engine.from_dirs(target_dir, num_blocks=64)
+
+
+def req(rid: str, max_tokens: int = 8) -> Request:
+    return Request(rid, PROMPT, SamplingParams(max_tokens=max_tokens), slo=SLO(1000, 100))
+
+
+async def drain(core: ReplicaCore, rid: str) -> list[StreamItem]:
+    return [item async for item in core.stream(rid)]
+
+
+def test_one_prefill_plan_then_derived_decodes_finish_the_request(engine: Engine) -> None:
+    reports: list[StepReport] = []
+
+    async def run() -> list[StreamItem]:
+        core = ReplicaCore(engine, 3, reports.append)
+        core.start()
+        core.add_request(req("a"), admitted=True)
+        # A stale plan: an unknown request and more prompt than there is; both are fitted.
+        core.set_plan(BatchPlan((PrefillChunk("a", 99), DecodeStep("ghost"))))
+        items = await drain(core, "a")
+        await core.stop()
+        return items
+
+    items = asyncio.run(run())
+    tokens = [t for item in items for t in item.token_ids]
+    assert tokens == greedy_reference(engine, "ref", PROMPT, 8)
+    assert items[-1].finish_reason in ("length", "stop")
+    assert all(len(i.times) == len(i.token_ids) for i in items)
+    assert [r.seq for r in reports] == list(range(1, len(reports) + 1))
+    assert reports[0].plan == BatchPlan((PrefillChunk("a", len(PROMPT)),))
+    assert all(isinstance(e, DecodeStep) for r in reports[1:] for e in r.plan.entries)
+    assert all(r.replica == 3 for r in reports)
+    assert engine.num_free_blocks == engine.cache.num_blocks
+
+
+def test_abort_ends_the_stream_and_frees_kv(engine: Engine) -> None:
+    async def run() -> list[StreamItem]:
+        core = ReplicaCore(engine, 0, lambda report: None)
+        core.start()
+        core.add_request(req("b", max_tokens=500), admitted=False)
+        core.set_plan(BatchPlan((PrefillChunk("b", len(PROMPT)),)))
+        stream = core.stream("b")
+        first = await anext(stream)
+        snap = core.snapshot()
+        assert [h.request.request_id for h in snap.requests] == ["b"]
+        assert not snap.requests[0].admitted and snap.requests[0].num_computed >= len(PROMPT)
+        core.abort("b")
+        rest = [item async for item in stream]
+        await core.stop()
+        return [first, *rest]
+
+    items = asyncio.run(run())
+    assert items[-1].finish_reason == "abort"
+    assert engine.num_free_blocks == engine.cache.num_blocks
+    assert not engine.has_request("b")
+
+
+def test_closing_the_stream_aborts_the_request(engine: Engine) -> None:
+    async def run() -> ReplicaCore:
+        core = ReplicaCore(engine, 0, lambda report: None)
+        core.start()
+        core.add_request(req("c", max_tokens=500), admitted=True)
+        core.set_plan(BatchPlan((PrefillChunk("c", len(PROMPT)),)))
+        stream = core.stream("c")
+        await anext(stream)
+        await stream.aclose()
+        for _ in range(200):
+            if not core.snapshot().requests:
+                break
+            await asyncio.sleep(0.01)
+        await core.stop()
+        return core
+
+    core = asyncio.run(run())
+    assert not core.snapshot().requests
+    assert engine.num_free_blocks == engine.cache.num_blocks
+
+
+def test_bad_requests_are_refused_and_unknown_streams_are_lost(engine: Engine) -> None:
+    async def run() -> list[StreamItem]:
+        core = ReplicaCore(engine, 0, lambda report: None)
+        long = Request("long", [1] * 5000, SamplingParams(max_tokens=2), slo=SLO(1000, 100))
+        with pytest.raises(ValueError, match="context"):
+            core.add_request(long, admitted=True)
+        core.add_request(req("d"), admitted=True)
+        with pytest.raises(ValueError, match="already held"):
+            core.add_request(req("d"), admitted=True)
+        assert [h.request.request_id for h in core.snapshot().requests] == ["d"]
+        core.start()
+        core.abort("d")
+        items = await drain(core, "d")
+        items += await drain(core, "never-added")
+        await core.stop()
+        return items
+
+    items = asyncio.run(run())
+    assert items[0].finish_reason == "abort"
+    assert items[-1].lost

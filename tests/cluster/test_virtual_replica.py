@@ -1,0 +1,139 @@
+"""The controller's mirror of a replica, driven by the perf-model executor (no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.messages import HeldRequest, ReplicaSnapshot, StepReport
+from cluster.virtual_replica import ReportFit, VirtualReplica
+from replica.batch import BatchOutcome, BatchPlan, DecodeStep
+from replica.perf_model import PerfModel
+from replica.planner.base import CacheBudget
+from replica.planner.executor import PerfExecutor
+from replica.request import SLO, Request, SamplingParams, Tier
+from tests.cluster.conftest import write_profile
+
+CACHE = CacheBudget(num_blocks=256)
+
+
+@pytest.fixture
+def perf(tmp_path: Path) -> PerfModel:
+    return PerfModel.load(write_profile(tmp_path / "p.json", const=0.01, tokens=0.001))
+
+
+def requests(n: int, arrival: float = 0.0) -> list[Request]:
+    return [
+        Request(
+            f"r{i}",
+            [1] * (8 + 4 * i),
+            SamplingParams(max_tokens=6 + i),
+            slo=SLO(ttft_ms=2000, tpot_ms=500),
+            arrival_time=arrival,
+        )
+        for i in range(n)
+    ]
+
+
+def run_steps(
+    vr: VirtualReplica, executor: PerfExecutor, now: float, max_steps: int
+) -> tuple[float, int]:
+    """Plan on the mirror, execute on the executor, report back; returns (now, steps)."""
+    steps = 0
+    while steps < max_steps:
+        plan = vr.next_plan(now)
+        if plan is None:
+            break
+        outcome, duration = executor.execute(plan, now)
+        now += duration
+        assert vr.apply(StepReport(0, vr.incarnation, vr.seq + 1, plan, outcome, now)) is (
+            ReportFit.APPLIED
+        )
+        steps += 1
+    return now, steps
+
+
+def snapshot_of(executor: PerfExecutor, vr: VirtualReplica, incarnation: str) -> ReplicaSnapshot:
+    held = tuple(
+        HeldRequest(s.request, s.request.request_id in vr.admitted, tuple(s.output), s.computed)
+        for s in executor.sequences.values()
+        if not s.finished
+    )
+    return ReplicaSnapshot(0, incarnation, 41, held, free_blocks=0, num_blocks=CACHE.num_blocks)
+
+
+def test_mirror_plans_every_admitted_request_to_completion(perf: PerfModel) -> None:
+    vr = VirtualReplica(0, perf, CACHE)
+    executor = PerfExecutor(perf, CACHE)
+    for r in requests(3):
+        vr.admit(r, 0.0)
+        executor.add(r)
+    assert vr.load == 3
+    _, steps = run_steps(vr, executor, 0.0, 500)
+    assert steps > 0 and not vr.has_work() and not vr.held
+    assert all(len(executor.output(f"r{i}")) == 6 + i for i in range(3))
+
+
+def test_reports_out_of_sequence_are_ignored_or_force_a_resync(perf: PerfModel) -> None:
+    vr = VirtualReplica(0, perf, CACHE)
+    vr.incarnation = "a"
+    plan, outcome = BatchPlan(()), BatchOutcome([])
+    assert vr.apply(StepReport(0, "a", 1, plan, outcome, 0.0)) is ReportFit.APPLIED
+    assert vr.apply(StepReport(0, "a", 1, plan, outcome, 0.0)) is ReportFit.STALE
+    assert vr.apply(StepReport(0, "a", 3, plan, outcome, 0.0)) is ReportFit.RESYNC
+    assert vr.apply(StepReport(0, "b", 2, plan, outcome, 0.0)) is ReportFit.RESYNC
+    assert vr.seq == 1
+
+
+def test_restored_mirror_continues_where_the_replica_is(perf: PerfModel) -> None:
+    """Rebuild mid-run from a snapshot: the executor (a strict referee) accepts every plan
+    of the new mirror, and every request finishes with all its tokens."""
+    vr = VirtualReplica(0, perf, CACHE)
+    executor = PerfExecutor(perf, CACHE)
+    reqs = requests(4)
+    for r in reqs[:3]:
+        vr.admit(r, 0.0)
+        executor.add(r)
+    best = Request("be", [2] * 5, SamplingParams(max_tokens=5), tier=Tier.BEST_EFFORT)
+    vr.add_best_effort(best, 0.0)
+    executor.add(best)
+    now, _ = run_steps(vr, executor, 0.0, 4)
+    assert any(s.output for s in executor.sequences.values())
+
+    rebuilt = VirtualReplica(0, perf, CACHE)
+    rebuilt.restore(snapshot_of(executor, vr, "x"), now)
+    assert rebuilt.incarnation == "x" and rebuilt.seq == 41
+    assert rebuilt.held.keys() == vr.held.keys()
+    assert rebuilt.admitted == vr.admitted
+    run_steps(rebuilt, executor, now, 500)
+    assert not rebuilt.held
+    for r in [*reqs[:3], best]:
+        assert len(executor.output(r.request_id)) == r.sampling.max_tokens
+
+
+def test_abort_and_reset_forget_requests(perf: PerfModel) -> None:
+    vr = VirtualReplica(0, perf, CACHE)
+    a, b = requests(2)
+    vr.admit(a, 0.0)
+    vr.admit(b, 0.0)
+    assert vr.abort("r0") and not vr.abort("r0")
+    assert set(vr.held) == {"r1"}
+    status = vr.status(waiting_for_verdict=2)
+    assert status.admitted == 1 and status.waiting == 3
+    vr.reset()
+    assert not vr.held and not vr.has_work() and vr.next_plan(0.0) is None
+
+
+def test_finished_request_leaves_the_mirror(perf: PerfModel) -> None:
+    vr = VirtualReplica(0, perf, CACHE)
+    (r,) = requests(1)
+    vr.admit(r, 0.0)
+    executor = PerfExecutor(perf, CACHE)
+    executor.add(r)
+    run_steps(vr, executor, 0.0, 1)
+    assert "r0" in vr.held
+    plan = vr.next_plan(1.0)
+    assert plan is not None and isinstance(plan.entries[0], DecodeStep)
+    run_steps(vr, executor, 1.0, 500)
+    assert "r0" not in vr.held

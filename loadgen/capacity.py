@@ -1,0 +1,124 @@
+"""Serving capacity: the highest per-replica request rate that still attains the SLO target.
+
+The paper's headline metric (max load per GPU with >= 90% attainment). Given a function that
+runs the system at a per-replica rate and returns its attainment (deadline semantics), search:
+bracket by multiplying the rate by `growth` (up while it passes, down while it fails), then
+bisect between the highest passing and lowest failing rate until they are within `rel_tol` of
+each other. This assumes attainment falls as the rate grows; every evaluated point is kept so a
+non-monotone system shows in the result (`monotone`) rather than hiding in one number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_TARGET = 0.9
+
+
+@dataclass(frozen=True)
+class CapacityPoint:
+    rate: float
+    attainment: float
+
+
+@dataclass(frozen=True)
+class CapacityResult:
+    capacity: float
+    """Highest passing rate found (0.0 if even `min_rate` failed)."""
+    lowest_failing: float | None
+    """Lowest failing rate found (None if even `max_rate` passed)."""
+    target: float
+    points: tuple[CapacityPoint, ...]
+    """Every evaluation, in the order run."""
+
+    @property
+    def monotone(self) -> bool:
+        """Whether the points agree with the assumption: nothing passes above a failure."""
+        failing = [p.rate for p in self.points if p.attainment < self.target]
+        passing = [p.rate for p in self.points if p.attainment >= self.target]
+        return not failing or not passing or max(passing) < min(failing)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "lowest_failing": self.lowest_failing,
+            "target": self.target,
+            "monotone": self.monotone,
+            "points": [{"rate": p.rate, "attainment": p.attainment} for p in self.points],
+        }
+
+
+def _positive(name: str, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+
+
+def find_capacity(
+    attainment_at: Callable[[float], float],
+    start_rate: float,
+    *,
+    target: float = DEFAULT_TARGET,
+    rel_tol: float = 0.05,
+    growth: float = 2.0,
+    min_rate: float = 1e-3,
+    max_rate: float = 1e4,
+) -> CapacityResult:
+    """Highest rate r in [min_rate, max_rate] with attainment_at(r) >= target, to rel_tol."""
+    for name, value in (
+        ("start_rate", start_rate),
+        ("rel_tol", rel_tol),
+        ("min_rate", min_rate),
+        ("max_rate", max_rate),
+    ):
+        _positive(name, value)
+    if not 0 < target <= 1:
+        raise ValueError(f"target must be in (0, 1], got {target!r}")
+    if not math.isfinite(growth) or growth <= 1:
+        raise ValueError(f"growth must be finite and > 1, got {growth!r}")
+    if not min_rate <= start_rate <= max_rate:
+        raise ValueError(f"start_rate={start_rate} must be in [{min_rate}, {max_rate}]")
+
+    points: list[CapacityPoint] = []
+
+    def passes(rate: float) -> bool:
+        value = float(attainment_at(rate))
+        if not 0 <= value <= 1:
+            raise ValueError(f"attainment at rate {rate} must be in [0, 1], got {value!r}")
+        points.append(CapacityPoint(rate, value))
+        return value >= target
+
+    def result(low: float, high: float | None) -> CapacityResult:
+        return CapacityResult(low, high, target, tuple(points))
+
+    low: float
+    high: float
+    if passes(start_rate):
+        low = start_rate
+        while True:
+            if low >= max_rate:
+                return result(low, None)
+            rate = min(low * growth, max_rate)
+            if not passes(rate):
+                high = rate
+                break
+            low = rate
+    else:
+        high = start_rate
+        while True:
+            if high <= min_rate:
+                return result(0.0, high)
+            rate = max(high / growth, min_rate)
+            if passes(rate):
+                low = rate
+                break
+            high = rate
+    while high - low > rel_tol * low:
+        mid = (low + high) / 2
+        if passes(mid):
+            low = mid
+        else:
+            high = mid
+    return result(low, high)

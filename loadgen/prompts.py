@@ -1,0 +1,100 @@
+"""Prompt text for real runs on the demo pair: held-out Python source cut to exact token counts.
+
+The demo models were trained on the standard library's source; their training script holds out a
+stable 5% of files (deploy/models/train_demo.py: read_split / is_heldout). Prompts come from
+those held-out files, so the target sees text like its training data but not the data itself,
+and the draft's acceptance rate is what unseen code gives.
+
+A prompt of n tokens is a random window of n tokens of the held-out stream, decoded to text and
+re-encoded: the server tokenizes the text again, so the length that counts is the re-encoded
+one. Windows that do not survive the round trip (a cut inside a multi-byte character) are
+retried elsewhere. Lengths arrive already scaled for CPU: WorkloadConfig.length_scale shrinks
+the workload's prompt (and output) lengths before they are asked for here, so the planner, the
+records and the prompts all agree on one length.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+from tokenizers import Tokenizer
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "models" / "train_demo.py"
+DOCUMENT_SEPARATOR = "\n\n"
+ATTEMPTS = 64
+
+
+def demo_training_script() -> ModuleType:
+    """The demo training script as a module (deploy/ is not a package, so load it by path)."""
+    name = "slos_serve_train_demo"
+    if name in sys.modules:
+        return sys.modules[name]
+    if not TRAIN_SCRIPT.is_file():
+        raise ValueError(f"demo training script not found at {TRAIN_SCRIPT}")
+    spec = importlib.util.spec_from_file_location(name, TRAIN_SCRIPT)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load {TRAIN_SCRIPT}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def heldout_texts() -> list[str]:
+    """The demo pair's held-out source files (the same split on every machine)."""
+    _, heldout = demo_training_script().read_split()
+    return list(heldout)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    token_ids: tuple[int, ...]
+    """The text's tokens as the server will compute them (no special tokens added)."""
+
+
+class PromptSource:
+    """Exact-length prompts cut from a corpus; deterministic for a seed."""
+
+    def __init__(self, tokenizer: Tokenizer, texts: Sequence[str], seed: int) -> None:
+        if not texts:
+            raise ValueError("prompt corpus is empty")
+        self.tokenizer = tokenizer
+        self.stream = self._encode(DOCUMENT_SEPARATOR.join(texts))
+        self._rng = np.random.default_rng(seed)
+
+    @classmethod
+    def for_demo(cls, model_dir: str | Path, seed: int) -> PromptSource:
+        """Held-out prompts with the demo model's tokenizer (its folder's tokenizer.json)."""
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"no tokenizer.json in {str(model_dir)!r}")
+        return cls(Tokenizer.from_file(str(path)), heldout_texts(), seed)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def prompt(self, num_tokens: int) -> Prompt:
+        """A prompt whose text encodes to exactly num_tokens tokens."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
+        if num_tokens > len(self.stream):
+            raise ValueError(
+                f"num_tokens={num_tokens} exceeds the prompt corpus ({len(self.stream)} tokens)"
+            )
+        for _ in range(ATTEMPTS):
+            start = int(self._rng.integers(0, len(self.stream) - num_tokens + 1))
+            text = self.tokenizer.decode(self.stream[start : start + num_tokens])
+            ids = self._encode(text)
+            if len(ids) > num_tokens:
+                text = self.tokenizer.decode(ids[:num_tokens])
+                ids = self._encode(text)
+            if len(ids) == num_tokens:
+                return Prompt(text, tuple(ids))
+        raise ValueError(f"no window of the corpus round-trips to exactly {num_tokens} tokens")

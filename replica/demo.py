@@ -1,0 +1,138 @@
+"""`slos-serve demo`: a few Python prompts served concurrently by one local replica.
+
+It shows the data plane end to end on the shipped demo pair: tokenizer, scheduler, engine
+(with the draft model speculating when --spec-k > 0) and the per-request streams, then prints
+each continuation with its time to first token and the aggregate output tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from replica.engine import Engine
+from replica.local import LocalReplica, TokenChunk, cache_budget
+from replica.planner.base import CacheBudget, Scheduler
+from replica.planner.sarathi import SarathiConfig, SarathiScheduler
+from replica.planner.vllm import VllmConfig, VllmScheduler
+from replica.request import Request, SamplingParams, Tier
+
+MODELS = Path(__file__).resolve().parent.parent / "deploy" / "models"
+PROMPTS = (
+    "def fibonacci(n):\n",
+    "def is_prime(n):\n    ",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "import json\n\n\ndef load_config(path):\n    ",
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
+    "for i in range(10):\n    ",
+    "def read_lines(path):\n    with open(path) as f:\n",
+    "def merge_sort(xs):\n    if len(xs) <= 1:\n        return xs\n",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target", type=Path, default=MODELS / "demo-target", help="target model folder (HF)"
+    )
+    parser.add_argument(
+        "--draft", type=Path, default=MODELS / "demo-draft", help="draft model folder (HF)"
+    )
+    parser.add_argument(
+        "--scheduler",
+        choices=("vllm", "sarathi"),
+        default="sarathi",
+        help="prefill-first (vllm) or decode-first chunked prefill (sarathi)",
+    )
+    parser.add_argument(
+        "--spec-k", type=int, default=3, help="draft tokens per decode (0: no speculation)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--prompts", type=int, default=4, help="concurrent requests")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="tokens per step (default: 256 for sarathi, the model context for vllm)",
+    )
+    parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks of 16 tokens")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+
+
+@dataclass
+class Served:
+    request: Request
+    token_ids: list[int]
+    last: TokenChunk
+
+
+def make_scheduler(args: argparse.Namespace, budget: CacheBudget, max_model_len: int) -> Scheduler:
+    if args.scheduler == "vllm":
+        tokens = args.token_budget or max_model_len
+        return VllmScheduler(budget, VllmConfig(max_num_batched_tokens=tokens, spec_k=args.spec_k))
+    tokens = args.token_budget or 256
+    return SarathiScheduler(budget, SarathiConfig(token_budget=tokens, spec_k=args.spec_k))
+
+
+async def serve(replica: LocalReplica, requests: list[Request]) -> list[Served]:
+    async def one(request: Request) -> Served:
+        tokens: list[int] = []
+        async for chunk in replica.generate(request):
+            tokens.extend(chunk.token_ids)
+            if chunk.finished:
+                return Served(request, tokens, chunk)
+        raise RuntimeError(f"stream of {request.request_id} ended without a finish record")
+
+    await replica.start()
+    try:
+        return await asyncio.gather(*(one(r) for r in requests))
+    finally:
+        await replica.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prompts < 1 or args.max_tokens < 1 or args.spec_k < 0:
+        raise SystemExit("--prompts and --max-tokens must be >= 1, --spec-k >= 0")
+    draft = args.draft if args.spec_k > 0 else None
+    for path in (args.target, draft):
+        if path is not None and not (path / "config.json").is_file():
+            raise SystemExit(f"no model at {path} (train the demo pair with `make models`)")
+    torch.set_num_threads(args.threads)
+    engine = Engine.from_dirs(args.target, draft, num_blocks=args.num_blocks)
+    tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
+    texts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
+    requests = [
+        Request(f"demo-{i}", tokenizer.encode(text).ids, params, tier=Tier.BEST_EFFORT)
+        for i, text in enumerate(texts)
+    ]
+    scheduler = make_scheduler(args, cache_budget(engine), engine.max_model_len)
+    replica = LocalReplica(engine, scheduler)
+    start = time.perf_counter()
+    served = asyncio.run(serve(replica, requests))
+    elapsed = time.perf_counter() - start
+
+    for s in served:
+        timings = s.last.timings
+        ttft = timings.ttft if timings is not None else None
+        ttft_text = f"{ttft * 1e3:.0f} ms" if ttft is not None else "-"
+        print(
+            f"=== {s.request.request_id}: ttft {ttft_text}, {len(s.token_ids)} tokens, "
+            f"finish {s.last.finish_reason}"
+        )
+        print(tokenizer.decode(s.request.prompt_token_ids + s.token_ids))
+    total = sum(len(s.token_ids) for s in served)
+    print(
+        f"=== {len(served)} requests, {total} tokens in {elapsed:.2f} s: "
+        f"{total / elapsed:.1f} tokens/s (scheduler {args.scheduler}, spec-k {args.spec_k})"
+    )
+    return 0

@@ -1,0 +1,59 @@
+"""Prompts for real runs: held-out demo-corpus text that encodes to exactly the asked length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadgen.prompts import DOCUMENT_SEPARATOR, PromptSource, demo_training_script, heldout_texts
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(target_dir: Path) -> Path:
+    if not (target_dir / "tokenizer.json").is_file():
+        pytest.skip(f"demo model not trained yet: no tokenizer.json in {target_dir}")
+    return target_dir
+
+
+@pytest.fixture(scope="module")
+def source(tokenizer_dir: Path) -> PromptSource:
+    return PromptSource.for_demo(tokenizer_dir, seed=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 17, 256, 1500])
+def test_prompt_encodes_to_exactly_the_requested_length(source: PromptSource, n: int) -> None:
+    for _ in range(5):
+        prompt = source.prompt(n)
+        assert len(prompt.token_ids) == n
+        encoded = source.tokenizer.encode(prompt.text, add_special_tokens=False).ids
+        assert list(prompt.token_ids) == encoded
+
+
+def test_prompts_come_from_the_heldout_split(source: PromptSource) -> None:
+    heldout = DOCUMENT_SEPARATOR.join(heldout_texts())
+    train, _ = demo_training_script().read_split()
+    for _ in range(5):
+        text = source.prompt(200).text
+        assert text in heldout
+        assert not any(text in doc for doc in train)
+
+
+def test_prompts_are_deterministic_for_a_seed(tokenizer_dir: Path) -> None:
+    a = PromptSource.for_demo(tokenizer_dir, seed=3)
+    b = PromptSource.for_demo(tokenizer_dir, seed=3)
+    c = PromptSource.for_demo(tokenizer_dir, seed=4)
+    first = [a.prompt(64) for _ in range(3)]
+    assert first == [b.prompt(64) for _ in range(3)]
+    assert first != [c.prompt(64) for _ in range(3)]
+
+
+def test_bad_lengths_and_folders_raise(source: PromptSource, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="integer >= 1"):
+        source.prompt(0)
+    with pytest.raises(ValueError, match="exceeds the prompt corpus"):
+        source.prompt(len(source.stream) + 1)
+    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
+        PromptSource.for_demo(tmp_path, seed=0)
+    with pytest.raises(ValueError, match="empty"):
+        PromptSource(source.tokenizer, [], seed=0)

@@ -1,0 +1,211 @@
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replica.perf_model import (
+    FEATURES,
+    BatchFeatures,
+    BatchShape,
+    PerfModel,
+    ProfileInfo,
+    Term,
+    attention_pairs,
+)
+
+
+def coefficients(**values: float) -> tuple[float, ...]:
+    return tuple(values.get(name, 0.0) for name in FEATURES)
+
+
+def two_term_model() -> PerfModel:
+    """Memory-bound floor of 10 ms vs compute growing with tokens and attention."""
+    memory = Term(
+        "memory",
+        coefficients(const=0.010, kv_tokens=1e-7, draft_steps=1e-3, draft_kv_tokens=5e-8),
+    )
+    compute = Term(
+        "compute",
+        coefficients(const=0.002, tokens=5e-5, requests=1e-6, attn_tokens=2e-9, draft_steps=1e-3),
+    )
+    info = ProfileInfo(source="analytic", backend="test", device="cpu", model="toy")
+    return PerfModel((memory, compute), info)
+
+
+def test_attention_pairs_counts_causal_chunk_on_context() -> None:
+    assert attention_pairs(1, 10) == 11
+    assert attention_pairs(4, 0) == 10
+    assert attention_pairs(3, 5) == 3 * 5 + 6
+
+
+def test_batch_shape_features() -> None:
+    shape = BatchShape(new_tokens=(8, 1, 3), context=(0, 100, 50), draft_steps=2, draft_batch=1)
+    f = shape.features()
+    assert f.num_tokens == 12
+    assert f.num_requests == 3
+    assert f.attn_tokens == 36 + 101 + (150 + 6)
+    assert f.kv_tokens == 12 + 150
+    assert f.padded_attn_tokens == 3 * 8 * 101
+    assert f.vector() == (1.0, 12.0, 3.0, 293.0, 162.0, 2424.0, 2.0, 2.0, 2 * 162 / 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"new_tokens": (1, 2), "context": (0,)}, "context has 1"),
+        ({"new_tokens": (0,), "context": (0,)}, "new_tokens entries must be >= 1"),
+        ({"new_tokens": (1,), "context": (-1,)}, "context entry must be >= 0"),
+        ({"new_tokens": (1,), "context": (0,), "draft_steps": 2}, "both be 0"),
+        ({"new_tokens": (1,), "context": (0,), "draft_steps": 1, "draft_batch": 2}, "exceeds"),
+        ({"new_tokens": (1,), "context": (0,), "tp": 0}, "tp must be >= 1"),
+    ],
+)
+def test_batch_shape_rejects_bad_input(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BatchShape(**kwargs)  # type: ignore[arg-type]
+
+
+def test_predict_is_the_max_of_terms() -> None:
+    model = two_term_model()
+    decode = BatchShape((1,) * 4, (100,) * 4)
+    assert model.predict(decode) == pytest.approx(0.010 + 1e-7 * 404)
+    prefill = BatchShape((1000,), (0,))
+    expected = 0.002 + 5e-5 * 1000 + 1e-6 + 2e-9 * attention_pairs(1000, 0)
+    assert model.predict(prefill) == pytest.approx(expected)
+
+
+def test_predict_aggregate_matches_shape_and_defaults_kv_to_attention() -> None:
+    model = two_term_model()
+    shape = BatchShape((1, 1, 300), (500, 20, 40), draft_steps=3, draft_batch=2)
+    f = shape.features()
+    exact = model.predict_aggregate(
+        num_tokens=f.num_tokens,
+        num_requests=f.num_requests,
+        attn_tokens=f.attn_tokens,
+        draft_steps=3,
+        draft_batch=2,
+        kv_tokens=f.kv_tokens,
+    )
+    assert exact == model.predict(shape)
+    bound = model.predict_aggregate(
+        num_tokens=f.num_tokens,
+        num_requests=f.num_requests,
+        attn_tokens=f.attn_tokens,
+        draft_steps=3,
+        draft_batch=2,
+    )
+    assert bound >= exact
+
+
+def test_predict_rejects_other_tp_and_bad_aggregates() -> None:
+    model = two_term_model()
+    with pytest.raises(ValueError, match="tp=2"):
+        model.predict(BatchShape((1,), (0,), tp=2))
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        model.predict_aggregate(num_tokens=-1, num_requests=0, attn_tokens=0)
+    with pytest.raises(ValueError, match="draft_batch=3 exceeds num_requests=2"):
+        model.predict_aggregate(
+            num_tokens=2, num_requests=2, attn_tokens=2, draft_steps=1, draft_batch=3
+        )
+
+
+def test_model_rejects_negative_or_token_free_terms() -> None:
+    info = ProfileInfo(source="analytic", backend="t", device="d", model="m")
+    with pytest.raises(ValueError, match="coefficient tokens must be finite and >= 0"):
+        Term("bad", coefficients(tokens=-1.0))
+    with pytest.raises(ValueError, match="charge for tokens or kv_tokens"):
+        PerfModel((Term("flat", coefficients(const=1.0)),), info)
+    with pytest.raises(ValueError, match="needs r2 and mape"):
+        ProfileInfo(source="measured", backend="t", device="d", model="m")
+    with pytest.raises(ValueError, match="source must be one of"):
+        ProfileInfo(source="guessed", backend="t", device="d", model="m")
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    model = two_term_model()
+    measured = replace(
+        model.info,
+        source="measured",
+        r2=0.97,
+        mape=0.04,
+        tp=1,
+        notes=("n",),
+        fit={"num_train": 10},
+        assumptions={"x": 1.5},
+    )
+    model = PerfModel(model.terms, measured)
+    path = tmp_path / "profile.json"
+    model.save(path)
+    loaded = PerfModel.load(path)
+    assert loaded == model
+    data = model.to_dict()
+    assert data["source"] == "measured"
+    assert data["r2"] == 0.97
+    assert data["mape"] == 0.04
+
+
+def test_from_dict_rejects_foreign_or_incomplete_files() -> None:
+    data = two_term_model().to_dict()
+    with pytest.raises(ValueError, match="not a perf profile"):
+        PerfModel.from_dict({**data, "format": "other"})
+    with pytest.raises(ValueError, match="features"):
+        PerfModel.from_dict({**data, "features": ["const"]})
+    broken = {**data, "terms": [{"name": "t", "coefficients": {"const": 1.0}}]}
+    with pytest.raises(ValueError, match="lacks coefficients"):
+        PerfModel.from_dict(broken)
+
+
+def test_max_new_tokens_within_zero_when_base_already_too_slow() -> None:
+    model = two_term_model()
+    assert (
+        model.max_new_tokens_within(0.005, num_requests=4, base_tokens=4, base_attn_tokens=400) == 0
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    limit_ms=st.floats(min_value=1.0, max_value=500.0),
+    decodes=st.integers(min_value=0, max_value=64),
+    context=st.integers(min_value=0, max_value=4000),
+    per_token=st.integers(min_value=0, max_value=4000),
+    draft_steps=st.integers(min_value=0, max_value=5),
+)
+def test_inverse_is_consistent_with_predict(
+    limit_ms: float, decodes: int, context: int, per_token: int, draft_steps: int
+) -> None:
+    model = two_term_model()
+    limit = limit_ms / 1e3
+    draft_batch = decodes if draft_steps and decodes else 0
+    draft_steps = draft_steps if draft_batch else 0
+    base = {
+        "num_requests": decodes + 1,
+        "base_tokens": decodes,
+        "base_attn_tokens": decodes * (context + 1),
+        "draft_steps": draft_steps,
+        "draft_batch": draft_batch,
+    }
+    extra = model.max_new_tokens_within(limit, context_per_new_token=per_token, **base)
+
+    def seconds(x: int) -> float:
+        return model.predict_aggregate(
+            num_tokens=decodes + x,
+            num_requests=decodes + 1,
+            attn_tokens=decodes * (context + 1) + x * per_token,
+            kv_tokens=decodes * (context + 1) + x,
+            draft_steps=draft_steps,
+            draft_batch=draft_batch,
+        )
+
+    assert extra >= 0
+    if extra > 0:
+        assert seconds(extra) <= limit
+    assert seconds(extra + 1) > limit or seconds(0) > limit
+
+
+def test_features_reject_negative_counts() -> None:
+    with pytest.raises(ValueError, match="kv_tokens must be >= 0"):
+        BatchFeatures(num_tokens=1, num_requests=1, attn_tokens=1, kv_tokens=-1)

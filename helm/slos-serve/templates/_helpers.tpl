@@ -1,0 +1,161 @@
+{{/* Names follow the usual Helm conventions: <release>-<chart>, capped at 63 characters. */}}
+{{- define "slos-serve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "slos-serve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "slos-serve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "slos-serve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "slos-serve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "slos-serve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "slos-serve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Where the API keys file is inside the containers; null when authentication is off. */}}
+{{- define "slos-serve.apiKeysFile" -}}
+{{- if .Values.apiKeys.existingSecret }}
+{{- printf "%s/%s" .Values.apiKeys.mountPath .Values.apiKeys.key }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Serve config (serveConfigV2): the same document as deploy/serve-*.yaml, except that HTTP
+listens on 0.0.0.0 so the Services can reach the proxies.
+*/}}
+{{- define "slos-serve.serveConfig" -}}
+{{- $keysFile := include "slos-serve.apiKeysFile" . }}
+{{- $args := dict
+  "cluster" .Values.cluster
+  "http" (dict "host" "0.0.0.0" "port" .Values.ports.http)
+  "grpc" (dict "port" .Values.ports.grpc)
+  "api_keys_file" (ternary $keysFile nil (ne $keysFile ""))
+}}
+{{- $app := dict
+  "name" "slos-serve"
+  "route_prefix" "/"
+  "import_path" "router.app:build_app"
+  "args" $args
+}}
+{{- $config := dict
+  "proxy_location" "EveryNode"
+  "http_options" (dict "host" "0.0.0.0" "port" .Values.ports.http)
+  "grpc_options" (dict "port" .Values.ports.grpc)
+  "applications" (list $app)
+}}
+{{- toYaml $config }}
+{{- end }}
+
+{{/*
+One Ray pod template. Called with a dict: root (the chart context), group (head or a worker
+group from values), component ("head" or "worker") and ports (name -> containerPort).
+*/}}
+{{- define "slos-serve.podTemplate" -}}
+{{- $root := .root }}
+{{- $group := .group }}
+{{- $gpus := int (default 0 $group.gpus) -}}
+metadata:
+  labels:
+    {{- include "slos-serve.selectorLabels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+    {{- with $root.Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $root.Values.podAnnotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: ray-{{ .component }}
+      image: {{ include "slos-serve.image" $root }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      ports:
+        {{- range $name, $port := .ports }}
+        - name: {{ $name }}
+          containerPort: {{ $port }}
+          protocol: TCP
+        {{- end }}
+      {{- if or $root.Values.models.volume $root.Values.extraEnv }}
+      env:
+        {{- if $root.Values.models.volume }}
+        - name: HF_HOME
+          value: {{ printf "%s/huggingface" $root.Values.models.mountPath }}
+        {{- end }}
+        {{- with $root.Values.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- end }}
+      resources:
+        {{- $resources := deepCopy (default dict $group.resources) }}
+        {{- if gt $gpus 0 }}
+        {{- $_ := set $resources "requests" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.requests)) }}
+        {{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.limits)) }}
+        {{- end }}
+        {{- toYaml $resources | nindent 8 }}
+      volumeMounts:
+        - name: shm
+          mountPath: /dev/shm
+        {{- if $root.Values.models.volume }}
+        - name: models
+          mountPath: {{ $root.Values.models.mountPath }}
+        {{- end }}
+        {{- if $root.Values.apiKeys.existingSecret }}
+        - name: api-keys
+          mountPath: {{ $root.Values.apiKeys.mountPath }}
+          readOnly: true
+        {{- end }}
+  volumes:
+    # Ray's object store lives in shared memory; the container default (64 MiB) is too small.
+    - name: shm
+      emptyDir:
+        medium: Memory
+    {{- with $root.Values.models.volume }}
+    - name: models
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- if $root.Values.apiKeys.existingSecret }}
+    - name: api-keys
+      secret:
+        secretName: {{ $root.Values.apiKeys.existingSecret }}
+        items:
+          - key: {{ $root.Values.apiKeys.key }}
+            path: {{ $root.Values.apiKeys.key }}
+    {{- end }}
+  {{- with $group.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $group.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $group.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

@@ -1,0 +1,298 @@
+"""The Helm chart, rendered by the real Helm engine: lint-clean, schema-valid objects, and a
+Serve config equal to the matching deploy/ config; bad values are refused at install time.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.config import ClusterConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "slos-serve"
+EXAMPLES = CHART / "examples"
+KUBE_VERSIONS = ["1.25.0", kubernetes_validate.latest_version()]
+Manifest = dict[str, Any]
+Render = Callable[..., list[Manifest]]
+
+# Chart values -> the deploy/ Serve config the rendered RayService must carry.
+VALUE_SETS = {
+    "default": (None, "serve-cpu.yaml"),
+    "a100-opt7b": ("values-a100-opt7b.yaml", "serve-a100-opt7b.yaml"),
+    "h100-llama8b": ("values-h100-llama8b.yaml", "serve-h100-llama8b.yaml"),
+    "h100-llama70b-tp4": ("values-h100-llama70b-tp4.yaml", "serve-h100-llama70b-tp4.yaml"),
+}
+GPU_SETS = [name for name in VALUE_SETS if name != "default"]
+OPTIONS_ON = {
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "networkPolicy": {
+        "enabled": True,
+        "clients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+    },
+    "apiKeys": {"existingSecret": "slos-api-keys"},
+    "autoscaling": {"enabled": True},
+}
+
+
+def values_for(name: str) -> dict[str, Any] | None:
+    file = VALUE_SETS[name][0]
+    if file is None:
+        return None
+    data: dict[str, Any] = yaml.safe_load((EXAMPLES / file).read_text())
+    return data
+
+
+def one(objects: list[Manifest], kind: str, suffix: str = "") -> Manifest:
+    (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
+    return found
+
+
+def pod_templates(rayservice: Manifest) -> list[dict[str, Any]]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster.get("workerGroupSpecs", [])]
+    return [group["template"] for group in groups]
+
+
+def serve_config(rayservice: Manifest) -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    return config
+
+
+def listening_on_all_interfaces(config: dict[str, Any]) -> dict[str, Any]:
+    """The deploy/ config as the chart must embed it: pods listen on 0.0.0.0 for the Services."""
+    expected = copy.deepcopy(config)
+    expected["http_options"]["host"] = "0.0.0.0"
+    for app in expected["applications"]:
+        app["args"]["http"]["host"] = "0.0.0.0"
+    return expected
+
+
+def validate_core(obj: Manifest) -> None:
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_lint_is_clean(name: str) -> None:
+    report = helm.lint(CHART, values_for(name), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_serve_config_equals_the_matching_deploy_config(render: Render, name: str) -> None:
+    config = serve_config(one(render(values_for(name)), "RayService"))
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    ClusterConfig.from_dict(app["args"]["cluster"])
+    deploy_config = yaml.safe_load((ROOT / "deploy" / VALUE_SETS[name][1]).read_text())
+    assert config == listening_on_all_interfaces(deploy_config)
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_rayservice_validates_against_the_kuberay_crd(
+    render: Render, rayservice_validator: jsonschema.Draft4Validator, name: str
+) -> None:
+    rayservice = one(render(values_for(name)), "RayService")
+    assert rayservice["apiVersion"] == "ray.io/v1"
+    errors = [
+        f"{list(e.absolute_path)}: {e.message}"
+        for e in rayservice_validator.iter_errors(rayservice)
+    ]
+    assert errors == []
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_other_objects_and_pod_templates_validate_against_kubernetes(
+    render: Render, name: str
+) -> None:
+    objects = render(values_for(name))
+    assert sorted(o["kind"] for o in objects) == [
+        "PodDisruptionBudget",
+        "RayService",
+        "Service",
+        "Service",
+    ]
+    for obj in objects:
+        if obj["kind"] != "RayService":
+            validate_core(obj)
+    for i, template in enumerate(pod_templates(one(objects, "RayService"))):
+        validate_core(
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": f"t{i}"},
+                "template": template,
+            }
+        )
+
+
+def test_services_reach_the_serve_proxies(render: Render) -> None:
+    objects = render()
+    templates = pod_templates(one(objects, "RayService"))
+    for suffix, port, target in [("-http", 8000, "serve"), ("-grpc", 50051, "grpc")]:
+        service = one(objects, "Service", suffix)
+        (service_port,) = service["spec"]["ports"]
+        assert (service_port["port"], service_port["targetPort"]) == (port, target)
+        selector = dict(service["spec"]["selector"])
+        # KubeRay sets this label on pods whose Serve proxy is healthy.
+        assert selector.pop("ray.io/serve") == "true"
+        for template in templates:
+            assert selector.items() <= template["metadata"]["labels"].items()
+            (container,) = template["spec"]["containers"]
+            assert target in {p["name"] for p in container["ports"]}
+
+
+def test_disruption_budget_covers_workers_only(render: Render) -> None:
+    objects = render()
+    selector = one(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"]
+    head, *workers = pod_templates(one(objects, "RayService"))
+    assert workers
+    assert not selector.items() <= head["metadata"]["labels"].items()
+    for worker in workers:
+        assert selector.items() <= worker["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("name", GPU_SETS)
+def test_gpu_worker_groups_carry_values(render: Render, name: str) -> None:
+    values = values_for(name)
+    assert values is not None
+    cluster = one(render(values), "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["autoscalerOptions"]["upscalingMode"] == "Default"
+    for group, spec in zip(values["workerGroups"], cluster["workerGroupSpecs"], strict=True):
+        assert spec["groupName"] == group["name"]
+        assert (spec["minReplicas"], spec["replicas"], spec["maxReplicas"]) == (
+            group["minReplicas"],
+            group["replicas"],
+            group["maxReplicas"],
+        )
+        assert group["gpus"] % values["cluster"]["tensor_parallel_size"] == 0
+        pod = spec["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == group["gpus"]
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == group["gpus"]
+        assert container["resources"]["limits"]["cpu"] == group["resources"]["limits"]["cpu"]
+        assert container["image"].endswith("-cuda")
+        assert pod["nodeSelector"] == group["nodeSelector"]
+        assert pod["tolerations"] == group["tolerations"]
+        env = {e["name"] for e in container["env"]}
+        assert "HF_HOME" in env
+
+
+def test_optional_objects_render_and_validate(
+    render: Render, rayservice_validator: jsonschema.Draft4Validator
+) -> None:
+    objects = render(OPTIONS_ON)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == [
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "RayService",
+        "Service",
+        "Service",
+        "Service",
+        "ServiceMonitor",
+    ]
+    for obj in objects:
+        if obj["kind"] not in {"RayService", "ServiceMonitor"}:
+            validate_core(obj)
+    rayservice = one(objects, "RayService")
+    assert list(rayservice_validator.iter_errors(rayservice)) == []
+
+    metrics = one(objects, "Service", "-metrics")
+    monitor = one(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
+    )
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in metrics["spec"]["ports"]}
+
+    policy_ports = {
+        p["port"]
+        for rule in one(objects, "NetworkPolicy")["spec"]["ingress"]
+        for p in rule.get("ports", [])
+    }
+    assert {8000, 50051, 8265, 8080} <= policy_ports
+
+
+def test_api_keys_secret_is_mounted_where_the_app_reads_it(render: Render) -> None:
+    rayservice = one(render(OPTIONS_ON), "RayService")
+    (app,) = serve_config(rayservice)["applications"]
+    keys_file = Path(app["args"]["api_keys_file"])
+    assert keys_file == Path("/etc/slos-serve/api-keys/api-keys")
+    for template in pod_templates(rayservice):
+        (volume,) = [v for v in template["spec"]["volumes"] if "secret" in v]
+        assert volume["secret"]["secretName"] == "slos-api-keys"
+        (container,) = template["spec"]["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert Path(mount["mountPath"]) / volume["secret"]["items"][0]["path"] == keys_file
+
+
+def test_no_api_keys_by_default(render: Render) -> None:
+    (app,) = serve_config(one(render(), "RayService"))["applications"]
+    assert app["args"]["api_keys_file"] is None
+
+
+def gpu_group(gpus: int) -> dict[str, Any]:
+    return {"name": "gpu", "replicas": 1, "minReplicas": 1, "maxReplicas": 2, "gpus": gpus}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"cluster": {"replicas": -1}}, r"/cluster/replicas': minimum: got -1, want 1"),
+        (
+            {"workerGroups": [{**gpu_group(0), "replicas": -2}]},
+            r"/workerGroups/0/replicas': minimum: got -2, want 0",
+        ),
+        (
+            {"cluster": {"tensor_parallel_size": 4}, "workerGroups": [gpu_group(6)]},
+            r"/workerGroups/0/gpus': multipleOf: got 6, want 4",
+        ),
+        (
+            {"cluster": {"tensor_parallel_size": 2}, "workerGroups": [gpu_group(0)]},
+            r"/workerGroups/0/gpus': minimum: got 0, want 2",
+        ),
+        ({"cluster": {"tensor_parallel_size": 3}}, r"/cluster/tensor_parallel_size'"),
+        (
+            {"cluster": {"backup_policy": "drop"}},
+            r"/cluster/backup_policy': value must be one of 'best_effort', 'reject'",
+        ),
+        ({"cluster": {"spec_policy": "fixed:0"}}, r"/cluster/spec_policy'"),
+        ({"clusterr": {}}, r"additional properties 'clusterr' not allowed"),
+        ({"head": {"rayStartParams": {"num-cpus": 0}}}, r"/head/rayStartParams/num-cpus'"),
+    ],
+)
+def test_bad_values_are_refused_at_install_time(
+    render: Render, values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(helm.HelmValuesError, match=message):
+        render(values)
+
+
+def test_values_readme_lists_every_value() -> None:
+    readme = (CHART / "README.md").read_text()
+
+    def keys(node: Any, path: str) -> list[str]:
+        """Dotted paths of the values; a resources block is one value (ResourceRequirements)."""
+        if isinstance(node, dict) and node and not path.endswith("resources"):
+            return [k for key, value in node.items() for k in keys(value, f"{path}.{key}")]
+        return [path.lstrip(".")]
+
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    listed = keys(defaults, "") + [f"workerGroups[].{k}" for k in defaults["workerGroups"][0]]
+    missing = [k for k in listed if f"`{k}`" not in readme]
+    assert missing == []

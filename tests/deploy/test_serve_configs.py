@@ -1,0 +1,85 @@
+"""The Ray Serve configs in deploy/ pass Ray's own schema and build a valid ClusterConfig."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.config import ClusterConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+GPU_CONFIGS = ["serve-a100-opt7b.yaml", "serve-h100-llama8b.yaml", "serve-h100-llama70b-tp4.yaml"]
+ALL_CONFIGS = ["serve-cpu.yaml", *GPU_CONFIGS]
+
+
+def load(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((DEPLOY / name).read_text())
+    return data
+
+
+def app_args(config: dict[str, Any]) -> dict[str, Any]:
+    (app,) = config["applications"]
+    args: dict[str, Any] = app["args"]
+    return args
+
+
+def test_every_shipped_config_is_covered() -> None:
+    assert sorted(p.name for p in DEPLOY.glob("serve-*.yaml")) == sorted(ALL_CONFIGS)
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_config_passes_ray_schema_and_cluster_config(name: str) -> None:
+    config = load(name)
+    schema = ServeDeploySchema.model_validate(config)
+    (app,) = schema.applications
+    assert app.import_path == "router.app:build_app"
+    assert app.route_prefix == "/"
+    args = app_args(config)
+    assert set(args) == {"cluster", "http", "grpc", "api_keys_file"}
+    ClusterConfig.from_dict(args["cluster"])
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_serve_options_agree_with_application_args(name: str) -> None:
+    """Ray's proxies and the front door must listen where the other expects them."""
+    config = load(name)
+    args = app_args(config)
+    assert config["http_options"] == args["http"]
+    assert config["grpc_options"] == {"port": args["grpc"]["port"]}
+    assert args["http"]["port"] == 8000
+    assert args["grpc"]["port"] == 50051
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_profile_exists_and_matches_tensor_parallelism(name: str) -> None:
+    cfg = ClusterConfig.from_dict(app_args(load(name))["cluster"])
+    assert cfg.profile is not None
+    profile = json.loads((ROOT / cfg.profile).read_text())
+    assert profile["tp"] == cfg.tensor_parallel_size
+
+
+def test_cpu_default_serves_the_demo_pair_locally() -> None:
+    config = load("serve-cpu.yaml")
+    cfg = ClusterConfig.from_dict(app_args(config)["cluster"])
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 8000}
+    assert cfg.replicas == 2
+    assert cfg.num_gpus_per_replica == 0
+    assert cfg.draft is not None
+    assert (ROOT / cfg.model / "config.json").exists()
+    assert (ROOT / cfg.draft / "config.json").exists()
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_gpu_config_gives_each_replica_its_tensor_parallel_gpus(name: str) -> None:
+    config = load(name)
+    cfg = ClusterConfig.from_dict(app_args(config)["cluster"])
+    assert config["http_options"]["host"] == "0.0.0.0"
+    assert cfg.draft is not None
+    assert cfg.num_gpus_per_replica == cfg.tensor_parallel_size
+    assert 8 % cfg.tensor_parallel_size == 0

@@ -46,7 +46,9 @@ async def build_front_door(config: FrontDoorConfig) -> tuple[FrontDoor, Any]:
     return door, handle
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=1024)
+# The door only parses, tokenizes and relays; the CPUs a config declares go to the model
+# replicas (serve-cpu.yaml gives each replica one of a 2-core machine's cores).
+@serve.deployment(num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class FrontDoorDeployment:
     def __init__(self, args: dict[str, Any]) -> None:

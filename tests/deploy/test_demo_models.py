@@ -85,7 +85,7 @@ def test_target_writes_python(pair, target_dir: Path) -> None:  # type: ignore[n
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt = tokenizer("def", return_tensors="pt")["input_ids"]
     out = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
-    text = tokenizer.decode(out[0])
+    text = str(tokenizer.decode(out[0]))
     first_line = text.splitlines()[0]
     assert first_line.startswith("def ") and first_line[4:5].isidentifier() and "(" in first_line, (
         text

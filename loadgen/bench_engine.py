@@ -1,0 +1,331 @@
+"""`slos-serve bench engine`: engine vs transformers throughput, and speculative speedup.
+
+All in one process and one run, on the same model, requests and thread count:
+- decode throughput at batch 1, 8, 32 with ~256-token contexts, and prefill throughput, for our
+  engine (each dtype asked for) and for transformers `generate` (fp32, equal-length batch, so
+  no padding is needed), with the ratio;
+- speculative decoding at batch 1 and 8 for k in {0, 2, 4, 6}, for the draft-model and the
+  n-gram proposer: tokens/s, acceptance rate, mean tokens per verify step, speedup over k = 0,
+  and where the step time goes (draft / target / overhead).
+Prompts are windows of Python standard-library source, the demo pair's own domain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from replica.batch import BatchPlan, DecodeStep, PrefillChunk
+from replica.engine import Engine, ProposerKind
+from replica.model_runner import ModelRunner
+from replica.request import Request, SamplingParams, Tier
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Settings:
+    context: int
+    """Prompt tokens; decode then runs at contexts from here to context + new_tokens."""
+    new_tokens: int
+    batches: tuple[int, ...]
+    spec_batches: tuple[int, ...]
+    spec_ks: tuple[int, ...]
+    spec_new_tokens: int
+
+    @classmethod
+    def for_run(cls, quick: bool) -> Settings:
+        if quick:
+            return cls(32, 4, (1, 2), (1,), (0, 2), 6)
+        return cls(224, 32, (1, 8, 32), (1, 8), (0, 2, 4, 6), 64)
+
+
+def _default_models_dir() -> Path:
+    override = os.environ.get("SLOS_DEMO_DIR")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent.parent / "deploy" / "models"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    models = _default_models_dir()
+    parser.add_argument("--target", type=Path, default=models / "demo-target")
+    parser.add_argument("--draft", type=Path, default=models / "demo-draft")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case; the best counts")
+    parser.add_argument(
+        "--dtype",
+        choices=[*DTYPES, "all"],
+        default="all",
+        help="engine dtype(s) for the throughput section; speculation uses the fastest",
+    )
+
+
+def stdlib_prompts(tokenize: Any, count: int, length: int) -> list[list[int]]:
+    """`count` token windows of `length` from different standard-library modules."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 8000)
+    prompts: list[list[int]] = []
+    step = max(1, len(files) // max(count, 1))
+    for path in files[::step]:
+        ids = tokenize(path.read_text(encoding="utf-8", errors="replace"))
+        if len(ids) >= 2 * length:
+            start = len(ids) // 3
+            prompts.append(ids[start : start + length])
+        if len(prompts) == count:
+            return prompts
+    raise ValueError(f"found only {len(prompts)} standard-library files of {2 * length} tokens")
+
+
+def _requests(prompts: list[list[int]], max_tokens: int, tag: str) -> list[Request]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [Request(f"{tag}-{i}", p, params, tier=Tier.BEST_EFFORT) for i, p in enumerate(prompts)]
+
+
+def engine_throughput(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """Prefill every prompt in one step, then `new_tokens` decode steps; both timed."""
+    reqs = _requests(prompts, new_tokens + 1, f"tp{len(prompts)}")
+    for r in reqs:
+        engine.add_request(r)
+    start = time.perf_counter()
+    engine.step(BatchPlan(tuple(PrefillChunk(r.request_id, r.prompt_len) for r in reqs)))
+    prefill_s = time.perf_counter() - start
+    plan = BatchPlan(tuple(DecodeStep(r.request_id) for r in reqs))
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        engine.step(plan)
+    decode_s = time.perf_counter() - start
+    for r in reqs:
+        engine.abort(r.request_id)
+    return {
+        "prefill_tok_s": sum(len(p) for p in prompts) / prefill_s,
+        "decode_tok_s": len(prompts) * new_tokens / decode_s,
+    }
+
+
+def hf_throughput(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """transformers `generate`: prefill from a 1-token run, decode from the difference."""
+    ids = torch.tensor(prompts)
+
+    def generate(n: int) -> float:
+        start = time.perf_counter()
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=model.generation_config.pad_token_id,
+        )
+        return time.perf_counter() - start
+
+    one = generate(1)
+    full = generate(new_tokens + 1)
+    return {
+        "prefill_tok_s": ids.numel() / one,
+        "decode_tok_s": len(prompts) * new_tokens / (full - one),
+    }
+
+
+def spec_run(engine: Engine, prompts: list[list[int]], k: int, new_tokens: int) -> dict[str, Any]:
+    """Greedy generation with k proposals per decode; only the decode phase is timed."""
+    reqs = _requests(prompts, new_tokens, f"sp{len(prompts)}k{k}")
+    for r in reqs:
+        engine.add_request(r)
+    engine.step(BatchPlan(tuple(PrefillChunk(r.request_id, r.prompt_len) for r in reqs)))
+    drafted = accepted = verify_steps = 0
+    produced = 0
+    draft_s = target_s = overhead_s = 0.0
+    start = time.perf_counter()
+    live = [r.request_id for r in reqs if engine.finish_reason(r.request_id) is None]
+    while live:
+        outcome = engine.step(BatchPlan(tuple(DecodeStep(rid, k) for rid in live)))
+        draft_s += outcome.draft_s
+        target_s += outcome.target_s
+        overhead_s += outcome.overhead_s
+        for o in outcome.outcomes:
+            drafted += o.num_draft_tokens
+            accepted += o.num_accepted_tokens
+            produced += len(o.new_token_ids)
+            verify_steps += 1
+        live = [rid for rid in live if engine.finish_reason(rid) is None]
+    elapsed = time.perf_counter() - start
+    for r in reqs:
+        engine.abort(r.request_id)
+    total = draft_s + target_s + overhead_s
+    return {
+        "tok_s": produced / elapsed,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_len": produced / verify_steps,
+        "time_split": {
+            "draft": draft_s / total,
+            "target": target_s / total,
+            "overhead": overhead_s / total,
+        },
+    }
+
+
+def best_of(repeats: int, measure: Callable[[], dict[str, Any]], key: str) -> dict[str, Any]:
+    """The fastest of `repeats` identical runs by `key`; other figures are max'ed separately
+    when they are rates (keys ending in _tok_s). The machine is shared, so single runs are
+    noisy and the best run is the closest to the engine's own cost."""
+    runs = [measure() for _ in range(repeats)]
+    best = dict(max(runs, key=lambda r: r[key]))
+    for name in best:
+        if name.endswith("_tok_s"):
+            best[name] = max(r[name] for r in runs)
+    return best
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    settings = Settings.for_run(args.quick)
+    dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
+    max_batch = max(settings.batches)
+    prompts = stdlib_prompts(lambda text: tokenizer.encode(text).ids, max_batch, settings.context)
+    num_blocks = max_batch * (-(-(settings.context + settings.spec_new_tokens + 16) // 16)) + 8
+    cases = len(dtypes) * len(settings.batches) + len(settings.batches)
+    cases += len(settings.spec_batches) * (1 + 2 * sum(k > 0 for k in settings.spec_ks))
+    bar = tqdm(total=cases, desc="bench engine", unit="case")
+    results: dict[str, Any] = {"throughput": [], "hf": [], "spec": []}
+
+    engines = {}
+    for name in dtypes:
+        engine = Engine.from_dirs(args.target, num_blocks=num_blocks, dtype=DTYPES[name])
+        engines[name] = engine
+        engine_throughput(engine, prompts[:1], 2)
+        for b in settings.batches:
+            bar.set_postfix_str(f"engine {name} batch {b}")
+            row = best_of(
+                args.repeats,
+                functools.partial(engine_throughput, engine, prompts[:b], settings.new_tokens),
+                "decode_tok_s",
+            )
+            results["throughput"].append({"dtype": name, "batch": b, **row})
+            bar.update()
+    hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    hf_throughput(hf, prompts[:1], 2)
+    for b in settings.batches:
+        bar.set_postfix_str(f"transformers batch {b}")
+        row = best_of(
+            args.repeats,
+            functools.partial(hf_throughput, hf, prompts[:b], settings.new_tokens),
+            "decode_tok_s",
+        )
+        results["hf"].append({"batch": b, **row})
+        bar.update()
+    del hf
+
+    best_dtype = _fastest_dtype(results["throughput"], max_batch)
+    results["ratios"] = _ratios(results["throughput"], results["hf"])
+    spec_dtype = _fastest_dtype(results["throughput"], 1)
+    target = engines[spec_dtype].target
+    draft = ModelRunner(args.draft, num_blocks=target.num_blocks, dtype=DTYPES[spec_dtype])
+    proposers: list[ProposerKind] = ["draft", "ngram"]
+    spec_ks = [k for k in settings.spec_ks if k > 0]
+    for b in settings.spec_batches:
+        bar.set_postfix_str(f"spec baseline batch {b}")
+        plain = Engine(target)
+        baseline = best_of(
+            args.repeats,
+            functools.partial(spec_run, plain, prompts[:b], 0, settings.spec_new_tokens),
+            "tok_s",
+        )
+        results["spec"].append({"proposer": "none", "batch": b, "k": 0, **baseline, "speedup": 1.0})
+        bar.update()
+        for proposer in proposers:
+            engine = Engine(target, draft, proposer=proposer)
+            for k in spec_ks:
+                bar.set_postfix_str(f"spec {proposer} batch {b} k {k}")
+                row = best_of(
+                    args.repeats,
+                    functools.partial(spec_run, engine, prompts[:b], k, settings.spec_new_tokens),
+                    "tok_s",
+                )
+                speedup = row["tok_s"] / baseline["tok_s"]
+                results["spec"].append(
+                    {"proposer": proposer, "batch": b, "k": k, **row, "speedup": speedup}
+                )
+                bar.update()
+    bar.close()
+    results["config"] = {
+        "target": str(args.target),
+        "draft": str(args.draft),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "quick": args.quick,
+        "context": settings.context,
+        "new_tokens": settings.new_tokens,
+        "spec_new_tokens": settings.spec_new_tokens,
+        "spec_dtype": spec_dtype,
+        "torch": torch.__version__,
+    }
+    results["summary"] = _summary(results, best_dtype, max_batch)
+    text = json.dumps(results, indent=2)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(json.dumps(results["summary"], indent=2))
+    return 0
+
+
+def _fastest_dtype(rows: list[dict[str, Any]], batch: int) -> str:
+    at_batch = [r for r in rows if r["batch"] == batch]
+    return str(max(at_batch, key=lambda r: r["decode_tok_s"])["dtype"])
+
+
+def _ratios(
+    engine_rows: list[dict[str, Any]], hf_rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    out = []
+    for hf_row in hf_rows:
+        b = hf_row["batch"]
+        for row in (r for r in engine_rows if r["batch"] == b):
+            out.append(
+                {
+                    "batch": b,
+                    "engine_dtype": row["dtype"],
+                    "decode_ratio": row["decode_tok_s"] / hf_row["decode_tok_s"],
+                    "prefill_ratio": row["prefill_tok_s"] / hf_row["prefill_tok_s"],
+                }
+            )
+    return out
+
+
+def _summary(results: dict[str, Any], best_dtype: str, max_batch: int) -> dict[str, Any]:
+    """Headline figures; the decode ratio is at the largest batch measured (32 in a full run)."""
+    ratio = next(
+        r["decode_ratio"]
+        for r in results["ratios"]
+        if r["batch"] == max_batch and r["engine_dtype"] == best_dtype
+    )
+    b1_draft = [r for r in results["spec"] if r["batch"] == 1 and r["proposer"] == "draft"]
+    best = max(b1_draft, key=lambda r: r["speedup"])
+    b1_ngram = [r for r in results["spec"] if r["batch"] == 1 and r["proposer"] == "ngram"]
+    best_ngram = max(b1_ngram, key=lambda r: r["speedup"])
+    return {
+        "decode_ratio_vs_hf_b32": ratio,
+        "largest_batch": max_batch,
+        "engine_dtype_largest_batch": best_dtype,
+        "spec_speedup_b1": best["speedup"],
+        "spec_acceptance_b1": best["acceptance_rate"],
+        "spec_best_k_b1": best["k"],
+        "ngram_speedup_b1": best_ngram["speedup"],
+        "ngram_best_k_b1": best_ngram["k"],
+    }

@@ -1,0 +1,391 @@
+"""The replica engine: executes one `BatchPlan` and reports a `BatchOutcome`.
+
+A step is: validate the whole plan (nothing changes if any part is wrong), drop the KV of
+preempted requests, let the proposer draft tokens for speculative decodes, run ONE target
+forward over the ragged batch (prefill chunks, decode tokens, verify tokens), sample or verify,
+roll both KV caches back to the accepted length and apply stop conditions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from replica.batch import (
+    BatchOutcome,
+    BatchPlan,
+    FinishReason,
+    PlanEntry,
+    PrefillChunk,
+    RequestOutcome,
+)
+from replica.kv_cache import KVCacheManager
+from replica.model_runner import ForwardSeq, ModelRunner
+from replica.request import Request
+from replica.sampling import make_generator, sample, token_probs
+from replica.spec.draft import DraftJob, DraftModel, Proposal
+from replica.spec.ngram import NgramProposer
+from replica.spec.verify import verify_greedy, verify_stochastic
+
+ProposerKind = Literal["draft", "ngram"]
+Detokenize = Callable[[list[int]], str]
+
+
+@dataclass
+class _Seq:
+    """Engine-side state of one request."""
+
+    request: Request
+    generator: torch.Generator
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt_token_ids + self.output
+
+    @property
+    def num_known(self) -> int:
+        return self.request.prompt_len + len(self.output)
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.output) and self.num_known - self.num_computed == 1
+
+
+@dataclass
+class _Work:
+    """One validated plan entry: the tokens it feeds and how many it may propose."""
+
+    seq: _Seq
+    entry: PlanEntry
+    num_feed: int
+    num_spec: int
+    proposal: Proposal = field(default_factory=lambda: Proposal(tokens=[], probs=None))
+
+
+class Engine:
+    """Runs plans over a target `ModelRunner` and an optional proposer."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        draft: ModelRunner | None = None,
+        *,
+        proposer: ProposerKind | None = None,
+        detokenize: Detokenize | None = None,
+        ngram: NgramProposer | None = None,
+    ) -> None:
+        if proposer == "draft" and draft is None:
+            raise ValueError("proposer 'draft' needs a draft model")
+        if proposer not in (None, "draft", "ngram"):
+            raise ValueError(f"proposer must be 'draft', 'ngram' or None, got {proposer!r}")
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({draft.vocab_size}) differs from the target's "
+                f"({target.vocab_size})"
+            )
+        self.target = target
+        self.cache = KVCacheManager(target.num_blocks)
+        self.draft = DraftModel(draft) if draft is not None and proposer == "draft" else None
+        self.ngram = (ngram or NgramProposer()) if proposer == "ngram" else None
+        self.detokenize = detokenize
+        self.eos_token_ids = frozenset(target.config.eos_token_ids)
+        self._seqs: dict[str, _Seq] = {}
+
+    @classmethod
+    def from_dirs(
+        cls,
+        target_dir: str | Path,
+        draft_dir: str | Path | None = None,
+        *,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        proposer: ProposerKind | None = None,
+    ) -> Engine:
+        """Load the pair from HF folders; the target's tokenizer.json (if any) detokenizes."""
+        if num_blocks is None and kv_memory_bytes is None:
+            num_blocks = 1024
+        target = ModelRunner(
+            target_dir, num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes, dtype=dtype
+        )
+        draft = None
+        if draft_dir is not None:
+            draft = ModelRunner(draft_dir, num_blocks=target.num_blocks, dtype=dtype)
+        if proposer is None and draft is not None:
+            proposer = "draft"
+        return cls(target, draft, proposer=proposer, detokenize=load_detokenizer(target_dir))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.target.max_model_len
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.cache.num_free_blocks
+
+    @property
+    def can_speculate(self) -> bool:
+        return self.draft is not None or self.ngram is not None
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._seqs:
+            raise ValueError(f"request {request.request_id!r} already exists")
+        request.check_fits(self.max_model_len, self.target.vocab_size)
+        if request.sampling.stop and self.detokenize is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        self._seqs[request.request_id] = _Seq(request, make_generator(request.sampling.seed))
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's KV and forget it (also how finished requests are released)."""
+        self._get(request_id)
+        self._free_kv(request_id)
+        del self._seqs[request_id]
+
+    def preempt(self, request_id: str) -> None:
+        """Drop the request's KV but keep its tokens; it resumes with prefill chunks."""
+        seq = self._get(request_id)
+        if seq.finish_reason is not None:
+            raise ValueError(f"request {request_id!r} is finished; nothing to preempt")
+        self._free_kv(request_id)
+        seq.num_computed = 0
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def output_token_ids(self, request_id: str) -> list[int]:
+        return list(self._get(request_id).output)
+
+    def finish_reason(self, request_id: str) -> FinishReason | None:
+        return self._get(request_id).finish_reason
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._get(request_id).num_computed
+
+    def step(self, plan: BatchPlan) -> BatchOutcome:
+        """Execute `plan`; a ValueError means the plan was refused and nothing changed."""
+        start = time.perf_counter()
+        works = self._validate(plan)
+        for rid in plan.preempt:
+            self.preempt(rid)
+        draft_s = self._propose(works)
+        seqs = [self._forward_seq(w) for w in works]
+        target_start = time.perf_counter()
+        logits = self.target.forward(seqs) if seqs else torch.empty(0)
+        target_s = time.perf_counter() - target_start
+        # One argmax for the whole batch: greedy requests need nothing else.
+        choices = logits.argmax(dim=-1).tolist() if seqs else []
+        outcomes = []
+        row = 0
+        for w, fs in zip(works, seqs, strict=True):
+            rows = slice(row, row + fs.num_logits)
+            outcomes.append(self._finish_entry(w, logits[rows], choices[rows]))
+            row += fs.num_logits
+        total = time.perf_counter() - start
+        return BatchOutcome(
+            outcomes=outcomes,
+            draft_s=draft_s,
+            target_s=target_s,
+            overhead_s=max(0.0, total - draft_s - target_s),
+            free_blocks=self.cache.num_free_blocks,
+        )
+
+    def _get(self, request_id: str) -> _Seq:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise ValueError(f"unknown request {request_id!r}")
+        return seq
+
+    def _free_kv(self, request_id: str) -> None:
+        self.cache.free(request_id)
+        if self.draft is not None:
+            self.draft.free(request_id)
+
+    def _validate(self, plan: BatchPlan) -> list[_Work]:
+        """Check every entry and the cache capacity of the whole plan before touching state."""
+        for rid in plan.preempt:
+            if self._get(rid).finish_reason is not None:
+                raise ValueError(f"cannot preempt finished request {rid!r}")
+        works = []
+        for entry in plan.entries:
+            seq = self._get(entry.request_id)
+            if seq.finish_reason is not None:
+                raise ValueError(f"request {entry.request_id!r} is already finished")
+            uncomputed = seq.num_known - seq.num_computed
+            if isinstance(entry, PrefillChunk):
+                if entry.num_tokens > uncomputed:
+                    raise ValueError(
+                        f"request {entry.request_id!r}: prefill of {entry.num_tokens} tokens "
+                        f"but only {uncomputed} are uncomputed"
+                    )
+                works.append(_Work(seq, entry, num_feed=entry.num_tokens, num_spec=0))
+                continue
+            if not seq.is_decoding:
+                raise ValueError(
+                    f"request {entry.request_id!r} is not decoding ({uncomputed} uncomputed "
+                    f"tokens, {len(seq.output)} generated); feed it a prefill chunk"
+                )
+            k = entry.num_spec_tokens
+            if k > 0 and not self.can_speculate:
+                raise ValueError(
+                    f"request {entry.request_id!r} asks for {k} speculative tokens but the "
+                    "engine has no proposer"
+                )
+            remaining = seq.request.sampling.max_tokens - len(seq.output)
+            works.append(_Work(seq, entry, num_feed=1, num_spec=min(k, remaining - 1)))
+        self._check_capacity(plan, works)
+        return works
+
+    def _check_capacity(self, plan: BatchPlan, works: list[_Work]) -> None:
+        freed = set(plan.preempt)
+        target_free = self.cache.num_free_blocks + sum(
+            len(self.cache.block_table(rid)) for rid in freed
+        )
+        target_need = sum(
+            self.cache.extra_blocks_needed(w.seq.request.request_id, w.num_feed + w.num_spec)
+            for w in works
+        )
+        if target_need > target_free:
+            raise ValueError(
+                f"plan needs {target_need} KV blocks; {target_free} are free after preemption"
+            )
+        if self.draft is None:
+            return
+        draft_cache = self.draft.cache
+        draft_free = draft_cache.num_free_blocks + sum(
+            len(draft_cache.block_table(rid)) for rid in freed
+        )
+        draft_need = sum(
+            self.draft.blocks_needed(w.seq.request.request_id, w.seq.num_known, w.num_spec)
+            for w in works
+            if w.num_spec > 0
+        )
+        if draft_need > draft_free:
+            raise ValueError(
+                f"plan needs {draft_need} draft KV blocks; {draft_free} are free after preemption"
+            )
+
+    def _propose(self, works: list[_Work]) -> float:
+        """Fill in the proposals of speculative decodes; returns the seconds it took."""
+        spec = [w for w in works if w.num_spec > 0]
+        if not spec:
+            return 0.0
+        start = time.perf_counter()
+        if self.ngram is not None:
+            for w in spec:
+                w.proposal = Proposal(self.ngram.propose(w.seq.tokens, w.num_spec), None)
+        elif self.draft is not None:
+            jobs = [
+                DraftJob(
+                    w.seq.request.request_id,
+                    w.seq.tokens,
+                    w.num_spec,
+                    w.seq.request.sampling,
+                    w.seq.generator,
+                )
+                for w in spec
+            ]
+            for w, proposal in zip(spec, self.draft.propose(jobs), strict=True):
+                w.proposal = proposal
+        return time.perf_counter() - start
+
+    def _forward_seq(self, w: _Work) -> ForwardSeq:
+        seq = w.seq
+        rid = seq.request.request_id
+        cached = seq.num_computed
+        if isinstance(w.entry, PrefillChunk):
+            feed = seq.tokens[cached : cached + w.num_feed]
+            num_logits = 1 if cached + w.num_feed == seq.num_known else 0
+        else:
+            feed = [seq.tokens[-1], *w.proposal.tokens]
+            num_logits = len(feed)
+        self.cache.append(rid, len(feed))
+        return ForwardSeq(feed, self.cache.block_table(rid), cached, num_logits=num_logits)
+
+    def _finish_entry(self, w: _Work, logits: torch.Tensor, argmax: list[int]) -> RequestOutcome:
+        seq = w.seq
+        rid = seq.request.request_id
+        params = seq.request.sampling
+        proposal = w.proposal.tokens
+        if not argmax:
+            seq.num_computed += w.num_feed
+            return RequestOutcome(rid, num_computed_tokens=seq.num_computed)
+        if params.greedy:
+            new = verify_greedy(proposal, argmax)
+        elif proposal:
+            probs = token_probs(logits, params)
+            new = verify_stochastic(proposal, w.proposal.probs, probs, seq.generator)
+        else:
+            new = sample(token_probs(logits, params), seq.generator)
+        accepted = len(new) - 1
+        # KV now holds every fed token; keep the context plus the accepted proposals.
+        seq.num_computed = seq.num_computed + (w.num_feed if not proposal else 1 + accepted)
+        self.cache.truncate(rid, seq.num_computed)
+        if self.draft is not None and proposal:
+            self.draft.rollback(rid, seq.num_computed)
+        appended = self._append(seq, new)
+        if seq.finish_reason is not None:
+            self._free_kv(rid)
+        return RequestOutcome(
+            rid,
+            new_token_ids=appended,
+            num_computed_tokens=seq.num_computed,
+            num_draft_tokens=len(proposal),
+            num_accepted_tokens=accepted,
+            finish_reason=seq.finish_reason,
+        )
+
+    def _append(self, seq: _Seq, new: list[int]) -> list[int]:
+        """Append tokens one by one until a stop condition; returns those appended."""
+        params = seq.request.sampling
+        before = len(seq.output)
+        for token in new:
+            seq.output.append(token)
+            if token in self.eos_token_ids and not params.ignore_eos:
+                seq.finish_reason = FinishReason.STOP
+                break
+            if params.stop and self._cut_at_stop(seq, before):
+                seq.finish_reason = FinishReason.STOP
+                break
+            if len(seq.output) >= params.max_tokens:
+                seq.finish_reason = FinishReason.LENGTH
+                break
+        return seq.output[before:]
+
+    def _cut_at_stop(self, seq: _Seq, keep: int) -> bool:
+        """If the output text now contains a stop string, drop this step's tokens from where
+        it starts (tokens of earlier steps were already reported and stay)."""
+        assert self.detokenize is not None
+        text = self.detokenize(seq.output)
+        starts = [text.find(s) for s in seq.request.sampling.stop]
+        hits = [i for i in starts if i >= 0]
+        if not hits:
+            return False
+        first = min(hits)
+        cut = len(seq.output) - 1
+        while cut > keep and len(self.detokenize(seq.output[:cut])) > first:
+            cut -= 1
+        del seq.output[cut:]
+        return True
+
+
+def load_detokenizer(model_dir: str | Path) -> Detokenize | None:
+    """`tokenizer.json` of an HF folder as a decode function, or None when there is none."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+
+    def detokenize(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=False))
+
+    return detokenize

@@ -1,0 +1,92 @@
+"""Draft-model proposals with the draft's own paged KV cache.
+
+The draft catches up lazily: its first forward of a step feeds every known token it has not
+seen yet (the prompt on a request's first speculative step, afterwards the tokens accepted or
+corrected since), then k - 1 one-token steps. After verification the engine rolls the draft
+cache back to the tokens that were accepted, so the draft never holds a rejected token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replica.kv_cache import KVCacheManager
+from replica.model_runner import ForwardSeq, ModelRunner
+from replica.request import SamplingParams
+from replica.sampling import sample, token_probs
+
+
+@dataclass
+class DraftJob:
+    """One request's proposal task in a batched draft run."""
+
+    request_id: str
+    tokens: list[int]
+    """All known tokens (prompt + output)."""
+    k: int
+    params: SamplingParams
+    generator: torch.Generator
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None
+    """Draft distributions [k, vocab] the tokens were sampled from; None for greedy requests."""
+
+
+class DraftModel:
+    """A `ModelRunner` plus its block tables; proposes k tokens per request, k may differ."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.cache = KVCacheManager(runner.num_blocks)
+
+    def blocks_needed(self, request_id: str, num_known: int, k: int) -> int:
+        """Extra blocks a k-token proposal takes: the draft caches num_known + k - 1 tokens."""
+        cached = self.cache.num_tokens(request_id)
+        return self.cache.extra_blocks_needed(request_id, num_known + k - 1 - cached)
+
+    def propose(self, jobs: list[DraftJob]) -> list[Proposal]:
+        """max(k) batched draft forwards; a request leaves the batch once it has k tokens."""
+        proposals = [Proposal(tokens=[], probs=None) for _ in jobs]
+        prob_rows: list[list[torch.Tensor]] = [[] for _ in jobs]
+        pending: list[list[int]] = []
+        for job in jobs:
+            cached = self.cache.num_tokens(job.request_id)
+            pending.append(job.tokens[cached:])
+        for step in range(max((j.k for j in jobs), default=0)):
+            active = [i for i, j in enumerate(jobs) if j.k > step]
+            seqs = []
+            for i in active:
+                rid = jobs[i].request_id
+                cached = self.cache.num_tokens(rid)
+                self.cache.append(rid, len(pending[i]))
+                seqs.append(
+                    ForwardSeq(pending[i], self.cache.block_table(rid), cached, num_logits=1)
+                )
+            logits = self.runner.forward(seqs)
+            greedy_choice = logits.argmax(dim=-1).tolist()
+            for row, i in enumerate(active):
+                job = jobs[i]
+                if job.params.greedy:
+                    token = greedy_choice[row]
+                else:
+                    probs = token_probs(logits[row : row + 1], job.params)
+                    token = sample(probs, job.generator)[0]
+                    prob_rows[i].append(probs[0])
+                proposals[i].tokens.append(token)
+                pending[i] = [token]
+        for i, rows in enumerate(prob_rows):
+            if rows:
+                proposals[i].probs = torch.stack(rows)
+        return proposals
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Keep at most `num_tokens` cached tokens (those verified as the request's own)."""
+        self.cache.truncate(request_id, min(num_tokens, self.cache.num_tokens(request_id)))
+
+    def free(self, request_id: str) -> None:
+        self.cache.free(request_id)

@@ -1,0 +1,74 @@
+"""Verification of proposed tokens against the target model's distributions.
+
+Both rules return the tokens to append: the accepted prefix of the proposal plus one token
+from the target (the correction at the first rejection, or the bonus token when all pass), so
+a verify step always makes progress.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def verify_greedy(proposal: list[int], target_argmax: list[int]) -> list[int]:
+    """Longest prefix of `proposal` equal to the target's argmax, then the target's next token.
+
+    `target_argmax[i]` is the target's choice after the context plus proposal[:i]
+    (len(proposal) + 1 entries).
+    """
+    if len(target_argmax) != len(proposal) + 1:
+        raise ValueError(
+            f"need {len(proposal) + 1} target tokens for {len(proposal)} proposed, "
+            f"got {len(target_argmax)}"
+        )
+    out: list[int] = []
+    for token, choice in zip(proposal, target_argmax, strict=False):
+        out.append(choice)
+        if token != choice:
+            return out
+    out.append(target_argmax[len(proposal)])
+    return out
+
+
+def verify_stochastic(
+    proposal: list[int],
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> list[int]:
+    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    Token i is accepted with probability min(1, p_i(x) / q_i(x)); at the first rejection the
+    replacement is drawn from norm(max(0, p_i - q_i)); if all pass, a bonus token is drawn from
+    p_k. The output is then distributed exactly as sampling from the target alone.
+    `draft_probs` None means the proposal came without a distribution (n-gram lookup): a point
+    mass on each proposed token, for which the same rule stays lossless.
+    """
+    k = len(proposal)
+    if target_probs.shape[0] != k + 1:
+        raise ValueError(f"need {k + 1} target distributions for {k} proposed tokens")
+    if draft_probs is not None and draft_probs.shape[0] != k:
+        raise ValueError(f"need {k} draft distributions for {k} proposed tokens")
+    out: list[int] = []
+    for i, token in enumerate(proposal):
+        p = target_probs[i]
+        if draft_probs is None:
+            q = torch.zeros_like(p)
+            q[token] = 1.0
+        else:
+            q = draft_probs[i]
+        u = torch.rand((), generator=generator).item()
+        if u * q[token].item() < p[token].item():
+            out.append(token)
+            continue
+        residual = torch.clamp(p - q, min=0.0)
+        if residual.sum().item() <= 0.0:
+            residual = p
+        out.append(_draw(residual, generator))
+        return out
+    out.append(_draw(target_probs[k], generator))
+    return out
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(weights, 1, generator=generator).item())

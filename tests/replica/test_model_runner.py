@@ -1,0 +1,123 @@
+"""Our forward pass against transformers' on the demo target, over the paged cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from replica.kv_cache import KVCacheManager
+from replica.model_runner import BLOCK_SIZE, ForwardSeq, ModelConfig, ModelRunner
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runner(target_dir: Path) -> ModelRunner:
+    return ModelRunner(target_dir, num_blocks=32)
+
+
+@pytest.fixture(scope="module")
+def hf_logits(target_dir: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT])).logits[0]
+
+
+PROMPT = [(i * 37 + 11) % 4000 + 2 for i in range(40)]
+
+
+def test_config_reads_llama_fields(runner: ModelRunner) -> None:
+    cfg = runner.config
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (8, 4, 32)
+    assert cfg.tie_word_embeddings
+    assert cfg.rope_theta == 10000.0
+    assert cfg.eos_token_ids == (0,)
+
+
+def test_chunked_prefill_matches_transformers(runner: ModelRunner, hf_logits: torch.Tensor) -> None:
+    cache = KVCacheManager(runner.num_blocks)
+    rows = []
+    done = 0
+    for n in (1, 16, 7, 16):
+        cache.append("a", n)
+        seq = ForwardSeq(PROMPT[done : done + n], cache.block_table("a"), done, num_logits=n)
+        rows.append(runner.forward([seq]))
+        done += n
+    assert torch.allclose(torch.cat(rows), hf_logits, atol=TOL)
+
+
+def test_ragged_batch_matches_separate_runs(runner: ModelRunner, hf_logits: torch.Tensor) -> None:
+    cache = KVCacheManager(runner.num_blocks)
+    cache.append("a", 30)
+    runner.forward([ForwardSeq(PROMPT[:30], cache.block_table("a"), 0)])
+    cache.append("a", 3)
+    cache.append("b", 12)
+    cache.append("c", 1)
+    out = runner.forward(
+        [
+            ForwardSeq(PROMPT[30:33], cache.block_table("a"), 30, num_logits=3),
+            ForwardSeq(PROMPT[:12], cache.block_table("b"), 0, num_logits=2),
+            ForwardSeq(PROMPT[:1], cache.block_table("c"), 0, num_logits=1),
+        ]
+    )
+    expected = torch.cat([hf_logits[30:33], hf_logits[10:12], hf_logits[:1]])
+    assert torch.allclose(out, expected, atol=TOL)
+
+
+def test_explicit_mask_and_positions_express_a_token_tree(runner: ModelRunner) -> None:
+    """Two sibling branches after a shared context: each sees the context and itself only,
+    both at the same position, exactly as if each were fed alone."""
+    cache = KVCacheManager(runner.num_blocks)
+    ctx = PROMPT[:20]
+    cache.append("t", 22)
+    runner.forward([ForwardSeq(ctx, cache.block_table("t"), 0)])
+    mask = torch.eye(2, dtype=torch.bool)
+    tree = runner.forward(
+        [ForwardSeq([5, 9], cache.block_table("t"), 20, 2, positions=[20, 20], attn_mask=mask)]
+    )
+    for i, token in enumerate((5, 9)):
+        alone = KVCacheManager(runner.num_blocks)
+        alone.append("x", 21)
+        expected = runner.forward([ForwardSeq([*ctx, token], alone.block_table("x"), 0, 1)])
+        assert torch.allclose(tree[i], expected[0], atol=TOL)
+
+
+def test_kv_budget_in_bytes_sizes_the_pool(target_dir: Path) -> None:
+    cfg = ModelConfig.from_dir(target_dir)
+    per_block = cfg.kv_bytes_per_block(torch.float32)
+    assert per_block == cfg.num_layers * 2 * BLOCK_SIZE * cfg.num_kv_heads * cfg.head_dim * 4
+    runner = ModelRunner(target_dir, kv_memory_bytes=10 * per_block + 1)
+    assert runner.num_blocks == 10
+    with pytest.raises(ValueError, match="exactly one"):
+        ModelRunner(target_dir, num_blocks=4, kv_memory_bytes=1 << 20)
+
+
+def test_bad_batches_are_refused(runner: ModelRunner) -> None:
+    with pytest.raises(ValueError, match="cannot hold"):
+        runner.forward([ForwardSeq(PROMPT[:20], [0], 0)])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        runner.forward([ForwardSeq([runner.vocab_size], [0], 0)])
+    with pytest.raises(ValueError, match="num_logits"):
+        runner.forward([ForwardSeq([3], [0], 0, num_logits=2)])
+
+
+def test_bfloat16_stays_close_to_float32(target_dir: Path, hf_logits: torch.Tensor) -> None:
+    runner = ModelRunner(target_dir, num_blocks=8, dtype=torch.bfloat16)
+    cache = KVCacheManager(runner.num_blocks)
+    cache.append("a", len(PROMPT))
+    out = runner.forward([ForwardSeq(PROMPT, cache.block_table("a"), 0, len(PROMPT))])
+    agree = (out.argmax(-1) == hf_logits.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
+
+
+@pytest.mark.gpu
+def test_flashinfer_path_matches_cpu(target_dir: Path, hf_logits: torch.Tensor) -> None:
+    runner = ModelRunner(target_dir, num_blocks=8, device="cuda")
+    cache = KVCacheManager(runner.num_blocks)
+    cache.append("a", len(PROMPT))
+    out = runner.forward([ForwardSeq(PROMPT, cache.block_table("a"), 0, len(PROMPT))])
+    assert torch.allclose(out.cpu(), hf_logits, atol=1e-2)

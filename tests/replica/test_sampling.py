@@ -1,0 +1,41 @@
+"""Sampling: the distribution each request's parameters define, and seeded reproducibility."""
+
+from __future__ import annotations
+
+import torch
+
+from replica.request import SamplingParams
+from replica.sampling import make_generator, sample, token_probs
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+
+
+def test_greedy_is_a_point_mass_on_the_argmax() -> None:
+    probs = token_probs(LOGITS, SamplingParams())
+    assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+
+
+def test_temperature_scales_logits_before_softmax() -> None:
+    probs = token_probs(LOGITS, SamplingParams(temperature=2.0))
+    assert torch.allclose(probs, torch.softmax(LOGITS / 2.0, dim=-1))
+
+
+def test_top_k_keeps_the_k_most_likely() -> None:
+    probs = token_probs(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(probs[0, 2:], torch.zeros(3))
+    assert torch.allclose(probs[0, :2], torch.softmax(LOGITS[0, :2], dim=-1))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    full = torch.softmax(LOGITS, dim=-1)[0]
+    top_two = float(full[0] + full[1])
+    probs = token_probs(LOGITS, SamplingParams(temperature=1.0, top_p=top_two - 1e-3))
+    assert torch.count_nonzero(probs).item() == 2
+    assert torch.allclose(probs[0, :2], full[:2] / top_two)
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
+    probs = torch.softmax(torch.zeros(1, 1000), dim=-1)
+    draws = [sample(probs.expand(8, -1), make_generator(seed)) for seed in (7, 7, 8)]
+    assert draws[0] == draws[1]
+    assert draws[0] != draws[2]

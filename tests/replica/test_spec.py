@@ -1,0 +1,197 @@
+"""Speculative decoding: verification rules, proposers, and lossless engine output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from replica.batch import BatchPlan, DecodeStep, PrefillChunk
+from replica.engine import Engine, ProposerKind
+from replica.model_runner import ModelRunner
+from replica.request import Request, SamplingParams, Tier
+from replica.spec.ngram import NgramProposer
+from replica.spec.verify import verify_greedy, verify_stochastic
+
+# Chi-square critical value for 5 degrees of freedom at p = 0.001.
+CHI2_CRITICAL_DF5 = 20.52
+
+
+def test_greedy_verification_accepts_the_matching_prefix_plus_one() -> None:
+    assert verify_greedy([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert verify_greedy([4, 9, 6], [4, 5, 6, 7]) == [4, 5]
+    assert verify_greedy([9], [3, 8]) == [3]
+    assert verify_greedy([], [3]) == [3]
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _verify_many(
+    target: torch.Tensor, draft: torch.Tensor | None, trials: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of the first output token, and of the second where one was produced."""
+    gen = torch.Generator().manual_seed(1234)
+    vocab = target.shape[1]
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    fixed = torch.tensor([2, 4])
+    for _ in range(trials):
+        if draft is None:
+            proposal, q = fixed.tolist(), None
+        else:
+            proposal = torch.multinomial(draft, 1, generator=gen).view(-1).tolist()
+            q = draft
+        out = verify_stochastic(proposal, q, target, gen)
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    return first, second
+
+
+TARGET = torch.tensor(
+    [
+        [0.30, 0.05, 0.25, 0.10, 0.20, 0.10],
+        [0.10, 0.30, 0.05, 0.25, 0.10, 0.20],
+        [0.15, 0.15, 0.20, 0.20, 0.15, 0.15],
+    ]
+)
+DRAFT = torch.tensor(
+    [
+        [0.05, 0.40, 0.05, 0.30, 0.10, 0.10],
+        [0.25, 0.05, 0.30, 0.05, 0.30, 0.05],
+    ]
+)
+
+
+@pytest.mark.parametrize("draft", [DRAFT, None], ids=["draft-model", "point-mass"])
+def test_stochastic_verification_preserves_the_target_distribution(
+    draft: torch.Tensor | None,
+) -> None:
+    first, second = _verify_many(TARGET, draft, trials=6000)
+    assert _chi_square(first, TARGET[0]) < CHI2_CRITICAL_DF5
+    assert second.sum() > 300
+    assert _chi_square(second, TARGET[1]) < CHI2_CRITICAL_DF5
+
+
+def test_ngram_proposes_what_followed_the_latest_match() -> None:
+    proposer = NgramProposer(min_n=1, max_n=3)
+    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
+    assert proposer.propose([5, 6, 7, 5], 4) == [6, 7, 5]
+    assert proposer.propose([1, 2, 3], 2) == []
+    assert proposer.propose([1, 2, 1], 0) == []
+
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+    "The cat sat on the mat. The cat sat on the",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n",
+    "Once upon a time",
+]
+MAX_TOKENS = 14
+
+
+@pytest.fixture(scope="module")
+def prompts(target_dir: Path) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    return [tok.encode(t).ids for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def runners(target_dir: Path, draft_dir: Path) -> tuple[ModelRunner, ModelRunner]:
+    return ModelRunner(target_dir, num_blocks=64), ModelRunner(draft_dir, num_blocks=64)
+
+
+def _engine(runners: tuple[ModelRunner, ModelRunner], proposer: ProposerKind | None) -> Engine:
+    target, draft = runners
+    return Engine(target, draft, proposer=proposer)
+
+
+def _generate(engine: Engine, prompts: list[list[int]], ks: list[int]) -> list[list[int]]:
+    """Prefill all prompts in one step, then decode with per-request k until all finish."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        engine.add_request(Request(rid, p, params, tier=Tier.BEST_EFFORT))
+    engine.step(
+        BatchPlan(tuple(PrefillChunk(r, len(p)) for r, p in zip(ids, prompts, strict=True)))
+    )
+    while live := [(r, k) for r, k in zip(ids, ks, strict=True) if not engine.finish_reason(r)]:
+        outcome = engine.step(BatchPlan(tuple(DecodeStep(r, k) for r, k in live)))
+        for o in outcome.outcomes:
+            assert 1 <= len(o.new_token_ids) <= o.num_draft_tokens + 1
+    outputs = [engine.output_token_ids(r) for r in ids]
+    for r in ids:
+        engine.abort(r)
+    assert engine.num_free_blocks == engine.cache.num_blocks
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def baseline(runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]) -> list[list[int]]:
+    return _generate(_engine(runners, None), prompts, [0] * len(prompts))
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+@pytest.mark.parametrize("k", range(1, 9))
+def test_speculative_greedy_equals_plain_greedy(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    proposer: ProposerKind,
+    k: int,
+) -> None:
+    assert _generate(_engine(runners, proposer), prompts, [k] * len(prompts)) == baseline
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_mixed_k_in_one_batch_equals_plain_greedy(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    proposer: ProposerKind,
+) -> None:
+    engine = _engine(runners, proposer)
+    assert _generate(engine, prompts, [0, 3, 7, 1]) == baseline
+
+
+def test_draft_cache_holds_only_accepted_tokens(
+    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]
+) -> None:
+    engine = _engine(runners, "draft")
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(Request("a", prompts[0], params, tier=Tier.BEST_EFFORT))
+    engine.step(BatchPlan((PrefillChunk("a", len(prompts[0])),)))
+    assert engine.draft is not None
+    for _ in range(3):
+        outcome = engine.step(BatchPlan((DecodeStep("a", 4),))).outcomes[0]
+        known = len(prompts[0]) + len(engine.output_token_ids("a"))
+        assert outcome.num_computed_tokens == known - 1
+        assert engine.cache.num_tokens("a") == known - 1
+        assert engine.draft.cache.num_tokens("a") <= known - 1
+    engine.abort("a")
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_seeded_speculative_sampling_is_reproducible(
+    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]], proposer: ProposerKind
+) -> None:
+    engine = _engine(runners, proposer)
+
+    def run(rid: str, seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=seed, ignore_eos=True)
+        engine.add_request(Request(rid, prompts[1], params, tier=Tier.BEST_EFFORT))
+        engine.step(BatchPlan((PrefillChunk(rid, len(prompts[1])),)))
+        while engine.finish_reason(rid) is None:
+            engine.step(BatchPlan((DecodeStep(rid, 3),)))
+        out = engine.output_token_ids(rid)
+        engine.abort(rid)
+        assert len(out) == MAX_TOKENS
+        return out
+
+    assert run("a", 3) == run("b", 3)
+    assert run("c", 3) != run("d", 4)

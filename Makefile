@@ -25,11 +25,18 @@ $(DEV_STAMP): pyproject.toml $(STAMP)
 install: $(STAMP)
 install-dev: $(DEV_STAMP)
 
+# The cluster behind Ray Serve, exactly as deploy/serve-cpu.yaml describes it.
 serve: $(STAMP)
-	$(BIN)/slos-serve demo
+	@echo "slos-serve: 2 replicas of the demo pair; HTTP on 127.0.0.1:8000, gRPC on 127.0.0.1:50051."
+	@echo "When curl http://127.0.0.1:8000/health answers (about 30 s), try from another shell:"
+	@echo "  curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": \"demo\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32, \"slo\": {\"ttft_ms\": 2000, \"tpot_ms\": 200}}'"
+	@echo "  .venv/bin/python -c \"from router.client import Client; print(Client('127.0.0.1:50051').complete('def fib(n):', max_tokens=32).text)\""
+	$(BIN)/serve run deploy/serve-cpu.yaml
 
+# One torch thread per process: tests run beside Ray workers on 2 cores, where 2 threads each
+# oversubscribe the machine and run 10-100x slower.
 test: $(DEV_STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/pytest
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/pytest
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .

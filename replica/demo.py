@@ -1,8 +1,9 @@
 """`slos-serve demo`: a few Python prompts served concurrently by one local replica.
 
-It shows the data plane end to end on the shipped demo pair: tokenizer, scheduler, engine
-(with the draft model speculating when --spec-k > 0) and the per-request streams, then prints
-each continuation with its time to first token and the aggregate output tokens per second.
+It shows the data plane end to end on the shipped demo pair: tokenizer, scheduler (the
+SLOs-Serve planner by default, or the vllm / sarathi baselines), engine (with the draft model
+speculating when --spec-k > 0) and the per-request streams, then prints each continuation with
+its time to first token, its admission verdict, and the aggregate output tokens per second.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from tokenizers import Tokenizer
 
 from replica.engine import Engine
 from replica.local import LocalReplica, TokenChunk, cache_budget
+from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget, Scheduler
+from replica.planner.config import PlannerConfig, SpecConfig
 from replica.planner.sarathi import SarathiConfig, SarathiScheduler
+from replica.planner.slos import SlosScheduler
 from replica.planner.vllm import VllmConfig, VllmScheduler
-from replica.request import Request, SamplingParams, Tier
+from replica.request import SLO, Request, SamplingParams
 
-MODELS = Path(__file__).resolve().parent.parent / "deploy" / "models"
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+MODELS = DEPLOY / "models"
 PROMPTS = (
     "def fibonacci(n):\n",
     "def is_prime(n):\n    ",
@@ -45,10 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scheduler",
-        choices=("vllm", "sarathi"),
-        default="sarathi",
-        help="prefill-first (vllm) or decode-first chunked prefill (sarathi)",
+        choices=("slos", "vllm", "sarathi"),
+        default="slos",
+        help="SLOs-Serve planner (slos), prefill-first (vllm) or decode-first chunked (sarathi)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=DEPLOY / "profiles" / "cpu-demo.json",
+        help="perf-model profile the slos planner plans with",
+    )
+    parser.add_argument("--ttft-ms", type=float, default=2000.0, help="SLO: time to first token")
+    parser.add_argument("--tpot-ms", type=float, default=200.0, help="SLO: time per output token")
     parser.add_argument(
         "--spec-k", type=int, default=3, help="draft tokens per decode (0: no speculation)"
     )
@@ -74,6 +87,9 @@ class Served:
 
 
 def make_scheduler(args: argparse.Namespace, budget: CacheBudget, max_model_len: int) -> Scheduler:
+    if args.scheduler == "slos":
+        spec = SpecConfig(max_spec_tokens=args.spec_k) if args.spec_k > 0 else None
+        return SlosScheduler(PerfModel.load(args.profile), budget, PlannerConfig(spec=spec))
     if args.scheduler == "vllm":
         tokens = args.token_budget or max_model_len
         return VllmScheduler(budget, VllmConfig(max_num_batched_tokens=tokens, spec_k=args.spec_k))
@@ -111,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
     texts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
+    slo = SLO(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms)
     requests = [
-        Request(f"demo-{i}", tokenizer.encode(text).ids, params, tier=Tier.BEST_EFFORT)
+        Request(f"demo-{i}", tokenizer.encode(text).ids, params, slo=slo)
         for i, text in enumerate(texts)
     ]
     scheduler = make_scheduler(args, cache_budget(engine), engine.max_model_len)
@@ -125,9 +142,13 @@ def run(args: argparse.Namespace) -> int:
         timings = s.last.timings
         ttft = timings.ttft if timings is not None else None
         ttft_text = f"{ttft * 1e3:.0f} ms" if ttft is not None else "-"
+        verdict = ""
+        if isinstance(scheduler, SlosScheduler):
+            admitted = scheduler.verdicts.get(s.request.request_id, False)
+            verdict = ", admitted" if admitted else ", best-effort"
         print(
             f"=== {s.request.request_id}: ttft {ttft_text}, {len(s.token_ids)} tokens, "
-            f"finish {s.last.finish_reason}"
+            f"finish {s.last.finish_reason}{verdict}"
         )
         print(tokenizer.decode(s.request.prompt_token_ids + s.token_ids))
     total = sum(len(s.token_ids) for s in served)

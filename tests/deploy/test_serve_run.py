@@ -1,0 +1,115 @@
+"""`serve run deploy/serve-cpu.yaml` (what `make serve` runs) starts a working cluster.
+
+The only change to the shipped config is the ports (free ones, so the test never collides with
+a running server); paths stay relative to the repo root, where `serve run` is started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 240.0
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def with_ports(config: dict, http_port: int, grpc_port: int) -> dict:  # type: ignore[type-arg]
+    config["http_options"]["port"] = http_port
+    config["grpc_options"]["port"] = grpc_port
+    args = config["applications"][0]["args"]
+    args["http"]["port"] = http_port
+    args["grpc"]["port"] = grpc_port
+    return config
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    http_port, grpc_port = free_port(), free_port()
+    config = yaml.safe_load((ROOT / "deploy" / "serve-cpu.yaml").read_text())
+    path = tmp_path_factory.mktemp("serve") / "serve-cpu.yaml"
+    path.write_text(yaml.safe_dump(with_ports(config, http_port, grpc_port)))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    serve_bin = Path(sys.executable).parent / "serve"
+    log = path.with_suffix(".log").open("w")
+    proc = subprocess.Popen(
+        [str(serve_bin), "run", str(path)], cwd=ROOT, env=env, stdout=log, stderr=log
+    )
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"serve run exited early; see {log.name}"
+            try:
+                if get(base + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail(
+                f"the application did not come up in {START_TIMEOUT_S:.0f} s; see {log.name}"
+            )
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_one_completion_through_http(served: str) -> None:
+    body = {
+        "model": "demo",
+        "prompt": "def fib(n):",
+        "max_tokens": 8,
+        "temperature": 0,
+        "slo": {"ttft_ms": 2000, "tpot_ms": 200},
+    }
+    request = urllib.request.Request(
+        served + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        assert resp.status == 200
+        out = json.loads(resp.read())
+    assert out["usage"]["completion_tokens"] == 8
+    assert out["choices"][0]["text"]
+    assert out["slos_serve"]["verdict"] in ("admitted", "best_effort")
+
+
+def test_models_endpoint_names_the_demo(served: str) -> None:
+    status, payload = get(served + "/v1/models")
+    assert status == 200
+    assert [m["id"] for m in json.loads(payload)["data"]] == ["demo"]

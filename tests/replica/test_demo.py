@@ -1,0 +1,38 @@
+"""`slos-serve demo` (what `make serve` ran before the cluster): every scheduler serves the
+prompts and the SLOs-Serve planner admits them at the demo's loose SLO."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from replica import demo
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("scheduler", ["slos", "sarathi", "vllm"])
+def test_demo_serves_every_prompt(
+    scheduler: str, target_dir: Path, draft_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = parse(
+        "--target", str(target_dir), "--draft", str(draft_dir), "--scheduler", scheduler,
+        "--prompts", "3", "--max-tokens", "6", "--threads", "1",
+    )  # fmt: skip
+    assert demo.run(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("6 tokens, finish length") == 3
+    assert "tokens/s" in out
+    if scheduler == "slos":
+        assert out.count(", admitted") == 3
+
+
+def test_demo_names_missing_models(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="make models"):
+        demo.run(parse("--target", str(tmp_path)))

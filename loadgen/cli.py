@@ -21,7 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("loadgen.bench_engine", "engine vs transformers throughput, speculative speedup"),
     "planner": ("loadgen.bench_planner", "planning latency over randomized calls"),
     "controller": ("loadgen.bench_controller", "routing/admission decisions per second"),
-    "frontend": ("loadgen.bench_frontend", "added latency and max req/s of the HTTP and gRPC doors"),
+    "frontend": ("loadgen.bench_frontend", "added latency and max req/s of HTTP and gRPC"),
 }
 
 

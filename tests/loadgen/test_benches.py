@@ -1,0 +1,25 @@
+"""The planner and controller benchmarks run end to end and write their documented summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadgen import cli
+
+
+def run_bench(name: str, out: Path, *extra: str) -> dict:  # type: ignore[type-arg]
+    assert cli.main(["bench", name, "--quick", "--json", str(out), *extra]) == 0
+    return dict(json.loads(out.read_text()))
+
+
+def test_bench_planner_quick(tmp_path: Path) -> None:
+    result = run_bench("planner", tmp_path / "planner.json")
+    assert {"p50_ms", "p99_ms"} <= set(result["summary"])
+    assert result["summary"]["p50_ms"] > 0
+    assert len(result["cases"]) >= 1
+
+
+def test_bench_controller_quick_without_ray(tmp_path: Path) -> None:
+    result = run_bench("controller", tmp_path / "controller.json", "--no-ray")
+    assert result["summary"]["decisions_per_s"] > 0

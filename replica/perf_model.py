@@ -466,3 +466,25 @@ class PerfModel:
     @classmethod
     def load(cls, path: str | Path) -> PerfModel:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def synthetic(cls, *terms: dict[str, float], note: str = "") -> PerfModel:
+        """A model from hand-set coefficients (features left out are 0).
+
+        For worked examples stated in round numbers (the paper's "6 tokens per time unit"),
+        tests and simulations of hypothetical hardware; marked analytic, device "synthetic".
+        """
+        built = []
+        for i, coefficients in enumerate(terms):
+            unknown = sorted(set(coefficients) - set(FEATURES))
+            if unknown:
+                raise ValueError(f"unknown features {unknown}; known: {list(FEATURES)}")
+            built.append(Term(f"t{i}", tuple(float(coefficients.get(f, 0.0)) for f in FEATURES)))
+        info = ProfileInfo(
+            source="analytic",
+            backend="synthetic",
+            device="synthetic",
+            model="synthetic",
+            notes=(note,) if note else (),
+        )
+        return cls(terms=tuple(built), info=info)

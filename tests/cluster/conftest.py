@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine
-from replica.perf_model import FEATURES
+from replica.perf_model import PerfModel
 from replica.request import Request, SamplingParams
 
 
@@ -21,20 +20,11 @@ def write_profile(
 ) -> Path:
     """A one-term profile with round numbers, so admission verdicts are predictable: with
     these defaults a replica holds one request of a 100 ms TPOT tier, not two."""
-    coefficients = dict.fromkeys(FEATURES, 0.0)
-    coefficients.update(const=const, tokens=tokens, draft_steps=draft_steps)
-    data = {
-        "format": "slos-serve-perf-model/1",
-        "source": "analytic",
-        "backend": "synthetic",
-        "device": "test",
-        "model": "demo-target",
-        "tp": 1,
-        "features": list(FEATURES),
-        "terms": [{"name": "step", "coefficients": coefficients}],
-        "notes": ["Synthetic coefficients for tests, not a measurement."],
-    }
-    path.write_text(json.dumps(data))
+    model = PerfModel.synthetic(
+        {"const": const, "tokens": tokens, "draft_steps": draft_steps},
+        note="Synthetic coefficients for tests, not a measurement.",
+    )
+    model.save(path)
     return path
 
 

@@ -209,3 +209,12 @@ def test_inverse_is_consistent_with_predict(
 def test_features_reject_negative_counts() -> None:
     with pytest.raises(ValueError, match="kv_tokens must be >= 0"):
         BatchFeatures(num_tokens=1, num_requests=1, attn_tokens=1, kv_tokens=-1)
+
+
+def test_synthetic_model_from_round_numbers() -> None:
+    model = PerfModel.synthetic({"tokens": 1 / 6}, {"const": 0.5})
+    assert model.predict(BatchShape(new_tokens=(6,), context=(0,))) == pytest.approx(1.0)
+    assert model.predict(BatchShape(new_tokens=(1,), context=(0,))) == pytest.approx(0.5)
+    assert model.info.device == "synthetic"
+    with pytest.raises(ValueError, match="unknown features"):
+        PerfModel.synthetic({"flops": 1.0})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from replica.perf_model import FEATURES, FORMAT, PerfModel
+from replica.perf_model import PerfModel
 from replica.planner.admission import (
     AdmissionProblem,
     Candidate,
@@ -14,24 +14,9 @@ from replica.planner.admission import (
 )
 from replica.planner.budget import BatchBudget, TierLoad, plan_budgets
 
-
-def perf_model(**coefficients: float) -> PerfModel:
-    return PerfModel.from_dict(
-        {
-            "format": FORMAT,
-            "source": "analytic",
-            "backend": "test",
-            "device": "test",
-            "model": "test",
-            "features": list(FEATURES),
-            "terms": [
-                {"name": "t", "coefficients": {f: coefficients.get(f, 0.0) for f in FEATURES}}
-            ],
-        }
-    )
-
-
-SIX_PER_UNIT = perf_model(tokens=1 / 6)  # Figure 3: six tokens per time unit (1 s here)
+SIX_PER_UNIT = PerfModel.synthetic(
+    {"tokens": 1 / 6}
+)  # Figure 3: six tokens per time unit (1 s here)
 
 
 def budget_for(perf: PerfModel, loads: list[TierLoad]) -> BatchBudget:
@@ -78,7 +63,7 @@ def test_decodes_with_banked_slack_leave_room_for_an_earlier_deadline() -> None:
 
 
 def test_figure5_dynamic_batch_size_admits_what_a_fixed_size_cannot() -> None:
-    perf = perf_model(const=0.01, tokens=1e-4)
+    perf = PerfModel.synthetic({"const": 0.01, "tokens": 1e-4})
     decoders = RunningDecoders.of([(0.05, 0.05, 100, 0)] * 4)
     new = (Candidate("long", 600, 0.1, 0.05, 10, 1),)
     dynamic = budget_for(perf, [TierLoad(0.05, 5)])

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from replica.perf_model import FEATURES, FORMAT, PerfModel
+from replica.perf_model import PerfModel
 from replica.planner.budget import (
     AcceptanceEstimate,
     BatchBudget,
@@ -16,26 +16,10 @@ from replica.planner.budget import (
 )
 from replica.planner.config import InvocationConfig, PlannerConfig, SpecConfig
 
-
-def perf_model(*terms: dict[str, float]) -> PerfModel:
-    return PerfModel.from_dict(
-        {
-            "format": FORMAT,
-            "source": "analytic",
-            "backend": "test",
-            "device": "test",
-            "model": "test",
-            "features": list(FEATURES),
-            "terms": [
-                {"name": f"t{i}", "coefficients": {f: t.get(f, 0.0) for f in FEATURES}}
-                for i, t in enumerate(terms)
-            ],
-        }
-    )
-
-
 # 10 ms fixed cost, 0.1 ms per token, a cheap draft model.
-PERF = perf_model({"const": 0.01, "tokens": 1e-4, "draft_steps": 5e-4, "draft_tokens": 1e-5})
+PERF = PerfModel.synthetic(
+    {"const": 0.01, "tokens": 1e-4, "draft_steps": 5e-4, "draft_tokens": 1e-5}
+)
 
 
 def budgets(

@@ -5,24 +5,12 @@ from __future__ import annotations
 import pytest
 
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
-from replica.perf_model import FEATURES, FORMAT, PerfModel
+from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.executor import PerfExecutor, late_tokens, token_id
 from replica.request import SLO, Request, SamplingParams
 
-PERF = PerfModel.from_dict(
-    {
-        "format": FORMAT,
-        "source": "analytic",
-        "backend": "test",
-        "device": "test",
-        "model": "test",
-        "features": list(FEATURES),
-        "terms": [
-            {"name": "t", "coefficients": {f: 0.5 if f == "tokens" else 0.0 for f in FEATURES}}
-        ],
-    }
-)
+PERF = PerfModel.synthetic({"tokens": 0.5})
 
 
 def make(prompt: int = 4, max_tokens: int = 4) -> Request:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replica.perf_model import FEATURES, FORMAT, PerfModel
+from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.config import InvocationConfig, PlannerConfig, SpecConfig
 from replica.planner.deadlines import token_deadline
@@ -22,26 +22,8 @@ from replica.planner.slos import SlosScheduler
 from replica.planner.vllm import VllmScheduler
 from replica.request import SLO, Request, SamplingParams, Stage, Tier
 
-
-def perf_model(*terms: dict[str, float]) -> PerfModel:
-    return PerfModel.from_dict(
-        {
-            "format": FORMAT,
-            "source": "analytic",
-            "backend": "test",
-            "device": "test",
-            "model": "test",
-            "features": list(FEATURES),
-            "terms": [
-                {"name": f"t{i}", "coefficients": {f: t.get(f, 0.0) for f in FEATURES}}
-                for i, t in enumerate(terms)
-            ],
-        }
-    )
-
-
-SIX_PER_UNIT = perf_model({"tokens": 1 / 6})
-GPU_LIKE = perf_model(
+SIX_PER_UNIT = PerfModel.synthetic({"tokens": 1 / 6})
+GPU_LIKE = PerfModel.synthetic(
     {
         "const": 0.004,
         "tokens": 5e-5,

@@ -4,7 +4,9 @@ The engine's twin for tests and the simulator: a prefill chunk that reaches the 
 known tokens samples one token, a decode step appends accepted drafts plus one, preemption
 drops the KV and keeps the tokens. Token ids are a function of (request, position), so a
 resumed request produces exactly the tokens it would have had. It refuses plans that overrun
-the cache or feed tokens a request does not have, which makes it a referee as well.
+the cache or feed tokens a request does not have, which makes it a referee as well. A request
+may carry a true output length the scheduler never sees (`stop_after`): it ends there as if the
+model had sampled EOS.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class _Sequence:
     output: list[int] = field(default_factory=list)
     computed: int = 0
     finished: bool = False
+    stop_after: int | None = None
 
     @property
     def known(self) -> int:
@@ -59,14 +62,36 @@ class PerfExecutor:
         self.drafted: list[int] = []
         """Speculative tokens of every decode step executed, in order."""
 
-    def add(self, request: Request, output: Sequence[int] = (), computed: int = 0) -> None:
-        """Track a request; `output` and `computed` resume one already under way."""
+    def add(
+        self,
+        request: Request,
+        output: Sequence[int] = (),
+        computed: int = 0,
+        stop_after: int | None = None,
+    ) -> None:
+        """Track a request; `output` and `computed` resume one already under way. With
+        `stop_after` the request stops (FinishReason.STOP) after that many output tokens."""
         if request.request_id in self.sequences:
             raise ValueError(f"request {request.request_id!r} is already known")
         if not 0 <= computed <= request.prompt_len + len(output):
             raise ValueError(f"computed={computed} exceeds the request's known tokens")
-        self.sequences[request.request_id] = _Sequence(request, list(output), computed)
+        if stop_after is not None and not len(output) < stop_after <= request.sampling.max_tokens:
+            raise ValueError(
+                f"stop_after={stop_after} must be in ({len(output)}, "
+                f"max_tokens={request.sampling.max_tokens}]"
+            )
+        self.sequences[request.request_id] = _Sequence(
+            request, list(output), computed, False, stop_after
+        )
         self.token_times[request.request_id] = []
+
+    def release(self, request_id: str) -> list[float]:
+        """Forget a finished request and return its token times: a long simulation keeps
+        only live requests, so a step costs the same at its end as at its start."""
+        if not self.sequences[request_id].finished:
+            raise ValueError(f"request {request_id!r} has not finished")
+        del self.sequences[request_id]
+        return self.token_times.pop(request_id)
 
     def output(self, request_id: str) -> list[int]:
         return list(self.sequences[request_id].output)
@@ -132,15 +157,20 @@ class PerfExecutor:
                 else 0
             )
             count = accepted + 1
+            if seq.stop_after is not None:
+                count = min(count, seq.stop_after - len(seq.output))
             new = [token_id(entry.request_id, len(seq.output) + i) for i in range(count)]
             seq.computed = seq.known + count - 1
         seq.output.extend(new)
         self.token_times[entry.request_id].extend([end] * len(new))
         reason = None
-        if len(seq.output) >= seq.request.sampling.max_tokens:
+        if seq.stop_after is not None and len(seq.output) >= seq.stop_after:
+            reason = FinishReason.STOP
+        elif len(seq.output) >= seq.request.sampling.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
             seq.finished = True
             seq.computed = 0
-            reason = FinishReason.LENGTH
         return RequestOutcome(
             request_id=entry.request_id,
             new_token_ids=new,

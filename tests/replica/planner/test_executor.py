@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from replica.batch import BatchPlan, DecodeStep, PrefillChunk
+from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.executor import PerfExecutor, late_tokens, token_id
@@ -65,3 +65,23 @@ def test_refuses_speculation_past_max_tokens() -> None:
     executor.execute(BatchPlan((PrefillChunk("a", 4),)), 0.0)
     with pytest.raises(ValueError, match="speculates 2 tokens with 2 to go"):
         executor.execute(BatchPlan((DecodeStep("a", 2),)), 2.0)
+
+
+def test_stop_after_ends_the_request_early_even_inside_accepted_drafts() -> None:
+    executor = PerfExecutor(PERF, CacheBudget(4, 4), accept=lambda _rid, k: k)
+    executor.add(make(prompt=4, max_tokens=8), stop_after=3)
+    executor.execute(BatchPlan((PrefillChunk("a", 4),)), 0.0)
+    outcome, _ = executor.execute(BatchPlan((DecodeStep("a", 4),)), 2.0)
+    assert outcome.outcomes[0].finish_reason is FinishReason.STOP
+    assert executor.output("a") == [token_id("a", j) for j in range(3)]
+    assert executor.release("a") == [2.0, 4.5, 4.5]
+    assert "a" not in executor.sequences
+
+
+def test_stop_after_must_fit_max_tokens_and_release_needs_a_finished_request() -> None:
+    executor = PerfExecutor(PERF, CacheBudget(4, 4))
+    with pytest.raises(ValueError, match="stop_after"):
+        executor.add(make(max_tokens=4), stop_after=5)
+    executor.add(make(max_tokens=4), stop_after=4)
+    with pytest.raises(ValueError, match="not finished"):
+        executor.release("a")

@@ -1,0 +1,49 @@
+"""The simulator's event heap: ordered by (time, kind, sequence number).
+
+Events at the same instant run in EventKind order, then in the order they were pushed, so a
+run never depends on heap internals. The kind order is chosen so that what happened at an
+instant is visible to what decides at it: a step's tokens are out (and its memory freed)
+before requests arriving at that instant are queued, and both before the planning tick.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class EventKind(IntEnum):
+    STEP_DONE = 0
+    """A replica's step ends: tokens out, outcome folded into its scheduler."""
+    ARRIVAL = 1
+    """A request reaches the cluster."""
+    TICK = 2
+    """The controller's planning tick (admission and routing)."""
+
+
+@dataclass(frozen=True, order=True)
+class Event:
+    time: float
+    kind: EventKind
+    seq: int
+    target: int
+    """Replica index (STEP_DONE), workload index (ARRIVAL), tick number (TICK)."""
+
+
+@dataclass
+class EventQueue:
+    """A min-heap of events; `seq` numbers pushes so equal (time, kind) keep push order."""
+
+    _heap: list[Event] = field(default_factory=list)
+    _pushed: int = 0
+
+    def push(self, time: float, kind: EventKind, target: int) -> None:
+        heapq.heappush(self._heap, Event(time, kind, self._pushed, target))
+        self._pushed += 1
+
+    def pop(self) -> Event:
+        return heapq.heappop(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)

@@ -1,0 +1,220 @@
+"""The discrete-event simulator: exact tiny schedules, tie order, determinism, hidden lengths."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.api import Verdict
+from cluster.routing import BackupPolicy
+from cluster.sim_events import EventKind, EventQueue
+from cluster.simulator import (
+    Policy,
+    SimConfig,
+    SimRequest,
+    Simulator,
+    sarathi_token_budget,
+    tightest_tpot_s,
+)
+from loadgen import simulate
+from loadgen.arrivals import poisson_arrivals
+from loadgen.workloads import Scenario, WorkloadConfig, generate_workload, zero_load_ttft_from
+from replica.perf_model import PerfModel
+from replica.request import SLO, Request, SamplingParams
+
+LINEAR = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})
+"""A step takes 10 ms + 1 ms per query token."""
+ROOMY = SLO(1000.0, 100.0)
+A100 = PerfModel.load(simulate.resolve_profile("a100-40gb-opt-7b-tp1"))
+
+
+def sim_request(
+    rid: str,
+    prompt: int,
+    arrival: float,
+    output_len: int,
+    max_tokens: int = 64,
+    slo: SLO = ROOMY,
+    follows: str | None = None,
+    delay_s: float = 0.0,
+) -> SimRequest:
+    request = Request(rid, [0] * prompt, SamplingParams(max_tokens=max_tokens), slo)
+    request.arrival_time = arrival
+    return SimRequest(request, output_len, follows, delay_s)
+
+
+def times(requests: list[SimRequest], config: SimConfig, perf: PerfModel = LINEAR) -> dict:
+    result = Simulator(perf, requests, config).run()
+    return {o.request_id: o.token_times_s for o in result.outcomes}
+
+
+def test_vllm_reproduces_a_hand_computed_schedule() -> None:
+    # A's prefill 0-0.02 (10 tokens); B arrives mid-step and is prefilled next (prefill
+    # first): 0.02-0.05; then both decode 0.05-0.062, B stops at its 2 tokens; A alone -0.073.
+    requests = [sim_request("a", 10, 0.0, 3), sim_request("b", 20, 0.015, 2)]
+    got = times(requests, SimConfig(policy=Policy.VLLM))
+    assert got["a"] == pytest.approx((0.02, 0.062, 0.073))
+    assert got["b"] == pytest.approx((0.05, 0.062))
+
+
+def test_slos_admits_at_the_tick_and_runs_a_lone_request_back_to_back() -> None:
+    # Tick at 0.01 admits; prefill 0.01-0.03; decodes of 11 ms each.
+    sim = Simulator(LINEAR, [sim_request("a", 10, 0.0, 3)], SimConfig())
+    (outcome,) = sim.run().outcomes
+    assert outcome.verdict is Verdict.ADMITTED and outcome.replica == 0 and outcome.hops == 1
+    assert outcome.token_times_s == pytest.approx((0.03, 0.041, 0.052))
+    with pytest.raises(RuntimeError, match="runs once"):
+        sim.run()
+
+
+def test_equal_timestamps_pop_step_done_then_arrivals_in_push_order_then_tick() -> None:
+    events = EventQueue()
+    events.push(1.0, EventKind.TICK, 0)
+    events.push(1.0, EventKind.ARRIVAL, 7)
+    events.push(1.0, EventKind.STEP_DONE, 0)
+    events.push(1.0, EventKind.ARRIVAL, 3)
+    events.push(0.5, EventKind.TICK, 9)
+    order = [(e.kind, e.target) for e in (events.pop() for _ in range(5))]
+    assert order == [
+        (EventKind.TICK, 9),
+        (EventKind.STEP_DONE, 0),
+        (EventKind.ARRIVAL, 7),
+        (EventKind.ARRIVAL, 3),
+        (EventKind.TICK, 0),
+    ]
+
+
+def test_a_step_ending_at_an_arrival_plans_before_the_arrival_is_seen() -> None:
+    # B arrives exactly when A's prefill ends (0.02): the step completion runs first and starts
+    # A's decode (to 0.031); only then is B queued and prefilled (0.031-0.061).
+    requests = [sim_request("a", 10, 0.0, 2), sim_request("b", 20, 0.02, 1)]
+    got = times(requests, SimConfig(policy=Policy.VLLM))
+    assert got["a"] == pytest.approx((0.02, 0.031))
+    assert got["b"] == pytest.approx((0.061,))
+
+
+def chatbot(n: int, rate: float, seed: int) -> list[SimRequest]:
+    workload = generate_workload(
+        "chatbot",
+        poisson_arrivals(rate, n, seed),
+        WorkloadConfig(zero_load_ttft_from(A100)),
+        seed,
+    )
+    return simulate.sim_requests(workload)
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_runs_are_deterministic(policy: Policy) -> None:
+    config = SimConfig(policy=policy, replicas=2, num_kv_blocks=2048)
+    first = Simulator(A100, chatbot(40, 6.0, 1), config).run()
+    second = Simulator(A100, chatbot(40, 6.0, 1), config).run()
+    assert first.outcomes == second.outcomes and first.steps == second.steps
+    assert all(
+        len(o.token_times_s) == r.output_len
+        for o, r in zip(first.outcomes, chatbot(40, 6.0, 1), strict=True)
+    )
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_the_schedule_does_not_depend_on_output_len_until_a_request_ends(policy: Policy) -> None:
+    # Only the engine knows output_len: runs differing in A's true length agree on every token
+    # produced before A's shorter run ends.
+    def run(a_len: int) -> dict:
+        requests = [sim_request("a", 30, 0.0, a_len), sim_request("b", 40, 0.005, 20)]
+        return times(requests, SimConfig(policy=policy))
+
+    short, long = run(5), run(40)
+    end = short["a"][-1]
+    assert long["a"][:5] == short["a"]
+    assert [t for t in long["b"] if t <= end] == [t for t in short["b"] if t <= end]
+    assert len(long["a"]) == 40 and len(short["b"]) == len(long["b"]) == 20
+
+
+def test_follow_up_rounds_arrive_after_the_previous_round_and_die_with_it() -> None:
+    requests = [
+        sim_request("a.r0", 10, 0.0, 2),
+        sim_request("a.r1", 14, 0.0, 1, follows="a.r0", delay_s=0.5),
+    ]
+    result = Simulator(LINEAR, requests, SimConfig(policy=Policy.VLLM)).run()
+    first, follow = result.outcomes
+    assert follow.arrival_s == pytest.approx(first.token_times_s[-1] + 0.5)
+    impossible = SLO(ttft_ms=1.0, tpot_ms=100.0)
+    requests[0] = sim_request("a.r0", 10, 0.0, 2, slo=impossible)
+    config = SimConfig(backup_policy=BackupPolicy.REJECT)
+    rejected = Simulator(LINEAR, requests, config).run().outcomes
+    assert [o.verdict for o in rejected] == [Verdict.REJECTED, Verdict.REJECTED]
+    assert all(not o.token_times_s for o in rejected)
+
+
+def test_sarathi_budget_is_the_largest_step_within_the_tightest_tpot() -> None:
+    requests = [r.request for r in chatbot(5, 1.0, 0)]
+    tpot = tightest_tpot_s(requests)
+    assert tpot == pytest.approx(0.1)
+    assert sarathi_token_budget(LINEAR, tpot) == 90  # 10 ms + 90 x 1 ms = 100 ms
+    with pytest.raises(ValueError, match="output_len"):
+        sim_request("x", 4, 0.0, 65)
+
+
+def test_capacity_ratio_geomean_uses_the_best_baseline() -> None:
+    capacity = {
+        "chatbot": {"slos": {"1": 4.0}, "vllm": {"1": 1.0}, "sarathi": {"1": 2.0}},
+        "coder": {"slos": {"1": 8.0}, "vllm": {"1": 2.0}, "sarathi": {"1": 0.0}},
+    }
+    assert simulate.capacity_ratio_geomean(capacity) == pytest.approx(8**0.5)
+    assert simulate.capacity_ratio_geomean({"chatbot": {"slos": {"1": 1.0}}}) is None
+
+
+def test_cli_smoke_writes_capacity_summary(tmp_path: Path) -> None:
+    profile = tmp_path / "slow.json"
+    PerfModel.synthetic({"const": 0.02, "tokens": 0.002}, note="test").save(profile)
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    out = tmp_path / "sim.json"
+    args = parser.parse_args(
+        [
+            "--profile", str(profile),
+            "--scenario", "coder",
+            "--policies", "slos,vllm,sarathi",
+            "--capacity",
+            "--duration", "6",
+            "--start-rate", "0.5",
+            "--rel-tol", "0.5",
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert simulate.run(args) == 0
+    data = json.loads(out.read_text())
+    capacity = data["summary"]["capacity"]["coder"]
+    assert set(capacity) == {"slos", "vllm", "sarathi"}
+    assert all(set(v) == {"1"} for v in capacity.values())
+    assert "capacity_ratio_geomean" in data["summary"]
+    assert {r["policy"] for r in data["runs"]} == {"slos", "vllm", "sarathi"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("replicas", 0), ("replicas", True), ("tick_interval_s", 0.0)]
+)
+def test_config_names_the_bad_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SimConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_refuses_duplicate_ids_and_unknown_predecessors() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        Simulator(LINEAR, [sim_request("a", 4, 0.0, 1)] * 2, SimConfig())
+    with pytest.raises(ValueError, match="unknown"):
+        Simulator(LINEAR, [sim_request("a", 4, 0.0, 1, follows="z")], SimConfig())
+
+
+@pytest.mark.skipif(
+    not (simulate.TRACE_DIR / "AzureLLMInferenceTrace_conv.csv").is_file(),
+    reason="the Azure trace is not in ../shared/data",
+)
+def test_trace_arrivals_keep_the_asked_rate() -> None:
+    setup = simulate.Setup(A100, Scenario.CHATBOT, "trace", 20.0, 0, 2048, 0.01, 2)
+    workload = setup.workload(rate=1.5, replicas=2)
+    assert len(workload) == 60
+    assert (len(workload) - 1) / workload[-1].arrival_s == pytest.approx(3.0)

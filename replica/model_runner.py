@@ -10,20 +10,30 @@ comes out of the same matmul, so rope is one multiply and one fused multiply-add
 together), one KV pool preallocated and written by index, and every per-step index and mask
 tensor built once per forward and shared by all layers.
 
-CPU attention: a padded batch, one SDPA call per layer over [requests, heads, max q, max kv]
-with a boolean mask. Measured here (a microbenchmark of 6 layers' attention with the
-demo target's shapes, 8 heads / 4 KV heads, head_dim 32, fp32, 1 thread, gathers included),
-padded / per-request loop / one block-diagonal-masked call:
-  decode, batch 1, context 256:      0.26 / 0.65 / 0.25 ms
-  decode, batch 8, context 256:      2.8  / 6.0  / 4.1 ms
-  decode, batch 32, context 256:    11.5  / 23.8 / 33.9 ms
-  prefill, 1 x 256 tokens:           4.8  / 12.4 / 5.1 ms
-  4 chunks of 64 after 192 cached:   5.8  / 14.9 / 18.0 ms
-The block-diagonal form pays for scores between every pair of requests; the per-request loop
-pays several dispatches per request per layer. torch.compile was tried and dropped: compiling
-the whole layer stack for one fixed decode shape saved 15% (1.91 -> 1.63 ms) but costs ~6 s
-per new shape, and ragged batches change shape every step; compiling only the attention with
-dynamic shapes made it slower (2.1 -> 5.1 ms per step).
+CPU attention: SDPA calls whose padded work tracks the ragged work. Rows of at most
+SMALL_QUERY new tokens (decode, verify) share one call padded to their longest q and KV: they
+are near uniform, and one padded call beat both a per-request loop (several dispatches per
+request per layer) and one block-diagonal-masked call (scores between every pair of requests)
+in a microbenchmark of the demo target's attention. Each prefill chunk gets its own call over
+its own context (equal chunks share one), causal by SDPA's own flag when it has no cached
+context, else by an explicit mask; explicit positions and token-tree masks are honoured in
+either kind of call. Padding every row to the batch's longest query x longest KV, as an
+earlier version did, made a chunk in a decode batch cost several times the two apart.
+Whole forward, demo target, fp32, best of 30 steps, before (one padded call) / after, same
+process, 1 thread and 2 threads (the machine was shared, so 2-thread runs are noisier):
+  16 decodes (contexts 256-768) + a 256-token chunk:  321 / 48 ms     180 / 28 ms
+  32 decodes, contexts 192-320:                         20.3 / 20.6 ms  12.7 / 12.7 ms
+  one 512-token prefill:                                62.7 / 58.9 ms  36.0 / 35.0 ms
+  1 decode, context 256:                                 2.1 / 2.2 ms    1.5 / 1.5 ms
+  8 verify rows (k = 3, contexts 256-512) + 128-token
+  chunk on 256 cached:                                  66.8 / 26.3 ms  42.6 / 16.7 ms
+  4 chunks of 64 on 192 cached:                         29.6 / 29.7 ms  18.3 / 18.2 ms
+Apart, the 16 decodes take ~32 ms and the chunk ~28 ms (1 thread), so the mixed step now costs
+about their sum. Grouping adds ~10 us of Python per step (1-2% of a single decode).
+torch.compile was tried and dropped: compiling the whole layer stack for one fixed decode shape
+saved 15% (1.91 -> 1.63 ms) but costs ~6 s per new shape, and ragged batches change shape
+every step; compiling only the attention with dynamic shapes made it slower (2.1 -> 5.1 ms per
+step).
 
 Dtype: both fp32 and bf16 are supported and neither wins everywhere (bench engine, 1 thread,
 256-token contexts): fp32 decodes faster at batch 1 (431 vs 361 tok/s) and matches transformers
@@ -50,6 +60,10 @@ from safetensors.torch import load_file
 
 BLOCK_SIZE = 16
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SMALL_QUERY = 16
+"""CPU attention pads rows of at most this many new tokens into one call."""
+PAD_SLACK = 1.25
+"""Padded / ragged attention work a CPU call of longer rows may reach."""
 
 
 @dataclass(frozen=True)
@@ -233,18 +247,28 @@ class ForwardSeq:
 
 
 @dataclass
-class _PaddedLayout:
-    """The ragged batch as [requests, max q] queries over [requests, max kv] keys (CPU path)."""
+class _AttnGroup:
+    """Requests sharing one CPU SDPA call: [requests, max q] queries over [requests, max kv]."""
 
     read_k: torch.Tensor
     """Flat pool row of every (request, kv position); padding points at row 0, masked out."""
     read_v: torch.Tensor
     mask: torch.Tensor | None
     """[requests, 1, max q, max kv], True = may attend; None when nothing needs masking."""
-    q_scatter: torch.Tensor | None
-    """Padded row of each new token; None when every request has the same q (no padding)."""
+    causal: bool
+    """Equal fresh chunks (q = kv, no padding): SDPA's own causal mask replaces `mask`."""
     batch: int
     max_q: int
+    start: int
+    """First batch token row of the group (used when its requests are adjacent in the batch)."""
+    q_gather: torch.Tensor | None
+    """Batch token row of each padded query slot; None: rows start .. start + batch * max q."""
+    out_rows: torch.Tensor | None
+    """Padded slots holding real tokens, in token order; None when nothing is padded."""
+    token_rows: torch.Tensor | None
+    """Batch token rows of the group's tokens; None when they are start .. start + count."""
+    count: int
+    """New tokens of the group."""
 
 
 @dataclass
@@ -353,26 +377,34 @@ class ModelRunner:
         rows = _rms_norm(rows, self.final_norm, cfg.rms_norm_eps)
         return F.linear(rows, self.lm_head).float()
 
-    def _attend_padded(self, layout: _PaddedLayout, q: torch.Tensor, layer: int) -> torch.Tensor:
+    def _attend(self, groups: list[_AttnGroup], q: torch.Tensor, layer: int) -> torch.Tensor:
+        if len(groups) == 1:
+            return self._attend_group(groups[0], q, layer)
+        out = q.new_empty(q.shape[0], self.config.num_heads * self.config.head_dim)
+        for g in groups:
+            part = self._attend_group(g, q, layer)
+            if g.token_rows is None:
+                out[g.start : g.start + g.count] = part
+            else:
+                out.index_copy_(0, g.token_rows, part)
+        return out
+
+    def _attend_group(self, g: _AttnGroup, q: torch.Tensor, layer: int) -> torch.Tensor:
         cfg = self.config
-        b, mq = layout.batch, layout.max_q
-        if layout.q_scatter is None:
-            qp = q.reshape(b, mq, cfg.num_heads, cfg.head_dim)
-        else:
-            qp = q.new_zeros(b * mq, cfg.num_heads, cfg.head_dim)
-            qp.index_copy_(0, layout.q_scatter, q)
-            qp = qp.view(b, mq, cfg.num_heads, cfg.head_dim)
+        b, mq = g.batch, g.max_q
+        qp = q[g.start : g.start + b * mq] if g.q_gather is None else q.index_select(0, g.q_gather)
+        qp = qp.reshape(b, mq, cfg.num_heads, cfg.head_dim)
         # F.embedding as a row gather: 2-4x faster than advanced indexing here.
         rows = self._flat_kv[layer].view(-1, cfg.num_kv_heads * cfg.head_dim)
         kv_shape = (b, -1, cfg.num_kv_heads, cfg.head_dim)
-        k = F.embedding(layout.read_k, rows).view(kv_shape).transpose(1, 2)
-        v = F.embedding(layout.read_v, rows).view(kv_shape).transpose(1, 2)
+        k = F.embedding(g.read_k, rows).view(kv_shape).transpose(1, 2)
+        v = F.embedding(g.read_v, rows).view(kv_shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), k, v, attn_mask=layout.mask, enable_gqa=True
+            qp.transpose(1, 2), k, v, attn_mask=g.mask, is_causal=g.causal, enable_gqa=True
         )
         out = out.transpose(1, 2).reshape(b * mq, cfg.num_heads * cfg.head_dim)
-        if layout.q_scatter is not None:
-            out = out.index_select(0, layout.q_scatter)
+        if g.out_rows is not None:
+            out = out.index_select(0, g.out_rows)
         return out
 
     def _prepare(self, seqs: list[ForwardSeq]) -> _StepMeta:
@@ -385,7 +417,6 @@ class ModelRunner:
         logit_rows: list[int] = []
         q_lens = [len(s.token_ids) for s in seqs]
         kv_lens = [s.num_cached + q for s, q in zip(seqs, q_lens, strict=True)]
-        max_q, max_kv = max(q_lens), max(kv_lens)
         for s, q, kv_len in zip(seqs, q_lens, kv_lens, strict=True):
             if q < 1:
                 raise ValueError("every sequence needs at least one new token")
@@ -418,8 +449,14 @@ class ModelRunner:
         if self._flashinfer is not None:
             attend = self._flashinfer.plan(seqs, q_lens, kv_lens)
         else:
-            layout = self._padded_layout(seqs, q_lens, kv_lens, max_q, max_kv)
-            attend = functools.partial(self._attend_padded, layout)
+            starts = [0]
+            for q in q_lens:
+                starts.append(starts[-1] + q)
+            groups = [
+                self._group(members, seqs, q_lens, kv_lens, starts)
+                for members in _group_requests(q_lens, kv_lens)
+            ]
+            attend = functools.partial(self._attend, groups)
         return _StepMeta(
             input_ids=torch.tensor(input_ids, device=dev),
             cos=F.embedding(pos_t, self.cos).unsqueeze(1),
@@ -430,40 +467,106 @@ class ModelRunner:
             attend=attend,
         )
 
-    def _padded_layout(
+    def _group(
         self,
+        members: list[int],
         seqs: list[ForwardSeq],
         q_lens: list[int],
         kv_lens: list[int],
-        max_q: int,
-        max_kv: int,
-    ) -> _PaddedLayout:
+        starts: list[int],
+    ) -> _AttnGroup:
+        """Index and mask tensors of one SDPA call over the requests `members` (in seq order)."""
         bs = BLOCK_SIZE
         dev = self.device
+        group = [seqs[m] for m in members]
+        gq = [q_lens[m] for m in members]
+        gkv = [kv_lens[m] for m in members]
+        max_q, max_kv = max(gq), max(gkv)
         width = -(-max_kv // bs)
         tables = torch.tensor(
-            [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs],
+            [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in group],
             device=dev,
         )
         j = torch.arange(max_kv, device=dev)
         read_k = tables[:, j // bs] * (2 * bs) + j % bs
-        layout = _PaddedLayout(read_k, read_k + bs, None, None, len(seqs), max_q)
-        if any(q != max_q for q in q_lens):
-            layout.q_scatter = torch.tensor(
-                [bi * max_q + i for bi, q in enumerate(q_lens) for i in range(q)], device=dev
+        padded = any(q != max_q for q in gq)
+        contiguous = members == list(range(members[0], members[-1] + 1))
+        g = _AttnGroup(
+            read_k=read_k,
+            read_v=read_k + bs,
+            mask=None,
+            causal=False,
+            batch=len(members),
+            max_q=max_q,
+            start=starts[members[0]],
+            q_gather=None,
+            out_rows=None,
+            token_rows=None,
+            count=sum(gq),
+        )
+        if not contiguous:
+            g.token_rows = torch.tensor(
+                [starts[m] + i for m, q in zip(members, gq, strict=True) for i in range(q)],
+                device=dev,
             )
-        trivial = max_q == 1 and all(n == max_kv for n in kv_lens)
-        if trivial and all(s.attn_mask is None for s in seqs):
-            return layout
-        cached = torch.tensor([s.num_cached for s in seqs], device=dev)
+        if padded or not contiguous:
+            # Padding slots read any of the group's tokens; their outputs are dropped.
+            g.q_gather = torch.tensor(
+                [
+                    starts[m] + min(i, q - 1)
+                    for m, q in zip(members, gq, strict=True)
+                    for i in range(max_q)
+                ],
+                device=dev,
+            )
+        if padded:
+            g.out_rows = torch.tensor(
+                [bi * max_q + i for bi, q in enumerate(gq) for i in range(q)], device=dev
+            )
+        if all(s.attn_mask is None for s in group):
+            if max_q == 1 and all(n == max_kv for n in gkv):
+                return g
+            if not padded and all(s.num_cached == 0 for s in group):
+                g.causal = True
+                return g
+        cached = torch.tensor([s.num_cached for s in group], device=dev)
         i = torch.arange(max_q, device=dev)
         mask = j.view(1, 1, -1) <= (cached.view(-1, 1, 1) + i.view(1, -1, 1))
-        for bi, s in enumerate(seqs):
+        for bi, s in enumerate(group):
             if s.attn_mask is not None:
-                c, q = s.num_cached, q_lens[bi]
+                c, q = s.num_cached, gq[bi]
                 mask[bi, :q, c : c + q] = s.attn_mask.to(device=dev, dtype=torch.bool)
-        layout.mask = mask.unsqueeze(1)
-        return layout
+        g.mask = mask.unsqueeze(1)
+        return g
+
+
+def _group_requests(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """Split a batch into SDPA calls whose padding stays close to the ragged work.
+
+    Rows of at most SMALL_QUERY tokens (decode, verify) share one call: their q is near
+    uniform and one padded call beats one call each. Longer rows (prefill chunks), largest
+    first, join a call while its padded work (requests x max q x max kv) stays within
+    PAD_SLACK times the sum of q x kv, so equal chunks batch and a chunk pays little for a
+    neighbour's longer query or context.
+    """
+    small = [i for i, q in enumerate(q_lens) if q <= SMALL_QUERY]
+    groups = [small] if small else []
+    large = sorted(
+        (i for i, q in enumerate(q_lens) if q > SMALL_QUERY),
+        key=lambda i: (q_lens[i], kv_lens[i]),
+        reverse=True,
+    )
+    current: list[int] = []
+    for i in large:
+        trial = [*current, i]
+        padded = len(trial) * max(q_lens[m] for m in trial) * max(kv_lens[m] for m in trial)
+        if current and padded > PAD_SLACK * sum(q_lens[m] * kv_lens[m] for m in trial):
+            groups.append(sorted(current))
+            trial = [i]
+        current = trial
+    if current:
+        groups.append(sorted(current))
+    return groups
 
 
 def _flashinfer_usable(device: torch.device) -> bool:

@@ -71,8 +71,10 @@ class BatchFeatures:
     n*c + n*(n+1)/2, a decode c+1 (compute-bound attention). `kv_tokens` counts KV entries read
     once per request, c + n (memory-bound attention: decode reads the cache once for all its
     k+1 verify tokens). `padded_attn_tokens` counts the (query, key) slots a backend computes
-    when it pads every request to the batch's longest query and longest KV (the CPU SDPA path:
-    requests x max q x max kv); it defaults to attn_tokens, i.e. ragged attention.
+    when it pads every request to the batch's longest query and longest KV (requests x max q x
+    max kv); it defaults to attn_tokens, i.e. ragged attention. Our CPU path gives each prefill
+    chunk its own call, so measured CPU profiles fit it a weight of 0; it stays for backends
+    that do pad.
     The draft's attention is charged by `draft_kv_tokens` = draft steps x drafting requests x
     the batch's mean KV per request (the draft reads about the same context as the target)."""
 

@@ -86,6 +86,34 @@ def test_explicit_mask_and_positions_express_a_token_tree(runner: ModelRunner) -
         assert torch.allclose(tree[i], expected[0], atol=TOL)
 
 
+def test_mixed_batch_matches_each_request_alone(runner: ModelRunner) -> None:
+    """Decodes, a verify tree and prefill chunks (longer than SMALL_QUERY, so the CPU path splits
+    them into separate attention calls, two equal fresh chunks sharing one) interleaved in one
+    batch give the logits each request gets alone."""
+    cache = KVCacheManager(runner.num_blocks)
+    contexts = {"dec30": 30, "chunk": 20, "dec10": 10, "fresh": 0, "tree": 20, "fresh2": 0}
+    for rid, n in contexts.items():
+        if n:
+            cache.append(rid, n)
+            runner.forward([ForwardSeq(PROMPT[:n], cache.block_table(rid), 0)])
+    steps = {
+        "dec30": (PROMPT[30:31], None, None),
+        "chunk": (PROMPT[20:40], None, None),
+        "dec10": (PROMPT[10:11], None, None),
+        "fresh": (PROMPT[:24], None, None),
+        "tree": ([5, 9, 7], [20, 20, 21], torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]]).bool()),
+        "fresh2": (PROMPT[5:29], None, None),
+    }
+    batch = []
+    for rid, (tokens, positions, mask) in steps.items():
+        cache.append(rid, len(tokens))
+        table = cache.block_table(rid)
+        batch.append(ForwardSeq(tokens, table, contexts[rid], len(tokens), positions, mask))
+    alone = torch.cat([runner.forward([seq]) for seq in batch])
+    mixed = runner.forward(batch)
+    assert torch.allclose(mixed, alone, atol=TOL)
+
+
 def test_kv_budget_in_bytes_sizes_the_pool(target_dir: Path) -> None:
     cfg = ModelConfig.from_dir(target_dir)
     per_block = cfg.kv_bytes_per_block(torch.float32)

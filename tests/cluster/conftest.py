@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster.config import ClusterConfig
+from cluster.handle import ClusterHandle, launch
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine
 from replica.perf_model import PerfModel
@@ -51,6 +53,25 @@ def runner() -> Iterator[asyncio.Runner]:
     """One event loop per module: a cluster handle lives on the loop that launched it."""
     with asyncio.Runner() as r:
         yield r
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    ray_session: None, runner: asyncio.Runner, target_dir: Path, draft_dir: Path, profile_path: Path
+) -> Iterator[ClusterHandle]:
+    """Two replicas of the demo pair on the synthetic profile, shared by a test module."""
+    config = ClusterConfig(
+        model=str(target_dir), draft=str(draft_dir), profile=str(profile_path), num_kv_blocks=256
+    )
+    handle = runner.run(launch(config))
+    yield handle
+    runner.run(handle.shutdown())
+
+
+@pytest.fixture(scope="module")
+def engine(target_dir: Path) -> Engine:
+    """The standalone engine whose greedy output the cluster must reproduce."""
+    return Engine.from_dirs(target_dir, num_blocks=64)
 
 
 def greedy_reference(

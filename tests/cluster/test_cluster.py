@@ -4,14 +4,12 @@ bad input."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 
 from cluster.api import FinalRecord, TokenChunk, Verdict
-from cluster.config import ClusterConfig
-from cluster.handle import ClusterHandle, launch
+from cluster.handle import ClusterHandle
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams, Tier
 from tests.cluster.conftest import greedy_reference
@@ -22,23 +20,6 @@ TIGHT = SLO(ttft_ms=1500, tpot_ms=100)
 """The synthetic profile fits one such request per replica, not two."""
 CHAT = SLO(ttft_ms=3000, tpot_ms=500)
 BATCH = SLO(ttft_ms=6000, tpot_ms=1000)
-
-
-@pytest.fixture(scope="module")
-def cluster(
-    ray_session: None, runner: asyncio.Runner, target_dir: Path, draft_dir: Path, profile_path: Path
-) -> Iterator[ClusterHandle]:
-    config = ClusterConfig(
-        model=str(target_dir), draft=str(draft_dir), profile=str(profile_path), num_kv_blocks=256
-    )
-    handle = runner.run(launch(config))
-    yield handle
-    runner.run(handle.shutdown())
-
-
-@pytest.fixture(scope="module")
-def engine(target_dir: Path) -> Engine:
-    return Engine.from_dirs(target_dir, num_blocks=64)
 
 
 async def collect(stream: AsyncIterator[TokenChunk | FinalRecord]) -> tuple[list[int], FinalRecord]:

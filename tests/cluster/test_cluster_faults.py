@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import ray
 
 from cluster.api import FinalRecord, TokenChunk
-from cluster.config import ClusterConfig
-from cluster.handle import ClusterHandle, launch
+from cluster.handle import ClusterHandle
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams
 from tests.cluster.conftest import greedy_reference
@@ -20,23 +17,6 @@ pytestmark = pytest.mark.timeout(240)
 
 LOOSE = SLO(ttft_ms=5000, tpot_ms=1000)
 MAX_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def cluster(
-    ray_session: None, runner: asyncio.Runner, target_dir: Path, draft_dir: Path, profile_path: Path
-) -> Iterator[ClusterHandle]:
-    config = ClusterConfig(
-        model=str(target_dir), draft=str(draft_dir), profile=str(profile_path), num_kv_blocks=256
-    )
-    handle = runner.run(launch(config))
-    yield handle
-    runner.run(handle.shutdown())
-
-
-@pytest.fixture(scope="module")
-def engine(target_dir: Path) -> Engine:
-    return Engine.from_dirs(target_dir, num_blocks=64)
 
 
 def prompts(tag: str) -> dict[str, list[int]]:

@@ -7,7 +7,9 @@ plus the standard health and reflection clients.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from typing import Any
 
 import grpc
 import httpx
@@ -15,11 +17,16 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from replica.request import SLO
 from router.client import AsyncClient, Chunk, Client, ClientError, Result
+from router.gen.slos_serve.v1 import serving_pb2 as pb
+from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 from router.local import LocalFrontDoor
+from tests.router.bodies import ascii_headers, bodies
 from tests.router.conftest import API_KEY, TENANT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -223,3 +230,87 @@ def test_client_disconnect_aborts_the_request(live: LocalFrontDoor) -> None:
             break
         time.sleep(0.1)
     assert all(rep["running"] == 0 for rep in status["replicas"]), status
+
+
+def _bounded(body: dict[str, Any]) -> dict[str, Any]:
+    """Keep fuzzed requests short: a valid large max_tokens would only cost time."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and 8 < value < 100_000:
+            body[key] = 8
+    body.pop("ignore_eos", None)
+    return body
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    body=bodies,
+    hdrs=ascii_headers,
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+)
+def test_fuzzed_http_bodies_never_get_a_5xx(
+    live: LocalFrontDoor, body: dict[str, Any], hdrs: dict[str, str], path: str
+) -> None:
+    response = httpx.post(
+        live.http_url + path,
+        content=json.dumps(_bounded(body)),
+        headers={**hdrs, **auth(), "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code < 500, response.text
+
+
+uint32 = st.integers(min_value=0, max_value=2**32 - 1)
+doubles = st.floats(allow_nan=True, allow_infinity=True)
+grpc_requests = st.builds(
+    pb.GenerateRequest,
+    model=st.sampled_from(["demo", "demo", "other", ""]),
+    prompt=st.text(max_size=40),
+    prompt_token_ids=st.lists(uint32, max_size=4),
+    max_tokens=st.integers(min_value=0, max_value=8) | st.integers(5000, 2**32 - 1),
+    temperature=doubles,
+    top_p=doubles,
+    top_k=uint32,
+    seed=st.integers(min_value=0, max_value=2**64 - 1),
+    stop=st.lists(st.text(max_size=4), max_size=2),
+    slo=st.builds(
+        pb.SLO,
+        ttft_ms=doubles,
+        tpot_ms=doubles,
+        stages=st.lists(st.builds(pb.Stage, tpot_ms=doubles, num_tokens=uint32), max_size=2),
+        tier=st.sampled_from(["", "chat", "gold"]),
+    ),
+    service_tier=st.integers(min_value=0, max_value=5),
+    priority=st.integers(min_value=-(2**31), max_value=2**31 - 1),
+)
+CLEAN_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(request=grpc_requests)
+def test_fuzzed_grpc_requests_fail_cleanly(live: LocalFrontDoor, request: Any) -> None:
+    with grpc.insecure_channel(live.grpc_target) as channel:
+        stub = pb_grpc.ServingStub(channel)
+        metadata = (("authorization", f"Bearer {API_KEY}"),)
+        try:
+            for _ in stub.Generate(request, metadata=metadata, timeout=60):
+                pass
+        except grpc.RpcError as exc:
+            assert exc.code() in CLEAN_CODES, (exc.code(), exc.details())
+
+
+def test_cluster_still_serves_after_fuzzing(oai: openai.OpenAI, greedy_text: str) -> None:
+    out = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert out.choices[0].text == greedy_text

@@ -21,6 +21,7 @@ from router.openai_schema import (
     parse_body,
 )
 from router.tokenizer import TextCodec
+from tests.router.bodies import bodies, headers
 
 DEFAULT = SLO(ttft_ms=2000, tpot_ms=200)
 CHAT_TIER = SLO(ttft_ms=1000, tpot_ms=100)
@@ -198,46 +199,6 @@ def test_chat_message_errors(codec: TextCodec, ctx: SchemaContext) -> None:
         with pytest.raises(BadRequest) as info:
             parse(codec, ctx, {"model": "demo", "messages": messages}, endpoint=Endpoint.CHAT)
         assert info.value.param == param
-
-
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=12,
-)
-FIELD_NAMES = [
-    "prompt",
-    "messages",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stream",
-    "stream_options",
-    "slo",
-    "service_tier",
-    "priority",
-    "n",
-    "logprobs",
-    "ignore_eos",
-    "unknown_field",
-]
-bodies = st.fixed_dictionaries(
-    {"model": st.sampled_from(["demo", "demo", "demo", "other", 3])},
-    optional={name: json_values for name in FIELD_NAMES},
-)
-headers = st.dictionaries(
-    st.sampled_from(["x-slo-ttft-ms", "x-slo-tpot-ms", "other"]), st.text(max_size=12), max_size=2
-)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

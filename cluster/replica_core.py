@@ -108,13 +108,17 @@ class ReplicaCore:
         self._wake.set()
 
     def snapshot(self) -> ReplicaSnapshot:
+        """What the replica holds once its pending aborts apply: aborts take effect silently
+        at the next step boundary, so a mirror rebuilt from a snapshot that still listed them
+        would keep a request the replica never reports on again."""
         return ReplicaSnapshot(
             replica=self.index,
             incarnation=self.incarnation,
             seq=self.seq,
             requests=tuple(
                 HeldRequest(h.request, h.admitted, tuple(h.output), h.num_computed)
-                for h in self._held.values()
+                for rid, h in self._held.items()
+                if rid not in self._aborts
             ),
             free_blocks=self.engine.num_free_blocks,
             num_blocks=self.engine.cache.num_blocks,

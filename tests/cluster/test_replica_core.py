@@ -120,3 +120,17 @@ def test_bad_requests_are_refused_and_unknown_streams_are_lost(engine: Engine) -
     items = asyncio.run(run())
     assert items[0].finish_reason == "abort"
     assert items[-1].lost
+
+
+def test_snapshot_leaves_out_requests_whose_abort_is_pending(engine: Engine) -> None:
+    core = ReplicaCore(engine, 0, lambda report: None)
+    core.add_request(req("kept"), admitted=True)
+    core.add_request(req("gone"), admitted=False)
+    core.abort("gone")
+    held = [h.request.request_id for h in core.snapshot().requests]
+    assert held == ["kept"]
+    core.abort("kept")
+    assert core.snapshot().requests == ()
+    for rid in ("kept", "gone"):
+        if engine.has_request(rid):
+            engine.abort(rid)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from cluster.messages import HeldRequest, ReplicaSnapshot, StepReport, StreamItem
 from cluster.plans import SeqView, derive_plan, reconcile
-from replica.batch import BatchOutcome, BatchPlan, FinishReason
+from replica.batch import BatchOutcome, BatchPlan, FinishReason, RequestOutcome
 from replica.engine import Engine
 from replica.request import Request
 
@@ -203,9 +203,23 @@ class ReplicaCore:
             self._end(rid, FinishReason.ABORT)
 
     def _apply_aborts(self) -> None:
+        """End the aborted requests and report it as a step with no work: an abort may come
+        from this side (the stream's reader went away) without the controller knowing, and
+        its mirror must not keep a request the replica no longer holds."""
         aborts, self._aborts = self._aborts, []
-        for rid in aborts:
+        ended = [rid for rid in aborts if rid in self._held]
+        for rid in ended:
             self._end(rid, FinishReason.ABORT)
+        if ended:
+            self.seq += 1
+            outcome = BatchOutcome(
+                outcomes=[RequestOutcome(rid, finish_reason=FinishReason.ABORT) for rid in ended],
+                free_blocks=self.engine.num_free_blocks,
+            )
+            plan = BatchPlan(entries=())
+            self._report(
+                StepReport(self.index, self.incarnation, self.seq, plan, outcome, self._clock())
+            )
 
     def _push(self, request_id: str, item: StreamItem) -> None:
         stream = self._streams.get(request_id)

@@ -58,8 +58,10 @@ def test_one_prefill_plan_then_derived_decodes_finish_the_request(engine: Engine
 
 
 def test_abort_ends_the_stream_and_frees_kv(engine: Engine) -> None:
+    reports: list[StepReport] = []
+
     async def run() -> list[StreamItem]:
-        core = ReplicaCore(engine, 0, lambda report: None)
+        core = ReplicaCore(engine, 0, reports.append)
         core.start()
         core.add_request(req("b", max_tokens=500), admitted=False)
         core.set_plan(BatchPlan((PrefillChunk("b", len(PROMPT)),)))
@@ -77,6 +79,10 @@ def test_abort_ends_the_stream_and_frees_kv(engine: Engine) -> None:
     assert items[-1].finish_reason == "abort"
     assert engine.num_free_blocks == engine.cache.num_blocks
     assert not engine.has_request("b")
+    # The abort is reported as a step with no work, so the controller's mirror drops it too.
+    last = reports[-1]
+    assert last.plan.entries == () and last.seq == len(reports)
+    assert [(o.request_id, o.finish_reason) for o in last.outcome.outcomes] == [("b", "abort")]
 
 
 def test_closing_the_stream_aborts_the_request(engine: Engine) -> None:

@@ -8,9 +8,12 @@ exactly the tokens it would have had without preemption.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import pytest
+from hypothesis import strategies as st
 
 from replica.batch import (
     BatchOutcome,
@@ -185,3 +188,44 @@ def new_request() -> Callable[[str, int, int], Request]:
 @pytest.fixture(scope="session")
 def expected() -> Callable[[Request], list[int]]:
     return expected_output
+
+
+@dataclass(frozen=True)
+class RandomWorkload:
+    """A drawn workload that fits the cache: the longest request fits alone."""
+
+    block_size: int
+    num_blocks: int
+    longest: int
+    """Most tokens one request holds (prompt + max_tokens - 1)."""
+    requests: list[tuple[float, Request]]
+    accept: Callable[[str, int], int]
+    """Accepted drafts per decode, cycling through a drawn pattern."""
+
+
+def draw_workload(data: st.DataObject, max_prompt: int) -> RandomWorkload:
+    block_size = data.draw(st.integers(1, 8), label="block_size")
+    shapes = data.draw(
+        st.lists(
+            st.tuples(st.integers(0, 30), st.integers(1, max_prompt), st.integers(1, 20)),
+            min_size=1,
+            max_size=8,
+        ),
+        label="arrival, prompt, max_tokens",
+    )
+    longest = max(p + m - 1 for _, p, m in shapes)
+    least_blocks = -(-longest // block_size)
+    num_blocks = data.draw(st.integers(least_blocks, 3 * least_blocks), label="num_blocks")
+    accepts = itertools.cycle(data.draw(st.lists(st.integers(0, 4), min_size=1), label="accept"))
+    return RandomWorkload(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        longest=longest,
+        requests=[(t, make_request(f"r{i}", p, m)) for i, (t, p, m) in enumerate(shapes)],
+        accept=lambda _rid, k: min(k, next(accepts)),
+    )
+
+
+@pytest.fixture(scope="session")
+def random_workload() -> Callable[[st.DataObject, int], RandomWorkload]:
+    return draw_workload

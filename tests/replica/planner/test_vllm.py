@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -153,31 +151,19 @@ def test_requests_that_can_never_run_are_refused_without_side_effects(new_reques
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_random_workloads_finish_exactly_within_memory(
-    data, counting_engine, workload, new_request, expected
+    data, counting_engine, workload, random_workload, expected
 ):
-    block_size = data.draw(st.integers(1, 8), label="block_size")
-    shapes = data.draw(
-        st.lists(
-            st.tuples(st.integers(0, 30), st.integers(1, 40), st.integers(1, 20)),
-            min_size=1,
-            max_size=8,
-        ),
-        label="arrival, prompt, max_tokens",
-    )
-    longest = max(p + m - 1 for _, p, m in shapes)
-    least_blocks = -(-longest // block_size)
-    num_blocks = data.draw(st.integers(least_blocks, 3 * least_blocks), label="num_blocks")
-    spec_k = data.draw(st.integers(0, 4), label="spec_k")
-    accepts = itertools.cycle(data.draw(st.lists(st.integers(0, 4), min_size=1), label="accept"))
+    drawn = random_workload(data, 40)
+    num_blocks = drawn.num_blocks
     sched = make(
         num_blocks,
-        block_size,
-        max_num_batched_tokens=data.draw(st.integers(longest, 2 * longest)),
+        drawn.block_size,
+        max_num_batched_tokens=data.draw(st.integers(drawn.longest, 2 * drawn.longest)),
         max_num_seqs=data.draw(st.integers(1, 8)),
-        spec_k=spec_k,
+        spec_k=data.draw(st.integers(0, 4), label="spec_k"),
     )
-    engine = counting_engine(sched.queues.budget, accept=lambda _rid, k: min(k, next(accepts)))
-    requests = [(t, new_request(f"r{i}", p, m)) for i, (t, p, m) in enumerate(shapes)]
+    engine = counting_engine(sched.queues.budget, accept=drawn.accept)
+    requests = drawn.requests
     plans = workload(sched, engine, requests)
     assert engine.finished == {r.request_id: expected(r) for _, r in requests}
     assert engine.peak_blocks <= num_blocks

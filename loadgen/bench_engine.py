@@ -30,6 +30,7 @@ from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
+from replica.spec.draft import load_draft_vocab
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -238,7 +239,12 @@ def run(args: argparse.Namespace) -> int:
     results["ratios"] = _ratios(results["throughput"], results["hf"])
     spec_dtype = _fastest_dtype(results["throughput"], 1)
     target = engines[spec_dtype].target
-    draft = ModelRunner(args.draft, num_blocks=target.num_blocks, dtype=DTYPES[spec_dtype])
+    draft = ModelRunner(
+        args.draft,
+        num_blocks=target.num_blocks,
+        dtype=DTYPES[spec_dtype],
+        head_vocab=load_draft_vocab(args.draft),
+    )
     proposers: list[ProposerKind] = ["draft", "ngram"]
     spec_ks = [k for k in settings.spec_ks if k > 0]
     for b in settings.spec_batches:

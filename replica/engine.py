@@ -28,7 +28,7 @@ from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.request import Request
 from replica.sampling import make_generator, sample, token_probs
-from replica.spec.draft import DraftJob, DraftModel, Proposal
+from replica.spec.draft import DraftJob, DraftModel, Proposal, load_draft_vocab
 from replica.spec.ngram import NgramProposer
 from replica.spec.verify import verify_greedy, verify_stochastic
 
@@ -118,7 +118,12 @@ class Engine:
         )
         draft = None
         if draft_dir is not None:
-            draft = ModelRunner(draft_dir, num_blocks=target.num_blocks, dtype=dtype)
+            draft = ModelRunner(
+                draft_dir,
+                num_blocks=target.num_blocks,
+                dtype=dtype,
+                head_vocab=load_draft_vocab(draft_dir),
+            )
         if proposer is None and draft is not None:
             proposer = "draft"
         return cls(target, draft, proposer=proposer, detokenize=load_detokenizer(target_dir))

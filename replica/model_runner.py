@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+
+from replica import paged_attention
 
 BLOCK_SIZE = 16
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -272,6 +274,22 @@ class _AttnGroup:
 
 
 @dataclass
+class _PagedGroup:
+    """Rows of few query tokens and no tree mask, attended by the C kernel in the pool."""
+
+    tables: torch.Tensor
+    """int32 [requests, width] block tables, padded with block 0 (never read)."""
+    q_start: torch.Tensor
+    """int32 first row of each request among the group's gathered queries."""
+    q_len: torch.Tensor
+    num_cached: torch.Tensor
+    start: int
+    count: int
+    token_rows: torch.Tensor | None
+    """Batch token rows of the group's tokens; None when they are start .. start + count."""
+
+
+@dataclass
 class _StepMeta:
     """Index tensors of one forward, shared by every layer."""
 
@@ -300,6 +318,8 @@ class ModelRunner:
         kv_memory_bytes: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        head_vocab: Sequence[int] | None = None,
+        paged_kernel: bool = True,
     ) -> None:
         if (num_blocks is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_memory_bytes")
@@ -317,6 +337,16 @@ class ModelRunner:
         head = self.embed if cfg.tie_word_embeddings else state.get("lm_head.weight")
         if head is None:
             raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
+        self.head_vocab: torch.Tensor | None = None
+        """Token id of each logit column when the head is cut to a vocabulary subset."""
+        if head_vocab is not None:
+            ids = torch.tensor(list(head_vocab), dtype=torch.long)
+            if ids.numel() == 0 or len(set(ids.tolist())) != ids.numel():
+                raise ValueError("head_vocab must list distinct token ids")
+            if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+                raise ValueError(f"head_vocab ids must be in [0, {cfg.vocab_size})")
+            head = head.index_select(0, ids)
+            self.head_vocab = ids.to(self.device)
         self.lm_head = head.to(device=self.device, dtype=dtype)
         self.final_norm = state["model.norm.weight"].to(device=self.device, dtype=dtype)
         self.layers = _build_layers(state, cfg, dtype, self.device)
@@ -339,6 +369,8 @@ class ModelRunner:
         ]
         self._qk_width = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
         self._flashinfer = _FlashInferAttention(self) if _flashinfer_usable(self.device) else None
+        kernel = paged_attention.load() if paged_kernel and self.device.type == "cpu" else None
+        self._paged = kernel if kernel is not None and kernel.supports(dtype) else None
 
     @property
     def vocab_size(self) -> int:
@@ -350,7 +382,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[ForwardSeq]) -> torch.Tensor:
-        """Run one ragged batch; returns fp32 logits [sum(num_logits), vocab] in seq order."""
+        """Run one ragged batch; returns fp32 logits [sum(num_logits), vocab] in seq order
+        (columns are `head_vocab`'s tokens when the head is cut)."""
         if not seqs:
             raise ValueError("forward needs at least one sequence")
         meta = self._prepare(seqs)
@@ -377,17 +410,37 @@ class ModelRunner:
         rows = _rms_norm(rows, self.final_norm, cfg.rms_norm_eps)
         return F.linear(rows, self.lm_head).float()
 
-    def _attend(self, groups: list[_AttnGroup], q: torch.Tensor, layer: int) -> torch.Tensor:
+    def _attend(
+        self, groups: list[_AttnGroup | _PagedGroup], q: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         if len(groups) == 1:
-            return self._attend_group(groups[0], q, layer)
+            return self._attend_any(groups[0], q, layer)
         out = q.new_empty(q.shape[0], self.config.num_heads * self.config.head_dim)
         for g in groups:
-            part = self._attend_group(g, q, layer)
+            part = self._attend_any(g, q, layer)
             if g.token_rows is None:
                 out[g.start : g.start + g.count] = part
             else:
                 out.index_copy_(0, g.token_rows, part)
         return out
+
+    def _attend_any(self, g: _AttnGroup | _PagedGroup, q: torch.Tensor, layer: int) -> torch.Tensor:
+        if isinstance(g, _AttnGroup):
+            return self._attend_group(g, q, layer)
+        assert self._paged is not None
+        rows = q[g.start : g.start + g.count] if g.token_rows is None else q[g.token_rows]
+        cfg = self.config
+        out = self._paged(
+            rows.contiguous(),
+            self.kv[layer],
+            g.tables,
+            g.q_start,
+            g.q_len,
+            g.num_cached,
+            BLOCK_SIZE,
+            cfg.head_dim**-0.5,
+        )
+        return out.view(g.count, cfg.num_heads * cfg.head_dim)
 
     def _attend_group(self, g: _AttnGroup, q: torch.Tensor, layer: int) -> torch.Tensor:
         cfg = self.config
@@ -452,10 +505,18 @@ class ModelRunner:
             starts = [0]
             for q in q_lens:
                 starts.append(starts[-1] + q)
-            groups = [
-                self._group(members, seqs, q_lens, kv_lens, starts)
-                for members in _group_requests(q_lens, kv_lens)
+            in_pool = [
+                i
+                for i, s in enumerate(seqs)
+                if self._paged is not None and q_lens[i] <= SMALL_QUERY and s.attn_mask is None
             ]
+            rest = sorted(set(range(len(seqs))) - set(in_pool))
+            groups: list[_AttnGroup | _PagedGroup] = [
+                self._group(members, seqs, q_lens, kv_lens, starts)
+                for members in _group_requests(rest, q_lens, kv_lens)
+            ]
+            if in_pool:
+                groups.append(self._paged_group(in_pool, seqs, q_lens, starts))
             attend = functools.partial(self._attend, groups)
         return _StepMeta(
             input_ids=torch.tensor(input_ids, device=dev),
@@ -465,6 +526,33 @@ class ModelRunner:
             write_v=wk + bs,
             logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
             attend=attend,
+        )
+
+    def _paged_group(
+        self, members: list[int], seqs: list[ForwardSeq], q_lens: list[int], starts: list[int]
+    ) -> _PagedGroup:
+        """Block tables and offsets of the kernel's rows (`members` in seq order)."""
+        dev = self.device
+        width = max(len(seqs[m].block_table) for m in members)
+        tables = [seqs[m].block_table + [0] * (width - len(seqs[m].block_table)) for m in members]
+        offsets = [0]
+        for m in members[:-1]:
+            offsets.append(offsets[-1] + q_lens[m])
+        contiguous = members == list(range(members[0], members[-1] + 1))
+        return _PagedGroup(
+            tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            q_start=torch.tensor(offsets, dtype=torch.int32, device=dev),
+            q_len=torch.tensor([q_lens[m] for m in members], dtype=torch.int32, device=dev),
+            num_cached=torch.tensor(
+                [seqs[m].num_cached for m in members], dtype=torch.int32, device=dev
+            ),
+            start=starts[members[0]],
+            count=sum(q_lens[m] for m in members),
+            token_rows=None
+            if contiguous
+            else torch.tensor(
+                [starts[m] + i for m in members for i in range(q_lens[m])], device=dev
+            ),
         )
 
     def _group(
@@ -540,8 +628,9 @@ class ModelRunner:
         return g
 
 
-def _group_requests(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
-    """Split a batch into SDPA calls whose padding stays close to the ragged work.
+def _group_requests(members: list[int], q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """Split the batch rows `members` into SDPA calls whose padding stays close to the ragged
+    work.
 
     Rows of at most SMALL_QUERY tokens (decode, verify) share one call: their q is near
     uniform and one padded call beats one call each. Longer rows (prefill chunks), largest
@@ -549,10 +638,10 @@ def _group_requests(q_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
     PAD_SLACK times the sum of q x kv, so equal chunks batch and a chunk pays little for a
     neighbour's longer query or context.
     """
-    small = [i for i, q in enumerate(q_lens) if q <= SMALL_QUERY]
+    small = [i for i in members if q_lens[i] <= SMALL_QUERY]
     groups = [small] if small else []
     large = sorted(
-        (i for i, q in enumerate(q_lens) if q > SMALL_QUERY),
+        (i for i in members if q_lens[i] > SMALL_QUERY),
         key=lambda i: (q_lens[i], kv_lens[i]),
         reverse=True,
     )

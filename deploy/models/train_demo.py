@@ -63,6 +63,10 @@ TARGET = ModelShape(layers=6, hidden=256, intermediate=768, heads=8, kv_heads=4)
 DRAFT = ModelShape(layers=2, hidden=256, intermediate=512, heads=8, kv_heads=4)
 VOCAB = 4096
 MAX_POSITIONS = 2048
+DRAFT_VOCAB = 2048
+"""Tokens kept in the draft's LM head: the head is a third of a draft step's weight bytes, and
+cut to the corpus's 2048 most frequent tokens it halves while greedy acceptance at k = 2 moves
+from 0.597 to 0.588 (1024 tokens: 0.54)."""
 
 
 def is_heldout(relpath: str) -> bool:
@@ -261,6 +265,20 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path)
     tokenizer.save_pretrained(out)
 
 
+def write_draft_vocab(train_stream: torch.Tensor, out: Path, size: int = DRAFT_VOCAB) -> dict:
+    """The draft head's vocabulary: the `size` most frequent training tokens (FR-Spec's cut).
+    Speculation stays lossless: verification treats tokens off the cut as draft probability 0."""
+    counts = torch.bincount(train_stream, minlength=VOCAB)
+    ids = torch.argsort(counts, descending=True, stable=True)[:size]
+    info = {
+        "token_ids": sorted(ids.tolist()),
+        "train_token_coverage": round(float(counts[ids].sum() / counts.sum()), 4),
+        "source": "most frequent tokens of the demo pair's training split",
+    }
+    (out / "draft_vocab.json").write_text(json.dumps(info) + "\n")
+    return info
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE)
@@ -270,7 +288,18 @@ def main() -> None:
     parser.add_argument("--distill-steps", type=int, default=1500)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument(
+        "--draft-vocab-only",
+        action="store_true",
+        help="only (re)write demo-draft/draft_vocab.json from the shipped tokenizer",
+    )
     args = parser.parse_args()
+    if args.draft_vocab_only:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.out / "demo-target")
+        stream = encode_stream(tokenizer, read_split()[0])
+        info = write_draft_vocab(stream, args.out / "demo-draft")
+        print(f"draft vocabulary: {DRAFT_VOCAB} tokens, {info['train_token_coverage']} coverage")
+        return
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -353,6 +382,7 @@ def main() -> None:
     }
     save(target, tokenizer, args.out / "demo-target")
     save(draft, tokenizer, args.out / "demo-draft")
+    write_draft_vocab(train_stream, args.out / "demo-draft")
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

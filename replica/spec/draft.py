@@ -8,7 +8,9 @@ cache back to the tokens that were accepted, so the draft never holds a rejected
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -16,6 +18,21 @@ from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.request import SamplingParams
 from replica.sampling import sample, token_probs
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def load_draft_vocab(draft_dir: str | Path) -> list[int] | None:
+    """The token ids a draft checkpoint's head is cut to (`draft_vocab.json` beside its weights,
+    {"token_ids": [...]}), or None when it ships no such file and keeps its whole head."""
+    path = Path(draft_dir) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    ids = data.get("token_ids") if isinstance(data, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise ValueError(f"{path}: token_ids must be a list of integers")
+    return ids
 
 
 @dataclass
@@ -68,13 +85,13 @@ class DraftModel:
                     ForwardSeq(pending[i], self.cache.block_table(rid), cached, num_logits=1)
                 )
             logits = self.runner.forward(seqs)
-            greedy_choice = logits.argmax(dim=-1).tolist()
+            greedy_choice = self._token_ids(logits.argmax(dim=-1)).tolist()
             for row, i in enumerate(active):
                 job = jobs[i]
                 if job.params.greedy:
                     token = greedy_choice[row]
                 else:
-                    probs = token_probs(logits[row : row + 1], job.params)
+                    probs = self._full_vocab(token_probs(logits[row : row + 1], job.params))
                     token = sample(probs, job.generator)[0]
                     prob_rows[i].append(probs[0])
                 proposals[i].tokens.append(token)
@@ -83,6 +100,19 @@ class DraftModel:
             if rows:
                 proposals[i].probs = torch.stack(rows)
         return proposals
+
+    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        vocab = self.runner.head_vocab
+        return columns if vocab is None else vocab[columns]
+
+    def _full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """A cut head's distribution spread over the whole vocabulary (zero off the cut), so
+        verification sees the q it must divide by."""
+        vocab = self.runner.head_vocab
+        if vocab is None:
+            return probs
+        full = probs.new_zeros(probs.shape[0], self.runner.vocab_size)
+        return full.index_copy_(1, vocab, probs)
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Keep at most `num_tokens` cached tokens (those verified as the request's own)."""

@@ -149,3 +149,13 @@ def test_flashinfer_path_matches_cpu(target_dir: Path, hf_logits: torch.Tensor) 
     cache.append("a", len(PROMPT))
     out = runner.forward([ForwardSeq(PROMPT, cache.block_table("a"), 0, len(PROMPT))])
     assert torch.allclose(out.cpu(), hf_logits, atol=1e-2)
+
+
+def test_a_cut_head_returns_the_full_heads_columns(runner: ModelRunner, target_dir: Path) -> None:
+    vocab = [0, 5, 17, 4095, 300]
+    cut = ModelRunner(target_dir, num_blocks=32, head_vocab=vocab)
+    seq = [ForwardSeq(PROMPT[:20], list(range(2)), 0, num_logits=3)]
+    assert torch.allclose(cut.forward(seq), runner.forward(seq)[:, vocab], atol=TOL)
+    for bad in ([], [1, 1], [4096]):
+        with pytest.raises(ValueError, match="head_vocab"):
+            ModelRunner(target_dir, num_blocks=2, head_vocab=bad)

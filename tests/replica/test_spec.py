@@ -11,6 +11,7 @@ from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
+from replica.spec.draft import DRAFT_VOCAB_FILE, DraftJob, DraftModel, load_draft_vocab
 from replica.spec.ngram import NgramProposer
 from replica.spec.verify import verify_greedy, verify_stochastic
 
@@ -195,3 +196,54 @@ def test_seeded_speculative_sampling_is_reproducible(
 
     assert run("a", 3) == run("b", 3)
     assert run("c", 3) != run("d", 4)
+
+
+@pytest.fixture(scope="module")
+def cut_runners(
+    runners: tuple[ModelRunner, ModelRunner], draft_dir: Path
+) -> tuple[ModelRunner, ModelRunner]:
+    vocab = load_draft_vocab(draft_dir)
+    assert vocab is not None and len(vocab) < runners[0].vocab_size
+    return runners[0], ModelRunner(draft_dir, num_blocks=64, head_vocab=vocab)
+
+
+def test_a_draft_with_a_cut_head_keeps_greedy_output(
+    cut_runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+) -> None:
+    assert _generate(_engine(cut_runners, "draft"), prompts, [3, 1, 5, 2]) == baseline
+
+
+def test_a_cut_head_proposes_inside_its_vocabulary_with_full_distributions(
+    cut_runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]
+) -> None:
+    draft = DraftModel(cut_runners[1])
+    head = cut_runners[1].head_vocab
+    assert head is not None
+    jobs = [
+        DraftJob("g", prompts[0], 4, SamplingParams(max_tokens=8), torch.Generator()),
+        DraftJob(
+            "s",
+            prompts[1],
+            4,
+            SamplingParams(max_tokens=8, temperature=1.0, seed=1),
+            torch.Generator().manual_seed(1),
+        ),
+    ]
+    inside = set(head.tolist())
+    greedy, sampled = draft.propose(jobs)
+    assert greedy.probs is None and set(greedy.tokens) <= inside
+    assert set(sampled.tokens) <= inside
+    assert sampled.probs is not None and sampled.probs.shape == (4, cut_runners[1].vocab_size)
+    off = torch.ones(cut_runners[1].vocab_size, dtype=torch.bool)
+    off[head] = False
+    assert torch.all(sampled.probs[:, off] == 0)
+    assert torch.allclose(sampled.probs.sum(dim=-1), torch.ones(4))
+
+
+def test_malformed_draft_vocabulary_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / DRAFT_VOCAB_FILE).write_text('{"token_ids": ["a"]}')
+    with pytest.raises(ValueError, match=r"draft_vocab\.json"):
+        load_draft_vocab(tmp_path)
+    assert load_draft_vocab(tmp_path / "missing") is None

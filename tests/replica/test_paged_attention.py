@@ -1,0 +1,137 @@
+"""The C paged-attention kernel against SDPA, and the runner with and without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replica import paged_attention
+from replica.kv_cache import KVCacheManager
+from replica.model_runner import BLOCK_SIZE, ForwardSeq, ModelRunner
+
+kernel = paged_attention.load()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler to build the kernel")
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCKS = 8, 4, 32, 24
+
+
+def reference(
+    q: torch.Tensor, pool: torch.Tensor, table: list[int], cached: int, n_q: int
+) -> torch.Tensor:
+    """One request's rows by SDPA over its context copied out of the pool."""
+    ctx = cached + n_q
+    keys = torch.cat([pool[b, 0] for b in table])[:ctx].float()
+    values = torch.cat([pool[b, 1] for b in table])[:ctx].float()
+    allowed = torch.arange(ctx).view(1, -1) <= cached + torch.arange(n_q).view(-1, 1)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=allowed,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_sdpa_for_decode_and_verify_rows(dtype: torch.dtype) -> None:
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    # (cached, new tokens): empty context, block edges, decode and verify rows.
+    rows = [(0, 1), (15, 1), (16, 3), (47, 9), (100, 1), (31, 2)]
+    order = torch.randperm(BLOCKS, generator=gen).tolist()
+    tables, used = [], 0
+    for cached, n_q in rows:
+        need = -(-(cached + n_q) // BLOCK_SIZE)
+        tables.append(order[used : used + need])
+        used += need
+    width = max(len(t) for t in tables)
+    total = sum(n for _, n in rows)
+    q = torch.randn(total, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    starts = [0]
+    for _, n_q in rows[:-1]:
+        starts.append(starts[-1] + n_q)
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    out = kernel(
+        q,
+        pool,
+        i32([t + [0] * (width - len(t)) for t in tables]).view(len(rows), width),
+        i32(starts),
+        i32([n for _, n in rows]),
+        i32([c for c, _ in rows]),
+        BLOCK_SIZE,
+        HEAD_DIM**-0.5,
+    )
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
+    for (cached, n_q), start, table in zip(rows, starts, tables, strict=True):
+        want = reference(q[start : start + n_q], pool, table, cached, n_q)
+        assert torch.allclose(out[start : start + n_q].float(), want, atol=tol), (cached, n_q)
+
+
+@needs_kernel
+def test_kernel_refuses_a_block_size_that_is_not_a_power_of_two() -> None:
+    assert kernel is not None
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="power of two"):
+        kernel(
+            torch.zeros(1, HEADS, HEAD_DIM),
+            torch.zeros(2, 2, 12, KV_HEADS, HEAD_DIM),
+            torch.zeros(1, 1, dtype=torch.int32),
+            one,
+            one + 1,
+            one,
+            12,
+            1.0,
+        )
+
+
+def test_disabling_the_kernel_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(paged_attention.DISABLE_ENV, "0")
+    paged_attention.load.cache_clear()
+    try:
+        assert paged_attention.load() is None
+    finally:
+        paged_attention.load.cache_clear()
+
+
+@needs_kernel
+def test_runner_gives_the_same_logits_with_and_without_the_kernel(target_dir: Path) -> None:
+    """A batch with every kind of row: decode, verify, a tree-masked verify row (SDPA even
+    with the kernel) and a prefill chunk on a cached context."""
+    runners = [ModelRunner(target_dir, num_blocks=32, paged_kernel=flag) for flag in (True, False)]
+    assert runners[0]._paged is not None and runners[1]._paged is None
+    prompts = {
+        rid: [(i * 31 + n) % 4000 + 2 for i in range(40 + 9 * n)] for n, rid in enumerate("abcd")
+    }
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    results = []
+    for runner in runners:
+        cache = KVCacheManager(runner.num_blocks)
+        for rid, prompt in prompts.items():
+            cache.append(rid, len(prompt))
+            runner.forward([ForwardSeq(prompt, cache.block_table(rid), 0)])
+        batch = []
+        for rid, n, mask in (("a", 1, None), ("b", 4, None), ("c", 3, tree), ("d", 20, None)):
+            cached = len(prompts[rid])
+            cache.append(rid, n)
+            positions = [cached, cached + 1, cached + 1] if mask is not None else None
+            batch.append(
+                ForwardSeq(
+                    [7 + i for i in range(n)],
+                    cache.block_table(rid),
+                    cached,
+                    num_logits=n,
+                    positions=positions,
+                    attn_mask=mask,
+                )
+            )
+        results.append(runner.forward(batch))
+    assert torch.allclose(results[0], results[1], atol=1e-4)

@@ -86,3 +86,6 @@ class ClusterStatus:
     replicas: tuple[ReplicaStatus, ...]
     counters: dict[str, int] = field(default_factory=dict)
     """admitted, best_effort, rejected, routed, migrated, preempted (since start)."""
+    scheduler: str = ""
+    """What plans the replicas: slos, or a baseline (vllm, sarathi) that admits everything;
+    empty where the source does not say (the gRPC status has no such field)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,18 @@ import yaml
 from cluster.routing import BackupPolicy, FirstHop
 
 SPEC_POLICY = re.compile(r"^(none|slos|ngram|fixed:[1-9][0-9]?)$")
+
+
+class SchedulerKind(StrEnum):
+    """What plans each replica's steps and whether the controller controls admission."""
+
+    SLOS = "slos"
+    """SLOs-Serve: admission DP per replica, SLO-driven hops, backup policy."""
+    VLLM = "vllm"
+    """Baseline: every request admitted round-robin; prefill-first FCFS, unchunked."""
+    SARATHI = "sarathi"
+    """Baseline: every request admitted round-robin; decode-first chunked prefill with the
+    token budget that fits the tightest tier's TPOT."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,9 @@ class ClusterConfig:
     model_name: str = "demo"
     """Name clients use in the `model` field."""
     replicas: int = 2
+    scheduler: SchedulerKind = SchedulerKind.SLOS
+    """slos | vllm | sarathi. The baselines need spec_policy none and round_robin first hops;
+    route_limit and backup_policy do not apply to them."""
     spec_policy: str = "slos"
     """none | slos (SLO-adaptive lengths) | ngram | fixed:k."""
     tiers: tuple[TierConfig, ...] = ()
@@ -93,6 +109,7 @@ class ClusterConfig:
         names = [t.name for t in self.tiers]
         if len(names) != len(set(names)):
             raise ValueError(f"tier names must be unique, got {names}")
+        self._check_scheduler()
         if not (0 < self.tick_interval_ms <= 10_000):
             raise ValueError(f"tick_interval_ms must be in (0, 10000], got {self.tick_interval_ms}")
         if self.num_kv_blocks < 1:
@@ -103,6 +120,30 @@ class ClusterConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_cpus_per_replica < 0 or self.num_gpus_per_replica < 0:
             raise ValueError("num_cpus_per_replica and num_gpus_per_replica must be >= 0")
+
+    def _check_scheduler(self) -> None:
+        try:
+            object.__setattr__(self, "scheduler", SchedulerKind(self.scheduler))
+        except ValueError:
+            known = ", ".join(k.value for k in SchedulerKind)
+            raise ValueError(f"scheduler must be one of {known}, got {self.scheduler!r}") from None
+        if self.scheduler is SchedulerKind.SLOS:
+            return
+        if self.spec_policy != "none":
+            raise ValueError(
+                f"scheduler={self.scheduler.value} runs without speculation: set spec_policy "
+                f"to none, got {self.spec_policy!r}"
+            )
+        if self.first_hop is not FirstHop.ROUND_ROBIN:
+            raise ValueError(
+                f"scheduler={self.scheduler.value} routes round-robin: set first_hop to "
+                f"round_robin, got {self.first_hop.value!r}"
+            )
+        if self.scheduler is SchedulerKind.SARATHI and not self.tiers:
+            raise ValueError(
+                "scheduler=sarathi sizes its token budget from the tightest tier TPOT: "
+                "configure tiers"
+            )
 
     @property
     def spec_k(self) -> int:

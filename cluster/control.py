@@ -4,7 +4,9 @@ Requests wait at their current hop until the next planning tick; in a tick every
 index order runs the DP over the requests waiting at it. A declined request moves to its next
 hop, which is evaluated in the same tick when that replica comes later in the order (else in
 the next tick). After `route_limit` hops the backup policy serves it best-effort or rejects
-it. The Ray actor (cluster.controller) and the benchmark drive the same object.
+it. Replicas running a baseline scheduler (vllm, sarathi) plan no admission: a request is
+admitted at its first hop when it is submitted, with no tick, hop or backup. The Ray actor
+(cluster.controller), the simulator and the benchmark drive the same object.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class ControlPlane:
         pending = _Pending(request, RouteState([first]), resumed)
         if request.tier is Tier.BEST_EFFORT:
             return self._serve_best_effort(pending, first, now)
+        if not self.replicas[first].plans_admission:
+            self.replicas[first].admit(request, now)
+            return self._decided(pending, Verdict.ADMITTED, first)
         self._queues[first].append(pending)
         return None
 

@@ -20,15 +20,17 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.api import ClusterStatus, Verdict
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, SchedulerKind
 from cluster.control import Binding, ControlPlane, Decision
 from cluster.messages import StepReport
 from cluster.metrics import Metrics
 from cluster.routing import Router
-from cluster.virtual_replica import ReportFit, VirtualReplica
+from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
+from replica.planner.baseline_sizing import sarathi_token_budget, vllm_config
 from replica.planner.config import PlannerConfig, SpecConfig
+from replica.planner.sarathi import SarathiConfig
 from replica.request import Request
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,23 @@ def planner_config(config: ClusterConfig) -> PlannerConfig:
     return PlannerConfig(spec=SpecConfig())
 
 
+def scheduler_config(config: ClusterConfig, perf: PerfModel, cache: CacheBudget) -> SchedulerConfig:
+    """What plans each replica's steps. vllm batches the longest prefill the cache holds
+    (prefills are not chunked); sarathi's token budget is the largest step the perf model
+    fits in the tightest tier's TPOT."""
+    if config.scheduler is SchedulerKind.VLLM:
+        return vllm_config(cache.num_blocks * cache.block_size)
+    if config.scheduler is SchedulerKind.SARATHI:
+        tpot_s = min(t.tpot_ms for t in config.tiers) / 1e3
+        return SarathiConfig(token_budget=sarathi_token_budget(perf, tpot_s))
+    return planner_config(config)
+
+
 def build_plane(config: ClusterConfig, metrics: Metrics | None = None) -> ControlPlane:
     perf = load_profile(config)
     cache = CacheBudget(config.num_kv_blocks)
-    planner = planner_config(config)
+    planner = scheduler_config(config, perf, cache)
+    log.info("replicas plan with %s: %s", config.scheduler.value, planner)
     router = Router(
         first_hop=config.first_hop,
         route_limit=config.route_limit,
@@ -295,6 +310,7 @@ class ClusterController:
                 vr.status(self.plane.num_pending(vr.index)) for vr in self.plane.replicas
             ),
             counters=dict(self.plane.metrics.counters),
+            scheduler=self.config.scheduler.value,
         )
 
     async def metrics(self) -> dict[str, object]:

@@ -1,4 +1,7 @@
-"""The controller's mirror of one replica: its SLOs-Serve planner fed with its reports.
+"""The controller's mirror of one replica: its scheduler fed with its reports.
+
+The scheduler is SLOs-Serve's planner, whose admission the controller asks for, or a baseline
+(vllm, sarathi) that takes every request it is given: the config's type says which.
 
 The replica is authoritative. The mirror folds in every executed step, in order; a report out
 of sequence (lost, or from a restarted replica) means the mirror is wrong, and it is rebuilt
@@ -17,8 +20,13 @@ from replica.perf_model import PerfModel
 from replica.planner.admission import AdmissionResult
 from replica.planner.base import CacheBudget
 from replica.planner.config import PlannerConfig
+from replica.planner.sarathi import SarathiConfig, SarathiScheduler
 from replica.planner.slos import SlosScheduler
+from replica.planner.vllm import VllmConfig, VllmScheduler
 from replica.request import Request
+
+ReplicaScheduler = SlosScheduler | VllmScheduler | SarathiScheduler
+SchedulerConfig = PlannerConfig | VllmConfig | SarathiConfig
 
 
 class ReportFit(StrEnum):
@@ -30,14 +38,14 @@ class ReportFit(StrEnum):
 
 
 class VirtualReplica:
-    """Planner + perf model + the requests one replica holds."""
+    """Scheduler + perf model + the requests one replica holds."""
 
     def __init__(
         self,
         index: int,
         perf: PerfModel,
         cache: CacheBudget,
-        config: PlannerConfig | None = None,
+        config: SchedulerConfig | None = None,
     ) -> None:
         self.index = index
         self.perf = perf
@@ -48,7 +56,20 @@ class VirtualReplica:
         self.seq = 0
         self.held: dict[str, Request] = {}
         self.admitted: set[str] = set()
-        self.scheduler = SlosScheduler(perf, cache, self.config)
+        self.scheduler = self._new_scheduler()
+
+    def _new_scheduler(self) -> ReplicaScheduler:
+        if isinstance(self.config, VllmConfig):
+            return VllmScheduler(self.cache, self.config)
+        if isinstance(self.config, SarathiConfig):
+            return SarathiScheduler(self.cache, self.config)
+        return SlosScheduler(self.perf, self.cache, self.config)
+
+    @property
+    def plans_admission(self) -> bool:
+        """Whether the controller asks this replica's planner before binding a request
+        (False: a baseline, which takes every request it is given)."""
+        return isinstance(self.scheduler, SlosScheduler)
 
     @property
     def load(self) -> float:
@@ -59,15 +80,23 @@ class VirtualReplica:
         return self.scheduler.has_unfinished()
 
     def plan_admission(self, requests: Sequence[Request], now: float) -> AdmissionResult:
+        if not isinstance(self.scheduler, SlosScheduler):
+            raise TypeError(f"replica {self.index} runs a baseline; it plans no admission")
         return self.scheduler.plan_admission(requests, now)
 
     def admit(self, request: Request, now: float) -> None:
-        self.scheduler.add_admitted(request, now)
+        if isinstance(self.scheduler, SlosScheduler):
+            self.scheduler.add_admitted(request, now)
+        else:
+            self.scheduler.add_request(request, now)
         self.held[request.request_id] = request
         self.admitted.add(request.request_id)
 
     def add_best_effort(self, request: Request, now: float) -> None:
-        self.scheduler.add_best_effort(request, now)
+        if isinstance(self.scheduler, SlosScheduler):
+            self.scheduler.add_best_effort(request, now)
+        else:
+            self.scheduler.add_request(request, now)
         self.held[request.request_id] = request
 
     def abort(self, request_id: str) -> bool:
@@ -111,7 +140,7 @@ class VirtualReplica:
         """Forget everything (the replica died; its requests resume elsewhere)."""
         self.held.clear()
         self.admitted.clear()
-        self.scheduler = SlosScheduler(self.perf, self.cache, self.config)
+        self.scheduler = self._new_scheduler()
         self.incarnation = ""
         self.seq = 0
 

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("replica.demo", "generate with the demo pair on one local replica and print tokens/s"),
     "profile": ("replica.profiler", "profile the engine and fit a batch-time model"),
     "simulate": ("loadgen.simulate", "SLO attainment and capacity per policy, simulated"),
+    "loadgen": ("loadgen.run_load", "drive a live server with a scenario; attainment, capacity"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("loadgen.bench_engine", "engine vs transformers throughput, speculative speedup"),

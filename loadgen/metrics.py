@@ -138,6 +138,8 @@ class GroupReport:
     admitted: int
     best_effort: int
     rejected: int
+    unknown: int
+    """Verdict never reported (the client closed the stream at output_len, or it failed)."""
     completed: int
     attained_deadline: int
     attained_paper: int
@@ -197,6 +199,7 @@ def group_report(judged: Sequence[Judgment]) -> GroupReport:
         admitted=verdicts.count(Verdict.ADMITTED),
         best_effort=verdicts.count(Verdict.BEST_EFFORT),
         rejected=verdicts.count(Verdict.REJECTED),
+        unknown=verdicts.count(Verdict.UNKNOWN),
         completed=sum(j.record.complete for j in judged),
         attained_deadline=sum(j.attained_deadline for j in judged),
         attained_paper=sum(j.attained_paper for j in judged),

@@ -28,6 +28,9 @@ class Verdict(StrEnum):
     ADMITTED = "admitted"
     BEST_EFFORT = "best_effort"
     REJECTED = "rejected"
+    UNKNOWN = "unknown"
+    """The client never heard it: it closed the stream at output_len before the server's final
+    report, or the request failed (see `error`)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class RequestRecord:
     replica: str | None = None
     hops: int = 0
     """Replicas that declined the request before the final one (0 = first choice)."""
+    error: str | None = None
+    """Why the request failed or was refused, as the server or the transport said it."""
 
     def __post_init__(self) -> None:
         rid = self.request_id
@@ -80,6 +85,8 @@ class RequestRecord:
             raise ValueError(f"{rid}: a rejected request cannot have tokens")
         if self.replica is not None and (not isinstance(self.replica, str) or not self.replica):
             raise ValueError(f"{rid}: replica must be a non-empty string or null")
+        if self.error is not None and not isinstance(self.error, str):
+            raise ValueError(f"{rid}: error must be a string or null, got {self.error!r}")
 
     @classmethod
     def for_request(
@@ -91,6 +98,7 @@ class RequestRecord:
         arrival_s: float | None = None,
         replica: str | None = None,
         hops: int = 0,
+        error: str | None = None,
     ) -> RequestRecord:
         """The record of a generated request; arrival_s is needed for follow-up rounds, whose
         real arrival is known only at run time."""
@@ -111,6 +119,7 @@ class RequestRecord:
             token_times_s=tuple(token_times_s),
             replica=replica,
             hops=hops,
+            error=error,
         )
 
     @property
@@ -138,6 +147,7 @@ class RequestRecord:
             "verdict": self.verdict.value,
             "replica": self.replica,
             "hops": self.hops,
+            "error": self.error,
             "first_token_s": self.first_token_s,
             "token_times_s": list(self.token_times_s),
         }
@@ -176,6 +186,7 @@ class RequestRecord:
             token_times_s=tuple(_number(t, "token_times_s[]") for t in times),
             replica=data.get("replica"),
             hops=data.get("hops", 0),
+            error=data.get("error"),
         )
         first = data.get("first_token_s")
         if first != record.first_token_s:

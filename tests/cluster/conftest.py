@@ -14,7 +14,7 @@ from cluster.handle import ClusterHandle, launch
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine
 from replica.perf_model import PerfModel
-from replica.request import Request, SamplingParams
+from replica.request import Request, SamplingParams, Tier
 
 
 def write_profile(
@@ -79,7 +79,7 @@ def greedy_reference(
 ) -> list[int]:
     """The engine's own greedy output, without speculation or a scheduler."""
     engine.add_request(
-        Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), tier="best_effort")
+        Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), tier=Tier.BEST_EFFORT)
     )
     engine.step(BatchPlan((PrefillChunk(request_id, len(prompt)),)))
     while engine.finish_reason(request_id) is None:

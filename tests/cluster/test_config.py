@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from cluster.config import ClusterConfig, TierConfig
+from cluster.config import ClusterConfig, SchedulerKind, TierConfig
 from cluster.routing import BackupPolicy
 
 
@@ -58,3 +59,34 @@ def test_unknown_field_and_missing_draft() -> None:
     with pytest.raises(ValueError, match="needs a draft"):
         ClusterConfig(model="m", spec_policy="slos")
     assert ClusterConfig(model="m", spec_policy="ngram").spec_k == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"scheduler": "orca"}, "scheduler must be one of slos, vllm, sarathi, got 'orca'"),
+        ({"scheduler": "vllm"}, "scheduler=vllm runs without speculation"),
+        (
+            {"scheduler": "vllm", "spec_policy": "none", "first_hop": "least_load"},
+            "scheduler=vllm routes round-robin",
+        ),
+        ({"scheduler": "sarathi", "spec_policy": "none"}, "configure tiers"),
+    ],
+)
+def test_bad_scheduler_settings_are_named(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ClusterConfig.from_dict({"model": "m", "draft": "d", **overrides})
+
+
+def test_baseline_scheduler_loads_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: m\n"
+        "scheduler: sarathi\n"
+        "spec_policy: none\n"
+        "tiers:\n"
+        "  - {name: chat, ttft_ms: 500, tpot_ms: 50}\n"
+    )
+    cfg = ClusterConfig.from_yaml(path)
+    assert cfg.scheduler is SchedulerKind.SARATHI
+    assert ClusterConfig(model="m", draft="d").scheduler is SchedulerKind.SLOS

@@ -11,6 +11,8 @@ from cluster.config import ClusterConfig
 from cluster.control import ControlPlane, Decision
 from cluster.controller import build_plane
 from cluster.routing import BackupPolicy, Router
+from replica.planner.sarathi import SarathiConfig
+from replica.planner.vllm import VllmConfig
 from replica.request import SLO, Request, SamplingParams, Tier
 from tests.cluster.conftest import write_profile
 
@@ -125,3 +127,44 @@ def test_submit_is_idempotent_and_abort_forgets(tmp_path: Path) -> None:
 def test_empty_cluster_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one replica"):
         ControlPlane([], Router())
+
+
+BASELINE_TIERS = [
+    {"name": "loose", "ttft_ms": 3000, "tpot_ms": 1000},
+    {"name": "tight", "ttft_ms": 1500, "tpot_ms": 270},
+]
+
+
+@pytest.mark.parametrize("scheduler", ["vllm", "sarathi"])
+def test_baseline_admits_every_request_round_robin_at_submit(
+    tmp_path: Path, scheduler: str
+) -> None:
+    """Five tight requests on two replicas: the slos planner holds one per replica, a baseline
+    takes them all, alternating, without waiting for a tick."""
+    p = plane(tmp_path, scheduler=scheduler, spec_policy="none", tiers=BASELINE_TIERS)
+    decisions = [p.submit(tight(f"r{i}"), 100.0) for i in range(5)]
+    assert all(d is not None for d in decisions)
+    bindings = [d.binding for d in decisions if d is not None]
+    assert [b.replica for b in bindings] == [0, 1, 0, 1, 0]
+    assert all(b.verdict is Verdict.ADMITTED and b.hops == 1 for b in bindings)
+    assert p.tick(100.0) == []
+    assert [len(vr.admitted) for vr in p.replicas] == [3, 2]
+    assert p.metrics.counters == {"admitted": 5}
+    filler = Request("be", [1], SamplingParams(max_tokens=2), tier=Tier.BEST_EFFORT)
+    best_effort = p.submit(filler, 100.0)
+    assert best_effort is not None and best_effort.binding.verdict is Verdict.BEST_EFFORT
+    assert best_effort.binding.replica == 1
+    resumed = p.resume(tight("r0"), [7, 7], 0, 100.0)
+    assert resumed is not None and resumed.resumed
+    assert resumed.binding.verdict is Verdict.ADMITTED and resumed.binding.replica == 0
+    assert p.holder("r0") == 0 and len(p.replicas[0].admitted) == 3
+
+
+def test_baseline_replicas_are_sized_from_the_config(tmp_path: Path) -> None:
+    sarathi = plane(tmp_path, scheduler="sarathi", spec_policy="none", tiers=BASELINE_TIERS)
+    # The synthetic profile: 50 ms + 40 ms per token, so 5 tokens fit the 270 ms tier.
+    assert sarathi.replicas[0].config == SarathiConfig(token_budget=5)
+    vllm = plane(tmp_path, scheduler="vllm", spec_policy="none", num_kv_blocks=300)
+    # Prefills are never chunked: a step must hold the longest request the cache holds.
+    assert vllm.replicas[1].config == VllmConfig(max_num_batched_tokens=300 * 16)
+    assert not any(vr.plans_admission for vr in [*sarathi.replicas, *vllm.replicas])

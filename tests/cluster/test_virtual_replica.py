@@ -7,15 +7,22 @@ from pathlib import Path
 import pytest
 
 from cluster.messages import HeldRequest, ReplicaSnapshot, StepReport
-from cluster.virtual_replica import ReportFit, VirtualReplica
+from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.executor import PerfExecutor
+from replica.planner.sarathi import SarathiConfig
+from replica.planner.vllm import VllmConfig
 from replica.request import SLO, Request, SamplingParams, Tier
 from tests.cluster.conftest import write_profile
 
 CACHE = CacheBudget(num_blocks=256)
+SCHEDULERS = pytest.mark.parametrize(
+    "config",
+    [None, VllmConfig(), SarathiConfig(token_budget=16)],
+    ids=["slos", "vllm", "sarathi"],
+)
 
 
 @pytest.fixture
@@ -63,8 +70,11 @@ def snapshot_of(executor: PerfExecutor, vr: VirtualReplica, incarnation: str) ->
     return ReplicaSnapshot(0, incarnation, 41, held, free_blocks=0, num_blocks=CACHE.num_blocks)
 
 
-def test_mirror_plans_every_admitted_request_to_completion(perf: PerfModel) -> None:
-    vr = VirtualReplica(0, perf, CACHE)
+@SCHEDULERS
+def test_mirror_plans_every_admitted_request_to_completion(
+    perf: PerfModel, config: SchedulerConfig | None
+) -> None:
+    vr = VirtualReplica(0, perf, CACHE, config)
     executor = PerfExecutor(perf, CACHE)
     for r in requests(3):
         vr.admit(r, 0.0)
@@ -86,10 +96,13 @@ def test_reports_out_of_sequence_are_ignored_or_force_a_resync(perf: PerfModel) 
     assert vr.seq == 1
 
 
-def test_restored_mirror_continues_where_the_replica_is(perf: PerfModel) -> None:
+@SCHEDULERS
+def test_restored_mirror_continues_where_the_replica_is(
+    perf: PerfModel, config: SchedulerConfig | None
+) -> None:
     """Rebuild mid-run from a snapshot: the executor (a strict referee) accepts every plan
     of the new mirror, and every request finishes with all its tokens."""
-    vr = VirtualReplica(0, perf, CACHE)
+    vr = VirtualReplica(0, perf, CACHE, config)
     executor = PerfExecutor(perf, CACHE)
     reqs = requests(4)
     for r in reqs[:3]:
@@ -101,7 +114,7 @@ def test_restored_mirror_continues_where_the_replica_is(perf: PerfModel) -> None
     now, _ = run_steps(vr, executor, 0.0, 4)
     assert any(s.output for s in executor.sequences.values())
 
-    rebuilt = VirtualReplica(0, perf, CACHE)
+    rebuilt = VirtualReplica(0, perf, CACHE, config)
     rebuilt.restore(snapshot_of(executor, vr, "x"), now)
     assert rebuilt.incarnation == "x" and rebuilt.seq == 41
     assert rebuilt.held.keys() == vr.held.keys()
@@ -112,8 +125,9 @@ def test_restored_mirror_continues_where_the_replica_is(perf: PerfModel) -> None
         assert len(executor.output(r.request_id)) == r.sampling.max_tokens
 
 
-def test_abort_and_reset_forget_requests(perf: PerfModel) -> None:
-    vr = VirtualReplica(0, perf, CACHE)
+@SCHEDULERS
+def test_abort_and_reset_forget_requests(perf: PerfModel, config: SchedulerConfig | None) -> None:
+    vr = VirtualReplica(0, perf, CACHE, config)
     a, b = requests(2)
     vr.admit(a, 0.0)
     vr.admit(b, 0.0)
@@ -123,6 +137,7 @@ def test_abort_and_reset_forget_requests(perf: PerfModel) -> None:
     assert status.admitted == 1 and status.waiting == 3
     vr.reset()
     assert not vr.held and not vr.has_work() and vr.next_plan(0.0) is None
+    assert type(vr.scheduler) is type(VirtualReplica(0, perf, CACHE, config).scheduler)
 
 
 def test_finished_request_leaves_the_mirror(perf: PerfModel) -> None:
@@ -137,3 +152,11 @@ def test_finished_request_leaves_the_mirror(perf: PerfModel) -> None:
     assert plan is not None and isinstance(plan.entries[0], DecodeStep)
     run_steps(vr, executor, 1.0, 500)
     assert "r0" not in vr.held
+
+
+def test_only_the_slos_planner_plans_admission(perf: PerfModel) -> None:
+    assert VirtualReplica(0, perf, CACHE).plans_admission
+    baseline = VirtualReplica(0, perf, CACHE, SarathiConfig())
+    assert not baseline.plans_admission
+    with pytest.raises(TypeError, match="baseline"):
+        baseline.plan_admission(requests(1), 0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -10,12 +11,13 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, SchedulerKind
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 GPU_CONFIGS = ["serve-a100-opt7b.yaml", "serve-h100-llama8b.yaml", "serve-h100-llama70b-tp4.yaml"]
-ALL_CONFIGS = ["serve-cpu.yaml", *GPU_CONFIGS]
+CPU_BASELINES = {"serve-cpu-vllm.yaml": "vllm", "serve-cpu-sarathi.yaml": "sarathi"}
+ALL_CONFIGS = ["serve-cpu.yaml", *CPU_BASELINES, *GPU_CONFIGS]
 
 
 def load(name: str) -> dict[str, Any]:
@@ -73,6 +75,28 @@ def test_cpu_default_serves_the_demo_pair_locally() -> None:
     assert cfg.draft is not None
     assert (ROOT / cfg.model / "config.json").exists()
     assert (ROOT / cfg.draft / "config.json").exists()
+
+
+@pytest.mark.parametrize(("name", "scheduler"), CPU_BASELINES.items())
+def test_cpu_baseline_differs_from_the_default_in_its_scheduler_only(
+    name: str, scheduler: str
+) -> None:
+    """A capacity comparison must change the scheduler and nothing else (the baselines do
+    not speculate, so they load no draft)."""
+    config = load(name)
+    default = load("serve-cpu.yaml")
+    cfg = ClusterConfig.from_dict(app_args(config)["cluster"])
+    slos = ClusterConfig.from_dict(app_args(default)["cluster"])
+    assert slos.scheduler is SchedulerKind.SLOS
+    assert cfg == dataclasses.replace(
+        slos, scheduler=SchedulerKind(scheduler), spec_policy="none", draft=None
+    )
+    assert {k: v for k, v in config.items() if k != "applications"} == {
+        k: v for k, v in default.items() if k != "applications"
+    }
+    assert {k: v for k, v in app_args(config).items() if k != "cluster"} == {
+        k: v for k, v in app_args(default).items() if k != "cluster"
+    }
 
 
 @pytest.mark.parametrize("name", GPU_CONFIGS)

@@ -37,6 +37,7 @@ def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
         record(),
         record(request_id="r2", verdict="rejected", token_times_s=(), replica=None, hops=3),
         record(request_id="r3", verdict="best_effort", slo=SLO(100.0, 20.0)),
+        record(request_id="r4", verdict="unknown", error="HTTP 500: boom"),
     ]
     path = tmp_path / "run.jsonl"
     write_records(path, records)

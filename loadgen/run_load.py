@@ -1,0 +1,638 @@
+"""`slos-serve loadgen`: drive a live server with a paper scenario and judge what it delivered.
+
+Open loop: every request is sent at its arrival time whatever happened to earlier ones
+(ToolLLM follow-up rounds go out `delay_s` after the round they continue). Each request becomes
+a RequestRecord (loadgen.clients), written to JSONL as it finishes, and the run is judged by
+loadgen.metrics: attainment under deadline semantics and in the paper's form, goodput, p50/p99
+TTFT and TPOT per SLO class. A stream the client closes at its output length never hears the
+server's verdict (`unknown` in the records); slos-serve's own counts for the run (admitted,
+best_effort, rejected, from /v1/cluster/status before and after) are in the summary as
+`server_counters`. `--rate` is requests per second sent to the target (the whole
+cluster); capacity per replica divides by the replica count (`--replicas`, else the server's
+/v1/cluster/status).
+
+SLOs come from a perf profile (default deploy/profiles/cpu-demo.json, the CPU demo pair): TTFT =
+3x (tight) or 5x (loose) the profile's zero-load TTFT of the prompt; TPOT = 3.3x (tight) or 6.6x
+(loose) the profile's zero-load decode step at the ChatBot mean prompt (763 tokens x
+--length-scale). 3.3 and 6.6 are the paper's 50/100 ms over the 15.1 ms step the A100 OPT-7B
+profile predicts for that context (loadgen.workloads.SLOTargets.for_decode_step). With a GPU
+profile, pass --gpu-slos for the paper's fixed 50/100 ms. The profile knows a replica's steps
+only; `--zero-load probe` instead measures the zero-load TTFT and decode step on the target
+itself (front door, Ray hops, planning tick included; loadgen.zero_load) and the same factors
+apply; `--zero-load FILE` reuses a probed run's numbers, so runs against other servers (baseline
+policies) are held to the same SLOs.
+
+Capacity mode (`--capacity --rates LO,HI`) searches the highest rate in [LO, HI] with >= 90%
+attainment (loadgen.capacity); every point is a fresh `--duration` run against the same server,
+after `--cooldown` seconds for it to drain. With --records, each point's records go to
+<stem>.rate<R><suffix>.
+
+Trace arrivals replay the scenario's Azure LLM inference trace 2023 (CC-BY 4.0; see
+loadgen.traces.AZURE_ATTRIBUTION, which the JSON output carries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from loadgen.arrivals import ArrivalKind, ArrivalProcess
+from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
+from loadgen.clients import GrpcClient, HttpClient, LoadClient
+from loadgen.metrics import GroupReport, RunReport, report
+from loadgen.prompts import Prompt, PromptSource, heldout_texts
+from loadgen.records import RecordWriter, RequestRecord, Verdict
+from loadgen.simulate import ROOT, TRACE_DIR, resolve_profile
+from loadgen.traces import load_trace
+from loadgen.workloads import (
+    TABLE4,
+    TRACE_FILES,
+    Scenario,
+    SLOTargets,
+    WorkloadConfig,
+    WorkloadRequest,
+    ZeroLoadTTFT,
+    generate_workload,
+    zero_load_decode_step_s,
+    zero_load_ttft_from,
+)
+from loadgen.zero_load import PROBE_OUTPUT_LEN, PROBE_PROMPT_LENS, ZeroLoad, probe
+from replica.perf_model import PerfModel
+from router.client import AsyncClient, Client, ClientError
+
+DEFAULT_PROFILE = "cpu-demo"
+DEFAULT_TOKENIZER = ROOT / "deploy" / "models" / "demo-target"
+DECODE_CONTEXT_KEY = "chatbot.prompt"
+"""The TPOT levels scale from the decode step at this Table 4 entry's mean prompt length."""
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What a run sends, fixed across the rates of a capacity search."""
+
+    scenario: Scenario
+    duration_s: float
+    arrivals: ArrivalProcess
+    config: WorkloadConfig
+    seed: int
+
+    def workload(self, rate: float) -> list[WorkloadRequest]:
+        """Requests of a `duration_s` run at `rate` requests per second (at least one)."""
+        n = max(1, round(rate * self.duration_s))
+        times = self.arrivals.times(rate, n, self.seed)
+        return generate_workload(self.scenario, times, self.config, self.seed)
+
+
+def prompts_for(workload: Sequence[WorkloadRequest], source: PromptSource) -> dict[str, Prompt]:
+    """One prompt of exactly prompt_len tokens per request, cut before the run starts.
+
+    A follow-up round gets a fresh prompt of its context's length (the text of the earlier
+    rounds is not replayed; the server sees the same number of tokens)."""
+    return {r.request_id: source.prompt(r.prompt_len) for r in workload}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    rate: float
+    records: list[RequestRecord]
+    report: RunReport
+    max_send_lag_s: float
+    """Longest a request went out after its scheduled arrival (a late client shows here)."""
+    server_counters: dict[str, int] | None
+    """What slos-serve's cluster counted during the run (admitted, best_effort, rejected,
+    routed, ...): the verdicts of streams closed before the server's report. None when the
+    server has no /v1/cluster/status (or gRPC GetClusterStatus)."""
+
+
+async def run_open_loop(
+    client: LoadClient,
+    workload: Sequence[WorkloadRequest],
+    prompts: Mapping[str, Prompt],
+    on_record: Callable[[RequestRecord], None],
+) -> tuple[list[RequestRecord], float]:
+    """Send every request at its arrival time; returns the records in workload order and the
+    longest send lag. A follow-up round of a rejected or failed round is not sent (the session
+    cannot go on): rejected like its predecessor, or unknown with the reason."""
+    start = time.monotonic()
+
+    def clock() -> float:
+        return time.monotonic() - start
+
+    loop = asyncio.get_running_loop()
+    done: dict[str, asyncio.Future[RequestRecord]] = {
+        r.request_id: loop.create_future() for r in workload
+    }
+    lags: list[float] = []
+
+    async def one(request: WorkloadRequest) -> RequestRecord:
+        if request.follows is None:
+            await asyncio.sleep(max(0.0, request.arrival_s - clock()))
+            lags.append(max(0.0, clock() - request.arrival_s))
+            record = await client.send(request, prompts[request.request_id], clock)
+        else:
+            previous = await done[request.follows]
+            if previous.complete and previous.verdict is not Verdict.REJECTED:
+                await asyncio.sleep(request.delay_s)
+                record = await client.send(request, prompts[request.request_id], clock)
+            else:
+                rejected = previous.verdict is Verdict.REJECTED
+                record = RequestRecord.for_request(
+                    request,
+                    verdict=Verdict.REJECTED if rejected else Verdict.UNKNOWN,
+                    arrival_s=clock(),
+                    error=f"not sent: {request.follows} was "
+                    + ("rejected" if rejected else "not completed"),
+                )
+        done[request.request_id].set_result(record)
+        on_record(record)
+        return record
+
+    records = await asyncio.gather(*(one(r) for r in workload))
+    return list(records), max(lags, default=0.0)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to send: everything a client needs, so each run makes a fresh one."""
+
+    protocol: str
+    address: str
+    model: str
+    api_key: str | None
+    tokenizer: Tokenizer
+    send_slo: bool
+    timeout_s: float
+
+    def client(self) -> LoadClient:
+        if self.protocol == "grpc":
+            return GrpcClient(
+                self.address, api_key=self.api_key, model=self.model, timeout_s=self.timeout_s
+            )
+        return HttpClient(
+            self.address,
+            self.model,
+            api_key=self.api_key,
+            count_tokens=self.count_tokens,
+            send_slo=self.send_slo,
+            timeout_s=self.timeout_s,
+        )
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    async def counters(self) -> dict[str, int] | None:
+        """The cluster's decision counters since its start, if the server reports them."""
+        if self.protocol == "grpc":
+            sdk = AsyncClient(self.address, api_key=self.api_key, timeout_s=10.0)
+            try:
+                return dict((await sdk.cluster_status()).counters)
+            except ClientError:
+                return None
+            finally:
+                await sdk.close()
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with httpx.AsyncClient(headers=headers, timeout=10.0) as http:
+            try:
+                response = await http.get(self.address.rstrip("/") + "/v1/cluster/status")
+            except httpx.HTTPError:
+                return None
+        counters = response.json().get("counters") if response.status_code == 200 else None
+        return {str(k): int(v) for k, v in counters.items()} if isinstance(counters, dict) else None
+
+
+def counter_changes(
+    before: dict[str, int] | None, after: dict[str, int] | None
+) -> dict[str, int] | None:
+    if before is None or after is None:
+        return None
+    return {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v != before.get(k, 0)}
+
+
+async def run_once(
+    target: Target,
+    workload: Sequence[WorkloadRequest],
+    prompts: Mapping[str, Prompt],
+    rate: float,
+    records_path: Path | None = None,
+    progress: bool = True,
+) -> RunResult:
+    """One open-loop run with a fresh client; records stream to `records_path` if given."""
+    client = target.client()
+    writer = RecordWriter(records_path) if records_path is not None else None
+    bar = tqdm(total=len(workload), desc=f"rate {rate:g}/s", unit="req", disable=not progress)
+
+    def on_record(record: RequestRecord) -> None:
+        if writer is not None:
+            writer.write(record)
+        bar.update(1)
+
+    before = await target.counters()
+    try:
+        records, lag = await run_open_loop(client, workload, prompts, on_record)
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+        await client.aclose()
+    changes = counter_changes(before, await target.counters())
+    return RunResult(rate, records, report(records), lag, changes)
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def summary_table(run_report: RunReport, server_counters: dict[str, int] | None = None) -> str:
+    """Per SLO class and overall: verdicts, attainment (deadline and paper), TTFT, TPOT."""
+    head = (
+        f"{'slo class':<18}{'reqs':>5}{'adm':>5}{'be':>4}{'rej':>5}{'unk':>5}"
+        f"{'attain':>8}{'paper':>7}{'TTFT p50/p99 s':>17}{'TPOT p50/p99 ms':>18}"
+    )
+    rows = [head, "-" * len(head)]
+    groups: list[tuple[str, GroupReport]] = [*run_report.by_slo_class.items()]
+    groups.append(("all", run_report.overall))
+    for name, g in groups:
+        ttft = f"{_fmt(g.ttft_s.p50)}/{_fmt(g.ttft_s.p99)}"
+        tpot = f"{_fmt(g.mean_tpot_s.p50, 1e3, 1)}/{_fmt(g.mean_tpot_s.p99, 1e3, 1)}"
+        rows.append(
+            f"{name:<18}{g.requests:>5}{g.admitted:>5}{g.best_effort:>4}{g.rejected:>5}"
+            f"{g.unknown:>5}{g.attainment:>8.3f}{g.paper_attainment:>7.3f}{ttft:>17}{tpot:>18}"
+        )
+    if server_counters is not None:
+        counted = ", ".join(f"{k} {v}" for k, v in server_counters.items())
+        rows.append(f"server counted: {counted or 'nothing'}")
+    rows.append(
+        f"goodput {run_report.goodput_rps:.3f} req/s, {run_report.goodput_tokens_per_s:.1f} "
+        f"tokens/s over {run_report.duration_s:.1f} s"
+    )
+    return "\n".join(rows)
+
+
+def run_summary(result: RunResult) -> dict[str, Any]:
+    r = result.report
+    errors = sorted({rec.error for rec in result.records if rec.error})
+    return {
+        "rate": result.rate,
+        "requests": r.overall.requests,
+        "attainment": r.overall.attainment,
+        "paper_attainment": r.overall.paper_attainment,
+        "goodput_rps": r.goodput_rps,
+        "goodput_tokens_per_s": r.goodput_tokens_per_s,
+        "max_send_lag_s": result.max_send_lag_s,
+        "verdicts": {v.value: sum(rec.verdict is v for rec in result.records) for v in Verdict},
+        "server_counters": result.server_counters,
+        "by_slo_class": {
+            name: {
+                "requests": g.requests,
+                "attainment": g.attainment,
+                "paper_attainment": g.paper_attainment,
+                "ttft_s": {"p50": g.ttft_s.p50, "p99": g.ttft_s.p99},
+                "tpot_s": {"p50": g.mean_tpot_s.p50, "p99": g.mean_tpot_s.p99},
+            }
+            for name, g in r.by_slo_class.items()
+        },
+        "errors": errors[:10],
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--target",
+        default="http://127.0.0.1:8000",
+        help="base URL (http) or host:port (grpc); default %(default)s",
+    )
+    parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    parser.add_argument(
+        "--scenario", default="mixed", choices=[s.value for s in Scenario], help="paper scenario"
+    )
+    parser.add_argument("--rate", type=float, help="requests/s to the target (capacity: start)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    parser.add_argument(
+        "--arrivals", choices=("poisson", "gamma", "trace"), default="poisson", help="arrivals"
+    )
+    parser.add_argument("--cv", type=float, help="gamma arrivals: inter-arrival CV (burstiness)")
+    parser.add_argument(
+        "--trace", type=Path, help=f"trace CSV for --arrivals trace (default: in {TRACE_DIR})"
+    )
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        default=0.1,
+        help="multiplies every Table 4 length (default %(default)s, for the CPU demo pair)",
+    )
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="perf profile name or path")
+    parser.add_argument(
+        "--zero-load",
+        default="profile",
+        help="what SLOs scale from: 'profile' (predicted), 'probe' (measured on the target "
+        "before the run) or a JSON file (a probed run's --json output, to reuse its numbers)",
+    )
+    parser.add_argument(
+        "--gpu-slos", action="store_true", help="fixed 50/100 ms TPOT levels (GPU profiles)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=DEFAULT_TOKENIZER,
+        help="folder with the served model's tokenizer.json (prompts, HTTP token counts)",
+    )
+    parser.add_argument("--model", help="model name (default: the server's first /v1/models)")
+    parser.add_argument("--max-model-len", type=int, help="refuse workloads that do not fit")
+    parser.add_argument("--api-key", help="bearer token")
+    parser.add_argument(
+        "--no-slo-fields", action="store_true", help="HTTP: omit the slo body field"
+    )
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds")
+    parser.add_argument("--replicas", type=int, help="for capacity per replica")
+    parser.add_argument("--capacity", action="store_true", help="search the capacity")
+    parser.add_argument("--rates", help="capacity: search bounds LO,HI in requests/s")
+    parser.add_argument("--rel-tol", type=float, default=0.1, help="capacity search tolerance")
+    parser.add_argument("--cooldown", type=float, default=5.0, help="seconds between points")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--records", type=Path, help="per-request JSONL")
+    parser.add_argument("--json", type=Path, help="results JSON (top-level `summary`)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _fail(message: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(message)
+
+
+def _positive(args: argparse.Namespace, name: str) -> None:
+    value = getattr(args, name.lstrip("-").replace("-", "_"))
+    if value is not None and (not math.isfinite(value) or value <= 0):
+        raise _fail(f"{name} must be finite and > 0, got {value!r}")
+
+
+def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
+    """Validate option combinations; returns the capacity bounds. Errors name the option."""
+    for name in ("--rate", "--duration", "--length-scale", "--cv", "--request-timeout"):
+        _positive(args, name)
+    if args.rel_tol <= 0 or not math.isfinite(args.rel_tol):
+        raise _fail(f"--rel-tol must be finite and > 0, got {args.rel_tol!r}")
+    if args.cooldown < 0 or not math.isfinite(args.cooldown):
+        raise _fail(f"--cooldown must be finite and >= 0, got {args.cooldown!r}")
+    if args.replicas is not None and args.replicas < 1:
+        raise _fail(f"--replicas must be >= 1, got {args.replicas}")
+    if args.cv is not None and args.arrivals != "gamma":
+        raise _fail(f"--cv applies to --arrivals gamma only, not {args.arrivals}")
+    if args.arrivals == "gamma" and args.cv is None:
+        raise _fail("--arrivals gamma needs --cv")
+    if args.trace is not None and args.arrivals != "trace":
+        raise _fail(f"--trace applies to --arrivals trace only, not {args.arrivals}")
+    if args.protocol == "http" and not args.target.startswith(("http://", "https://")):
+        raise _fail(f"--target must be an http(s):// URL for --protocol http, got {args.target!r}")
+    if args.protocol == "grpc" and "://" in args.target:
+        raise _fail(f"--target must be host:port for --protocol grpc, got {args.target!r}")
+    if args.no_slo_fields and args.protocol != "http":
+        raise _fail("--no-slo-fields applies to --protocol http only")
+    if not (args.tokenizer / "tokenizer.json").is_file():
+        raise _fail(f"--tokenizer {str(args.tokenizer)!r} has no tokenizer.json")
+    for name in ("records", "json"):
+        path = getattr(args, name)
+        if path is not None and not path.parent.is_dir():
+            raise _fail(f"--{name}: directory {str(path.parent)!r} does not exist")
+    if args.zero_load not in ("profile", "probe") and not Path(args.zero_load).is_file():
+        raise _fail(f"--zero-load must be profile, probe or a JSON file, got {args.zero_load!r}")
+    if not args.capacity:
+        if args.rate is None:
+            raise _fail("--rate is required (or --capacity with --rates)")
+        if args.rates is not None:
+            raise _fail("--rates applies to --capacity only")
+        return None
+    if args.rates is None:
+        raise _fail("--capacity needs --rates LO,HI")
+    try:
+        low, high = (float(x) for x in args.rates.split(","))
+    except ValueError:
+        raise _fail(f"--rates must be two numbers LO,HI, got {args.rates!r}") from None
+    if not (math.isfinite(low) and math.isfinite(high) and 0 < low < high):
+        raise _fail(f"--rates needs 0 < LO < HI, got {args.rates!r}")
+    if args.rate is not None and not low <= args.rate <= high:
+        raise _fail(f"--rate {args.rate} must lie within --rates {args.rates}")
+    return low, high
+
+
+def probe_prompt_lens(length_scale: float, max_model_len: int | None) -> list[int]:
+    """PROBE_PROMPT_LENS scaled like the workload, leaving room for the probe's output."""
+    cap = None if max_model_len is None else max_model_len - PROBE_OUTPUT_LEN
+    lens = {max(1, round(n * length_scale)) for n in PROBE_PROMPT_LENS}
+    return sorted({n if cap is None else min(n, cap) for n in lens})
+
+
+def zero_load_and_targets(
+    args: argparse.Namespace, perf: PerfModel, measured: ZeroLoad | None
+) -> tuple[ZeroLoadTTFT, SLOTargets]:
+    """The zero-load TTFT per prompt length and the SLO levels, from the measured numbers
+    when there are any, else from the profile."""
+    if measured is not None:
+        ttft: ZeroLoadTTFT = measured.ttft_s
+        step = measured.decode_step_s
+    else:
+        ttft = zero_load_ttft_from(perf)
+        context = max(1, round(TABLE4[DECODE_CONTEXT_KEY].mean * args.length_scale))
+        step = zero_load_decode_step_s(perf, context)
+    targets = SLOTargets() if args.gpu_slos else SLOTargets.for_decode_step(step)
+    return ttft, targets
+
+
+def arrival_process(args: argparse.Namespace, scenario: Scenario) -> ArrivalProcess:
+    if args.arrivals == "trace":
+        path = args.trace or TRACE_DIR / TRACE_FILES[scenario]
+        return ArrivalProcess(ArrivalKind.TRACE, trace=load_trace(path))
+    if args.arrivals == "gamma":
+        return ArrivalProcess(ArrivalKind.GAMMA, cv=args.cv)
+    return ArrivalProcess(ArrivalKind.POISSON)
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    model: str
+    max_model_len: int | None
+    replicas: int | None
+    scheduler: str | None
+    """slos-serve's replica scheduler (slos, vllm, sarathi), labelling the results."""
+
+
+def server_info(args: argparse.Namespace) -> ServerInfo:
+    """The options, else what the server says.
+
+    Over HTTP the server's /v1/models names the model (slos-serve adds max_model_len) and
+    slos-serve's /v1/cluster/status counts the replicas and names the scheduler; other servers
+    leave them unknown. gRPC: the server's default model, and its GetClusterStatus."""
+    model, max_len, replicas = args.model, args.max_model_len, args.replicas
+    if args.protocol == "grpc":
+        with Client(args.target, api_key=args.api_key) as client:
+            try:
+                grpc_status = client.cluster_status(timeout_s=10.0)
+            except ClientError as exc:
+                raise ValueError(f"--target: {args.target} does not answer: {exc}") from None
+        return ServerInfo(model or "", max_len, replicas or len(grpc_status.replicas), None)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.target.rstrip("/")
+    with httpx.Client(headers=headers, timeout=10.0) as http:
+        if model is None or max_len is None:
+            response = _get(http, base + "/v1/models")
+            if response.status_code != 200:
+                raise ValueError(
+                    f"GET {base}/v1/models answered {response.status_code}; pass --model"
+                )
+            card = response.json()["data"][0]
+            model = model or str(card["id"])
+            if max_len is None and isinstance(card.get("max_model_len"), int):
+                max_len = card["max_model_len"]
+        response = _get(http, base + "/v1/cluster/status")
+        status = response.json() if response.status_code == 200 else {}
+    replicas = replicas or len(status.get("replicas", [])) or None
+    return ServerInfo(model, max_len, replicas, status.get("scheduler") or None)
+
+
+async def _probe(target: Target, source: PromptSource, lens: Sequence[int]) -> ZeroLoad:
+    client = target.client()
+    try:
+        return await probe(client, source, lens, f"probe of {target.address}")
+    finally:
+        await client.aclose()
+
+
+def _get(http: httpx.Client, url: str) -> httpx.Response:
+    try:
+        return http.get(url)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"--target: cannot reach {url}: {exc}") from None
+
+
+def _points_path(path: Path | None, rate: float) -> Path | None:
+    return None if path is None else path.with_name(f"{path.stem}.rate{rate:g}{path.suffix}")
+
+
+@dataclass
+class Session:
+    """One invocation: what to send, where, and every point run so far."""
+
+    spec: LoadSpec
+    target: Target
+    source: PromptSource
+    progress: bool
+    points: list[dict[str, Any]] = field(default_factory=list)
+
+    def evaluate(self, rate: float, records_path: Path | None) -> RunResult:
+        """A fresh open-loop run at `rate`; prints its table and keeps its summary."""
+        workload = self.spec.workload(rate)
+        prompts = prompts_for(workload, self.source)
+        result = asyncio.run(
+            run_once(self.target, workload, prompts, rate, records_path, self.progress)
+        )
+        print(f"\n{self.spec.scenario.value} at {rate:g} req/s ({len(workload)} requests)")
+        print(summary_table(result.report, result.server_counters))
+        self.points.append({**run_summary(result), "report": result.report.to_dict()})
+        return result
+
+
+def prepare(args: argparse.Namespace) -> tuple[Session, dict[str, Any]]:
+    """The session and the JSON header describing it (probing the target when asked)."""
+    scenario = Scenario(args.scenario)
+    perf = PerfModel.load(resolve_profile(args.profile))
+    info = server_info(args)
+    arrivals = arrival_process(args, scenario)
+    measured = None
+    if args.zero_load not in ("profile", "probe"):
+        measured = ZeroLoad.load(Path(args.zero_load))
+    tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+    source = PromptSource(tokenizer, heldout_texts(), args.seed)
+    target = Target(
+        args.protocol,
+        args.target,
+        info.model,
+        args.api_key,
+        tokenizer,
+        not args.no_slo_fields,
+        args.request_timeout,
+    )
+    if args.zero_load == "probe":
+        lens = probe_prompt_lens(args.length_scale, info.max_model_len)
+        measured = asyncio.run(_probe(target, source, lens))
+        print(f"zero load measured at prompts {lens}: {measured.to_dict()}")
+    zero_ttft, targets = zero_load_and_targets(args, perf, measured)
+    config = WorkloadConfig(
+        zero_ttft,
+        targets=targets,
+        length_scale=args.length_scale,
+        max_model_len=info.max_model_len,
+    )
+    spec = LoadSpec(scenario, args.duration, arrivals, config, args.seed)
+    header: dict[str, Any] = {
+        "target": args.target,
+        "protocol": args.protocol,
+        "model": info.model,
+        "scheduler": info.scheduler,
+        "scenario": scenario.value,
+        "duration_s": args.duration,
+        "arrivals": arrivals.describe(),
+        "length_scale": args.length_scale,
+        "profile": str(args.profile),
+        "slo_targets": asdict(targets),
+        "replicas": info.replicas,
+        "seed": args.seed,
+    }
+    if measured is not None:
+        header["zero_load"] = measured.to_dict()
+    return Session(spec, target, source, not args.no_progress), header
+
+
+def capacity_summary(found: CapacityResult, replicas: int | None) -> dict[str, Any]:
+    return {
+        "capacity_rps": found.capacity,
+        "capacity_per_replica": found.capacity / replicas if replicas else None,
+        "lowest_failing_rps": found.lowest_failing,
+        "target": found.target,
+        "monotone": found.monotone,
+        "points": [{"rate": p.rate, "attainment": p.attainment} for p in found.points],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        bounds = check_args(args)
+        session, out = prepare(args)
+        if bounds is None:
+            out["summary"] = run_summary(session.evaluate(args.rate, args.records))
+        else:
+
+            def attainment_at(rate: float) -> float:
+                if session.points:
+                    time.sleep(args.cooldown)
+                result = session.evaluate(rate, _points_path(args.records, rate))
+                return result.report.overall.attainment
+
+            low, high = bounds
+            found = find_capacity(
+                attainment_at,
+                args.rate or low,
+                target=DEFAULT_TARGET,
+                rel_tol=args.rel_tol,
+                min_rate=low,
+                max_rate=high,
+            )
+            out["summary"] = capacity_summary(found, out["replicas"])
+            out["capacity_search"] = found.to_dict()
+            print(f"\ncapacity: {json.dumps(out['summary'])}")
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise SystemExit(f"slos-serve loadgen: error: {exc}") from None
+    out["points"] = session.points
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0

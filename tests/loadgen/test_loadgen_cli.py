@@ -1,0 +1,232 @@
+"""`slos-serve loadgen`: option errors name the option; a short run against the real front door
+(the demo pair, 2 replicas, backup policy reject: tests/router/conftest.py), and the gRPC and
+in-process clients on the same cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from loadgen import cli
+from loadgen.clients import GrpcClient, HttpClient, InProcessClient, LoadClient
+from loadgen.prompts import Prompt
+from loadgen.records import RequestRecord, Verdict, read_records
+from loadgen.workloads import CPU_TIGHT_TPOT_FACTOR, WorkloadRequest
+from loadgen.zero_load import ZeroLoad
+from replica.request import SLO
+from router.local import LocalFrontDoor
+from tests.cluster.conftest import write_profile
+from tests.router.conftest import API_KEY, live, ray_local
+
+__all__ = ["live", "ray_local"]
+LOOSE = SLO(5000.0, 500.0)
+IMPOSSIBLE = SLO(0.001, 0.001)
+"""No replica can promise a first token within a microsecond."""
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--rate", "0"], "--rate"),
+        (["--rate", "1", "--duration", "-1"], "--duration"),
+        (["--rate", "1", "--length-scale", "nan"], "--length-scale"),
+        (["--rate", "1", "--cv", "2"], "--cv"),
+        (["--rate", "1", "--arrivals", "gamma"], "--cv"),
+        (["--rate", "1", "--trace", "x.csv"], "--trace"),
+        (["--rate", "1", "--target", "localhost:8000"], "--target"),
+        (["--rate", "1", "--protocol", "grpc", "--target", "http://h:1"], "--target"),
+        (["--rate", "1", "--tokenizer", "/nonexistent"], "--tokenizer"),
+        (["--rate", "1", "--json", "/nonexistent/out.json"], "--json"),
+        (["--duration", "5"], "--rate"),
+        (["--rate", "1", "--rates", "1,2"], "--rates"),
+        (["--capacity"], "--rates"),
+        (["--capacity", "--rates", "2,1"], "--rates"),
+        (["--capacity", "--rates", "1,x"], "--rates"),
+        (["--capacity", "--rates", "1,2", "--rate", "3"], "--rate"),
+        (["--rate", "1", "--rel-tol", "0"], "--rel-tol"),
+        (["--rate", "1", "--replicas", "0"], "--replicas"),
+    ],
+)
+def test_bad_options_fail_naming_the_option(args: list[str], named: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["loadgen", *args])
+    assert named in str(exc.value.code)
+
+
+def test_unknown_scenario_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["loadgen", "--rate", "1", "--scenario", "poetry"])
+    assert "--scenario" in capsys.readouterr().err
+
+
+def test_unreachable_target_is_named() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["loadgen", "--rate", "1", "--target", "http://127.0.0.1:9"])
+    assert "--target" in str(exc.value.code)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_loadgen_run_against_the_front_door(live: LocalFrontDoor, tmp_path: Path) -> None:
+    profile = write_profile(tmp_path / "profile.json")
+    out, records_path = tmp_path / "out.json", tmp_path / "run.jsonl"
+    code = cli.main(
+        [
+            "loadgen",
+            *("--target", live.http_url, "--api-key", API_KEY, "--scenario", "chatbot"),
+            *("--rate", "3", "--duration", "2", "--length-scale", "0.05"),
+            *("--profile", str(profile), "--records", str(records_path), "--json", str(out)),
+            *("--zero-load", "probe"),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    records = read_records(records_path)
+    assert summary["requests"] == len(records) == 6
+    assert (result["model"], result["replicas"], result["scheduler"]) == ("demo", 2, "slos")
+    zero = ZeroLoad.load(out)
+    assert zero.source == f"probe of {live.http_url}"
+    assert 0 < zero.ttft_s(1) < 5 and 0 < zero.decode_step_s < 1
+    assert result["slo_targets"]["tight_tpot_ms"] == pytest.approx(
+        CPU_TIGHT_TPOT_FACTOR * zero.decode_step_s * 1e3
+    )
+    assert sum(summary["verdicts"].values()) == 6
+    counted = summary["server_counters"]
+    assert sum(counted.get(k, 0) for k in ("admitted", "best_effort", "rejected")) == 6
+    assert counted.get("rejected", 0) == summary["verdicts"]["rejected"]
+    for r in records:
+        if r.verdict is Verdict.REJECTED:
+            assert r.delivered == 0 and r.error is not None and r.error.startswith("HTTP 429")
+        else:
+            assert r.error is None and r.complete, r
+    attained = summary["attainment"] * 6
+    assert attained == round(attained) and 0 <= summary["attainment"] <= 1
+    assert set(summary["by_slo_class"]) == {"loose/loose"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_capacity_search_against_the_front_door(live: LocalFrontDoor, tmp_path: Path) -> None:
+    """Loose SLOs and a tiny load pass at every rate: the search climbs to the upper bound."""
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
+    out, records_path = tmp_path / "cap.json", tmp_path / "cap.jsonl"
+    code = cli.main(
+        [
+            "loadgen",
+            *("--target", live.http_url, "--api-key", API_KEY, "--scenario", "coder"),
+            *("--capacity", "--rates", "1,2", "--duration", "1", "--cooldown", "0"),
+            *("--length-scale", "0.05", "--zero-load", str(zero)),
+            *("--records", str(records_path), "--json", str(out), "--no-progress"),
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert [p["rate"] for p in summary["points"]] == [1.0, 2.0]
+    assert summary["capacity_rps"] == 2.0 and summary["capacity_per_replica"] == 1.0
+    assert result["zero_load"]["source"] == "generous"
+    for rate, n in ((1, 1), (2, 2)):
+        assert len(read_records(tmp_path / f"cap.rate{rate}.jsonl")) == n
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_loadgen_over_grpc(live: LocalFrontDoor, tmp_path: Path) -> None:
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
+    out = tmp_path / "grpc.json"
+    code = cli.main(
+        [
+            "loadgen",
+            *("--protocol", "grpc", "--target", live.grpc_target, "--api-key", API_KEY),
+            *("--scenario", "summarizer", "--rate", "2", "--duration", "1"),
+            *("--length-scale", "0.05", "--zero-load", str(zero), "--json", str(out)),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["replicas"] == 2 and result["summary"]["requests"] == 2
+    assert result["summary"]["server_counters"]["admitted"] == 2
+    assert result["summary"]["attainment"] == 1.0
+
+
+def test_unreachable_grpc_target_is_named() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["loadgen", "--rate", "1", "--protocol", "grpc", "--target", "127.0.0.1:9"])
+    assert "--target" in str(exc.value.code)
+
+
+def request(
+    rid: str, prompt_len: int, output_len: int, max_tokens: int, slo: SLO = LOOSE
+) -> WorkloadRequest:
+    return WorkloadRequest(
+        request_id=rid,
+        scenario="chatbot",
+        slo_class="loose/loose",
+        arrival_s=0.0,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        max_tokens=max_tokens,
+        slo=slo,
+        zero_load_ttft_s=0.5,
+    )
+
+
+async def send_three(make: Callable[[], LoadClient], prompt: Prompt) -> list[RequestRecord]:
+    """One request closed at output_len, one that runs to max_tokens (final report), one no
+    replica can promise (the backup policy rejects it). The client is made on the running
+    loop (grpc.aio binds a channel to it)."""
+    client = make()
+    start = time.monotonic()
+
+    def clock() -> float:
+        return time.monotonic() - start
+
+    n = len(prompt.token_ids)
+    try:
+        cut = await client.send(request("cut", n, 3, 12), prompt, clock)
+        full = await client.send(request("full", n, 4, 4), prompt, clock)
+        refused = await client.send(request("refused", n, 4, 4, IMPOSSIBLE), prompt, clock)
+    finally:
+        await client.aclose()
+    return [cut, full, refused]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("protocol", ["http", "grpc", "inprocess"])
+def test_each_client_on_the_live_cluster(live: LocalFrontDoor, protocol: str) -> None:
+    text = "def greet(name):\n    return"
+    prompt = Prompt(text, tuple(live.door.codec.encode(text)))
+    tokenizer = live.door.codec.tokenizer
+    clients: dict[str, Callable[[], LoadClient]] = {
+        "http": partial(
+            HttpClient,
+            live.http_url,
+            "demo",
+            api_key=API_KEY,
+            count_tokens=lambda t: len(tokenizer.encode(t, add_special_tokens=False).ids),
+        ),
+        "grpc": partial(GrpcClient, live.grpc_target, api_key=API_KEY),
+        "inprocess": partial(InProcessClient, live.handle),
+    }
+    if protocol == "inprocess":
+        cut, full, refused = live.run(send_three(clients[protocol], prompt))
+    else:
+        cut, full, refused = asyncio.run(send_three(clients[protocol], prompt))
+    assert cut.delivered >= 3 and cut.verdict is Verdict.UNKNOWN and cut.error is None
+    assert full.delivered == 4 and full.verdict is Verdict.ADMITTED
+    assert full.replica in ("0", "1") and full.hops >= 0 and full.error is None
+    assert cut.arrival_s < cut.token_times_s[0] <= cut.token_times_s[-1] < full.arrival_s
+    assert refused.verdict is Verdict.REJECTED and refused.delivered == 0
+    assert refused.error is not None and "SLO" in refused.error

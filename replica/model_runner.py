@@ -10,26 +10,22 @@ comes out of the same matmul, so rope is one multiply and one fused multiply-add
 together), one KV pool preallocated and written by index, and every per-step index and mask
 tensor built once per forward and shared by all layers.
 
-CPU attention: SDPA calls whose padded work tracks the ragged work. Rows of at most
-SMALL_QUERY new tokens (decode, verify) share one call padded to their longest q and KV: they
-are near uniform, and one padded call beat both a per-request loop (several dispatches per
-request per layer) and one block-diagonal-masked call (scores between every pair of requests)
-in a microbenchmark of the demo target's attention. Each prefill chunk gets its own call over
-its own context (equal chunks share one), causal by SDPA's own flag when it has no cached
-context, else by an explicit mask; explicit positions and token-tree masks are honoured in
-either kind of call. Padding every row to the batch's longest query x longest KV, as an
-earlier version did, made a chunk in a decode batch cost several times the two apart.
-Whole forward, demo target, fp32, best of 30 steps, before (one padded call) / after, same
-process, 1 thread and 2 threads (the machine was shared, so 2-thread runs are noisier):
-  16 decodes (contexts 256-768) + a 256-token chunk:  321 / 48 ms     180 / 28 ms
-  32 decodes, contexts 192-320:                         20.3 / 20.6 ms  12.7 / 12.7 ms
-  one 512-token prefill:                                62.7 / 58.9 ms  36.0 / 35.0 ms
-  1 decode, context 256:                                 2.1 / 2.2 ms    1.5 / 1.5 ms
-  8 verify rows (k = 3, contexts 256-512) + 128-token
-  chunk on 256 cached:                                  66.8 / 26.3 ms  42.6 / 16.7 ms
-  4 chunks of 64 on 192 cached:                         29.6 / 29.7 ms  18.3 / 18.2 ms
-Apart, the 16 decodes take ~32 ms and the chunk ~28 ms (1 thread), so the mixed step now costs
-about their sum. Grouping adds ~10 us of Python per step (1-2% of a single decode).
+CPU attention, two paths. Rows of at most SMALL_QUERY new tokens (decode, chain verify) go to
+a C kernel (replica/paged_attention.py) that reads their keys and values in place in the paged
+pool; the SDPA path first copied each row's context into a padded tensor, and that copy was
+half of a batch-32 decode step. Prefill chunks, tree-masked rows, and every row when no C
+compiler is present (or `paged_kernel=False`) use SDPA calls whose padded work tracks the
+ragged work: small rows share one call padded to their longest q and KV; each prefill chunk
+gets its own call over its own context (equal chunks share one), causal by SDPA's own flag
+when it has no cached context, else by an explicit mask. Explicit positions and token-tree
+masks are honoured everywhere.
+Whole forward, demo target, fp32, best of 15 x 5 steps, SDPA path / kernel path in one process
+(`paged_kernel=False/True`), 1 thread, machine shared with other jobs:
+  32 decodes, contexts 192-320:                         58.6 / 21.3 ms  (2.76x)
+  1 decode, context 256:                                 3.3 / 2.2 ms   (1.53x)
+  8 verify rows (k = 3, contexts 256-512):              14.1 / 11.5 ms  (1.23x)
+  16 decodes (contexts 256-768) + a 256-token chunk:    68.8 / 41.9 ms  (1.64x)
+  one 128-token chunk on 256 cached + 1 decode:         20.9 / 19.9 ms  (1.05x)
 torch.compile was tried and dropped: compiling the whole layer stack for one fixed decode shape
 saved 15% (1.91 -> 1.63 ms) but costs ~6 s per new shape, and ragged batches change shape
 every step; compiling only the attention with dynamic shapes made it slower (2.1 -> 5.1 ms per

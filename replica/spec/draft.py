@@ -4,6 +4,12 @@ The draft catches up lazily: its first forward of a step feeds every known token
 seen yet (the prompt on a request's first speculative step, afterwards the tokens accepted or
 corrected since), then k - 1 one-token steps. After verification the engine rolls the draft
 cache back to the tokens that were accepted, so the draft never holds a rejected token.
+
+A draft checkpoint may ship `draft_vocab.json`: its LM head is then cut to those tokens (the
+corpus's most frequent ones, as FR-Spec does), since at batch 1 the head is a large share of
+a draft step's weight bytes. Proposals stay lossless: greedy drafts are checked against the
+target's argmax, and stochastic ones carry q spread over the whole vocabulary with zeros off
+the cut, which is exactly what the acceptance rule min(1, p/q) and the residual need.
 """
 
 from __future__ import annotations

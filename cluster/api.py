@@ -1,8 +1,10 @@
 """The contract between the front door (router) and the cluster.
 
-`ClusterHandle.submit(request)` yields `TokenChunk`s as the replica produces them and ends with
-exactly one `FinalRecord`, which says what the cluster did with the request (admitted, served
-best-effort, or rejected), where, after how many hops, and whether each SLO stage was met.
+`ClusterHandle.submit(request)` yields `TokenChunk`s as the replica produces them (the first
+one says where the request was bound, so a front door can tell its client before the end) and
+ends with exactly one `FinalRecord`, which says what the cluster did with the request
+(admitted, served best-effort, or rejected), where, after how many hops, and whether each SLO
+stage was met.
 Token ids only: the router tokenizes and detokenizes, the cluster never needs a tokenizer.
 """
 
@@ -23,6 +25,16 @@ class ClusterUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where the controller bound a request: known with its first token, long before the end."""
+
+    verdict: Verdict
+    replica: int
+    hops: int
+    """Replicas tried, the bound one included."""
+
+
+@dataclass(frozen=True)
 class TokenChunk:
     """New output tokens of one request, in order, never repeated (also across migrations)."""
 
@@ -30,6 +42,9 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     times: tuple[float, ...]
     """Wall-clock time (time.time()) each token was produced."""
+    placement: Placement | None = None
+    """Set on the first chunk from each replica the request is bound to (after a migration,
+    the new one); None on the others."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from cluster.api import (
     ClusterStatus,
     ClusterUnavailable,
     FinalRecord,
+    Placement,
     StageVerdict,
     TokenChunk,
     Verdict,
@@ -144,14 +145,18 @@ class ClusterHandle:
                 yield self._final(request, binding, None, progress)
                 return
             while True:
-                assert binding.replica is not None
+                assert binding.replica is not None and binding.verdict is not None
+                placement: Placement | None = Placement(
+                    binding.verdict, binding.replica, binding.hops
+                )
                 end = None
                 try:
                     async for item in self._stream(binding.replica, rid):
                         if item.token_ids:
                             progress.tokens.extend(item.token_ids)
                             progress.times.extend(item.times)
-                            yield TokenChunk(rid, item.token_ids, item.times)
+                            yield TokenChunk(rid, item.token_ids, item.times, placement)
+                            placement = None
                         if item.lost:
                             raise _Lost
                         if item.finish_reason is not None:

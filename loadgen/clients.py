@@ -6,12 +6,14 @@ closes the stream once `output_len` tokens arrived (unless output_len is max_tok
 server ends it): the request ends there as if the model had emitted EOS, and closing makes the
 server abort it and free its memory.
 
-What the server decided (verdict, replica, hops) arrives with its final report: the last SSE
-chunk's `slos_serve` object (HTTP), the `Result` (gRPC) or the `FinalRecord` (in-process). A
-stream the client closed at output_len never gets that report, so its verdict is `unknown`
-unless the server announced it up front (HTTP headers `x-slos-serve-verdict`, `-replica`,
-`-hops`, read when present). Refusals are known at once: HTTP 429/503, gRPC RESOURCE_EXHAUSTED /
-UNAVAILABLE and the cluster's rejected FinalRecord become `rejected` with the server's message.
+What the server decided (verdict, replica, hops) is announced up front, with the first token:
+slos-serve's HTTP headers `x-slos-serve-verdict`, `-replica`, `-hops`, the same keys as gRPC
+initial metadata (the SDK's first `Chunk.placement`), the first in-process `TokenChunk`'s
+placement. The final report (the last SSE chunk's `slos_serve` object, the `Result`, the
+`FinalRecord`) then settles it. A server that announces nothing (another OpenAI server) leaves
+a stream the client closed at output_len `unknown`. Refusals are known at once: HTTP 429/503,
+gRPC RESOURCE_EXHAUSTED / UNAVAILABLE and the cluster's rejected FinalRecord become `rejected`
+with the server's message.
 
 HTTP token counting. OpenAI SSE chunks carry text, not token ids, so the HTTP client counts
 each chunk's tokens by re-encoding its text with the model's tokenizer (`count_tokens`; without
@@ -41,6 +43,7 @@ from loadgen.records import RequestRecord, Verdict
 from loadgen.workloads import WorkloadRequest
 from replica.request import SLO, Request
 from router.client import AsyncClient, Chunk, ClientError, Result
+from router.openai_format import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
 
 Clock = Callable[[], float]
 """Seconds on the run's clock (monotonic, 0 at the run's start)."""
@@ -48,9 +51,6 @@ TokenCounter = Callable[[str], int]
 """Tokens in a piece of output text."""
 REJECT_STATUS = (429, 503)
 REJECT_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
-HEADER_VERDICT = "x-slos-serve-verdict"
-HEADER_REPLICA = "x-slos-serve-replica"
-HEADER_HOPS = "x-slos-serve-hops"
 DEFAULT_TIMEOUT_S = 120.0
 T = TypeVar("T")
 
@@ -337,7 +337,8 @@ async def _read_chunks(
     outcome: Outcome,
     clock: Clock,
 ) -> None:
-    """Chunks of token ids until the final report (`final` takes it) or the time to close.
+    """Chunks of token ids until the final report or the time to close. `final` sees every
+    item first (to take a placement or the report) and says whether it was the final one.
     Leaving early closes the stream, which cancels the call or aborts the request."""
     async with aclosing(cast(AsyncGenerator[T, None], stream)):
         async for item in stream:
@@ -391,6 +392,9 @@ class GrpcClient:
         def final(item: Chunk | Result) -> bool:
             if isinstance(item, Result):
                 outcome.report(item.verdict, item.replica, item.hops)
+            elif item.placement is not None:
+                p = item.placement
+                outcome.report(p.verdict.value, p.replica, p.hops)
             return isinstance(item, Result)
 
         await _read_chunks(stream, final, request, outcome, clock)
@@ -439,6 +443,9 @@ class InProcessClient:
     ) -> None:
         def final(item: TokenChunk | FinalRecord) -> bool:
             if not isinstance(item, FinalRecord):
+                if item.placement is not None:
+                    p = item.placement
+                    outcome.report(p.verdict.value, p.replica, p.hops)
                 return False
             if item.verdict.value == Verdict.REJECTED.value:
                 outcome.reject(item.reason or "rejected")

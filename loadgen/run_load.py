@@ -4,12 +4,13 @@ Open loop: every request is sent at its arrival time whatever happened to earlie
 (ToolLLM follow-up rounds go out `delay_s` after the round they continue). Each request becomes
 a RequestRecord (loadgen.clients), written to JSONL as it finishes, and the run is judged by
 loadgen.metrics: attainment under deadline semantics and in the paper's form, goodput, p50/p99
-TTFT and TPOT per SLO class. A stream the client closes at its output length never hears the
-server's verdict (`unknown` in the records); slos-serve's own counts for the run (admitted,
-best_effort, rejected, from /v1/cluster/status before and after) are in the summary as
-`server_counters`. `--rate` is requests per second sent to the target (the whole
-cluster); capacity per replica divides by the replica count (`--replicas`, else the server's
-/v1/cluster/status).
+TTFT and TPOT per SLO class. slos-serve announces each request's verdict, replica and hops with
+its first token (headers / gRPC initial metadata), so records carry them even for streams the
+client closes at the output length (other servers leave those `unknown`); slos-serve's own
+counts for the run (admitted, best_effort, rejected, from /v1/cluster/status before and after)
+are in the summary as `server_counters`. `--rate` is requests per second sent to the target
+(the whole cluster); capacity per replica divides by the replica count (`--replicas`, else the
+server's /v1/cluster/status).
 
 SLOs come from a perf profile (default deploy/profiles/cpu-demo.json, the CPU demo pair): TTFT =
 3x (tight) or 5x (loose) the profile's zero-load TTFT of the prompt; TPOT = 3.3x (tight) or 6.6x

@@ -1,7 +1,8 @@
 """Python SDK for the gRPC door: `Client` (blocking) and `AsyncClient` (asyncio).
 
 `generate` streams `Chunk`s and ends with one `Result` (verdict, replica, hops, usage, SLO
-attainment). Calls have a deadline (`timeout_s`, spanning retries). Only UNAVAILABLE is
+attainment); the first `Chunk` already says where the request was bound (`placement`, from the
+initial metadata). Calls have a deadline (`timeout_s`, spanning retries). Only UNAVAILABLE is
 retried, with exponential backoff, and only before the first response arrived: a started
 stream is never replayed, so no token is ever delivered twice. Every other failure raises
 `ClientError` with the gRPC code (RESOURCE_EXHAUSTED carries the server's retry-after).
@@ -11,23 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 import grpc
 
-from cluster.api import ClusterStatus, ReplicaStatus
+from cluster.api import ClusterStatus, Placement, ReplicaStatus, Verdict
 from replica.request import SLO
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
+from router.openai_format import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
 
 
 @dataclass(frozen=True)
 class Chunk:
     text: str
     token_ids: tuple[int, ...]
+    placement: Placement | None = None
+    """On the first chunk: where the cluster bound the request (verdict, replica, hops), from
+    the server's initial metadata, so a caller that stops reading early still knows it."""
 
 
 @dataclass(frozen=True)
@@ -177,10 +182,26 @@ def status_from_proto(status: pb.ClusterStatus) -> ClusterStatus:
     )
 
 
-def _item(response: pb.GenerateResponse) -> Chunk | Result:
+def placement_from_metadata(
+    metadata: Iterable[tuple[str, str | bytes]] | None,
+) -> Placement | None:
+    """The `x-slos-serve-*` initial metadata; None when the server sent none."""
+    values = {k: v for k, v in metadata or () if isinstance(v, str)}
+    if HEADER_VERDICT not in values:
+        return None
+    return Placement(
+        Verdict(values[HEADER_VERDICT]), int(values[HEADER_REPLICA]), int(values[HEADER_HOPS])
+    )
+
+
+def _item(
+    response: pb.GenerateResponse, metadata: Iterable[tuple[str, str | bytes]] | None
+) -> Chunk | Result:
+    """A response as SDK type; the initial `metadata` is passed with the first one only."""
     if response.HasField("final"):
         return result_from_proto(response.final)
-    return Chunk(response.chunk.text, tuple(response.chunk.token_ids))
+    placement = placement_from_metadata(metadata)
+    return Chunk(response.chunk.text, tuple(response.chunk.token_ids), placement)
 
 
 def _error(exc: grpc.RpcError) -> ClientError:
@@ -258,8 +279,9 @@ class Client(_Base):
             started = False
             try:
                 for response in call:
+                    metadata = None if started else call.initial_metadata()
                     started = True
-                    yield _item(response)
+                    yield _item(response, metadata)
                 return
             except grpc.RpcError as exc:
                 error = _error(exc)
@@ -333,8 +355,9 @@ class AsyncClient(_Base):
             started = False
             try:
                 async for response in call:
+                    metadata = None if started else await call.initial_metadata()
                     started = True
-                    yield _item(response)
+                    yield _item(response, metadata)
                 return
             except grpc.RpcError as exc:
                 error = _error(exc)

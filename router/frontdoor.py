@@ -14,7 +14,14 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cluster.api import ClusterStatus, ClusterUnavailable, FinalRecord, TokenChunk, Verdict
+from cluster.api import (
+    ClusterStatus,
+    ClusterUnavailable,
+    FinalRecord,
+    Placement,
+    TokenChunk,
+    Verdict,
+)
 from replica.request import Request
 from router.auth import ApiKeys
 from router.errors import BadRequest, ModelNotFound, Rejected, Unauthorized, Unavailable
@@ -81,6 +88,17 @@ class Generation:
     @property
     def request_id(self) -> str:
         return self.parsed.request.request_id
+
+    @property
+    def placement(self) -> Placement | None:
+        """Where the cluster bound the request, known from its first item (sent to the
+        client with the first token: headers, initial metadata)."""
+        first = self.first
+        if isinstance(first, TokenChunk):
+            return first.placement
+        if first.replica is None:
+            return None
+        return Placement(first.verdict, first.replica, first.hops)
 
     async def events(self) -> AsyncIterator[TextDelta | Finished]:
         item: TokenChunk | FinalRecord | None = self.first

@@ -9,7 +9,8 @@ door shares one FrontDoor, one tokenizer, one metrics registry and one cluster h
 SO_REUSEPORT (grpc's default on Linux) lets several ingress replicas on a node share the port.
 
 Every request goes through the same `router.openai_schema` validation as HTTP: the protobuf
-message is turned into the equivalent OpenAI body first.
+message is turned into the equivalent OpenAI body first. A started stream's initial metadata
+carries the HTTP door's `x-slos-serve-verdict`, `-replica` and `-hops` headers.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from router.errors import ApiError, BadRequest, Rejected, Unavailable
 from router.frontdoor import Finished, FrontDoor
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
+from router.openai_format import placement_headers
 from router.openai_schema import Endpoint
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Serving"].full_name
@@ -160,6 +162,9 @@ class ServingServicer(pb_grpc.ServingServicer):
             await _abort(context, exc)
             return
         try:
+            placement = placement_headers(generation.placement)
+            if placement:
+                await context.send_initial_metadata(tuple(placement.items()))
             async for event in generation.events():
                 if isinstance(event, Finished):
                     yield pb.GenerateResponse(final=final_to_proto(event.record))

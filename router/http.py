@@ -4,7 +4,8 @@ Plain FastAPI, so it runs under Ray Serve (router.app) and under any ASGI server
 The body is read as raw JSON and validated by `router.openai_schema`, never by FastAPI models,
 so every bad body gets the same OpenAI error JSON with the field named, and never a 422 or 500.
 Streams are SSE in OpenAI's chunk format; the status (200, 429, 503) is decided before the
-first byte, from the cluster's first answer.
+first byte, from the cluster's first answer, which also gives the `x-slos-serve-*` headers
+(verdict, replica, hops) a stream carries.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.errors import ApiError, BadRequest, Rejected, Unavailable
 from router.frontdoor import Finished, FrontDoor, Generation
-from router.openai_format import ChunkWriter, cluster_headers, error_body, full_response
+from router.openai_format import (
+    ChunkWriter,
+    cluster_headers,
+    error_body,
+    full_response,
+    placement_headers,
+)
 from router.openai_schema import Endpoint, ParsedRequest
 
 
@@ -91,7 +98,7 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
         return StreamingResponse(
             _sse(generation, parsed, door.model_name),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
+            headers={"Cache-Control": "no-cache", **placement_headers(generation.placement)},
         )
     text, record = await generation.collect()
     created = int(parsed.request.arrival_time)

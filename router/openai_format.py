@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cluster.api import FinalRecord, Verdict
+from cluster.api import FinalRecord, Placement, Verdict
 from router.errors import ApiError
 from router.openai_schema import Endpoint
 
 SSE_DONE = b"data: [DONE]\n\n"
+HEADER_VERDICT = "x-slos-serve-verdict"
+HEADER_REPLICA = "x-slos-serve-replica"
+HEADER_HOPS = "x-slos-serve-hops"
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -50,14 +53,23 @@ def cluster_info(record: FinalRecord) -> dict[str, Any]:
     }
 
 
+def placement_headers(placement: Placement | None) -> dict[str, str]:
+    """Where the request was bound: HTTP headers of a stream (sent with the first token) and
+    gRPC initial metadata, so a client that stops reading early still learns the verdict."""
+    if placement is None:
+        return {}
+    return {
+        HEADER_VERDICT: placement.verdict.value,
+        HEADER_REPLICA: str(placement.replica),
+        HEADER_HOPS: str(placement.hops),
+    }
+
+
 def cluster_headers(record: FinalRecord) -> dict[str, str]:
     """Response headers for a finished (non-streamed) request."""
-    headers = {
-        "x-slos-serve-verdict": record.verdict.value,
-        "x-slos-serve-hops": str(record.hops),
-    }
+    headers = {HEADER_VERDICT: record.verdict.value, HEADER_HOPS: str(record.hops)}
     if record.replica is not None:
-        headers["x-slos-serve-replica"] = str(record.replica)
+        headers[HEADER_REPLICA] = str(record.replica)
     if record.slo_attained is not None:
         headers["x-slos-serve-slo-attained"] = str(record.slo_attained).lower()
     return headers

@@ -114,6 +114,14 @@ def test_headers_say_what_the_cluster_did(live: LocalFrontDoor) -> None:
     assert (
         r.headers["x-slos-serve-replica"] in ("0", "1") and int(r.headers["x-slos-serve-hops"]) >= 1
     )
+    streamed = {**body, "stream": True, "max_tokens": 6}
+    with httpx.stream(
+        "POST", live.http_url + "/v1/completions", json=streamed, headers=headers, timeout=60
+    ) as s:
+        announced = [s.headers[f"x-slos-serve-{k}"] for k in ("verdict", "replica", "hops")]
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    info = next(e["slos_serve"] for e in events if "slos_serve" in e)
+    assert announced == [info["verdict"], str(info["replica"]), str(info["hops"])]
 
 
 def test_errors_have_the_right_status(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
@@ -167,6 +175,13 @@ def test_grpc_sdk_streams_the_same_text(live: LocalFrontDoor, greedy_text: str) 
     chunks = [i for i in items if isinstance(i, Chunk)]
     result = items[-1]
     assert isinstance(result, Result) and result.verdict == "admitted"
+    placement = chunks[0].placement
+    assert placement is not None and all(c.placement is None for c in chunks[1:])
+    assert (placement.verdict, placement.replica, placement.hops) == (
+        result.verdict,
+        result.replica,
+        result.hops,
+    )
     assert "".join(c.text for c in chunks) == greedy_text
     assert sum(len(c.token_ids) for c in chunks) == result.completion_tokens
     assert result.ttft_s is not None and result.ttft_s > 0 and len(status.replicas) == 2

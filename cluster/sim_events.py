@@ -3,7 +3,8 @@
 Events at the same instant run in EventKind order, then in the order they were pushed, so a
 run never depends on heap internals. The kind order is chosen so that what happened at an
 instant is visible to what decides at it: a step's tokens are out (and its memory freed)
-before requests arriving at that instant are queued, and both before the planning tick.
+before a KV transfer landing at that instant is placed, both before requests arriving at that
+instant are queued, and all of them before the planning tick.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from enum import IntEnum
 class EventKind(IntEnum):
     STEP_DONE = 0
     """A replica's step ends: tokens out, outcome folded into its scheduler."""
-    ARRIVAL = 1
+    TRANSFER_DONE = 1
+    """A prompt's KV cache reached a decode replica (policy distserve)."""
+    ARRIVAL = 2
     """A request reaches the cluster."""
-    TICK = 2
+    TICK = 3
     """The controller's planning tick (admission and routing)."""
 
 
@@ -28,7 +31,7 @@ class Event:
     kind: EventKind
     seq: int
     target: int
-    """Replica index (STEP_DONE), workload index (ARRIVAL), tick number (TICK)."""
+    """Replica index (STEP_DONE), workload index (ARRIVAL, TRANSFER_DONE), tick number (TICK)."""
 
 
 @dataclass

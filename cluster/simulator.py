@@ -4,15 +4,23 @@ Policy `slos` drives the same `ControlPlane` (virtual replicas with `SlosSchedul
 `Router` with its route limit and backup policy) as the Ray controller: arrivals are submitted,
 a planning tick every `tick_interval_s` admits and routes, and after every step a replica folds
 its report into its mirror and runs the mirror's next plan, as the live controller sends it.
+It speculates with the profile's draft model; the engine accepts drafts per `SeededAcceptance`.
+Its ablations switch one part off: `slos-noroute` (route limit 1: a declined request goes
+straight to the backup policy), `slos-nospec` (no speculation), `slos-noadmit` (no admission
+control: every request is admitted, in arrival order, as soon as its KV reservation fits).
 Policies `vllm` and `sarathi` have no admission: round-robin first hop, the baseline
-scheduler per replica. Every replica executes plans on `PerfExecutor`, whose perf model is the
-clock; the simulated engine alone knows each request's true length and ends it there (EOS),
-while every scheduler plans with max_tokens. Deterministic: no wall clock, no randomness.
+scheduler per replica. `distserve` splits the replicas into a prefill pool (FCFS, prefill-first,
+each request leaves after its first token) and a decode pool (the prompt's KV arrives over a
+`KvLink`, then vLLM-style decoding). Every replica executes plans on `PerfExecutor`, whose perf
+model is the clock; the simulated engine alone knows each request's true length and ends it
+there (EOS), while every scheduler plans with max_tokens. Deterministic for a seed: no wall
+clock, and the only randomness (draft acceptance) comes from per-request seeded streams.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -21,25 +29,36 @@ from cluster.api import Verdict
 from cluster.control import ControlPlane, Decision
 from cluster.messages import StepReport
 from cluster.routing import BackupPolicy, FirstHop, Router
+from cluster.sim_distserve import DEFAULT_LINK_GB_S, KvLink
 from cluster.sim_events import EventKind, EventQueue
+from cluster.sim_spec import DEFAULT_ACCEPTANCE, SeededAcceptance
 from cluster.virtual_replica import VirtualReplica
-from replica.batch import BatchOutcome, BatchPlan
-from replica.perf_model import BatchShape, PerfModel
+from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
+from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget, Scheduler
-from replica.planner.config import PlannerConfig
-from replica.planner.executor import PerfExecutor
+from replica.planner.baseline_sizing import sarathi_token_budget, vllm_config
+from replica.planner.config import OutputEstimateConfig, PlannerConfig, SpecConfig
+from replica.planner.executor import PerfExecutor, token_id
 from replica.planner.queues import peak_tokens
 from replica.planner.sarathi import SarathiConfig, SarathiScheduler
-from replica.planner.vllm import VllmConfig, VllmScheduler
-from replica.request import Request
-
-DEFAULT_VLLM_BATCHED_TOKENS = VllmConfig().max_num_batched_tokens
+from replica.planner.slos import SlosScheduler
+from replica.planner.vllm import VllmScheduler
+from replica.request import Request, Tier
 
 
 class Policy(StrEnum):
     SLOS = "slos"
+    SLOS_NOROUTE = "slos-noroute"
+    SLOS_NOSPEC = "slos-nospec"
+    SLOS_NOADMIT = "slos-noadmit"
     VLLM = "vllm"
     SARATHI = "sarathi"
+    DISTSERVE = "distserve"
+
+    @property
+    def is_slos(self) -> bool:
+        """The controller and SlosScheduler drive it (slos and its ablations)."""
+        return self.value.startswith("slos")
 
 
 @dataclass(frozen=True)
@@ -69,18 +88,35 @@ class SimConfig:
     """How the simulated cluster runs."""
 
     policy: Policy = Policy.SLOS
-    """slos (controller + SlosScheduler), vllm or sarathi (baselines, no admission)."""
+    """slos (controller + SlosScheduler) or an ablation of it, vllm, sarathi or distserve."""
     replicas: int = 1
+    """Replicas (one GPU each at TP 1); for distserve both pools together."""
     num_kv_blocks: int = 1024
     """KV cache blocks (16 tokens each) per replica."""
     tick_interval_s: float = 0.01
     """Planning period of the controller (policy slos)."""
     route_limit: int = 2
-    """Replicas a request may try before the backup policy (policy slos)."""
+    """Replicas a request may try before the backup policy (policy slos; 1 for slos-noroute)."""
     backup_policy: BackupPolicy = BackupPolicy.BEST_EFFORT
     """What happens once every allowed hop declined (policy slos)."""
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
-    """The SlosScheduler's knobs (policy slos)."""
+    planner: PlannerConfig = field(
+        default_factory=lambda: PlannerConfig(
+            spec=SpecConfig(), output_estimate=OutputEstimateConfig()
+        )
+    )
+    """The SlosScheduler's knobs (policy slos): speculation, KV reservations from observed
+    output lengths; see `planner_config` for what the policy overrides."""
+    acceptance: float = DEFAULT_ACCEPTANCE
+    """The draft's true per-token acceptance (the engine's truth; see cluster.sim_spec)."""
+    seed: int = 0
+    """Seeds the draft acceptance streams."""
+    prefill_replicas: int = 1
+    """Policy distserve: replicas in the prefill pool; the other replicas decode."""
+    kv_link_gb_s: float = DEFAULT_LINK_GB_S
+    """Policy distserve: bandwidth of each prefill replica's KV link."""
+    kv_bytes_per_token: float | None = None
+    """Policy distserve: KV bytes per token per GPU; None reads the profile's
+    `kv_bytes_per_token_per_gpu` assumption."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", Policy(self.policy))
@@ -95,6 +131,28 @@ class SimConfig:
             raise ValueError(f"tick_interval_s must be > 0, got {self.tick_interval_s}")
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
+        SeededAcceptance(self.acceptance, self.seed)
+        if self.policy is Policy.DISTSERVE and not 1 <= self.prefill_replicas < self.replicas:
+            raise ValueError(
+                f"prefill_replicas must be in [1, replicas={self.replicas}) for distserve "
+                f"(both pools non-empty), got {self.prefill_replicas}"
+            )
+
+    @property
+    def effective_route_limit(self) -> int:
+        return 1 if self.policy is Policy.SLOS_NOROUTE else self.route_limit
+
+    @property
+    def speculates(self) -> bool:
+        return self.policy.is_slos and self.planner_config().spec is not None
+
+    def planner_config(self) -> PlannerConfig:
+        """The SlosScheduler's config: no speculation for slos-nospec; otherwise the planner's
+        prior acceptance is the engine's alpha (it then follows observed verifies)."""
+        spec = self.planner.spec
+        if spec is None or self.policy is Policy.SLOS_NOSPEC:
+            return replace(self.planner, spec=None)
+        return replace(self.planner, spec=replace(spec, initial_acceptance=self.acceptance))
 
 
 @dataclass(frozen=True)
@@ -120,24 +178,6 @@ class SimResult:
     wall_s: float
 
 
-def sarathi_token_budget(perf: PerfModel, tpot_s: float) -> int:
-    """Largest step (query tokens, one chunk on an empty cache) the perf model fits in
-    `tpot_s`: Sarathi-Serve's chunk size chosen from the tightest TPOT; at least 1."""
-
-    def fits(n: int) -> bool:
-        return perf.predict(BatchShape((n,), (0,), tp=perf.tp)) <= tpot_s
-
-    if not fits(1):
-        return 1
-    low, high = 1, 2
-    while fits(high):
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
-
-
 def tightest_tpot_s(requests: Sequence[Request]) -> float:
     """The smallest TPOT any request (or stage) asks for."""
     tpots = [
@@ -161,6 +201,8 @@ class _Replica:
     mirror: VirtualReplica | None
     """Policy slos: the controller's mirror, which plans and folds reports."""
     running: tuple[BatchPlan, BatchOutcome] | None = None
+    landed: deque[int] = field(default_factory=deque)
+    """Policy distserve, decode pool: requests whose KV arrived, waiting for memory."""
 
     def next_plan(self, now: float) -> BatchPlan | None:
         return self.mirror.next_plan(now) if self.mirror else self.scheduler.schedule(now)
@@ -209,23 +251,43 @@ class Simulator:
         cache = CacheBudget(config.num_kv_blocks)
         self.router = Router(
             first_hop=FirstHop.ROUND_ROBIN,
-            route_limit=config.route_limit,
+            route_limit=config.effective_route_limit,
             backup_policy=config.backup_policy,
         )
+        self.accept = SeededAcceptance(config.acceptance, config.seed)
         self.plane: ControlPlane | None = None
-        if config.policy is Policy.SLOS:
-            mirrors = [
-                VirtualReplica(i, perf, cache, config.planner) for i in range(config.replicas)
-            ]
+        self._unadmitted: list[deque[tuple[int, Request]]] = []
+        """Policy slos-noadmit: per replica, arrivals waiting for their KV reservation."""
+        self._links: list[KvLink] = []
+        self._inflight = [0] * config.replicas
+        """Policy distserve: KV transfers under way to each decode replica."""
+        if config.policy.is_slos:
+            planner = config.planner_config()
+            accept = self.accept if planner.spec is not None else None
+            mirrors = [VirtualReplica(i, perf, cache, planner) for i in range(config.replicas)]
             self.plane = ControlPlane(mirrors, self.router)
             self.replicas = [
-                _Replica(i, PerfExecutor(perf, cache), m.scheduler, m)
+                _Replica(i, PerfExecutor(perf, cache, accept), m.scheduler, m)
                 for i, m in enumerate(mirrors)
             ]
+            self._unadmitted = [deque() for _ in mirrors]
         else:
             self.replicas = [
                 _Replica(i, PerfExecutor(perf, cache), self._baseline(cache), None)
                 for i in range(config.replicas)
+            ]
+        if config.policy is Policy.DISTSERVE:
+            per_token = config.kv_bytes_per_token or perf.info.assumptions.get(
+                "kv_bytes_per_token_per_gpu"
+            )
+            if not isinstance(per_token, int | float):
+                raise ValueError(
+                    "distserve needs kv_bytes_per_token: the profile has no "
+                    "kv_bytes_per_token_per_gpu assumption"
+                )
+            self._links = [
+                KvLink(config.kv_link_gb_s, float(per_token))
+                for _ in range(config.prefill_replicas)
             ]
 
     def _baseline(self, cache: CacheBudget) -> Scheduler:
@@ -233,10 +295,7 @@ class Simulator:
         if self.config.policy is Policy.SARATHI:
             budget = sarathi_token_budget(self.perf, tightest_tpot_s(seen))
             return SarathiScheduler(cache, SarathiConfig(token_budget=budget))
-        longest = max(peak_tokens(r) for r in seen)
-        return VllmScheduler(
-            cache, VllmConfig(max_num_batched_tokens=max(DEFAULT_VLLM_BATCHED_TOKENS, longest))
-        )
+        return VllmScheduler(cache, vllm_config(max(peak_tokens(r) for r in seen)))
 
     def run(self) -> SimResult:
         if self._steps or self._events:
@@ -252,6 +311,8 @@ class Simulator:
             self._now = event.time
             if event.kind is EventKind.STEP_DONE:
                 self._step_done(event.target)
+            elif event.kind is EventKind.TRANSFER_DONE:
+                self._transfer_done(event.target)
             elif event.kind is EventKind.ARRIVAL:
                 self._arrive(event.target)
             else:
@@ -283,12 +344,18 @@ class Simulator:
             request = replace(request, arrival_time=now)
         self._tracks[i].arrival_s = now
         if self.plane is not None:
+            if self.config.policy is Policy.SLOS_NOADMIT and request.tier is Tier.SLO:
+                first = self.router.first(self.plane.loads(), self.plane.alive())
+                assert first is not None
+                self._unadmitted[first].append((i, request))
+                return
             decision = self.plane.submit(request, now)
             if decision is not None:
                 self._bind(decision)
                 self._kick_all()
             return
-        replica = self.router.first([0.0] * len(self.replicas), [True] * len(self.replicas))
+        pool = self.config.prefill_replicas if self._links else len(self.replicas)
+        replica = self.router.first([0.0] * pool, [True] * pool)
         assert replica is not None
         rep = self.replicas[replica]
         rep.scheduler.add_request(request, now)
@@ -299,10 +366,12 @@ class Simulator:
         assert self.plane is not None
         for decision in self.plane.tick(self._now):
             self._bind(decision)
+        self._admit_in_order()
         self._kick_all()
         if not self._open:
             return
         waiting = any(self.plane.num_pending(i) for i in range(len(self.replicas)))
+        waiting = waiting or any(self._unadmitted)
         if not self._events and not waiting and not any(r.running for r in self.replicas):
             raise RuntimeError(f"simulation stalled at t={self._now} with work left")
         self._events.push((number + 1) * self.config.tick_interval_s, EventKind.TICK, number + 1)
@@ -316,8 +385,21 @@ class Simulator:
         for result in outcome.outcomes:
             if result.finished:
                 i = self._index[result.request_id]
-                self._tracks[i].times = tuple(rep.executor.release(result.request_id))
-                self._close(i)
+                track = self._tracks[i]
+                track.times += tuple(rep.executor.release(result.request_id))
+                self.accept.forget(result.request_id)
+                if replica < len(self._links) and self.requests[i].output_len > 1:
+                    self._send_kv(replica, i)
+                else:
+                    self._close(i)
+        self._kick(rep)
+
+    def _transfer_done(self, i: int) -> None:
+        replica = self._tracks[i].replica
+        assert replica is not None
+        self._inflight[replica] -= 1
+        rep = self.replicas[replica]
+        rep.landed.append(i)
         self._kick(rep)
 
     # -- helpers --------------------------------------------------------------------------------
@@ -333,10 +415,64 @@ class Simulator:
         track.verdict, track.hops = Verdict.REJECTED, binding.hops
         self._close(i)
 
+    def _admit_in_order(self) -> None:
+        """Policy slos-noadmit: admit each replica's arrivals in order while their KV
+        reservation fits the memory not reserved yet; no SLO check."""
+        assert self.plane is not None
+        for vr, queue in zip(self.plane.replicas, self._unadmitted, strict=True):
+            planner = vr.scheduler
+            assert isinstance(planner, SlosScheduler)
+            while queue and planner.admission_blocks(queue[0][1]) <= planner.unreserved_blocks:
+                i, request = queue.popleft()
+                vr.admit(request, self._now)
+                self._start(i, request, Verdict.ADMITTED, vr.index, 1)
+
     def _start(self, i: int, request: Request, verdict: Verdict, replica: int, hops: int) -> None:
         track = self._tracks[i]
         track.verdict, track.replica, track.hops = verdict, replica, hops
-        self.replicas[replica].executor.add(request, stop_after=self.requests[i].output_len)
+        # distserve: the prefill replica ends the request at its first token.
+        stop_after = 1 if self._links else self.requests[i].output_len
+        self.replicas[replica].executor.add(request, stop_after=stop_after)
+
+    def _send_kv(self, prefill: int, i: int) -> None:
+        """Policy distserve: ship the prompt's KV to the decode replica holding the fewest
+        requests (lowest index on ties); it lands after the link's queue and transfer time."""
+        target = min(range(len(self._links), len(self.replicas)), key=self._decode_load)
+        self._tracks[i].replica = target
+        self._inflight[target] += 1
+        done = self._links[prefill].send(self._now, self.requests[i].request.prompt_len)
+        self._events.push(done, EventKind.TRANSFER_DONE, i)
+
+    def _decode_load(self, replica: int) -> tuple[int, int]:
+        rep = self.replicas[replica]
+        return len(rep.executor.sequences) + len(rep.landed) + self._inflight[replica], replica
+
+    def _place_landed(self, rep: _Replica) -> None:
+        """Policy distserve: move landed requests into the decode replica, oldest first, while
+        their cached prompt and first token fit the free blocks and no preempted request
+        waits to resume (it keeps its turn). A placed request is running: its prompt is
+        cached, its first token known."""
+        assert isinstance(rep.scheduler, VllmScheduler)
+        queues = rep.scheduler.queues
+        while rep.landed and not queues.waiting:
+            i = rep.landed[0]
+            request = self.requests[i].request
+            prompt = request.prompt_len
+            if queues.budget.blocks_for(prompt + 1) > queues.free_blocks():
+                return
+            rep.landed.popleft()
+            rid = request.request_id
+            first = token_id(rid, 0)
+            arrived = replace(request, arrival_time=self._tracks[i].arrival_s or 0.0)
+            rep.scheduler.add_request(arrived, self._now)
+            rep.scheduler.update_from_outcome(
+                BatchPlan(entries=(PrefillChunk(rid, prompt),)),
+                BatchOutcome(outcomes=[RequestOutcome(rid, [first], prompt)]),
+                self._now,
+            )
+            rep.executor.add(
+                arrived, output=[first], computed=prompt, stop_after=self.requests[i].output_len
+            )
 
     def _kick_all(self) -> None:
         """After bindings (all of a tick's first: a plan may hold any of them)."""
@@ -348,6 +484,8 @@ class Simulator:
         """Start the replica's next step unless one is running or there is nothing to do."""
         if rep.running is not None:
             return
+        if rep.landed:
+            self._place_landed(rep)
         plan = rep.next_plan(self._now)
         if plan is None:
             return

@@ -52,6 +52,8 @@ class SloWork:
     """EDF key: `deadline_s`, or earlier before a stage that starts early (`chain_deadline`)."""
     peak_tokens: int
     """KV slots it may hold at its longest (prompt + max_tokens - 1)."""
+    reserve_tokens: int
+    """KV slots reserved for it now (peak_tokens unless reservations follow an estimate)."""
 
     def refresh(self, now: float, period_s: float, behind_factor: float) -> None:
         """Recompute from the request's progress, the batch period and the time."""
@@ -77,8 +79,17 @@ class SloWork:
             self.urgency_s = min(self.urgency_s, chain)
 
     @classmethod
-    def of(cls, state: RequestState, now: float, period_s: float, behind_factor: float) -> SloWork:
-        work = cls(state, 0.0, 0.0, 0.0, False, 0, 0.0, peak_tokens(state.request))
+    def of(
+        cls,
+        state: RequestState,
+        now: float,
+        period_s: float,
+        behind_factor: float,
+        reserve_tokens: int | None = None,
+    ) -> SloWork:
+        peak = peak_tokens(state.request)
+        reserve = peak if reserve_tokens is None else reserve_tokens
+        work = cls(state, 0.0, 0.0, 0.0, False, 0, 0.0, peak, reserve)
         work.refresh(now, period_s, behind_factor)
         return work
 

@@ -126,9 +126,12 @@ def plan_budgets(
     spec: SpecConfig | None = None,
     acceptance: float = 0.0,
     min_period_s: float = 0.0,
+    urgent_period_s: float | None = None,
 ) -> tuple[BatchBudget, ...]:
     """The period and speculation lengths with the most prefill tokens per second, followed by
-    the autoregressive budget when the best one speculates.
+    the autoregressive budget when the best one speculates (else by the best speculating
+    one, if any), and by a shorter autoregressive period when `urgent_period_s` is below the
+    tightest TPOT.
 
     A longer period makes a speculating request's prefill end earlier (its first verify must
     land within one TPOT of its first token), which throughput alone does not see; the caller
@@ -137,7 +140,10 @@ def plan_budgets(
     smaller batches would only fall further behind). `loads` lists the decoders the plan must
     serve per TPOT (running and candidates); tiers without decoders still bound the period.
     Without loads the period is `idle_period_s` (at least one token per batch, so best-effort
-    work always progresses)."""
+    work always progresses). `urgent_period_s` is the time left before the most urgent new
+    request's first token: the admission DP counts whole batches, so a request due sooner
+    than one period after the start can only be admitted with batches that short (fewer
+    tokens per second; the caller keeps it only when it admits more)."""
     if num_requests < sum(load.num_decoders for load in loads):
         raise ValueError(
             f"num_requests={num_requests} is below the {sum(load.num_decoders for load in loads)} "
@@ -178,7 +184,20 @@ def plan_budgets(
     ]
     # max() keeps the first of equal options, i.e. the shorter speculation.
     best = max(options, key=lambda o: o[0])[1]
-    return (best,) if best.draft_steps == 0 else (best, options[0][1])
+    speculating = [o for o in options if o[1].draft_steps > 0]
+    if best.draft_steps > 0:
+        chosen: tuple[BatchBudget, ...] = (best, options[0][1])
+    elif speculating:
+        chosen = (best, max(speculating, key=lambda o: o[0])[1])
+    else:
+        chosen = (best,)
+    shortest = max(min_period_s, 1e-9)
+    if urgent_period_s is None or not shortest <= urgent_period_s < tightest:
+        return chosen
+    shape = (num_requests, max_context, kv_tokens)
+    urgent = _option(perf, loads, urgent_period_s, 0, shape, acceptance, max_spec)
+    assert urgent is not None  # s0 = 0 is always an option
+    return (*chosen, urgent[1])
 
 
 def _option(
@@ -206,7 +225,10 @@ def _option(
     draft_steps = max(lens) if draft_batch > 0 else 0
     budget = BatchBudget(
         period_s=period,
-        batch_tokens=capacity(perf, period, *shape, draft_steps, draft_batch),
+        # At least one token, as in the idle budget: a worst case that overruns the period
+        # (drafting costs more than the running decoders' batch the period was floored at)
+        # must still let the running requests progress.
+        batch_tokens=max(1, capacity(perf, period, *shape, draft_steps, draft_batch)),
         num_requests=num_requests,
         max_context=max_context,
         kv_tokens=kv_tokens,
@@ -218,6 +240,14 @@ def _option(
     return budget.prefill_tokens(loads) / period, budget
 
 
+def judged_drafts(drafted: int, accepted: int) -> int:
+    """Drafts a verify judged: each is accepted with the per-token rate until the first
+    rejection; the ones after it are dropped unjudged. Counting them too would estimate
+    E(accepted) / k rather than the rate (0.33 at k = 4 for a rate of 0.6), and the planner,
+    whose E(s) takes the per-token rate, would talk itself out of speculating."""
+    return accepted + (accepted < drafted)
+
+
 class AcceptanceEstimate:
     """Per-token acceptance of the draft model, an EMA over observed verifies."""
 
@@ -225,11 +255,12 @@ class AcceptanceEstimate:
         self.spec = spec
         self.value = min(spec.initial_acceptance, spec.max_acceptance)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
+    def observe(self, judged: int, accepted: int) -> None:
+        """Fold in one batch: `accepted` of the `judged` drafts (see `judged_drafts`)."""
+        if judged <= 0:
             return
-        if not 0 <= accepted <= drafted:
-            raise ValueError(f"accepted={accepted} must be within [0, drafted={drafted}]")
-        rate = accepted / drafted
+        if not 0 <= accepted <= judged:
+            raise ValueError(f"accepted={accepted} must be within [0, judged={judged}]")
+        rate = accepted / judged
         blended = (1.0 - self.spec.ema_weight) * self.value + self.spec.ema_weight * rate
         self.value = min(self.spec.max_acceptance, blended)

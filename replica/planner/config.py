@@ -48,6 +48,29 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class OutputEstimateConfig:
+    """KV reservations from observed output lengths (replica.planner.output_estimate)."""
+
+    quantile: float = 0.8
+    """Quantile of finished output lengths a new request reserves for (lower: more admitted
+    at once, more reservations to extend or demote)."""
+    min_samples: int = 20
+    """Finished requests (per max_tokens) before the quantile replaces `prior_tokens`."""
+    prior_tokens: int = 512
+    """Output reserved for (and each extension, capped at max_tokens) until then: long
+    outputs (a reasoning trace of thousands of tokens) would otherwise hold max_tokens of
+    memory each for minutes before any of them finished."""
+    window: int = 256
+    """Most recent finished requests the quantile is taken over."""
+
+    def __post_init__(self) -> None:
+        _check_fraction("quantile", self.quantile, low=0.0, high=1.0)
+        _check_positive_int("min_samples", self.min_samples)
+        _check_positive_int("prior_tokens", self.prior_tokens)
+        _check_positive_int("window", self.window)
+
+
+@dataclass(frozen=True)
 class InvocationConfig:
     """When the planner re-solves admission and the batch budget (Algorithm 1's triggers)."""
 
@@ -84,6 +107,8 @@ class PlannerConfig:
     """Most best-effort requests per batch; the budget reserves their per-request cost."""
     spec: SpecConfig | None = None
     """Speculation settings; None plans autoregressive decoding only."""
+    output_estimate: OutputEstimateConfig | None = None
+    """Reserve KV for an estimated output length; None reserves prompt + max_tokens."""
     invocation: InvocationConfig = field(default_factory=InvocationConfig)
 
     def __post_init__(self) -> None:
@@ -93,5 +118,12 @@ class PlannerConfig:
         _check_positive_int("max_best_effort_requests", self.max_best_effort_requests, low=0)
         if self.spec is not None and not isinstance(self.spec, SpecConfig):
             raise ValueError(f"spec must be a SpecConfig or None, got {self.spec!r}")
+        if self.output_estimate is not None and not isinstance(
+            self.output_estimate, OutputEstimateConfig
+        ):
+            raise ValueError(
+                f"output_estimate must be an OutputEstimateConfig or None, "
+                f"got {self.output_estimate!r}"
+            )
         if not isinstance(self.invocation, InvocationConfig):
             raise ValueError(f"invocation must be an InvocationConfig, got {self.invocation!r}")

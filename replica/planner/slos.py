@@ -5,6 +5,8 @@ whose SLOs it can guarantee next to the running ones (forced in). Declined reque
 best-effort tier, which runs on leftover tokens and unreserved memory and is preempted when
 admitted requests need the memory. A cluster controller asks `plan_admission` for a verdict
 without changing anything, then binds the request here with `add_admitted`, or routes it on.
+With `PlannerConfig.output_estimate`, an admitted request reserves KV for an estimated output
+(replica.planner.output_estimate) instead of max_tokens, and grows it as it goes.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from replica.batch import BatchOutcome, BatchPlan
-from replica.perf_model import PerfModel
+from replica.batch import BatchOutcome, BatchPlan, DecodeStep
+from replica.perf_model import BatchShape, PerfModel
 from replica.planner.admission import (
     AdmissionProblem,
     AdmissionResult,
@@ -28,7 +30,13 @@ from replica.planner.admission import (
 )
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.batching import SloWork, form_batch
-from replica.planner.budget import AcceptanceEstimate, BatchBudget, TierLoad, plan_budgets
+from replica.planner.budget import (
+    AcceptanceEstimate,
+    BatchBudget,
+    TierLoad,
+    judged_drafts,
+    plan_budgets,
+)
 from replica.planner.config import PlannerConfig
 from replica.planner.deadlines import (
     early_stage_starts,
@@ -38,6 +46,7 @@ from replica.planner.deadlines import (
 )
 from replica.planner.executor import AcceptFn, PerfExecutor
 from replica.planner.invocation import InvocationPolicy, lags
+from replica.planner.output_estimate import OutputLengthEstimate
 from replica.planner.queues import RequestQueues, peak_tokens
 from replica.request import Request, Tier
 
@@ -56,6 +65,12 @@ class SlosScheduler(Scheduler):
         spec = self.config.spec
         self.acceptance = AcceptanceEstimate(spec) if spec is not None else None
         self.invocation = InvocationPolicy(self.config.invocation)
+        estimate = self.config.output_estimate
+        self.lengths = OutputLengthEstimate(estimate) if estimate is not None else None
+        self._busy_until = 0.0
+        """When the batch this scheduler last planned is predicted to end."""
+        self.demoted: list[str] = []
+        """Admitted requests that lost their guarantee: outgrown reservations left no memory."""
         self.budget: BatchBudget | None = None
         self.last_admission: AdmissionResult | None = None
         self.verdicts: dict[str, bool] = {}
@@ -63,6 +78,11 @@ class SlosScheduler(Scheduler):
         self._work: dict[str, SloWork] = {}
         self._reserved_blocks = 0
         self._reserved_tokens = 0
+
+    @property
+    def unreserved_blocks(self) -> int:
+        """KV blocks no admitted request has reserved (best-effort work may borrow them)."""
+        return self.queues.budget.num_blocks - self._reserved_blocks
 
     @property
     def admitted(self) -> dict[str, float]:
@@ -101,16 +121,39 @@ class SlosScheduler(Scheduler):
         state = self.queues.states[request_id]
         period = self.budget.period_s if self.budget is not None else 0.0
         factor = self.config.invocation.behind_tpot_factor
-        work = SloWork.of(state, now, period, factor)
+        reserve = min(
+            max(self._reservation(state.request), state.num_known_tokens + self._step_growth()),
+            peak_tokens(state.request),
+        )
+        work = SloWork.of(state, now, period, factor, 0)
         self._work[request_id] = work
-        self._reserved_tokens += work.peak_tokens
-        self._reserved_blocks += self.queues.budget.blocks_for(work.peak_tokens)
+        self._resize(work, reserve)
+
+    def admission_blocks(self, request: Request) -> int:
+        """KV blocks admitting `request` would reserve now."""
+        return self.queues.budget.blocks_for(self._reservation(request))
+
+    def _reservation(self, request: Request) -> int:
+        """KV slots a request reserves when admitted."""
+        if self.lengths is None:
+            return peak_tokens(request)
+        return self.lengths.initial_tokens(request)
+
+    def _step_growth(self) -> int:
+        """Most slots one decode step adds (the token and its drafts)."""
+        return 1 + (self.config.spec.max_spec_tokens if self.config.spec is not None else 0)
+
+    def _resize(self, work: SloWork, tokens: int) -> None:
+        """Set a request's reservation to `tokens` (0 releases it)."""
+        blocks_for = self.queues.budget.blocks_for
+        self._reserved_tokens += tokens - work.reserve_tokens
+        self._reserved_blocks += blocks_for(tokens) - blocks_for(work.reserve_tokens)
+        work.reserve_tokens = tokens
 
     def _forget(self, request_id: str) -> None:
         work = self._work.pop(request_id, None)
         if work is not None:
-            self._reserved_tokens -= work.peak_tokens
-            self._reserved_blocks -= self.queues.budget.blocks_for(work.peak_tokens)
+            self._resize(work, 0)
         if request_id in self.pending:
             self.pending.remove(request_id)
         if request_id in self.best_effort:
@@ -123,15 +166,18 @@ class SlosScheduler(Scheduler):
 
         Pure: nothing changes until the caller binds the admitted ones. Best-effort requests
         in `new` are always declined. Every budget option (see `plan_budgets`) is solved and
-        the one keeping the running requests on time with the most admitted value wins."""
+        the one keeping the running requests on time with the most admitted value wins.
+        Batches are planned from the end of the batch in flight, if any: a request admitted
+        now can ride no earlier batch."""
         slo_new = [r for r in new if r.tier is Tier.SLO]
         decoders, prefills = self._running(now)
         cache = self.queues.budget
-        candidates = tuple(_candidate(r, cache) for r in slo_new)
+        candidates = tuple(_candidate(r, cache.blocks_for(self._reservation(r))) for r in slo_new)
+        start = max(now, self._busy_until)
         results = [
             solve_admission(
                 AdmissionProblem(
-                    now=now,
+                    now=start,
                     budget=budget,
                     candidates=candidates,
                     prefills=prefills,
@@ -141,7 +187,7 @@ class SlosScheduler(Scheduler):
                 ),
                 self.config.max_dp_candidates,
             )
-            for budget in self._budgets(decoders, prefills, slo_new)
+            for budget in self._budgets(decoders, prefills, slo_new, start)
         ]
         result = max(results, key=lambda r: (r.forced_feasible, -r.forced_late, r.value))
         if len(slo_new) == len(new):
@@ -180,9 +226,12 @@ class SlosScheduler(Scheduler):
         decoders: RunningDecoders,
         prefills: Sequence[RunningPrefill],
         slo_new: Sequence[Request],
+        start: float,
     ) -> tuple[BatchBudget, ...]:
-        """Budget options for the running requests plus all of `slo_new`; the batch also
-        reserves room for `max_best_effort_requests` best-effort requests."""
+        """Budget options for the running requests plus all of `slo_new` with batches from
+        `start`; the batch also reserves room for the best-effort requests waiting, up to
+        `max_best_effort_requests` (a batch serves no more than its budget counted, so a
+        best-effort request that arrives later waits for the next replan)."""
         loads = Counter(dict(zip(*np.unique(decoders.tpot_s, return_counts=True), strict=True)))
         loads.update(p.tpot_s for p in prefills)
         loads.update(remaining_tpot(r, 1) for r in slo_new)
@@ -190,9 +239,15 @@ class SlosScheduler(Scheduler):
         others = [peak_tokens(self.queues.states[rid].request) for rid in self.best_effort]
         admitted = [w.peak_tokens for w in self._work.values()]
         max_context = max([1, *admitted, *others, *peaks])
-        extra = self.config.max_best_effort_requests
+        extra = min(self.config.max_best_effort_requests, len(self.best_effort))
         num_requests = len(self._work) + len(slo_new) + extra
-        kv_tokens = self._reserved_tokens + sum(peaks) + extra * max_context
+        reserved = sum(self._reservation(r) for r in slo_new)
+        # A batch cannot read more KV than the cache holds, however many requests it counts.
+        cache = self.queues.budget
+        kv_tokens = min(
+            self._reserved_tokens + reserved + extra * max_context,
+            cache.num_blocks * cache.block_size,
+        )
         running = len(decoders) + len(prefills)
         one_batch = self.perf.predict_aggregate(
             num_tokens=running,
@@ -210,6 +265,7 @@ class SlosScheduler(Scheduler):
             spec=self.config.spec,
             acceptance=self.acceptance.value if self.acceptance is not None else 0.0,
             min_period_s=one_batch if running else 0.0,
+            urgent_period_s=min((prefill_deadline(r) - start for r in slo_new), default=None),
         )
 
     def _replan(self, now: float) -> BatchBudget:
@@ -233,9 +289,9 @@ class SlosScheduler(Scheduler):
 
     def schedule(self, now: float) -> BatchPlan | None:
         budget = self.budget
-        if budget is None or self.invocation.due(now):
+        if budget is None or self.invocation.due(now) or self._best_effort_uncounted(budget):
             budget = self._replan(now)
-        return form_batch(
+        plan = form_batch(
             now,
             budget,
             self.perf,
@@ -243,7 +299,41 @@ class SlosScheduler(Scheduler):
             [self.queues.states[rid] for rid in self.best_effort],
             self.queues,
             self._reserved_blocks,
-            self.config.max_best_effort_requests,
+            self._best_effort_allowance(budget),
+        )
+        if plan is not None:
+            self._busy_until = now + self.perf.predict(self._shape(plan))
+        return plan
+
+    def _best_effort_allowance(self, budget: BatchBudget) -> int:
+        """Best-effort requests a batch may serve: the ones the budget counted."""
+        counted = budget.num_requests - len(self._work)
+        return max(0, min(self.config.max_best_effort_requests, counted))
+
+    def _best_effort_uncounted(self, budget: BatchBudget) -> bool:
+        """Best-effort requests wait that the budget left out (they arrived after it)."""
+        waiting = min(self.config.max_best_effort_requests, len(self.best_effort))
+        return self._best_effort_allowance(budget) < waiting
+
+    def _shape(self, plan: BatchPlan) -> BatchShape:
+        """The plan as the perf model sees it (preempted requests restart from nothing)."""
+        states = self.queues.states
+        new_tokens, context, drafts = [], [], []
+        for entry in plan.entries:
+            if isinstance(entry, DecodeStep):
+                new_tokens.append(entry.num_spec_tokens + 1)
+                drafts.append(entry.num_spec_tokens)
+            else:
+                new_tokens.append(entry.num_tokens)
+            rid = entry.request_id
+            context.append(0 if rid in plan.preempt else states[rid].num_computed_tokens)
+        drafting = [k for k in drafts if k > 0]
+        return BatchShape(
+            tuple(new_tokens),
+            tuple(context),
+            draft_steps=max(drafting, default=0),
+            draft_batch=len(drafting),
+            tp=self.perf.tp,
         )
 
     def plan_ahead(
@@ -272,14 +362,20 @@ class SlosScheduler(Scheduler):
     # -- outcomes ------------------------------------------------------------------------------
 
     def update_from_outcome(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None:
+        self._busy_until = now
         finished = self.queues.apply(plan, outcome, now)
         for state in finished:
             self._forget(state.request_id)
+            if self.lengths is not None:
+                self.lengths.observe(state.request, len(state.output_token_ids))
         self.invocation.note_finished(len(finished))
+        if self.lengths is not None:
+            self._extend_reservations(outcome)
         if self.acceptance is not None:
+            drafting = [o for o in outcome.outcomes if o.num_draft_tokens > 0]
             self.acceptance.observe(
-                sum(o.num_draft_tokens for o in outcome.outcomes),
-                sum(o.num_accepted_tokens for o in outcome.outcomes),
+                sum(judged_drafts(o.num_draft_tokens, o.num_accepted_tokens) for o in drafting),
+                sum(o.num_accepted_tokens for o in drafting),
             )
         if self.budget is None:
             return
@@ -293,11 +389,33 @@ class SlosScheduler(Scheduler):
         if any(w.decoding and lags(w.deadline_s, now, period) for w in self._work.values()):
             self.invocation.note_behind()
 
+    def _extend_reservations(self, outcome: BatchOutcome) -> None:
+        """Grow the reservation of every request whose next step could outrun it; if the
+        reservations no longer fit the cache, the newest admitted requests become best-effort
+        (their memory may be reclaimed) until they do."""
+        assert self.lengths is not None
+        growth = self._step_growth()
+        for result in outcome.outcomes:
+            work = self._work.get(result.request_id)
+            if work is None:
+                continue
+            need = min(work.state.num_known_tokens - 1 + growth, work.peak_tokens)
+            tokens = work.reserve_tokens
+            while tokens < need:
+                tokens = self.lengths.extended_tokens(work.state.request, tokens)
+            if tokens != work.reserve_tokens:
+                self._resize(work, tokens)
+        while self._reserved_blocks > self.queues.budget.num_blocks:
+            newest = next(reversed(self._work))
+            self._forget(newest)
+            self.best_effort.append(newest)
+            self.demoted.append(newest)
+
     def has_unfinished(self) -> bool:
         return self.queues.has_unfinished()
 
 
-def _candidate(request: Request, cache: CacheBudget) -> Candidate:
+def _candidate(request: Request, blocks: int) -> Candidate:
     early = early_stage_starts(request, 0)
     return Candidate(
         request_id=request.request_id,
@@ -305,7 +423,7 @@ def _candidate(request: Request, cache: CacheBudget) -> Candidate:
         deadline_s=prefill_deadline(request),
         tpot_s=remaining_tpot(request, 1),
         decode_tokens=request.sampling.max_tokens - 1,
-        blocks=cache.blocks_for(peak_tokens(request)),
+        blocks=blocks,
         value=request.value,
         early_tokens=early,
         chain=upcoming_deadlines(request, 0) if early else (),

@@ -62,7 +62,7 @@ def test_vllm_reproduces_a_hand_computed_schedule() -> None:
 
 def test_slos_admits_at_the_tick_and_runs_a_lone_request_back_to_back() -> None:
     # Tick at 0.01 admits; prefill 0.01-0.03; decodes of 11 ms each.
-    sim = Simulator(LINEAR, [sim_request("a", 10, 0.0, 3)], SimConfig())
+    sim = Simulator(LINEAR, [sim_request("a", 10, 0.0, 3)], SimConfig(policy=Policy.SLOS_NOSPEC))
     (outcome,) = sim.run().outcomes
     assert outcome.verdict is Verdict.ADMITTED and outcome.replica == 0 and outcome.hops == 1
     assert outcome.token_times_s == pytest.approx((0.03, 0.041, 0.052))
@@ -70,17 +70,19 @@ def test_slos_admits_at_the_tick_and_runs_a_lone_request_back_to_back() -> None:
         sim.run()
 
 
-def test_equal_timestamps_pop_step_done_then_arrivals_in_push_order_then_tick() -> None:
+def test_equal_timestamps_pop_step_done_transfer_arrivals_in_push_order_then_tick() -> None:
     events = EventQueue()
     events.push(1.0, EventKind.TICK, 0)
     events.push(1.0, EventKind.ARRIVAL, 7)
+    events.push(1.0, EventKind.TRANSFER_DONE, 4)
     events.push(1.0, EventKind.STEP_DONE, 0)
     events.push(1.0, EventKind.ARRIVAL, 3)
     events.push(0.5, EventKind.TICK, 9)
-    order = [(e.kind, e.target) for e in (events.pop() for _ in range(5))]
+    order = [(e.kind, e.target) for e in (events.pop() for _ in range(6))]
     assert order == [
         (EventKind.TICK, 9),
         (EventKind.STEP_DONE, 0),
+        (EventKind.TRANSFER_DONE, 4),
         (EventKind.ARRIVAL, 7),
         (EventKind.ARRIVAL, 3),
         (EventKind.TICK, 0),
@@ -124,7 +126,9 @@ def test_the_schedule_does_not_depend_on_output_len_until_a_request_ends(policy:
     # produced before A's shorter run ends.
     def run(a_len: int) -> dict:
         requests = [sim_request("a", 30, 0.0, a_len), sim_request("b", 40, 0.005, 20)]
-        return times(requests, SimConfig(policy=policy))
+        replicas = 2 if policy is Policy.DISTSERVE else 1
+        config = SimConfig(policy=policy, replicas=replicas, kv_bytes_per_token=1e6)
+        return times(requests, config)
 
     short, long = run(5), run(40)
     end = short["a"][-1]
@@ -156,15 +160,6 @@ def test_sarathi_budget_is_the_largest_step_within_the_tightest_tpot() -> None:
     assert sarathi_token_budget(LINEAR, tpot) == 90  # 10 ms + 90 x 1 ms = 100 ms
     with pytest.raises(ValueError, match="output_len"):
         sim_request("x", 4, 0.0, 65)
-
-
-def test_capacity_ratio_geomean_uses_the_best_baseline() -> None:
-    capacity = {
-        "chatbot": {"slos": {"1": 4.0}, "vllm": {"1": 1.0}, "sarathi": {"1": 2.0}},
-        "coder": {"slos": {"1": 8.0}, "vllm": {"1": 2.0}, "sarathi": {"1": 0.0}},
-    }
-    assert simulate.capacity_ratio_geomean(capacity) == pytest.approx(8**0.5)
-    assert simulate.capacity_ratio_geomean({"chatbot": {"slos": {"1": 1.0}}}) is None
 
 
 def test_cli_smoke_writes_capacity_summary(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from replica.planner.budget import (
     BatchBudget,
     TierLoad,
     expected_tokens,
+    judged_drafts,
     plan_budgets,
 )
 from replica.planner.config import InvocationConfig, PlannerConfig, SpecConfig
@@ -69,23 +70,23 @@ def test_speculation_is_chosen_when_it_pays_and_looser_tiers_derive_shorter_leng
 
 def test_no_speculation_under_heavy_load_or_poor_acceptance() -> None:
     spec = SpecConfig(max_spec_tokens=4)
-    (heavy,) = budgets([TierLoad(0.05, 350)], 0.8, spec)
-    assert heavy.draft_steps == 0
+    heavy = budgets([TierLoad(0.05, 350)], 0.8, spec)
+    assert heavy[0].draft_steps == 0
     (poor,) = budgets([TierLoad(0.05, 2)], 0.0, spec)
     assert poor.draft_steps == 0 and poor.spec_len(0.05) == 0
 
 
 def test_acceptance_estimate_moves_toward_observations_and_stays_capped() -> None:
     estimate = AcceptanceEstimate(SpecConfig(initial_acceptance=0.5, ema_weight=0.5))
-    estimate.observe(drafted=4, accepted=4)
+    estimate.observe(judged=4, accepted=4)
     assert estimate.value == pytest.approx(0.75)
     for _ in range(20):
-        estimate.observe(drafted=4, accepted=4)
+        estimate.observe(judged=4, accepted=4)
     assert estimate.value == pytest.approx(0.95)
-    estimate.observe(drafted=0, accepted=0)
+    estimate.observe(judged=0, accepted=0)
     assert estimate.value == pytest.approx(0.95)
     with pytest.raises(ValueError, match="accepted=5"):
-        estimate.observe(drafted=4, accepted=5)
+        estimate.observe(judged=4, accepted=5)
 
 
 @pytest.mark.parametrize(
@@ -102,3 +103,45 @@ def test_acceptance_estimate_moves_toward_observations_and_stays_capped() -> Non
 def test_config_rejects_bad_values_by_name(factory: Callable[[], object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         factory()
+
+
+def test_a_budget_whose_worst_case_overruns_the_period_still_holds_one_token() -> None:
+    # Reading 2000 cached tokens alone takes 20 ms, the whole TPOT: the worst-case batch fits
+    # no token, yet the running decoders must progress.
+    slow = PerfModel.synthetic({"const": 0.01, "tokens": 0.001, "kv_tokens": 1e-5})
+    (budget,) = plan_budgets(
+        slow,
+        [TierLoad(0.02, 4)],
+        num_requests=4,
+        max_context=500,
+        kv_tokens=2000,
+        idle_period_s=0.05,
+    )
+    assert budget.batch_tokens == 1
+
+
+def test_an_urgent_period_adds_a_shorter_autoregressive_budget() -> None:
+    perf = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})
+
+    def periods(urgent: float, min_period: float = 0.0) -> list[float]:
+        budgets = plan_budgets(
+            perf,
+            [TierLoad(0.05, 2)],
+            num_requests=2,
+            max_context=100,
+            kv_tokens=200,
+            idle_period_s=0.05,
+            min_period_s=min_period,
+            urgent_period_s=urgent,
+        )
+        return [b.period_s for b in budgets]
+
+    assert periods(0.03) == pytest.approx([0.05, 0.03])
+    assert periods(0.06) == pytest.approx([0.05])
+    assert periods(0.03, min_period=0.04) == pytest.approx([0.05])
+    assert periods(0.0) == pytest.approx([0.05])
+
+
+def test_drafts_after_the_first_rejection_are_not_judged() -> None:
+    assert [judged_drafts(4, a) for a in range(5)] == [1, 2, 3, 4, 4]
+    assert judged_drafts(0, 0) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -275,3 +276,46 @@ def test_property_admitted_requests_meet_their_slos_with_speculation(
     workload: tuple[list[Request], int, int],
 ) -> None:
     check_admitted_slos_hold(workload, spec=True)
+
+
+def test_admission_plans_from_the_end_of_the_batch_in_flight() -> None:
+    # A's 300-token prefill runs 0-0.05 s (1/6 ms per token). B, due at 0.055 s, is admitted
+    # on an idle replica (it goes first), but not once A's batch is in flight, until that
+    # batch is reported.
+    perf = PerfModel.synthetic({"tokens": 1 / 6000})
+    sched = SlosScheduler(perf, CacheBudget(num_blocks=256))
+    a = request("a", 300, 4, ttft_s=1.0)
+    sched.add_admitted(a, 0.0)
+    b = request("b", 60, 4, ttft_s=0.055)
+    assert sched.plan_admission([b], 0.0).is_admitted("b")
+    plan = sched.schedule(0.0)
+    assert plan is not None and plan.num_tokens == 300
+    assert not sched.plan_admission([b], 0.0).is_admitted("b")
+    executor = PerfExecutor(perf, sched.queues.budget)
+    executor.add(a)
+    outcome, duration = executor.execute(plan, 0.0)
+    assert duration == pytest.approx(0.05)
+    sched.update_from_outcome(plan, outcome, duration)
+    later = request("c", 60, 4, ttft_s=0.2)
+    assert sched.plan_admission([later], duration).is_admitted("c")
+
+
+def test_a_request_due_within_one_period_is_admitted_with_shorter_batches() -> None:
+    # Due 30 ms after arrival with a 50 ms TPOT: no whole 50 ms batch ends in time, a 30 ms
+    # one does (4 ms + 100 tokens x 0.1 ms); an idle replica reserves no best-effort room.
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4})
+    sched = SlosScheduler(perf, CacheBudget(num_blocks=256))
+    result = sched.plan_admission([request("a", 100, 8, ttft_s=0.03, tpot_s=0.05)], 0.0)
+    assert result.is_admitted("a") and result.budget.period_s == pytest.approx(0.03)
+    late = request("b", 100, 8, ttft_s=0.012, tpot_s=0.05)
+    assert not sched.plan_admission([late], 0.0).is_admitted("b")
+
+
+def test_the_budget_never_assumes_more_kv_than_the_cache_holds() -> None:
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4, "kv_tokens": 1e-6})
+    sched = SlosScheduler(perf, CacheBudget(num_blocks=64))
+    for i in range(8):
+        sched.add_best_effort(request(f"be{i}", 900, 8, tier=Tier.BEST_EFFORT), 0.0)
+    result = sched.plan_admission([request("a", 10, 8)], 0.0)
+    assert result.budget.kv_tokens == 64 * 16
+    assert result.budget.num_requests == 1 + 8

@@ -1,0 +1,192 @@
+"""Simulator policies beyond the basics: speculation, distserve, the slos ablations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from cluster.api import Verdict
+from cluster.sim_distserve import KvLink, pool_splits
+from cluster.sim_spec import SeededAcceptance
+from cluster.simulator import Policy, SimConfig, SimOutcome, SimRequest, SimResult, Simulator
+from loadgen import simulate
+from loadgen.arrivals import poisson_arrivals
+from loadgen.workloads import WorkloadConfig, generate_workload, zero_load_ttft_from
+from replica.perf_model import PerfModel
+from replica.planner.config import OutputEstimateConfig, PlannerConfig
+from replica.planner.slos import SlosScheduler
+from replica.request import SLO, Request, SamplingParams
+
+LINEAR = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})
+"""A step takes 10 ms + 1 ms per query token; drafting is free."""
+ROOMY = SLO(1000.0, 100.0)
+IMPOSSIBLE = SLO(ttft_ms=1.0, tpot_ms=100.0)
+A100 = PerfModel.load(simulate.resolve_profile("a100-40gb-opt-7b-tp1"))
+
+
+def sim_request(
+    rid: str, prompt: int, arrival: float, output_len: int, slo: SLO = ROOMY
+) -> SimRequest:
+    request = Request(rid, [0] * prompt, SamplingParams(max_tokens=64), slo)
+    request.arrival_time = arrival
+    return SimRequest(request, output_len)
+
+
+@dataclass
+class Ran:
+    """A finished simulation and its result."""
+
+    sim: Simulator
+    result: SimResult
+
+
+def run(requests: list[SimRequest], config: SimConfig, perf: PerfModel = LINEAR) -> Ran:
+    sim = Simulator(perf, requests, config)
+    return Ran(sim, sim.run())
+
+
+def outcomes(ran: Ran) -> tuple[SimOutcome, ...]:
+    return ran.result.outcomes
+
+
+def times(ran: Ran) -> dict[str, tuple[float, ...]]:
+    return {o.request_id: o.token_times_s for o in outcomes(ran)}
+
+
+def test_slos_speculates_four_tokens_when_every_draft_is_accepted() -> None:
+    # Admitted at the 0.01 tick, prefill 0.01-0.03 (10 + 10 tokens ms). With a loose TPOT the
+    # longest speculation (4) gives the most prefill budget, so each verify feeds 5 tokens
+    # (15 ms) and, at alpha 1, yields 5: tokens 1-5 at 0.045, 6-10 at 0.06.
+    ran = run([sim_request("a", 10, 0.0, 11)], SimConfig(acceptance=1.0))
+    assert times(ran)["a"] == pytest.approx((0.03, *[0.045] * 5, *[0.06] * 5))
+    assert ran.sim.replicas[0].executor.drafted == [4, 4]
+
+
+def test_the_planner_starts_from_the_engines_alpha_and_never_drafts_at_zero() -> None:
+    config = SimConfig(acceptance=0.0)
+    spec = config.planner_config().spec
+    assert spec is not None and spec.initial_acceptance == 0.0
+    ran = run([sim_request("a", 10, 0.0, 3)], config)
+    assert times(ran)["a"] == pytest.approx((0.03, 0.041, 0.052))
+    assert ran.sim.replicas[0].executor.drafted == [0, 0]
+
+
+def chatbot(n: int, rate: float, seed: int) -> list[SimRequest]:
+    config = WorkloadConfig(zero_load_ttft_from(A100))
+    workload = generate_workload("chatbot", poisson_arrivals(rate, n, seed), config, seed)
+    return simulate.sim_requests(workload)
+
+
+def test_speculation_is_deterministic_for_a_seed_and_depends_on_it() -> None:
+    def seeded(seed: int) -> tuple[SimOutcome, ...]:
+        config = SimConfig(num_kv_blocks=2048, seed=seed)
+        ran = run(chatbot(30, 4.0, 0), config, A100)
+        assert any(k > 0 for k in ran.sim.replicas[0].executor.drafted)
+        return outcomes(ran)
+
+    first = seeded(1)
+    assert first == seeded(1)
+    assert first != seeded(2)
+
+
+def test_acceptance_streams_are_per_request() -> None:
+    alone = SeededAcceptance(0.5, 3)
+    first = [alone("a", 4) for _ in range(20)]
+    mixed = SeededAcceptance(0.5, 3)
+    interleaved = []
+    for _ in range(20):
+        mixed("b", 4)
+        interleaved.append(mixed("a", 4))
+    assert first == interleaved and 0 < sum(first) < 80
+    with pytest.raises(ValueError, match="acceptance"):
+        SeededAcceptance(1.5, 0)
+
+
+def test_distserve_reproduces_a_hand_computed_schedule_with_a_queued_kv_link() -> None:
+    # Prefill replica 0: A 0-0.02 (10 tokens), B 0.02-0.05 (20 tokens). Link at 4 MB/token,
+    # 1 GB/s: A's KV 0.02-0.06, B's waits for the link, 0.06-0.14. Decode replica 1: A's
+    # decodes (11 ms) end 0.071, 0.082; B's at 0.151.
+    requests = [sim_request("a", 10, 0.0, 3), sim_request("b", 20, 0.005, 2)]
+    config = SimConfig(
+        policy=Policy.DISTSERVE, replicas=2, kv_link_gb_s=1.0, kv_bytes_per_token=4e6
+    )
+    ran = run(requests, config)
+    got = times(ran)
+    assert got["a"] == pytest.approx((0.02, 0.071, 0.082))
+    assert got["b"] == pytest.approx((0.05, 0.151))
+    assert {o.replica for o in outcomes(ran)} == {1}
+
+
+def test_kv_link_and_pool_splits() -> None:
+    link = KvLink(gb_s=2.0, bytes_per_token=1e6)
+    assert link.send(1.0, 100) == pytest.approx(1.05)
+    assert link.send(1.01, 100) == pytest.approx(1.10)
+    assert link.send(2.0, 10) == pytest.approx(2.005)
+    assert pool_splits(2) == [(1, 1)]
+    assert pool_splits(4) == [(2, 2), (3, 1), (1, 3)]
+    with pytest.raises(ValueError, match="replicas"):
+        pool_splits(1)
+    with pytest.raises(ValueError, match="prefill_replicas"):
+        SimConfig(policy=Policy.DISTSERVE, replicas=2, prefill_replicas=2)
+    with pytest.raises(ValueError, match="kv_link_gb_s"):
+        KvLink(gb_s=0.0, bytes_per_token=1.0)
+
+
+def test_distserve_finishes_a_chatbot_burst_with_every_token() -> None:
+    requests = chatbot(40, 8.0, 2)
+    config = SimConfig(policy=Policy.DISTSERVE, replicas=3, prefill_replicas=1)
+    ran = run(requests, config, A100)
+    done = outcomes(ran)
+    assert [len(o.token_times_s) for o in done] == [r.output_len for r in requests]
+    assert {o.replica for o in done} <= {1, 2}
+
+
+def test_noadmit_admits_what_slos_declines() -> None:
+    requests = [sim_request("a", 10, 0.0, 3, IMPOSSIBLE), sim_request("b", 10, 0.5, 3)]
+    slos = outcomes(run(requests, SimConfig()))
+    noadmit = outcomes(run(requests, SimConfig(policy=Policy.SLOS_NOADMIT)))
+    assert [o.verdict for o in slos] == [Verdict.BEST_EFFORT, Verdict.ADMITTED]
+    assert [o.verdict for o in noadmit] == [Verdict.ADMITTED, Verdict.ADMITTED]
+
+
+def test_noadmit_waits_for_memory_in_arrival_order() -> None:
+    # Each request reserves prompt + max_tokens - 1 = 73 slots = 5 blocks; 8 blocks hold one.
+    requests = [sim_request("a", 10, 0.0, 3), sim_request("b", 10, 0.0, 3)]
+    config = SimConfig(policy=Policy.SLOS_NOADMIT, num_kv_blocks=8)
+    got = times(run(requests, config))
+    assert got["b"][0] > got["a"][-1]
+
+
+def test_noroute_sends_a_declined_request_to_the_backup_at_once() -> None:
+    requests = [sim_request("a", 10, 0.0, 3, IMPOSSIBLE)]
+    routed = outcomes(run(requests, SimConfig(replicas=2)))
+    config = SimConfig(policy=Policy.SLOS_NOROUTE, replicas=2, route_limit=2)
+    alone = outcomes(run(requests, config))
+    assert routed[0].hops == 2 and alone[0].hops == 1
+    assert routed[0].verdict is alone[0].verdict is Verdict.BEST_EFFORT
+
+
+def test_nospec_never_drafts() -> None:
+    ran = run(chatbot(20, 4.0, 0), SimConfig(policy=Policy.SLOS_NOSPEC), A100)
+    assert ran.sim.config.planner_config().spec is None
+    assert not any(ran.sim.replicas[0].executor.drafted)
+
+
+def test_outgrown_reservations_demote_the_newest_admitted_request() -> None:
+    # The warm-up request teaches the replica that outputs are 2 tokens long, so A and B
+    # reserve 16 + 2 - 1 slots (2 blocks) each; both run to 60 tokens (76 slots, 5 blocks),
+    # which two cannot do in 8 blocks: B, the newer, loses its guarantee (and its memory
+    # while A needs it), and both still finish every token.
+    planner = PlannerConfig(output_estimate=OutputEstimateConfig(quantile=0.5, min_samples=1))
+    requests = [
+        sim_request("warm", 16, 0.0, 2),
+        sim_request("a", 16, 0.2, 60),
+        sim_request("b", 16, 0.2, 60),
+    ]
+    config = SimConfig(policy=Policy.SLOS_NOSPEC, num_kv_blocks=8, planner=planner)
+    ran = run(requests, config)
+    mirror = ran.sim.replicas[0].mirror
+    assert mirror is not None and isinstance(mirror.scheduler, SlosScheduler)
+    assert mirror.scheduler.demoted == ["b"]
+    assert [len(t) for t in times(ran).values()] == [2, 60, 60]

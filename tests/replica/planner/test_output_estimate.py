@@ -1,0 +1,60 @@
+"""KV reservations from observed output lengths."""
+
+from __future__ import annotations
+
+import pytest
+
+from replica.planner.config import OutputEstimateConfig, PlannerConfig
+from replica.planner.output_estimate import OutputLengthEstimate
+from replica.request import SLO, Request, SamplingParams
+
+
+def request(prompt: int, max_tokens: int) -> Request:
+    return Request("r", [0] * prompt, SamplingParams(max_tokens=max_tokens), SLO(1000.0, 100.0))
+
+
+def test_reserves_the_prior_until_enough_outputs_with_that_cap_finished() -> None:
+    config = OutputEstimateConfig(quantile=0.5, min_samples=3, prior_tokens=300)
+    estimate = OutputLengthEstimate(config)
+    chat, other = request(100, 400), request(100, 50)
+    for length in (10, 30):
+        estimate.observe(chat, length)
+    assert estimate.expected_output(chat) == 300
+    assert estimate.initial_tokens(chat) == 100 + 300 - 1
+    estimate.observe(chat, 20)
+    assert estimate.expected_output(chat) == 20
+    assert estimate.initial_tokens(chat) == 100 + 20 - 1
+    assert estimate.expected_output(other) == 50
+
+
+def test_extensions_add_an_estimate_and_stop_at_the_peak() -> None:
+    estimate = OutputLengthEstimate(OutputEstimateConfig(quantile=1.0, min_samples=1))
+    chat = request(100, 400)
+    estimate.observe(chat, 150)
+    assert estimate.extended_tokens(chat, 249) == 399
+    assert estimate.extended_tokens(chat, 399) == 499
+    assert estimate.extended_tokens(chat, 499) == 499
+
+
+def test_the_window_forgets_old_outputs() -> None:
+    estimate = OutputLengthEstimate(OutputEstimateConfig(quantile=1.0, min_samples=1, window=2))
+    chat = request(10, 400)
+    for length in (300, 5, 7):
+        estimate.observe(chat, length)
+    assert estimate.expected_output(chat) == 7
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"quantile": 1.5}, "quantile"),
+        ({"min_samples": 0}, "min_samples"),
+        ({"window": 0}, "window"),
+        ({"prior_tokens": 0}, "prior_tokens"),
+    ],
+)
+def test_config_names_the_bad_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        OutputEstimateConfig(**kwargs)
+    with pytest.raises(ValueError, match="output_estimate"):
+        PlannerConfig(output_estimate=0.9)  # type: ignore[arg-type]

@@ -26,7 +26,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "paged_attention.c"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+"""-ffast-math vectorizes expf and the reductions; it is given to the compile step only."""
+LINK_FLAGS = ("-shared", "-fopenmp")
+"""Linking with -ffast-math would add crtfastmath.o, whose constructor turns on flush-to-zero for
+the whole process when the library loads, silently changing every other float computation."""
 DISABLE_ENV = "SLOS_SERVE_CPU_KERNEL"
 
 
@@ -47,7 +51,7 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()
+        SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + LINK_FLAGS).encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"paged_attention-{key}.so"
     if target.exists():
@@ -56,18 +60,18 @@ def _build(compiler: str) -> Path:
     # Build beside the target, then rename: concurrent replicas never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp + ".o"
     try:
-        subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        for command in (
+            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj],
+            [compiler, *LINK_FLAGS, obj, "-o", tmp, "-lm"],
+        ):
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,15 @@ def test_kernel_refuses_a_block_size_that_is_not_a_power_of_two() -> None:
             12,
             1.0,
         )
+
+
+@needs_kernel
+def test_loading_the_kernel_keeps_subnormal_floats() -> None:
+    """A -ffast-math link would switch the process to flush-to-zero when the library loads."""
+    assert kernel is not None
+    tiny = sys.float_info.min
+    assert tiny / 2 > 0
+    assert torch.tensor(tiny, dtype=torch.float64).div(2).item() > 0
 
 
 def test_disabling_the_kernel_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,8 @@ the final state must satisfy. Requests are processed in deadline order; requests
 budget speculates for cost (s + 1) tokens in every batch once their prefill is done, and must
 finish their prefill one period minus one TPOT early so that the first verify is on time. A
 stage that starts sooner than one TPOT after the previous one adds a token to the count and
-pulls the prefill deadline forward so that the tokens up to it fit one per batch.
+pulls the prefill deadline forward so that the tokens up to it fit one per batch; a running
+decoder with such tokens ahead is late under a period too long for them to fit one per batch.
 """
 
 from __future__ import annotations
@@ -78,12 +79,16 @@ class RunningDecoders:
     remaining_tokens: np.ndarray
     early_tokens: np.ndarray
     """Tokens that may fall due sooner than even TPOT spacing (`early_stage_starts`)."""
+    chains: tuple[tuple[float, ...], ...] = ()
+    """Per decoder, the deadlines of its next tokens when a stage starts early (else empty):
+    one token per batch, a period too long for them makes it late. Empty: no such decoder."""
 
     @classmethod
     def of(cls, rows: Sequence[tuple[float, float, int, int]]) -> RunningDecoders:
         """From (next token deadline, TPOT, tokens still to produce, early tokens) rows."""
         columns = list(zip(*rows, strict=True)) if rows else [(), (), (), ()]
-        return cls(*(np.asarray(c, dtype=float) for c in columns))
+        deadline, tpot, remaining, early = (np.asarray(c, dtype=float) for c in columns)
+        return cls(deadline, tpot, remaining, early)
 
     def __len__(self) -> int:
         return len(self.tpot_s)
@@ -149,7 +154,11 @@ def _events(problem: AdmissionProblem) -> tuple[list[tuple[float, int, int]], in
     budget, now = problem.budget, problem.now
     period, batch = budget.period_s, budget.batch_tokens
     events: list[tuple[float, int, int]] = []
-    late = int(np.count_nonzero(problem.decoders.next_deadline_s < now + period - _EPS))
+    urgency = problem.decoders.next_deadline_s.copy()
+    for i, chain in enumerate(problem.decoders.chains):
+        if chain:
+            urgency[i] = chain_deadline(chain, period)
+    late = int(np.count_nonzero(urgency < now + period - _EPS))
     for i, p in enumerate(problem.prefills):
         earliest = now + period * max(1, math.ceil(p.prefill_tokens / max(batch, 1)))
         deadline = _effective_deadline(budget, p.deadline_s, p.tpot_s, p.chain)
@@ -166,7 +175,11 @@ def solve_admission(problem: AdmissionProblem, max_candidates: int = 0) -> Admis
 
     With `max_candidates` > 0, a larger burst is decided in deadline-ordered groups of that
     size, each group's admitted requests forced into the next: the DP's grid grows with the
-    product of per-tier counts, so this bounds planning time at a small loss of optimality."""
+    product of per-tier counts, so this bounds planning time at a small loss of optimality.
+    A budget whose batches overrun their period (`BatchBudget.overruns`) admits nothing."""
+    if problem.budget.overruns and problem.candidates:
+        alone = _solve(replace(problem, candidates=()))
+        return replace(alone, declined=tuple(c.request_id for c in problem.candidates))
     if 0 < max_candidates < len(problem.candidates):
         return _solve_in_groups(problem, max_candidates)
     return _solve(problem)

@@ -58,6 +58,9 @@ class BatchBudget:
     max_spec_tokens: int
     draft_steps: int
     draft_batch: int
+    overruns: bool = False
+    """Even one token overruns the period in the worst case: `batch_tokens` is floored at 1
+    so that running requests progress, but no new request can be guaranteed on it."""
 
     def spec_len(self, tpot_s: float) -> int:
         """Shortest speculation that lets a decoder of this TPOT keep up with the period."""
@@ -126,12 +129,12 @@ def plan_budgets(
     spec: SpecConfig | None = None,
     acceptance: float = 0.0,
     min_period_s: float = 0.0,
-    urgent_period_s: float | None = None,
+    urgent_periods_s: Sequence[float] = (),
 ) -> tuple[BatchBudget, ...]:
     """The period and speculation lengths with the most prefill tokens per second, followed by
     the autoregressive budget when the best one speculates (else by the best speculating
-    one, if any), and by a shorter autoregressive period when `urgent_period_s` is below the
-    tightest TPOT.
+    one, if any), and by a shorter autoregressive period for each of `urgent_periods_s` below
+    the tightest TPOT.
 
     A longer period makes a speculating request's prefill end earlier (its first verify must
     land within one TPOT of its first token), which throughput alone does not see; the caller
@@ -140,10 +143,10 @@ def plan_budgets(
     smaller batches would only fall further behind). `loads` lists the decoders the plan must
     serve per TPOT (running and candidates); tiers without decoders still bound the period.
     Without loads the period is `idle_period_s` (at least one token per batch, so best-effort
-    work always progresses). `urgent_period_s` is the time left before the most urgent new
-    request's first token: the admission DP counts whole batches, so a request due sooner
-    than one period after the start can only be admitted with batches that short (fewer
-    tokens per second; the caller keeps it only when it admits more)."""
+    work always progresses). `urgent_periods_s` are periods the most urgent requests need: the
+    admission DP counts whole batches, so a request due sooner than one period after the start
+    (or with tokens due closer together than one per period) is only on time with batches that
+    short (fewer tokens per second; the caller keeps one only when it keeps more on time)."""
     if num_requests < sum(load.num_decoders for load in loads):
         raise ValueError(
             f"num_requests={num_requests} is below the {sum(load.num_decoders for load in loads)} "
@@ -192,12 +195,13 @@ def plan_budgets(
     else:
         chosen = (best,)
     shortest = max(min_period_s, 1e-9)
-    if urgent_period_s is None or not shortest <= urgent_period_s < tightest:
-        return chosen
     shape = (num_requests, max_context, kv_tokens)
-    urgent = _option(perf, loads, urgent_period_s, 0, shape, acceptance, max_spec)
-    assert urgent is not None  # s0 = 0 is always an option
-    return (*chosen, urgent[1])
+    for period in sorted({p for p in urgent_periods_s if shortest <= p < tightest}):
+        urgent = _option(perf, loads, period, 0, shape, acceptance, max_spec)
+        assert urgent is not None  # s0 = 0 is always an option
+        if not urgent[1].overruns:  # batches that short hold no token: they serve no one
+            chosen = (*chosen, urgent[1])
+    return chosen
 
 
 def _option(
@@ -223,12 +227,13 @@ def _option(
         return None
     draft_batch = sum(load.num_decoders for load, s in zip(loads, lens, strict=True) if s > 0)
     draft_steps = max(lens) if draft_batch > 0 else 0
+    fits = capacity(perf, period, *shape, draft_steps, draft_batch)
     budget = BatchBudget(
         period_s=period,
         # At least one token, as in the idle budget: a worst case that overruns the period
         # (drafting costs more than the running decoders' batch the period was floored at)
         # must still let the running requests progress.
-        batch_tokens=max(1, capacity(perf, period, *shape, draft_steps, draft_batch)),
+        batch_tokens=max(1, fits),
         num_requests=num_requests,
         max_context=max_context,
         kv_tokens=kv_tokens,
@@ -236,6 +241,7 @@ def _option(
         max_spec_tokens=max_spec,
         draft_steps=draft_steps,
         draft_batch=draft_batch,
+        overruns=fits < 1,
     )
     return budget.prefill_tokens(loads) / period, budget
 

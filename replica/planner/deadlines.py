@@ -60,3 +60,9 @@ def chain_deadline(deadlines: tuple[float, ...], period_s: float) -> float:
     """When the first of `deadlines` must be out so that the rest, one per batch of
     `period_s`, are on time too."""
     return min(d - m * period_s for m, d in enumerate(deadlines))
+
+
+def chain_period(deadlines: tuple[float, ...], start: float) -> float:
+    """The longest batch period at which batches back to back from `start`, one of
+    `deadlines` each, are all on time."""
+    return min((d - start) / (m + 1) for m, d in enumerate(deadlines))

@@ -39,6 +39,7 @@ from replica.planner.budget import (
 )
 from replica.planner.config import PlannerConfig
 from replica.planner.deadlines import (
+    chain_period,
     early_stage_starts,
     prefill_deadline,
     remaining_tpot,
@@ -207,6 +208,12 @@ class SlosScheduler(Scheduler):
             tpots = np.where(behind, tpots * self.config.invocation.behind_tpot_factor, tpots)
         remaining = np.array([w.state.remaining_output for w in decoding], dtype=float)
         early = np.array([w.early_tokens for w in decoding], dtype=float)
+        chains = tuple(
+            upcoming_deadlines(w.state.request, len(w.state.output_token_ids))
+            if w.early_tokens
+            else ()
+            for w in decoding
+        )
         prefills = tuple(
             RunningPrefill(
                 prefill_tokens=w.state.num_uncomputed,
@@ -219,7 +226,7 @@ class SlosScheduler(Scheduler):
             for w in works
             if not w.decoding
         )
-        return RunningDecoders(deadlines, tpots, remaining, early), prefills
+        return RunningDecoders(deadlines, tpots, remaining, early, chains), prefills
 
     def _budgets(
         self,
@@ -255,6 +262,7 @@ class SlosScheduler(Scheduler):
             attn_tokens=running * max_context,
             kv_tokens=kv_tokens + running,
         )
+        floor = one_batch if running else 0.0
         return plan_budgets(
             self.perf,
             [TierLoad(float(tpot), int(n)) for tpot, n in sorted(loads.items())],
@@ -264,8 +272,8 @@ class SlosScheduler(Scheduler):
             idle_period_s=self.config.idle_period_s,
             spec=self.config.spec,
             acceptance=self.acceptance.value if self.acceptance is not None else 0.0,
-            min_period_s=one_batch if running else 0.0,
-            urgent_period_s=min((prefill_deadline(r) - start for r in slo_new), default=None),
+            min_period_s=floor,
+            urgent_periods_s=_urgent_periods(decoders, prefills, slo_new, start, floor),
         )
 
     def _replan(self, now: float) -> BatchBudget:
@@ -413,6 +421,41 @@ class SlosScheduler(Scheduler):
 
     def has_unfinished(self) -> bool:
         return self.queues.has_unfinished()
+
+
+def _urgent_periods(
+    decoders: RunningDecoders,
+    prefills: Sequence[RunningPrefill],
+    slo_new: Sequence[Request],
+    start: float,
+    floor: float,
+) -> tuple[float, ...]:
+    """The longest period keeping the most urgent new request on time, and the one keeping
+    the most urgent admitted request on time (each only if at least `floor`).
+
+    A request admitted with batches that short (its first token due sooner than a TPOT away)
+    needs them until its first token, and any tokens a stage starting early crowds together,
+    are out; and after that, batches no longer than the time left to its next token, or the
+    first longer batch makes it late."""
+    new = np.array(
+        [
+            chain_period(
+                upcoming_deadlines(r, 0) if early_stage_starts(r, 0) else (prefill_deadline(r),),
+                start,
+            )
+            for r in slo_new
+        ]
+    )
+    running = np.concatenate(
+        [
+            [chain_period(p.chain or (p.deadline_s,), start) for p in prefills],
+            [chain_period(chain, start) for chain in decoders.chains if chain],
+            decoders.next_deadline_s - start,
+        ]
+    )
+    return tuple(
+        float(needs[needs >= floor].min()) for needs in (new, running) if np.any(needs >= floor)
+    )
 
 
 def _candidate(request: Request, blocks: int) -> Candidate:

@@ -103,3 +103,20 @@ def test_large_bursts_are_decided_in_groups_with_earlier_admissions_forced_in() 
     grouped = solve_admission(figure3(), max_candidates=2)
     assert grouped.admitted == ("new0", "new1", "new2")
     assert grouped.value == 3.0 and grouped.forced_feasible
+
+
+def test_a_decoder_with_tokens_crowded_together_is_late_under_a_longer_period() -> None:
+    # Tokens due at 4 and 4 (a stage starting at once), one per batch: batches of 2 units
+    # from now = 0 deliver them by 2 and 4; batches of 3 units only by 3 and 6.
+    crowded = replace(RunningDecoders.of([(4.0, 2.0, 5, 1)]), chains=((4.0, 4.0),))
+    short = budget_for(SIX_PER_UNIT, [TierLoad(2.0, 1)])
+    long = budget_for(SIX_PER_UNIT, [TierLoad(3.0, 1)])
+    problem = AdmissionProblem(0.0, short, (), (), crowded, 1000, 16)
+    assert solve_admission(problem).forced_late == 0
+    assert solve_admission(replace(problem, budget=long)).forced_late == 1
+
+
+def test_a_budget_that_overruns_its_period_admits_nothing() -> None:
+    overrun = replace(figure3(), budget=replace(figure3().budget, overruns=True))
+    result = solve_admission(overrun)
+    assert result.admitted == () and len(result.declined) == 4 and result.forced_feasible

@@ -123,7 +123,7 @@ def test_a_budget_whose_worst_case_overruns_the_period_still_holds_one_token() -
 def test_an_urgent_period_adds_a_shorter_autoregressive_budget() -> None:
     perf = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})
 
-    def periods(urgent: float, min_period: float = 0.0) -> list[float]:
+    def periods(*urgent: float, min_period: float = 0.0) -> list[float]:
         budgets = plan_budgets(
             perf,
             [TierLoad(0.05, 2)],
@@ -132,7 +132,7 @@ def test_an_urgent_period_adds_a_shorter_autoregressive_budget() -> None:
             kv_tokens=200,
             idle_period_s=0.05,
             min_period_s=min_period,
-            urgent_period_s=urgent,
+            urgent_periods_s=urgent,
         )
         return [b.period_s for b in budgets]
 
@@ -140,6 +140,10 @@ def test_an_urgent_period_adds_a_shorter_autoregressive_budget() -> None:
     assert periods(0.06) == pytest.approx([0.05])
     assert periods(0.03, min_period=0.04) == pytest.approx([0.05])
     assert periods(0.0) == pytest.approx([0.05])
+    # Shorter than one batch's fixed cost: no token fits, so no such budget is offered.
+    assert periods(0.008) == pytest.approx([0.05])
+    # The most urgent new request and the most urgent admitted one may each need their own.
+    assert periods(0.03, 0.02) == pytest.approx([0.05, 0.02, 0.03])
 
 
 def test_drafts_after_the_first_rejection_are_not_judged() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from replica.perf_model import PerfModel
@@ -262,8 +262,59 @@ def check_admitted_slos_hold(workload: tuple[list[Request], int, int], spec: boo
     assert executor.peak_blocks <= num_blocks
 
 
+def best_effort(rid: str, prompt: int, max_tokens: int, arrival: float = 0.0) -> Request:
+    return request(rid, prompt, max_tokens, arrival=arrival, tier=Tier.BEST_EFFORT)
+
+
+# Workloads hypothesis found where requests admitted with batches shorter than their TPOT
+# (first token due sooner than a TPOT away) lost their guarantee at the next replan.
+CROWDED_TOKENS = (
+    [
+        best_effort("r0", 1, 1, arrival=0.015625),
+        *(
+            best_effort(f"r{i}", p, m)
+            for i, (p, m) in enumerate(
+                [(156, 1), (1, 2), (216, 2), (231, 2), (1, 1), (1, 1), (100, 2)], start=1
+            )
+        ),
+        request(
+            "r8",
+            156,
+            3,
+            ttft_s=0.02,
+            tpot_s=0.08,
+            stages=(Stage(tpot_ms=40.0, num_tokens=2), Stage(tpot_ms=80.0, ttft_ms=0.0)),
+        ),
+    ],
+    59,
+    3,
+)
+NO_TOKEN_FITS = (
+    [
+        *(best_effort(f"r{i}", 1, 1) for i in range(9)),
+        best_effort("r9", 223, 1, arrival=0.0078125),
+        request("r10", 1, 1, ttft_s=0.02, tpot_s=0.015, arrival=0.015625),
+    ],
+    14,
+    3,
+)
+NEXT_TOKEN_CLOSE = (
+    [
+        best_effort("r0", 1, 1, arrival=0.03125),
+        best_effort("r1", 162, 1),
+        request("r2", 144, 1, ttft_s=0.1, tpot_s=0.025, arrival=0.0078125),
+        request("r3", 61, 6, ttft_s=0.02, tpot_s=0.025),
+    ],
+    14,
+    3,
+)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
+@example(CROWDED_TOKENS)
+@example(NO_TOKEN_FITS)
+@example(NEXT_TOKEN_CLOSE)
 def test_property_admitted_requests_meet_their_slos(
     workload: tuple[list[Request], int, int],
 ) -> None:
@@ -272,6 +323,9 @@ def test_property_admitted_requests_meet_their_slos(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
+@example(CROWDED_TOKENS)
+@example(NO_TOKEN_FITS)
+@example(NEXT_TOKEN_CLOSE)
 def test_property_admitted_requests_meet_their_slos_with_speculation(
     workload: tuple[list[Request], int, int],
 ) -> None:
@@ -319,3 +373,45 @@ def test_the_budget_never_assumes_more_kv_than_the_cache_holds() -> None:
     result = sched.plan_admission([request("a", 10, 8)], 0.0)
     assert result.budget.kv_tokens == 64 * 16
     assert result.budget.num_requests == 1 + 8
+
+
+def test_later_plans_keep_the_short_batches_a_request_was_admitted_with() -> None:
+    # Due 20 ms after arrival with a 40 ms TPOT, and its third token due with its second
+    # (the answer stage starts at once): admitted with 20 ms batches, it needs batches that
+    # short until its third token, though the next replan has no new request asking for them.
+    stages = (Stage(tpot_ms=40.0, num_tokens=2), Stage(tpot_ms=80.0, ttft_ms=0.0))
+    a = request("a", 150, 3, ttft_s=0.02, tpot_s=0.08, stages=stages)
+    sched = SlosScheduler(GPU_LIKE, CacheBudget(num_blocks=256))
+    sched.add_request(a, 0.0)
+    plan = sched.schedule(0.0)
+    assert sched.verdicts["a"] and sched.budget is not None and sched.budget.period_s == 0.02
+    executor = PerfExecutor(GPU_LIKE, sched.queues.budget)
+    executor.add(a)
+    assert plan is not None
+    outcome, now = executor.execute(plan, 0.0)
+    sched.update_from_outcome(plan, outcome, now)
+    assert len(executor.output("a")) == 1
+    result = sched.plan_admission([], now)
+    # Two batches must end by token 1's and token 2's common deadline.
+    assert result.forced_late == 0
+    assert result.budget.period_s <= (token_deadline(a, 2) - now) / 2 + 1e-9
+
+
+def test_later_plans_keep_the_next_token_of_a_decoder_on_time() -> None:
+    # After its first token, `a` decodes only when due: once the short batches it was
+    # admitted with end, a decoder due within 40 ms still needs a batch ending by then.
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4})
+    sched = SlosScheduler(perf, CacheBudget(num_blocks=256))
+    a = request("a", 100, 8, ttft_s=0.02, tpot_s=0.05)
+    sched.add_admitted(a, 0.0)
+    executor = PerfExecutor(perf, sched.queues.budget)
+    executor.add(a)
+    plan = sched.schedule(0.0)
+    assert plan is not None
+    outcome, now = executor.execute(plan, 0.0)
+    sched.update_from_outcome(plan, outcome, now)
+    later = now + 0.035
+    result = sched.plan_admission([], later)
+    assert token_deadline(a, 1) - later < 0.05  # the tightest TPOT: the usual period
+    assert result.forced_late == 0
+    assert result.budget.period_s == pytest.approx(token_deadline(a, 1) - later)

@@ -4,7 +4,10 @@ Generates a paper scenario's workload, runs it through `cluster.simulator` for e
 replica count, and judges the records with loadgen.metrics (deadline semantics). `--rate` is
 requests per second per replica; `--capacity` searches the highest such rate with >= 90%
 attainment (loadgen.capacity) and summarizes slos against the best baseline as a geometric
-mean of capacity ratios. Arrivals: Poisson, or the scenario's Azure trace rescaled to the rate.
+mean of capacity ratios, plus scaling over replica counts and ablation variants when present
+(loadgen.capacity_tables). `--paper-table` runs the paper's 1-replica six-scenario comparison;
+`--plot` draws loadgen.plots' figures (distserve, which runs several pool splits, has no burst
+timeline). Arrivals: Poisson, or the scenario's Azure trace rescaled to the rate.
 """
 
 from __future__ import annotations
@@ -12,16 +15,30 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from functools import cache, partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from tqdm import tqdm
+
+from cluster.sim_distserve import DEFAULT_LINK_GB_S, pool_splits
+from cluster.sim_spec import DEFAULT_ACCEPTANCE
 from cluster.simulator import Policy, SimConfig, SimRequest, SimResult, Simulator
 from loadgen.arrivals import poisson_arrivals, trace_arrivals
 from loadgen.capacity import find_capacity
+from loadgen.capacity_tables import markdown_tables, summarize
 from loadgen.metrics import RunReport, report
+from loadgen.plots import (
+    attainment_panels,
+    burst_timeline,
+    capacity_bars,
+    figure_paths,
+    plot_attainment,
+    plot_capacity,
+    plot_timelines,
+)
 from loadgen.records import RequestRecord, Verdict
 from loadgen.traces import Trace, load_trace
 from loadgen.workloads import (
@@ -37,7 +54,7 @@ from replica.perf_model import PerfModel
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "deploy" / "profiles"
 TRACE_DIR = ROOT.parent / "shared" / "data" / "azure-llm-inference-2023"
-BASELINES = (Policy.VLLM, Policy.SARATHI)
+T = TypeVar("T")
 
 
 @cache
@@ -114,6 +131,10 @@ class Setup:
     num_kv_blocks: int
     tick_interval_s: float
     route_limit: int
+    acceptance: float = DEFAULT_ACCEPTANCE
+    """The draft's per-token acceptance in the simulated engine (slos and its ablations)."""
+    kv_link_gb_s: float = DEFAULT_LINK_GB_S
+    """distserve's KV link bandwidth."""
 
     def workload(self, rate: float, replicas: int) -> list[WorkloadRequest]:
         """Requests of a `duration_s` run at `rate` per replica."""
@@ -128,112 +149,353 @@ class Setup:
         return generate_workload(self.scenario, times, config, self.seed)
 
     def run(self, policy: Policy, replicas: int, rate: float) -> tuple[RunReport, SimResult]:
-        config = SimConfig(
+        """One policy at `rate` per replica; distserve reports its best pool split."""
+        if policy is Policy.DISTSERVE:
+            _, run_report, result = max(
+                self.distserve_runs(replicas, rate), key=lambda r: r[1].overall.attainment
+            )
+            return run_report, result
+        return self._run(self.config(policy, replicas), rate)
+
+    def distserve_runs(
+        self, replicas: int, rate: float
+    ) -> list[tuple[tuple[int, int], RunReport, SimResult]]:
+        """distserve at each prefill:decode split (cluster.sim_distserve.RATIOS) of
+        max(replicas, 2) replicas: one GPU cannot be split, so at 1 it runs a 1:1 pair and
+        `rate` stays per replica (per GPU at TP 1), comparable with the other policies."""
+        instances = max(replicas, 2)
+        runs = []
+        for prefill, decode in pool_splits(instances):
+            config = replace(self.config(Policy.DISTSERVE, instances), prefill_replicas=prefill)
+            runs.append(((prefill, decode), *self._run(config, rate)))
+        return runs
+
+    def config(self, policy: Policy, replicas: int) -> SimConfig:
+        return SimConfig(
             policy=policy,
             replicas=replicas,
             num_kv_blocks=self.num_kv_blocks,
             tick_interval_s=self.tick_interval_s,
             route_limit=self.route_limit,
+            acceptance=self.acceptance,
+            seed=self.seed,
+            prefill_replicas=max(1, replicas // 2),
+            kv_link_gb_s=self.kv_link_gb_s,
         )
-        run_report, result, _ = simulate_workload(self.perf, self.workload(rate, replicas), config)
+
+    def _run(self, config: SimConfig, rate: float) -> tuple[RunReport, SimResult]:
+        workload = self.workload(rate, config.replicas)
+        run_report, result, _ = simulate_workload(self.perf, workload, config)
         return run_report, result
 
 
+DEFAULT_PROFILE = "a100-40gb-opt-7b-tp1"
+PAPER_POLICIES = (Policy.SLOS, Policy.VLLM, Policy.SARATHI, Policy.DISTSERVE)
+PAPER_DURATION_S = 300.0
+PAPER_REL_TOL = 0.1
+PAPER_START_RATES: dict[Scenario, float] = {
+    Scenario.CHATBOT: 3.0,
+    Scenario.CODER: 1.5,
+    Scenario.SUMMARIZER: 2.0,
+    Scenario.MIXED: 3.0,
+    Scenario.TOOLLLM: 0.4,
+    Scenario.REASONING: 0.1,
+}
+"""Where --paper-table starts each search: near earlier results, so fewer overloaded runs
+(which are the slow ones) are spent bracketing. Only the search path depends on them."""
+PAPER_FIXED = ("profile", "scenario", "policies", "replicas", "ablation")
+"""Options --paper-table sets itself."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--profile", default="a100-40gb-opt-7b-tp1", help="name or path")
+    parser.add_argument("--profile", help=f"name or path (default {DEFAULT_PROFILE})")
     parser.add_argument(
-        "--scenario", default="chatbot", help=f"comma list of {[s.value for s in Scenario]}"
+        "--scenario", help=f"comma list of {[s.value for s in Scenario]} (default chatbot)"
     )
-    parser.add_argument("--policies", default="slos,vllm,sarathi", help="comma list")
-    parser.add_argument("--replicas", default="1", help="comma list of replica counts")
+    parser.add_argument(
+        "--policies",
+        help=f"comma list of {[p.value for p in Policy]} (default slos,vllm,sarathi)",
+    )
+    parser.add_argument("--replicas", help="comma list of replica counts (default 1)")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--rate", type=float, help="requests per second per replica")
     mode.add_argument("--capacity", action="store_true", help="search the capacity per policy")
-    parser.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
-    parser.add_argument("--arrivals", choices=("poisson", "trace"), default="poisson")
-    parser.add_argument("--start-rate", type=float, default=1.0, help="capacity search start")
-    parser.add_argument("--rel-tol", type=float, default=0.05, help="capacity search tolerance")
+    mode.add_argument(
+        "--paper-table",
+        action="store_true",
+        help=f"the paper's 1-replica capacity table: six scenarios, {DEFAULT_PROFILE}, "
+        f"policies {','.join(PAPER_POLICIES)}, trace arrivals, {PAPER_DURATION_S:g} s, "
+        f"--rel-tol {PAPER_REL_TOL}",
+    )
+    parser.add_argument(
+        "--ablation",
+        action="store_true",
+        help="policies = slos and its variants with one part off: "
+        + ",".join(p for p in Policy if p.is_slos),
+    )
+    parser.add_argument("--duration", type=float, help="seconds of arrivals (default 600)")
+    parser.add_argument(
+        "--arrivals", choices=("poisson", "trace"), help="default poisson (trace: --paper-table)"
+    )
+    parser.add_argument(
+        "--start-rate", type=float, help="capacity search start, req/s per replica (default 1)"
+    )
+    parser.add_argument("--rel-tol", type=float, help="capacity search tolerance (default 0.05)")
+    parser.add_argument(
+        "--min-rate",
+        type=float,
+        default=1e-3,
+        help="capacity search floor: failing there reports capacity 0",
+    )
+    parser.add_argument(
+        "--max-rate",
+        type=float,
+        default=1e4,
+        help="capacity search ceiling: passing there reports it as the capacity",
+    )
     parser.add_argument("--kv-blocks", type=int, default=2048, help="if the profile has none")
     parser.add_argument("--tick-ms", type=float, default=10.0)
     parser.add_argument("--route-limit", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write results here")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        help="PNG path: PATH = attainment vs rate (capacities marked); PATH-capacity.png = "
+        "capacity bars (capacity runs); PATH-timeline.png = burst timeline of one run",
+    )
+    parser.add_argument(
+        "--timeline-scenario",
+        help="scenario of the burst timeline (default: the first; coder for --paper-table); "
+        "it runs at --rate, else at slos's capacity",
+    )
 
 
 def _split(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def capacity_ratio_geomean(capacity: dict[str, dict[str, dict[str, float]]]) -> float | None:
-    """Geometric mean over (scenario, replicas) of slos / max(vllm, sarathi) capacity; None
-    when no pair has slos and a non-zero baseline."""
-    ratios = []
-    for by_policy in capacity.values():
-        for replicas, slos in by_policy.get(Policy.SLOS.value, {}).items():
-            best = max(by_policy.get(b.value, {}).get(replicas, 0.0) for b in BASELINES)
-            if best > 0 and slos > 0:
-                ratios.append(slos / best)
-    if not ratios:
-        return None
-    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+def _parse_list(option: str, text: str, parse: Callable[[str], T], known: str) -> list[T]:
+    """A comma list, each item parsed; errors name the option and the bad item."""
+    items = _split(text)
+    if not items:
+        raise ValueError(f"{option} is empty")
+    out = []
+    for item in items:
+        try:
+            out.append(parse(item))
+        except ValueError:
+            raise ValueError(f"{option}: {item!r} is not {known}") from None
+    return out
+
+
+def _replica_count(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise ValueError(text)
+    return n
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one invocation runs, after defaults and --paper-table / --ablation."""
+
+    profile: str
+    scenarios: list[Scenario]
+    policies: list[Policy]
+    replica_counts: list[int]
+    rate: float | None
+    """Attainment at this rate; None = capacity search."""
+    duration_s: float
+    arrivals: str
+    rel_tol: float
+    start_rates: dict[Scenario, float]
+    timeline_scenario: Scenario
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Resolve the options; a conflict or a bad value raises ValueError naming the option."""
+    paper = args.paper_table
+    if paper:
+        for name in PAPER_FIXED:
+            if getattr(args, name) not in (None, False):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"--paper-table sets {flag} itself; drop {flag}")
+    if args.ablation and args.policies is not None:
+        raise ValueError("--ablation sets --policies itself; drop --policies")
+    scenarios = (
+        list(Scenario)
+        if paper
+        else _parse_list(
+            "--scenario", args.scenario or Scenario.CHATBOT.value, Scenario, "a scenario"
+        )
+    )
+    if paper:
+        policies = list(PAPER_POLICIES)
+    elif args.ablation:
+        policies = [p for p in Policy if p.is_slos]
+    else:
+        policies = _parse_list(
+            "--policies", args.policies or "slos,vllm,sarathi", Policy, "a policy"
+        )
+    replica_counts = _parse_list(
+        "--replicas", args.replicas or "1", _replica_count, "a replica count >= 1"
+    )
+    for name in ("rate", "duration", "start_rate", "rel_tol", "min_rate", "max_rate"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+    if args.start_rate is not None:
+        start_rates = dict.fromkeys(scenarios, args.start_rate)
+    else:
+        start_rates = {s: PAPER_START_RATES[s] if paper else 1.0 for s in scenarios}
+    if args.min_rate > args.max_rate:
+        raise ValueError(f"--min-rate {args.min_rate} exceeds --max-rate {args.max_rate}")
+    start_rates = {s: min(max(r, args.min_rate), args.max_rate) for s, r in start_rates.items()}
+    timeline = Scenario.CODER if paper else scenarios[0]
+    if args.timeline_scenario is not None:
+        known = [s.value for s in scenarios]
+        if args.timeline_scenario not in known:
+            raise ValueError(
+                f"--timeline-scenario must be one of the run's scenarios {known}, "
+                f"got {args.timeline_scenario!r}"
+            )
+        timeline = Scenario(args.timeline_scenario)
+    return Plan(
+        profile=args.profile or DEFAULT_PROFILE,
+        scenarios=scenarios,
+        policies=policies,
+        replica_counts=replica_counts,
+        rate=args.rate,
+        duration_s=args.duration or (PAPER_DURATION_S if paper else 600.0),
+        arrivals=args.arrivals or ("trace" if paper else "poisson"),
+        rel_tol=args.rel_tol or (PAPER_REL_TOL if paper else 0.05),
+        start_rates=start_rates,
+        timeline_scenario=timeline,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    perf = PerfModel.load(resolve_profile(args.profile))
-    scenarios = [Scenario(s) for s in _split(args.scenario)]
-    policies = [Policy(p) for p in _split(args.policies)]
-    replica_counts = [int(n) for n in _split(args.replicas)]
-    runs: list[dict[str, Any]] = []
-    capacity: dict[str, dict[str, dict[str, float]]] = {}
-    searches: list[dict[str, Any]] = []
-    print(f"{'scenario':<11}{'policy':<9}{'replicas':>8}{'rate/rep':>10}{'attain':>8}{'wall s':>8}")
-    for scenario in scenarios:
-        setup = Setup(
+    p = plan(args)
+    perf = PerfModel.load(resolve_profile(p.profile))
+    setups = {
+        scenario: Setup(
             perf,
             scenario,
-            args.arrivals,
-            args.duration,
+            p.arrivals,
+            p.duration_s,
             args.seed,
             kv_blocks(perf, args.kv_blocks),
             args.tick_ms / 1e3,
             args.route_limit,
         )
-        for policy in policies:
-            for n in replica_counts:
-                attainment = partial(_evaluate, setup, policy, n, runs)
-                if not args.capacity:
-                    attainment(args.rate)
-                    continue
-                found = find_capacity(attainment, args.start_rate, rel_tol=args.rel_tol)
-                capacity.setdefault(scenario.value, {}).setdefault(policy.value, {})[str(n)] = (
-                    found.capacity
-                )
-                searches.append(
-                    {
-                        "scenario": scenario.value,
-                        "policy": policy.value,
-                        "replicas": n,
-                        **found.to_dict(),
-                    }
-                )
-                print(f"  capacity {scenario.value} {policy.value} x{n}: {found.capacity:.3f}")
+        for scenario in p.scenarios
+    }
+    runs: list[dict[str, Any]] = []
+    capacity: dict[str, dict[str, dict[str, float]]] = {}
+    searches: list[dict[str, Any]] = []
+    jobs = [(s, policy, n) for s in p.scenarios for policy in p.policies for n in p.replica_counts]
+    print(
+        f"{'scenario':<11}{'policy':<13}{'replicas':>8}{'rate/rep':>10}{'attain':>8}{'wall s':>8}"
+    )
+    with tqdm(jobs, unit="run" if p.rate else "search", disable=None, leave=False) as bar:
+        for scenario, policy, n in bar:
+            bar.set_postfix_str(f"{scenario.value} {policy.value} x{n}")
+            attainment = partial(_evaluate, setups[scenario], policy, n, runs)
+            if p.rate is not None:
+                attainment(p.rate)
+                continue
+            found = find_capacity(
+                attainment,
+                p.start_rates[scenario],
+                rel_tol=p.rel_tol,
+                min_rate=args.min_rate,
+                max_rate=args.max_rate,
+            )
+            capacity.setdefault(scenario.value, {}).setdefault(policy.value, {})[str(n)] = (
+                found.capacity
+            )
+            searches.append(
+                {"scenario": scenario.value, "policy": policy.value, "replicas": n}
+                | found.to_dict()
+            )
+            tqdm.write(f"  capacity {scenario.value} {policy.value} x{n}: {found.capacity:.3f}")
     out: dict[str, Any] = {
-        "profile": str(args.profile),
-        "arrivals": args.arrivals,
-        "duration_s": args.duration,
+        "profile": p.profile,
+        "paper_table": args.paper_table,
+        "arrivals": p.arrivals,
+        "duration_s": p.duration_s,
+        "rel_tol": p.rel_tol,
         "seed": args.seed,
         "runs": runs,
     }
-    if args.capacity:
+    if p.rate is None:
         out["capacity_searches"] = searches
-        out["summary"] = {
-            "capacity": capacity,
-            "capacity_ratio_geomean": capacity_ratio_geomean(capacity),
-        }
-        print(json.dumps(out["summary"]))
+        out["summary"] = summarize(capacity)
+        print(markdown_tables(out["summary"]))
+    if args.plot is not None:
+        out["plots"] = _plot(args.plot, p, setups[p.timeline_scenario], runs, capacity, out)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def timeline_rate(
+    capacity: Mapping[str, Mapping[str, Mapping[str, float]]], scenario: Scenario, replicas: int
+) -> float | None:
+    """slos's capacity in the scenario (else the highest capacity found): the load slos just
+    holds, where the baselines' behavior under bursts shows; None when every search found 0."""
+    by_policy = capacity.get(scenario.value, {})
+    found = by_policy.get(Policy.SLOS.value, {}).get(str(replicas))
+    if not found:
+        found = max((c.get(str(replicas), 0.0) for c in by_policy.values()), default=0.0)
+    return found or None
+
+
+def _plot(
+    path: Path,
+    p: Plan,
+    setup: Setup,
+    runs: list[dict[str, Any]],
+    capacity: dict[str, dict[str, dict[str, float]]],
+    out: dict[str, Any],
+) -> dict[str, str]:
+    """Draw the figures; the timeline's data goes into `out` too. Returns name -> path."""
+    paths = figure_paths(path)
+    written = {}
+    plot_attainment(attainment_panels(runs, capacity), paths["attainment"])
+    written["attainment"] = paths["attainment"]
+    if capacity:
+        plot_capacity(capacity_bars(capacity), paths["capacity"])
+        written["capacity"] = paths["capacity"]
+    replicas = p.replica_counts[0]
+    rate = p.rate if p.rate is not None else timeline_rate(capacity, setup.scenario, replicas)
+    policies = [policy for policy in p.policies if policy is not Policy.DISTSERVE]
+    if rate is None or not policies:
+        print("no timeline: every capacity search found 0, or only distserve ran")
+    else:
+        bin_s = max(1.0, p.duration_s / 120)
+        timelines = {
+            policy.value: burst_timeline(_records(setup, policy, replicas, rate), bin_s)
+            for policy in policies
+        }
+        title = f"{setup.scenario.value}, {p.arrivals} arrivals, {rate:.3g} req/s x{replicas}"
+        plot_timelines(timelines, title, paths["timeline"])
+        written["timeline"] = paths["timeline"]
+        out["timeline"] = {
+            "scenario": setup.scenario.value,
+            "replicas": replicas,
+            "rate_per_replica": rate,
+            "policies": {k: asdict(v) for k, v in timelines.items()},
+        }
+    for name, where in written.items():
+        print(f"plot {name}: {where}")
+    return {name: str(where) for name, where in written.items()}
+
+
+def _records(setup: Setup, policy: Policy, replicas: int, rate: float) -> list[RequestRecord]:
+    workload = setup.workload(rate, replicas)
+    return simulate_workload(setup.perf, workload, setup.config(policy, replicas))[2]
 
 
 def _evaluate(
@@ -242,8 +504,8 @@ def _evaluate(
     """Attainment at one rate; the run is printed and appended to `runs`."""
     run_report, result = setup.run(policy, replicas, rate)
     attainment = run_report.overall.attainment
-    print(
-        f"{setup.scenario.value:<11}{policy.value:<9}{replicas:>8}{rate:>10.3f}"
+    tqdm.write(
+        f"{setup.scenario.value:<11}{policy.value:<13}{replicas:>8}{rate:>10.3f}"
         f"{attainment:>8.3f}{result.wall_s:>8.1f}"
     )
     runs.append(

@@ -1,0 +1,246 @@
+"""PNG figures of `slos-serve simulate` results: attainment vs rate, capacity bars, burst timeline.
+
+Each figure has a data-preparation function (tested on hand-made results) and a drawing
+function. Drawing uses matplotlib's object API on the Agg canvas, never pyplot, so no global
+backend state is touched and nothing needs a display.
+
+The burst timeline follows the SLOs-Serve paper's Figure 11: over one run, per second,
+how many requests arrived, how many were admitted, deferred to best effort or rejected, how many
+of those arriving then attained their SLO (deadline semantics), and when deferred requests
+finished (the paper's point: best-effort work is served in the lulls after a burst).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from loadgen.capacity import DEFAULT_TARGET
+from loadgen.metrics import attained_deadline
+from loadgen.records import RequestRecord, Verdict
+
+Capacity = Mapping[str, Mapping[str, Mapping[str, float]]]
+"""scenario -> policy -> replica count (as a string, the JSON key) -> req/s per replica."""
+
+
+def figure_paths(path: Path) -> dict[str, Path]:
+    """Where the figures of one `--plot PATH` go: PATH itself is attainment vs rate; the
+    capacity bars and the burst timeline get `-capacity` and `-timeline` before the suffix."""
+    suffix = path.suffix or ".png"
+    return {
+        "attainment": path.with_suffix(suffix),
+        "capacity": path.with_name(f"{path.stem}-capacity{suffix}"),
+        "timeline": path.with_name(f"{path.stem}-timeline{suffix}"),
+    }
+
+
+# -- attainment vs rate -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One policy's evaluated rates, ascending, and its capacity when one was searched."""
+
+    policy: str
+    rates: tuple[float, ...]
+    attainments: tuple[float, ...]
+    capacity: float | None
+
+
+@dataclass(frozen=True)
+class Panel:
+    scenario: str
+    replicas: int
+    curves: tuple[Curve, ...]
+
+
+def attainment_panels(runs: Sequence[Mapping[str, Any]], capacity: Capacity) -> list[Panel]:
+    """One panel per (scenario, replica count) in first-seen order, one curve per policy.
+
+    `runs` are the `runs` entries of the simulate JSON (scenario, policy, replicas,
+    rate_per_replica, attainment); a rate evaluated twice keeps its last value."""
+    points: dict[tuple[str, int], dict[str, dict[float, float]]] = {}
+    for run in runs:
+        key = (str(run["scenario"]), int(run["replicas"]))
+        by_rate = points.setdefault(key, {}).setdefault(str(run["policy"]), {})
+        by_rate[float(run["rate_per_replica"])] = float(run["attainment"])
+    panels = []
+    for (scenario, replicas), by_policy in points.items():
+        curves = []
+        for policy, by_rate in by_policy.items():
+            rates = sorted(by_rate)
+            found = capacity.get(scenario, {}).get(policy, {}).get(str(replicas))
+            curves.append(Curve(policy, tuple(rates), tuple(by_rate[r] for r in rates), found))
+        panels.append(Panel(scenario, replicas, tuple(curves)))
+    return panels
+
+
+def _grid(n: int, width: float, height: float) -> tuple[Figure, list[Axes]]:
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig = Figure(figsize=(width * cols, height * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel().tolist()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def plot_attainment(panels: Sequence[Panel], path: Path, target: float = DEFAULT_TARGET) -> None:
+    """Attainment vs per-replica rate per policy; a dotted vertical line marks each capacity."""
+    if not panels:
+        raise ValueError("no runs to plot")
+    fig, axes = _grid(len(panels), 4.5, 3.2)
+    for ax, panel in zip(axes, panels, strict=True):
+        for color, curve in zip(_colors(), panel.curves, strict=False):
+            ax.plot(curve.rates, curve.attainments, "o-", color=color, label=curve.policy, ms=3)
+            if curve.capacity is not None:
+                ax.axvline(curve.capacity, color=color, ls=":", lw=1.2)
+        ax.axhline(target, color="gray", ls="--", lw=1, label=f"{target:.0%} target")
+        ax.set_title(f"{panel.scenario}, {panel.replicas} replica(s)")
+        ax.set_xlabel("request rate per replica (req/s)")
+        ax.set_ylabel("SLO attainment")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+
+
+def _colors() -> list[str]:
+    return [f"C{i}" for i in range(10)]
+
+
+# -- capacity bars ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bars:
+    """Capacity of each policy (rows) in each scenario (columns) at one replica count; NaN
+    where a policy was not searched."""
+
+    replicas: str
+    scenarios: tuple[str, ...]
+    policies: tuple[str, ...]
+    values: tuple[tuple[float, ...], ...]
+
+
+def capacity_bars(capacity: Capacity) -> list[Bars]:
+    """One group of bars per replica count, scenarios and policies in first-seen order."""
+    scenarios = list(capacity)
+    policies: dict[str, None] = {}
+    counts: dict[str, None] = {}
+    for by_policy in capacity.values():
+        for policy, by_replicas in by_policy.items():
+            policies[policy] = None
+            counts.update(dict.fromkeys(by_replicas))
+    out = []
+    for n in counts:
+        values = tuple(
+            tuple(capacity[s].get(p, {}).get(n, math.nan) for s in scenarios) for p in policies
+        )
+        out.append(Bars(n, tuple(scenarios), tuple(policies), values))
+    return out
+
+
+def plot_capacity(bars: Sequence[Bars], path: Path) -> None:
+    """Per-scenario capacity, the policies side by side, one panel per replica count."""
+    if not bars:
+        raise ValueError("no capacities to plot")
+    fig, axes = _grid(len(bars), max(4.5, 1.3 * len(bars[0].scenarios)), 3.4)
+    for ax, group in zip(axes, bars, strict=True):
+        x = np.arange(len(group.scenarios))
+        width = 0.8 / len(group.policies)
+        for i, (color, policy) in enumerate(zip(_colors(), group.policies, strict=False)):
+            heights = np.asarray(group.values[i], dtype=float)
+            offset = (i - (len(group.policies) - 1) / 2) * width
+            drawn = ax.bar(x + offset, heights, width, label=policy, color=color)
+            ax.bar_label(drawn, fmt="%.2g", fontsize="x-small")
+        ax.set_xticks(x, group.scenarios)
+        ax.set_ylabel("capacity (req/s per replica)")
+        ax.set_title(f"capacity at {DEFAULT_TARGET:.0%} attainment, {group.replicas} replica(s)")
+        ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+
+
+# -- burst timeline -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per-second rates in bins of `bin_s` seconds starting at `starts`."""
+
+    bin_s: float
+    starts: tuple[float, ...]
+    arrivals: tuple[float, ...]
+    admitted: tuple[float, ...]
+    best_effort: tuple[float, ...]
+    """Deferred on arrival (the paper's red line)."""
+    rejected: tuple[float, ...]
+    attained: tuple[float, ...]
+    """Requests arriving in the bin that attained their SLO."""
+    best_effort_done: tuple[float, ...]
+    """Deferred requests finishing in the bin (binned by their last token)."""
+
+
+def burst_timeline(records: Sequence[RequestRecord], bin_s: float = 1.0) -> Timeline:
+    """Bin one run's records by arrival (and deferred completions by their last token)."""
+    if not records:
+        raise ValueError("no records to bin")
+    if not math.isfinite(bin_s) or bin_s <= 0:
+        raise ValueError(f"bin_s must be finite and > 0, got {bin_s!r}")
+    done = [
+        r.token_times_s[-1] for r in records if r.verdict is Verdict.BEST_EFFORT and r.token_times_s
+    ]
+    end = max([r.arrival_s for r in records] + done)
+    edges = bin_s * np.arange(math.floor(end / bin_s) + 2)
+
+    def rate(times: Sequence[float]) -> tuple[float, ...]:
+        counts, _ = np.histogram(np.asarray(times, dtype=float), bins=edges)
+        return tuple(float(c) / bin_s for c in counts)
+
+    def arrivals(verdict: Verdict | None) -> tuple[float, ...]:
+        return rate([r.arrival_s for r in records if verdict is None or r.verdict is verdict])
+
+    return Timeline(
+        bin_s=bin_s,
+        starts=tuple(float(e) for e in edges[:-1]),
+        arrivals=arrivals(None),
+        admitted=arrivals(Verdict.ADMITTED),
+        best_effort=arrivals(Verdict.BEST_EFFORT),
+        rejected=arrivals(Verdict.REJECTED),
+        attained=rate([r.arrival_s for r in records if attained_deadline(r)]),
+        best_effort_done=rate(done),
+    )
+
+
+def plot_timelines(timelines: Mapping[str, Timeline], title: str, path: Path) -> None:
+    """One row per policy (the same arrivals), like the paper's Figure 11."""
+    if not timelines:
+        raise ValueError("no timelines to plot")
+    fig = Figure(figsize=(10, 2.4 * len(timelines)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False).ravel()
+    for ax, (policy, t) in zip(axes, timelines.items(), strict=True):
+        edges = [*t.starts, t.starts[-1] + t.bin_s]
+        ax.stairs(t.arrivals, edges, fill=True, color="0.85", label="arrived")
+        for values, color, style, label in (
+            (t.admitted, "C2", "-", "admitted"),
+            (t.best_effort, "C3", "-", "deferred (best effort)"),
+            (t.rejected, "k", "-", "rejected"),
+            (t.attained, "C0", "--", "attained SLO"),
+            (t.best_effort_done, "C1", ":", "deferred, finished"),
+        ):
+            if any(values):
+                ax.stairs(values, edges, color=color, ls=style, lw=1, label=label)
+        ax.set_title(f"{policy}: {title}", fontsize="medium")
+        ax.set_ylabel("requests/s")
+        ax.legend(fontsize="x-small", ncol=3, loc="upper right")
+    axes[-1].set_xlabel(f"time (s), {timelines[next(iter(timelines))].bin_s:g} s bins")
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,149 @@
+"""Figure data from hand-made results, and that each figure is written as a PNG."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadgen.plots import (
+    Curve,
+    Panel,
+    attainment_panels,
+    burst_timeline,
+    capacity_bars,
+    figure_paths,
+    plot_attainment,
+    plot_capacity,
+    plot_timelines,
+)
+from loadgen.records import RequestRecord
+from replica.request import SLO
+
+SLO_100_50 = SLO(ttft_ms=100.0, tpot_ms=50.0)
+
+
+def rec(rid: str, arrival: float, verdict: str, times: tuple[float, ...]) -> RequestRecord:
+    return RequestRecord(
+        request_id=rid,
+        scenario="coder",
+        slo_class="tight/tight",
+        arrival_s=arrival,
+        prompt_len=10,
+        output_len=2,
+        slo=SLO_100_50,
+        zero_load_ttft_s=0.05,
+        verdict=verdict,  # type: ignore[arg-type]
+        token_times_s=times,
+    )
+
+
+RECORDS = [
+    rec("a", 0.2, "admitted", (0.25, 0.3)),  # on time
+    rec("b", 0.5, "admitted", (0.7, 0.75)),  # first token 0.2 s late
+    rec("c", 1.5, "best_effort", (3.0, 3.2)),  # deferred, finishes in bin 3
+    rec("d", 1.7, "rejected", ()),
+]
+
+
+def run(scenario: str, policy: str, rate: float, attainment: float) -> dict[str, Any]:
+    return {
+        "scenario": scenario,
+        "policy": policy,
+        "replicas": 1,
+        "rate_per_replica": rate,
+        "attainment": attainment,
+    }
+
+
+def test_attainment_panels_sort_rates_and_mark_capacity() -> None:
+    runs = [
+        run("coder", "slos", 2.0, 0.5),
+        run("coder", "slos", 1.0, 1.0),
+        run("coder", "vllm", 1.0, 0.8),
+        run("chatbot", "slos", 1.0, 0.95),
+        run("coder", "slos", 1.5, 0.92),
+        run("coder", "slos", 2.0, 0.6),  # evaluated again: the last value counts
+    ]
+    capacity = {"coder": {"slos": {"1": 1.5}, "vllm": {"1": 0.0}}}
+    coder, chatbot = attainment_panels(runs, capacity)
+    assert coder == Panel(
+        "coder",
+        1,
+        (
+            Curve("slos", (1.0, 1.5, 2.0), (1.0, 0.92, 0.6), 1.5),
+            Curve("vllm", (1.0,), (0.8,), 0.0),
+        ),
+    )
+    assert chatbot == Panel("chatbot", 1, (Curve("slos", (1.0,), (0.95,), None),))
+
+
+def test_capacity_bars_group_by_replica_count_with_nan_for_missing() -> None:
+    capacity = {
+        "chatbot": {"slos": {"1": 3.0, "2": 2.5}, "vllm": {"1": 1.0}},
+        "coder": {"vllm": {"1": 2.0}},
+    }
+    one, two = capacity_bars(capacity)
+    assert (one.replicas, one.scenarios, one.policies) == (
+        "1",
+        ("chatbot", "coder"),
+        ("slos", "vllm"),
+    )
+    assert one.values[0][0] == 3.0 and math.isnan(one.values[0][1])
+    assert one.values[1] == (1.0, 2.0)
+    assert two.replicas == "2"
+    assert two.values[0][0] == 2.5 and math.isnan(two.values[1][0])
+
+
+def test_burst_timeline_bins_arrivals_verdicts_and_deferred_completions() -> None:
+    t = burst_timeline(RECORDS, bin_s=1.0)
+    assert t.starts == (0.0, 1.0, 2.0, 3.0)
+    assert t.arrivals == (2.0, 2.0, 0.0, 0.0)
+    assert t.admitted == (2.0, 0.0, 0.0, 0.0)
+    assert t.best_effort == (0.0, 1.0, 0.0, 0.0)
+    assert t.rejected == (0.0, 1.0, 0.0, 0.0)
+    assert t.attained == (1.0, 0.0, 0.0, 0.0)
+    assert t.best_effort_done == (0.0, 0.0, 0.0, 1.0)
+    half = burst_timeline(RECORDS, bin_s=2.0)
+    assert half.starts == (0.0, 2.0)
+    assert half.arrivals == (2.0, 0.0)  # 4 requests in 2 s
+    assert half.best_effort_done == (0.0, 0.5)
+
+
+@pytest.mark.parametrize("bin_s", [0.0, -1.0, math.inf])
+def test_burst_timeline_names_a_bad_bin(bin_s: float) -> None:
+    with pytest.raises(ValueError, match="bin_s"):
+        burst_timeline(RECORDS, bin_s)
+    with pytest.raises(ValueError, match="no records"):
+        burst_timeline([], 1.0)
+
+
+def test_figure_paths_put_the_main_figure_at_the_given_path() -> None:
+    paths = figure_paths(Path("out/sim.png"))
+    assert paths == {
+        "attainment": Path("out/sim.png"),
+        "capacity": Path("out/sim-capacity.png"),
+        "timeline": Path("out/sim-timeline.png"),
+    }
+    assert figure_paths(Path("sim"))["capacity"] == Path("sim-capacity.png")
+
+
+def is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_every_figure_is_a_non_empty_png(tmp_path: Path) -> None:
+    runs = [run("coder", p, r, a) for p in ("slos", "vllm") for r, a in ((1, 1.0), (2, 0.7))]
+    capacity = {"coder": {"slos": {"1": 1.5}, "vllm": {"1": 1.0}}}
+    paths = figure_paths(tmp_path / "sim.png")
+    plot_attainment(attainment_panels(runs, capacity), paths["attainment"])
+    plot_capacity(capacity_bars(capacity), paths["capacity"])
+    timeline = burst_timeline(RECORDS)
+    plot_timelines({"slos": timeline, "vllm": timeline}, "coder", paths["timeline"])
+    assert all(is_png(p) for p in paths.values())
+    with pytest.raises(ValueError, match="no runs"):
+        plot_attainment([], tmp_path / "empty.png")
+    with pytest.raises(ValueError, match="no timelines"):
+        plot_timelines({}, "coder", tmp_path / "empty.png")

@@ -71,48 +71,41 @@ static inline uint16_t float_to_bf16(float f) {
                     float *dst = qf + (i * group + g) * head_dim;                              \
                     for (int64_t d = 0; d < head_dim; d++) dst[d] = LOAD(src[d]) * scale;      \
                 }                                                                              \
-            for (int64_t j = 0; j < ctx; j++) {                                                \
-                const T *k = pool + (((int64_t)table[j >> shift] << (shift + 1)) +             \
-                                     (j & mask)) * row + kvh * head_dim;                       \
-                /* token i sees j iff j <= cached + i */                                       \
-                const int64_t first = j > cached ? j - cached : 0;                             \
-                for (int64_t v = first * group; v < n; v++) {                                  \
-                    const float *qv = qf + v * head_dim;                                       \
-                    float dot = 0.0f;                                                          \
-                    _Pragma("omp simd reduction(+ : dot)")                                     \
-                    for (int64_t d = 0; d < head_dim; d++) dot += qv[d] * LOAD(k[d]);          \
-                    scores[v * ctx + j] = dot;                                                 \
-                }                                                                              \
-            }                                                                                  \
-            for (int64_t v = 0; v < n; v++) {                                                  \
-                const int64_t seen = cached + v / group + 1;                                   \
-                float *s = scores + v * ctx, top = s[0], total = 0.0f;                         \
-                for (int64_t j = 1; j < seen; j++) top = s[j] > top ? s[j] : top;              \
-                for (int64_t j = 0; j < seen; j++) {                                           \
-                    s[j] = expf(s[j] - top);                                                   \
-                    total += s[j];                                                             \
-                }                                                                              \
-                for (int64_t j = 0; j < seen; j++) s[j] /= total;                              \
-            }                                                                                  \
-            memset(acc, 0, sizeof(float) * (size_t)(n * head_dim));                            \
-            for (int64_t j = 0; j < ctx; j++) {                                                \
-                const T *val = pool + (((int64_t)table[j >> shift] << (shift + 1)) +           \
-                                       block_size + (j & mask)) * row + kvh * head_dim;        \
-                const int64_t first = j > cached ? j - cached : 0;                             \
-                for (int64_t v = first * group; v < n; v++) {                                  \
-                    const float p = scores[v * ctx + j];                                       \
-                    float *a = acc + v * head_dim;                                             \
-                    _Pragma("omp simd")                                                        \
-                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * LOAD(val[d]);           \
-                }                                                                              \
-            }                                                                                  \
-            for (int64_t i = 0; i < n_q; i++)                                                  \
-                for (int64_t g = 0; g < group; g++) {                                          \
-                    T *dst = out + (((int64_t)q_start[r] + i) * heads + kvh * group + g) *     \
-                                       head_dim;                                               \
-                    const float *a = acc + (i * group + g) * head_dim;                         \
-                    for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE(a[d]);               \
-                }                                                                              \
+            /* query vector v (token v / group, head kvh * group + v % group) sees keys            \
+             * 0 .. cached + v / group; one vector at a time keeps its accumulators in             \
+             * registers while the rows it reads stay in cache for the next vector */              \
+            for (int64_t v = 0; v < n; v++) {                                                      \
+                const int64_t seen = cached + v / group + 1;                                       \
+                const float *qv = qf + v * head_dim;                                               \
+                float *s = scores + v * ctx;                                                       \
+                for (int64_t j = 0; j < seen; j++) {                                               \
+                    const T *k = pool + (((int64_t)table[j >> shift] << (shift + 1)) +             \
+                                         (j & mask)) * row + kvh * head_dim;                       \
+                    float dot = 0.0f;                                                              \
+                    _Pragma("omp simd reduction(+ : dot)")                                         \
+                    for (int64_t d = 0; d < head_dim; d++) dot += qv[d] * LOAD(k[d]);              \
+                    s[j] = dot;                                                                    \
+                }                                                                                  \
+                float top = s[0], total = 0.0f;                                                    \
+                for (int64_t j = 1; j < seen; j++) top = s[j] > top ? s[j] : top;                  \
+                for (int64_t j = 0; j < seen; j++) {                                               \
+                    s[j] = expf(s[j] - top);                                                       \
+                    total += s[j];                                                                 \
+                }                                                                                  \
+                float *a = acc + v * head_dim;                                                     \
+                for (int64_t d = 0; d < head_dim; d++) a[d] = 0.0f;                                \
+                for (int64_t j = 0; j < seen; j++) {                                               \
+                    const T *val = pool + (((int64_t)table[j >> shift] << (shift + 1)) +           \
+                                           block_size + (j & mask)) * row + kvh * head_dim;        \
+                    const float p = s[j];                                                          \
+                    _Pragma("omp simd")                                                            \
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * LOAD(val[d]);               \
+                }                                                                                  \
+                T *dst = out + (((int64_t)q_start[r] + v / group) * heads + kvh * group +          \
+                                v % group) * head_dim;                                             \
+                const float inv = 1.0f / total;                                                    \
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = STORE(a[d] * inv);                 \
+            }                                                                                      \
             free(buf);                                                                         \
         }                                                                                      \
         return failed;                                                                         \

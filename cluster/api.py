@@ -93,6 +93,10 @@ class ReplicaStatus:
     best_effort: int
     kv_usage: float
     """Fraction of KV blocks in use."""
+    calibration: dict[str, float] = field(default_factory=dict)
+    """Measured / predicted step time per shape class (decode, mixed, prefill, speculative)
+    the controller plans this replica with; empty until a step is observed or for baselines.
+    Above 1: the replica runs slower than its profile."""
 
 
 @dataclass(frozen=True)

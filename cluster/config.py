@@ -78,6 +78,9 @@ class ClusterConfig:
     """KV cache blocks (16 tokens each) per replica."""
     profile: str | None = None
     """Perf-model profile JSON; None: the shipped CPU profile."""
+    calibrate: bool = True
+    """Scale the profile's step times by the measured / predicted ratio of executed steps
+    (per shape class, an EMA), so admission follows the replicas' real speed (slos only)."""
     num_cpus_per_replica: float = 1.0
     num_gpus_per_replica: float = 0.0
     tensor_parallel_size: int = 1
@@ -88,6 +91,8 @@ class ClusterConfig:
             raise ValueError("model must be a non-empty path")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
             raise ValueError(f"replicas must be an integer, got {self.replicas!r}")
+        if not isinstance(self.calibrate, bool):
+            raise ValueError(f"calibrate must be true or false, got {self.calibrate!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if not isinstance(self.spec_policy, str) or not SPEC_POLICY.match(self.spec_policy):

@@ -81,7 +81,10 @@ def build_plane(config: ClusterConfig, metrics: Metrics | None = None) -> Contro
         backup_policy=config.backup_policy,
         retry_after_s=config.retry_after_s,
     )
-    replicas = [VirtualReplica(i, perf, cache, planner) for i in range(config.replicas)]
+    replicas = [
+        VirtualReplica(i, perf, cache, planner, calibrate=config.calibrate)
+        for i in range(config.replicas)
+    ]
     return ControlPlane(replicas, router, metrics)
 
 

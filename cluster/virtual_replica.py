@@ -6,6 +6,11 @@ The scheduler is SLOs-Serve's planner, whose admission the controller asks for, 
 The replica is authoritative. The mirror folds in every executed step, in order; a report out
 of sequence (lost, or from a restarted replica) means the mirror is wrong, and it is rebuilt
 from the replica's snapshot instead of being patched.
+
+The planner plans with a calibrated perf model: every executed step's measured seconds are
+fed back against the profile's prediction for that step's shape, so a replica slower than its
+profile (shared cores, another tenant) is planned, and admits, as slow as it is. Where the
+steps run exactly as predicted (the simulator) every factor stays 1.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from enum import StrEnum
 from cluster.api import ReplicaStatus
 from cluster.messages import ReplicaSnapshot, StepReport
 from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
+from replica.perf_calibration import CalibratedPerfModel, Calibration
 from replica.perf_model import PerfModel
 from replica.planner.admission import AdmissionResult
 from replica.planner.base import CacheBudget
@@ -46,9 +52,13 @@ class VirtualReplica:
         perf: PerfModel,
         cache: CacheBudget,
         config: SchedulerConfig | None = None,
+        calibrate: bool = True,
     ) -> None:
         self.index = index
-        self.perf = perf
+        self.perf = CalibratedPerfModel(perf, Calibration()) if calibrate else None
+        """The slos planner's model; None: it plans with the profile as is. Kept across
+        rebuilds: the replica's speed outlives its incarnation."""
+        self.profile = perf
         self.cache = cache
         self.config = config or PlannerConfig()
         self.alive = True
@@ -63,7 +73,7 @@ class VirtualReplica:
             return VllmScheduler(self.cache, self.config)
         if isinstance(self.config, SarathiConfig):
             return SarathiScheduler(self.cache, self.config)
-        return SlosScheduler(self.perf, self.cache, self.config)
+        return SlosScheduler(self.perf or self.profile, self.cache, self.config)
 
     @property
     def plans_admission(self) -> bool:
@@ -117,12 +127,33 @@ class VirtualReplica:
         if report.seq <= self.seq:
             return ReportFit.STALE
         self.seq = report.seq
+        self._calibrate(report)
         self.scheduler.update_from_outcome(report.plan, report.outcome, report.time)
         for result in report.outcome.outcomes:
             if result.finished:
                 self.held.pop(result.request_id, None)
                 self.admitted.discard(result.request_id)
         return ReportFit.APPLIED
+
+    def _calibrate(self, report: StepReport) -> None:
+        """Fold the step's measured seconds in, before the outcome moves the requests on
+        (the shape is the one planned). Steps without work (abort reports) say nothing."""
+        measured = report.outcome.total_s
+        if self.perf is None or not isinstance(self.scheduler, SlosScheduler):
+            return
+        if not report.plan.entries or measured <= 0:
+            return
+        states = self.scheduler.queues.states
+        if any(e.request_id not in states for e in report.plan.entries):
+            return
+        self.perf.observe(self.scheduler.shape(report.plan).features(), measured)
+
+    @property
+    def calibration(self) -> dict[str, float]:
+        """Measured / predicted step time per observed shape class (empty: none yet)."""
+        if self.perf is None:
+            return {}
+        return {str(cls): f for cls, f in self.perf.calibration.factors.items()}
 
     def status(self, waiting_for_verdict: int = 0) -> ReplicaStatus:
         queues = self.scheduler.queues
@@ -134,6 +165,7 @@ class VirtualReplica:
             admitted=len(self.admitted),
             best_effort=len(self.held) - len(self.admitted),
             kv_usage=queues.used_blocks() / self.cache.num_blocks,
+            calibration=self.calibration,
         )
 
     def reset(self) -> None:

@@ -78,6 +78,10 @@ class CalibratedPerfModel:
     model: PerfModel
     calibration: Calibration = field(default_factory=Calibration)
 
+    @property
+    def tp(self) -> int:
+        return self.model.tp
+
     def predict_features(self, features: BatchFeatures) -> float:
         factor = self.calibration.factor(shape_class(features))
         return factor * self.model.predict_features(features)

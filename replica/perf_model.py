@@ -246,6 +246,9 @@ class BatchTimeModel(Protocol):
     """What planners query: PerfModel, or a CalibratedPerfModel (replica.perf_calibration)
     that scales it by online drift factors."""
 
+    @property
+    def tp(self) -> int: ...
+
     def predict(self, shape: BatchShape) -> float: ...
 
     def predict_aggregate(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from replica.batch import BatchPlan, DecodeStep, PlanEntry, PrefillChunk
-from replica.perf_model import PerfModel
+from replica.perf_model import BatchTimeModel
 from replica.planner.base import CacheBudget, RequestState
 from replica.planner.budget import BatchBudget
 from replica.planner.deadlines import (
@@ -116,7 +116,7 @@ class _Step:
 def form_batch(
     now: float,
     budget: BatchBudget,
-    perf: PerfModel,
+    perf: BatchTimeModel,
     slo: Sequence[SloWork],
     best_effort: Sequence[RequestState],
     queues: RequestQueues,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from replica.perf_model import PerfModel
+from replica.perf_model import BatchTimeModel
 from replica.planner.config import SpecConfig
 
 
@@ -82,7 +82,7 @@ class BatchBudget:
         decode = sum(load.num_decoders * self.cost_per_batch(load.tpot_s) for load in loads)
         return self.batch_tokens - decode
 
-    def tokens_within(self, perf: PerfModel, seconds: float) -> int:
+    def tokens_within(self, perf: BatchTimeModel, seconds: float) -> int:
         """Batch capacity under the same worst-case assumptions for a shorter time limit."""
         return capacity(
             perf,
@@ -96,7 +96,7 @@ class BatchBudget:
 
 
 def capacity(
-    perf: PerfModel,
+    perf: BatchTimeModel,
     seconds: float,
     num_requests: int,
     max_context: int,
@@ -119,7 +119,7 @@ def capacity(
 
 
 def plan_budgets(
-    perf: PerfModel,
+    perf: BatchTimeModel,
     loads: Sequence[TierLoad],
     *,
     num_requests: int,
@@ -205,7 +205,7 @@ def plan_budgets(
 
 
 def _option(
-    perf: PerfModel,
+    perf: BatchTimeModel,
     loads: Sequence[TierLoad],
     tightest: float,
     s0: int,

@@ -22,7 +22,7 @@ from replica.batch import (
     PrefillChunk,
     RequestOutcome,
 )
-from replica.perf_model import BatchShape, PerfModel
+from replica.perf_model import BatchShape, BatchTimeModel
 from replica.planner.base import CacheBudget, Scheduler
 from replica.request import Request
 
@@ -51,7 +51,7 @@ class _Sequence:
 class PerfExecutor:
     """Executes plans against a perf model; records when every token came out."""
 
-    def __init__(self, perf: PerfModel, cache: CacheBudget, accept: AcceptFn | None = None):
+    def __init__(self, perf: BatchTimeModel, cache: CacheBudget, accept: AcceptFn | None = None):
         self.perf = perf
         self.cache = cache
         self.accept = accept

@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep
-from replica.perf_model import BatchShape, PerfModel
+from replica.perf_model import BatchShape, BatchTimeModel
 from replica.planner.admission import (
     AdmissionProblem,
     AdmissionResult,
@@ -56,7 +56,7 @@ class SlosScheduler(Scheduler):
     """DP admission + EDF batch formation + best-effort tier, replanned by InvocationPolicy."""
 
     def __init__(
-        self, perf: PerfModel, cache: CacheBudget, config: PlannerConfig | None = None
+        self, perf: BatchTimeModel, cache: CacheBudget, config: PlannerConfig | None = None
     ) -> None:
         self.perf = perf
         self.config = config or PlannerConfig()
@@ -310,7 +310,7 @@ class SlosScheduler(Scheduler):
             self._best_effort_allowance(budget),
         )
         if plan is not None:
-            self._busy_until = now + self.perf.predict(self._shape(plan))
+            self._busy_until = now + self.perf.predict(self.shape(plan))
         return plan
 
     def _best_effort_allowance(self, budget: BatchBudget) -> int:
@@ -323,7 +323,7 @@ class SlosScheduler(Scheduler):
         waiting = min(self.config.max_best_effort_requests, len(self.best_effort))
         return self._best_effort_allowance(budget) < waiting
 
-    def _shape(self, plan: BatchPlan) -> BatchShape:
+    def shape(self, plan: BatchPlan) -> BatchShape:
         """The plan as the perf model sees it (preempted requests restart from nothing)."""
         states = self.queues.states
         new_tokens, context, drafts = [], [], []

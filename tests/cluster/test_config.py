@@ -42,6 +42,7 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
         ("backup_policy", "drop", "drop"),
         ("tick_interval_ms", 0, "tick_interval_ms"),
         ("num_kv_blocks", 0, "num_kv_blocks"),
+        ("calibrate", "yes", "calibrate"),
         ("tiers", [{"name": "a", "ttft_ms": -1, "tpot_ms": 1}], "ttft_ms"),
         ("tiers", [{"name": "a", "ttft_ms": 1, "tpot_ms": float("nan")}], "tpot_ms"),
         ("tiers", [{"name": "a", "ttft_ms": 1, "tpot_ms": 1}] * 2, "unique"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from cluster.messages import HeldRequest, ReplicaSnapshot, StepReport
 from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep
-from replica.perf_model import PerfModel
+from replica.perf_model import BatchShape, PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.executor import PerfExecutor
 from replica.planner.sarathi import SarathiConfig
@@ -160,3 +161,60 @@ def test_only_the_slos_planner_plans_admission(perf: PerfModel) -> None:
     assert not baseline.plans_admission
     with pytest.raises(TypeError, match="baseline"):
         baseline.plan_admission(requests(1), 0.0)
+
+
+def run_slow(vr: VirtualReplica, executor: PerfExecutor, slowdown: float) -> None:
+    """Like run_steps, but every step reports `slowdown` times the predicted seconds."""
+    now = 0.0
+    while (plan := vr.next_plan(now)) is not None:
+        outcome, duration = executor.execute(plan, now)
+        now += duration * slowdown
+        measured = replace(outcome, target_s=outcome.target_s * slowdown)
+        vr.apply(StepReport(0, vr.incarnation, vr.seq + 1, plan, measured, now))
+
+
+def tight(request_id: str) -> Request:
+    """Decodes fit its 15 ms TPOT at the profile's 11 ms step, not at twice that."""
+    slo = SLO(ttft_ms=2000, tpot_ms=15)
+    return Request(request_id, [1] * 8, SamplingParams(max_tokens=8), slo=slo, arrival_time=0.0)
+
+
+def test_steps_slower_than_predicted_make_admission_conservative(perf: PerfModel) -> None:
+    vr = VirtualReplica(0, perf, CACHE)
+    assert vr.plan_admission([tight("probe")], 0.0).is_admitted("probe")
+    executor = PerfExecutor(perf, CACHE)
+    for request in requests(3):
+        vr.admit(request, 0.0)
+        executor.add(request)
+    run_slow(vr, executor, slowdown=2.0)
+    assert vr.calibration and all(f == pytest.approx(2.0) for f in vr.calibration.values())
+    assert vr.status().calibration == vr.calibration
+    shape = BatchShape((1,), (8,))
+    assert vr.perf is not None
+    assert vr.perf.predict(shape) == pytest.approx(2 * perf.predict(shape))
+    later = tight("probe")
+    assert not vr.plan_admission([later], 0.0).is_admitted("probe")
+    vr.reset()
+    assert vr.calibration, "a rebuilt mirror keeps its replica's speed"
+
+
+def test_steps_as_predicted_keep_every_factor_at_one(perf: PerfModel) -> None:
+    """The simulator's case: its replicas run exactly the perf model's times."""
+    vr = VirtualReplica(0, perf, CACHE)
+    executor = PerfExecutor(perf, CACHE)
+    for request in requests(3):
+        vr.admit(request, 0.0)
+        executor.add(request)
+    run_steps(vr, executor, 0.0, 500)
+    assert vr.calibration and set(vr.calibration.values()) == {1.0}
+
+
+def test_calibration_off_and_abort_reports_observe_nothing(perf: PerfModel) -> None:
+    off = VirtualReplica(0, perf, CACHE, calibrate=False)
+    assert off.perf is None and off.status().calibration == {}
+    vr = VirtualReplica(0, perf, CACHE)
+    vr.admit(requests(1)[0], 0.0)
+    vr.abort("r0")
+    abort = BatchOutcome(outcomes=[], overhead_s=1.0)
+    assert vr.apply(StepReport(0, "", 1, BatchPlan(entries=()), abort, 1.0)) is ReportFit.APPLIED
+    assert vr.calibration == {}

@@ -501,12 +501,11 @@ class ModelRunner:
             starts = [0]
             for q in q_lens:
                 starts.append(starts[-1] + q)
-            in_pool = [
-                i
-                for i, s in enumerate(seqs)
-                if self._paged is not None and q_lens[i] <= SMALL_QUERY and s.attn_mask is None
-            ]
-            rest = sorted(set(range(len(seqs))) - set(in_pool))
+            in_pool: list[int] = []
+            rest: list[int] = []
+            for i, s in enumerate(seqs):
+                kernel_row = q_lens[i] <= SMALL_QUERY and s.attn_mask is None
+                (in_pool if self._paged is not None and kernel_row else rest).append(i)
             groups: list[_AttnGroup | _PagedGroup] = [
                 self._group(members, seqs, q_lens, kv_lens, starts)
                 for members in _group_requests(rest, q_lens, kv_lens)

@@ -4,9 +4,10 @@ All in one process and one run, on the same model, requests and thread count:
 - decode throughput at batch 1, 8, 32 with ~256-token contexts, and prefill throughput, for our
   engine (each dtype asked for) and for transformers `generate` (fp32, equal-length batch, so
   no padding is needed), with the ratio;
-- speculative decoding at batch 1 and 8 for k in {0, 2, 4, 6}, for the draft-model and the
-  n-gram proposer: tokens/s, acceptance rate, mean tokens per verify step, speedup over k = 0,
-  and where the step time goes (draft / target / overhead).
+- speculative decoding at batch 1 and 8 for k in {0, 2, 3, 4, 6}, for the draft-model and the
+  n-gram proposer, over the same 8 prompts (batch 1 decodes them one after another): tokens/s,
+  acceptance rate, mean tokens per verify step, speedup over k = 0, and where the step time
+  goes (draft / target / overhead).
 Prompts are windows of Python standard-library source, the demo pair's own domain.
 """
 
@@ -44,12 +45,14 @@ class Settings:
     spec_batches: tuple[int, ...]
     spec_ks: tuple[int, ...]
     spec_new_tokens: int
+    spec_prompts: int
+    """Prompts every speculation case decodes (batch 1 runs them one after another)."""
 
     @classmethod
     def for_run(cls, quick: bool) -> Settings:
         if quick:
-            return cls(32, 4, (1, 2), (1,), (0, 2), 6)
-        return cls(224, 32, (1, 8, 32), (1, 8), (0, 2, 4, 6), 64)
+            return cls(32, 4, (1, 2), (1,), (0, 2), 6, 2)
+        return cls(224, 32, (1, 8, 32), (1, 8), (0, 2, 3, 4, 6), 64, 8)
 
 
 def _default_models_dir() -> Path:
@@ -118,54 +121,69 @@ def engine_throughput(engine: Engine, prompts: list[list[int]], new_tokens: int)
 
 
 def hf_throughput(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    """transformers `generate`: prefill from a 1-token run, decode from the difference."""
+    """transformers `generate`, timed per token by a stopping criterion that only stamps the
+    clock: prefill is the time to the first token, decode the time from there to the last.
+    (Timing decode as a difference of two whole runs let prefill noise reach the decode rate,
+    and picking the best of such differences picked the noise.)"""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StepClock(StoppingCriteria):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> Any:
+            self.stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
     ids = torch.tensor(prompts)
-
-    def generate(n: int) -> float:
-        start = time.perf_counter()
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            pad_token_id=model.generation_config.pad_token_id,
-        )
-        return time.perf_counter() - start
-
-    one = generate(1)
-    full = generate(new_tokens + 1)
+    clock = StepClock()
+    start = time.perf_counter()
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new_tokens + 1,
+        min_new_tokens=new_tokens + 1,
+        pad_token_id=model.generation_config.pad_token_id,
+        stopping_criteria=StoppingCriteriaList([clock]),
+    )
+    if len(clock.stamps) != new_tokens + 1:
+        raise RuntimeError(f"expected {new_tokens + 1} generation steps, saw {len(clock.stamps)}")
     return {
-        "prefill_tok_s": ids.numel() / one,
-        "decode_tok_s": len(prompts) * new_tokens / (full - one),
+        "prefill_tok_s": ids.numel() / (clock.stamps[0] - start),
+        "decode_tok_s": len(prompts) * new_tokens / (clock.stamps[-1] - clock.stamps[0]),
     }
 
 
-def spec_run(engine: Engine, prompts: list[list[int]], k: int, new_tokens: int) -> dict[str, Any]:
-    """Greedy generation with k proposals per decode; only the decode phase is timed."""
-    reqs = _requests(prompts, new_tokens, f"sp{len(prompts)}k{k}")
-    for r in reqs:
-        engine.add_request(r)
-    engine.step(BatchPlan(tuple(PrefillChunk(r.request_id, r.prompt_len) for r in reqs)))
-    drafted = accepted = verify_steps = 0
-    produced = 0
-    draft_s = target_s = overhead_s = 0.0
-    start = time.perf_counter()
-    live = [r.request_id for r in reqs if engine.finish_reason(r.request_id) is None]
-    while live:
-        outcome = engine.step(BatchPlan(tuple(DecodeStep(rid, k) for rid in live)))
-        draft_s += outcome.draft_s
-        target_s += outcome.target_s
-        overhead_s += outcome.overhead_s
-        for o in outcome.outcomes:
-            drafted += o.num_draft_tokens
-            accepted += o.num_accepted_tokens
-            produced += len(o.new_token_ids)
-            verify_steps += 1
-        live = [rid for rid in live if engine.finish_reason(rid) is None]
-    elapsed = time.perf_counter() - start
-    for r in reqs:
-        engine.abort(r.request_id)
+def spec_run(
+    engine: Engine, prompts: list[list[int]], batch: int, k: int, new_tokens: int
+) -> dict[str, Any]:
+    """Greedy generation with k proposals per decode, the prompts taken `batch` at a time (one
+    group after another, so batch 1 averages over every prompt rather than depending on one);
+    only the decode phases are timed."""
+    drafted = accepted = verify_steps = produced = 0
+    draft_s = target_s = overhead_s = elapsed = 0.0
+    for g in range(0, len(prompts), batch):
+        reqs = _requests(prompts[g : g + batch], new_tokens, f"sp{batch}k{k}g{g}")
+        for r in reqs:
+            engine.add_request(r)
+        engine.step(BatchPlan(tuple(PrefillChunk(r.request_id, r.prompt_len) for r in reqs)))
+        start = time.perf_counter()
+        live = [r.request_id for r in reqs if engine.finish_reason(r.request_id) is None]
+        while live:
+            outcome = engine.step(BatchPlan(tuple(DecodeStep(rid, k) for rid in live)))
+            draft_s += outcome.draft_s
+            target_s += outcome.target_s
+            overhead_s += outcome.overhead_s
+            for o in outcome.outcomes:
+                drafted += o.num_draft_tokens
+                accepted += o.num_accepted_tokens
+                produced += len(o.new_token_ids)
+                verify_steps += 1
+            live = [rid for rid in live if engine.finish_reason(rid) is None]
+        elapsed += time.perf_counter() - start
+        for r in reqs:
+            engine.abort(r.request_id)
     total = draft_s + target_s + overhead_s
     return {
         "tok_s": produced / elapsed,
@@ -203,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = stdlib_prompts(lambda text: tokenizer.encode(text).ids, max_batch, settings.context)
     num_blocks = max_batch * (-(-(settings.context + settings.spec_new_tokens + 16) // 16)) + 8
     cases = 2 * len(dtypes) * len(settings.batches)
-    cases += len(settings.spec_batches) * (1 + 2 * sum(k > 0 for k in settings.spec_ks))
+    cases += (
+        len(dtypes) * len(settings.spec_batches) * (1 + 2 * sum(k > 0 for k in settings.spec_ks))
+    )
     bar = tqdm(total=cases, desc="bench engine", unit="case")
     results: dict[str, Any] = {"throughput": [], "hf": [], "spec": []}
 
@@ -238,39 +258,10 @@ def run(args: argparse.Namespace) -> int:
     best_dtype = _fastest_dtype(results["throughput"], max_batch)
     results["ratios"] = _ratios(results["throughput"], results["hf"])
     spec_dtype = _fastest_dtype(results["throughput"], 1)
-    target = engines[spec_dtype].target
-    draft = ModelRunner(
-        args.draft,
-        num_blocks=target.num_blocks,
-        dtype=DTYPES[spec_dtype],
-        head_vocab=load_draft_vocab(args.draft),
-    )
-    proposers: list[ProposerKind] = ["draft", "ngram"]
-    spec_ks = [k for k in settings.spec_ks if k > 0]
-    for b in settings.spec_batches:
-        bar.set_postfix_str(f"spec baseline batch {b}")
-        plain = Engine(target)
-        baseline = best_of(
-            args.repeats,
-            functools.partial(spec_run, plain, prompts[:b], 0, settings.spec_new_tokens),
-            "tok_s",
-        )
-        results["spec"].append({"proposer": "none", "batch": b, "k": 0, **baseline, "speedup": 1.0})
-        bar.update()
-        for proposer in proposers:
-            engine = Engine(target, draft, proposer=proposer)
-            for k in spec_ks:
-                bar.set_postfix_str(f"spec {proposer} batch {b} k {k}")
-                row = best_of(
-                    args.repeats,
-                    functools.partial(spec_run, engine, prompts[:b], k, settings.spec_new_tokens),
-                    "tok_s",
-                )
-                speedup = row["tok_s"] / baseline["tok_s"]
-                results["spec"].append(
-                    {"proposer": proposer, "batch": b, "k": k, **row, "speedup": speedup}
-                )
-                bar.update()
+    spec_prompts = prompts[: settings.spec_prompts]
+    for name in dtypes:
+        for row in spec_cases(engines[name].target, args.draft, spec_prompts, settings, bar, args):
+            results["spec"].append({"dtype": name, **row})
     bar.close()
     results["config"] = {
         "target": str(args.target),
@@ -281,15 +272,59 @@ def run(args: argparse.Namespace) -> int:
         "context": settings.context,
         "new_tokens": settings.new_tokens,
         "spec_new_tokens": settings.spec_new_tokens,
+        "spec_prompts": settings.spec_prompts,
         "spec_dtype": spec_dtype,
         "torch": torch.__version__,
     }
-    results["summary"] = _summary(results, best_dtype, max_batch)
+    results["summary"] = _summary(results, best_dtype, max_batch, spec_dtype)
     text = json.dumps(results, indent=2)
     if args.json:
         args.json.write_text(text + "\n")
     print(json.dumps(results["summary"], indent=2))
     return 0
+
+
+def spec_cases(
+    target: ModelRunner,
+    draft_dir: Path,
+    prompts: list[list[int]],
+    settings: Settings,
+    bar: tqdm,
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """Every speculation case on `target`'s dtype: k = 0, then each proposer and k."""
+    draft = ModelRunner(
+        draft_dir,
+        num_blocks=target.num_blocks,
+        dtype=target.dtype,
+        head_vocab=load_draft_vocab(draft_dir),
+    )
+    proposers: list[ProposerKind] = ["draft", "ngram"]
+    spec_ks = [k for k in settings.spec_ks if k > 0]
+    rows = []
+    for b in settings.spec_batches:
+        bar.set_postfix_str(f"spec {target.dtype} baseline batch {b}")
+        plain = Engine(target)
+        baseline = best_of(
+            args.repeats,
+            functools.partial(spec_run, plain, prompts, b, 0, settings.spec_new_tokens),
+            "tok_s",
+        )
+        rows.append({"proposer": "none", "batch": b, "k": 0, **baseline, "speedup": 1.0})
+        bar.update()
+        for proposer in proposers:
+            engine = Engine(target, draft, proposer=proposer)
+            for k in spec_ks:
+                bar.set_postfix_str(f"spec {target.dtype} {proposer} batch {b} k {k}")
+                row = best_of(
+                    args.repeats,
+                    functools.partial(spec_run, engine, prompts, b, k, settings.spec_new_tokens),
+                    "tok_s",
+                )
+                speedup = row["tok_s"] / baseline["tok_s"]
+                rows.append({"proposer": proposer, "batch": b, "k": k, **row, "speedup": speedup})
+                bar.update()
+    return rows
 
 
 def _fastest_dtype(rows: list[dict[str, Any]], batch: int) -> str:
@@ -316,21 +351,32 @@ def _ratios(
     return out
 
 
-def _summary(results: dict[str, Any], best_dtype: str, max_batch: int) -> dict[str, Any]:
+def _summary(
+    results: dict[str, Any], best_dtype: str, max_batch: int, spec_dtype: str
+) -> dict[str, Any]:
     """Headline figures at the largest batch measured (32 in a full run).
 
     The headline decode ratio compares each system at its own fastest dtype (what a user
-    would run); the same-dtype ratios are reported next to it."""
+    would run); the same-dtype ratios are reported next to it. Speculation headlines are for
+    the dtype that decodes fastest at batch 1 without it; every dtype's best is listed too."""
     engine_best = max(r["decode_tok_s"] for r in results["throughput"] if r["batch"] == max_batch)
     hf_rows = [r for r in results["hf"] if r["batch"] == max_batch]
     hf_best = max(hf_rows, key=lambda r: r["decode_tok_s"])
     same_dtype = {
         r["dtype"]: r["decode_ratio"] for r in results["ratios"] if r["batch"] == max_batch
     }
-    b1_draft = [r for r in results["spec"] if r["batch"] == 1 and r["proposer"] == "draft"]
-    best = max(b1_draft, key=lambda r: r["speedup"])
-    b1_ngram = [r for r in results["spec"] if r["batch"] == 1 and r["proposer"] == "ngram"]
-    best_ngram = max(b1_ngram, key=lambda r: r["speedup"])
+
+    def best_b1(proposer: str, dtype: str) -> dict[str, Any]:
+        rows = [
+            r
+            for r in results["spec"]
+            if r["batch"] == 1 and r["proposer"] == proposer and r["dtype"] == dtype
+        ]
+        return max(rows, key=lambda r: r["speedup"])
+
+    best = best_b1("draft", spec_dtype)
+    best_ngram = best_b1("ngram", spec_dtype)
+    dtypes = sorted({r["dtype"] for r in results["spec"]})
     return {
         "decode_ratio_vs_hf_b32": engine_best / hf_best["decode_tok_s"],
         "decode_ratio_same_dtype_b32": same_dtype,
@@ -342,4 +388,15 @@ def _summary(results: dict[str, Any], best_dtype: str, max_batch: int) -> dict[s
         "spec_best_k_b1": best["k"],
         "ngram_speedup_b1": best_ngram["speedup"],
         "ngram_best_k_b1": best_ngram["k"],
+        "spec_dtype_b1": spec_dtype,
+        "spec_b1_by_dtype": {
+            d: {
+                proposer: {
+                    key: best_b1(proposer, d)[key]
+                    for key in ("k", "speedup", "tok_s", "acceptance_rate")
+                }
+                for proposer in ("draft", "ngram")
+            }
+            for d in dtypes
+        },
     }

@@ -51,6 +51,10 @@ class _Seq:
         return self.request.prompt_token_ids + self.output
 
     @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.request.prompt_token_ids[-1]
+
+    @property
     def num_known(self) -> int:
         return self.request.prompt_len + len(self.output)
 
@@ -309,7 +313,7 @@ class Engine:
             feed = seq.tokens[cached : cached + w.num_feed]
             num_logits = 1 if cached + w.num_feed == seq.num_known else 0
         else:
-            feed = [seq.tokens[-1], *w.proposal.tokens]
+            feed = [seq.last_token, *w.proposal.tokens]
             num_logits = len(feed)
         self.cache.append(rid, len(feed))
         return ForwardSeq(feed, self.cache.block_table(rid), cached, num_logits=num_logits)

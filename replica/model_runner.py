@@ -10,17 +10,20 @@ comes out of the same matmul, so rope is one multiply and one fused multiply-add
 together), one KV pool preallocated and written by index, and every per-step index and mask
 tensor built once per forward and shared by all layers.
 
-CPU attention, two paths. Rows of at most SMALL_QUERY new tokens (decode, chain verify) go to
-a C kernel (replica/paged_attention.py) that reads their keys and values in place in the paged
-pool; the SDPA path first copied each row's context into a padded tensor, and that copy was
-half of a batch-32 decode step. Prefill chunks, tree-masked rows, and every row when no C
-compiler is present (or `paged_kernel=False`) use SDPA calls whose padded work tracks the
-ragged work: small rows share one call padded to their longest q and KV; each prefill chunk
-gets its own call over its own context (equal chunks share one), causal by SDPA's own flag
-when it has no cached context, else by an explicit mask. Explicit positions and token-tree
-masks are honoured everywhere.
-Whole forward, demo target, fp32, best of 15 x 5 steps, SDPA path / kernel path in one process
-(`paged_kernel=False/True`), 1 thread, machine shared with other jobs:
+CPU, three paths. Batches of decode and chain-verify rows only (at most SMALL_QUERY new tokens
+each, no tree mask, at most FUSED_MAX_TOKENS in all) run the whole forward in one C call
+(kernels/decode_forward.c via replica/cpu_kernels.py): at batch 1 PyTorch's ~20 op calls per
+layer cost more than the layer's arithmetic. Other batches run layer by layer in PyTorch; there,
+rows of at most SMALL_QUERY new tokens go to a C paged-attention kernel that reads their keys and
+values in place in the paged pool (the SDPA path first copied each row's context into a padded
+tensor, and that copy was half of a batch-32 decode step). Prefill chunks, tree-masked rows,
+and every row when no C compiler is present (or `paged_kernel=False`) use SDPA calls whose
+padded work tracks the ragged work: small rows share one call padded to their longest q and KV;
+each prefill chunk gets its own call over its own context (equal chunks share one), causal by
+SDPA's own flag when it has no cached context, else by an explicit mask. Explicit positions and
+token-tree masks are honoured everywhere.
+SDPA / paged-kernel attention, whole forward, demo target, fp32, best of 15 x 5 steps, in
+one process (`paged_kernel=False/True`, `fused_forward=False`), 1 thread, shared machine:
   32 decodes, contexts 192-320:                         58.6 / 21.3 ms  (2.76x)
   1 decode, context 256:                                 3.3 / 2.2 ms   (1.53x)
   8 verify rows (k = 3, contexts 256-512):              14.1 / 11.5 ms  (1.23x)
@@ -46,7 +49,7 @@ import functools
 import importlib.util
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +57,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from replica import paged_attention
+from replica import cpu_kernels
 
 BLOCK_SIZE = 16
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SMALL_QUERY = 16
 """CPU attention pads rows of at most this many new tokens into one call."""
+FUSED_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 16}
+"""Batches of at most this many new tokens (all in rows of at most SMALL_QUERY, no tree mask)
+run through the fused C forward; beyond, PyTorch's matrix products (AMX for bf16) win."""
 PAD_SLACK = 1.25
 """Padded / ragged attention work a CPU call of longer rows may reach."""
 
@@ -299,6 +305,28 @@ class _StepMeta:
     """(rotated queries [tokens, heads, head_dim], layer) -> attention output [tokens, hidden]."""
 
 
+@dataclass
+class _Flat:
+    """A validated batch laid out token by token, in seq order."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    write_k: list[int] = field(default_factory=list)
+    """Pool row of each new token's key (its value is BLOCK_SIZE rows later)."""
+    logit_rows: list[int] = field(default_factory=list)
+    q_lens: list[int] = field(default_factory=list)
+    kv_lens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    """First token row of each seq."""
+
+
+def _fits_fused(seqs: list[ForwardSeq], flat: _Flat, dtype: torch.dtype) -> bool:
+    """Decode and chain-verify batches of few tokens: rows the fused C forward handles."""
+    return len(flat.input_ids) <= FUSED_MAX_TOKENS[dtype] and all(
+        q <= SMALL_QUERY and s.attn_mask is None for s, q in zip(seqs, flat.q_lens, strict=True)
+    )
+
+
 class ModelRunner:
     """Weights plus one preallocated paged KV pool; `forward` runs a ragged batch.
 
@@ -316,6 +344,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         head_vocab: Sequence[int] | None = None,
         paged_kernel: bool = True,
+        fused_forward: bool = True,
     ) -> None:
         if (num_blocks is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_memory_bytes")
@@ -365,8 +394,9 @@ class ModelRunner:
         ]
         self._qk_width = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
         self._flashinfer = _FlashInferAttention(self) if _flashinfer_usable(self.device) else None
-        kernel = paged_attention.load() if paged_kernel and self.device.type == "cpu" else None
-        self._paged = kernel if kernel is not None and kernel.supports(dtype) else None
+        kernels = cpu_kernels.load() if paged_kernel and self.device.type == "cpu" else None
+        self._paged = kernels if kernels is not None and kernels.supports(dtype) else None
+        self._fused = self._fused_template() if self._paged is not None and fused_forward else None
 
     @property
     def vocab_size(self) -> int:
@@ -382,7 +412,10 @@ class ModelRunner:
         (columns are `head_vocab`'s tokens when the head is cut)."""
         if not seqs:
             raise ValueError("forward needs at least one sequence")
-        meta = self._prepare(seqs)
+        flat = self._flatten(seqs)
+        if self._fused is not None and _fits_fused(seqs, flat, self.dtype):
+            return self._forward_fused(seqs, flat)
+        meta = self._prepare(seqs, flat)
         cfg = self.config
         x = F.embedding(meta.input_ids, self.embed)
         num_tokens = x.shape[0]
@@ -426,7 +459,7 @@ class ModelRunner:
         assert self._paged is not None
         rows = q[g.start : g.start + g.count] if g.token_rows is None else q[g.token_rows]
         cfg = self.config
-        out = self._paged(
+        out = self._paged.attention(
             rows.contiguous(),
             self.kv[layer],
             g.tables,
@@ -456,17 +489,14 @@ class ModelRunner:
             out = out.index_select(0, g.out_rows)
         return out
 
-    def _prepare(self, seqs: list[ForwardSeq]) -> _StepMeta:
-        """Validate the batch and build every index tensor once."""
+    def _flatten(self, seqs: list[ForwardSeq]) -> _Flat:
+        """Validate the batch and lay its tokens out in seq order."""
         cfg = self.config
         bs = BLOCK_SIZE
-        input_ids: list[int] = []
-        positions: list[int] = []
-        write_k: list[int] = []
-        logit_rows: list[int] = []
-        q_lens = [len(s.token_ids) for s in seqs]
-        kv_lens = [s.num_cached + q for s, q in zip(seqs, q_lens, strict=True)]
-        for s, q, kv_len in zip(seqs, q_lens, kv_lens, strict=True):
+        flat = _Flat()
+        for s in seqs:
+            q = len(s.token_ids)
+            kv_len = s.num_cached + q
             if q < 1:
                 raise ValueError("every sequence needs at least one new token")
             if len(s.block_table) * bs < kv_len:
@@ -482,25 +512,34 @@ class ModelRunner:
                 raise ValueError(f"positions must be in [0, {cfg.max_position_embeddings})")
             if s.attn_mask is not None and tuple(s.attn_mask.shape) != (q, q):
                 raise ValueError(f"attn_mask must have shape ({q}, {q})")
-            start = len(input_ids)
-            logit_rows.extend(range(start + q - s.num_logits, start + q))
-            input_ids.extend(s.token_ids)
-            positions.extend(pos)
+            start = len(flat.input_ids)
+            flat.starts.append(start)
+            flat.q_lens.append(q)
+            flat.kv_lens.append(kv_len)
+            flat.logit_rows.extend(range(start + q - s.num_logits, start + q))
+            flat.input_ids.extend(s.token_ids)
+            flat.positions.extend(pos)
             table = s.block_table
             for j in range(s.num_cached, kv_len):
-                write_k.append(table[j // bs] * 2 * bs + j % bs)
-        bad = next((t for t in input_ids if not 0 <= t < cfg.vocab_size), None)
+                flat.write_k.append(table[j // bs] * 2 * bs + j % bs)
+        bad = next((t for t in flat.input_ids if not 0 <= t < cfg.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary ({cfg.vocab_size})")
+        return flat
+
+    def _prepare(self, seqs: list[ForwardSeq], flat: _Flat) -> _StepMeta:
+        """Build every index tensor of the PyTorch path once."""
+        bs = BLOCK_SIZE
+        q_lens, kv_lens = flat.q_lens, flat.kv_lens
+        positions, write_k, input_ids = flat.positions, flat.write_k, flat.input_ids
+        logit_rows = flat.logit_rows
         dev = self.device
         pos_t = torch.tensor(positions, device=dev)
         wk = torch.tensor(write_k, device=dev)
         if self._flashinfer is not None:
             attend = self._flashinfer.plan(seqs, q_lens, kv_lens)
         else:
-            starts = [0]
-            for q in q_lens:
-                starts.append(starts[-1] + q)
+            starts = flat.starts
             in_pool: list[int] = []
             rest: list[int] = []
             for i, s in enumerate(seqs):
@@ -522,6 +561,69 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
             attend=attend,
         )
+
+    def _fused_template(self) -> cpu_kernels.ModelArgs:
+        """The fused forward's arguments that never change: weights, tables, shapes."""
+        cfg = self.config
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        self._layer_ptrs = (cpu_kernels.LayerWeights * cfg.num_layers)(
+            *(
+                cpu_kernels.LayerWeights(
+                    ptr(w.attn_norm),
+                    ptr(w.qkv),
+                    ptr(w.qkv_bias),
+                    ptr(w.o),
+                    ptr(w.mlp_norm),
+                    ptr(w.gate_up),
+                    ptr(w.down),
+                )
+                for w in self.layers
+            )
+        )
+        self._cos32 = self.cos.float().contiguous()
+        self._sin32 = self.sin.float().contiguous()
+        self.embed = self.embed.contiguous()
+        self.lm_head = self.lm_head.contiguous()
+        return cpu_kernels.ModelArgs(
+            embed=ptr(self.embed),
+            layers=self._layer_ptrs,
+            num_layers=cfg.num_layers,
+            final_norm=ptr(self.final_norm),
+            head=ptr(self.lm_head),
+            head_rows=self.lm_head.shape[0],
+            cos=ptr(self._cos32),
+            sin=ptr(self._sin32),
+            pool=ptr(self.kv),
+            layer_stride=self.kv[0].numel(),
+            hidden=cfg.hidden_size,
+            intermediate=cfg.intermediate_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=BLOCK_SIZE,
+            eps=cfg.rms_norm_eps,
+            scale=cfg.head_dim**-0.5,
+        )
+
+    def _forward_fused(self, seqs: list[ForwardSeq], flat: _Flat) -> torch.Tensor:
+        """The whole forward in one C call (decode and verify batches of few tokens)."""
+        assert self._fused is not None and self._paged is not None
+        batch = cpu_kernels.pack_batch(
+            flat.input_ids,
+            flat.positions,
+            flat.write_k,
+            flat.logit_rows,
+            flat.starts,
+            flat.q_lens,
+            [s.num_cached for s in seqs],
+            [s.block_table for s in seqs],
+        )
+        logits = torch.empty(len(flat.logit_rows), self.lm_head.shape[0])
+        self._paged.forward(self.dtype, self._fused, batch, logits)
+        return logits
 
     def _paged_group(
         self, members: list[int], seqs: list[ForwardSeq], q_lens: list[int], starts: list[int]

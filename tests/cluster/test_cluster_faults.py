@@ -94,7 +94,7 @@ def test_controller_restart_keeps_in_flight_requests(
         ]
         long = cluster.submit(
             Request(
-                "restart-long", [3, 1, 4], SamplingParams(max_tokens=600, ignore_eos=True), LOOSE
+                "restart-long", [3, 1, 4], SamplingParams(max_tokens=2040, ignore_eos=True), LOOSE
             )
         )
         assert isinstance(await anext(long), TokenChunk)

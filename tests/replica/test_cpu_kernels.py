@@ -1,4 +1,5 @@
-"""The C paged-attention kernel against SDPA, and the runner with and without it."""
+"""The C kernels: paged attention against SDPA, the fused forward against the PyTorch path, and
+the runner with and without them."""
 
 from __future__ import annotations
 
@@ -9,11 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replica import paged_attention
+from replica import cpu_kernels
 from replica.kv_cache import KVCacheManager
-from replica.model_runner import BLOCK_SIZE, ForwardSeq, ModelRunner
+from replica.model_runner import (
+    BLOCK_SIZE,
+    FUSED_MAX_TOKENS,
+    SMALL_QUERY,
+    ForwardSeq,
+    ModelRunner,
+    _fits_fused,
+    _Flat,
+)
+from replica.spec.draft import load_draft_vocab
 
-kernel = paged_attention.load()
+kernel = cpu_kernels.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler to build the kernel")
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCKS = 8, 4, 32, 24
@@ -61,7 +71,7 @@ def test_kernel_matches_sdpa_for_decode_and_verify_rows(dtype: torch.dtype) -> N
     def i32(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32)
 
-    out = kernel(
+    out = kernel.attention(
         q,
         pool,
         i32([t + [0] * (width - len(t)) for t in tables]).view(len(rows), width),
@@ -82,7 +92,7 @@ def test_kernel_refuses_a_block_size_that_is_not_a_power_of_two() -> None:
     assert kernel is not None
     one = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="power of two"):
-        kernel(
+        kernel.attention(
             torch.zeros(1, HEADS, HEAD_DIM),
             torch.zeros(2, 2, 12, KV_HEADS, HEAD_DIM),
             torch.zeros(1, 1, dtype=torch.int32),
@@ -104,12 +114,12 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
 
 
 def test_disabling_the_kernel_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(paged_attention.DISABLE_ENV, "0")
-    paged_attention.load.cache_clear()
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    cpu_kernels.load.cache_clear()
     try:
-        assert paged_attention.load() is None
+        assert cpu_kernels.load() is None
     finally:
-        paged_attention.load.cache_clear()
+        cpu_kernels.load.cache_clear()
 
 
 @needs_kernel
@@ -145,3 +155,67 @@ def test_runner_gives_the_same_logits_with_and_without_the_kernel(target_dir: Pa
             )
         results.append(runner.forward(batch))
     assert torch.allclose(results[0], results[1], atol=1e-4)
+
+
+def _two_steps(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prefill four requests, then a decode/verify step (one row with explicit positions) and a
+    decode step on top: logits of both steps and the KV pool in between."""
+    prompts = {
+        rid: [(i * 31 + n) % 4000 + 2 for i in range(40 + 9 * n)] for n, rid in enumerate("abcd")
+    }
+    cache = KVCacheManager(runner.num_blocks)
+    for rid, prompt in prompts.items():
+        cache.append(rid, len(prompt))
+        runner.forward([ForwardSeq(prompt, cache.block_table(rid), 0)])
+    batch = []
+    for rid, n in (("a", 1), ("b", 4), ("c", 3), ("d", 1)):
+        cached = len(prompts[rid])
+        cache.append(rid, n)
+        positions = [cached + 2 * i for i in range(n)] if rid == "c" else None
+        table = cache.block_table(rid)
+        batch.append(ForwardSeq([7 + i for i in range(n)], table, cached, n, positions))
+    first = runner.forward(batch)
+    pool = runner.kv.clone()
+    second = []
+    for rid in "abcd":
+        cached = cache.num_tokens(rid)
+        cache.append(rid, 1)
+        second.append(ForwardSeq([11], cache.block_table(rid), cached, num_logits=1))
+    return first, pool, runner.forward(second)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model", ["target", "draft"])
+def test_fused_forward_matches_the_pytorch_path(
+    dtype: torch.dtype, model: str, target_dir: Path, draft_dir: Path
+) -> None:
+    """Logits and the KV it writes, for decode and verify rows; the draft has a cut head."""
+    path = target_dir if model == "target" else draft_dir
+    head = load_draft_vocab(draft_dir) if model == "draft" else None
+    runners = [
+        ModelRunner(path, num_blocks=32, dtype=dtype, head_vocab=head, fused_forward=flag)
+        for flag in (True, False)
+    ]
+    assert runners[0]._fused is not None and runners[1]._fused is None
+    (a1, pool_a, a2), (b1, pool_b, b2) = (_two_steps(r) for r in runners)
+    # bf16: PyTorch rounds every activation to bf16, the fused forward keeps them in fp32.
+    tol = 1e-4 if dtype is torch.float32 else 0.3
+    assert torch.allclose(a1, b1, atol=tol)
+    assert torch.allclose(pool_a.float(), pool_b.float(), atol=tol)
+    assert torch.allclose(a2, b2, atol=tol)
+    if dtype is torch.float32:
+        assert torch.equal(a1.argmax(-1), b1.argmax(-1))
+
+
+def test_only_decode_and_verify_batches_take_the_fused_forward() -> None:
+    def fits(*rows: tuple[int, torch.Tensor | None]) -> bool:
+        seqs = [ForwardSeq([1] * q, [0] * 8, 4, attn_mask=mask) for q, mask in rows]
+        flat = _Flat(input_ids=[1] * sum(q for q, _ in rows), q_lens=[q for q, _ in rows])
+        return _fits_fused(seqs, flat, torch.float32)
+
+    tree = torch.ones(3, 3, dtype=torch.bool)
+    assert fits((1, None), (SMALL_QUERY, None))
+    assert not fits((1, None), (SMALL_QUERY + 1, None)), "a prefill chunk"
+    assert not fits((1, None), (3, tree)), "a token tree"
+    assert not fits(*[(1, None)] * (FUSED_MAX_TOKENS[torch.float32] + 1)), "a large batch"

@@ -1,0 +1,290 @@
+/* The fused forward for one weight type; included by decode_forward.c with T (weight and pool
+ * element), LOAD / STORE (to and from fp32), SUFFIX (f32 or bf16) and ATTEND defined.
+ *
+ * Matrix products read their inputs as XT: fp32, or with bf16 weights on a CPU with AVX512-BF16
+ * the activations rounded to bf16 (as PyTorch's bf16 path keeps them), so that one vdpbf16ps
+ * multiplies 16 weight and input pairs with no widening of the weights. */
+#if LOAD_IS_BF16 && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define DOT_BF16 1
+#define XT uint16_t
+#define TO_X(v) float_to_bf16(v)
+#else
+#define DOT_BF16 0
+#define XT float
+#define TO_X(v) (v)
+#endif
+
+/* VL weights widened to fp32. */
+static inline vf FN(loadv)(const T *w) {
+#if LOAD_IS_BF16
+    vu16 raw;
+    memcpy(&raw, w, sizeof raw);
+    vu32 wide = __builtin_convertvector(raw, vu32) << 16;
+    vf out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+#else
+    vf out;
+    memcpy(&out, w, sizeof out);
+    return out;
+#endif
+}
+
+#if DOT_BF16
+/* out[m * ldo + c] = rows[c] . x[m * ldx] for the first n (<= 4) rows and tokens m < nt, in
+ * bf16 pairs accumulated in fp32 (the same tile as below, 16 products per instruction). */
+static inline __attribute__((always_inline)) void FN(tile)(const T *const rows[4], int n,
+                                                          int64_t K, const XT *x,
+                                                          int64_t ldx, const int nt, float *out,
+                                                          int64_t ldo) {
+    const int64_t K16 = K - K % 16;
+    __m256 acc[4][4];
+    for (int c = 0; c < 4; c++)
+        for (int t = 0; t < 4; t++) acc[c][t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K16; i += 16) {
+        __m256bh xv[4];
+        for (int t = 0; t < nt; t++)
+            xv[t] = (__m256bh)_mm256_loadu_si256((const __m256i *)(x + t * ldx + i));
+        for (int c = 0; c < 4; c++) {
+            const __m256bh wv = (__m256bh)_mm256_loadu_si256((const __m256i *)(rows[c] + i));
+            for (int t = 0; t < nt; t++) acc[c][t] = _mm256_dpbf16_ps(acc[c][t], wv, xv[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int c = 0; c < n; c++) {
+            float sum = hsum((vf)acc[c][t]);
+            for (int64_t i = K16; i < K; i++)
+                sum += bf16_to_float(rows[c][i]) * bf16_to_float(x[t * ldx + i]);
+            out[t * ldo + c] = sum;
+        }
+}
+#else
+/* out[m * ldo + c] = rows[c] . x[m * ldx] for the first n (<= 4) rows and tokens m < nt
+ * (nt <= 4, a constant after inlining). A 4 x nt tile keeps 4 * nt independent accumulator
+ * chains in registers and loads each weight vector once for all nt tokens: with one chain a dot
+ * product waited on the latency of each fused multiply-add and ran at a quarter of the core's
+ * rate. */
+static inline __attribute__((always_inline)) void FN(tile)(const T *const rows[4], int n,
+                                                          int64_t K, const XT *x,
+                                                          int64_t ldx, const int nt, float *out,
+                                                          int64_t ldo) {
+    const int64_t KV = K - K % VL;
+    vf acc[4][4] = {{{0}}};
+    for (int64_t i = 0; i < KV; i += VL) {
+        vf xv[4];
+        for (int t = 0; t < nt; t++) memcpy(&xv[t], x + t * ldx + i, sizeof(vf));
+        for (int c = 0; c < 4; c++) {
+            const vf wv = FN(loadv)(rows[c] + i);
+            for (int t = 0; t < nt; t++) acc[c][t] += wv * xv[t];
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int c = 0; c < n; c++) {
+            float sum = hsum(acc[c][t]);
+            for (int64_t i = KV; i < K; i++) sum += LOAD(rows[c][i]) * x[t * ldx + i];
+            out[t * ldo + c] = sum;
+        }
+}
+
+#endif
+
+/* The tile over every token, four at a time. */
+static inline void FN(dots4)(const T *const rows[4], int n, int64_t K, const XT *x,
+                             int64_t ldx, int64_t M, float *out, int64_t ldo) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) FN(tile)(rows, n, K, x + m * ldx, ldx, 4, out + m * ldo, ldo);
+    switch (M - m) {
+    case 3: FN(tile)(rows, n, K, x + m * ldx, ldx, 3, out + m * ldo, ldo); break;
+    case 2: FN(tile)(rows, n, K, x + m * ldx, ldx, 2, out + m * ldo, ldo); break;
+    case 1: FN(tile)(rows, n, K, x + m * ldx, ldx, 1, out + m * ldo, ldo); break;
+    default: break;
+    }
+}
+
+/* Rows j .. j + 3 of a row-major matrix (the last block repeats its last row). */
+static inline int FN(block)(const T *w, int64_t ld, int64_t j, int64_t rows, const T *out[4]) {
+    const int n = rows - j < 4 ? (int)(rows - j) : 4;
+    for (int c = 0; c < 4; c++) out[c] = w + (j + (c < n ? c : n - 1)) * ld;
+    return n;
+}
+
+static inline void FN(rms_norm)(const float *x, const T *w, int64_t n, float eps, float *out) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < n; i++) squares += x[i] * x[i];
+    const float scale = 1.0f / sqrtf(squares / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale * LOAD(w[i]);
+}
+
+/* RMSNorm of a row as the input of a matrix product: fp32 into out, and into out_x when the
+ * products read bf16. */
+static inline void FN(norm_in)(const float *x, const T *w, int64_t n, float eps, float *out,
+                               XT *out_x) {
+    FN(rms_norm)(x, w, n, eps, out);
+    if (DOT_BF16)
+        for (int64_t i = 0; i < n; i++) out_x[i] = TO_X(out[i]);
+}
+
+static inline __attribute__((always_inline)) int FN(body)(const struct model_args *a,
+                                                          const struct batch *b, float *logits,
+                                                          int64_t threads, const int64_t head_dim) {
+    const int64_t M = b->M, H = a->hidden, I = a->intermediate;
+    const int64_t heads = a->heads, kv_heads = a->kv_heads, half = head_dim / 2;
+    const int64_t qdim = heads * head_dim, kvdim = kv_heads * head_dim;
+    const int64_t qk = qdim + kvdim, width = qk + kvdim; /* q, k, v columns per token */
+    const int64_t bs = a->block_size;
+    const int shift = log2_block(bs);
+    const float eps = (float)a->eps, scale = (float)a->scale;
+    float *buf =
+        malloc(sizeof(float) * (size_t)(M * (2 * H + width + qdim + I) + b->L * H));
+    if (buf == NULL) return 1;
+    float *x = buf, *h = x + M * H, *qkv = h + M * H, *att = qkv + M * width;
+    float *act = att + M * qdim, *fin = act + M * I;
+#if DOT_BF16
+    XT *xbuf = malloc(sizeof(XT) * (size_t)(M * (H + qdim + I) + b->L * H));
+    if (xbuf == NULL) {
+        free(buf);
+        return 1;
+    }
+    XT *hx = xbuf, *attx = hx + M * H, *actx = attx + M * qdim, *finx = actx + M * I;
+#else
+    XT *hx = h, *attx = att, *actx = act, *finx = fin;
+#endif
+    const T *embed = a->embed, *head = a->head;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t i = 0; i < H; i++) x[m * H + i] = LOAD(embed[b->ids[m] * H + i]);
+        for (int64_t l = 0; l < a->num_layers; l++) {
+            const struct layer_weights *w = &a->layers[l];
+            const T *wqkv = w->qkv, *bias = w->qkv_bias, *wo = w->o;
+            const T *wgu = w->gate_up, *wdown = w->down;
+            T *pool = (T *)a->pool + l * a->layer_stride;
+#pragma omp for
+            for (int64_t m = 0; m < M; m++)
+                FN(norm_in)(x + m * H, w->attn_norm, H, eps, h + m * H, hx + m * H);
+            /* column j < qk comes from weight row j; v columns skip the rotated rows (qk is a
+             * multiple of 4, so no block straddles the two) */
+#pragma omp for
+            for (int64_t j = 0; j < width; j += 4) {
+                const T *rows[4];
+                const int64_t skip = j < qk ? 0 : qk;
+                const int n = FN(block)(wqkv + skip * H, H, j, width, rows);
+                FN(dots4)(rows, n, H, hx, H, M, qkv + j, width);
+                if (bias)
+                    for (int64_t m = 0; m < M; m++)
+                        for (int c = 0; c < n; c++) qkv[m * width + j + c] += LOAD(bias[skip + j + c]);
+            }
+            /* rotary embedding of every q and k head; keys and values into the pool */
+#pragma omp for
+            for (int64_t t = 0; t < M * (heads + kv_heads); t++) {
+                const int64_t m = t / (heads + kv_heads), hh = t % (heads + kv_heads);
+                float *v = qkv + m * width + hh * head_dim, rot[head_dim];
+                const float *c = a->cos + b->positions[m] * head_dim;
+                const float *s = a->sin + b->positions[m] * head_dim;
+                for (int64_t i = 0; i < half; i++) {
+                    rot[i] = v[i] * c[i] - v[i + half] * s[i];
+                    rot[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
+                }
+                for (int64_t i = 0; i < head_dim; i++) v[i] = rot[i];
+                if (hh >= heads) {
+                    const int64_t off = (hh - heads) * head_dim;
+                    T *key = pool + b->slots[m] * kvdim + off;
+                    T *val = pool + (b->slots[m] + bs) * kvdim + off;
+                    const float *vsrc = qkv + m * width + qk + off;
+                    for (int64_t i = 0; i < head_dim; i++) {
+                        key[i] = STORE(v[i]);
+                        val[i] = STORE(vsrc[i]);
+                    }
+                }
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < b->R * kv_heads; item++) {
+                const int64_t r = item / kv_heads, kvh = item % kv_heads;
+                if (ATTEND(qkv, width, pool, b->tables + r * b->W, b->q_start[r],
+                           b->q_len[r], b->num_cached[r], kvh, heads, kv_heads, head_dim, shift,
+                           scale, att)) {
+#pragma omp atomic write
+                    failed = 1;
+                }
+            }
+#if DOT_BF16
+#pragma omp for
+            for (int64_t i = 0; i < M * qdim; i++) attx[i] = TO_X(att[i]);
+#endif
+#pragma omp for
+            for (int64_t j = 0; j < H; j += 4) {
+                const T *rows[4];
+                float dots[M * 4];
+                const int n = FN(block)(wo, qdim, j, H, rows);
+                FN(dots4)(rows, n, qdim, attx, qdim, M, dots, 4);
+                for (int64_t m = 0; m < M; m++)
+                    for (int c = 0; c < n; c++) x[m * H + j + c] += dots[m * 4 + c];
+            }
+#pragma omp for
+            for (int64_t m = 0; m < M; m++)
+                FN(norm_in)(x + m * H, w->mlp_norm, H, eps, h + m * H, hx + m * H);
+            /* two gate rows and the two matching up rows per block */
+#pragma omp for
+            for (int64_t i = 0; i < I; i += 2) {
+                const int n = I - i < 2 ? 1 : 2;
+                const T *rows[4] = {wgu + i * H, wgu + (i + n - 1) * H, wgu + (I + i) * H,
+                                    wgu + (I + i + n - 1) * H};
+                float gu[M * 4];
+                FN(dots4)(rows, 4, H, hx, H, M, gu, 4);
+                for (int64_t m = 0; m < M; m++)
+                    for (int c = 0; c < n; c++) {
+                        const float g = gu[m * 4 + c], u = gu[m * 4 + 2 + c];
+                        actx[m * I + i + c] = TO_X(g / (1.0f + expf(-g)) * u);
+                    }
+            }
+#pragma omp for
+            for (int64_t j = 0; j < H; j += 4) {
+                const T *rows[4];
+                float dots[M * 4];
+                const int n = FN(block)(wdown, I, j, H, rows);
+                FN(dots4)(rows, n, I, actx, I, M, dots, 4);
+                for (int64_t m = 0; m < M; m++)
+                    for (int c = 0; c < n; c++) x[m * H + j + c] += dots[m * 4 + c];
+            }
+        }
+#pragma omp for
+        for (int64_t r = 0; r < b->L; r++)
+            FN(norm_in)(x + b->logit_rows[r] * H, a->final_norm, H, eps, fin + r * H,
+                        finx + r * H);
+#pragma omp for
+        for (int64_t v = 0; v < a->head_rows; v += 4) {
+            const T *rows[4];
+            const int n = FN(block)(head, H, v, a->head_rows, rows);
+            FN(dots4)(rows, n, H, finx, H, b->L, logits + v, a->head_rows);
+        }
+    }
+#if DOT_BF16
+    free(xbuf);
+#endif
+    free(buf);
+    return failed;
+}
+
+int FN(decode_forward)(const struct model_args *a, const int64_t *batch, float *logits,
+                       int64_t threads) {
+    const struct batch b = read_batch(batch);
+    switch (a->head_dim) {
+    case 32: return FN(body)(a, &b, logits, threads, 32);
+    case 64: return FN(body)(a, &b, logits, threads, 64);
+    case 128: return FN(body)(a, &b, logits, threads, 128);
+    default: return FN(body)(a, &b, logits, threads, a->head_dim);
+    }
+}
+
+#undef DOT_BF16
+#undef XT
+#undef TO_X
+#undef T
+#undef LOAD_IS_BF16
+#undef LOAD
+#undef STORE
+#undef SUFFIX
+#undef ATTEND

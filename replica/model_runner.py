@@ -34,10 +34,10 @@ saved 15% (1.91 -> 1.63 ms) but costs ~6 s per new shape, and ragged batches cha
 every step; compiling only the attention with dynamic shapes made it slower (2.1 -> 5.1 ms per
 step).
 
-Dtype: both fp32 and bf16 are supported and neither wins everywhere (bench engine, 1 thread,
-256-token contexts): fp32 decodes faster at batch 1 (431 vs 361 tok/s) and matches transformers
-token for token; bf16 (AMX) is faster from batch 8 (1779 vs 1379 tok/s), at batch 32 (3395 vs
-2069 tok/s) and in prefill (2-3x). fp32 is the default; serving at large batch should pick bf16.
+Dtype: both fp32 and bf16 are supported (figures in loadgen/RESULTS.md, Engine): bf16 decodes
+faster at batch 1 (half the weight bytes, and AVX512-BF16 dot products where the CPU has them)
+and prefills about 2-3x faster (AMX); at batch 8 and 32 the two are within a few percent. fp32
+matches transformers token for token and is the default.
 
 CUDA: FlashInfer's paged prefill wrapper (it also serves q = 1 rows) over the same pool layout,
 selected when CUDA and flashinfer are both available.

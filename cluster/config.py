@@ -78,9 +78,12 @@ class ClusterConfig:
     """KV cache blocks (16 tokens each) per replica."""
     profile: str | None = None
     """Perf-model profile JSON; None: the shipped CPU profile."""
-    calibrate: bool = True
+    calibrate: bool = False
     """Scale the profile's step times by the measured / predicted ratio of executed steps
-    (per shape class, an EMA), so admission follows the replicas' real speed (slos only)."""
+    (per shape class, an EMA), so admission follows the replicas' real speed (slos only).
+    Off by default: on the 2-core CPU cluster the ratios were 4-8x (steps sharing cores with
+    Ray and the front door), and planning with them cut attainment at 8 req/s from 0.99 to
+    0.69-0.82 (loadgen/RESULTS.md, real CPU cluster)."""
     num_cpus_per_replica: float = 1.0
     num_gpus_per_replica: float = 0.0
     tensor_parallel_size: int = 1

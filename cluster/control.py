@@ -1,7 +1,8 @@
 """The controller's decisions, without Ray: admission per replica, sequential routing, backup.
 
-Requests wait at their current hop until the next planning tick; in a tick every replica in
-index order runs the DP over the requests waiting at it. A declined request moves to its next
+Requests wait at their current hop until the next planning pass (`tick`: the controller runs
+one when a request arrives and every tick interval); in a pass every replica in index order runs
+the DP over the requests waiting at it. A declined request moves to its next
 hop, which is evaluated in the same tick when that replica comes later in the order (else in
 the next tick). After `route_limit` hops the backup policy serves it best-effort or rejects
 it. Replicas running a baseline scheduler (vllm, sarathi) plan no admission: a request is

@@ -1,8 +1,9 @@
 """ClusterController: the Ray actor that admits, routes and plans for every replica.
 
 It owns a `ControlPlane` (virtual replicas + router) and does the I/O around it: a planning
-tick every `tick_interval_ms`, binding admitted requests to their replica, sending each replica
-its next plan after every step it reports, and watching replica health. Its state is a cache
+tick every `tick_interval_ms` and at once when a request arrives (waiting for the period cost
+tight-TTFT requests their deadline), binding admitted requests to their replica, sending each
+replica its next plan after every step it reports, and watching replica health. Its state is a cache
 of the replicas' state: after a restart (max_restarts) it rebuilds every mirror from the
 replicas' snapshots, while the replicas keep decoding on their own.
 """
@@ -10,6 +11,7 @@ replicas' snapshots, while the replicas keep decoding on their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -107,6 +109,8 @@ class ClusterController:
         self._plan_sent: dict[int, float] = {}
         self._syncing: set[int] = set()
         self._ready: asyncio.Event | None = None
+        self._arrived: asyncio.Event | None = None
+        """Set by a request that waits for a verdict: the tick loop plans without waiting."""
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -162,6 +166,8 @@ class ClusterController:
             binding = await self._bind(decision)
             if binding is not None:
                 return binding
+        if self._arrived is not None:
+            self._arrived.set()
         waiter = self._waiters.get(request.request_id)
         if waiter is None:
             waiter = self._waiters[request.request_id] = asyncio.get_running_loop().create_future()
@@ -226,8 +232,11 @@ class ClusterController:
 
     async def _tick_loop(self) -> None:
         period = self.config.tick_interval_ms / 1e3
+        arrived = self._arrived = asyncio.Event()
         while True:
-            await asyncio.sleep(period)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(arrived.wait(), period)
+            arrived.clear()
             now = time.time()
             for decision in self.plane.tick(now):
                 self._spawn(self._resolve(decision))

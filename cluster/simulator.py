@@ -1,8 +1,9 @@
 """Discrete-event run of the cluster: the live decision code against perf-model replicas.
 
 Policy `slos` drives the same `ControlPlane` (virtual replicas with `SlosScheduler`, the
-`Router` with its route limit and backup policy) as the Ray controller: arrivals are submitted,
-a planning tick every `tick_interval_s` admits and routes, and after every step a replica folds
+`Router` with its route limit and backup policy) as the Ray controller: arrivals are submitted
+and planned at once, a planning tick every `tick_interval_s` admits and routes what still waits,
+and after every step a replica folds
 its report into its mirror and runs the mirror's next plan, as the live controller sends it.
 It speculates with the profile's draft model; the engine accepts drafts per `SeededAcceptance`.
 Its ablations switch one part off: `slos-noroute` (route limit 1: a declined request goes
@@ -353,6 +354,8 @@ class Simulator:
             if decision is not None:
                 self._bind(decision)
                 self._kick_all()
+            else:
+                self._plan()
             return
         pool = self.config.prefill_replicas if self._links else len(self.replicas)
         replica = self.router.first([0.0] * pool, [True] * pool)
@@ -362,12 +365,17 @@ class Simulator:
         self._start(i, request, Verdict.ADMITTED, replica, 1)
         self._kick(rep)
 
-    def _tick(self, number: int) -> None:
+    def _plan(self) -> None:
+        """One planning pass, as the live controller runs on every tick and arrival."""
         assert self.plane is not None
         for decision in self.plane.tick(self._now):
             self._bind(decision)
         self._admit_in_order()
         self._kick_all()
+
+    def _tick(self, number: int) -> None:
+        assert self.plane is not None
+        self._plan()
         if not self._open:
             return
         waiting = any(self.plane.num_pending(i) for i in range(len(self.replicas)))

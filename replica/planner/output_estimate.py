@@ -3,7 +3,8 @@
 Reserving prompt + max_tokens makes admission memory-bound long before the GPU is busy when
 outputs end far below their cap (ChatBot: mean 264 of 839). Instead a request reserves its
 prompt plus a high quantile of the output lengths this replica has seen for the same
-max_tokens, and extends by another quantile's worth when its tokens approach the reservation.
+max_tokens, and extends by another quantile's worth when its tokens approach the reservation;
+both steps are capped at `chunk_tokens`, so a long output's memory grows with it.
 Until `min_samples` requests with that cap have finished, `prior_tokens` stands in for the
 quantile. When extensions outgrow the cache, the newest admitted requests lose their
 guarantee (SlosScheduler demotes them to best-effort), as vLLM preempts its newest requests.
@@ -49,8 +50,11 @@ class OutputLengthEstimate:
 
     def initial_tokens(self, request: Request) -> int:
         """KV slots to reserve at admission: the prompt plus the expected output."""
-        return min(peak_tokens(request), request.prompt_len + self.expected_output(request) - 1)
+        return min(peak_tokens(request), request.prompt_len + self._chunk(request) - 1)
 
     def extended_tokens(self, request: Request, reserved: int) -> int:
         """The next reservation once `reserved` slots are nearly used."""
-        return min(peak_tokens(request), reserved + self.expected_output(request))
+        return min(peak_tokens(request), reserved + self._chunk(request))
+
+    def _chunk(self, request: Request) -> int:
+        return min(self.expected_output(request), self.config.chunk_tokens)

@@ -1,9 +1,12 @@
 """A one-replica cluster with the reject backup policy: declined requests are refused with a
-reason and a Retry-After; with the replica gone, submit raises ClusterUnavailable."""
+reason and a Retry-After; with the replica gone, submit raises ClusterUnavailable. Its planning
+tick is 5 s, so every verdict here comes from the pass the controller runs when a request
+arrives."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from replica.request import SLO, Request, SamplingParams
 pytestmark = pytest.mark.timeout(180)
 
 TIGHT = SLO(ttft_ms=1500, tpot_ms=100)
+TICK_MS = 5000.0
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +38,7 @@ def cluster(
         backup_policy=BackupPolicy.REJECT,
         retry_after_s=2.5,
         num_kv_blocks=128,
+        tick_interval_ms=TICK_MS,
     )
     handle = runner.run(launch(config))
     yield handle
@@ -57,7 +62,9 @@ def test_full_cluster_rejects_with_reason_and_keeps_serving(
         assert isinstance(rest[-1], FinalRecord)
         return refused, rest[-1]
 
+    started = time.monotonic()
     refused, busy = runner.run(run())
+    assert time.monotonic() - started < TICK_MS / 1e3, "verdicts waited for the planning tick"
     assert len(refused) == 1
     record = refused[0]
     assert isinstance(record, FinalRecord)

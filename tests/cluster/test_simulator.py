@@ -60,12 +60,12 @@ def test_vllm_reproduces_a_hand_computed_schedule() -> None:
     assert got["b"] == pytest.approx((0.05, 0.062))
 
 
-def test_slos_admits_at_the_tick_and_runs_a_lone_request_back_to_back() -> None:
-    # Tick at 0.01 admits; prefill 0.01-0.03; decodes of 11 ms each.
+def test_slos_admits_on_arrival_and_runs_a_lone_request_back_to_back() -> None:
+    # Planned when it arrives at 0.0 (not at the 0.01 tick); prefill 0.0-0.02; decodes 11 ms.
     sim = Simulator(LINEAR, [sim_request("a", 10, 0.0, 3)], SimConfig(policy=Policy.SLOS_NOSPEC))
     (outcome,) = sim.run().outcomes
     assert outcome.verdict is Verdict.ADMITTED and outcome.replica == 0 and outcome.hops == 1
-    assert outcome.token_times_s == pytest.approx((0.03, 0.041, 0.052))
+    assert outcome.token_times_s == pytest.approx((0.02, 0.031, 0.042))
     with pytest.raises(RuntimeError, match="runs once"):
         sim.run()
 

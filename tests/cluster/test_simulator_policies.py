@@ -55,11 +55,11 @@ def times(ran: Ran) -> dict[str, tuple[float, ...]]:
 
 
 def test_slos_speculates_four_tokens_when_every_draft_is_accepted() -> None:
-    # Admitted at the 0.01 tick, prefill 0.01-0.03 (10 + 10 tokens ms). With a loose TPOT the
+    # Admitted on arrival at 0.0, prefill 0.0-0.02 (10 + 10 tokens ms). With a loose TPOT the
     # longest speculation (4) gives the most prefill budget, so each verify feeds 5 tokens
-    # (15 ms) and, at alpha 1, yields 5: tokens 1-5 at 0.045, 6-10 at 0.06.
+    # (15 ms) and, at alpha 1, yields 5: tokens 1-5 at 0.035, 6-10 at 0.05.
     ran = run([sim_request("a", 10, 0.0, 11)], SimConfig(acceptance=1.0))
-    assert times(ran)["a"] == pytest.approx((0.03, *[0.045] * 5, *[0.06] * 5))
+    assert times(ran)["a"] == pytest.approx((0.02, *[0.035] * 5, *[0.05] * 5))
     assert ran.sim.replicas[0].executor.drafted == [4, 4]
 
 
@@ -68,7 +68,7 @@ def test_the_planner_starts_from_the_engines_alpha_and_never_drafts_at_zero() ->
     spec = config.planner_config().spec
     assert spec is not None and spec.initial_acceptance == 0.0
     ran = run([sim_request("a", 10, 0.0, 3)], config)
-    assert times(ran)["a"] == pytest.approx((0.03, 0.041, 0.052))
+    assert times(ran)["a"] == pytest.approx((0.02, 0.031, 0.042))
     assert ran.sim.replicas[0].executor.drafted == [0, 0]
 
 

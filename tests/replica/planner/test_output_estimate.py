@@ -36,6 +36,17 @@ def test_extensions_add_an_estimate_and_stop_at_the_peak() -> None:
     assert estimate.extended_tokens(chat, 499) == 499
 
 
+def test_long_outputs_reserve_and_extend_a_chunk_at_a_time() -> None:
+    config = OutputEstimateConfig(quantile=1.0, min_samples=1, chunk_tokens=100)
+    estimate = OutputLengthEstimate(config)
+    think = request(50, 8000)
+    estimate.observe(think, 6000)
+    assert estimate.expected_output(think) == 6000
+    assert estimate.initial_tokens(think) == 50 + 100 - 1
+    assert estimate.extended_tokens(think, 149) == 249
+    assert estimate.extended_tokens(think, 8000) == 8049
+
+
 def test_the_window_forgets_old_outputs() -> None:
     estimate = OutputLengthEstimate(OutputEstimateConfig(quantile=1.0, min_samples=1, window=2))
     chat = request(10, 400)
@@ -51,6 +62,7 @@ def test_the_window_forgets_old_outputs() -> None:
         ({"min_samples": 0}, "min_samples"),
         ({"window": 0}, "window"),
         ({"prior_tokens": 0}, "prior_tokens"),
+        ({"chunk_tokens": 0}, "chunk_tokens"),
     ],
 )
 def test_config_names_the_bad_field(kwargs: dict, field: str) -> None:

@@ -188,7 +188,7 @@ class CpuKernels:
         scale: float,
     ) -> torch.Tensor:
         """q [tokens, heads, head_dim] (contiguous) over `pool` (one layer, contiguous) for
-        requests described by int32 tensors: block tables [requests, width], the first query
+        requests described by int64 tensors: block tables [requests, width], the first query
         row of each request in q, its query count and its cached length."""
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = pool.shape[-2]

@@ -280,9 +280,9 @@ class _PagedGroup:
     """Rows of few query tokens and no tree mask, attended by the C kernel in the pool."""
 
     tables: torch.Tensor
-    """int32 [requests, width] block tables, padded with block 0 (never read)."""
+    """int64 [requests, width] block tables, padded with block 0 (never read)."""
     q_start: torch.Tensor
-    """int32 first row of each request among the group's gathered queries."""
+    """int64 first row of each request among the group's gathered queries."""
     q_len: torch.Tensor
     num_cached: torch.Tensor
     start: int
@@ -358,7 +358,8 @@ class ModelRunner:
             raise ValueError(f"the KV budget holds {num_blocks} blocks; need at least 1")
         self.num_blocks = int(num_blocks)
         state = _load_state(self.model_dir)
-        self.embed = state["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
+        embed = state["model.embed_tokens.weight"]
+        self.embed = embed.to(device=self.device, dtype=dtype).contiguous()
         head = self.embed if cfg.tie_word_embeddings else state.get("lm_head.weight")
         if head is None:
             raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
@@ -372,7 +373,7 @@ class ModelRunner:
                 raise ValueError(f"head_vocab ids must be in [0, {cfg.vocab_size})")
             head = head.index_select(0, ids)
             self.head_vocab = ids.to(self.device)
-        self.lm_head = head.to(device=self.device, dtype=dtype)
+        self.lm_head = head.to(device=self.device, dtype=dtype).contiguous()
         self.final_norm = state["model.norm.weight"].to(device=self.device, dtype=dtype)
         self.layers = _build_layers(state, cfg, dtype, self.device)
         cos, sin = _rope_tables(cfg, dtype)
@@ -585,8 +586,6 @@ class ModelRunner:
         )
         self._cos32 = self.cos.float().contiguous()
         self._sin32 = self.sin.float().contiguous()
-        self.embed = self.embed.contiguous()
-        self.lm_head = self.lm_head.contiguous()
         return cpu_kernels.ModelArgs(
             embed=ptr(self.embed),
             layers=self._layer_ptrs,
@@ -637,12 +636,10 @@ class ModelRunner:
             offsets.append(offsets[-1] + q_lens[m])
         contiguous = members == list(range(members[0], members[-1] + 1))
         return _PagedGroup(
-            tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            q_start=torch.tensor(offsets, dtype=torch.int32, device=dev),
-            q_len=torch.tensor([q_lens[m] for m in members], dtype=torch.int32, device=dev),
-            num_cached=torch.tensor(
-                [seqs[m].num_cached for m in members], dtype=torch.int32, device=dev
-            ),
+            tables=torch.tensor(tables, device=dev),
+            q_start=torch.tensor(offsets, device=dev),
+            q_len=torch.tensor([q_lens[m] for m in members], device=dev),
+            num_cached=torch.tensor([seqs[m].num_cached for m in members], device=dev),
             start=starts[members[0]],
             count=sum(q_lens[m] for m in members),
             token_rows=None

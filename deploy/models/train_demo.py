@@ -166,6 +166,11 @@ def batches(stream: torch.Tensor, seq: int, batch: int, gen: torch.Generator):
         yield torch.stack([stream[s : s + seq + 1] for s in starts.tolist()])
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A fresh generator per phase, so each phase's data depends only on its own seed."""
+    return torch.Generator().manual_seed(seed)
+
+
 def row_batches(rows: torch.Tensor, batch: int, gen: torch.Generator):
     """Endless random batches of whole rows."""
     while True:
@@ -183,8 +188,7 @@ def target_continuations(
 ) -> torch.Tensor:
     """[count, prompt_len + new_tokens] rows: corpus prompts continued by the target, half
     greedily (what greedy speculation verifies) and half sampled at temperature 0.8."""
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(stream) - prompt_len, (count,), generator=gen).tolist()
+    starts = torch.randint(0, len(stream) - prompt_len, (count,), generator=seeded(seed)).tolist()
     prompts = torch.stack([stream[s : s + prompt_len] for s in starts])
     rows = []
     chunk = 64
@@ -343,9 +347,10 @@ def train_draft(
     embedding = pca_embedding(target.model.embed_tokens.weight.data, DRAFT.hidden)
     draft.model.embed_tokens.weight.data.copy_(embedding)
     window = functools.partial(batches, stream, args.seq, args.batch)
-    gen = torch.Generator().manual_seed
-    secs = train(draft, window(gen(args.seed + 1)), args.draft_steps, 3e-3, None, "draft")
-    secs += train(draft, window(gen(args.seed + 2)), args.distill_steps, 1.5e-3, target, "distill")
+    secs = train(draft, window(seeded(args.seed + 1)), args.draft_steps, 3e-3, None, "draft")
+    secs += train(
+        draft, window(seeded(args.seed + 2)), args.distill_steps, 1.5e-3, target, "distill"
+    )
     began = time.time()
     prompt_len = args.seq + 1 - args.continuation_tokens
     rows = target_continuations(
@@ -354,7 +359,7 @@ def train_draft(
     secs += time.time() - began
     secs += train(
         draft,
-        row_batches(rows, args.batch, gen(args.seed + 4)),
+        row_batches(rows, args.batch, seeded(args.seed + 4)),
         args.onpolicy_steps,
         1e-3,
         target,
@@ -434,9 +439,7 @@ def main() -> None:
     )
     if not args.draft_only:
         target = make_model(TARGET, tokenizer)
-        windows = batches(
-            train_stream, args.seq, args.batch, torch.Generator().manual_seed(args.seed)
-        )
+        windows = batches(train_stream, args.seq, args.batch, seeded(args.seed))
         t_secs = train(target, windows, args.target_steps, 3e-3, None, "target")
         report = {
             "corpus": "CPython standard library source (.py), excluding "

@@ -1,7 +1,6 @@
 /* One work item of paged attention, written once for every element type: included with
- * ATTEND_NAME, TQ / LOADQ (queries), TKV / LOADKV (the pool), TO / STORE (the output) and
- * TABLE (the block table's integer type) defined; it undefines them at its end, so every
- * inclusion states its own.
+ * ATTEND_NAME, TQ / LOADQ (queries), TKV / LOADKV (the pool) and TO / STORE (the output)
+ * defined; it undefines them at its end, so every inclusion states its own.
  *
  * The item is every query head of kv head `kvh` for the n_q new tokens of one request whose
  * queries are rows q_row0 .. q_row0 + n_q - 1 of q (q_stride elements apart, heads x head_dim
@@ -11,7 +10,7 @@
  * products). Scores take four keys at a time and the weighted sum two values at a time, so the
  * multiply-adds form independent chains instead of waiting on each other's latency. */
 static inline __attribute__((always_inline)) int ATTEND_NAME(
-    const TQ *q, int64_t q_stride, const TKV *pool, const TABLE *table, int64_t q_row0,
+    const TQ *q, int64_t q_stride, const TKV *pool, const int64_t *table, int64_t q_row0,
     int64_t n_q, int64_t cached, int64_t kvh, int64_t heads, int64_t kv_heads,
     const int64_t head_dim, int shift, float scale, TO *out) {
     const int64_t group = heads / kv_heads;
@@ -116,4 +115,3 @@ static inline __attribute__((always_inline)) int ATTEND_NAME(
 #undef LOADKV
 #undef TO
 #undef STORE
-#undef TABLE

@@ -4,20 +4,20 @@
  * (with two thread pools) wake-up costs that dwarf its arithmetic: a 2-layer draft spent more
  * time in per-op work than in its weights. This file runs every layer of a decode or verify
  * batch inside one OpenMP parallel region: embedding, RMSNorm, fused QKV with rotary
- * embedding, KV write into the paged pool, paged attention (attend_one_* of
- * paged_attention.c), output projection, SwiGLU MLP, final norm and LM head, with barriers
- * between phases and no allocation besides one scratch buffer.
+ * embedding, KV write into the paged pool, paged attention (attend_one.h), output projection,
+ * SwiGLU MLP, final norm and LM head, with barriers between phases and scratch buffers
+ * allocated once per call.
  *
- * Every matrix product is one pass over the weight rows, each row used for all tokens while it
- * is in L1: for a few tokens the step is bound by reading the weights once, which is also why
- * the batch-1 cost follows a model's weight bytes.
+ * Every matrix product is one pass over the weight rows, four rows at a time used for all
+ * tokens while they are in L1: for a few tokens the step is bound by reading the weights once,
+ * which is also why the batch-1 cost follows a model's weight bytes.
  *
  * Layout contracts (shared with replica/model_runner.py):
  * - qkv rows: q (heads x head_dim), k (kv_heads x head_dim), rotate_half(q), rotate_half(k),
  *   v; this file skips the rotated rows and rotates q and k itself;
  * - gate_up rows: gate (intermediate), then up (intermediate);
  * - pool per layer: rows of [kv_heads, head_dim]; a token's key in row slots[t], its value
- *   block_size rows later;
+ *   block_size rows later; block tables, like every index, are int64;
  * - cos/sin: fp32 [max positions, head_dim], halves repeated as transformers builds them.
  * Activations stay fp32 for both weight types.
  */
@@ -68,17 +68,8 @@ static inline struct batch read_batch(const int64_t *b) {
     return out;
 }
 
-/* Queries and outputs are fp32 scratch rows; the pool holds the weights' type. */
-#define ATTEND_NAME attend_fused_f32
-#define TQ float
-#define LOADQ IDENTITY
-#define TKV float
-#define LOADKV IDENTITY
-#define TO float
-#define STORE IDENTITY
-#define TABLE int64_t
-#include "attend_one.h"
-
+/* bf16 weights: queries and outputs are fp32 scratch rows, the pool bf16. (fp32 uses
+ * paged_attention.c's attend_one_f32 as it is.) */
 #define ATTEND_NAME attend_fused_bf16
 #define TQ float
 #define LOADQ IDENTITY
@@ -86,7 +77,6 @@ static inline struct batch read_batch(const int64_t *b) {
 #define LOADKV bf16_to_float
 #define TO float
 #define STORE IDENTITY
-#define TABLE int64_t
 #include "attend_one.h"
 
 /* The forward once per weight type: decode_forward_body.h is written against T, LOAD_IS_BF16,
@@ -95,7 +85,7 @@ static inline struct batch read_batch(const int64_t *b) {
 #define NAMED(a, b) PASTE(a, b)
 #define FN(name) NAMED(name, SUFFIX)
 
-/* 16 floats: one AVX-512 register (two AVX2 ones where that is all the CPU has). */
+/* 8 floats, one AVX register: 16-float vectors measured slower here for several tokens. */
 typedef float vf __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 typedef uint16_t vu16 __attribute__((vector_size(16)));
@@ -112,7 +102,7 @@ static inline float hsum(vf v) {
 #define LOAD(x) (x)
 #define STORE(x) (x)
 #define SUFFIX f32
-#define ATTEND attend_fused_f32
+#define ATTEND attend_one_f32
 #include "decode_forward_body.h"
 
 #define T uint16_t

@@ -108,6 +108,22 @@ static inline int FN(block)(const T *w, int64_t ld, int64_t j, int64_t rows, con
     return n;
 }
 
+/* x[m * H + j] += w[j] . in[m] for the H rows of w (K wide) and the M tokens: a projection
+ * added to the residual stream. The `omp for` shares the rows among the threads of the
+ * enclosing parallel region. */
+static inline void FN(add_product)(float *x, int64_t H, const T *w, int64_t K, const XT *in,
+                                   int64_t M) {
+#pragma omp for
+    for (int64_t j = 0; j < H; j += 4) {
+        const T *rows[4];
+        float dots[M * 4];
+        const int n = FN(block)(w, K, j, H, rows);
+        FN(dots4)(rows, n, K, in, K, M, dots, 4);
+        for (int64_t m = 0; m < M; m++)
+            for (int c = 0; c < n; c++) x[m * H + j + c] += dots[m * 4 + c];
+    }
+}
+
 static inline void FN(rms_norm)(const float *x, const T *w, int64_t n, float eps, float *out) {
     float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
@@ -214,15 +230,7 @@ static inline __attribute__((always_inline)) int FN(body)(const struct model_arg
 #pragma omp for
             for (int64_t i = 0; i < M * qdim; i++) attx[i] = TO_X(att[i]);
 #endif
-#pragma omp for
-            for (int64_t j = 0; j < H; j += 4) {
-                const T *rows[4];
-                float dots[M * 4];
-                const int n = FN(block)(wo, qdim, j, H, rows);
-                FN(dots4)(rows, n, qdim, attx, qdim, M, dots, 4);
-                for (int64_t m = 0; m < M; m++)
-                    for (int c = 0; c < n; c++) x[m * H + j + c] += dots[m * 4 + c];
-            }
+            FN(add_product)(x, H, wo, qdim, attx, M);
 #pragma omp for
             for (int64_t m = 0; m < M; m++)
                 FN(norm_in)(x + m * H, w->mlp_norm, H, eps, h + m * H, hx + m * H);
@@ -240,15 +248,7 @@ static inline __attribute__((always_inline)) int FN(body)(const struct model_arg
                         actx[m * I + i + c] = TO_X(g / (1.0f + expf(-g)) * u);
                     }
             }
-#pragma omp for
-            for (int64_t j = 0; j < H; j += 4) {
-                const T *rows[4];
-                float dots[M * 4];
-                const int n = FN(block)(wdown, I, j, H, rows);
-                FN(dots4)(rows, n, I, actx, I, M, dots, 4);
-                for (int64_t m = 0; m < M; m++)
-                    for (int c = 0; c < n; c++) x[m * H + j + c] += dots[m * 4 + c];
-            }
+            FN(add_product)(x, H, wdown, I, actx, M);
         }
 #pragma omp for
         for (int64_t r = 0; r < b->L; r++)

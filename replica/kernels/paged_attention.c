@@ -47,8 +47,8 @@ static inline int log2_block(int64_t block_size) {
 
 #define DEFINE_KERNEL(NAME, T, ATTEND)                                                        \
     static inline __attribute__((always_inline)) int NAME##_body(                             \
-        const T *q, const T *pool, const int32_t *tables, int64_t table_stride,              \
-        const int32_t *q_start, const int32_t *q_len, const int32_t *num_cached,             \
+        const T *q, const T *pool, const int64_t *tables, int64_t table_stride,              \
+        const int64_t *q_start, const int64_t *q_len, const int64_t *num_cached,             \
         int64_t num_requests, int64_t heads, int64_t kv_heads, const int64_t head_dim,       \
         int64_t block_size, float scale, T *out, int64_t threads) {                          \
         const int shift = log2_block(block_size);                                             \
@@ -65,8 +65,8 @@ static inline int log2_block(int64_t block_size) {
         }                                                                                     \
         return failed;                                                                        \
     }                                                                                         \
-    int NAME(const T *q, const T *pool, const int32_t *tables, int64_t table_stride,         \
-             const int32_t *q_start, const int32_t *q_len, const int32_t *num_cached,        \
+    int NAME(const T *q, const T *pool, const int64_t *tables, int64_t table_stride,         \
+             const int64_t *q_start, const int64_t *q_len, const int64_t *num_cached,        \
              int64_t num_requests, int64_t heads, int64_t kv_heads, int64_t head_dim,        \
              int64_t block_size, float scale, T *out, int64_t threads) {                     \
         switch (head_dim) {                                                                   \
@@ -98,7 +98,6 @@ static inline int log2_block(int64_t block_size) {
 #define LOADKV IDENTITY
 #define TO float
 #define STORE IDENTITY
-#define TABLE int32_t
 #include "attend_one.h"
 
 #define ATTEND_NAME attend_one_bf16
@@ -108,7 +107,6 @@ static inline int log2_block(int64_t block_size) {
 #define LOADKV bf16_to_float
 #define TO uint16_t
 #define STORE float_to_bf16
-#define TABLE int32_t
 #include "attend_one.h"
 
 DEFINE_KERNEL(paged_attention_f32, float, attend_one_f32)

@@ -68,16 +68,16 @@ def test_kernel_matches_sdpa_for_decode_and_verify_rows(dtype: torch.dtype) -> N
     for _, n_q in rows[:-1]:
         starts.append(starts[-1] + n_q)
 
-    def i32(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32)
+    def i64(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
 
     out = kernel.attention(
         q,
         pool,
-        i32([t + [0] * (width - len(t)) for t in tables]).view(len(rows), width),
-        i32(starts),
-        i32([n for _, n in rows]),
-        i32([c for c, _ in rows]),
+        i64([t + [0] * (width - len(t)) for t in tables]).view(len(rows), width),
+        i64(starts),
+        i64([n for _, n in rows]),
+        i64([c for c, _ in rows]),
         BLOCK_SIZE,
         HEAD_DIM**-0.5,
     )
@@ -90,12 +90,12 @@ def test_kernel_matches_sdpa_for_decode_and_verify_rows(dtype: torch.dtype) -> N
 @needs_kernel
 def test_kernel_refuses_a_block_size_that_is_not_a_power_of_two() -> None:
     assert kernel is not None
-    one = torch.zeros(1, dtype=torch.int32)
+    one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="power of two"):
         kernel.attention(
             torch.zeros(1, HEADS, HEAD_DIM),
             torch.zeros(2, 2, 12, KV_HEADS, HEAD_DIM),
-            torch.zeros(1, 1, dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int64),
             one,
             one + 1,
             one,

@@ -7,10 +7,11 @@ The replica is authoritative. The mirror folds in every executed step, in order;
 of sequence (lost, or from a restarted replica) means the mirror is wrong, and it is rebuilt
 from the replica's snapshot instead of being patched.
 
-The planner plans with a calibrated perf model: every executed step's measured seconds are
-fed back against the profile's prediction for that step's shape, so a replica slower than its
-profile (shared cores, another tenant) is planned, and admits, as slow as it is. Where the
-steps run exactly as predicted (the simulator) every factor stays 1.
+With `calibrate` the planner plans with a calibrated perf model: every executed step's
+measured seconds are fed back against the profile's prediction for that step's shape, so a
+replica slower than its profile (shared cores, another tenant) is planned, and admits, as slow
+as it is. Off by default (cluster.config.ClusterConfig.calibrate says why); the simulator's
+replicas run exactly as predicted, so it never needs it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class VirtualReplica:
         perf: PerfModel,
         cache: CacheBudget,
         config: SchedulerConfig | None = None,
-        calibrate: bool = True,
+        calibrate: bool = False,
     ) -> None:
         self.index = index
         self.perf = CalibratedPerfModel(perf, Calibration()) if calibrate else None

@@ -180,7 +180,7 @@ def tight(request_id: str) -> Request:
 
 
 def test_steps_slower_than_predicted_make_admission_conservative(perf: PerfModel) -> None:
-    vr = VirtualReplica(0, perf, CACHE)
+    vr = VirtualReplica(0, perf, CACHE, calibrate=True)
     assert vr.plan_admission([tight("probe")], 0.0).is_admitted("probe")
     executor = PerfExecutor(perf, CACHE)
     for request in requests(3):
@@ -199,8 +199,8 @@ def test_steps_slower_than_predicted_make_admission_conservative(perf: PerfModel
 
 
 def test_steps_as_predicted_keep_every_factor_at_one(perf: PerfModel) -> None:
-    """The simulator's case: its replicas run exactly the perf model's times."""
-    vr = VirtualReplica(0, perf, CACHE)
+    """Replicas that run exactly the perf model's times (as the simulator's do)."""
+    vr = VirtualReplica(0, perf, CACHE, calibrate=True)
     executor = PerfExecutor(perf, CACHE)
     for request in requests(3):
         vr.admit(request, 0.0)
@@ -210,9 +210,9 @@ def test_steps_as_predicted_keep_every_factor_at_one(perf: PerfModel) -> None:
 
 
 def test_calibration_off_and_abort_reports_observe_nothing(perf: PerfModel) -> None:
-    off = VirtualReplica(0, perf, CACHE, calibrate=False)
+    off = VirtualReplica(0, perf, CACHE)
     assert off.perf is None and off.status().calibration == {}
-    vr = VirtualReplica(0, perf, CACHE)
+    vr = VirtualReplica(0, perf, CACHE, calibrate=True)
     vr.admit(requests(1)[0], 0.0)
     vr.abort("r0")
     abort = BatchOutcome(outcomes=[], overhead_s=1.0)

@@ -19,9 +19,12 @@ from __future__ import annotations
 import json
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from replica.batch import BatchPlan, DecodeStep
 
 FORMAT = "slos-serve-perf-model/1"
 FEATURES: tuple[str, ...] = (
@@ -164,6 +167,28 @@ class BatchShape:
         _check_count("tp", self.tp)
         if self.tp == 0:
             raise ValueError("tp must be >= 1, got 0")
+
+    @classmethod
+    def of_plan(cls, plan: BatchPlan, computed: Callable[[str], int], tp: int = 1) -> BatchShape:
+        """A plan as the model sees it: each entry's new tokens (a decode feeds its drafts and
+        one token) over its `computed(request_id)` context (0 once preempted: it restarts)."""
+        new_tokens, context, drafting = [], [], []
+        for entry in plan.entries:
+            if isinstance(entry, DecodeStep):
+                new_tokens.append(entry.num_spec_tokens + 1)
+                if entry.num_spec_tokens > 0:
+                    drafting.append(entry.num_spec_tokens)
+            else:
+                new_tokens.append(entry.num_tokens)
+            rid = entry.request_id
+            context.append(0 if rid in plan.preempt else computed(rid))
+        return cls(
+            tuple(new_tokens),
+            tuple(context),
+            draft_steps=max(drafting, default=0),
+            draft_batch=len(drafting),
+            tp=tp,
+        )
 
     def features(self) -> BatchFeatures:
         pairs = list(zip(self.new_tokens, self.context, strict=True))

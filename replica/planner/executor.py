@@ -97,22 +97,7 @@ class PerfExecutor:
         return list(self.sequences[request_id].output)
 
     def shape(self, plan: BatchPlan) -> BatchShape:
-        new_tokens, context = [], []
-        for entry in plan.entries:
-            seq = self.sequences[entry.request_id]
-            if isinstance(entry, PrefillChunk):
-                new_tokens.append(entry.num_tokens)
-            else:
-                new_tokens.append(entry.num_spec_tokens + 1)
-            context.append(0 if entry.request_id in plan.preempt else seq.computed)
-        drafts = [e.num_spec_tokens for e in plan.entries if isinstance(e, DecodeStep)]
-        drafting = [k for k in drafts if k > 0]
-        return BatchShape(
-            new_tokens=tuple(new_tokens),
-            context=tuple(context),
-            draft_steps=max(drafting, default=0),
-            draft_batch=len(drafting),
-        )
+        return BatchShape.of_plan(plan, lambda rid: self.sequences[rid].computed)
 
     def execute(self, plan: BatchPlan, now: float) -> tuple[BatchOutcome, float]:
         """Run one step starting at `now`; returns the outcome and the step's duration."""

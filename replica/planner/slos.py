@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from replica.batch import BatchOutcome, BatchPlan, DecodeStep
+from replica.batch import BatchOutcome, BatchPlan
 from replica.perf_model import BatchShape, BatchTimeModel
 from replica.planner.admission import (
     AdmissionProblem,
@@ -324,25 +324,9 @@ class SlosScheduler(Scheduler):
         return self._best_effort_allowance(budget) < waiting
 
     def shape(self, plan: BatchPlan) -> BatchShape:
-        """The plan as the perf model sees it (preempted requests restart from nothing)."""
+        """The plan as the perf model sees it."""
         states = self.queues.states
-        new_tokens, context, drafts = [], [], []
-        for entry in plan.entries:
-            if isinstance(entry, DecodeStep):
-                new_tokens.append(entry.num_spec_tokens + 1)
-                drafts.append(entry.num_spec_tokens)
-            else:
-                new_tokens.append(entry.num_tokens)
-            rid = entry.request_id
-            context.append(0 if rid in plan.preempt else states[rid].num_computed_tokens)
-        drafting = [k for k in drafts if k > 0]
-        return BatchShape(
-            tuple(new_tokens),
-            tuple(context),
-            draft_steps=max(drafting, default=0),
-            draft_batch=len(drafting),
-            tp=self.perf.tp,
-        )
+        return BatchShape.of_plan(plan, lambda rid: states[rid].num_computed_tokens, self.perf.tp)
 
     def plan_ahead(
         self, now: float, count: int, accept: AcceptFn | None = None

@@ -153,6 +153,7 @@ class CpuKernels:
         args = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
         self._entry = {}
         self._forward = {}
+        self._chain = {}
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             fn = getattr(lib, f"paged_attention_{suffix}")
             fn.argtypes = [*args, ptr, i64]
@@ -162,6 +163,10 @@ class CpuKernels:
             forward.argtypes = [ctypes.POINTER(ModelArgs), ptr, ptr, i64]
             forward.restype = ctypes.c_int
             self._forward[dtype] = forward
+            chain = getattr(lib, f"greedy_chain_{suffix}")
+            chain.argtypes = [ctypes.POINTER(ModelArgs), ptr, ptr, ptr, ptr, i64]
+            chain.restype = ctypes.c_int
+            self._chain[dtype] = chain
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._entry
@@ -175,6 +180,33 @@ class CpuKernels:
         address = batch.buffer_info()[0]
         if self._forward[dtype](model, address, logits.data_ptr(), threads):
             raise MemoryError("fused forward could not allocate its scratch buffers")
+
+    def greedy_chain(
+        self,
+        dtype: torch.dtype,
+        model: ModelArgs,
+        batch: array.array[int],
+        steps: list[int],
+        vocab: torch.Tensor | None,
+    ) -> list[list[int]]:
+        """`steps[r]` greedy tokens for request r of a `pack_batch` array whose logit rows are
+        each request's last row, every step in one C call (greedy_chain in the kernel); `vocab`
+        (int64) maps a cut head's columns to token ids. The block tables must already hold the
+        tokens the steps write."""
+        most = max(steps)
+        counts = array.array("q", steps)
+        out = array.array("q", bytes(8 * len(steps) * most))
+        failed = self._chain[dtype](
+            model,
+            batch.buffer_info()[0],
+            counts.buffer_info()[0],
+            None if vocab is None else vocab.data_ptr(),
+            out.buffer_info()[0],
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("greedy chain could not allocate its scratch buffers")
+        return [out[r * most : r * most + n].tolist() for r, n in enumerate(steps)]
 
     def attention(
         self,

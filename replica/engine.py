@@ -1,7 +1,9 @@
 """The replica engine: executes one `BatchPlan` and reports a `BatchOutcome`.
 
 A step is: validate the whole plan (nothing changes if any part is wrong), drop the KV of
-preempted requests, let the proposer draft tokens for speculative decodes, run ONE target
+preempted requests, let the proposer draft tokens for speculative decodes (a draft model also
+prefills the step's prefill chunks, so its cost lands in the step the perf model charges for
+the prompt, not in a later decode), run ONE target
 forward over the ragged batch (prefill chunks, decode tokens, verify tokens), sample or verify,
 roll both KV caches back to the accepted length and apply stop conditions.
 """
@@ -184,7 +186,7 @@ class Engine:
         works = self._validate(plan)
         for rid in plan.preempt:
             self.preempt(rid)
-        draft_s = self._propose(works)
+        draft_s = self._propose(works) + self._draft_prefill(works)
         seqs = [self._forward_seq(w) for w in works]
         target_start = time.perf_counter()
         logits = self.target.forward(seqs) if seqs else torch.empty(0)
@@ -272,9 +274,9 @@ class Engine:
             len(draft_cache.block_table(rid)) for rid in freed
         )
         draft_need = sum(
-            self.draft.blocks_needed(w.seq.request.request_id, w.seq.num_known, w.num_spec)
+            self.draft.blocks_needed(w.seq.request.request_id, _draft_tokens(w))
             for w in works
-            if w.num_spec > 0
+            if w.num_spec > 0 or isinstance(w.entry, PrefillChunk)
         )
         if draft_need > draft_free:
             raise ValueError(
@@ -303,6 +305,19 @@ class Engine:
             ]
             for w, proposal in zip(spec, self.draft.propose(jobs), strict=True):
                 w.proposal = proposal
+        return time.perf_counter() - start
+
+    def _draft_prefill(self, works: list[_Work]) -> float:
+        """Feed the draft model this step's prefill chunks; returns the seconds it took."""
+        chunks = [
+            (w.seq.request.request_id, w.seq.tokens[: _draft_tokens(w)])
+            for w in works
+            if isinstance(w.entry, PrefillChunk)
+        ]
+        if self.draft is None or not chunks:
+            return 0.0
+        start = time.perf_counter()
+        self.draft.prefill(chunks)
         return time.perf_counter() - start
 
     def _forward_seq(self, w: _Work) -> ForwardSeq:
@@ -383,6 +398,14 @@ class Engine:
             cut -= 1
         del seq.output[cut:]
         return True
+
+
+def _draft_tokens(w: _Work) -> int:
+    """Tokens the draft caches for a plan entry: a prefill chunk's end, or a k-token
+    proposal's known tokens + k - 1."""
+    if isinstance(w.entry, PrefillChunk):
+        return w.seq.num_computed + w.num_feed
+    return w.seq.num_known + w.num_spec - 1
 
 
 def load_detokenizer(model_dir: str | Path) -> Detokenize | None:

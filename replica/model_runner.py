@@ -45,6 +45,7 @@ selected when CUDA and flashinfer are both available.
 
 from __future__ import annotations
 
+import array
 import functools
 import importlib.util
 import json
@@ -607,10 +608,47 @@ class ModelRunner:
             scale=cfg.head_dim**-0.5,
         )
 
-    def _forward_fused(self, seqs: list[ForwardSeq], flat: _Flat) -> torch.Tensor:
-        """The whole forward in one C call (decode and verify batches of few tokens)."""
+    def can_chain(self, q_lens: Sequence[int]) -> bool:
+        """Whether `greedy_chain` takes sequences whose first step feeds `q_lens` tokens: the
+        fused forward's limits (the one-token steps after the first are smaller still)."""
+        return (
+            self._fused is not None
+            and sum(q_lens) <= FUSED_MAX_TOKENS[self.dtype]
+            and all(1 <= q <= SMALL_QUERY for q in q_lens)
+        )
+
+    @torch.inference_mode()
+    def greedy_chain(self, seqs: list[ForwardSeq], steps: Sequence[int]) -> list[list[int]]:
+        """`steps[i]` greedy tokens for sequence i, each fed back as the next step's input, all
+        in one C call (a draft's proposal loop). Each sequence takes default positions, no mask
+        and one logit row, and its block table already covers the tokens every step writes."""
+        if not self.can_chain([len(s.token_ids) for s in seqs]):
+            raise ValueError(
+                "greedy_chain needs the fused CPU forward and rows of at most "
+                f"{SMALL_QUERY} tokens, {FUSED_MAX_TOKENS[self.dtype]} in all; see can_chain"
+            )
+        if len(steps) != len(seqs) or any(n < 1 for n in steps):
+            raise ValueError(f"need one step count >= 1 per sequence, got {list(steps)}")
+        for s, n in zip(seqs, steps, strict=True):
+            if s.num_logits != 1 or s.positions is not None or s.attn_mask is not None:
+                raise ValueError("greedy_chain sequences take default positions, no mask, 1 logit")
+            need = s.num_cached + len(s.token_ids) + n - 1
+            if len(s.block_table) * BLOCK_SIZE < need:
+                raise ValueError(
+                    f"block table of {len(s.block_table)} blocks cannot hold the {need} tokens "
+                    f"of {n} steps"
+                )
+            if need > self.config.max_position_embeddings:
+                raise ValueError(f"{n} steps run past position {self.max_model_len}")
+        flat = self._flatten(seqs)
         assert self._fused is not None and self._paged is not None
-        batch = cpu_kernels.pack_batch(
+        return self._paged.greedy_chain(
+            self.dtype, self._fused, self._pack(seqs, flat), list(steps), self.head_vocab
+        )
+
+    def _pack(self, seqs: list[ForwardSeq], flat: _Flat) -> array.array[int]:
+        """The batch as the fused forward reads it."""
+        return cpu_kernels.pack_batch(
             flat.input_ids,
             flat.positions,
             flat.write_k,
@@ -620,8 +658,12 @@ class ModelRunner:
             [s.num_cached for s in seqs],
             [s.block_table for s in seqs],
         )
+
+    def _forward_fused(self, seqs: list[ForwardSeq], flat: _Flat) -> torch.Tensor:
+        """The whole forward in one C call (decode and verify batches of few tokens)."""
+        assert self._fused is not None and self._paged is not None
         logits = torch.empty(len(flat.logit_rows), self.lm_head.shape[0])
-        self._paged.forward(self.dtype, self._fused, batch, logits)
+        self._paged.forward(self.dtype, self._fused, self._pack(seqs, flat), logits)
         return logits
 
     def _paged_group(

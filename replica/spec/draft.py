@@ -1,9 +1,11 @@
 """Draft-model proposals with the draft's own paged KV cache.
 
-The draft catches up lazily: its first forward of a step feeds every known token it has not
-seen yet (the prompt on a request's first speculative step, afterwards the tokens accepted or
-corrected since), then k - 1 one-token steps. After verification the engine rolls the draft
-cache back to the tokens that were accepted, so the draft never holds a rejected token.
+The draft prefills each prompt chunk in the step that prefills the target (`prefill`). A
+proposal's first forward feeds every known token the draft has not seen yet (the tokens
+accepted or corrected since its last proposal), then k - 1 one-token steps; for greedy
+requests in decode-size rows all k steps run in one C call (`ModelRunner.greedy_chain`). After
+verification the engine rolls the draft cache back to the tokens that were accepted, so the
+draft never holds a rejected token.
 
 A draft checkpoint may ship `draft_vocab.json`: its LM head is then cut to those tokens (the
 corpus's most frequent ones, as FR-Spec does), since at batch 1 the head is a large share of
@@ -67,19 +69,37 @@ class DraftModel:
         self.runner = runner
         self.cache = KVCacheManager(runner.num_blocks)
 
-    def blocks_needed(self, request_id: str, num_known: int, k: int) -> int:
-        """Extra blocks a k-token proposal takes: the draft caches num_known + k - 1 tokens."""
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """Extra blocks caching `num_tokens` of the request takes (a k-token proposal caches
+        its known tokens + k - 1, a prefill the chunk's end)."""
         cached = self.cache.num_tokens(request_id)
-        return self.cache.extra_blocks_needed(request_id, num_known + k - 1 - cached)
+        return self.cache.extra_blocks_needed(request_id, max(0, num_tokens - cached))
+
+    def prefill(self, chunks: list[tuple[str, list[int]]]) -> None:
+        """Cache each request's known tokens up to the end of its prefill chunk, in the step
+        that prefills the target: the first proposal then starts from a warm cache instead of
+        putting the whole prompt's draft forward into a decode step no planner predicted."""
+        seqs = []
+        for request_id, tokens in chunks:
+            cached = self.cache.num_tokens(request_id)
+            if cached >= len(tokens):
+                continue
+            self.cache.append(request_id, len(tokens) - cached)
+            seqs.append(ForwardSeq(tokens[cached:], self.cache.block_table(request_id), cached, 0))
+        if seqs:
+            self.runner.forward(seqs)
 
     def propose(self, jobs: list[DraftJob]) -> list[Proposal]:
-        """max(k) batched draft forwards; a request leaves the batch once it has k tokens."""
-        proposals = [Proposal(tokens=[], probs=None) for _ in jobs]
-        prob_rows: list[list[torch.Tensor]] = [[] for _ in jobs]
+        """max(k) batched draft forwards; a request leaves the batch once it has k tokens.
+        All-greedy batches of decode-size rows run every step in one C call."""
         pending: list[list[int]] = []
         for job in jobs:
             cached = self.cache.num_tokens(job.request_id)
             pending.append(job.tokens[cached:])
+        if all(j.params.greedy for j in jobs) and self.runner.can_chain([len(p) for p in pending]):
+            return self._propose_chain(jobs, pending)
+        proposals = [Proposal(tokens=[], probs=None) for _ in jobs]
+        prob_rows: list[list[torch.Tensor]] = [[] for _ in jobs]
         for step in range(max((j.k for j in jobs), default=0)):
             active = [i for i, j in enumerate(jobs) if j.k > step]
             seqs = []
@@ -106,6 +126,15 @@ class DraftModel:
             if rows:
                 proposals[i].probs = torch.stack(rows)
         return proposals
+
+    def _propose_chain(self, jobs: list[DraftJob], pending: list[list[int]]) -> list[Proposal]:
+        seqs = []
+        for job, feed in zip(jobs, pending, strict=True):
+            cached = self.cache.num_tokens(job.request_id)
+            self.cache.append(job.request_id, len(feed) + job.k - 1)
+            seqs.append(ForwardSeq(feed, self.cache.block_table(job.request_id), cached, 1))
+        chains = self.runner.greedy_chain(seqs, [j.k for j in jobs])
+        return [Proposal(tokens=chain, probs=None) for chain in chains]
 
     def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         vocab = self.runner.head_vocab

@@ -82,14 +82,19 @@ def test_cpu_baseline_differs_from_the_default_in_its_scheduler_only(
     name: str, scheduler: str
 ) -> None:
     """A capacity comparison must change the scheduler and nothing else (the baselines do
-    not speculate, so they load no draft)."""
+    not speculate, so they load no draft, and plan with the profile of an engine without one:
+    a draft model prefills every prompt alongside the target)."""
     config = load(name)
     default = load("serve-cpu.yaml")
     cfg = ClusterConfig.from_dict(app_args(config)["cluster"])
     slos = ClusterConfig.from_dict(app_args(default)["cluster"])
     assert slos.scheduler is SchedulerKind.SLOS
     assert cfg == dataclasses.replace(
-        slos, scheduler=SchedulerKind(scheduler), spec_policy="none", draft=None
+        slos,
+        scheduler=SchedulerKind(scheduler),
+        spec_policy="none",
+        draft=None,
+        profile="deploy/profiles/cpu-demo-nodraft.json",
     )
     assert {k: v for k, v in config.items() if k != "applications"} == {
         k: v for k, v in default.items() if k != "applications"

@@ -30,3 +30,7 @@ def test_quick_bench_writes_summary_and_tables(
     assert {r["batch"] for r in data["throughput"]} == {r["batch"] for r in data["hf"]}
     for row in data["spec"]:
         assert abs(sum(row["time_split"].values()) - 1.0) < 1e-6
+        assert row["tok_s"] > 0 and row["prefill_tok_s"] > 0
+    by_dtype = summary["spec_b1_by_dtype"]["float32"]
+    assert set(by_dtype) == {"none", "draft", "ngram"}
+    assert by_dtype["none"]["k"] == 0 and by_dtype["none"]["speedup"] == 1.0

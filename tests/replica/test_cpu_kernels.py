@@ -219,3 +219,60 @@ def test_only_decode_and_verify_batches_take_the_fused_forward() -> None:
     assert not fits((1, None), (SMALL_QUERY + 1, None)), "a prefill chunk"
     assert not fits((1, None), (3, tree)), "a token tree"
     assert not fits(*[(1, None)] * (FUSED_MAX_TOKENS[torch.float32] + 1)), "a large batch"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_chain_equals_stepping_the_fused_forward(
+    dtype: torch.dtype, draft_dir: Path
+) -> None:
+    """Every step of the C loop (cut head, rows of 1-3 catch-up tokens, a different step count
+    per request) gives the argmax one fused forward per step gives, and writes the same KV."""
+    vocab = load_draft_vocab(draft_dir)
+    runners = [ModelRunner(draft_dir, num_blocks=32, dtype=dtype, head_vocab=vocab) for _ in "ab"]
+    prompts = {
+        rid: [(i * 17 + n) % 4000 + 2 for i in range(30 + 7 * n)] for n, rid in enumerate("xyz")
+    }
+    feeds, steps = {"x": [5], "y": [9, 14, 3], "z": [40, 41]}, {"x": 4, "y": 1, "z": 3}
+    caches = [KVCacheManager(r.num_blocks) for r in runners]
+    for runner, cache in zip(runners, caches, strict=True):
+        for rid, prompt in prompts.items():
+            cache.append(rid, len(prompt))
+            runner.forward([ForwardSeq(prompt, cache.block_table(rid), 0)])
+            cache.append(rid, len(feeds[rid]) + steps[rid] - 1)
+    chained, stepped = runners
+    cache = caches[0]
+    seqs = [ForwardSeq(feeds[rid], cache.block_table(rid), len(prompts[rid]), 1) for rid in "xyz"]
+    got = chained.greedy_chain(seqs, [steps[rid] for rid in "xyz"])
+    want: dict[str, list[int]] = {rid: [] for rid in "xyz"}
+    pending = dict(feeds)
+    cached = {rid: len(p) for rid, p in prompts.items()}
+    for step in range(max(steps.values())):
+        live = [rid for rid in "xyz" if steps[rid] > step]
+        batch = [
+            ForwardSeq(pending[rid], caches[1].block_table(rid), cached[rid], 1) for rid in live
+        ]
+        assert vocab is not None
+        tokens = [vocab[c] for c in stepped.forward(batch).argmax(-1).tolist()]
+        for rid, token in zip(live, tokens, strict=True):
+            want[rid].append(token)
+            cached[rid] += len(pending[rid])
+            pending[rid] = [token]
+    assert got == [want[rid] for rid in "xyz"]
+    assert all(len(g) == steps[rid] for g, rid in zip(got, "xyz", strict=True))
+    assert torch.equal(chained.kv, stepped.kv)
+
+
+@needs_kernel
+def test_greedy_chain_refuses_what_it_cannot_run(draft_dir: Path) -> None:
+    runner = ModelRunner(draft_dir, num_blocks=8)
+    prompt = list(range(2, 20))
+    short = ForwardSeq(prompt[:4], [0], 0, 1)
+    with pytest.raises(ValueError, match="cannot hold the 19 tokens of 16 steps"):
+        runner.greedy_chain([short], [16])
+    with pytest.raises(ValueError, match="rows of at most"):
+        runner.greedy_chain([ForwardSeq(prompt, [0, 1], 0, 1)], [2])
+    with pytest.raises(ValueError, match="one step count >= 1"):
+        runner.greedy_chain([short], [0])
+    assert not runner.can_chain([SMALL_QUERY + 1])
+    assert runner.can_chain([SMALL_QUERY, 1])

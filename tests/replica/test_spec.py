@@ -177,6 +177,46 @@ def test_draft_cache_holds_only_accepted_tokens(
     engine.abort("a")
 
 
+def test_the_draft_prefills_with_the_target(
+    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]
+) -> None:
+    """Each prefill chunk reaches the draft's cache in the same step, so a request's first
+    proposal only feeds the token sampled since."""
+    engine = _engine(runners, "draft")
+    assert engine.draft is not None
+    prompt = prompts[2]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(Request("a", prompt, params, tier=Tier.BEST_EFFORT))
+    half = len(prompt) // 2
+    outcome = engine.step(BatchPlan((PrefillChunk("a", half),)))
+    assert engine.draft.cache.num_tokens("a") == half
+    assert outcome.draft_s > 0
+    engine.step(BatchPlan((PrefillChunk("a", len(prompt) - half),)))
+    assert engine.draft.cache.num_tokens("a") == len(prompt)
+    engine.step(BatchPlan((DecodeStep("a", 3),)))
+    assert engine.draft.cache.num_tokens("a") <= engine.cache.num_tokens("a")
+    engine.abort("a")
+    assert engine.draft.cache.num_free_blocks == engine.draft.cache.num_blocks
+
+
+def test_a_prefill_the_draft_cache_cannot_hold_is_refused(
+    target_dir: Path, draft_dir: Path, prompts: list[list[int]]
+) -> None:
+    engine = Engine(
+        ModelRunner(target_dir, num_blocks=16),
+        ModelRunner(draft_dir, num_blocks=1),
+        proposer="draft",
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(Request("a", prompts[0], params, tier=Tier.BEST_EFFORT))
+    assert len(prompts[0]) > 16
+    with pytest.raises(ValueError, match="draft KV blocks"):
+        engine.step(BatchPlan((PrefillChunk("a", len(prompts[0])),)))
+    assert engine.cache.num_tokens("a") == 0 and engine.num_computed_tokens("a") == 0
+    engine.step(BatchPlan((PrefillChunk("a", 16),)))
+    assert engine.num_computed_tokens("a") == 16
+
+
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
 def test_seeded_speculative_sampling_is_reproducible(
     runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]], proposer: ProposerKind

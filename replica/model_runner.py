@@ -64,9 +64,11 @@ BLOCK_SIZE = 16
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SMALL_QUERY = 16
 """CPU attention pads rows of at most this many new tokens into one call."""
-FUSED_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 16}
+FUSED_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 32}
 """Batches of at most this many new tokens (all in rows of at most SMALL_QUERY, no tree mask)
-run through the fused C forward; beyond, PyTorch's matrix products (AMX for bf16) win."""
+run through the fused C forward; beyond, PyTorch's matrix products (AMX for bf16) win. Demo
+target, bf16, 2 threads: 32 decodes ran at ~5.7k tok/s fused against ~5.1k in PyTorch, 64 at
+~5.4k against ~6.4k."""
 PAD_SLACK = 1.25
 """Padded / ragged attention work a CPU call of longer rows may reach."""
 

@@ -79,6 +79,8 @@ class SlosScheduler(Scheduler):
         self._work: dict[str, SloWork] = {}
         self._reserved_blocks = 0
         self._reserved_tokens = 0
+        self._stretched = True
+        """Whether the last plan was free to offer speculating budgets (`_may_stretch`)."""
 
     @property
     def unreserved_blocks(self) -> int:
@@ -270,10 +272,30 @@ class SlosScheduler(Scheduler):
             max_context=max_context,
             kv_tokens=kv_tokens,
             idle_period_s=self.config.idle_period_s,
-            spec=self.config.spec,
+            spec=self.config.spec if self._may_stretch(bool(slo_new)) else None,
             acceptance=self.acceptance.value if self.acceptance is not None else 0.0,
             min_period_s=floor,
             urgent_periods_s=_urgent_periods(decoders, prefills, slo_new, start, floor),
+        )
+
+    def _may_stretch(self, new_prompts: bool = False) -> bool:
+        """Whether speculating budgets, whose period stretches to tpot x E(s), may be offered:
+        with no prompt waiting (`new_prompts`: new SLO requests are about to be planned) they
+        delay no prefill, else only while KV is scarce enough that faster decoding (KV freed
+        sooner) pays for the longer batches (`SpecConfig.stretch_kv_fraction` says why)."""
+        spec = self.config.spec
+        if spec is None:
+            return False
+        if not new_prompts and not self._prompts_waiting():
+            return True
+        return self._reserved_blocks >= spec.stretch_kv_fraction * self.queues.budget.num_blocks
+
+    def _prompts_waiting(self) -> bool:
+        """An admitted or best-effort request has prompt tokens left to compute: best-effort
+        prefills fill a stretched batch's leftover too, and a request arriving waits for it."""
+        states = self.queues.states
+        return any(not w.decoding for w in self._work.values()) or any(
+            not states[rid].is_decoding for rid in self.best_effort
         )
 
     def _replan(self, now: float) -> BatchBudget:
@@ -293,11 +315,19 @@ class SlosScheduler(Scheduler):
         self.pending.clear()
         self.last_admission = result
         self.invocation.planned(now)
+        self._stretched = self._may_stretch()
         return result.budget
 
     def schedule(self, now: float) -> BatchPlan | None:
         budget = self.budget
-        if budget is None or self.invocation.due(now) or self._best_effort_uncounted(budget):
+        if (
+            budget is None
+            or self.invocation.due(now)
+            or self._best_effort_uncounted(budget)
+            # The last prompt is done: speculating budgets are open again (the first verify
+            # right after a prefill, rather than at the next timed replan).
+            or (not self._stretched and self._may_stretch())
+        ):
             budget = self._replan(now)
         plan = form_batch(
             now,

@@ -59,13 +59,22 @@ def test_dynamic_batch_size_grows_with_a_looser_tightest_tier() -> None:
     assert tight.batch_tokens / tight.period_s < loose.batch_tokens / loose.period_s
 
 
-def test_speculation_is_chosen_when_it_pays_and_looser_tiers_derive_shorter_lengths() -> None:
+def test_speculation_is_chosen_when_it_pays_and_looser_tiers_keep_the_tightest_pace() -> None:
     spec = SpecConfig(max_spec_tokens=4)
-    best, autoregressive = budgets([TierLoad(0.02, 2), TierLoad(0.05, 2)], 0.8, spec)
+    loads = [TierLoad(0.02, 2), TierLoad(0.2, 2)]
+    best, autoregressive = budgets(loads, 0.8, spec)
     assert best.draft_steps > 0 and autoregressive.draft_steps == 0
     assert best.period_s > 0.02
-    assert best.spec_len(0.02) >= best.spec_len(0.05)
-    assert expected_tokens(0.8, best.spec_len(0.02)) >= best.period_s / 0.02 - 1e-9
+    s = best.spec_len(0.02)
+    assert expected_tokens(0.8, s) >= best.period_s / 0.02 - 1e-9
+    # The 200 ms tier would keep up with no drafts, yet it speculates as much as the tightest
+    # tier (a token per stretched period would be slower than autoregressive batches give it),
+    # every decoder drafts, and the budget pays s + 1 tokens per batch for each.
+    assert best.period_s < 0.2 and best.spec_len(0.2) == s and best.min_spec_len == s
+    assert best.draft_batch == 4
+    assert best.cost_per_batch(0.2) == s + 1
+    assert best.prefill_tokens(loads) == pytest.approx(best.batch_tokens - 4 * (s + 1))
+    assert autoregressive.spec_len(0.2) == 0
 
 
 def test_no_speculation_under_heavy_load_or_poor_acceptance() -> None:

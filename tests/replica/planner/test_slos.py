@@ -167,6 +167,34 @@ def test_speculation_lengths_follow_the_measured_acceptance() -> None:
     assert not any(late.values())
 
 
+@pytest.mark.parametrize(("kv_fraction", "stretched_for_the_prompt"), [(0.5, False), (0.0, True)])
+def test_speculation_stretches_the_period_only_when_no_prompt_waits_or_kv_is_scarce(
+    kv_fraction: float, stretched_for_the_prompt: bool
+) -> None:
+    # A lone request reserves 240 of 1024 KV slots: not scarce at 0.5, so its prompt is
+    # planned with the autoregressive period; once it decodes (no prompt waits) the period
+    # stretches at once, and the decoder verifies drafts from its first step on.
+    cache = CacheBudget(64, 16)
+    config = PlannerConfig(spec=SpecConfig(stretch_kv_fraction=kv_fraction))
+    scheduler = SlosScheduler(GPU_LIKE, cache, config)
+    a = request("a", 200, 40, ttft_s=0.5, tpot_s=0.05)
+    verdict = scheduler.plan_admission([a], 0.0)
+    assert verdict.is_admitted("a")
+    assert (verdict.budget.draft_steps > 0) is stretched_for_the_prompt
+    scheduler.add_request(a, 0.0)
+    executor = PerfExecutor(GPU_LIKE, cache, lambda _r, k: k)
+    executor.add(a)
+    now = 0.0
+    for _ in range(3):
+        plan = scheduler.schedule(now)
+        assert plan is not None
+        outcome, duration = executor.execute(plan, now)
+        now += duration
+        scheduler.update_from_outcome(plan, outcome, now)
+    assert executor.drafted[0] > 0
+    assert scheduler.budget is not None and scheduler.budget.period_s > 0.05
+
+
 def test_best_effort_requests_are_preempted_and_resume_with_their_tokens() -> None:
     cache = CacheBudget(6, 16)
     background = [request(f"be{i}", 20, 30, tier=Tier.BEST_EFFORT) for i in range(2)]

@@ -309,12 +309,14 @@ class Engine:
 
     def _draft_prefill(self, works: list[_Work]) -> float:
         """Feed the draft model this step's prefill chunks; returns the seconds it took."""
+        if self.draft is None:
+            return 0.0
         chunks = [
             (w.seq.request.request_id, w.seq.tokens[: _draft_tokens(w)])
             for w in works
             if isinstance(w.entry, PrefillChunk)
         ]
-        if self.draft is None or not chunks:
+        if not chunks:
             return 0.0
         start = time.perf_counter()
         self.draft.prefill(chunks)

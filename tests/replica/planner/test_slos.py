@@ -80,6 +80,17 @@ def run(
     return executor, late
 
 
+def steps(scheduler: SlosScheduler, executor: PerfExecutor, now: float, count: int) -> float:
+    """Plan and execute `count` batches from `now`; returns the clock after the last."""
+    for _ in range(count):
+        plan = scheduler.schedule(now)
+        assert plan is not None
+        outcome, duration = executor.execute(plan, now)
+        now += duration
+        scheduler.update_from_outcome(plan, outcome, now)
+    return now
+
+
 def test_figure3_prefill_first_misses_tpot_and_decode_first_misses_ttft() -> None:
     cache = CacheBudget(100, 16)
     _, vllm_late = run(VllmScheduler(cache), SIX_PER_UNIT, cache, figure3_requests())
@@ -184,13 +195,7 @@ def test_speculation_stretches_the_period_only_when_no_prompt_waits_or_kv_is_sca
     scheduler.add_request(a, 0.0)
     executor = PerfExecutor(GPU_LIKE, cache, lambda _r, k: k)
     executor.add(a)
-    now = 0.0
-    for _ in range(3):
-        plan = scheduler.schedule(now)
-        assert plan is not None
-        outcome, duration = executor.execute(plan, now)
-        now += duration
-        scheduler.update_from_outcome(plan, outcome, now)
+    steps(scheduler, executor, 0.0, 3)
     assert executor.drafted[0] > 0
     assert scheduler.budget is not None and scheduler.budget.period_s > 0.05
 
@@ -218,13 +223,7 @@ def test_a_request_falling_behind_is_planned_with_a_tighter_tpot() -> None:
     r = request("r", 8, 20, ttft_s=0.1, tpot_s=0.05)
     executor.add(r)
     scheduler.add_request(r, 0.0)
-    now = 0.0
-    for _ in range(3):
-        plan = scheduler.schedule(now)
-        assert plan is not None
-        outcome, duration = executor.execute(plan, now)
-        now += duration
-        scheduler.update_from_outcome(plan, outcome, now)
+    now = steps(scheduler, executor, 0.0, 3)
     assert scheduler.admitted["r"] == 0.05
     # The next step runs far slower than predicted: when it reports, the token after it is due
     # sooner than a batch period away.

@@ -4,7 +4,8 @@ One batch holds at most `batch_tokens` query tokens, so it ends within the perio
 comes first, earliest deadline first: every prompt chunk of an admitted request (keyed by its
 prefill deadline) and every decode whose next token is due before the end of the next batch
 (keyed by that deadline). Decodes not yet due fill what is left, then best-effort work in the
-memory not reserved for admitted requests; best-effort requests holding memory that admitted
+memory not reserved for admitted requests and the time the batch has left (it never lengthens
+a batch past its period); best-effort requests holding memory that admitted
 requests may need are preempted (KV dropped, tokens kept). If a due decode is closer than a
 period (the period grew, or the request fell behind), the batch shrinks to reach it in time
 when it can.
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from replica.batch import BatchPlan, DecodeStep, PlanEntry, PrefillChunk
-from replica.perf_model import BatchTimeModel
+from replica.perf_model import BatchTimeModel, attention_pairs
 from replica.planner.base import CacheBudget, RequestState
 from replica.planner.budget import BatchBudget
 from replica.planner.deadlines import (
@@ -96,21 +97,62 @@ class SloWork:
 
 @dataclass
 class _Step:
+    """The batch being formed, with the aggregate features the perf model prices it by."""
+
     tokens_left: int
     entries: list[PlanEntry]
+    num_tokens: int = 0
+    attn_tokens: int = 0
+    kv_tokens: int = 0
+    draft_steps: int = 0
+    draft_batch: int = 0
 
     def decode(self, state: RequestState, spec: int) -> None:
         if self.tokens_left < 1:
             return
         k = max(0, min(spec, state.remaining_output - 1, self.tokens_left - 1)) if spec else 0
         self.entries.append(DecodeStep(state.request_id, k))
-        self.tokens_left -= k + 1
+        self._count(k + 1, state.num_computed_tokens)
+        if k > 0:
+            self.draft_steps = max(self.draft_steps, k)
+            self.draft_batch += 1
 
     def prefill(self, state: RequestState, limit: int) -> None:
         n = min(state.num_uncomputed, self.tokens_left, limit)
         if n >= 1:
             self.entries.append(PrefillChunk(state.request_id, n))
-            self.tokens_left -= n
+            self._count(n, state.num_computed_tokens)
+
+    def _count(self, new_tokens: int, context: int) -> None:
+        self.tokens_left -= new_tokens
+        self.num_tokens += new_tokens
+        self.attn_tokens += attention_pairs(new_tokens, context)
+        self.kv_tokens += new_tokens + context
+
+    def seconds_with(self, perf: BatchTimeModel, new_tokens: int, context: int) -> float:
+        """Predicted time of the batch with one more request of `new_tokens` on `context`."""
+        return perf.predict_aggregate(
+            num_tokens=self.num_tokens + new_tokens,
+            num_requests=len(self.entries) + 1,
+            attn_tokens=self.attn_tokens + attention_pairs(new_tokens, context),
+            kv_tokens=self.kv_tokens + new_tokens + context,
+            draft_steps=self.draft_steps,
+            draft_batch=self.draft_batch,
+        )
+
+    def prefill_within(self, perf: BatchTimeModel, seconds: float, context: int, most: int) -> int:
+        """Prompt tokens (at most `most`) one more request on `context` may add to the batch
+        with its predicted time still within `seconds`."""
+        return perf.max_new_tokens_within(
+            seconds,
+            num_requests=len(self.entries) + 1,
+            base_tokens=self.num_tokens,
+            base_attn_tokens=self.attn_tokens,
+            context_per_new_token=context + most,
+            draft_steps=self.draft_steps,
+            draft_batch=self.draft_batch,
+            base_kv_tokens=self.kv_tokens + context,
+        )
 
 
 def form_batch(
@@ -139,9 +181,11 @@ def form_batch(
     later.sort(key=lambda item: item[0])
 
     tokens = budget.batch_tokens
+    seconds = period
     closest = min((d - now for d, w in due if w.decoding), default=period)
     if 0 < closest < period:
         tokens = budget.tokens_within(perf, closest) or tokens
+        seconds = closest
     step = _Step(tokens, [])
     spec_lens = {tpot: budget.spec_len(tpot) for tpot in {w.tpot_s for _, w in due + later}}
     for _, work in [*due, *later]:
@@ -149,7 +193,9 @@ def form_batch(
             step.decode(work.state, spec_lens[work.tpot_s])
         else:
             step.prefill(work.state, step.tokens_left)
-    preempt = _fill_best_effort(step, best_effort, queues, reserved_blocks, max_best_effort)
+    preempt = _fill_best_effort(
+        step, best_effort, queues, reserved_blocks, max_best_effort, perf, seconds
+    )
     if not step.entries and not preempt:
         return None
     return BatchPlan(entries=tuple(step.entries), preempt=tuple(preempt))
@@ -161,8 +207,13 @@ def _fill_best_effort(
     queues: RequestQueues,
     reserved: int,
     max_best_effort: int,
+    perf: BatchTimeModel,
+    seconds: float,
 ) -> list[str]:
     """Schedule best-effort work, oldest first, in memory not reserved by admitted requests.
+    The first one rides in the room the budget counted for one best-effort request (so the
+    tier always progresses); the others only in the time the batch has left, never past
+    `seconds` (a longer batch would delay every waiting prompt).
 
     The newest best-effort holders are preempted when admitted requests' reservations need
     their blocks, or when an older best-effort request cannot grow otherwise (so the tier
@@ -196,6 +247,10 @@ def _fill_best_effort(
             pass
         want = 1 if state.is_decoding else min(state.num_uncomputed, step.tokens_left)
         n = min(want, _fits(cache, held, free))
+        if n >= 1 and scheduled and state.is_decoding:
+            n = int(step.seconds_with(perf, 1, held) <= seconds)
+        elif n >= 1 and scheduled:
+            n = min(n, step.prefill_within(perf, seconds, held, n))
         if n < 1:
             continue
         if state.is_decoding:

@@ -125,7 +125,7 @@ class PlannerConfig:
     idle_period_s: float = 0.05
     """Batch period when no SLO request bounds it (only best-effort work)."""
     max_best_effort_requests: int = 8
-    """Most best-effort requests per batch; the budget reserves their per-request cost."""
+    """Most best-effort requests per batch (they fill the time SLO work leaves in it)."""
     spec: SpecConfig | None = None
     """Speculation settings; None plans autoregressive decoding only."""
     output_estimate: OutputEstimateConfig | None = None

@@ -2,9 +2,11 @@
 
 New requests wait for the next planning invocation, where the DP admits the most valuable set
 whose SLOs it can guarantee next to the running ones (forced in). Declined requests join the
-best-effort tier, which runs on leftover tokens and unreserved memory and is preempted when
-admitted requests need the memory. A cluster controller asks `plan_admission` for a verdict
-without changing anything, then binds the request here with `add_admitted`, or routes it on.
+best-effort tier, which runs on leftover tokens, time and unreserved memory (the budget counts
+only its oldest request, so it always progresses but never shrinks what the DP may promise)
+and is preempted when admitted requests need the memory. A cluster controller asks
+`plan_admission` for a verdict without changing anything, then binds the request here with
+`add_admitted`, or routes it on.
 With `PlannerConfig.output_estimate`, an admitted request reserves KV for an estimated output
 (replica.planner.output_estimate) instead of max_tokens, and grows it as it goes.
 """
@@ -81,6 +83,8 @@ class SlosScheduler(Scheduler):
         self._reserved_tokens = 0
         self._stretched = True
         """Whether the last plan was free to offer speculating budgets (`_may_stretch`)."""
+        self._counted_best_effort = False
+        """Whether the last plan's budget counted a best-effort request."""
 
     @property
     def unreserved_blocks(self) -> int:
@@ -238,24 +242,22 @@ class SlosScheduler(Scheduler):
         start: float,
     ) -> tuple[BatchBudget, ...]:
         """Budget options for the running requests plus all of `slo_new` with batches from
-        `start`; the batch also reserves room for the best-effort requests waiting, up to
-        `max_best_effort_requests` (a batch serves no more than its budget counted, so a
-        best-effort request that arrives later waits for the next replan)."""
+        `start`. Of the best-effort requests only the oldest is counted, so that the tier
+        always progresses; the others fill the time a batch has left (`form_batch`), and so
+        cannot shrink what the admission DP may promise."""
         loads = Counter(dict(zip(*np.unique(decoders.tpot_s, return_counts=True), strict=True)))
         loads.update(p.tpot_s for p in prefills)
         loads.update(remaining_tpot(r, 1) for r in slo_new)
         peaks = [peak_tokens(r) for r in slo_new]
-        others = [peak_tokens(self.queues.states[rid].request) for rid in self.best_effort]
+        oldest = [peak_tokens(self.queues.states[rid].request) for rid in self.best_effort[:1]]
         admitted = [w.peak_tokens for w in self._work.values()]
-        max_context = max([1, *admitted, *others, *peaks])
-        extra = min(self.config.max_best_effort_requests, len(self.best_effort))
-        num_requests = len(self._work) + len(slo_new) + extra
+        max_context = max([1, *admitted, *oldest, *peaks])
+        num_requests = len(self._work) + len(slo_new) + len(oldest)
         reserved = sum(self._reservation(r) for r in slo_new)
         # A batch cannot read more KV than the cache holds, however many requests it counts.
         cache = self.queues.budget
         kv_tokens = min(
-            self._reserved_tokens + reserved + extra * max_context,
-            cache.num_blocks * cache.block_size,
+            self._reserved_tokens + reserved + sum(oldest), cache.num_blocks * cache.block_size
         )
         running = len(decoders) + len(prefills)
         one_batch = self.perf.predict_aggregate(
@@ -316,6 +318,7 @@ class SlosScheduler(Scheduler):
         self.last_admission = result
         self.invocation.planned(now)
         self._stretched = self._may_stretch()
+        self._counted_best_effort = bool(self.best_effort)
         return result.budget
 
     def schedule(self, now: float) -> BatchPlan | None:
@@ -323,7 +326,8 @@ class SlosScheduler(Scheduler):
         if (
             budget is None
             or self.invocation.due(now)
-            or self._best_effort_uncounted(budget)
+            # A best-effort request waits that the budget gave no room (see `_budgets`).
+            or (self.best_effort and not self._counted_best_effort)
             # The last prompt is done: speculating budgets are open again (the first verify
             # right after a prefill, rather than at the next timed replan).
             or (not self._stretched and self._may_stretch())
@@ -337,21 +341,11 @@ class SlosScheduler(Scheduler):
             [self.queues.states[rid] for rid in self.best_effort],
             self.queues,
             self._reserved_blocks,
-            self._best_effort_allowance(budget),
+            self.config.max_best_effort_requests,
         )
         if plan is not None:
             self._busy_until = now + self.perf.predict(self.shape(plan))
         return plan
-
-    def _best_effort_allowance(self, budget: BatchBudget) -> int:
-        """Best-effort requests a batch may serve: the ones the budget counted."""
-        counted = budget.num_requests - len(self._work)
-        return max(0, min(self.config.max_best_effort_requests, counted))
-
-    def _best_effort_uncounted(self, budget: BatchBudget) -> bool:
-        """Best-effort requests wait that the budget left out (they arrived after it)."""
-        waiting = min(self.config.max_best_effort_requests, len(self.best_effort))
-        return self._best_effort_allowance(budget) < waiting
 
     def shape(self, plan: BatchPlan) -> BatchShape:
         """The plan as the perf model sees it."""

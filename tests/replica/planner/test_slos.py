@@ -395,11 +395,32 @@ def test_a_request_due_within_one_period_is_admitted_with_shorter_batches() -> N
 def test_the_budget_never_assumes_more_kv_than_the_cache_holds() -> None:
     perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4, "kv_tokens": 1e-6})
     sched = SlosScheduler(perf, CacheBudget(num_blocks=64))
-    for i in range(8):
-        sched.add_best_effort(request(f"be{i}", 900, 8, tier=Tier.BEST_EFFORT), 0.0)
-    result = sched.plan_admission([request("a", 10, 8)], 0.0)
+    result = sched.plan_admission([request(f"r{i}", 900, 8) for i in range(8)], 0.0)
     assert result.budget.kv_tokens == 64 * 16
-    assert result.budget.num_requests == 1 + 8
+    assert result.budget.num_requests == 8
+
+
+def test_best_effort_work_neither_shrinks_the_budget_nor_lengthens_a_batch() -> None:
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4, "requests": 4e-3})
+    one = SlosScheduler(perf, CacheBudget(num_blocks=256))
+    crowded = SlosScheduler(perf, CacheBudget(num_blocks=256))
+    background = [request(f"be{i}", 100, 8, tier=Tier.BEST_EFFORT) for i in range(8)]
+    one.add_best_effort(background[0], 0.0)
+    for r in background:
+        crowded.add_best_effort(r, 0.0)
+    slo = request("a", 10, 8, tpot_s=0.05)
+    # Only the oldest best-effort request is counted (so that the tier always progresses).
+    budget = crowded.plan_admission([slo], 0.0).budget
+    assert budget == one.plan_admission([slo], 0.0).budget and budget.num_requests == 2
+    crowded.add_request(slo, 0.0)
+    plan = crowded.schedule(0.0)
+    assert plan is not None and crowded.budget is not None
+    # SLO work first, then best-effort prefill, oldest first, up to the period and no further
+    # (the per-request cost binds before the budget's token count does).
+    assert [e.request_id for e in plan.entries] == ["a", "be0", "be1", "be2"]
+    assert plan.num_tokens < crowded.budget.batch_tokens
+    seconds = perf.predict(crowded.shape(plan))
+    assert crowded.budget.period_s - 1e-4 < seconds <= crowded.budget.period_s
 
 
 def test_later_plans_keep_the_short_batches_a_request_was_admitted_with() -> None:

@@ -203,6 +203,9 @@ PAPER_START_RATES: dict[Scenario, float] = {
 }
 """Where --paper-table starts each search: near earlier results, so fewer overloaded runs
 (which are the slow ones) are spent bracketing. Only the search path depends on them."""
+PAPER_DURATIONS_S: dict[Scenario, float] = {Scenario.REASONING: 1200.0}
+"""Longer runs where 300 s holds too few requests: reasoning's capacity is a few requests per
+100 s, so 300 s gave 12 per point, where one miss is 8% of the attainment."""
 PAPER_FIXED = ("profile", "scenario", "policies", "replicas", "ablation")
 """Options --paper-table sets itself."""
 
@@ -224,8 +227,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--paper-table",
         action="store_true",
         help=f"the paper's 1-replica capacity table: six scenarios, {DEFAULT_PROFILE}, "
-        f"policies {','.join(PAPER_POLICIES)}, trace arrivals, {PAPER_DURATION_S:g} s, "
-        f"--rel-tol {PAPER_REL_TOL}",
+        f"policies {','.join(PAPER_POLICIES)}, trace arrivals, {PAPER_DURATION_S:g} s ("
+        + ", ".join(f"{s.value} {d:g} s" for s, d in PAPER_DURATIONS_S.items())
+        + f"), --rel-tol {PAPER_REL_TOL}",
     )
     parser.add_argument(
         "--ablation",
@@ -233,7 +237,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="policies = slos and its variants with one part off: "
         + ",".join(p for p in Policy if p.is_slos),
     )
-    parser.add_argument("--duration", type=float, help="seconds of arrivals (default 600)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        help="seconds of arrivals (default 600; for --paper-table, sets every scenario's)",
+    )
     parser.add_argument(
         "--arrivals", choices=("poisson", "trace"), help="default poisson (trace: --paper-table)"
     )
@@ -307,6 +315,8 @@ class Plan:
     rate: float | None
     """Attainment at this rate; None = capacity search."""
     duration_s: float
+    scenario_durations_s: dict[Scenario, float]
+    """Seconds of arrivals per scenario (`duration_s` unless --paper-table lengthens it)."""
     arrivals: str
     rel_tol: float
     start_rates: dict[Scenario, float]
@@ -352,6 +362,7 @@ def plan(args: argparse.Namespace) -> Plan:
     if args.min_rate > args.max_rate:
         raise ValueError(f"--min-rate {args.min_rate} exceeds --max-rate {args.max_rate}")
     start_rates = {s: min(max(r, args.min_rate), args.max_rate) for s, r in start_rates.items()}
+    duration = args.duration or (PAPER_DURATION_S if paper else 600.0)
     timeline = Scenario.CODER if paper else scenarios[0]
     if args.timeline_scenario is not None:
         known = [s.value for s in scenarios]
@@ -367,7 +378,11 @@ def plan(args: argparse.Namespace) -> Plan:
         policies=policies,
         replica_counts=replica_counts,
         rate=args.rate,
-        duration_s=args.duration or (PAPER_DURATION_S if paper else 600.0),
+        duration_s=duration,
+        scenario_durations_s={
+            s: PAPER_DURATIONS_S.get(s, duration) if paper and not args.duration else duration
+            for s in scenarios
+        },
         arrivals=args.arrivals or ("trace" if paper else "poisson"),
         rel_tol=args.rel_tol or (PAPER_REL_TOL if paper else 0.05),
         start_rates=start_rates,
@@ -383,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
             perf,
             scenario,
             p.arrivals,
-            p.duration_s,
+            p.scenario_durations_s[scenario],
             args.seed,
             kv_blocks(perf, args.kv_blocks),
             args.tick_ms / 1e3,
@@ -425,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
         "paper_table": args.paper_table,
         "arrivals": p.arrivals,
         "duration_s": p.duration_s,
+        "scenario_duration_s": {s.value: d for s, d in p.scenario_durations_s.items()},
         "rel_tol": p.rel_tol,
         "seed": args.seed,
         "runs": runs,
@@ -474,7 +490,7 @@ def _plot(
     if rate is None or not policies:
         print("no timeline: every capacity search found 0, or only distserve ran")
     else:
-        bin_s = max(1.0, p.duration_s / 120)
+        bin_s = max(1.0, setup.duration_s / 120)
         timelines = {
             policy.value: burst_timeline(_records(setup, policy, replicas, rate), bin_s)
             for policy in policies

@@ -27,10 +27,13 @@ def test_paper_table_fixes_the_comparison_and_sizes_it_to_minutes() -> None:
     assert p.policies == [Policy.SLOS, Policy.VLLM, Policy.SARATHI, Policy.DISTSERVE]
     assert p.replica_counts == [1] and p.rate is None
     assert (p.arrivals, p.duration_s, p.rel_tol) == ("trace", 300.0, 0.1)
+    # Reasoning runs longer: at its capacity 300 s would hold about a dozen requests.
+    assert p.scenario_durations_s == {s: 300.0 for s in Scenario} | {Scenario.REASONING: 1200.0}
     assert p.start_rates == simulate.PAPER_START_RATES
     assert p.timeline_scenario is Scenario.CODER
     short = simulate.plan(parse("--paper-table", "--duration", "5", "--start-rate", "0.5"))
     assert short.duration_s == 5.0
+    assert set(short.scenario_durations_s.values()) == {5.0}
     assert set(short.start_rates.values()) == {0.5}
 
 
@@ -40,6 +43,7 @@ def test_defaults_and_ablation() -> None:
     assert p.policies == [Policy.SLOS, Policy.VLLM, Policy.SARATHI]
     assert p.replica_counts == [1, 4]
     assert (p.arrivals, p.duration_s, p.rel_tol) == ("poisson", 600.0, 0.05)
+    assert p.scenario_durations_s == {Scenario.CODER: 600.0, Scenario.CHATBOT: 600.0}
     assert p.timeline_scenario is Scenario.CODER
     ablation = simulate.plan(parse("--capacity", "--ablation"))
     assert ablation.policies == [
@@ -95,6 +99,7 @@ def test_tiny_paper_table_writes_summary_table_and_figures(
     assert {"capacity_ratio_geomean", "capacity_ratio", "capacity_ratio_vs_distserve"} <= set(
         summary
     )
+    assert data["scenario_duration_s"] == {s.value: 2.0 for s in Scenario}
     assert data["timeline"]["scenario"] == "coder"
     assert set(data["timeline"]["policies"]) == {"slos", "vllm", "sarathi"}
     for name in ("attainment", "capacity", "timeline"):

@@ -31,7 +31,7 @@ from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.baseline_sizing import sarathi_token_budget, vllm_config
-from replica.planner.config import PlannerConfig, SpecConfig
+from replica.planner.config import OutputEstimateConfig, PlannerConfig, SpecConfig
 from replica.planner.sarathi import SarathiConfig
 from replica.request import Request
 
@@ -52,12 +52,13 @@ def load_profile(config: ClusterConfig) -> PerfModel:
 
 
 def planner_config(config: ClusterConfig) -> PlannerConfig:
-    """Speculation as the planner sees it: fixed:k caps lengths at k, none disables them."""
+    """Speculation as the planner sees it (fixed:k caps lengths at k, none disables them),
+    and KV reserved from observed output lengths, as the simulator plans."""
+    estimate = OutputEstimateConfig()
     if config.spec_policy == "none":
-        return PlannerConfig()
-    if config.spec_k:
-        return PlannerConfig(spec=SpecConfig(max_spec_tokens=config.spec_k))
-    return PlannerConfig(spec=SpecConfig())
+        return PlannerConfig(output_estimate=estimate)
+    spec = SpecConfig(max_spec_tokens=config.spec_k) if config.spec_k else SpecConfig()
+    return PlannerConfig(spec=spec, output_estimate=estimate)
 
 
 def scheduler_config(config: ClusterConfig, perf: PerfModel, cache: CacheBudget) -> SchedulerConfig:

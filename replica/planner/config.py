@@ -78,10 +78,12 @@ class OutputEstimateConfig:
     memory each for minutes before any of them finished."""
     window: int = 256
     """Most recent finished requests the quantile is taken over."""
-    chunk_tokens: int = 512
-    """Most output tokens one reservation (the first or an extension) covers: a long output
-    holds memory as it grows instead of its quantile from the start (in the simulated
-    reasoning scenario, 7,000-token outputs at 0.05 req/s, attainment 0.68 -> 0.83)."""
+    chunk_tokens: int = 128
+    """Most output tokens one reservation (the first or an extension) covers: an output holds
+    memory as it grows instead of its quantile from the start. Where KV memory binds, small
+    chunks admit more (simulated, 1 replica, attainment with 512 -> 128: chatbot at 3.75
+    req/s 0.81 -> 0.94, mixed at 4 req/s 0.79 -> 0.91; loadgen/RESULTS.md); 64 did as well,
+    256 and 512 worse."""
 
     def __post_init__(self) -> None:
         _check_fraction("quantile", self.quantile, low=0.0, high=1.0)

@@ -11,7 +11,10 @@ from cluster.config import ClusterConfig
 from cluster.control import ControlPlane, Decision
 from cluster.controller import build_plane
 from cluster.routing import BackupPolicy, Router
+from cluster.simulator import SimConfig
+from replica.planner.config import OutputEstimateConfig, PlannerConfig
 from replica.planner.sarathi import SarathiConfig
+from replica.planner.slos import SlosScheduler
 from replica.planner.vllm import VllmConfig
 from replica.request import SLO, Request, SamplingParams, Tier
 from tests.cluster.conftest import write_profile
@@ -168,3 +171,19 @@ def test_baseline_replicas_are_sized_from_the_config(tmp_path: Path) -> None:
     # Prefills are never chunked: a step must hold the longest request the cache holds.
     assert vllm.replicas[1].config == VllmConfig(max_num_batched_tokens=300 * 16)
     assert not any(vr.plans_admission for vr in [*sarathi.replicas, *vllm.replicas])
+
+
+@pytest.mark.parametrize(("spec_policy", "max_spec"), [("slos", 4), ("fixed:2", 2), ("none", None)])
+def test_live_planner_reserves_kv_from_output_estimates_as_the_simulator_does(
+    tmp_path: Path, spec_policy: str, max_spec: int | None
+) -> None:
+    p = plane(tmp_path, spec_policy=spec_policy)
+    config = p.replicas[0].config
+    assert isinstance(config, PlannerConfig)
+    assert config.output_estimate == SimConfig().planner.output_estimate == OutputEstimateConfig()
+    assert (config.spec.max_spec_tokens if config.spec else None) == max_spec
+    # A new request reserves its prompt and one estimate chunk, not prompt + max_tokens.
+    request = Request("r", [1] * 8, SamplingParams(max_tokens=1000), slo=TIGHT, arrival_time=0.0)
+    scheduler = p.replicas[0].scheduler
+    assert isinstance(scheduler, SlosScheduler)
+    assert scheduler._reservation(request) == 8 + OutputEstimateConfig().chunk_tokens - 1

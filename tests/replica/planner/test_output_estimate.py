@@ -14,7 +14,7 @@ def request(prompt: int, max_tokens: int) -> Request:
 
 
 def test_reserves_the_prior_until_enough_outputs_with_that_cap_finished() -> None:
-    config = OutputEstimateConfig(quantile=0.5, min_samples=3, prior_tokens=300)
+    config = OutputEstimateConfig(quantile=0.5, min_samples=3, prior_tokens=300, chunk_tokens=512)
     estimate = OutputLengthEstimate(config)
     chat, other = request(100, 400), request(100, 50)
     for length in (10, 30):
@@ -28,7 +28,8 @@ def test_reserves_the_prior_until_enough_outputs_with_that_cap_finished() -> Non
 
 
 def test_extensions_add_an_estimate_and_stop_at_the_peak() -> None:
-    estimate = OutputLengthEstimate(OutputEstimateConfig(quantile=1.0, min_samples=1))
+    config = OutputEstimateConfig(quantile=1.0, min_samples=1, chunk_tokens=512)
+    estimate = OutputLengthEstimate(config)
     chat = request(100, 400)
     estimate.observe(chat, 150)
     assert estimate.extended_tokens(chat, 249) == 399

@@ -3,12 +3,15 @@
 One batch holds at most `batch_tokens` query tokens, so it ends within the period. SLO work
 comes first, earliest deadline first: every prompt chunk of an admitted request (keyed by its
 prefill deadline) and every decode whose next token is due before the end of the next batch
-(keyed by that deadline). Decodes not yet due fill what is left, then best-effort work in the
-memory not reserved for admitted requests and the time the batch has left (it never lengthens
-a batch past its period); best-effort requests holding memory that admitted
-requests may need are preempted (KV dropped, tokens kept). If a due decode is closer than a
-period (the period grew, or the request fell behind), the batch shrinks to reach it in time
-when it can.
+(keyed by that deadline). Decodes not yet due ride ahead of their line in the time the batch
+has left within its period (a budget may leave them out of its worst case, see
+`SlosScheduler._budgets`), less one token of the best-effort tier's head, which always
+progresses. Then best-effort work, in the scheduler's order, in the memory not reserved for
+admitted requests and in `best_effort_stretch` of the SLO work's time: it never slows the
+admitted decoders by more than that, because a decoder slowed holds its KV longer. Best-effort
+requests holding memory that admitted requests may need are preempted (KV dropped, tokens
+kept). If a due decode is closer than a period (the period grew, or the request fell behind),
+the batch shrinks to reach it in time when it can.
 """
 
 from __future__ import annotations
@@ -95,6 +98,19 @@ class SloWork:
         return work
 
 
+@dataclass(frozen=True, slots=True)
+class _Mark:
+    """A batch's size at one point of its formation (`_Step.mark`)."""
+
+    num_entries: int
+    tokens_left: int
+    num_tokens: int
+    attn_tokens: int
+    kv_tokens: int
+    draft_steps: int
+    draft_batch: int
+
+
 @dataclass
 class _Step:
     """The batch being formed, with the aggregate features the perf model prices it by."""
@@ -128,6 +144,39 @@ class _Step:
         self.num_tokens += new_tokens
         self.attn_tokens += attention_pairs(new_tokens, context)
         self.kv_tokens += new_tokens + context
+
+    def mark(self) -> _Mark:
+        return _Mark(
+            len(self.entries),
+            self.tokens_left,
+            self.num_tokens,
+            self.attn_tokens,
+            self.kv_tokens,
+            self.draft_steps,
+            self.draft_batch,
+        )
+
+    def restore(self, mark: _Mark) -> None:
+        """Undo everything added since `mark`."""
+        del self.entries[mark.num_entries :]
+        self.tokens_left = mark.tokens_left
+        self.num_tokens = mark.num_tokens
+        self.attn_tokens = mark.attn_tokens
+        self.kv_tokens = mark.kv_tokens
+        self.draft_steps = mark.draft_steps
+        self.draft_batch = mark.draft_batch
+
+    def seconds(self, perf: BatchTimeModel, mark: _Mark | None = None) -> float:
+        """Predicted time of the batch as it stands (or as it stood at `mark`)."""
+        m = mark or self.mark()
+        return perf.predict_aggregate(
+            num_tokens=m.num_tokens,
+            num_requests=m.num_entries,
+            attn_tokens=m.attn_tokens,
+            kv_tokens=m.kv_tokens,
+            draft_steps=m.draft_steps,
+            draft_batch=m.draft_batch,
+        )
 
     def seconds_with(self, perf: BatchTimeModel, new_tokens: int, context: int) -> float:
         """Predicted time of the batch with one more request of `new_tokens` on `context`."""
@@ -164,6 +213,7 @@ def form_batch(
     queues: RequestQueues,
     reserved_blocks: int,
     max_best_effort: int,
+    best_effort_stretch: float,
 ) -> BatchPlan | None:
     """The next step: SLO work by deadline, then best-effort work in what is left.
 
@@ -188,17 +238,53 @@ def form_batch(
         seconds = closest
     step = _Step(tokens, [])
     spec_lens = {tpot: budget.spec_len(tpot) for tpot in {w.tpot_s for _, w in due + later}}
-    for _, work in [*due, *later]:
+    for _, work in due:
         if work.decoding:
             step.decode(work.state, spec_lens[work.tpot_s])
         else:
             step.prefill(work.state, step.tokens_left)
+    ahead = seconds
+    if best_effort:
+        # The tier's head gets a token in every batch that has room for one (so it always
+        # progresses): decoders ahead of their line ride in the time left beside it.
+        head = best_effort[0].num_computed_tokens
+        ahead -= step.seconds_with(perf, 1, head) - step.seconds(perf)
+    _ride_ahead(step, [work for _, work in later], spec_lens, perf, ahead)
+    spare = seconds
+    if step.entries:
+        spare = min(seconds, step.seconds(perf) * (1.0 + best_effort_stretch))
     preempt = _fill_best_effort(
-        step, best_effort, queues, reserved_blocks, max_best_effort, perf, seconds
+        step, best_effort, queues, reserved_blocks, max_best_effort, perf, spare, seconds
     )
     if not step.entries and not preempt:
         return None
     return BatchPlan(entries=tuple(step.entries), preempt=tuple(preempt))
+
+
+def _ride_ahead(
+    step: _Step,
+    ahead: Sequence[SloWork],
+    spec_lens: dict[float, int],
+    perf: BatchTimeModel,
+    seconds: float,
+) -> None:
+    """Decoders not yet due, by deadline, as many as the batch holds within `seconds`: a
+    budget may leave out decoders far ahead of their line (`SlosScheduler._budgets`), so
+    tokens alone do not bound the batch's time."""
+    marks = [step.mark()]
+    for work in ahead:
+        step.decode(work.state, spec_lens[work.tpot_s])
+        marks.append(step.mark())
+    if len(marks) == 1 or step.seconds(perf) <= seconds:
+        return
+    fits, over = 0, len(marks) - 1
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        if step.seconds(perf, marks[mid]) <= seconds:
+            fits = mid
+        else:
+            over = mid
+    step.restore(marks[fits])
 
 
 def _fill_best_effort(
@@ -208,12 +294,13 @@ def _fill_best_effort(
     reserved: int,
     max_best_effort: int,
     perf: BatchTimeModel,
+    spare: float,
     seconds: float,
 ) -> list[str]:
-    """Schedule best-effort work, oldest first, in memory not reserved by admitted requests.
-    The first one rides in the room the budget counted for one best-effort request (so the
-    tier always progresses); the others only in the time the batch has left, never past
-    `seconds` (a longer batch would delay every waiting prompt).
+    """Schedule best-effort work in the given order, in memory not reserved by admitted
+    requests, within the `spare` time the SLO work leaves: the first request always gets a
+    token while the batch stays within `seconds` (so the tier progresses), the rest only what
+    fits in `spare`.
 
     The newest best-effort holders are preempted when admitted requests' reservations need
     their blocks, or when an older best-effort request cannot grow otherwise (so the tier
@@ -221,6 +308,7 @@ def _fill_best_effort(
     cache = queues.budget
     running = set(queues.running)
     holders = [s for s in best_effort if s.request_id in running]
+    position = {s.request_id: i for i, s in enumerate(holders)}
     free = cache.num_blocks - reserved - sum(queues.held_blocks(s) for s in holders)
     preempt: list[str] = []
 
@@ -242,16 +330,26 @@ def _fill_best_effort(
         if state.request_id in preempt:
             continue
         held = state.num_computed_tokens
-        younger = holders.index(state) + 1 if state in holders else len(holders)
+        younger = position.get(state.request_id, len(holders) - 1) + 1
         while _fits(cache, held, free) < 1 and evict_newest(younger):
             pass
         want = 1 if state.is_decoding else min(state.num_uncomputed, step.tokens_left)
         n = min(want, _fits(cache, held, free))
-        if n >= 1 and scheduled and state.is_decoding:
-            n = int(step.seconds_with(perf, 1, held) <= seconds)
-        elif n >= 1 and scheduled:
-            n = min(n, step.prefill_within(perf, seconds, held, n))
         if n < 1:
+            continue
+        if state.is_decoding:
+            n = int(step.seconds_with(perf, 1, held) <= spare)
+        else:
+            n = min(n, step.prefill_within(perf, spare, held, n))
+        if (
+            n < 1
+            and not scheduled
+            and (not step.entries or step.seconds_with(perf, 1, held) <= seconds)
+        ):
+            n = 1
+        if n < 1:
+            if scheduled and step.seconds_with(perf, 1, 0) > spare:
+                break  # not even a bare token fits the time left
             continue
         if state.is_decoding:
             step.decode(state, 0)

@@ -51,6 +51,19 @@ class TierLoad:
 
 
 @dataclass(frozen=True)
+class WorstBatch:
+    """The batch a budget's capacity is computed for, and the least period that batch needs."""
+
+    num_requests: int
+    max_context: int
+    """Keys per query token."""
+    kv_tokens: int
+    """KV entries read."""
+    min_period_s: float = 0.0
+    """One batch of its running requests: a shorter period serves them no token."""
+
+
+@dataclass(frozen=True)
 class BatchBudget:
     """One choice of period, batch size and per-tier speculation, valid until the next replan."""
 
@@ -143,6 +156,7 @@ def plan_budgets(
     acceptance: float = 0.0,
     min_period_s: float = 0.0,
     urgent_periods_s: Sequence[float] = (),
+    urgent_batch: WorstBatch | None = None,
 ) -> tuple[BatchBudget, ...]:
     """The period and speculation lengths with the most prefill tokens per second, followed by
     the autoregressive budget when the best one speculates (else by the best speculating
@@ -159,7 +173,11 @@ def plan_budgets(
     work always progresses). `urgent_periods_s` are periods the most urgent requests need: the
     admission DP counts whole batches, so a request due sooner than one period after the start
     (or with tokens due closer together than one per period) is only on time with batches that
-    short (fewer tokens per second; the caller keeps one only when it keeps more on time)."""
+    short (fewer tokens per second; the caller keeps one only when it keeps more on time).
+    Their capacity is computed for `urgent_batch` (default: the main batch, with
+    `min_period_s`): the caller may leave out decoders so far ahead of their line that no
+    batch within the plan's horizon must serve them (a batch takes them only in time it has
+    left), which is what lets a tight-TTFT prompt into a short batch beside long decodes."""
     if num_requests < sum(load.num_decoders for load in loads):
         raise ValueError(
             f"num_requests={num_requests} is below the {sum(load.num_decoders for load in loads)} "
@@ -207,8 +225,9 @@ def plan_budgets(
         chosen = (best, max(speculating, key=lambda o: o[0])[1])
     else:
         chosen = (best,)
-    shortest = max(min_period_s, 1e-9)
-    shape = (num_requests, max_context, kv_tokens)
+    near = urgent_batch or WorstBatch(num_requests, max_context, kv_tokens, min_period_s)
+    shortest = max(near.min_period_s, 1e-9)
+    shape = (near.num_requests, near.max_context, near.kv_tokens)
     for period in sorted({p for p in urgent_periods_s if shortest <= p < tightest}):
         urgent = _option(perf, loads, period, 0, shape, acceptance, max_spec)
         assert urgent is not None  # s0 = 0 is always an option

@@ -2,9 +2,13 @@
 
 New requests wait for the next planning invocation, where the DP admits the most valuable set
 whose SLOs it can guarantee next to the running ones (forced in). Declined requests join the
-best-effort tier, which runs on leftover tokens, time and unreserved memory (the budget counts
-only its oldest request, so it always progresses but never shrinks what the DP may promise)
-and is preempted when admitted requests need the memory. A cluster controller asks
+best-effort tier, which runs on the time SLO work leaves in a batch and on unreserved memory
+(the budget does not count it, so it never shrinks what the DP may promise), and is preempted
+when admitted requests need the memory. The tier serves first the requests that can still meet
+their next deadline, earliest first, and offers those without a first token to every replan's
+DP again: the paper's burst resilience, where requests deferred in a surge are served, and
+guaranteed, as soon as load allows, and the ones already late wait for idle time. A cluster
+controller asks
 `plan_admission` for a verdict without changing anything, then binds the request here with
 `add_admitted`, or routes it on.
 With `PlannerConfig.output_estimate`, an admitted request reserves KV for an estimated output
@@ -21,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from replica.batch import BatchOutcome, BatchPlan
-from replica.perf_model import BatchShape, BatchTimeModel
+from replica.perf_model import BatchShape, BatchTimeModel, attention_pairs
 from replica.planner.admission import (
     AdmissionProblem,
     AdmissionResult,
@@ -30,12 +34,13 @@ from replica.planner.admission import (
     RunningPrefill,
     solve_admission,
 )
-from replica.planner.base import CacheBudget, Scheduler
+from replica.planner.base import CacheBudget, RequestState, Scheduler
 from replica.planner.batching import SloWork, form_batch
 from replica.planner.budget import (
     AcceptanceEstimate,
     BatchBudget,
     TierLoad,
+    WorstBatch,
     judged_drafts,
     plan_budgets,
 )
@@ -45,6 +50,7 @@ from replica.planner.deadlines import (
     early_stage_starts,
     prefill_deadline,
     remaining_tpot,
+    token_deadline,
     upcoming_deadlines,
 )
 from replica.planner.executor import AcceptFn, PerfExecutor
@@ -74,17 +80,16 @@ class SlosScheduler(Scheduler):
         """When the batch this scheduler last planned is predicted to end."""
         self.demoted: list[str] = []
         """Admitted requests that lost their guarantee: outgrown reservations left no memory."""
+        self.promoted: list[str] = []
+        """Best-effort requests guaranteed later, when a replan found room (`_promotable`)."""
         self.budget: BatchBudget | None = None
         self.last_admission: AdmissionResult | None = None
         self.verdicts: dict[str, bool] = {}
         """Admission verdict of every request that went through the DP (True: admitted)."""
         self._work: dict[str, SloWork] = {}
         self._reserved_blocks = 0
-        self._reserved_tokens = 0
         self._stretched = True
         """Whether the last plan was free to offer speculating budgets (`_may_stretch`)."""
-        self._counted_best_effort = False
-        """Whether the last plan's budget counted a best-effort request."""
 
     @property
     def unreserved_blocks(self) -> int:
@@ -153,7 +158,6 @@ class SlosScheduler(Scheduler):
     def _resize(self, work: SloWork, tokens: int) -> None:
         """Set a request's reservation to `tokens` (0 releases it)."""
         blocks_for = self.queues.budget.blocks_for
-        self._reserved_tokens += tokens - work.reserve_tokens
         self._reserved_blocks += blocks_for(tokens) - blocks_for(work.reserve_tokens)
         work.reserve_tokens = tokens
 
@@ -242,43 +246,59 @@ class SlosScheduler(Scheduler):
         start: float,
     ) -> tuple[BatchBudget, ...]:
         """Budget options for the running requests plus all of `slo_new` with batches from
-        `start`. Of the best-effort requests only the oldest is counted, so that the tier
-        always progresses; the others fill the time a batch has left (`form_batch`), and so
-        cannot shrink what the admission DP may promise."""
+        `start`. Best-effort work is not counted: it only fills time a batch has left
+        (`form_batch`), so it cannot shrink what the admission DP may promise.
+
+        Urgent options count only the decoders that can fall due within the plan's horizon
+        (the last prompt deadline plus two of the tightest TPOT, past the life of a budget
+        between replans): a decoder far ahead of its line skips a short batch it does not
+        fit, so a tight-TTFT prompt can be promised a batch of its own beside long decodes."""
         loads = Counter(dict(zip(*np.unique(decoders.tpot_s, return_counts=True), strict=True)))
         loads.update(p.tpot_s for p in prefills)
         loads.update(remaining_tpot(r, 1) for r in slo_new)
-        peaks = [peak_tokens(r) for r in slo_new]
-        oldest = [peak_tokens(self.queues.states[rid].request) for rid in self.best_effort[:1]]
-        admitted = [w.peak_tokens for w in self._work.values()]
-        max_context = max([1, *admitted, *oldest, *peaks])
-        num_requests = len(self._work) + len(slo_new) + len(oldest)
-        reserved = sum(self._reservation(r) for r in slo_new)
-        # A batch cannot read more KV than the cache holds, however many requests it counts.
-        cache = self.queues.budget
-        kv_tokens = min(
-            self._reserved_tokens + reserved + sum(oldest), cache.num_blocks * cache.block_size
-        )
-        running = len(decoders) + len(prefills)
-        one_batch = self.perf.predict_aggregate(
-            num_tokens=running,
-            num_requests=num_requests,
-            attn_tokens=running * max_context,
-            kv_tokens=kv_tokens + running,
-        )
-        floor = one_batch if running else 0.0
+        works = list(self._work.values())
+        main = self._worst_batch(works, slo_new)
+        deadlines = [prefill_deadline(r) for r in slo_new] + [p.deadline_s for p in prefills]
+        horizon = max([start, *deadlines]) + 2 * min(loads, default=0.0)
+        near = [w for w in works if not w.decoding or w.urgency_s < horizon]
+        urgent = self._worst_batch(near, slo_new)
         return plan_budgets(
             self.perf,
             [TierLoad(float(tpot), int(n)) for tpot, n in sorted(loads.items())],
-            num_requests=num_requests,
-            max_context=max_context,
-            kv_tokens=kv_tokens,
+            num_requests=main.num_requests,
+            max_context=main.max_context,
+            kv_tokens=main.kv_tokens,
             idle_period_s=self.config.idle_period_s,
             spec=self.config.spec if self._may_stretch(bool(slo_new)) else None,
             acceptance=self.acceptance.value if self.acceptance is not None else 0.0,
-            min_period_s=floor,
-            urgent_periods_s=_urgent_periods(decoders, prefills, slo_new, start, floor),
+            min_period_s=main.min_period_s,
+            urgent_periods_s=_urgent_periods(
+                decoders, prefills, slo_new, start, urgent.min_period_s
+            ),
+            urgent_batch=urgent,
         )
+
+    def _worst_batch(self, works: Sequence[SloWork], slo_new: Sequence[Request]) -> WorstBatch:
+        """The batch of `works` and `slo_new` at their longest (see `budget.capacity`)."""
+        max_context = max([1, *(w.peak_tokens for w in works), *map(peak_tokens, slo_new)])
+        # A batch cannot read more KV than the cache holds, however many requests it counts.
+        cache = self.queues.budget
+        kv_tokens = min(
+            sum(w.reserve_tokens for w in works) + sum(map(self._reservation, slo_new)),
+            cache.num_blocks * cache.block_size,
+        )
+        running = len(works)
+        floor = (
+            self.perf.predict_aggregate(
+                num_tokens=running,
+                num_requests=running + len(slo_new),
+                attn_tokens=running * max_context,
+                kv_tokens=kv_tokens + running,
+            )
+            if running
+            else 0.0
+        )
+        return WorstBatch(running + len(slo_new), max_context, kv_tokens, floor)
 
     def _may_stretch(self, new_prompts: bool = False) -> bool:
         """Whether speculating budgets, whose period stretches to tpot x E(s), may be offered:
@@ -300,9 +320,41 @@ class SlosScheduler(Scheduler):
             not states[rid].is_decoding for rid in self.best_effort
         )
 
+    def _promotable(self, now: float) -> list[Request]:
+        """Best-effort SLO requests that have no token yet and could still have their first
+        one on time, most urgent first, at most one DP group: offered to every replan's DP,
+        so a request declined in a burst is guaranteed as soon as the plan has room for it
+        (batches run faster than the DP's worst case, and the burst's other prompts finish)."""
+        waiting = [
+            state.request
+            for state in (self.queues.states[rid] for rid in self.best_effort)
+            if state.request.tier is Tier.SLO
+            and not state.is_decoding
+            and not state.output_token_ids
+            and prefill_deadline(state.request) > now
+        ]
+        waiting.sort(key=prefill_deadline)
+        out: list[Request] = []
+        for request in waiting:
+            if len(out) == self.config.max_dp_candidates:
+                break
+            if prefill_deadline(request) > now + self._alone_s(request):
+                out.append(request)
+        return out
+
+    def _alone_s(self, request: Request) -> float:
+        """The prompt's time as a batch of its own: a request due sooner cannot be on time."""
+        return self.perf.predict_aggregate(
+            num_tokens=request.prompt_len,
+            num_requests=1,
+            attn_tokens=attention_pairs(request.prompt_len, 0),
+            kv_tokens=request.prompt_len,
+        )
+
     def _replan(self, now: float) -> BatchBudget:
         new = [self.queues.states[rid].request for rid in self.pending]
-        result = self.plan_admission(new, now)
+        promotable = self._promotable(now)
+        result = self.plan_admission(new + promotable, now)
         self.budget = result.budget
         factor = self.config.invocation.behind_tpot_factor
         for work in self._work.values():
@@ -314,11 +366,16 @@ class SlosScheduler(Scheduler):
                 self._admit(rid, now)
             else:
                 self.best_effort.append(rid)
+        for request in promotable:
+            rid = request.request_id
+            if result.is_admitted(rid):
+                self.best_effort.remove(rid)
+                self._admit(rid, now)
+                self.promoted.append(rid)
         self.pending.clear()
         self.last_admission = result
         self.invocation.planned(now)
         self._stretched = self._may_stretch()
-        self._counted_best_effort = bool(self.best_effort)
         return result.budget
 
     def schedule(self, now: float) -> BatchPlan | None:
@@ -326,8 +383,6 @@ class SlosScheduler(Scheduler):
         if (
             budget is None
             or self.invocation.due(now)
-            # A best-effort request waits that the budget gave no room (see `_budgets`).
-            or (self.best_effort and not self._counted_best_effort)
             # The last prompt is done: speculating budgets are open again (the first verify
             # right after a prefill, rather than at the next timed replan).
             or (not self._stretched and self._may_stretch())
@@ -338,14 +393,31 @@ class SlosScheduler(Scheduler):
             budget,
             self.perf,
             list(self._work.values()),
-            [self.queues.states[rid] for rid in self.best_effort],
+            self._best_effort_order(now),
             self.queues,
             self._reserved_blocks,
             self.config.max_best_effort_requests,
+            self.config.best_effort_stretch,
         )
         if plan is not None:
             self._busy_until = now + self.perf.predict(self.shape(plan))
         return plan
+
+    def _best_effort_order(self, now: float) -> list[RequestState]:
+        """Best-effort requests that can still meet their next deadline first, earliest
+        deadline first; the ones already late after them, oldest first."""
+        states = [self.queues.states[rid] for rid in self.best_effort]
+
+        def key(item: tuple[int, RequestState]) -> tuple[int, float]:
+            i, state = item
+            request = state.request
+            if request.slo is not None:
+                due = token_deadline(request, len(state.output_token_ids))
+                if due >= now:
+                    return (0, due)
+            return (1, float(i))
+
+        return [state for _, state in sorted(enumerate(states), key=key)]
 
     def shape(self, plan: BatchPlan) -> BatchShape:
         """The plan as the perf model sees it."""

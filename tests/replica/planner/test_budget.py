@@ -11,6 +11,7 @@ from replica.planner.budget import (
     AcceptanceEstimate,
     BatchBudget,
     TierLoad,
+    WorstBatch,
     expected_tokens,
     judged_drafts,
     plan_budgets,
@@ -153,6 +154,33 @@ def test_an_urgent_period_adds_a_shorter_autoregressive_budget() -> None:
     assert periods(0.008) == pytest.approx([0.05])
     # The most urgent new request and the most urgent admitted one may each need their own.
     assert periods(0.03, 0.02) == pytest.approx([0.05, 0.02, 0.03])
+
+
+def test_urgent_budgets_are_sized_for_their_own_batch() -> None:
+    # The main batch reads 20000 cached tokens (20 ms at 1 us): a period below that serves
+    # no one. Urgent options sized for a batch without the far-ahead decoders still fit.
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4, "kv_tokens": 1e-6})
+    loads = [TierLoad(0.05, 3)]
+    main = {"num_requests": 3, "max_context": 8000, "kv_tokens": 20000}
+    near = WorstBatch(num_requests=1, max_context=100, kv_tokens=100, min_period_s=0.0041)
+    alone = plan_budgets(
+        perf, loads, **main, idle_period_s=0.05, min_period_s=0.0241, urgent_periods_s=(0.015,)
+    )
+    assert [b.period_s for b in alone] == pytest.approx([0.05])
+    budgets = plan_budgets(
+        perf,
+        loads,
+        **main,
+        idle_period_s=0.05,
+        min_period_s=0.0241,
+        urgent_periods_s=(0.015,),
+        urgent_batch=near,
+    )
+    assert [b.period_s for b in budgets] == pytest.approx([0.05, 0.015])
+    urgent = budgets[1]
+    assert (urgent.num_requests, urgent.kv_tokens) == (1, 100)
+    # (15 ms - 4 ms - 0.1 ms of cached KV) at 0.101 ms a token (its own KV entry included)
+    assert urgent.batch_tokens == 107
 
 
 def test_drafts_after_the_first_rejection_are_not_judged() -> None:

@@ -400,27 +400,89 @@ def test_the_budget_never_assumes_more_kv_than_the_cache_holds() -> None:
     assert result.budget.num_requests == 8
 
 
-def test_best_effort_work_neither_shrinks_the_budget_nor_lengthens_a_batch() -> None:
-    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4, "requests": 4e-3})
-    one = SlosScheduler(perf, CacheBudget(num_blocks=256))
+def test_best_effort_work_neither_shrinks_the_budget_nor_slows_slo_work() -> None:
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4})
+    idle = SlosScheduler(perf, CacheBudget(num_blocks=256))
     crowded = SlosScheduler(perf, CacheBudget(num_blocks=256))
-    background = [request(f"be{i}", 100, 8, tier=Tier.BEST_EFFORT) for i in range(8)]
-    one.add_best_effort(background[0], 0.0)
-    for r in background:
-        crowded.add_best_effort(r, 0.0)
-    slo = request("a", 10, 8, tpot_s=0.05)
-    # Only the oldest best-effort request is counted (so that the tier always progresses).
+    for i in range(8):
+        crowded.add_best_effort(request(f"be{i}", 100, 8, tier=Tier.BEST_EFFORT), 0.0)
+    slo = request("a", 100, 8, tpot_s=0.05)
     budget = crowded.plan_admission([slo], 0.0).budget
-    assert budget == one.plan_admission([slo], 0.0).budget and budget.num_requests == 2
+    assert budget == idle.plan_admission([slo], 0.0).budget and budget.num_requests == 1
     crowded.add_request(slo, 0.0)
     plan = crowded.schedule(0.0)
     assert plan is not None and crowded.budget is not None
-    # SLO work first, then best-effort prefill, oldest first, up to the period and no further
-    # (the per-request cost binds before the budget's token count does).
-    assert [e.request_id for e in plan.entries] == ["a", "be0", "be1", "be2"]
-    assert plan.num_tokens < crowded.budget.batch_tokens
-    seconds = perf.predict(crowded.shape(plan))
-    assert crowded.budget.period_s - 1e-4 < seconds <= crowded.budget.period_s
+    # The SLO prompt's batch takes 14 ms of a 50 ms period; best-effort prefill adds 10% of
+    # that (14 tokens at 0.1 ms), not the 36 ms the period has left.
+    assert [e.request_id for e in plan.entries] == ["a", "be0"]
+    assert plan.num_tokens == 100 + 14
+    assert perf.predict(crowded.shape(plan)) <= 0.014 * 1.1 + 1e-9
+
+
+def test_the_best_effort_head_progresses_while_decoders_ahead_of_their_line_wait() -> None:
+    # One token costs 40 ms on top of 50 ms a batch, so a batch holds one request within the
+    # 100 ms period. `a` is seconds ahead of its line after its first token: the best-effort
+    # request takes the batches it needs, and `a` still meets every deadline.
+    perf = PerfModel.synthetic({"const": 0.05, "tokens": 0.04})
+    cache = CacheBudget(num_blocks=64)
+    sched = SlosScheduler(perf, cache)
+    a = request("a", 3, 40, ttft_s=1.5, tpot_s=0.1)
+    filler = request("filler", 2, 2, arrival=0.3, tier=Tier.BEST_EFFORT)
+    executor, late = run(sched, perf, cache, [a, filler])
+    assert executor.token_times["filler"][-1] < 1.0 < executor.token_times["a"][-1]
+    assert not late["a"]
+
+
+def test_best_effort_requests_that_can_still_be_on_time_go_first() -> None:
+    # Neither can be guaranteed (no batch is as short as a 1 ms TPOT), so both stay
+    # best-effort: the one whose first token can still be on time gets the head's token,
+    # ahead of the older one that is already late.
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4, "requests": 4e-3})
+    sched = SlosScheduler(perf, CacheBudget(num_blocks=256))
+    late_one = request("late", 100, 8, ttft_s=0.01, tpot_s=0.001)
+    hopeful = request("hopeful", 100, 8, ttft_s=1.0, tpot_s=0.001, arrival=0.05)
+    sched.add_best_effort(late_one, 0.0)
+    sched.add_best_effort(hopeful, 0.05)
+    plan = sched.schedule(0.1)
+    assert plan is not None and plan.entries[0].request_id == "hopeful"
+    assert not sched.promoted
+
+
+def test_a_request_declined_in_a_burst_is_promoted_when_the_plan_has_room() -> None:
+    # The DP plans every token attending to the longest context (999 keys at 0.1 us: as
+    # costly as the token itself), i.e. 250 tokens per 50 ms batch, so two 520-token
+    # prompts do not fit the 4 batches before their 220 ms deadline. The real prefill of `a`
+    # takes 66 ms; at the next replan `b` fits, is guaranteed, and is on time.
+    perf = PerfModel.synthetic({"tokens": 1e-4, "attn_tokens": 1e-7})
+    cache = CacheBudget(num_blocks=256)
+    sched = SlosScheduler(perf, cache)
+    a = request("a", 520, 480, ttft_s=0.22, tpot_s=0.05)
+    b = request("b", 520, 480, ttft_s=0.22, tpot_s=0.05)
+    _, late = run(sched, perf, cache, [a, b])
+    assert sched.verdicts == {"a": True, "b": False}
+    assert sched.promoted == ["b"]
+    assert not late["a"] and not late["b"]
+
+
+def test_a_tight_prompt_is_admitted_beside_a_decoder_far_ahead_of_its_line() -> None:
+    # Reading d's 2000 cached tokens costs 20 ms, so no batch that serves d ends within n's
+    # 20 ms TTFT; d is seconds ahead of its line, so the plan may leave it out of n's batch.
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4, "kv_tokens": 1e-5})
+    cache = CacheBudget(num_blocks=256)
+    sched = SlosScheduler(perf, cache)
+    executor = PerfExecutor(perf, cache)
+    d = request("d", 2000, 50, ttft_s=10.0, tpot_s=1.0)
+    sched.add_admitted(d, 0.0)
+    executor.add(d)
+    now = steps(sched, executor, 0.0, 3)
+    n = request("n", 50, 4, ttft_s=0.02, tpot_s=0.05, arrival=now)
+    assert sched.plan_admission([n], now).is_admitted("n")
+    sched.add_admitted(n, now)
+    executor.add(n)
+    plan = sched.schedule(now)
+    assert plan is not None and [e.request_id for e in plan.entries] == ["n"]
+    _, duration = executor.execute(plan, now)
+    assert now + duration <= token_deadline(n, 0)
 
 
 def test_later_plans_keep_the_short_batches_a_request_was_admitted_with() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from replica.batch import BatchPlan, DecodeStep, PlanEntry, PrefillChunk
 from replica.perf_model import BatchTimeModel, attention_pairs
 from replica.planner.base import CacheBudget, RequestState
-from replica.planner.budget import BatchBudget
+from replica.planner.budget import BatchBudget, expected_tokens
 from replica.planner.deadlines import (
     chain_deadline,
     early_stage_starts,
@@ -123,15 +123,17 @@ class _Step:
     draft_steps: int = 0
     draft_batch: int = 0
 
-    def decode(self, state: RequestState, spec: int) -> None:
+    def decode(self, state: RequestState, spec: int) -> int | None:
+        """Add a decode speculating at most `spec` drafts; the drafts it got (None: no room)."""
         if self.tokens_left < 1:
-            return
+            return None
         k = max(0, min(spec, state.remaining_output - 1, self.tokens_left - 1)) if spec else 0
         self.entries.append(DecodeStep(state.request_id, k))
         self._count(k + 1, state.num_computed_tokens)
         if k > 0:
             self.draft_steps = max(self.draft_steps, k)
             self.draft_batch += 1
+        return k
 
     def prefill(self, state: RequestState, limit: int) -> None:
         n = min(state.num_uncomputed, self.tokens_left, limit)
@@ -214,6 +216,7 @@ def form_batch(
     reserved_blocks: int,
     max_best_effort: int,
     best_effort_stretch: float,
+    ride_spec_tokens: int = 0,
 ) -> BatchPlan | None:
     """The next step: SLO work by deadline, then best-effort work in what is left.
 
@@ -249,7 +252,15 @@ def form_batch(
         # progresses): decoders ahead of their line ride in the time left beside it.
         head = best_effort[0].num_computed_tokens
         ahead -= step.seconds_with(perf, 1, head) - step.seconds(perf)
-    _ride_ahead(step, [work for _, work in later], spec_lens, perf, ahead)
+    _ride_ahead(
+        step,
+        [work for _, work in later],
+        spec_lens,
+        perf,
+        ahead,
+        budget.acceptance,
+        ride_spec_tokens,
+    )
     spare = seconds
     if step.entries:
         spare = min(seconds, step.seconds(perf) * (1.0 + best_effort_stretch))
@@ -267,24 +278,57 @@ def _ride_ahead(
     spec_lens: dict[float, int],
     perf: BatchTimeModel,
     seconds: float,
+    acceptance: float,
+    longest: int,
 ) -> None:
     """Decoders not yet due, by deadline, as many as the batch holds within `seconds`: a
     budget may leave out decoders far ahead of their line (`SlosScheduler._budgets`), so
-    tokens alone do not bound the batch's time."""
-    marks = [step.mark()]
-    for work in ahead:
-        step.decode(work.state, spec_lens[work.tpot_s])
-        marks.append(step.mark())
-    if len(marks) == 1 or step.seconds(perf) <= seconds:
+    tokens alone do not bound the batch's time. With `longest` > 0 they may speculate up to
+    that many drafts beyond the budget's lengths, at the one length that delivers them the
+    most tokens per second of the batch: tokens nobody promised, which free their KV sooner."""
+    if not ahead:
         return
-    fits, over = 0, len(marks) - 1
-    while over - fits > 1:
-        mid = (fits + over) // 2
-        if step.seconds(perf, marks[mid]) <= seconds:
-            fits = mid
-        else:
-            over = mid
-    step.restore(marks[fits])
+    start = step.mark()
+    best = (-1.0, 0)
+    for extra in range(longest + 1):
+        step.restore(start)
+        tokens = _add_within(step, ahead, spec_lens, extra, perf, seconds, acceptance)
+        rate = tokens / step.seconds(perf)
+        if rate > best[0] * (1.0 + 1e-9):
+            best = (rate, extra)
+    if best[1] != longest:
+        step.restore(start)
+        _add_within(step, ahead, spec_lens, best[1], perf, seconds, acceptance)
+
+
+def _add_within(
+    step: _Step,
+    ahead: Sequence[SloWork],
+    spec_lens: dict[float, int],
+    least: int,
+    perf: BatchTimeModel,
+    seconds: float,
+    acceptance: float,
+) -> float:
+    """Add the longest prefix of `ahead` whose batch ends within `seconds`, each decoder
+    speculating at least `least`; the tokens they are expected to deliver."""
+    marks = [step.mark()]
+    expected = [0.0]
+    for work in ahead:
+        k = step.decode(work.state, max(spec_lens[work.tpot_s], least))
+        marks.append(step.mark())
+        expected.append(expected[-1] + (expected_tokens(acceptance, k) if k is not None else 0.0))
+    fits = len(marks) - 1
+    if step.seconds(perf) > seconds:
+        fits, over = 0, fits
+        while over - fits > 1:
+            mid = (fits + over) // 2
+            if step.seconds(perf, marks[mid]) <= seconds:
+                fits = mid
+            else:
+                over = mid
+        step.restore(marks[fits])
+    return expected[fits]
 
 
 def _fill_best_effort(

@@ -320,6 +320,15 @@ class SlosScheduler(Scheduler):
             not states[rid].is_decoding for rid in self.best_effort
         )
 
+    def _ride_spec_tokens(self) -> int:
+        """Drafts a decoder ahead of its line may speculate beyond the budget's lengths: as
+        many as the config allows while speculating budgets may be offered (`_may_stretch`:
+        the longer batch then delays no prompt, or KV binds and decode speed frees it)."""
+        spec = self.config.spec
+        if spec is None or self.acceptance is None or not self._may_stretch():
+            return 0
+        return spec.max_spec_tokens
+
     def _promotable(self, now: float) -> list[Request]:
         """Best-effort SLO requests that have no token yet and could still have their first
         one on time, most urgent first, at most one DP group: offered to every replan's DP,
@@ -398,6 +407,7 @@ class SlosScheduler(Scheduler):
             self._reserved_blocks,
             self.config.max_best_effort_requests,
             self.config.best_effort_stretch,
+            self._ride_spec_tokens(),
         )
         if plan is not None:
             self._busy_until = now + self.perf.predict(self.shape(plan))

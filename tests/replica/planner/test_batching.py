@@ -1,0 +1,92 @@
+"""Batch formation: what rides in a batch beside the work the plan promised."""
+
+from __future__ import annotations
+
+import pytest
+
+from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, RequestOutcome
+from replica.perf_model import PerfModel
+from replica.planner.base import CacheBudget
+from replica.planner.batching import SloWork, form_batch
+from replica.planner.budget import TierLoad, plan_budgets
+from replica.planner.queues import RequestQueues
+from replica.request import SLO, Request, SamplingParams, Tier
+
+
+def decoders_ahead(queues: RequestQueues, count: int, context: int) -> list[SloWork]:
+    """Requests with their prompt done and one token out, ten seconds ahead of their line."""
+    requests = [
+        Request(
+            f"d{i}",
+            [1] * context,
+            SamplingParams(max_tokens=100, ignore_eos=True),
+            SLO(ttft_ms=10_000, tpot_ms=100),
+            tier=Tier.SLO,
+        )
+        for i in range(count)
+    ]
+    for r in requests:
+        queues.add(r)
+    queues.apply(
+        BatchPlan(entries=tuple(PrefillChunk(r.request_id, context) for r in requests)),
+        BatchOutcome(
+            outcomes=[
+                RequestOutcome(r.request_id, [7], num_computed_tokens=context) for r in requests
+            ]
+        ),
+        0.0,
+    )
+    return [SloWork.of(queues.states[r.request_id], 0.0, 0.1, 0.5) for r in requests]
+
+
+def drafts(draft_step_s: float, ride_spec_tokens: int, count: int = 4) -> list[int]:
+    # Memory-bound: 15 ms a batch whatever its tokens, plus the draft steps.
+    perf = PerfModel.synthetic({"const": 0.015, "tokens": 1e-5, "draft_steps": draft_step_s})
+    queues = RequestQueues(CacheBudget(num_blocks=256))
+    works = decoders_ahead(queues, count, 64)
+    (budget,) = plan_budgets(
+        perf,
+        [TierLoad(0.1, count)],
+        num_requests=count,
+        max_context=164,
+        kv_tokens=count * 164,
+        idle_period_s=0.05,
+        acceptance=0.6,
+    )
+    assert budget.draft_steps == 0  # autoregressive: the plan promises one token a batch
+    plan = form_batch(0.01, budget, perf, works, [], queues, 0, 8, 0.1, ride_spec_tokens)
+    assert plan is not None and len(plan.entries) == count
+    steps = [e for e in plan.entries if isinstance(e, DecodeStep)]
+    return [e.num_spec_tokens for e in steps]
+
+
+@pytest.mark.parametrize(
+    ("draft_step_s", "ride_spec_tokens", "expected"),
+    [
+        (5e-4, 4, 4),  # 2.3 tokens for 17 ms beats 1 token for 15 ms and every length between
+        (5e-4, 0, 0),  # not allowed to (the scheduler allows it while KV binds or no prompt waits)
+        (0.02, 4, 0),  # a 20 ms draft step: 1.6 tokens for 35 ms lose to 1 for 15 ms
+    ],
+)
+def test_decoders_ahead_of_their_line_speculate_as_far_as_it_pays(
+    draft_step_s: float, ride_spec_tokens: int, expected: int
+) -> None:
+    assert drafts(draft_step_s, ride_spec_tokens) == [expected] * 4
+
+
+def test_decoders_ahead_of_their_line_ride_only_within_the_period() -> None:
+    # 40 ms a decoder: two of three fit the 100 ms period after the 15 ms fixed cost.
+    perf = PerfModel.synthetic({"const": 0.015, "tokens": 1e-6, "requests": 0.04})
+    queues = RequestQueues(CacheBudget(num_blocks=256))
+    works = decoders_ahead(queues, 3, 64)
+    # A budget sized for one of them (as urgent budgets leave out decoders far ahead).
+    (budget,) = plan_budgets(
+        perf,
+        [TierLoad(0.1, 1)],
+        num_requests=1,
+        max_context=164,
+        kv_tokens=164,
+        idle_period_s=0.05,
+    )
+    plan = form_batch(0.01, budget, perf, works, [], queues, 0, 8, 0.1)
+    assert plan is not None and [e.request_id for e in plan.entries] == ["d0", "d1"]

@@ -346,9 +346,9 @@ def _fill_best_effort(
     token while the batch stays within `seconds` (so the tier progresses), the rest only what
     fits in `spare`.
 
-    The newest best-effort holders are preempted when admitted requests' reservations need
-    their blocks, or when an older best-effort request cannot grow otherwise (so the tier
-    never deadlocks). Returns the preempted ids."""
+    The holders last in that order are preempted when admitted requests' reservations need
+    their blocks, or when one ahead of them cannot grow otherwise (so the tier never
+    deadlocks). Returns the preempted ids."""
     cache = queues.budget
     running = set(queues.running)
     holders = [s for s in best_effort if s.request_id in running]
@@ -356,7 +356,7 @@ def _fill_best_effort(
     free = cache.num_blocks - reserved - sum(queues.held_blocks(s) for s in holders)
     preempt: list[str] = []
 
-    def evict_newest(after: int) -> bool:
+    def evict_last(after: int) -> bool:
         nonlocal free
         for state in reversed(holders[after:]):
             if state.request_id not in preempt:
@@ -365,7 +365,7 @@ def _fill_best_effort(
                 return True
         return False
 
-    while free < 0 and evict_newest(0):
+    while free < 0 and evict_last(0):
         pass
     scheduled = 0
     for state in best_effort:
@@ -375,7 +375,7 @@ def _fill_best_effort(
             continue
         held = state.num_computed_tokens
         younger = position.get(state.request_id, len(holders) - 1) + 1
-        while _fits(cache, held, free) < 1 and evict_newest(younger):
+        while _fits(cache, held, free) < 1 and evict_last(younger):
             pass
         want = 1 if state.is_decoding else min(state.num_uncomputed, step.tokens_left)
         n = min(want, _fits(cache, held, free))

@@ -2,7 +2,8 @@
 
 The planner re-solves admission and the batch budget on a timer, when enough requests arrived
 or finished, and when the plan drifted from reality: a batch overran the batch period, or a
-decoder's next token is due before the next batch could end (it lost the lead the plan keeps).
+decoder's next token is due before the next batch could end (it lost the lead the plan keeps;
+a decoder already behind at the last report does not call again).
 A request behind its line is planned with a tighter TPOT, so the budget gives it a token more
 often (or longer speculation) until it is back on track.
 """

@@ -90,6 +90,9 @@ class SlosScheduler(Scheduler):
         self._reserved_blocks = 0
         self._stretched = True
         """Whether the last plan was free to offer speculating budgets (`_may_stretch`)."""
+        self._lagging: set[str] = set()
+        """Decoders behind their line after the last batch: only a newcomer to this set
+        calls for a replan, since the plan already holds these ones tighter."""
 
     @property
     def unreserved_blocks(self) -> int:
@@ -484,8 +487,12 @@ class SlosScheduler(Scheduler):
             work = self._work.get(result.request_id)
             if work is not None:
                 work.refresh(now, period, factor)
-        if any(w.decoding and lags(w.deadline_s, now, period) for w in self._work.values()):
+        lagging = {
+            rid for rid, w in self._work.items() if w.decoding and lags(w.deadline_s, now, period)
+        }
+        if not lagging <= self._lagging:
             self.invocation.note_behind()
+        self._lagging = lagging
 
     def _extend_reservations(self, outcome: BatchOutcome) -> None:
         """Grow the reservation of every request whose next step could outrun it; if the

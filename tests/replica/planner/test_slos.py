@@ -237,6 +237,13 @@ def test_a_request_falling_behind_is_planned_with_a_tighter_tpot() -> None:
     assert scheduler.schedule(stalled) is not None
     # Replanned with the request at half its TPOT: batches now come twice as often.
     assert scheduler.budget.period_s == 0.025
+    # Still behind after the next batch: the plan already holds it tighter, so no replan.
+    plan = scheduler.schedule(stalled)
+    assert plan is not None
+    outcome, _ = executor.execute(plan, stalled)
+    still = token_deadline(r, len(executor.output("r"))) - scheduler.budget.period_s / 2
+    scheduler.update_from_outcome(plan, outcome, still)
+    assert not scheduler.invocation.drifted
 
 
 @st.composite

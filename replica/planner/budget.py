@@ -257,7 +257,10 @@ def _option(
         for load, s in zip(loads, lens, strict=True)
     ):
         return None
-    draft_batch = sum(load.num_decoders for load, s in zip(loads, lens, strict=True) if s > 0)
+    # An urgent option's batch holds only the decoders due soon (`WorstBatch`): at most that
+    # many of the drafting tiers' decoders ride, and draft, in it.
+    drafting = sum(load.num_decoders for load, s in zip(loads, lens, strict=True) if s > 0)
+    draft_batch = min(drafting, num_requests)
     draft_steps = max(lens) if draft_batch > 0 else 0
     fits = capacity(perf, period, *shape, draft_steps, draft_batch)
     budget = BatchBudget(

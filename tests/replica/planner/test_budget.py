@@ -183,6 +183,31 @@ def test_urgent_budgets_are_sized_for_their_own_batch() -> None:
     assert urgent.batch_tokens == 107
 
 
+def test_urgent_budgets_draft_only_for_the_decoders_in_their_batch() -> None:
+    # Three decoders behind their line are held to 5 ms, below the 20 ms floor: every period
+    # exceeds their TPOT, so they draft even in the 15 ms urgent option, whose batch holds
+    # only one of them.
+    loads = [TierLoad(0.005, 3)]
+    near = WorstBatch(num_requests=1, max_context=100, kv_tokens=100, min_period_s=0.011)
+    budgets = plan_budgets(
+        PERF,
+        loads,
+        num_requests=3,
+        max_context=100,
+        kv_tokens=300,
+        idle_period_s=0.05,
+        min_period_s=0.02,
+        urgent_periods_s=(0.015,),
+        urgent_batch=near,
+        spec=SpecConfig(max_spec_tokens=4),
+        acceptance=0.6,
+    )
+    urgent = budgets[-1]
+    assert urgent.period_s == pytest.approx(0.015)
+    assert (urgent.num_requests, urgent.draft_batch) == (1, 1)
+    assert urgent.draft_steps > 0
+
+
 def test_drafts_after_the_first_rejection_are_not_judged() -> None:
     assert [judged_drafts(4, a) for a in range(5)] == [1, 2, 3, 4, 4]
     assert judged_drafts(0, 0) == 0

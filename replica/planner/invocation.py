@@ -34,6 +34,8 @@ class InvocationPolicy:
         self.new_requests = 0
         self.finished_requests = 0
         self.drifted = False
+        self.lagging: set[str] = set()
+        """Decoders behind their line after the last batch (`note_lagging`)."""
 
     def note_new(self) -> None:
         self.new_requests += 1
@@ -47,8 +49,12 @@ class InvocationPolicy:
         if measured_s > period_s * (1.0 + self.config.drift_fraction):
             self.drifted = True
 
-    def note_behind(self) -> None:
-        self.drifted = True
+    def note_lagging(self, request_ids: set[str]) -> None:
+        """The decoders behind their line after a batch: only one that was not behind after
+        the previous batch counts as drift, since the plan already holds the others tighter."""
+        if not request_ids <= self.lagging:
+            self.drifted = True
+        self.lagging = request_ids
 
     def due(self, now: float) -> bool:
         cfg = self.config

@@ -90,9 +90,6 @@ class SlosScheduler(Scheduler):
         self._reserved_blocks = 0
         self._stretched = True
         """Whether the last plan was free to offer speculating budgets (`_may_stretch`)."""
-        self._lagging: set[str] = set()
-        """Decoders behind their line after the last batch: only a newcomer to this set
-        calls for a replan, since the plan already holds these ones tighter."""
 
     @property
     def unreserved_blocks(self) -> int:
@@ -487,12 +484,9 @@ class SlosScheduler(Scheduler):
             work = self._work.get(result.request_id)
             if work is not None:
                 work.refresh(now, period, factor)
-        lagging = {
-            rid for rid, w in self._work.items() if w.decoding and lags(w.deadline_s, now, period)
-        }
-        if not lagging <= self._lagging:
-            self.invocation.note_behind()
-        self._lagging = lagging
+        self.invocation.note_lagging(
+            {rid for rid, w in self._work.items() if w.decoding and lags(w.deadline_s, now, period)}
+        )
 
     def _extend_reservations(self, outcome: BatchOutcome) -> None:
         """Grow the reservation of every request whose next step could outrun it; if the

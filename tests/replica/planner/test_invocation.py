@@ -28,6 +28,19 @@ def test_replans_on_timer_arrivals_finishes_and_drift() -> None:
     assert policy.due(0.07)
 
 
+def test_only_a_decoder_newly_behind_counts_as_drift() -> None:
+    policy = InvocationPolicy(InvocationConfig())
+    policy.planned(0.0)
+    policy.note_lagging({"a"})
+    assert policy.due(0.01)
+    policy.planned(0.01)
+    policy.note_lagging({"a"})  # still behind: the plan already holds it tighter
+    assert not policy.due(0.02)
+    policy.note_lagging(set())
+    policy.note_lagging({"a"})  # caught up, then fell behind again
+    assert policy.due(0.02)
+
+
 def test_a_decoder_without_a_period_of_lead_lags() -> None:
     assert not lags(0.15, now=0.10, period_s=0.05)
     assert lags(0.15, now=0.11, period_s=0.05)

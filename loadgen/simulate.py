@@ -8,6 +8,11 @@ mean of capacity ratios, plus scaling over replica counts and ablation variants 
 (loadgen.capacity_tables). `--paper-table` runs the paper's 1-replica six-scenario comparison;
 `--plot` draws loadgen.plots' figures (distserve, which runs several pool splits, has no burst
 timeline). Arrivals: Poisson, or the scenario's Azure trace rescaled to the rate.
+
+Every rate of one search replays the same requests, only compressed or stretched in time (the
+paper's "truncate and rescale"): their count is fixed so the run at the reference rate (the
+search's start, or `--rate`) lasts `--duration`. A window that grew with the rate would replay
+other stretches of a bursty trace at each rate, and attainment would not fall monotonically.
 """
 
 from __future__ import annotations
@@ -131,15 +136,18 @@ class Setup:
     num_kv_blocks: int
     tick_interval_s: float
     route_limit: int
+    reference_rate: float
+    """The per-replica rate at which a run lasts `duration_s`; it fixes the request count."""
     acceptance: float = DEFAULT_ACCEPTANCE
     """The draft's per-token acceptance in the simulated engine (slos and its ablations)."""
     kv_link_gb_s: float = DEFAULT_LINK_GB_S
     """distserve's KV link bandwidth."""
 
     def workload(self, rate: float, replicas: int) -> list[WorkloadRequest]:
-        """Requests of a `duration_s` run at `rate` per replica."""
+        """The search's requests at `rate` per replica: the same ones at every rate, arriving
+        over `duration_s` x reference_rate / rate."""
         cluster_rate = rate * replicas
-        n = max(2, round(cluster_rate * self.duration_s))
+        n = max(2, round(self.reference_rate * replicas * self.duration_s))
         config = WorkloadConfig(zero_load_ttft_from(self.perf))
         if self.arrivals == "trace":
             rows = trace_arrivals(scenario_trace(self.scenario), cluster_rate, n, self.seed)
@@ -202,7 +210,8 @@ PAPER_START_RATES: dict[Scenario, float] = {
     Scenario.REASONING: 0.1,
 }
 """Where --paper-table starts each search: near earlier results, so fewer overloaded runs
-(which are the slow ones) are spent bracketing. Only the search path depends on them."""
+(which are the slow ones) are spent bracketing. With the scenario's duration they also fix its
+request count (the run at the start rate lasts that duration)."""
 PAPER_DURATIONS_S: dict[Scenario, float] = {Scenario.REASONING: 1200.0}
 """Longer runs where 300 s holds too few requests: reasoning's capacity is a few requests per
 100 s, so 300 s gave 12 per point, where one miss is 8% of the attainment."""
@@ -240,7 +249,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration",
         type=float,
-        help="seconds of arrivals (default 600; for --paper-table, sets every scenario's)",
+        help="seconds of arrivals at the reference rate (--rate, else --start-rate), which "
+        "fix the request count of every rate (default 600; for --paper-table, sets every "
+        "scenario's)",
     )
     parser.add_argument(
         "--arrivals", choices=("poisson", "trace"), help="default poisson (trace: --paper-table)"
@@ -403,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
             kv_blocks(perf, args.kv_blocks),
             args.tick_ms / 1e3,
             args.route_limit,
+            p.rate if p.rate is not None else p.start_rates[scenario],
         )
         for scenario in p.scenarios
     }
@@ -490,7 +502,7 @@ def _plot(
     if rate is None or not policies:
         print("no timeline: every capacity search found 0, or only distserve ran")
     else:
-        bin_s = max(1.0, setup.duration_s / 120)
+        bin_s = max(1.0, setup.duration_s * setup.reference_rate / rate / 120)
         timelines = {
             policy.value: burst_timeline(_records(setup, policy, replicas, rate), bin_s)
             for policy in policies

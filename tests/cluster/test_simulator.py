@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -208,8 +209,18 @@ def test_refuses_duplicate_ids_and_unknown_predecessors() -> None:
     not (simulate.TRACE_DIR / "AzureLLMInferenceTrace_conv.csv").is_file(),
     reason="the Azure trace is not in ../shared/data",
 )
-def test_trace_arrivals_keep_the_asked_rate() -> None:
-    setup = simulate.Setup(A100, Scenario.CHATBOT, "trace", 20.0, 0, 2048, 0.01, 2)
-    workload = setup.workload(rate=1.5, replicas=2)
-    assert len(workload) == 60
-    assert (len(workload) - 1) / workload[-1].arrival_s == pytest.approx(3.0)
+@pytest.mark.parametrize("arrivals", ["trace", "poisson"])
+def test_every_rate_replays_the_same_requests_compressed(arrivals: str) -> None:
+    setup = simulate.Setup(A100, Scenario.CHATBOT, arrivals, 20.0, 0, 2048, 0.01, 2, 1.5)
+    base = setup.workload(rate=1.5, replicas=2)
+    assert len(base) == 60
+    exact = arrivals == "trace"
+    assert (len(base) - 1) / base[-1].arrival_s == pytest.approx(3.0, rel=1e-6 if exact else 0.2)
+    for rate in (0.75, 2.0, 3.0):
+        faster = setup.workload(rate=rate, replicas=2)
+        assert [replace(r, arrival_s=0.0) for r in faster] == [
+            replace(r, arrival_s=0.0) for r in base
+        ]
+        assert [r.arrival_s for r in faster] == pytest.approx(
+            [r.arrival_s * 1.5 / rate for r in base]
+        )

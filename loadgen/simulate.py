@@ -201,7 +201,7 @@ DEFAULT_PROFILE = "a100-40gb-opt-7b-tp1"
 PAPER_POLICIES = (Policy.SLOS, Policy.VLLM, Policy.SARATHI, Policy.DISTSERVE)
 PAPER_DURATION_S = 300.0
 PAPER_REL_TOL = 0.1
-PAPER_START_RATES: dict[Scenario, float] = {
+START_RATES: dict[Scenario, float] = {
     Scenario.CHATBOT: 3.0,
     Scenario.CODER: 1.5,
     Scenario.SUMMARIZER: 2.0,
@@ -209,9 +209,9 @@ PAPER_START_RATES: dict[Scenario, float] = {
     Scenario.TOOLLLM: 0.4,
     Scenario.REASONING: 0.1,
 }
-"""Where --paper-table starts each search: near earlier results, so fewer overloaded runs
-(which are the slow ones) are spent bracketing. With the scenario's duration they also fix its
-request count (the run at the start rate lasts that duration)."""
+"""Where each scenario's search starts unless --start-rate says: near its capacities on the A100
+OPT-7B profile, so fewer overloaded runs (the slow ones) are spent bracketing. With the duration
+they also fix the scenario's request count (the run at the start rate lasts that duration)."""
 PAPER_DURATIONS_S: dict[Scenario, float] = {Scenario.REASONING: 1200.0}
 """Longer runs where 300 s holds too few requests: reasoning's capacity is a few requests per
 100 s, so 300 s gave 12 per point, where one miss is 8% of the attainment."""
@@ -257,7 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arrivals", choices=("poisson", "trace"), help="default poisson (trace: --paper-table)"
     )
     parser.add_argument(
-        "--start-rate", type=float, help="capacity search start, req/s per replica (default 1)"
+        "--start-rate",
+        type=float,
+        help="capacity search start, req/s per replica (default: the scenario's START_RATES)",
     )
     parser.add_argument("--rel-tol", type=float, help="capacity search tolerance (default 0.05)")
     parser.add_argument(
@@ -369,7 +371,7 @@ def plan(args: argparse.Namespace) -> Plan:
     if args.start_rate is not None:
         start_rates = dict.fromkeys(scenarios, args.start_rate)
     else:
-        start_rates = {s: PAPER_START_RATES[s] if paper else 1.0 for s in scenarios}
+        start_rates = {s: START_RATES[s] for s in scenarios}
     if args.min_rate > args.max_rate:
         raise ValueError(f"--min-rate {args.min_rate} exceeds --max-rate {args.max_rate}")
     start_rates = {s: min(max(r, args.min_rate), args.max_rate) for s, r in start_rates.items()}

@@ -29,7 +29,7 @@ def test_paper_table_fixes_the_comparison_and_sizes_it_to_minutes() -> None:
     assert (p.arrivals, p.duration_s, p.rel_tol) == ("trace", 300.0, 0.1)
     # Reasoning runs longer: at its capacity 300 s would hold about a dozen requests.
     assert p.scenario_durations_s == {s: 300.0 for s in Scenario} | {Scenario.REASONING: 1200.0}
-    assert p.start_rates == simulate.PAPER_START_RATES
+    assert p.start_rates == simulate.START_RATES
     assert p.timeline_scenario is Scenario.CODER
     short = simulate.plan(parse("--paper-table", "--duration", "5", "--start-rate", "0.5"))
     assert short.duration_s == 5.0
@@ -45,6 +45,7 @@ def test_defaults_and_ablation() -> None:
     assert (p.arrivals, p.duration_s, p.rel_tol) == ("poisson", 600.0, 0.05)
     assert p.scenario_durations_s == {Scenario.CODER: 600.0, Scenario.CHATBOT: 600.0}
     assert p.timeline_scenario is Scenario.CODER
+    assert p.start_rates == {s: simulate.START_RATES[s] for s in p.scenarios}
     ablation = simulate.plan(parse("--capacity", "--ablation"))
     assert ablation.policies == [
         Policy.SLOS,

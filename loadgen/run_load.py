@@ -24,9 +24,10 @@ apply; `--zero-load FILE` reuses a probed run's numbers, so runs against other s
 policies) are held to the same SLOs.
 
 Capacity mode (`--capacity --rates LO,HI`) searches the highest rate in [LO, HI] with >= 90%
-attainment (loadgen.capacity); every point is a fresh `--duration` run against the same server,
-after `--cooldown` seconds for it to drain. With --records, each point's records go to
-<stem>.rate<R><suffix>.
+attainment (loadgen.capacity); every point is a fresh run against the same server, after
+`--cooldown` seconds for it to drain, of the same requests compressed or stretched in time:
+their count is fixed so the run at the search's start (`--rate`, else LO) lasts `--duration`.
+With --records, each point's records go to <stem>.rate<R><suffix>.
 
 Trace arrivals replay the scenario's Azure LLM inference trace 2023 (CC-BY 4.0; see
 loadgen.traces.AZURE_ATTRIBUTION, which the JSON output carries).
@@ -84,13 +85,16 @@ class LoadSpec:
 
     scenario: Scenario
     duration_s: float
+    reference_rate: float
+    """The rate at which a run lasts `duration_s`; it fixes the request count of every rate."""
     arrivals: ArrivalProcess
     config: WorkloadConfig
     seed: int
 
     def workload(self, rate: float) -> list[WorkloadRequest]:
-        """Requests of a `duration_s` run at `rate` requests per second (at least one)."""
-        n = max(1, round(rate * self.duration_s))
+        """The same requests at every rate (at least one), arriving over
+        `duration_s` x reference_rate / rate."""
+        n = max(1, round(self.reference_rate * self.duration_s))
         times = self.arrivals.times(rate, n, self.seed)
         return generate_workload(self.scenario, times, self.config, self.seed)
 
@@ -320,7 +324,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scenario", default="mixed", choices=[s.value for s in Scenario], help="paper scenario"
     )
     parser.add_argument("--rate", type=float, help="requests/s to the target (capacity: start)")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        help="seconds of arrivals at --rate (capacity: the search's start), which fix the "
+        "request count of every point",
+    )
     parser.add_argument(
         "--arrivals", choices=("poisson", "gamma", "trace"), default="poisson", help="arrivals"
     )
@@ -543,7 +553,7 @@ class Session:
         return result
 
 
-def prepare(args: argparse.Namespace) -> tuple[Session, dict[str, Any]]:
+def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, dict[str, Any]]:
     """The session and the JSON header describing it (probing the target when asked)."""
     scenario = Scenario(args.scenario)
     perf = PerfModel.load(resolve_profile(args.profile))
@@ -574,7 +584,7 @@ def prepare(args: argparse.Namespace) -> tuple[Session, dict[str, Any]]:
         length_scale=args.length_scale,
         max_model_len=info.max_model_len,
     )
-    spec = LoadSpec(scenario, args.duration, arrivals, config, args.seed)
+    spec = LoadSpec(scenario, args.duration, reference_rate, arrivals, config, args.seed)
     header: dict[str, Any] = {
         "target": args.target,
         "protocol": args.protocol,
@@ -582,6 +592,7 @@ def prepare(args: argparse.Namespace) -> tuple[Session, dict[str, Any]]:
         "scheduler": info.scheduler,
         "scenario": scenario.value,
         "duration_s": args.duration,
+        "reference_rate": reference_rate,
         "arrivals": arrivals.describe(),
         "length_scale": args.length_scale,
         "profile": str(args.profile),
@@ -608,7 +619,8 @@ def capacity_summary(found: CapacityResult, replicas: int | None) -> dict[str, A
 def run(args: argparse.Namespace) -> int:
     try:
         bounds = check_args(args)
-        session, out = prepare(args)
+        start = args.rate if bounds is None else args.rate or bounds[0]
+        session, out = prepare(args, start)
         if bounds is None:
             out["summary"] = run_summary(session.evaluate(args.rate, args.records))
         else:
@@ -622,7 +634,7 @@ def run(args: argparse.Namespace) -> int:
             low, high = bounds
             found = find_capacity(
                 attainment_at,
-                args.rate or low,
+                start,
                 target=DEFAULT_TARGET,
                 rel_tol=args.rel_tol,
                 min_rate=low,

@@ -115,7 +115,8 @@ def test_loadgen_run_against_the_front_door(live: LocalFrontDoor, tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_capacity_search_against_the_front_door(live: LocalFrontDoor, tmp_path: Path) -> None:
-    """Loose SLOs and a tiny load pass at every rate: the search climbs to the upper bound."""
+    """Loose SLOs and a tiny load pass at every rate: the search climbs to the upper bound.
+    Both points send the same two requests (2 s at the start rate 1)."""
     zero = tmp_path / "zero.json"
     zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
     out, records_path = tmp_path / "cap.json", tmp_path / "cap.jsonl"
@@ -123,7 +124,7 @@ def test_capacity_search_against_the_front_door(live: LocalFrontDoor, tmp_path: 
         [
             "loadgen",
             *("--target", live.http_url, "--api-key", API_KEY, "--scenario", "coder"),
-            *("--capacity", "--rates", "1,2", "--duration", "1", "--cooldown", "0"),
+            *("--capacity", "--rates", "1,2", "--duration", "2", "--cooldown", "0"),
             *("--length-scale", "0.05", "--zero-load", str(zero)),
             *("--records", str(records_path), "--json", str(out), "--no-progress"),
         ]
@@ -134,8 +135,12 @@ def test_capacity_search_against_the_front_door(live: LocalFrontDoor, tmp_path: 
     assert [p["rate"] for p in summary["points"]] == [1.0, 2.0]
     assert summary["capacity_rps"] == 2.0 and summary["capacity_per_replica"] == 1.0
     assert result["zero_load"]["source"] == "generous"
-    for rate, n in ((1, 1), (2, 2)):
-        assert len(read_records(tmp_path / f"cap.rate{rate}.jsonl")) == n
+    assert result["reference_rate"] == 1.0
+    sent = [
+        sorted(r.request_id for r in read_records(tmp_path / f"cap.rate{rate}.jsonl"))
+        for rate in (1, 2)
+    ]
+    assert len(sent[0]) == 2 and sent[0] == sent[1]
 
 
 @pytest.mark.slow

@@ -84,18 +84,15 @@ class LoadSpec:
     """What a run sends, fixed across the rates of a capacity search."""
 
     scenario: Scenario
-    duration_s: float
-    reference_rate: float
-    """The rate at which a run lasts `duration_s`; it fixes the request count of every rate."""
+    requests: int
+    """The same at every rate: `--duration` at the reference rate (`--rate`, else LO)."""
     arrivals: ArrivalProcess
     config: WorkloadConfig
     seed: int
 
     def workload(self, rate: float) -> list[WorkloadRequest]:
-        """The same requests at every rate (at least one), arriving over
-        `duration_s` x reference_rate / rate."""
-        n = max(1, round(self.reference_rate * self.duration_s))
-        times = self.arrivals.times(rate, n, self.seed)
+        """The same requests at every rate, only compressed or stretched in time."""
+        times = self.arrivals.times(rate, self.requests, self.seed)
         return generate_workload(self.scenario, times, self.config, self.seed)
 
 
@@ -584,7 +581,8 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
         length_scale=args.length_scale,
         max_model_len=info.max_model_len,
     )
-    spec = LoadSpec(scenario, args.duration, reference_rate, arrivals, config, args.seed)
+    requests = max(1, round(reference_rate * args.duration))
+    spec = LoadSpec(scenario, requests, arrivals, config, args.seed)
     header: dict[str, Any] = {
         "target": args.target,
         "protocol": args.protocol,

@@ -131,23 +131,22 @@ class Setup:
     perf: PerfModel
     scenario: Scenario
     arrivals: str
-    duration_s: float
+    requests_per_replica: int
+    """The same at every rate of the search (Plan.requests_per_replica)."""
     seed: int
     num_kv_blocks: int
     tick_interval_s: float
     route_limit: int
-    reference_rate: float
-    """The per-replica rate at which a run lasts `duration_s`; it fixes the request count."""
     acceptance: float = DEFAULT_ACCEPTANCE
     """The draft's per-token acceptance in the simulated engine (slos and its ablations)."""
     kv_link_gb_s: float = DEFAULT_LINK_GB_S
     """distserve's KV link bandwidth."""
 
     def workload(self, rate: float, replicas: int) -> list[WorkloadRequest]:
-        """The search's requests at `rate` per replica: the same ones at every rate, arriving
-        over `duration_s` x reference_rate / rate."""
+        """The search's requests at `rate` per replica: the same ones at every rate, only
+        compressed or stretched in time."""
         cluster_rate = rate * replicas
-        n = max(2, round(self.reference_rate * replicas * self.duration_s))
+        n = max(2, self.requests_per_replica * replicas)
         config = WorkloadConfig(zero_load_ttft_from(self.perf))
         if self.arrivals == "trace":
             rows = trace_arrivals(scenario_trace(self.scenario), cluster_rate, n, self.seed)
@@ -335,6 +334,12 @@ class Plan:
     start_rates: dict[Scenario, float]
     timeline_scenario: Scenario
 
+    def requests_per_replica(self, scenario: Scenario) -> int:
+        """Requests a replica gets at every rate: the scenario's duration at the reference rate
+        (`--rate`, else the search's start)."""
+        reference = self.rate if self.rate is not None else self.start_rates[scenario]
+        return max(1, round(reference * self.scenario_durations_s[scenario]))
+
 
 def plan(args: argparse.Namespace) -> Plan:
     """Resolve the options; a conflict or a bad value raises ValueError naming the option."""
@@ -411,12 +416,11 @@ def run(args: argparse.Namespace) -> int:
             perf,
             scenario,
             p.arrivals,
-            p.scenario_durations_s[scenario],
+            p.requests_per_replica(scenario),
             args.seed,
             kv_blocks(perf, args.kv_blocks),
             args.tick_ms / 1e3,
             args.route_limit,
-            p.rate if p.rate is not None else p.start_rates[scenario],
         )
         for scenario in p.scenarios
     }
@@ -504,7 +508,7 @@ def _plot(
     if rate is None or not policies:
         print("no timeline: every capacity search found 0, or only distserve ran")
     else:
-        bin_s = max(1.0, setup.duration_s * setup.reference_rate / rate / 120)
+        bin_s = max(1.0, setup.requests_per_replica / rate / 120)
         timelines = {
             policy.value: burst_timeline(_records(setup, policy, replicas, rate), bin_s)
             for policy in policies

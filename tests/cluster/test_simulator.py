@@ -211,7 +211,7 @@ def test_refuses_duplicate_ids_and_unknown_predecessors() -> None:
 )
 @pytest.mark.parametrize("arrivals", ["trace", "poisson"])
 def test_every_rate_replays_the_same_requests_compressed(arrivals: str) -> None:
-    setup = simulate.Setup(A100, Scenario.CHATBOT, arrivals, 20.0, 0, 2048, 0.01, 2, 1.5)
+    setup = simulate.Setup(A100, Scenario.CHATBOT, arrivals, 30, 0, 2048, 0.01, 2)
     base = setup.workload(rate=1.5, replicas=2)
     assert len(base) == 60
     exact = arrivals == "trace"

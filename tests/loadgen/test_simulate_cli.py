@@ -30,6 +30,8 @@ def test_paper_table_fixes_the_comparison_and_sizes_it_to_minutes() -> None:
     # Reasoning runs longer: at its capacity 300 s would hold about a dozen requests.
     assert p.scenario_durations_s == {s: 300.0 for s in Scenario} | {Scenario.REASONING: 1200.0}
     assert p.start_rates == simulate.START_RATES
+    # The run at the start rate lasts the duration: reasoning 0.1 req/s x 1200 s.
+    assert p.requests_per_replica(Scenario.REASONING) == 120
     assert p.timeline_scenario is Scenario.CODER
     short = simulate.plan(parse("--paper-table", "--duration", "5", "--start-rate", "0.5"))
     assert short.duration_s == 5.0

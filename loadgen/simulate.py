@@ -141,12 +141,18 @@ class Setup:
     """The draft's per-token acceptance in the simulated engine (slos and its ablations)."""
     kv_link_gb_s: float = DEFAULT_LINK_GB_S
     """distserve's KV link bandwidth."""
+    window_replicas: int | None = None
+    """With --same-window, every replica count replays this many replicas' requests (the
+    largest count's), so its capacity compares with the others' on the same requests."""
+
+    def requests(self, replicas: int) -> int:
+        return max(2, self.requests_per_replica * (self.window_replicas or replicas))
 
     def workload(self, rate: float, replicas: int) -> list[WorkloadRequest]:
         """The search's requests at `rate` per replica: the same ones at every rate, only
         compressed or stretched in time."""
         cluster_rate = rate * replicas
-        n = max(2, self.requests_per_replica * replicas)
+        n = self.requests(replicas)
         config = WorkloadConfig(zero_load_ttft_from(self.perf))
         if self.arrivals == "trace":
             rows = trace_arrivals(scenario_trace(self.scenario), cluster_rate, n, self.seed)
@@ -214,7 +220,7 @@ they also fix the scenario's request count (the run at the start rate lasts that
 PAPER_DURATIONS_S: dict[Scenario, float] = {Scenario.REASONING: 1200.0}
 """Longer runs where 300 s holds too few requests: reasoning's capacity is a few requests per
 100 s, so 300 s gave 12 per point, where one miss is 8% of the attainment."""
-PAPER_FIXED = ("profile", "scenario", "policies", "replicas", "ablation")
+PAPER_FIXED = ("profile", "scenario", "policies", "replicas", "ablation", "same_window")
 """Options --paper-table sets itself."""
 
 
@@ -251,6 +257,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds of arrivals at the reference rate (--rate, else --start-rate), which "
         "fix the request count of every rate (default 600; for --paper-table, sets every "
         "scenario's)",
+    )
+    parser.add_argument(
+        "--same-window",
+        action="store_true",
+        help="every replica count replays the largest count's requests (--duration x the "
+        "reference rate x the largest --replicas), so the scaling factors compare the same "
+        "requests; by default each count replays its own replicas' worth",
     )
     parser.add_argument(
         "--arrivals", choices=("poisson", "trace"), help="default poisson (trace: --paper-table)"
@@ -333,6 +346,8 @@ class Plan:
     rel_tol: float
     start_rates: dict[Scenario, float]
     timeline_scenario: Scenario
+    same_window: bool
+    """Every replica count replays the largest count's requests (--same-window)."""
 
     def requests_per_replica(self, scenario: Scenario) -> int:
         """Requests a replica gets at every rate: the scenario's duration at the reference rate
@@ -369,6 +384,8 @@ def plan(args: argparse.Namespace) -> Plan:
     replica_counts = _parse_list(
         "--replicas", args.replicas or "1", _replica_count, "a replica count >= 1"
     )
+    if args.same_window and len(set(replica_counts)) < 2:
+        raise ValueError("--same-window compares replica counts; --replicas needs two or more")
     for name in ("rate", "duration", "start_rate", "rel_tol", "min_rate", "max_rate"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -405,6 +422,7 @@ def plan(args: argparse.Namespace) -> Plan:
         rel_tol=args.rel_tol or (PAPER_REL_TOL if paper else 0.05),
         start_rates=start_rates,
         timeline_scenario=timeline,
+        same_window=args.same_window,
     )
 
 
@@ -421,6 +439,7 @@ def run(args: argparse.Namespace) -> int:
             kv_blocks(perf, args.kv_blocks),
             args.tick_ms / 1e3,
             args.route_limit,
+            window_replicas=max(p.replica_counts) if p.same_window else None,
         )
         for scenario in p.scenarios
     }
@@ -461,6 +480,11 @@ def run(args: argparse.Namespace) -> int:
         "scenario_duration_s": {s.value: d for s, d in p.scenario_durations_s.items()},
         "rel_tol": p.rel_tol,
         "seed": args.seed,
+        "same_window": p.same_window,
+        "requests": {
+            s.value: {str(n): setup.requests(n) for n in p.replica_counts}
+            for s, setup in setups.items()
+        },
         "runs": runs,
     }
     if p.rate is None:
@@ -508,7 +532,7 @@ def _plot(
     if rate is None or not policies:
         print("no timeline: every capacity search found 0, or only distserve ran")
     else:
-        bin_s = max(1.0, setup.requests_per_replica / rate / 120)
+        bin_s = max(1.0, setup.requests(replicas) / (rate * replicas) / 120)
         timelines = {
             policy.value: burst_timeline(_records(setup, policy, replicas, rate), bin_s)
             for policy in policies

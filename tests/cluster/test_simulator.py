@@ -224,3 +224,19 @@ def test_every_rate_replays_the_same_requests_compressed(arrivals: str) -> None:
         assert [r.arrival_s for r in faster] == pytest.approx(
             [r.arrival_s * 1.5 / rate for r in base]
         )
+
+
+@pytest.mark.skipif(
+    not (simulate.TRACE_DIR / "AzureLLMInferenceTrace_code.csv").is_file(),
+    reason="the Azure trace is not in ../shared/data",
+)
+def test_same_window_replays_the_largest_counts_requests_at_every_count() -> None:
+    own = simulate.Setup(A100, Scenario.CODER, "trace", 30, 0, 2048, 0.01, 2)
+    assert [len(own.workload(1.0, n)) for n in (1, 4)] == [30, 120]
+    same = replace(own, window_replicas=4)
+    four = same.workload(rate=1.0, replicas=4)
+    assert four == own.workload(rate=1.0, replicas=4)
+    one = same.workload(rate=1.0, replicas=1)
+    assert [replace(r, arrival_s=0.0) for r in one] == [replace(r, arrival_s=0.0) for r in four]
+    # One replica at the same rate per replica gets the window four times slower.
+    assert [r.arrival_s for r in one] == pytest.approx([4 * r.arrival_s for r in four])

@@ -48,6 +48,7 @@ def test_defaults_and_ablation() -> None:
     assert p.scenario_durations_s == {Scenario.CODER: 600.0, Scenario.CHATBOT: 600.0}
     assert p.timeline_scenario is Scenario.CODER
     assert p.start_rates == {s: simulate.START_RATES[s] for s in p.scenarios}
+    assert not p.same_window
     ablation = simulate.plan(parse("--capacity", "--ablation"))
     assert ablation.policies == [
         Policy.SLOS,
@@ -63,6 +64,8 @@ def test_defaults_and_ablation() -> None:
         (("--paper-table", "--scenario", "coder"), "--scenario"),
         (("--paper-table", "--replicas", "2"), "--replicas"),
         (("--paper-table", "--ablation"), "--ablation"),
+        (("--paper-table", "--same-window"), "--same-window"),
+        (("--capacity", "--same-window", "--replicas", "2,2"), "--same-window"),
         (("--capacity", "--ablation", "--policies", "slos"), "--policies"),
         (("--capacity", "--policies", "slos,orca"), "--policies"),
         (("--capacity", "--scenario", "chat"), "--scenario"),

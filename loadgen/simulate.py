@@ -427,7 +427,10 @@ def plan(args: argparse.Namespace) -> Plan:
 
 
 def run(args: argparse.Namespace) -> int:
-    p = plan(args)
+    try:
+        p = plan(args)
+    except ValueError as exc:
+        raise SystemExit(f"slos-serve simulate: error: {exc}") from None
     perf = PerfModel.load(resolve_profile(p.profile))
     setups = {
         scenario: Setup(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster.simulator import Policy
-from loadgen import simulate
+from loadgen import cli, simulate
 from loadgen.workloads import Scenario
 
 
@@ -81,6 +81,11 @@ def test_defaults_and_ablation() -> None:
 def test_bad_options_are_named(argv: tuple[str, ...], option: str) -> None:
     with pytest.raises(ValueError, match=option):
         simulate.plan(parse(*argv))
+
+
+def test_the_command_reports_a_bad_option_without_a_traceback() -> None:
+    with pytest.raises(SystemExit, match="slos-serve simulate: error: --same-window"):
+        cli.main(["simulate", "--capacity", "--same-window", "--replicas", "4"])
 
 
 def test_paper_table_excludes_a_rate(capsys: pytest.CaptureFixture[str]) -> None:

@@ -173,7 +173,10 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.concurrency < 1 or args.duration <= 0:
-        raise ValueError("--rounds and --concurrency must be >= 1 and --duration > 0")
+        raise SystemExit(
+            "slos-serve bench frontend: error: --rounds and --concurrency must be >= 1 and "
+            "--duration > 0"
+        )
     rounds = min(args.rounds, 20) if args.quick else args.rounds
     duration = min(args.duration, 2.0) if args.quick else args.duration
     if not ray.is_initialized():

@@ -117,7 +117,7 @@ def bench_case(
 
 def run(args: argparse.Namespace) -> int:
     if args.calls < 1:
-        raise ValueError(f"--calls must be >= 1, got {args.calls}")
+        raise SystemExit(f"slos-serve bench planner: error: --calls must be >= 1, got {args.calls}")
     perf = PerfModel.load(args.profile)
     calls = min(args.calls, 20) if args.quick else args.calls
     cases = CASES[:3] if args.quick else CASES

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loadgen import cli
 
 
@@ -23,3 +25,15 @@ def test_bench_planner_quick(tmp_path: Path) -> None:
 def test_bench_controller_quick_without_ray(tmp_path: Path) -> None:
     result = run_bench("controller", tmp_path / "controller.json", "--no-ray")
     assert result["summary"]["decisions_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["bench", "planner", "--calls", "0"], "--calls"),
+        (["bench", "frontend", "--rounds", "0"], "--rounds"),
+    ],
+)
+def test_a_bad_option_ends_with_one_error_line(argv: list[str], option: str) -> None:
+    with pytest.raises(SystemExit, match=f"slos-serve bench .*: error: {option}"):
+        cli.main(argv)

@@ -32,6 +32,17 @@ async def collect(stream: AsyncIterator[TokenChunk | FinalRecord]) -> tuple[list
     raise AssertionError("the stream ended without a FinalRecord")
 
 
+async def idle(cluster: ClusterHandle) -> None:
+    """Wait until no replica holds a request: the routing tests need both empty, and the
+    previous test's closed streams are aborted asynchronously (slowly on a loaded machine)."""
+    for _ in range(200):
+        status = await cluster.status()
+        if not any(r.admitted or r.best_effort or r.running for r in status.replicas):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the replicas still hold requests: {status.replicas}")
+
+
 def request(rid: str, prompt: list[int], max_tokens: int, slo: SLO | None) -> Request:
     tier = Tier.SLO if slo is not None else Tier.BEST_EFFORT
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), slo=slo, tier=tier)
@@ -65,6 +76,7 @@ def test_declined_request_is_admitted_by_the_next_hop_then_best_effort(
     cluster: ClusterHandle, runner: asyncio.Runner
 ) -> None:
     async def run() -> None:
+        await idle(cluster)
         first = cluster.submit(request("route-0", [5, 6, 7], 400, TIGHT))
         assert isinstance(await anext(first), TokenChunk)
         status = await cluster.status()
@@ -93,6 +105,7 @@ def test_routed_request_final_record_shows_the_hop(
     cluster: ClusterHandle, runner: asyncio.Runner
 ) -> None:
     async def run() -> FinalRecord:
+        await idle(cluster)
         first = cluster.submit(request("hop-0", [5, 6, 7], 400, TIGHT))
         assert isinstance(await anext(first), TokenChunk)
         loaded = [r.replica for r in (await cluster.status()).replicas if r.admitted == 1]

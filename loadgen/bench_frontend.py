@@ -27,6 +27,7 @@ import httpx
 import ray
 
 from cluster.api import FinalRecord
+from loadgen.cli import OptionError
 from replica.request import Request, SamplingParams, Tier
 from router.client import AsyncClient, Client
 from router.config import FrontDoorConfig
@@ -173,10 +174,7 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.concurrency < 1 or args.duration <= 0:
-        raise SystemExit(
-            "slos-serve bench frontend: error: --rounds and --concurrency must be >= 1 and "
-            "--duration > 0"
-        )
+        raise OptionError("--rounds and --concurrency must be >= 1 and --duration > 0")
     rounds = min(args.rounds, 20) if args.quick else args.rounds
     duration = min(args.duration, 2.0) if args.quick else args.duration
     if not ray.is_initialized():

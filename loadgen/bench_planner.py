@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadgen.cli import OptionError
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.config import InvocationConfig, PlannerConfig
@@ -117,7 +118,7 @@ def bench_case(
 
 def run(args: argparse.Namespace) -> int:
     if args.calls < 1:
-        raise SystemExit(f"slos-serve bench planner: error: --calls must be >= 1, got {args.calls}")
+        raise OptionError(f"--calls must be >= 1, got {args.calls}")
     perf = PerfModel.load(args.profile)
     calls = min(args.calls, 20) if args.quick else args.calls
     cases = CASES[:3] if args.quick else CASES

@@ -27,6 +27,10 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+class OptionError(ValueError):
+    """A bad option or option combination: `main` reports it as one `PROG: error:` line."""
+
+
 def package_version() -> str:
     try:
         return version("slos-serve")
@@ -69,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub_parser = argparse.ArgumentParser(prog=prog)
     module.add_arguments(sub_parser)  # type: ignore[attr-defined]
     sub_args = sub_parser.parse_args(rest)
-    return int(module.run(sub_args))  # type: ignore[attr-defined]
+    try:
+        return int(module.run(sub_args))  # type: ignore[attr-defined]
+    except OptionError as exc:
+        raise SystemExit(f"{prog}: error: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 from loadgen.arrivals import ArrivalKind, ArrivalProcess
 from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
+from loadgen.cli import OptionError
 from loadgen.clients import GrpcClient, HttpClient, LoadClient
 from loadgen.metrics import GroupReport, RunReport, report
 from loadgen.prompts import Prompt, PromptSource, heldout_texts
@@ -642,7 +643,7 @@ def run(args: argparse.Namespace) -> int:
             out["capacity_search"] = found.to_dict()
             print(f"\ncapacity: {json.dumps(out['summary'])}")
     except (argparse.ArgumentTypeError, ValueError) as exc:
-        raise SystemExit(f"slos-serve loadgen: error: {exc}") from None
+        raise OptionError(str(exc)) from None
     out["points"] = session.points
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2) + "\n")

@@ -34,6 +34,7 @@ from cluster.simulator import Policy, SimConfig, SimRequest, SimResult, Simulato
 from loadgen.arrivals import poisson_arrivals, trace_arrivals
 from loadgen.capacity import find_capacity
 from loadgen.capacity_tables import markdown_tables, summarize
+from loadgen.cli import OptionError
 from loadgen.metrics import RunReport, report
 from loadgen.plots import (
     attainment_panels,
@@ -312,13 +313,13 @@ def _parse_list(option: str, text: str, parse: Callable[[str], T], known: str) -
     """A comma list, each item parsed; errors name the option and the bad item."""
     items = _split(text)
     if not items:
-        raise ValueError(f"{option} is empty")
+        raise OptionError(f"{option} is empty")
     out = []
     for item in items:
         try:
             out.append(parse(item))
         except ValueError:
-            raise ValueError(f"{option}: {item!r} is not {known}") from None
+            raise OptionError(f"{option}: {item!r} is not {known}") from None
     return out
 
 
@@ -357,15 +358,15 @@ class Plan:
 
 
 def plan(args: argparse.Namespace) -> Plan:
-    """Resolve the options; a conflict or a bad value raises ValueError naming the option."""
+    """Resolve the options; a conflict or a bad value raises OptionError naming the option."""
     paper = args.paper_table
     if paper:
         for name in PAPER_FIXED:
             if getattr(args, name) not in (None, False):
                 flag = "--" + name.replace("_", "-")
-                raise ValueError(f"--paper-table sets {flag} itself; drop {flag}")
+                raise OptionError(f"--paper-table sets {flag} itself; drop {flag}")
     if args.ablation and args.policies is not None:
-        raise ValueError("--ablation sets --policies itself; drop --policies")
+        raise OptionError("--ablation sets --policies itself; drop --policies")
     scenarios = (
         list(Scenario)
         if paper
@@ -385,24 +386,24 @@ def plan(args: argparse.Namespace) -> Plan:
         "--replicas", args.replicas or "1", _replica_count, "a replica count >= 1"
     )
     if args.same_window and len(set(replica_counts)) < 2:
-        raise ValueError("--same-window compares replica counts; --replicas needs two or more")
+        raise OptionError("--same-window compares replica counts; --replicas needs two or more")
     for name in ("rate", "duration", "start_rate", "rel_tol", "min_rate", "max_rate"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+            raise OptionError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
     if args.start_rate is not None:
         start_rates = dict.fromkeys(scenarios, args.start_rate)
     else:
         start_rates = {s: START_RATES[s] for s in scenarios}
     if args.min_rate > args.max_rate:
-        raise ValueError(f"--min-rate {args.min_rate} exceeds --max-rate {args.max_rate}")
+        raise OptionError(f"--min-rate {args.min_rate} exceeds --max-rate {args.max_rate}")
     start_rates = {s: min(max(r, args.min_rate), args.max_rate) for s, r in start_rates.items()}
     duration = args.duration or (PAPER_DURATION_S if paper else 600.0)
     timeline = Scenario.CODER if paper else scenarios[0]
     if args.timeline_scenario is not None:
         known = [s.value for s in scenarios]
         if args.timeline_scenario not in known:
-            raise ValueError(
+            raise OptionError(
                 f"--timeline-scenario must be one of the run's scenarios {known}, "
                 f"got {args.timeline_scenario!r}"
             )
@@ -427,10 +428,7 @@ def plan(args: argparse.Namespace) -> Plan:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        p = plan(args)
-    except ValueError as exc:
-        raise SystemExit(f"slos-serve simulate: error: {exc}") from None
+    p = plan(args)
     perf = PerfModel.load(resolve_profile(p.profile))
     setups = {
         scenario: Setup(

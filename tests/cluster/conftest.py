@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from cluster.api import ClusterStatus
 from cluster.config import ClusterConfig
 from cluster.handle import ClusterHandle, launch
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
@@ -87,3 +88,20 @@ def greedy_reference(
     out = engine.output_token_ids(request_id)
     engine.abort(request_id)
     return out
+
+
+def all_alive(status: ClusterStatus) -> bool:
+    return all(r.alive for r in status.replicas)
+
+
+async def status_until(
+    cluster: ClusterHandle, done: Callable[[ClusterStatus], bool], tries: int, period_s: float
+) -> ClusterStatus:
+    """Poll the cluster's status until `done` holds or `tries` polls are spent; the last status
+    either way, for the caller to assert on (the cluster changes asynchronously)."""
+    for attempt in range(tries):
+        status = await cluster.status()
+        if done(status) or attempt == tries - 1:
+            break
+        await asyncio.sleep(period_s)
+    return status

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cluster.api import FinalRecord, TokenChunk, Verdict
+from cluster.api import ClusterStatus, FinalRecord, TokenChunk, Verdict
 from cluster.handle import ClusterHandle
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams, Tier
-from tests.cluster.conftest import greedy_reference
+from tests.cluster.conftest import greedy_reference, status_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,15 +32,15 @@ async def collect(stream: AsyncIterator[TokenChunk | FinalRecord]) -> tuple[list
     raise AssertionError("the stream ended without a FinalRecord")
 
 
+def empty(status: ClusterStatus) -> bool:
+    return not any(r.admitted or r.best_effort or r.running for r in status.replicas)
+
+
 async def idle(cluster: ClusterHandle) -> None:
     """Wait until no replica holds a request: the routing tests need both empty, and the
     previous test's closed streams are aborted asynchronously (slowly on a loaded machine)."""
-    for _ in range(200):
-        status = await cluster.status()
-        if not any(r.admitted or r.best_effort or r.running for r in status.replicas):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the replicas still hold requests: {status.replicas}")
+    status = await status_until(cluster, empty, 200, 0.05)
+    assert empty(status), f"the replicas still hold requests: {status.replicas}"
 
 
 def request(rid: str, prompt: list[int], max_tokens: int, slo: SLO | None) -> Request:

@@ -16,7 +16,7 @@ from cluster.handle import ClusterHandle, launch
 from cluster.messages import ReplicaSnapshot
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams
-from tests.cluster.conftest import greedy_reference
+from tests.cluster.conftest import all_alive, greedy_reference, status_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -114,11 +114,9 @@ def test_killed_replica_streams_resume_elsewhere(
     assert results[0][1].migrations > 0
 
     async def rejoined() -> bool:
-        for _ in range(240):
-            status = await sarathi.status()
-            if all(r.alive for r in status.replicas):
-                return all(r.admitted == 0 and r.running == 0 for r in status.replicas)
-            await asyncio.sleep(0.25)
-        return False
+        status = await status_until(sarathi, all_alive, 240, 0.25)
+        return all_alive(status) and all(
+            r.admitted == 0 and r.running == 0 for r in status.replicas
+        )
 
     assert runner.run(rejoined()), "the killed replica did not rejoin empty after its restart"

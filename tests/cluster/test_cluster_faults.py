@@ -11,7 +11,7 @@ from cluster.api import FinalRecord, TokenChunk
 from cluster.handle import ClusterHandle
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams
-from tests.cluster.conftest import greedy_reference
+from tests.cluster.conftest import all_alive, greedy_reference, status_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -70,12 +70,8 @@ def test_killed_replica_streams_resume_elsewhere_without_loss_or_duplicates(
     assert any(final.migrations > 0 for _, final in results)
 
     async def back() -> bool:
-        for _ in range(240):
-            status = await cluster.status()
-            if all(r.alive for r in status.replicas):
-                return True
-            await asyncio.sleep(0.25)
-        return False
+        status = await status_until(cluster, all_alive, 240, 0.25)
+        return all_alive(status)
 
     assert runner.run(back()), "the killed replica did not rejoin after its restart"
     assert runner.run(cluster.status()).counters["migrated"] >= 1
@@ -101,11 +97,7 @@ def test_controller_restart_keeps_in_flight_requests(
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
         ray.kill(cluster.controller, no_restart=False)
         # The restarted controller (fresh counters) mirrors what the replicas hold.
-        for _ in range(300):
-            status = await cluster.status()
-            if "admitted" not in status.counters:
-                break
-            await asyncio.sleep(0.05)
+        status = await status_until(cluster, lambda s: "admitted" not in s.counters, 300, 0.05)
         assert "admitted" not in status.counters
         assert sum(r.admitted + r.best_effort for r in status.replicas) >= 1
         await long.aclose()

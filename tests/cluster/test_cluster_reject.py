@@ -18,6 +18,7 @@ from cluster.config import ClusterConfig
 from cluster.handle import ClusterHandle, launch
 from cluster.routing import BackupPolicy
 from replica.request import SLO, Request, SamplingParams
+from tests.cluster.conftest import status_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -82,10 +83,7 @@ def test_submit_raises_cluster_unavailable_when_no_replica_is_up(
     ray.kill(cluster.replicas[0], no_restart=True)
 
     async def run() -> None:
-        for _ in range(100):
-            if not any(r.alive for r in (await cluster.status()).replicas):
-                break
-            await asyncio.sleep(0.1)
+        await status_until(cluster, lambda s: not any(r.alive for r in s.replicas), 100, 0.1)
         with pytest.raises(ClusterUnavailable, match="no replica"):
             await anext(cluster.submit(tight("nowhere", 4)))
 

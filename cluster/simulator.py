@@ -13,9 +13,11 @@ Policies `vllm` and `sarathi` have no admission: round-robin first hop, the base
 scheduler per replica. `distserve` splits the replicas into a prefill pool (FCFS, prefill-first,
 each request leaves after its first token) and a decode pool (the prompt's KV arrives over a
 `KvLink`, then vLLM-style decoding). Every replica executes plans on `PerfExecutor`, whose perf
-model is the clock; the simulated engine alone knows each request's true length and ends it
-there (EOS), while every scheduler plans with max_tokens. Deterministic for a seed: no wall
-clock, and the only randomness (draft acceptance) comes from per-request seeded streams.
+model is the clock (`SimConfig.replica_slowdown` makes that clock slower than the profile the
+planners believe, as a loaded live machine is); the simulated engine alone knows each request's
+true length and ends it there (EOS), while every scheduler plans with max_tokens. Deterministic
+for a seed: no wall clock, and the only randomness (draft acceptance) comes from per-request
+seeded streams.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from cluster.sim_events import EventKind, EventQueue
 from cluster.sim_spec import DEFAULT_ACCEPTANCE, SeededAcceptance
 from cluster.virtual_replica import VirtualReplica
 from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
-from replica.perf_model import PerfModel
+from replica.perf_model import PerfModel, Slowdown
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.baseline_sizing import sarathi_token_budget, vllm_config
 from replica.planner.config import OutputEstimateConfig, PlannerConfig, SpecConfig
@@ -118,6 +120,9 @@ class SimConfig:
     kv_bytes_per_token: float | None = None
     """Policy distserve: KV bytes per token per GPU; None reads the profile's
     `kv_bytes_per_token_per_gpu` assumption."""
+    replica_slowdown: Slowdown = field(default_factory=Slowdown)
+    """How much slower the simulated replicas run than the profile every planner (and the
+    controller's mirrors) believes: the live gap between a profile and a loaded machine."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", Policy(self.policy))
@@ -133,6 +138,8 @@ class SimConfig:
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
         SeededAcceptance(self.acceptance, self.seed)
+        if not isinstance(self.replica_slowdown, Slowdown):
+            raise ValueError(f"replica_slowdown must be a Slowdown, got {self.replica_slowdown!r}")
         if self.policy is Policy.DISTSERVE and not 1 <= self.prefill_replicas < self.replicas:
             raise ValueError(
                 f"prefill_replicas must be in [1, replicas={self.replicas}) for distserve "
@@ -250,6 +257,7 @@ class Simulator:
         self._steps = 0
         self._now = 0.0
         cache = CacheBudget(config.num_kv_blocks)
+        truth = perf if config.replica_slowdown.is_none else perf.slowed(config.replica_slowdown)
         self.router = Router(
             first_hop=FirstHop.ROUND_ROBIN,
             route_limit=config.effective_route_limit,
@@ -268,13 +276,13 @@ class Simulator:
             mirrors = [VirtualReplica(i, perf, cache, planner) for i in range(config.replicas)]
             self.plane = ControlPlane(mirrors, self.router)
             self.replicas = [
-                _Replica(i, PerfExecutor(perf, cache, accept), m.scheduler, m)
+                _Replica(i, PerfExecutor(truth, cache, accept), m.scheduler, m)
                 for i, m in enumerate(mirrors)
             ]
             self._unadmitted = [deque() for _ in mirrors]
         else:
             self.replicas = [
-                _Replica(i, PerfExecutor(perf, cache), self._baseline(cache), None)
+                _Replica(i, PerfExecutor(truth, cache), self._baseline(cache), None)
                 for i in range(config.replicas)
             ]
         if config.policy is Policy.DISTSERVE:

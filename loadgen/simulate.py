@@ -21,7 +21,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache, partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,12 +50,14 @@ from loadgen.traces import Trace, load_trace
 from loadgen.workloads import (
     TRACE_FILES,
     Scenario,
+    SLOTargets,
     WorkloadConfig,
     WorkloadRequest,
     generate_workload,
     zero_load_ttft_from,
 )
-from replica.perf_model import PerfModel
+from loadgen.zero_load import ZeroLoad
+from replica.perf_model import PerfModel, Slowdown
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "deploy" / "profiles"
@@ -145,6 +147,16 @@ class Setup:
     window_replicas: int | None = None
     """With --same-window, every replica count replays this many replicas' requests (the
     largest count's), so its capacity compares with the others' on the same requests."""
+    baseline_perf: PerfModel | None = None
+    """The profile of replicas without a draft model (policies that never speculate); None:
+    `perf`. A measured profile with a draft charges every prompt token the draft's prefill."""
+    slowdown: Slowdown = field(default_factory=Slowdown)
+    """How much slower the simulated replicas run than the profiles the planners believe."""
+    length_scale: float = 1.0
+    """Multiplies every Table 4 length, as `slos-serve loadgen --length-scale` does."""
+    zero_load: ZeroLoad | None = None
+    """Measured zero-load numbers (a live run's probe): the SLOs then come from them as in
+    that run (TPOT tiers from its decode step); None: from `perf`, at the GPU levels."""
 
     def requests(self, replicas: int) -> int:
         return max(2, self.requests_per_replica * (self.window_replicas or replicas))
@@ -154,13 +166,28 @@ class Setup:
         compressed or stretched in time."""
         cluster_rate = rate * replicas
         n = self.requests(replicas)
-        config = WorkloadConfig(zero_load_ttft_from(self.perf))
+        config = self.workload_config()
         if self.arrivals == "trace":
             rows = trace_arrivals(scenario_trace(self.scenario), cluster_rate, n, self.seed)
             times = [r.time_s for r in rows]
         else:
             times = list(poisson_arrivals(cluster_rate, n, self.seed))
         return generate_workload(self.scenario, times, config, self.seed)
+
+    def workload_config(self) -> WorkloadConfig:
+        if self.zero_load is None:
+            return WorkloadConfig(zero_load_ttft_from(self.perf), length_scale=self.length_scale)
+        return WorkloadConfig(
+            self.zero_load.ttft_s,
+            targets=SLOTargets.for_decode_step(self.zero_load.decode_step_s),
+            length_scale=self.length_scale,
+        )
+
+    def perf_for(self, policy: Policy) -> PerfModel:
+        """The profile `policy`'s replicas run (and plan) with: the baseline profile for
+        policies that run no draft model."""
+        drafts = policy.is_slos and policy is not Policy.SLOS_NOSPEC
+        return self.perf if drafts or self.baseline_perf is None else self.baseline_perf
 
     def run(self, policy: Policy, replicas: int, rate: float) -> tuple[RunReport, SimResult]:
         """One policy at `rate` per replica; distserve reports its best pool split."""
@@ -195,11 +222,13 @@ class Setup:
             seed=self.seed,
             prefill_replicas=max(1, replicas // 2),
             kv_link_gb_s=self.kv_link_gb_s,
+            replica_slowdown=self.slowdown,
         )
 
     def _run(self, config: SimConfig, rate: float) -> tuple[RunReport, SimResult]:
         workload = self.workload(rate, config.replicas)
-        run_report, result, _ = simulate_workload(self.perf, workload, config)
+        perf = self.perf_for(config.policy)
+        run_report, result, _ = simulate_workload(perf, workload, config)
         return run_report, result
 
 
@@ -287,6 +316,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1e4,
         help="capacity search ceiling: passing there reports it as the capacity",
     )
+    parser.add_argument(
+        "--baseline-profile",
+        help="profile (name or path) of the replicas that run no draft model: vllm, sarathi, "
+        "distserve, slos-nospec (default: --profile; give the no-draft profile when --profile "
+        "was measured with a draft, e.g. cpu-demo-nodraft beside cpu-demo)",
+    )
+    parser.add_argument(
+        "--replica-slowdown",
+        type=float,
+        default=1.0,
+        help="simulated replicas take this many times the profile's step time, while every "
+        "planner still believes the profile (a loaded live machine; default 1)",
+    )
+    parser.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=0.0,
+        help="and this much more per step (a serving loop's cost outside the model; default 0)",
+    )
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        default=1.0,
+        help="multiply every request length, as slos-serve loadgen --length-scale (default 1)",
+    )
+    parser.add_argument(
+        "--zero-load",
+        type=Path,
+        help="a slos-serve loadgen --json output (or its zero_load object): zero-load TTFT and "
+        "the TPOT tiers come from its measured numbers, as in that live run (default: from "
+        "the profile, GPU TPOT levels)",
+    )
     parser.add_argument("--kv-blocks", type=int, default=2048, help="if the profile has none")
     parser.add_argument("--tick-ms", type=float, default=10.0)
     parser.add_argument("--route-limit", type=int, default=2)
@@ -349,6 +410,10 @@ class Plan:
     timeline_scenario: Scenario
     same_window: bool
     """Every replica count replays the largest count's requests (--same-window)."""
+    baseline_profile: str | None
+    slowdown: Slowdown
+    length_scale: float
+    zero_load: ZeroLoad | None
 
     def requests_per_replica(self, scenario: Scenario) -> int:
         """Requests a replica gets at every rate: the scenario's duration at the reference rate
@@ -387,10 +452,26 @@ def plan(args: argparse.Namespace) -> Plan:
     )
     if args.same_window and len(set(replica_counts)) < 2:
         raise OptionError("--same-window compares replica counts; --replicas needs two or more")
-    for name in ("rate", "duration", "start_rate", "rel_tol", "min_rate", "max_rate"):
+    for name in (
+        "rate",
+        "duration",
+        "start_rate",
+        "rel_tol",
+        "min_rate",
+        "max_rate",
+        "replica_slowdown",
+        "length_scale",
+    ):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise OptionError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+    overhead = args.step_overhead_ms
+    if not (math.isfinite(overhead) and overhead >= 0):
+        raise OptionError(f"--step-overhead-ms must be >= 0, got {overhead!r}")
+    try:
+        zero_load = ZeroLoad.load(args.zero_load) if args.zero_load is not None else None
+    except ValueError as exc:
+        raise OptionError(f"--zero-load: {exc}") from None
     if args.start_rate is not None:
         start_rates = dict.fromkeys(scenarios, args.start_rate)
     else:
@@ -424,12 +505,25 @@ def plan(args: argparse.Namespace) -> Plan:
         start_rates=start_rates,
         timeline_scenario=timeline,
         same_window=args.same_window,
+        baseline_profile=args.baseline_profile,
+        slowdown=Slowdown(args.replica_slowdown, overhead / 1e3),
+        length_scale=args.length_scale,
+        zero_load=zero_load,
     )
+
+
+def _profile(option: str, name: str) -> PerfModel:
+    try:
+        return PerfModel.load(resolve_profile(name))
+    except ValueError as exc:
+        raise OptionError(f"{option}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     p = plan(args)
-    perf = PerfModel.load(resolve_profile(p.profile))
+    perf = _profile("--profile", p.profile)
+    baseline = p.baseline_profile
+    baseline_perf = _profile("--baseline-profile", baseline) if baseline else None
     setups = {
         scenario: Setup(
             perf,
@@ -441,6 +535,10 @@ def run(args: argparse.Namespace) -> int:
             args.tick_ms / 1e3,
             args.route_limit,
             window_replicas=max(p.replica_counts) if p.same_window else None,
+            baseline_perf=baseline_perf,
+            slowdown=p.slowdown,
+            length_scale=p.length_scale,
+            zero_load=p.zero_load,
         )
         for scenario in p.scenarios
     }
@@ -475,6 +573,10 @@ def run(args: argparse.Namespace) -> int:
             tqdm.write(f"  capacity {scenario.value} {policy.value} x{n}: {found.capacity:.3f}")
     out: dict[str, Any] = {
         "profile": p.profile,
+        "baseline_profile": p.baseline_profile or p.profile,
+        "replica_slowdown": asdict(p.slowdown),
+        "length_scale": p.length_scale,
+        "zero_load": p.zero_load.to_dict() if p.zero_load is not None else None,
         "paper_table": args.paper_table,
         "arrivals": p.arrivals,
         "duration_s": p.duration_s,
@@ -554,7 +656,7 @@ def _plot(
 
 def _records(setup: Setup, policy: Policy, replicas: int, rate: float) -> list[RequestRecord]:
     workload = setup.workload(rate, replicas)
-    return simulate_workload(setup.perf, workload, setup.config(policy, replicas))[2]
+    return simulate_workload(setup.perf_for(policy), workload, setup.config(policy, replicas))[2]
 
 
 def _evaluate(

@@ -20,7 +20,7 @@ import json
 import math
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +40,7 @@ FEATURES: tuple[str, ...] = (
 )
 """Feature names in coefficient order (see BatchFeatures for their meaning)."""
 SOURCES = ("measured", "analytic")
+_CONST = FEATURES.index("const")
 _TOKENS = FEATURES.index("tokens")
 _ATTN = FEATURES.index("attn_tokens")
 _KV = FEATURES.index("kv_tokens")
@@ -267,6 +268,34 @@ class ProfileInfo:
             raise ValueError("a measured profile needs r2 and mape from its held-out split")
 
 
+@dataclass(frozen=True)
+class Slowdown:
+    """Steps take `factor` times the profile's time plus `overhead_s`: hardware slower than
+    its profile (shared cores, a serving loop's per-step cost), for asking how planners that
+    believe the profile fare against it."""
+
+    factor: float = 1.0
+    overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, value in (("factor", self.factor), ("overhead_s", self.overhead_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"slowdown {name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"slowdown {name} must be finite, got {value!r}")
+        if self.factor <= 0:
+            raise ValueError(f"slowdown factor must be > 0, got {self.factor!r}")
+        if self.overhead_s < 0:
+            raise ValueError(f"slowdown overhead_s must be >= 0, got {self.overhead_s!r}")
+
+    @property
+    def is_none(self) -> bool:
+        return self.factor == 1.0 and self.overhead_s == 0.0
+
+    def __str__(self) -> str:
+        return f"{self.factor:g} x the profile + {self.overhead_s * 1e3:g} ms per step"
+
+
 class BatchTimeModel(Protocol):
     """What planners query: PerfModel, or a CalibratedPerfModel (replica.perf_calibration)
     that scales it by online drift factors."""
@@ -433,6 +462,22 @@ class PerfModel:
 
     def _seconds(self, x: tuple[float, ...]) -> float:
         return max(t.seconds(x) for t in self.terms)
+
+    def slowed(self, slowdown: Slowdown) -> PerfModel:
+        """This model on hardware `slowdown` says is slower (see Slowdown)."""
+        factor, overhead_s = slowdown.factor, slowdown.overhead_s
+        terms = tuple(
+            replace(
+                t,
+                coefficients=tuple(
+                    c * factor + (overhead_s if i == _CONST else 0.0)
+                    for i, c in enumerate(t.coefficients)
+                ),
+            )
+            for t in self.terms
+        )
+        note = f"slowed: {slowdown}"
+        return replace(self, terms=terms, info=replace(self.info, notes=(*self.info.notes, note)))
 
     def to_dict(self) -> dict[str, Any]:
         info = self.info

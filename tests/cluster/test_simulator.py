@@ -23,7 +23,7 @@ from cluster.simulator import (
 from loadgen import simulate
 from loadgen.arrivals import poisson_arrivals
 from loadgen.workloads import Scenario, WorkloadConfig, generate_workload, zero_load_ttft_from
-from replica.perf_model import PerfModel
+from replica.perf_model import PerfModel, Slowdown
 from replica.request import SLO, Request, SamplingParams
 
 LINEAR = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})
@@ -59,6 +59,20 @@ def test_vllm_reproduces_a_hand_computed_schedule() -> None:
     got = times(requests, SimConfig(policy=Policy.VLLM))
     assert got["a"] == pytest.approx((0.02, 0.062, 0.073))
     assert got["b"] == pytest.approx((0.05, 0.062))
+
+
+def test_slowed_replicas_run_the_same_schedule_on_the_slower_clock() -> None:
+    # Steps take 2 x (10 ms + 1 ms a token) + 1 ms: A's prefill 0-0.041; B (arrived at 0.015)
+    # is prefilled next, 0.041-0.102; both decode -0.127 (B ends); A alone -0.150.
+    requests = [sim_request("a", 10, 0.0, 3), sim_request("b", 20, 0.015, 2)]
+    slow = SimConfig(policy=Policy.VLLM, replica_slowdown=Slowdown(2.0, 0.001))
+    got = times(requests, slow)
+    assert got["a"] == pytest.approx((0.041, 0.127, 0.150))
+    assert got["b"] == pytest.approx((0.102, 0.127))
+    # The controller's mirror plans with the profile, the replica runs slower: 0.041, then
+    # 23 ms decodes.
+    lone = SimConfig(policy=Policy.SLOS_NOSPEC, replica_slowdown=Slowdown(2.0, 0.001))
+    assert times([sim_request("a", 10, 0.0, 3)], lone)["a"] == pytest.approx((0.041, 0.064, 0.087))
 
 
 def test_slos_admits_on_arrival_and_runs_a_lone_request_back_to_back() -> None:
@@ -191,7 +205,8 @@ def test_cli_smoke_writes_capacity_summary(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("replicas", 0), ("replicas", True), ("tick_interval_s", 0.0)]
+    ("field", "value"),
+    [("replicas", 0), ("replicas", True), ("tick_interval_s", 0.0), ("replica_slowdown", 2.0)],
 )
 def test_config_names_the_bad_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from cluster.simulator import Policy
 from loadgen import cli, simulate
-from loadgen.workloads import Scenario
+from loadgen.workloads import CPU_LOOSE_TPOT_FACTOR, CPU_TIGHT_TPOT_FACTOR, Scenario
+from loadgen.zero_load import ZeroLoad
+from replica.perf_model import PerfModel, Slowdown
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -76,6 +79,11 @@ def test_defaults_and_ablation() -> None:
         (("--capacity", "--min-rate", "nan"), "--min-rate"),
         (("--capacity", "--min-rate", "2", "--max-rate", "1"), "--max-rate"),
         (("--capacity", "--scenario", "chatbot", "--timeline-scenario", "coder"), "--timeline"),
+        (("--rate", "1", "--replica-slowdown", "0"), "--replica-slowdown"),
+        (("--rate", "1", "--replica-slowdown", "inf"), "--replica-slowdown"),
+        (("--rate", "1", "--step-overhead-ms", "-1"), "--step-overhead-ms"),
+        (("--rate", "1", "--length-scale", "0"), "--length-scale"),
+        (("--rate", "1", "--zero-load", "/nonexistent/zero.json"), "--zero-load"),
     ],
 )
 def test_bad_options_are_named(argv: tuple[str, ...], option: str) -> None:
@@ -86,6 +94,58 @@ def test_bad_options_are_named(argv: tuple[str, ...], option: str) -> None:
 def test_the_command_reports_a_bad_option_without_a_traceback() -> None:
     with pytest.raises(SystemExit, match="slos-serve simulate: error: --same-window"):
         cli.main(["simulate", "--capacity", "--same-window", "--replicas", "4"])
+
+
+def test_a_bad_profile_is_named_without_a_traceback(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="slos-serve simulate: error: --baseline-profile"):
+        cli.main(["simulate", "--rate", "1", "--baseline-profile", "no-such-gpu"])
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text("{}")
+    with pytest.raises(SystemExit, match="error: --profile: not a perf profile"):
+        cli.main(["simulate", "--rate", "1", "--profile", str(foreign)])
+
+
+def test_a_live_runs_conditions_reach_the_setup(tmp_path: Path) -> None:
+    """--zero-load, --length-scale, --baseline-profile and the slowdown replay a live CPU run:
+    its measured SLOs and scaled lengths, the no-draft profile for the baselines, and replicas
+    slower than the profiles the planners believe."""
+    zero = tmp_path / "zero.json"
+    zero.write_text(
+        json.dumps(
+            {"zero_load": {"ttft_base_s": 0.15, "ttft_per_token_s": 0.0, "decode_step_s": 0.008}}
+        )
+    )
+    out = tmp_path / "cpu.json"
+    args = parse(
+        *("--rate", "1", "--duration", "3", "--scenario", "mixed", "--policies", "slos,vllm"),
+        *("--profile", "cpu-demo", "--baseline-profile", "cpu-demo-nodraft"),
+        *("--length-scale", "0.1", "--zero-load", str(zero), "--json", str(out)),
+        *("--replica-slowdown", "3", "--step-overhead-ms", "5"),
+    )
+    p = simulate.plan(args)
+    assert p.slowdown == Slowdown(3.0, 0.005) and p.length_scale == 0.1
+    assert simulate.run(args) == 0
+    data = json.loads(out.read_text())
+    assert data["baseline_profile"] == "cpu-demo-nodraft"
+    assert data["replica_slowdown"] == {"factor": 3.0, "overhead_s": 0.005}
+    assert data["zero_load"]["decode_step_s"] == 0.008 and data["length_scale"] == 0.1
+    assert {r["policy"] for r in data["runs"]} == {"slos", "vllm"}
+
+    cpu = PerfModel.load(simulate.resolve_profile("cpu-demo"))
+    nodraft = PerfModel.load(simulate.resolve_profile("cpu-demo-nodraft"))
+    setup = simulate.Setup(
+        cpu, Scenario.MIXED, "poisson", 20, 0, 1024, 0.01, 2,
+        baseline_perf=nodraft, length_scale=0.1, zero_load=ZeroLoad.load(zero),
+    )  # fmt: skip
+    assert setup.perf_for(Policy.SLOS) is cpu and setup.perf_for(Policy.SLOS_NOROUTE) is cpu
+    for policy in (Policy.VLLM, Policy.SARATHI, Policy.DISTSERVE, Policy.SLOS_NOSPEC):
+        assert setup.perf_for(policy) is nodraft
+    scaled = setup.workload(1.0, 1)
+    full = replace(setup, length_scale=1.0).workload(1.0, 1)
+    assert sum(r.prompt_len for r in scaled) < sum(r.prompt_len for r in full) / 5
+    tpots = sorted({r.slo.tpot_ms for r in scaled})
+    assert tpots == pytest.approx([8 * CPU_TIGHT_TPOT_FACTOR, 8 * CPU_LOOSE_TPOT_FACTOR])
+    assert {r.zero_load_ttft_s for r in scaled} == {0.15}
 
 
 def test_paper_table_excludes_a_rate(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from replica.perf_model import (
     BatchShape,
     PerfModel,
     ProfileInfo,
+    Slowdown,
     Term,
     attention_pairs,
 )
@@ -218,3 +219,38 @@ def test_synthetic_model_from_round_numbers() -> None:
     assert model.info.device == "synthetic"
     with pytest.raises(ValueError, match="unknown features"):
         PerfModel.synthetic({"flops": 1.0})
+
+
+def test_slowed_model_is_factor_times_the_profile_plus_the_overhead() -> None:
+    model = two_term_model()
+    slow = model.slowed(Slowdown(3.0, 0.005))
+    shapes = [
+        BatchShape((1,) * 4, (100,) * 4),
+        BatchShape((1000,), (0,)),
+        BatchShape((1, 1), (50, 80), draft_steps=3, draft_batch=2),
+    ]
+    for shape in shapes:
+        assert slow.predict(shape) == pytest.approx(3.0 * model.predict(shape) + 0.005)
+    # The inverse follows: what fits 60 ms on the slow model fits 55 / 3 ms on the profile.
+    within = {"num_requests": 1, "base_tokens": 0, "base_attn_tokens": 0}
+    assert slow.max_new_tokens_within(0.060, **within) == model.max_new_tokens_within(
+        0.055 / 3.0, **within
+    )
+    assert slow.info.notes[-1] == "slowed: 3 x the profile + 5 ms per step"
+    assert model.slowed(Slowdown()).predict(shapes[1]) == model.predict(shapes[1])
+    assert Slowdown().is_none and not Slowdown(1.0, 0.001).is_none
+
+
+@pytest.mark.parametrize(
+    ("factor", "overhead", "message"),
+    [
+        (0.0, 0.0, "slowdown factor must be > 0"),
+        (float("inf"), 0.0, "slowdown factor must be finite"),
+        (True, 0.0, "slowdown factor must be a number"),
+        (2.0, -0.001, "slowdown overhead_s must be >= 0"),
+        (2.0, float("nan"), "slowdown overhead_s must be finite"),
+    ],
+)
+def test_slowdown_refuses_bad_values(factor: float, overhead: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Slowdown(factor, overhead)

@@ -20,10 +20,15 @@ longer and, where KV binds admission, fewer are admitted: in simulation (mixed, 
 attainment from 0.96 (no speculation) to 0.86. Budgeting them (s + 1) tokens per batch makes
 a speculating option pay for serving everyone at least at the autoregressive pace.
 
-The capacity is computed for a worst-case batch: every request counted, each reading its whole
-KV cache at its longest (prompt + max_tokens) and every query token attending to the longest
-context, so any batch the planner forms within `batch_tokens` tokens finishes within the period
-(attention taken as ragged, as the perf model's inverse does).
+The capacity is computed for a worst-case batch: every request due in it counted, each reading
+its KV up to its reservation and every query token attending to the longest reservation, so any
+batch the planner forms within `batch_tokens` tokens finishes within the period (attention taken
+as ragged, as the perf model's inverse does). In an autoregressive budget a decoder of a looser
+tier is due in tpot_tightest / tpot of the batches, so it counts as that fraction of a request
+and of its KV, as it counts period / tpot tokens; a speculating budget serves every decoder in
+every batch and counts them whole. Counting every decoder whole in every batch made the period
+of a batch of ~20 requests on the CPU demo profile (0.7 ms per request) hold no prefill at all,
+so admission declined what the baselines served on time (loadgen/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -157,6 +162,7 @@ def plan_budgets(
     min_period_s: float = 0.0,
     urgent_periods_s: Sequence[float] = (),
     urgent_batch: WorstBatch | None = None,
+    speculating_batch: WorstBatch | None = None,
 ) -> tuple[BatchBudget, ...]:
     """The period and speculation lengths with the most prefill tokens per second, followed by
     the autoregressive budget when the best one speculates (else by the best speculating
@@ -177,11 +183,19 @@ def plan_budgets(
     Their capacity is computed for `urgent_batch` (default: the main batch, with
     `min_period_s`): the caller may leave out decoders so far ahead of their line that no
     batch within the plan's horizon must serve them (a batch takes them only in time it has
-    left), which is what lets a tight-TTFT prompt into a short batch beside long decodes."""
-    if num_requests < sum(load.num_decoders for load in loads):
+    left), which is what lets a tight-TTFT prompt into a short batch beside long decodes.
+    `speculating_batch` (default: the main batch) is the batch speculating options are sized
+    for: they serve every decoder in every batch, while the main batch may count a decoder of a
+    looser tier as the fraction of batches it is due in (`SlosScheduler._worst_batch`)."""
+    every = (
+        (speculating_batch.num_requests, max_context, speculating_batch.kv_tokens)
+        if speculating_batch is not None
+        else (num_requests, max_context, kv_tokens)
+    )
+    decoders = sum(load.num_decoders for load in loads)
+    if every[0] < decoders:
         raise ValueError(
-            f"num_requests={num_requests} is below the {sum(load.num_decoders for load in loads)} "
-            "decoders the budget must serve"
+            f"num_requests={every[0]} is below the {decoders} decoders the budget must serve"
         )
     max_spec = spec.max_spec_tokens if spec is not None and acceptance > 0 else 0
     if not loads:
@@ -209,7 +223,7 @@ def plan_budgets(
                 loads,
                 tightest,
                 s0,
-                (num_requests, max_context, kv_tokens),
+                every if s0 > 0 else (num_requests, max_context, kv_tokens),
                 acceptance,
                 max_spec,
             )

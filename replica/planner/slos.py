@@ -18,6 +18,7 @@ With `PlannerConfig.output_estimate`, an admitted request reserves KV for an est
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -257,14 +258,16 @@ class SlosScheduler(Scheduler):
         loads.update(p.tpot_s for p in prefills)
         loads.update(remaining_tpot(r, 1) for r in slo_new)
         works = list(self._work.values())
-        main = self._worst_batch(works, slo_new)
+        tightest = min(loads, default=None)
+        main = self._worst_batch(works, slo_new, tightest)
         deadlines = [prefill_deadline(r) for r in slo_new] + [p.deadline_s for p in prefills]
-        horizon = max([start, *deadlines]) + 2 * min(loads, default=0.0)
+        horizon = max([start, *deadlines]) + 2 * (tightest or 0.0)
         near = [w for w in works if not w.decoding or w.urgency_s < horizon]
-        urgent = self._worst_batch(near, slo_new)
+        urgent = self._worst_batch(near, slo_new, tightest)
         return plan_budgets(
             self.perf,
             [TierLoad(float(tpot), int(n)) for tpot, n in sorted(loads.items())],
+            speculating_batch=self._worst_batch(works, slo_new, None),
             num_requests=main.num_requests,
             max_context=main.max_context,
             kv_tokens=main.kv_tokens,
@@ -278,16 +281,31 @@ class SlosScheduler(Scheduler):
             urgent_batch=urgent,
         )
 
-    def _worst_batch(self, works: Sequence[SloWork], slo_new: Sequence[Request]) -> WorstBatch:
-        """The batch of `works` and `slo_new` at their longest (see `budget.capacity`)."""
-        max_context = max([1, *(w.peak_tokens for w in works), *map(peak_tokens, slo_new)])
+    def _worst_batch(
+        self, works: Sequence[SloWork], slo_new: Sequence[Request], tightest: float | None
+    ) -> WorstBatch:
+        """The batch of `works` and `slo_new` at their longest (see `budget.capacity`).
+
+        With `tightest` (the period of an autoregressive budget), a decoder of a looser TPOT
+        is due in only tightest / tpot of the batches, so it counts as that fraction of a
+        request and of its KV, as `BatchBudget.cost_per_batch` counts its tokens; None counts
+        every decoder in every batch (speculating budgets serve them all each batch). No query
+        token attends beyond its request's reservation, which grows before a step could
+        outrun it (`_extend_reservations`)."""
+        reservations = [self._reservation(r) for r in slo_new]
+        max_context = max([1, *(w.reserve_tokens for w in works), *reservations])
+        shares = [
+            min(1.0, tightest / w.tpot_s) if tightest is not None and w.decoding else 1.0
+            for w in works
+        ]
         # A batch cannot read more KV than the cache holds, however many requests it counts.
         cache = self.queues.budget
         kv_tokens = min(
-            sum(w.reserve_tokens for w in works) + sum(map(self._reservation, slo_new)),
+            math.ceil(sum(f * w.reserve_tokens for f, w in zip(shares, works, strict=True)))
+            + sum(reservations),
             cache.num_blocks * cache.block_size,
         )
-        running = len(works)
+        running = math.ceil(sum(shares) - 1e-9)
         floor = (
             self.perf.predict_aggregate(
                 num_tokens=running,

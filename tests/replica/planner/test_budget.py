@@ -78,6 +78,27 @@ def test_speculation_is_chosen_when_it_pays_and_looser_tiers_keep_the_tightest_p
     assert autoregressive.spec_len(0.2) == 0
 
 
+def test_speculating_options_are_sized_for_every_decoder_autoregressive_for_their_share() -> None:
+    # Two 20 ms decoders and two of 200 ms: an autoregressive batch is due for the 200 ms ones
+    # a tenth of the time (the caller counts 2 + 2 x 0.1 -> 3 requests), a speculating batch
+    # drafts and verifies all four, reading all their KV.
+    spec = SpecConfig(max_spec_tokens=4)
+    loads = [TierLoad(0.02, 2), TierLoad(0.2, 2)]
+    every = WorstBatch(num_requests=4, max_context=100, kv_tokens=400)
+    common = {"max_context": 100, "idle_period_s": 0.05, "spec": spec, "acceptance": 0.8}
+    best, autoregressive = plan_budgets(
+        PERF, loads, num_requests=3, kv_tokens=220, speculating_batch=every, **common
+    )
+    assert best.draft_steps > 0 and (best.num_requests, best.kv_tokens) == (4, 400)
+    assert autoregressive.draft_steps == 0
+    assert (autoregressive.num_requests, autoregressive.kv_tokens) == (3, 220)
+    with pytest.raises(ValueError, match="below the 4 decoders"):
+        plan_budgets(PERF, loads, num_requests=3, kv_tokens=220, **common)
+    short = WorstBatch(num_requests=3, max_context=100, kv_tokens=300)
+    with pytest.raises(ValueError, match="below the 4 decoders"):
+        plan_budgets(PERF, loads, num_requests=4, kv_tokens=400, speculating_batch=short, **common)
+
+
 def test_no_speculation_under_heavy_load_or_poor_acceptance() -> None:
     spec = SpecConfig(max_spec_tokens=4)
     heavy = budgets([TierLoad(0.05, 350)], 0.8, spec)

@@ -399,6 +399,34 @@ def test_a_request_due_within_one_period_is_admitted_with_shorter_batches() -> N
     assert not sched.plan_admission([late], 0.0).is_admitted("b")
 
 
+def test_a_looser_tiers_decoders_count_as_the_share_of_batches_they_are_due_in() -> None:
+    # A CPU-like profile (0.7 ms per request in a batch): one 30 ms decoder and 30 of 60 ms.
+    # Counting all 31 in every 30 ms batch leaves no room for a 40-token prompt (the period
+    # stretches to 33.7 ms for 31 tokens); a 60 ms decoder is due in every other batch, so it
+    # counts as half a request, as it counts half a token, and the prompt is admitted: 23
+    # decoders (1 + 22 x 0.5) and 8 prompts still computing make 20 requests, 21 with it.
+    perf = PerfModel.synthetic({"const": 0.002, "tokens": 3e-4, "requests": 7e-4})
+    cache = CacheBudget(num_blocks=1024)
+    sched = SlosScheduler(perf, cache)
+    executor = PerfExecutor(perf, cache)
+    running = [request("tight", 4, 64, tpot_s=0.03)]
+    running += [request(f"loose{i}", 4, 64, tpot_s=0.06) for i in range(30)]
+    for r in running:
+        sched.add_admitted(r, 0.0)
+        executor.add(r)
+    now = steps(sched, executor, 0.0, 3)
+    new = request("new", 40, 8, ttft_s=0.1, tpot_s=0.06, arrival=now)
+    result = sched.plan_admission([new], now)
+    assert result.is_admitted("new")
+    assert (result.budget.num_requests, result.budget.period_s) == (21, pytest.approx(0.03))
+    sched.add_admitted(new, now)
+    executor.add(new)
+    while sched.has_unfinished():
+        now = steps(sched, executor, now, 1)
+    for r in [*running, new]:
+        assert late_tokens(r, executor.token_times[r.request_id]) == [], r.request_id
+
+
 def test_the_budget_never_assumes_more_kv_than_the_cache_holds() -> None:
     perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4, "kv_tokens": 1e-6})
     sched = SlosScheduler(perf, CacheBudget(num_blocks=64))

@@ -9,6 +9,11 @@ mean of capacity ratios, plus scaling over replica counts and ablation variants 
 `--plot` draws loadgen.plots' figures (distserve, which runs several pool splits, has no burst
 timeline). Arrivals: Poisson, or the scenario's Azure trace rescaled to the rate.
 
+A live run's conditions replay with `--zero-load` (its measured SLOs), `--length-scale` and
+`--baseline-profile` (the no-draft profile for policies without a draft); `--replica-slowdown`
+and `--step-overhead-ms` run the replicas slower than the profile every planner believes, the
+gap a loaded live machine opens (loadgen/RESULTS.md: the CPU cluster runs ~5x its profile).
+
 Every rate of one search replays the same requests, only compressed or stretched in time (the
 paper's "truncate and rescale"): their count is fixed so the run at the reference rate (the
 search's start, or `--rate`) lasts `--duration`. A window that grew with the rate would replay

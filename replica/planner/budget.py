@@ -185,19 +185,20 @@ def plan_budgets(
     batch within the plan's horizon must serve them (a batch takes them only in time it has
     left), which is what lets a tight-TTFT prompt into a short batch beside long decodes.
     `speculating_batch` (default: the main batch) is the batch speculating options are sized
-    for: they serve every decoder in every batch, while the main batch may count a decoder of a
-    looser tier as the fraction of batches it is due in (`SlosScheduler._worst_batch`)."""
+    for: they serve every decoder in every batch, so it must count them all, while the main
+    batch may count a decoder of a looser tier as the fraction of batches it is due in
+    (`SlosScheduler._worst_batch`)."""
     every = (
         (speculating_batch.num_requests, max_context, speculating_batch.kv_tokens)
         if speculating_batch is not None
         else (num_requests, max_context, kv_tokens)
     )
+    max_spec = spec.max_spec_tokens if spec is not None and acceptance > 0 else 0
     decoders = sum(load.num_decoders for load in loads)
-    if every[0] < decoders:
+    if max_spec > 0 and every[0] < decoders:
         raise ValueError(
             f"num_requests={every[0]} is below the {decoders} decoders the budget must serve"
         )
-    max_spec = spec.max_spec_tokens if spec is not None and acceptance > 0 else 0
     if not loads:
         idle = BatchBudget(
             period_s=idle_period_s,

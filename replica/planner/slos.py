@@ -264,15 +264,16 @@ class SlosScheduler(Scheduler):
         horizon = max([start, *deadlines]) + 2 * (tightest or 0.0)
         near = [w for w in works if not w.decoding or w.urgency_s < horizon]
         urgent = self._worst_batch(near, slo_new, tightest)
+        spec = self.config.spec if self._may_stretch(bool(slo_new)) else None
         return plan_budgets(
             self.perf,
             [TierLoad(float(tpot), int(n)) for tpot, n in sorted(loads.items())],
-            speculating_batch=self._worst_batch(works, slo_new, None),
+            speculating_batch=self._worst_batch(works, slo_new, None) if spec else None,
             num_requests=main.num_requests,
             max_context=main.max_context,
             kv_tokens=main.kv_tokens,
             idle_period_s=self.config.idle_period_s,
-            spec=self.config.spec if self._may_stretch(bool(slo_new)) else None,
+            spec=spec,
             acceptance=self.acceptance.value if self.acceptance is not None else 0.0,
             min_period_s=main.min_period_s,
             urgent_periods_s=_urgent_periods(

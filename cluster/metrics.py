@@ -10,6 +10,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from replica.batch import BatchOutcome
+
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PLANNER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 HOP_BUCKETS = (1.0, 2.0, 3.0, 4.0, 8.0)
@@ -54,6 +56,18 @@ class Metrics:
 
     def inc(self, name: str, amount: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + amount
+
+    def count_step(self, outcome: BatchOutcome) -> None:
+        """A step a replica executed: its measured time (`busy_us`, microseconds so that the
+        counter stays an integer), and its drafts. Busy time over wall time is how loaded the
+        replicas were, and per request what serving one cost, which tells a policy that is
+        out of room from one that wastes it (loadgen reports both)."""
+        self.inc("steps")
+        self.inc("busy_us", round(outcome.total_s * 1e6))
+        drafted = sum(o.num_draft_tokens for o in outcome.outcomes)
+        if drafted:
+            self.inc("spec_draft_tokens", drafted)
+            self.inc("spec_accepted_tokens", sum(o.num_accepted_tokens for o in outcome.outcomes))
 
     def observe(self, name: str, value: float, bounds: tuple[float, ...]) -> None:
         hist = self.histograms.get(name)

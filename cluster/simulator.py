@@ -184,6 +184,9 @@ class SimResult:
     end_s: float
     """Virtual time of the last event."""
     wall_s: float
+    busy_s: float = 0.0
+    """Virtual time the replicas spent running steps, summed over replicas: what the policy
+    spent on the workload, so a capacity can be told apart from the hardware's limit."""
 
 
 def tightest_tpot_s(requests: Sequence[Request]) -> float:
@@ -255,6 +258,7 @@ class Simulator:
         self._open = len(self.requests)
         self._events = EventQueue()
         self._steps = 0
+        self._busy_s = 0.0
         self._now = 0.0
         cache = CacheBudget(config.num_kv_blocks)
         truth = perf if config.replica_slowdown.is_none else perf.slowed(config.replica_slowdown)
@@ -329,7 +333,8 @@ class Simulator:
         if self._open:
             raise RuntimeError(f"simulation stalled with {self._open} request(s) unfinished")
         outcomes = tuple(self._outcome(i) for i in range(len(self.requests)))
-        return SimResult(outcomes, self._steps, self._now, time.perf_counter() - started)
+        wall_s = time.perf_counter() - started
+        return SimResult(outcomes, self._steps, self._now, wall_s, self._busy_s)
 
     def _outcome(self, i: int) -> SimOutcome:
         track = self._tracks[i]
@@ -508,6 +513,7 @@ class Simulator:
         outcome, duration = rep.executor.execute(plan, self._now)
         rep.running = (plan, outcome)
         self._steps += 1
+        self._busy_s += duration
         self._events.push(self._now + duration, EventKind.STEP_DONE, rep.index)
 
     def _close(self, i: int) -> None:

@@ -14,6 +14,12 @@ A live run's conditions replay with `--zero-load` (its measured SLOs), `--length
 and `--step-overhead-ms` run the replicas slower than the profile every planner believes, the
 gap a loaded live machine opens (loadgen/RESULTS.md: the CPU cluster runs ~5x its profile).
 
+Each run reports its replicas' busy time (`utilization`, `busy_ms_per_request`), and the header
+a `work_bound` per scenario: the least replica time a request costs without speculation on the
+simulated replicas, whose inverse caps any such policy's capacity. A policy near full
+utilization at its capacity is out of hardware, not out of scheduling; ratios above the bound
+over a baseline's capacity need less work per request (speculation), not a better order.
+
 Every rate of one search replays the same requests, only compressed or stretched in time (the
 paper's "truncate and rescale"): their count is fixed so the run at the reference rate (the
 search's start, or `--rate`) lasts `--duration`. A window that grew with the rate would replay
@@ -187,6 +193,15 @@ class Setup:
             targets=SLOTargets.for_decode_step(self.zero_load.decode_step_s),
             length_scale=self.length_scale,
         )
+
+    def least_ms_per_request(self, replicas: int) -> float:
+        """Mean replica time the search's requests cost at the least, without speculation, on
+        the simulated replicas (`PerfModel.least_request_seconds`; the lengths are the same at
+        every rate). Its inverse caps every non-speculating policy's capacity per replica."""
+        truth = self.perf_for(Policy.VLLM).slowed(self.slowdown)
+        workload = self.workload(1.0, replicas)
+        total = sum(truth.least_request_seconds(r.prompt_len, r.output_len) for r in workload)
+        return 1e3 * total / len(workload)
 
     def perf_for(self, policy: Policy) -> PerfModel:
         """The profile `policy`'s replicas run (and plan) with: the baseline profile for
@@ -547,6 +562,10 @@ def run(args: argparse.Namespace) -> int:
         )
         for scenario in p.scenarios
     }
+    work_bounds = {
+        s.value: {str(n): _work_bound(setup, n) for n in p.replica_counts}
+        for s, setup in setups.items()
+    }
     runs: list[dict[str, Any]] = []
     capacity: dict[str, dict[str, dict[str, float]]] = {}
     searches: list[dict[str, Any]] = []
@@ -593,6 +612,7 @@ def run(args: argparse.Namespace) -> int:
             s.value: {str(n): setup.requests(n) for n in p.replica_counts}
             for s, setup in setups.items()
         },
+        "work_bound": work_bounds,
         "runs": runs,
     }
     if p.rate is None:
@@ -659,6 +679,17 @@ def _plot(
     return {name: str(where) for name, where in written.items()}
 
 
+def _work_bound(setup: Setup, replicas: int) -> dict[str, float]:
+    """The least replica time per request and the rate per replica it caps, printed."""
+    least_ms = setup.least_ms_per_request(replicas)
+    bound = {"ms_per_request": least_ms, "rate_per_replica": 1e3 / least_ms}
+    print(
+        f"work bound {setup.scenario.value} x{replicas}: {least_ms:.2f} ms of replica time a "
+        f"request without speculation, so at most {bound['rate_per_replica']:.3g} req/s per replica"
+    )
+    return bound
+
+
 def _records(setup: Setup, policy: Policy, replicas: int, rate: float) -> list[RequestRecord]:
     workload = setup.workload(rate, replicas)
     return simulate_workload(setup.perf_for(policy), workload, setup.config(policy, replicas))[2]
@@ -685,6 +716,9 @@ def _evaluate(
             "steps": result.steps,
             "simulated_s": result.end_s,
             "wall_s": result.wall_s,
+            "busy_s": result.busy_s,
+            "utilization": result.busy_s / (replicas * result.end_s) if result.end_s else 0.0,
+            "busy_ms_per_request": 1e3 * result.busy_s / len(result.outcomes),
             "report": run_report.to_dict(),
         }
     )

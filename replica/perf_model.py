@@ -354,6 +354,36 @@ class PerfModel:
     def predict_features(self, features: BatchFeatures) -> float:
         return self._seconds(features.vector())
 
+    def least_request_seconds(self, prompt_len: int, output_len: int) -> float:
+        """The least step time serving one request adds to any schedule that does not
+        speculate: its prompt in one chunk, then one decode step per later token, with no
+        step's fixed cost (steps share it) and no padding.
+
+        Every other feature of a batch is the sum of its requests' own, and coefficients are
+        non-negative, so a replica spends at least the sum of this over the requests it
+        serves: at full occupancy that caps the rate any scheduler can serve on this profile.
+        """
+        _check_count("prompt_len", prompt_len)
+        _check_count("output_len", output_len)
+        if prompt_len < 1 or output_len < 1:
+            raise ValueError(
+                f"a request needs a prompt and an output, got {prompt_len=}, {output_len=}"
+            )
+        prefill = BatchShape((prompt_len,), (0,), tp=self.tp).features().vector()
+        steps = output_len - 1
+        decode = (
+            BatchShape((1,) * steps, tuple(range(prompt_len, prompt_len + steps)), tp=self.tp)
+            .features()
+            .vector()
+            if steps
+            else (0.0,) * len(FEATURES)
+        )
+        own = tuple(
+            0.0 if i in (_CONST, _PADDED) else a + b
+            for i, (a, b) in enumerate(zip(prefill, decode, strict=True))
+        )
+        return self._seconds(own)
+
     def predict(self, shape: BatchShape) -> float:
         """Seconds for one step of this exact batch."""
         if shape.tp != self.tp:

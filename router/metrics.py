@@ -33,9 +33,12 @@ ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 5.0)
 HOP_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0)
 REJECT_REASONS = ("backup_policy", "unavailable", "bad_request", "unauthorized", "not_found")
 CONTROLLER_COUNTERS = {
-    "spec_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
-    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    "spec_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed.", 1.0),
+    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", 1.0),
+    "steps": ("replica_steps", "Steps the replicas executed.", 1.0),
+    "busy_us": ("replica_busy_seconds", "Time the replicas spent executing steps.", 1e-6),
 }
+"""Controller counter -> (exported name, help, scale to the exported unit)."""
 CONTROLLER_HISTOGRAMS = {
     "planner_latency_s": ("planner_latency_seconds", "Wall time of one planning tick."),
 }
@@ -78,10 +81,10 @@ class ClusterCollector(Collector):
                 kv.add_metric(labels, r.kv_usage)
         yield from (running, waiting, kv, up)
         counters = self.controller.get("counters", {})
-        for key, (name, doc) in CONTROLLER_COUNTERS.items():
+        for key, (name, doc, scale) in CONTROLLER_COUNTERS.items():
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model"])
             if key in counters:
-                family.add_metric([self.model], float(counters[key]))
+                family.add_metric([self.model], float(counters[key]) * scale)
             yield family
         histograms = self.controller.get("histograms", {})
         for key, (name, doc) in CONTROLLER_HISTOGRAMS.items():

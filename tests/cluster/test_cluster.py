@@ -197,6 +197,7 @@ def test_metrics_merge_decisions_and_latencies(
     histograms = snapshot["histograms"]
     assert isinstance(counters, dict) and isinstance(histograms, dict)
     assert counters["admitted"] >= 1
+    assert counters["steps"] >= 1 and counters["busy_us"] > 0
     assert "route_hops" in histograms and "planner_latency_s" in histograms
     assert "ttft_s:slo" in histograms and "tpot_s:slo" in histograms
 

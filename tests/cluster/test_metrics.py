@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.metrics import Histogram, Metrics, merge_snapshots
+from replica.batch import BatchOutcome, RequestOutcome
 
 
 def test_histogram_buckets_are_cumulative() -> None:
@@ -32,3 +33,22 @@ def test_merge_keeps_each_party_once_and_refuses_overlap() -> None:
     handle.inc("admitted")
     with pytest.raises(ValueError, match="admitted"):
         merge_snapshots(controller.snapshot(), handle.snapshot())
+
+
+def test_a_step_counts_its_measured_time_and_drafts() -> None:
+    metrics = Metrics()
+    metrics.count_step(
+        BatchOutcome(
+            [RequestOutcome("a", [5, 6, 7], num_draft_tokens=4, num_accepted_tokens=2)],
+            draft_s=0.001,
+            target_s=0.0025,
+            overhead_s=0.0005,
+        )
+    )
+    metrics.count_step(BatchOutcome([RequestOutcome("b", [9])], target_s=0.0020004))
+    assert metrics.counters == {
+        "steps": 2,
+        "busy_us": 4000 + 2000,
+        "spec_draft_tokens": 4,
+        "spec_accepted_tokens": 2,
+    }

@@ -61,6 +61,17 @@ def test_vllm_reproduces_a_hand_computed_schedule() -> None:
     assert got["b"] == pytest.approx((0.05, 0.062))
 
 
+def test_busy_time_sums_the_steps_and_leaves_out_idle_time() -> None:
+    # A: prefill 0-0.02, decodes -0.031, -0.042; the replica idles until C arrives at 1.0
+    # and is prefilled 1.0-1.02. Busy 0.062 s of 1.02, in 4 steps; slowed 2x + 1 ms, 0.128.
+    requests = [sim_request("a", 10, 0.0, 3), sim_request("c", 10, 1.0, 1)]
+    result = Simulator(LINEAR, requests, SimConfig(policy=Policy.VLLM)).run()
+    assert (result.steps, result.end_s) == (4, pytest.approx(1.02))
+    assert result.busy_s == pytest.approx(0.062)
+    slow = SimConfig(policy=Policy.VLLM, replica_slowdown=Slowdown(2.0, 0.001))
+    assert Simulator(LINEAR, requests, slow).run().busy_s == pytest.approx(0.128)
+
+
 def test_slowed_replicas_run_the_same_schedule_on_the_slower_clock() -> None:
     # Steps take 2 x (10 ms + 1 ms a token) + 1 ms: A's prefill 0-0.041; B (arrived at 0.015)
     # is prefilled next, 0.041-0.102; both decode -0.127 (B ends); A alone -0.150.

@@ -102,6 +102,9 @@ def test_loadgen_run_against_the_front_door(live: LocalFrontDoor, tmp_path: Path
     counted = summary["server_counters"]
     assert sum(counted.get(k, 0) for k in ("admitted", "best_effort", "rejected")) == 6
     assert counted.get("rejected", 0) == summary["verdicts"]["rejected"]
+    # The replicas' step time during the run per request sent (none when all were rejected).
+    busy = counted["busy_us"] / 1e3 / 6 if "busy_us" in counted else None
+    assert summary["busy_ms_per_request"] == pytest.approx(busy)
     for r in records:
         if r.verdict is Verdict.REJECTED:
             assert r.delivered == 0 and r.error is not None and r.error.startswith("HTTP 429")
@@ -161,7 +164,9 @@ def test_loadgen_over_grpc(live: LocalFrontDoor, tmp_path: Path) -> None:
     assert code == 0
     result = json.loads(out.read_text())
     assert result["replicas"] == 2 and result["summary"]["requests"] == 2
-    assert result["summary"]["server_counters"]["admitted"] == 2
+    counted = result["summary"]["server_counters"]
+    assert counted["admitted"] == 2 and counted["steps"] >= 1 and counted["busy_us"] > 0
+    assert result["summary"]["busy_ms_per_request"] == pytest.approx(counted["busy_us"] / 2e3)
     assert result["summary"]["attainment"] == 1.0
 
 

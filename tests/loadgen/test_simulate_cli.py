@@ -130,6 +130,23 @@ def test_a_live_runs_conditions_reach_the_setup(tmp_path: Path) -> None:
     assert data["replica_slowdown"] == {"factor": 3.0, "overhead_s": 0.005}
     assert data["zero_load"]["decode_step_s"] == 0.008 and data["length_scale"] == 0.1
     assert {r["policy"] for r in data["runs"]} == {"slos", "vllm"}
+    # Busy time per run; the work bound of the slowed no-draft replicas on these requests.
+    for r in data["runs"]:
+        assert 0 < r["utilization"] <= 1
+        assert r["busy_ms_per_request"] == pytest.approx(1e3 * r["busy_s"] / 3)
+    bound = data["work_bound"]["mixed"]["1"]
+    nodraft_slow = PerfModel.load(simulate.resolve_profile("cpu-demo-nodraft")).slowed(
+        Slowdown(3.0, 0.005)
+    )
+    requests = simulate.Setup(
+        nodraft_slow, Scenario.MIXED, "poisson", 3, 0, 1024, 0.01, 2,
+        length_scale=0.1, zero_load=ZeroLoad.load(zero),
+    ).workload(1.0, 1)  # fmt: skip
+    least = [nodraft_slow.least_request_seconds(r.prompt_len, r.output_len) for r in requests]
+    assert bound["ms_per_request"] == pytest.approx(1e3 * sum(least) / 3)
+    assert bound["rate_per_replica"] == pytest.approx(1e3 / bound["ms_per_request"])
+    (vllm,) = (r for r in data["runs"] if r["policy"] == "vllm")
+    assert vllm["busy_ms_per_request"] >= bound["ms_per_request"]
 
     cpu = PerfModel.load(simulate.resolve_profile("cpu-demo"))
     nodraft = PerfModel.load(simulate.resolve_profile("cpu-demo-nodraft"))

@@ -254,3 +254,57 @@ def test_slowed_model_is_factor_times_the_profile_plus_the_overhead() -> None:
 def test_slowdown_refuses_bad_values(factor: float, overhead: float, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Slowdown(factor, overhead)
+
+
+def test_least_request_seconds_is_the_requests_own_features_without_fixed_costs() -> None:
+    perf = PerfModel.synthetic(
+        {"const": 0.5, "tokens": 0.001, "requests": 0.01, "attn_tokens": 1e-5, "kv_tokens": 1e-4}
+    )
+    # Prompt 4 in one chunk: 4 tokens, 1 request, 10 causal pairs, 4 KV. Then 2 decode steps
+    # on 4 and 5 cached tokens: 2 tokens, 2 requests, 5 + 6 pairs, 5 + 6 KV. No const.
+    expected = 0.001 * 6 + 0.01 * 3 + 1e-5 * 21 + 1e-4 * 15
+    assert perf.least_request_seconds(4, 3) == pytest.approx(expected)
+    assert perf.least_request_seconds(4, 1) == pytest.approx(0.001 * 4 + 0.01 + 1e-5 * 10 + 4e-4)
+    # Slower hardware costs more; a per-step overhead is a fixed cost, shared, so it does not.
+    assert perf.slowed(Slowdown(2.0, 0.3)).least_request_seconds(4, 3) == pytest.approx(
+        2 * expected
+    )
+    with pytest.raises(ValueError, match="output_len=0"):
+        perf.least_request_seconds(4, 0)
+
+
+CPU_NODRAFT = PerfModel.load(
+    Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "cpu-demo-nodraft.json"
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)), min_size=1, max_size=5),
+    data=st.data(),
+)
+def test_no_schedule_of_a_workload_costs_less_than_its_requests_least_times(
+    lengths: list[tuple[int, int]], data: st.DataObject
+) -> None:
+    """Any schedule: prompts in random chunks, requests joining steps at random."""
+    least = sum(CPU_NODRAFT.least_request_seconds(p, o) for p, o in lengths)
+    computed = [0] * len(lengths)
+    produced = [0] * len(lengths)
+    spent = 0.0
+    while any(n < o for n, (_, o) in zip(produced, lengths, strict=True)):
+        open_ = [i for i, (n, (_, o)) in enumerate(zip(produced, lengths, strict=True)) if n < o]
+        chosen = data.draw(st.lists(st.sampled_from(open_), min_size=1, unique=True))
+        new, context = [], []
+        for i in chosen:
+            prompt = lengths[i][0]
+            if computed[i] < prompt:
+                chunk = data.draw(st.integers(1, prompt - computed[i]))
+                produced[i] += computed[i] + chunk == prompt
+            else:
+                chunk = 1
+                produced[i] += 1
+            new.append(chunk)
+            context.append(computed[i])
+            computed[i] += chunk
+        spent += CPU_NODRAFT.predict(BatchShape(tuple(new), tuple(context)))
+    assert spent >= least - 1e-12

@@ -75,7 +75,13 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
         ReplicaStatus(1, False, running=9, waiting=9, admitted=0, best_effort=0, kv_usage=0.9),
     )
     snapshot = {
-        "counters": {"spec_draft_tokens": 40, "spec_accepted_tokens": 25, "admitted": 7},
+        "counters": {
+            "spec_draft_tokens": 40,
+            "spec_accepted_tokens": 25,
+            "admitted": 7,
+            "steps": 300,
+            "busy_us": 2_500_000,
+        },
         "histograms": {
             "planner_latency_s": {
                 "bounds": [0.001, 0.01],
@@ -98,6 +104,8 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
     model = (("model", "demo"),)
     assert s[(PREFIX + "spec_decode_num_draft_tokens_total", model)] == 40
     assert s[(PREFIX + "spec_decode_num_accepted_tokens_total", model)] == 25
+    assert s[(PREFIX + "replica_steps_total", model)] == 300
+    assert s[(PREFIX + "replica_busy_seconds_total", model)] == 2.5
     assert s[(PREFIX + "planner_latency_seconds_count", model)] == 4
     inf = (("le", "+Inf"), ("model", "demo"))
     assert s[(PREFIX + "planner_latency_seconds_bucket", inf)] == 4

@@ -194,14 +194,17 @@ class Setup:
             length_scale=self.length_scale,
         )
 
-    def least_ms_per_request(self, replicas: int) -> float:
-        """Mean replica time the search's requests cost at the least, without speculation, on
-        the simulated replicas (`PerfModel.least_request_seconds`; the lengths are the same at
-        every rate). Its inverse caps every non-speculating policy's capacity per replica."""
+    def work_bound(self, replicas: int) -> tuple[float, float]:
+        """(mean ms, rate per replica): the least replica time the search's requests cost
+        without speculation on the simulated replicas (`PerfModel.least_request_seconds`; the
+        lengths are the same at every rate), and the rate it caps every non-speculating
+        policy's capacity at, in the search's unit (arrivals: a ToolLLM session's later rounds
+        count in its cost, not as arrivals)."""
         truth = self.perf_for(Policy.VLLM).slowed(self.slowdown)
         workload = self.workload(1.0, replicas)
         total = sum(truth.least_request_seconds(r.prompt_len, r.output_len) for r in workload)
-        return 1e3 * total / len(workload)
+        arrivals = sum(r.follows is None for r in workload)
+        return 1e3 * total / len(workload), arrivals / total
 
     def perf_for(self, policy: Policy) -> PerfModel:
         """The profile `policy`'s replicas run (and plan) with: the baseline profile for
@@ -680,14 +683,13 @@ def _plot(
 
 
 def _work_bound(setup: Setup, replicas: int) -> dict[str, float]:
-    """The least replica time per request and the rate per replica it caps, printed."""
-    least_ms = setup.least_ms_per_request(replicas)
-    bound = {"ms_per_request": least_ms, "rate_per_replica": 1e3 / least_ms}
+    """`Setup.work_bound` as JSON, printed."""
+    least_ms, rate = setup.work_bound(replicas)
     print(
         f"work bound {setup.scenario.value} x{replicas}: {least_ms:.2f} ms of replica time a "
-        f"request without speculation, so at most {bound['rate_per_replica']:.3g} req/s per replica"
+        f"request without speculation, so at most {rate:.3g} req/s per replica"
     )
-    return bound
+    return {"ms_per_request": least_ms, "rate_per_replica": rate}
 
 
 def _records(setup: Setup, policy: Policy, replicas: int, rate: float) -> list[RequestRecord]:

@@ -163,6 +163,12 @@ def test_a_live_runs_conditions_reach_the_setup(tmp_path: Path) -> None:
     tpots = sorted({r.slo.tpot_ms for r in scaled})
     assert tpots == pytest.approx([8 * CPU_TIGHT_TPOT_FACTOR, 8 * CPU_LOOSE_TPOT_FACTOR])
     assert {r.zero_load_ttft_s for r in scaled} == {0.15}
+    # ToolLLM: later rounds add to a session's cost, not to the arrivals the rate counts.
+    tool = replace(setup, scenario=Scenario.TOOLLLM, requests_per_replica=4)
+    rounds = tool.workload(1.0, 2)
+    least_ms, rate = tool.work_bound(2)
+    assert len(rounds) > 8 and sum(r.follows is None for r in rounds) == 8
+    assert rate == pytest.approx(8 / (least_ms * len(rounds) / 1e3))
 
 
 def test_paper_table_excludes_a_rate(capsys: pytest.CaptureFixture[str]) -> None:

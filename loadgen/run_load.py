@@ -256,8 +256,10 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
-def summary_table(run_report: RunReport, server_counters: dict[str, int] | None = None) -> str:
-    """Per SLO class and overall: verdicts, attainment (deadline and paper), TTFT, TPOT."""
+def summary_table(result: RunResult) -> str:
+    """Per SLO class and overall: verdicts, attainment (deadline and paper), TTFT, TPOT; what
+    the server counted, and its replicas' step time per request."""
+    run_report, server_counters = result.report, result.server_counters
     head = (
         f"{'slo class':<18}{'reqs':>5}{'adm':>5}{'be':>4}{'rej':>5}{'unk':>5}"
         f"{'attain':>8}{'paper':>7}{'TTFT p50/p99 s':>17}{'TPOT p50/p99 ms':>18}"
@@ -275,6 +277,9 @@ def summary_table(run_report: RunReport, server_counters: dict[str, int] | None 
     if server_counters is not None:
         counted = ", ".join(f"{k} {v}" for k, v in server_counters.items())
         rows.append(f"server counted: {counted or 'nothing'}")
+    busy = busy_ms_per_request(result)
+    if busy is not None:
+        rows.append(f"replica step time: {busy:.1f} ms a request")
     rows.append(
         f"goodput {run_report.goodput_rps:.3f} req/s, {run_report.goodput_tokens_per_s:.1f} "
         f"tokens/s over {run_report.duration_s:.1f} s"
@@ -557,7 +562,7 @@ class Session:
             run_once(self.target, workload, prompts, rate, records_path, self.progress)
         )
         print(f"\n{self.spec.scenario.value} at {rate:g} req/s ({len(workload)} requests)")
-        print(summary_table(result.report, result.server_counters))
+        print(summary_table(result))
         self.points.append({**run_summary(result), "report": result.report.to_dict()})
         return result
 

@@ -148,7 +148,9 @@ def test_capacity_search_against_the_front_door(live: LocalFrontDoor, tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_loadgen_over_grpc(live: LocalFrontDoor, tmp_path: Path) -> None:
+def test_loadgen_over_grpc(
+    live: LocalFrontDoor, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     zero = tmp_path / "zero.json"
     zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
     out = tmp_path / "grpc.json"
@@ -167,6 +169,8 @@ def test_loadgen_over_grpc(live: LocalFrontDoor, tmp_path: Path) -> None:
     counted = result["summary"]["server_counters"]
     assert counted["admitted"] == 2 and counted["steps"] >= 1 and counted["busy_us"] > 0
     assert result["summary"]["busy_ms_per_request"] == pytest.approx(counted["busy_us"] / 2e3)
+    busy = result["summary"]["busy_ms_per_request"]
+    assert f"replica step time: {busy:.1f} ms a request" in capsys.readouterr().out
     assert result["summary"]["attainment"] == 1.0
 
 

@@ -297,7 +297,17 @@ def busy_ms_per_request(result: RunResult) -> float | None:
     return counters["busy_us"] / 1e3 / len(result.records)
 
 
-def run_summary(result: RunResult) -> dict[str, Any]:
+def replica_busy_fraction(result: RunResult, replicas: int | None) -> float | None:
+    """Replica step time over replica time from the first arrival to the last token (None
+    unless the server counts `busy_us` and the replica count is known): near 1 the replicas
+    are out of time; well below it while attainment falls, time goes outside their steps."""
+    counters = result.server_counters
+    if counters is None or "busy_us" not in counters or not replicas:
+        return None
+    return counters["busy_us"] / 1e6 / (replicas * result.report.duration_s)
+
+
+def run_summary(result: RunResult, replicas: int | None = None) -> dict[str, Any]:
     r = result.report
     errors = sorted({rec.error for rec in result.records if rec.error})
     return {
@@ -311,6 +321,7 @@ def run_summary(result: RunResult) -> dict[str, Any]:
         "verdicts": {v.value: sum(rec.verdict is v for rec in result.records) for v in Verdict},
         "server_counters": result.server_counters,
         "busy_ms_per_request": busy_ms_per_request(result),
+        "replica_busy_fraction": replica_busy_fraction(result, replicas),
         "by_slo_class": {
             name: {
                 "requests": g.requests,
@@ -552,6 +563,7 @@ class Session:
     target: Target
     source: PromptSource
     progress: bool
+    replicas: int | None = None
     points: list[dict[str, Any]] = field(default_factory=list)
 
     def evaluate(self, rate: float, records_path: Path | None) -> RunResult:
@@ -563,7 +575,8 @@ class Session:
         )
         print(f"\n{self.spec.scenario.value} at {rate:g} req/s ({len(workload)} requests)")
         print(summary_table(result))
-        self.points.append({**run_summary(result), "report": result.report.to_dict()})
+        summary = run_summary(result, self.replicas)
+        self.points.append({**summary, "report": result.report.to_dict()})
         return result
 
 
@@ -617,7 +630,7 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
     }
     if measured is not None:
         header["zero_load"] = measured.to_dict()
-    return Session(spec, target, source, not args.no_progress), header
+    return Session(spec, target, source, not args.no_progress, info.replicas), header
 
 
 def capacity_summary(found: CapacityResult, replicas: int | None) -> dict[str, Any]:
@@ -637,7 +650,9 @@ def run(args: argparse.Namespace) -> int:
         start = args.rate if bounds is None else args.rate or bounds[0]
         session, out = prepare(args, start)
         if bounds is None:
-            out["summary"] = run_summary(session.evaluate(args.rate, args.records))
+            out["summary"] = run_summary(
+                session.evaluate(args.rate, args.records), session.replicas
+            )
         else:
 
             def attainment_at(rate: float) -> float:

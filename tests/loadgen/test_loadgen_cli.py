@@ -15,6 +15,7 @@ import pytest
 
 from loadgen import cli
 from loadgen.clients import GrpcClient, HttpClient, InProcessClient, LoadClient
+from loadgen.metrics import run_span_s
 from loadgen.prompts import Prompt
 from loadgen.records import RequestRecord, Verdict, read_records
 from loadgen.workloads import CPU_TIGHT_TPOT_FACTOR, WorkloadRequest
@@ -160,6 +161,7 @@ def test_loadgen_over_grpc(
             *("--protocol", "grpc", "--target", live.grpc_target, "--api-key", API_KEY),
             *("--scenario", "summarizer", "--rate", "2", "--duration", "1"),
             *("--length-scale", "0.05", "--zero-load", str(zero), "--json", str(out)),
+            *("--records", str(tmp_path / "grpc.jsonl")),
             "--no-progress",
         ]
     )
@@ -171,6 +173,9 @@ def test_loadgen_over_grpc(
     assert result["summary"]["busy_ms_per_request"] == pytest.approx(counted["busy_us"] / 2e3)
     busy = result["summary"]["busy_ms_per_request"]
     assert f"replica step time: {busy:.1f} ms a request" in capsys.readouterr().out
+    span = run_span_s(read_records(tmp_path / "grpc.jsonl"))
+    fraction = result["summary"]["replica_busy_fraction"]
+    assert fraction == pytest.approx(counted["busy_us"] / 1e6 / (2 * span)) and 0 < fraction < 1
     assert result["summary"]["attainment"] == 1.0
 
 

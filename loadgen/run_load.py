@@ -9,9 +9,9 @@ its first token (headers / gRPC initial metadata), so records carry them even fo
 client closes at the output length (other servers leave those `unknown`); slos-serve's own
 counts for the run (admitted, best_effort, rejected, from /v1/cluster/status before and after)
 are in the summary as `server_counters`, and from its replicas' step time (`busy_us`)
-`busy_ms_per_request` and `replica_busy_fraction`: how loaded the replicas were. `--rate` is requests per second sent to the target
-(the whole cluster); capacity per replica divides by the replica count (`--replicas`, else the
-server's /v1/cluster/status).
+`busy_ms_per_request` and `replica_busy_fraction`: how loaded the replicas were. `--rate` is
+requests per second sent to the target (the whole cluster); capacity per replica divides by the
+replica count (`--replicas`, else the server's /v1/cluster/status).
 
 SLOs come from a perf profile (default deploy/profiles/cpu-demo.json, the CPU demo pair): TTFT =
 3x (tight) or 5x (loose) the profile's zero-load TTFT of the prompt; TPOT = 3.3x (tight) or 6.6x

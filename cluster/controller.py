@@ -276,7 +276,7 @@ class ClusterController:
             self._spawn(self._sync(report.replica))
         elif fit is ReportFit.APPLIED:
             self.plane.metrics.inc("preempted", len(report.plan.preempt))
-            if report.plan.entries:  # abort reports carry no step
+            if report.executed:
                 self.plane.metrics.count_step(report.outcome)
             self._send_plan(report.replica, time.time())
 

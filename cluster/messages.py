@@ -21,6 +21,11 @@ class StepReport:
     outcome: BatchOutcome
     time: float
 
+    @property
+    def executed(self) -> bool:
+        """False for an abort report: a step with no work, sent so the mirror drops requests."""
+        return bool(self.plan.entries)
+
 
 @dataclass(frozen=True)
 class HeldRequest:

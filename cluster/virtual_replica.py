@@ -142,7 +142,7 @@ class VirtualReplica:
         measured = report.outcome.total_s
         if self.perf is None or not isinstance(self.scheduler, SlosScheduler):
             return
-        if not report.plan.entries or measured <= 0:
+        if not report.executed or measured <= 0:
             return
         states = self.scheduler.queues.states
         if any(e.request_id not in states for e in report.plan.entries):

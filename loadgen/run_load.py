@@ -288,24 +288,28 @@ def summary_table(result: RunResult) -> str:
     return "\n".join(rows)
 
 
-def busy_ms_per_request(result: RunResult) -> float | None:
-    """Replica step time the run's requests cost on average (slos-serve counts it as
-    `busy_us`; None for other servers): at equal load, the policy that spends less per request
-    has room left where the other is out of it."""
+def _busy_s(result: RunResult) -> float | None:
+    """Replica step seconds the server counted during the run (`busy_us`; None for servers
+    that do not count it)."""
     counters = result.server_counters
-    if counters is None or "busy_us" not in counters or not result.records:
+    if counters is None or "busy_us" not in counters:
         return None
-    return counters["busy_us"] / 1e3 / len(result.records)
+    return counters["busy_us"] / 1e6
+
+
+def busy_ms_per_request(result: RunResult) -> float | None:
+    """Replica step time the run's requests cost on average: at equal load, the policy that
+    spends less per request has room left where the other is out of it."""
+    busy = _busy_s(result)
+    return None if busy is None or not result.records else 1e3 * busy / len(result.records)
 
 
 def replica_busy_fraction(result: RunResult, replicas: int | None) -> float | None:
     """Replica step time over replica time from the first arrival to the last token (None
-    unless the server counts `busy_us` and the replica count is known): near 1 the replicas
-    are out of time; well below it while attainment falls, time goes outside their steps."""
-    counters = result.server_counters
-    if counters is None or "busy_us" not in counters or not replicas:
-        return None
-    return counters["busy_us"] / 1e6 / (replicas * result.report.duration_s)
+    unless the replica count is known): near 1 the replicas are out of time; well below it
+    while attainment falls, time goes outside their steps."""
+    busy = _busy_s(result)
+    return None if busy is None or not replicas else busy / (replicas * result.report.duration_s)
 
 
 def run_summary(result: RunResult, replicas: int | None = None) -> dict[str, Any]:

@@ -1,9 +1,14 @@
 """DP admission: the most valuable set of new requests whose SLOs can all be guaranteed.
 
 Batches run back to back from `now`, each at most one period long and holding at most
-`batch_tokens` query tokens, so batch k ends by now + k * period. Served earliest deadline
-first, the work is feasible when at every prefill deadline d (k = whole batches by d) the
-demand that must be done within those k batches fits in k * batch_tokens:
+`batch_tokens` query tokens, so batch k ends by now + k * period. A prompt due between two
+such ends may also finish in a batch cut short at its deadline (`form_batch` cuts it), which
+holds what the time left surely fits (`BatchBudget.tokens_by`); every such cut beyond the
+first costs a batch's fixed time, charged once a prompt needs it. Without cuts a deadline
+inside the period would forfeit up to a whole period of a TTFT only a few periods long.
+Served earliest deadline first, the work is feasible when at every prefill deadline d (k =
+batches that end by d, the last one possibly cut at d) the demand that must be done within
+those k batches fits in what they hold:
 
   - the prompts of every admitted request whose prefill deadline is <= d, and
   - every decode token due before the end of batch k + 1 (it must ride in batch <= k).
@@ -24,7 +29,6 @@ decoder with such tokens ahead is late under a period too long for them to fit o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -147,12 +151,45 @@ def _ar_count(
     return np.clip(due + early * (due > 0), 0, cap)
 
 
+@dataclass(frozen=True)
+class _Grid:
+    """Where event times fall among the plan's batches."""
+
+    batches: np.ndarray
+    """Batches that end by each time, the last one cut short at it if that holds a token."""
+    whole_tokens: np.ndarray
+    """Query tokens the whole periods among them hold."""
+    tokens: np.ndarray
+    """Query tokens all of them surely hold."""
+    next_end: np.ndarray
+    """When the batch after them ends."""
+
+
+def _grid(budget: BatchBudget, now: float, times: np.ndarray) -> _Grid:
+    period, batch = budget.period_s, budget.batch_tokens
+    whole = np.floor((times - now) / period + _EPS)
+    left = times - now - whole * period
+    partial = np.array([budget.tokens_by(x) for x in left], dtype=float)
+    cut = partial >= 1
+    end = np.where(cut, times, now + whole * period)
+    return _Grid(
+        (whole + cut).astype(np.int64), whole * batch, whole * batch + partial, end + period
+    )
+
+
+def _earliest(budget: BatchBudget, now: float, tokens: int) -> float:
+    """When `tokens` query tokens can be done at the soonest: whole batches, then one cut."""
+    batch = max(budget.batch_tokens, 1)
+    whole, rest = divmod(max(tokens, 1), batch)
+    return now + whole * budget.period_s + (budget.seconds_for(rest) if rest else 0.0)
+
+
 def _events(problem: AdmissionProblem) -> tuple[list[tuple[float, int, int]], int]:
     """(time, kind, index) in deadline order, forced prefills (kind -1) before candidates
     (kind 0) at equal times; and how many running requests this budget cannot keep on time
     (those are planned as soon as possible)."""
     budget, now = problem.budget, problem.now
-    period, batch = budget.period_s, budget.batch_tokens
+    period = budget.period_s
     events: list[tuple[float, int, int]] = []
     urgency = problem.decoders.next_deadline_s.copy()
     for i, chain in enumerate(problem.decoders.chains):
@@ -160,7 +197,7 @@ def _events(problem: AdmissionProblem) -> tuple[list[tuple[float, int, int]], in
             urgency[i] = chain_deadline(chain, period)
     late = int(np.count_nonzero(urgency < now + period - _EPS))
     for i, p in enumerate(problem.prefills):
-        earliest = now + period * max(1, math.ceil(p.prefill_tokens / max(batch, 1)))
+        earliest = _earliest(budget, now, p.prefill_tokens)
         deadline = _effective_deadline(budget, p.deadline_s, p.tpot_s, p.chain)
         late += deadline < earliest - _EPS
         events.append((max(deadline, earliest), -1, i))
@@ -227,13 +264,16 @@ def _solve_in_groups(problem: AdmissionProblem, size: int) -> AdmissionResult:
 
 def _solve(problem: AdmissionProblem) -> AdmissionResult:
     budget = problem.budget
-    now, period, batch = problem.now, budget.period_s, budget.batch_tokens
+    batch = budget.batch_tokens
     events, forced_late = _events(problem)
     times = np.array([e[0] for e in events], dtype=float)
-    ks = np.floor((times - now) / period + _EPS).astype(np.int64)
-    grid_next_end = now + (ks + 1) * period
-    limit = ks * float(batch) - _forced_demand(problem, events, ks, grid_next_end)
-    charges = _acceptance_charges(problem, events, grid_next_end)
+    grid = _grid(budget, problem.now, times)
+    ks = grid.batches
+    cut = budget.cut_tokens
+    limit = grid.tokens - _forced_demand(problem, events, grid, cut)
+    # Demand beyond the whole periods before an event needs a batch cut at it.
+    whole_limit = limit - (grid.tokens - grid.whole_tokens)
+    charges = _acceptance_charges(problem, events, grid.next_end)
     # Values in integer micro-units, so equal totals compare equal whatever the order.
     values = [float(round(c.value * 1e6)) for c in problem.candidates]
 
@@ -283,6 +323,7 @@ def _solve(problem: AdmissionProblem) -> AdmissionResult:
         take_cons[delta:] = cons[:-delta] + add
         take_value[delta:] = value[:-delta] + values[idx]
         valid = (coords[0] >= need) & (coords[g + 1] >= 1) & (take_cons <= limit[e] + _EPS)
+        take_cons = np.where(take_cons > whole_limit[e] + _EPS, take_cons + cut, take_cons)
         take = valid & ((take_value > value) | ((take_value == value) & (take_cons < cons)))
         cons = np.where(take, take_cons, cons)
         value = np.where(take, take_value, value)
@@ -312,11 +353,14 @@ def _solve(problem: AdmissionProblem) -> AdmissionResult:
 def _forced_demand(
     problem: AdmissionProblem,
     events: Sequence[tuple[float, int, int]],
-    ks: np.ndarray,
-    grid_next_end: np.ndarray,
+    grid: _Grid,
+    cut: float,
 ) -> np.ndarray:
-    """Tokens the running requests need done within the first ks[e] batches, per event e."""
+    """Tokens the running requests need done within the batches that end by each event, and
+    `cut` for every batch boundary an earlier forced prompt needs off the period grid."""
     budget = problem.budget
+    ks, grid_next_end = grid.batches, grid.next_end
+    forced = np.array([kind == -1 for _, kind, _ in events], dtype=bool)
     prompts = np.array(
         [problem.prefills[i].prefill_tokens if kind == -1 else 0 for _, kind, i in events],
         dtype=float,
@@ -339,7 +383,9 @@ def _forced_demand(
     spec = _spec_lens(budget, tpot[:, 0])[:, None]
     ar = _ar_count(grid_next_end[None, :], first, tpot, cap, early)
     verifies = (spec + 1) * np.clip(ks[None, :] - start[:, None], 0, cap)
-    return demand + np.where(spec > 0, verifies, ar).sum(axis=0)
+    demand = demand + np.where(spec > 0, verifies, ar).sum(axis=0)
+    cuts = cut * (forced & (demand > grid.whole_tokens + _EPS))
+    return demand + np.cumsum(cuts) - cuts
 
 
 def _spec_lens(budget: BatchBudget, tpots: np.ndarray) -> np.ndarray:

@@ -11,7 +11,8 @@ admitted requests and in `best_effort_stretch` of the SLO work's time: it never 
 admitted decoders by more than that, because a decoder slowed holds its KV longer. Best-effort
 requests holding memory that admitted requests may need are preempted (KV dropped, tokens
 kept). If a due decode is closer than a period (the period grew, or the request fell behind),
-the batch shrinks to reach it in time when it can.
+or a prompt due sooner than a period can be finished by its deadline, the batch shrinks to
+reach it in time when it can.
 """
 
 from __future__ import annotations
@@ -234,11 +235,9 @@ def form_batch(
     later.sort(key=lambda item: item[0])
 
     tokens = budget.batch_tokens
-    seconds = period
-    closest = min((d - now for d, w in due if w.decoding), default=period)
-    if 0 < closest < period:
-        tokens = budget.tokens_within(perf, closest) or tokens
-        seconds = closest
+    seconds = _cut_at(now, budget, perf, due)
+    if seconds < period:
+        tokens = budget.tokens_within(perf, seconds) or tokens
     step = _Step(tokens, [])
     spec_lens = {tpot: budget.spec_len(tpot) for tpot in {w.tpot_s for _, w in due + later}}
     for _, work in due:
@@ -270,6 +269,27 @@ def form_batch(
     if not step.entries and not preempt:
         return None
     return BatchPlan(entries=tuple(step.entries), preempt=tuple(preempt))
+
+
+def _cut_at(
+    now: float, budget: BatchBudget, perf: BatchTimeModel, due: Sequence[tuple[float, SloWork]]
+) -> float:
+    """How long the batch may run: a period, or less to reach a due decode closer than that,
+    or the deadline of a prompt closer than that which a batch cut there finishes (the
+    admission DP counts on such cuts, see replica.planner.admission)."""
+    cut = budget.period_s
+    queued = 0
+    for deadline, work in due:
+        left = deadline - now
+        if work.decoding:
+            queued += 1 + budget.spec_len(work.tpot_s)
+            if 0 < left < cut:
+                cut = left
+        else:
+            queued += work.state.num_uncomputed
+            if 0 < left < cut and queued <= budget.tokens_within(perf, left):
+                cut = left
+    return cut
 
 
 def _ride_ahead(

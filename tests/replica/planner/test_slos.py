@@ -388,15 +388,38 @@ def test_admission_plans_from_the_end_of_the_batch_in_flight() -> None:
     assert sched.plan_admission([later], duration).is_admitted("c")
 
 
-def test_a_request_due_within_one_period_is_admitted_with_shorter_batches() -> None:
-    # Due 30 ms after arrival with a 50 ms TPOT: no whole 50 ms batch ends in time, a 30 ms
-    # one does (4 ms + 100 tokens x 0.1 ms); an idle replica reserves no best-effort room.
+def test_a_request_due_within_one_period_is_admitted_and_its_batch_cut_at_its_deadline() -> None:
+    # Due 30 ms after arrival with a 50 ms TPOT: no whole 50 ms batch ends in time, a batch
+    # cut at 30 ms does (4 ms + 100 tokens x 0.1 ms), and the schedule cuts it there.
     perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4})
-    sched = SlosScheduler(perf, CacheBudget(num_blocks=256))
-    result = sched.plan_admission([request("a", 100, 8, ttft_s=0.03, tpot_s=0.05)], 0.0)
-    assert result.is_admitted("a") and result.budget.period_s == pytest.approx(0.03)
+    cache = CacheBudget(num_blocks=256)
+    sched = SlosScheduler(perf, cache)
+    a = request("a", 100, 8, ttft_s=0.03, tpot_s=0.05)
+    assert sched.plan_admission([a], 0.0).is_admitted("a")
     late = request("b", 100, 8, ttft_s=0.012, tpot_s=0.05)
     assert not sched.plan_admission([late], 0.0).is_admitted("b")
+    sched.add_request(a, 0.0)
+    plan = sched.schedule(0.0)
+    assert plan is not None and sched.verdicts == {"a": True}
+    executor = PerfExecutor(perf, cache)
+    executor.add(a)
+    _, duration = executor.execute(plan, 0.0)
+    assert duration <= 0.03
+
+
+def test_prompts_due_inside_a_period_pay_for_every_cut_beyond_the_first() -> None:
+    # A 50 ms period holds 460 tokens after 4 ms of fixed time: a batch cut at 30 ms holds
+    # 260, one cut at 45 ms 410. Two prompts due at 30 and 45 ms need two cuts, and the
+    # second boundary costs its fixed time (40 tokens): 250 + 110 tokens fit, 250 + 140 (which
+    # a single 45 ms batch would hold) do not.
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4})
+    sched = SlosScheduler(perf, CacheBudget(num_blocks=256))
+    first = request("first", 250, 8, ttft_s=0.03, tpot_s=0.05)
+    fits = request("fits", 110, 8, ttft_s=0.045, tpot_s=0.05)
+    too_long = request("too-long", 140, 8, ttft_s=0.045, tpot_s=0.05)
+    assert sched.plan_admission([first, fits], 0.0).admitted == ("first", "fits")
+    assert len(sched.plan_admission([first, too_long], 0.0).admitted) == 1
+    assert sched.plan_admission([too_long], 0.0).admitted == ("too-long",)
 
 
 def test_a_looser_tiers_decoders_count_as_the_share_of_batches_they_are_due_in() -> None:
@@ -486,13 +509,13 @@ def test_best_effort_requests_that_can_still_be_on_time_go_first() -> None:
 def test_a_request_declined_in_a_burst_is_promoted_when_the_plan_has_room() -> None:
     # The DP plans every token attending to the longest context (999 keys at 0.1 us: as
     # costly as the token itself), i.e. 250 tokens per 50 ms batch, so two 520-token
-    # prompts do not fit the 4 batches before their 220 ms deadline. The real prefill of `a`
+    # prompts do not fit the 4 batches before their 200 ms deadline. The real prefill of `a`
     # takes 66 ms; at the next replan `b` fits, is guaranteed, and is on time.
     perf = PerfModel.synthetic({"tokens": 1e-4, "attn_tokens": 1e-7})
     cache = CacheBudget(num_blocks=256)
     sched = SlosScheduler(perf, cache)
-    a = request("a", 520, 480, ttft_s=0.22, tpot_s=0.05)
-    b = request("b", 520, 480, ttft_s=0.22, tpot_s=0.05)
+    a = request("a", 520, 480, ttft_s=0.2, tpot_s=0.05)
+    b = request("b", 520, 480, ttft_s=0.2, tpot_s=0.05)
     _, late = run(sched, perf, cache, [a, b])
     assert sched.verdicts == {"a": True, "b": False}
     assert sched.promoted == ["b"]

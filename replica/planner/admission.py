@@ -3,9 +3,10 @@
 Batches run back to back from `now`, each at most one period long and holding at most
 `batch_tokens` query tokens, so batch k ends by now + k * period. A prompt due between two
 such ends may also finish in a batch cut short at its deadline (`form_batch` cuts it), which
-holds what the time left surely fits (`BatchBudget.tokens_by`); every such cut beyond the
-first costs a batch's fixed time, charged once a prompt needs it. Without cuts a deadline
-inside the period would forfeit up to a whole period of a TTFT only a few periods long.
+holds what the worst-case batch fits in the time left; every such cut beyond the first costs
+a batch's fixed time (`BatchBudget.cut_tokens`), charged once a prompt needs it. Without
+cuts, a deadline inside a period would forfeit the rest of that period, a large share of a
+TTFT only a few periods long.
 Served earliest deadline first, the work is feasible when at every prefill deadline d (k =
 batches that end by d, the last one possibly cut at d) the demand that must be done within
 those k batches fits in what they hold:
@@ -34,6 +35,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from replica.perf_model import BatchTimeModel
 from replica.planner.budget import BatchBudget
 from replica.planner.deadlines import chain_deadline
 
@@ -108,6 +110,8 @@ class AdmissionProblem:
     free_blocks: int
     """KV blocks not reserved by admitted requests."""
     memory_units: int
+    perf: BatchTimeModel
+    """Prices a batch cut short at a deadline inside a period."""
 
 
 @dataclass(frozen=True)
@@ -165,11 +169,15 @@ class _Grid:
     """When the batch after them ends."""
 
 
-def _grid(budget: BatchBudget, now: float, times: np.ndarray) -> _Grid:
+def _grid(problem: AdmissionProblem, times: np.ndarray) -> _Grid:
+    budget, now = problem.budget, problem.now
     period, batch = budget.period_s, budget.batch_tokens
     whole = np.floor((times - now) / period + _EPS)
     left = times - now - whole * period
-    partial = np.array([budget.tokens_by(x) for x in left], dtype=float)
+    partial = np.array(
+        [min(batch, budget.tokens_within(problem.perf, x)) if x > _EPS else 0 for x in left],
+        dtype=float,
+    )
     cut = partial >= 1
     end = np.where(cut, times, now + whole * period)
     return _Grid(
@@ -177,11 +185,12 @@ def _grid(budget: BatchBudget, now: float, times: np.ndarray) -> _Grid:
     )
 
 
-def _earliest(budget: BatchBudget, now: float, tokens: int) -> float:
+def _earliest(problem: AdmissionProblem, tokens: int) -> float:
     """When `tokens` query tokens can be done at the soonest: whole batches, then one cut."""
-    batch = max(budget.batch_tokens, 1)
-    whole, rest = divmod(max(tokens, 1), batch)
-    return now + whole * budget.period_s + (budget.seconds_for(rest) if rest else 0.0)
+    budget = problem.budget
+    whole, rest = divmod(max(tokens, 1), max(budget.batch_tokens, 1))
+    cut = budget.seconds_for(problem.perf, rest) if rest else 0.0
+    return problem.now + whole * budget.period_s + cut
 
 
 def _events(problem: AdmissionProblem) -> tuple[list[tuple[float, int, int]], int]:
@@ -197,7 +206,7 @@ def _events(problem: AdmissionProblem) -> tuple[list[tuple[float, int, int]], in
             urgency[i] = chain_deadline(chain, period)
     late = int(np.count_nonzero(urgency < now + period - _EPS))
     for i, p in enumerate(problem.prefills):
-        earliest = _earliest(budget, now, p.prefill_tokens)
+        earliest = _earliest(problem, p.prefill_tokens)
         deadline = _effective_deadline(budget, p.deadline_s, p.tpot_s, p.chain)
         late += deadline < earliest - _EPS
         events.append((max(deadline, earliest), -1, i))
@@ -267,9 +276,9 @@ def _solve(problem: AdmissionProblem) -> AdmissionResult:
     batch = budget.batch_tokens
     events, forced_late = _events(problem)
     times = np.array([e[0] for e in events], dtype=float)
-    grid = _grid(budget, problem.now, times)
+    grid = _grid(problem, times)
     ks = grid.batches
-    cut = budget.cut_tokens
+    cut = budget.cut_tokens(problem.perf)
     limit = grid.tokens - _forced_demand(problem, events, grid, cut)
     # Demand beyond the whole periods before an event needs a batch cut at it.
     whole_limit = limit - (grid.tokens - grid.whole_tokens)

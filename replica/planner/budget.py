@@ -33,7 +33,6 @@ so admission declined what the baselines served on time (loadgen/RESULTS.md).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,33 +91,6 @@ class BatchBudget:
     min_spec_len: int = 0
     """Speculation every decoder gets at least: the tightest tier's length when the budget
     drafts, so looser tiers do not slow down (see the module notes)."""
-    fixed_s: float = 0.0
-    """The worst-case batch's time without query tokens (the step's fixed cost, its requests'
-    KV reads, drafting): what every extra batch boundary costs."""
-
-    def tokens_by(self, seconds: float) -> int:
-        """Query tokens a batch cut short to `seconds` (at most the period) surely holds: on
-        the chord from (fixed_s, 0) to (period, batch_tokens). Batch time is a maximum of
-        functions linear in the tokens, i.e. convex, so the tokens that fit a time are concave
-        in it and the chord never promises more than `tokens_within` finds."""
-        room = self.period_s - self.fixed_s
-        if self.overruns or room <= 0 or seconds <= self.fixed_s:
-            return 0
-        return math.floor(self.batch_tokens * min(1.0, (seconds - self.fixed_s) / room) + 1e-9)
-
-    def seconds_for(self, tokens: float) -> float:
-        """The shortest batch that surely holds `tokens` (at most batch_tokens): `tokens_by`
-        inverted, a whole period when the budget has no room beyond its fixed time."""
-        room = self.period_s - self.fixed_s
-        if self.overruns or room <= 0:
-            return self.period_s
-        return self.fixed_s + room * min(1.0, tokens / self.batch_tokens)
-
-    @property
-    def cut_tokens(self) -> float:
-        """Tokens one more batch boundary costs on that chord (its fixed time's worth)."""
-        room = self.period_s - self.fixed_s
-        return self.batch_tokens * self.fixed_s / room if room > 0 else float(self.batch_tokens)
 
     def spec_len(self, tpot_s: float) -> int:
         """Shortest speculation that lets a decoder of this TPOT keep up with the period, and
@@ -153,6 +125,22 @@ class BatchBudget:
             self.draft_batch,
         )
 
+    def seconds_for(self, perf: BatchTimeModel, tokens: int) -> float:
+        """The worst-case batch's time with `tokens` query tokens (`tokens_within` inverted)."""
+        return perf.predict_aggregate(
+            num_tokens=tokens,
+            num_requests=self.num_requests,
+            attn_tokens=tokens * self.max_context,
+            kv_tokens=self.kv_tokens + tokens,
+            draft_steps=self.draft_steps,
+            draft_batch=self.draft_batch,
+        )
+
+    def cut_tokens(self, perf: BatchTimeModel) -> int:
+        """What one more batch boundary costs: the tokens lost when a period runs as two
+        batches of half its length, each paying the fixed time again."""
+        return max(0, self.batch_tokens - 2 * self.tokens_within(perf, self.period_s / 2))
+
 
 def capacity(
     perf: BatchTimeModel,
@@ -174,24 +162,6 @@ def capacity(
         draft_steps=draft_steps,
         draft_batch=draft_batch,
         base_kv_tokens=kv_tokens,
-    )
-
-
-def fixed_seconds(
-    perf: BatchTimeModel,
-    num_requests: int,
-    kv_tokens: int,
-    draft_steps: int = 0,
-    draft_batch: int = 0,
-) -> float:
-    """The time of the batch `capacity` sizes, before any query token is added."""
-    return perf.predict_aggregate(
-        num_tokens=0,
-        num_requests=num_requests,
-        attn_tokens=0,
-        kv_tokens=kv_tokens,
-        draft_steps=draft_steps,
-        draft_batch=draft_batch,
     )
 
 
@@ -258,7 +228,6 @@ def plan_budgets(
             max_spec_tokens=max_spec,
             draft_steps=0,
             draft_batch=0,
-            fixed_s=fixed_seconds(perf, num_requests, kv_tokens),
         )
         return (idle,)
     tightest = max(min(load.tpot_s for load in loads), min_period_s)
@@ -340,7 +309,6 @@ def _option(
         draft_batch=draft_batch,
         overruns=fits < 1,
         min_spec_len=s0,
-        fixed_s=fixed_seconds(perf, num_requests, kv_tokens, draft_steps, draft_batch),
     )
     return budget.prefill_tokens(loads) / period, budget
 

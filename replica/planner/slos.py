@@ -196,6 +196,7 @@ class SlosScheduler(Scheduler):
                     decoders=decoders,
                     free_blocks=cache.num_blocks - self._reserved_blocks,
                     memory_units=self.config.memory_units,
+                    perf=self.perf,
                 ),
                 self.config.max_dp_candidates,
             )

@@ -41,6 +41,7 @@ def figure3(num_new: int = 4) -> AdmissionProblem:
         decoders=RunningDecoders.of([(1.0, 1.0, 20, 0)] * 3),
         free_blocks=1000,
         memory_units=16,
+        perf=SIX_PER_UNIT,
     )
 
 
@@ -69,7 +70,7 @@ def test_figure5_dynamic_batch_size_admits_what_a_fixed_size_cannot() -> None:
     dynamic = budget_for(perf, [TierLoad(0.05, 5)])
     # A fixed batch size set for the tightest TPOT the system supports (20 ms).
     fixed = budget_for(perf, [TierLoad(0.02, 5)])
-    problem = AdmissionProblem(0.0, dynamic, new, (), decoders, 1000, 16)
+    problem = AdmissionProblem(0.0, dynamic, new, (), decoders, 1000, 16, perf)
     assert solve_admission(problem).admitted == ("long",)
     assert solve_admission(replace(problem, budget=fixed)).admitted == ()
 
@@ -111,7 +112,7 @@ def test_a_decoder_with_tokens_crowded_together_is_late_under_a_longer_period() 
     crowded = replace(RunningDecoders.of([(4.0, 2.0, 5, 1)]), chains=((4.0, 4.0),))
     short = budget_for(SIX_PER_UNIT, [TierLoad(2.0, 1)])
     long = budget_for(SIX_PER_UNIT, [TierLoad(3.0, 1)])
-    problem = AdmissionProblem(0.0, short, (), (), crowded, 1000, 16)
+    problem = AdmissionProblem(0.0, short, (), (), crowded, 1000, 16, SIX_PER_UNIT)
     assert solve_admission(problem).forced_late == 0
     assert solve_admission(replace(problem, budget=long)).forced_late == 1
 

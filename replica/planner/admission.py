@@ -174,8 +174,9 @@ def _grid(problem: AdmissionProblem, times: np.ndarray) -> _Grid:
     period, batch = budget.period_s, budget.batch_tokens
     whole = np.floor((times - now) / period + _EPS)
     left = times - now - whole * period
+    fixed = budget.seconds_for(problem.perf, 0)
     partial = np.array(
-        [min(batch, budget.tokens_within(problem.perf, x)) if x > _EPS else 0 for x in left],
+        [min(batch, budget.tokens_within(problem.perf, x)) if x > fixed else 0 for x in left],
         dtype=float,
     )
     cut = partial >= 1
@@ -185,12 +186,17 @@ def _grid(problem: AdmissionProblem, times: np.ndarray) -> _Grid:
     )
 
 
-def _earliest(problem: AdmissionProblem, tokens: int) -> float:
-    """When `tokens` query tokens can be done at the soonest: whole batches, then one cut."""
+def _earliest(problem: AdmissionProblem, tokens: int, deadline: float) -> float:
+    """When `tokens` query tokens can be done at the soonest: whole batches, then one cut.
+    The cut is priced only when it ends before `deadline` (else the next whole batch does)."""
     budget = problem.budget
     whole, rest = divmod(max(tokens, 1), max(budget.batch_tokens, 1))
-    cut = budget.seconds_for(problem.perf, rest) if rest else 0.0
-    return problem.now + whole * budget.period_s + cut
+    done = problem.now + whole * budget.period_s
+    if not rest:
+        return done
+    if deadline >= done + budget.period_s:
+        return done + budget.period_s
+    return done + budget.seconds_for(problem.perf, rest)
 
 
 def _events(problem: AdmissionProblem) -> tuple[list[tuple[float, int, int]], int]:
@@ -206,8 +212,8 @@ def _events(problem: AdmissionProblem) -> tuple[list[tuple[float, int, int]], in
             urgency[i] = chain_deadline(chain, period)
     late = int(np.count_nonzero(urgency < now + period - _EPS))
     for i, p in enumerate(problem.prefills):
-        earliest = _earliest(problem, p.prefill_tokens)
         deadline = _effective_deadline(budget, p.deadline_s, p.tpot_s, p.chain)
+        earliest = _earliest(problem, p.prefill_tokens, deadline)
         late += deadline < earliest - _EPS
         events.append((max(deadline, earliest), -1, i))
     for j, c in enumerate(problem.candidates):

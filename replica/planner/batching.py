@@ -234,12 +234,12 @@ def form_batch(
     due.sort(key=lambda item: item[0])
     later.sort(key=lambda item: item[0])
 
+    spec_lens = {tpot: budget.spec_len(tpot) for tpot in {w.tpot_s for _, w in due + later}}
     tokens = budget.batch_tokens
-    seconds = _cut_at(now, budget, perf, due)
+    seconds = _cut_at(now, budget, perf, due, spec_lens)
     if seconds < period:
         tokens = budget.tokens_within(perf, seconds) or tokens
     step = _Step(tokens, [])
-    spec_lens = {tpot: budget.spec_len(tpot) for tpot in {w.tpot_s for _, w in due + later}}
     for _, work in due:
         if work.decoding:
             step.decode(work.state, spec_lens[work.tpot_s])
@@ -272,22 +272,29 @@ def form_batch(
 
 
 def _cut_at(
-    now: float, budget: BatchBudget, perf: BatchTimeModel, due: Sequence[tuple[float, SloWork]]
+    now: float,
+    budget: BatchBudget,
+    perf: BatchTimeModel,
+    due: Sequence[tuple[float, SloWork]],
+    spec_lens: dict[float, int],
 ) -> float:
     """How long the batch may run: a period, or less to reach a due decode closer than that,
     or the deadline of a prompt closer than that which a batch cut there finishes (the
-    admission DP counts on such cuts, see replica.planner.admission)."""
+    admission DP counts on such cuts, see replica.planner.admission). `due` is in deadline
+    order."""
     cut = budget.period_s
     queued = 0
     for deadline, work in due:
         left = deadline - now
+        if left >= cut:
+            break
         if work.decoding:
-            queued += 1 + budget.spec_len(work.tpot_s)
-            if 0 < left < cut:
+            queued += 1 + spec_lens[work.tpot_s]
+            if left > 0:
                 cut = left
         else:
             queued += work.state.num_uncomputed
-            if 0 < left < cut and queued <= budget.tokens_within(perf, left):
+            if left > 0 and queued <= budget.tokens_within(perf, left):
                 cut = left
     return cut
 

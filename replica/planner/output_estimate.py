@@ -6,8 +6,9 @@ prompt plus a high quantile of the output lengths this replica has seen for the 
 max_tokens, and extends by another quantile's worth when its tokens approach the reservation;
 both steps are capped at `chunk_tokens`, so a long output's memory grows with it.
 Until `min_samples` requests with that cap have finished, `prior_tokens` stands in for the
-quantile. When extensions outgrow the cache, the newest admitted requests lose their
-guarantee (SlosScheduler demotes them to best-effort), as vLLM preempts its newest requests.
+quantile. When extensions outgrow the cache, the newest admitted requests first give up the
+headroom beyond their next step, and only then lose their guarantee (SlosScheduler demotes them
+to best-effort), as vLLM preempts its newest requests.
 Only finished outputs are observed, never a request's true length in advance.
 """
 

@@ -173,20 +173,36 @@ def test_nospec_never_drafts() -> None:
     assert not any(ran.sim.replicas[0].executor.drafted)
 
 
-def test_outgrown_reservations_demote_the_newest_admitted_request() -> None:
-    # The warm-up request teaches the replica that outputs are 2 tokens long, so A and B
-    # reserve 16 + 2 - 1 slots (2 blocks) each; both run to 60 tokens (76 slots, 5 blocks),
-    # which two cannot do in 8 blocks: B, the newer, loses its guarantee (and its memory
-    # while A needs it), and both still finish every token.
+def two_growing(warm_output: int, output: int, blocks: int) -> tuple[Ran, SlosScheduler]:
+    """A warm-up request teaches the replica its output length (the reservation step); then
+    A and B arrive together and grow to `output` tokens in `blocks` KV blocks."""
     planner = PlannerConfig(output_estimate=OutputEstimateConfig(quantile=0.5, min_samples=1))
     requests = [
-        sim_request("warm", 16, 0.0, 2),
-        sim_request("a", 16, 0.2, 60),
-        sim_request("b", 16, 0.2, 60),
+        sim_request("warm", 16, 0.0, warm_output),
+        sim_request("a", 16, 1.0, output),
+        sim_request("b", 16, 1.0, output),
     ]
-    config = SimConfig(policy=Policy.SLOS_NOSPEC, num_kv_blocks=8, planner=planner)
+    config = SimConfig(policy=Policy.SLOS_NOSPEC, num_kv_blocks=blocks, planner=planner)
     ran = run(requests, config)
     mirror = ran.sim.replicas[0].mirror
     assert mirror is not None and isinstance(mirror.scheduler, SlosScheduler)
-    assert mirror.scheduler.demoted == ["b"]
-    assert [len(t) for t in times(ran).values()] == [2, 60, 60]
+    assert [len(t) for t in times(ran).values()] == [warm_output, output, output]
+    return ran, mirror.scheduler
+
+
+def test_outgrown_reservations_demote_the_newest_admitted_request() -> None:
+    # Outputs are taught to be 2 tokens long, so A and B reserve 16 + 2 - 1 slots (2 blocks)
+    # each; both run to 60 tokens (76 slots, 5 blocks), which two cannot do in 8 blocks: B,
+    # the newer, loses its guarantee (and its memory while A needs it), and both still
+    # finish every token.
+    _, scheduler = two_growing(2, 60, 8)
+    assert scheduler.demoted == ["b"]
+
+
+def test_outgrown_headroom_is_given_up_before_any_guarantee() -> None:
+    # Outputs are taught to be 20 tokens, so A and B reserve 20 slots at a time: at 56 tokens
+    # both ask for 75 (5 blocks), 10 of the 9 blocks. What each holds at its longest, 60
+    # slots (4 blocks), fits: the newer one gives up its headroom instead of its guarantee.
+    ran, scheduler = two_growing(20, 44, 9)
+    assert scheduler.demoted == []
+    assert [o.verdict for o in outcomes(ran)] == [Verdict.ADMITTED] * 3

@@ -190,7 +190,7 @@ def _earliest(problem: AdmissionProblem, tokens: int, deadline: float) -> float:
     """When `tokens` query tokens can be done at the soonest: whole batches, then one cut.
     The cut is priced only when it ends before `deadline` (else the next whole batch does)."""
     budget = problem.budget
-    whole, rest = divmod(max(tokens, 1), max(budget.batch_tokens, 1))
+    whole, rest = divmod(max(tokens, 1), budget.batch_tokens)
     done = problem.now + whole * budget.period_s
     if not rest:
         return done
@@ -285,9 +285,10 @@ def _solve(problem: AdmissionProblem) -> AdmissionResult:
     grid = _grid(problem, times)
     ks = grid.batches
     cut = budget.cut_tokens(problem.perf)
-    limit = grid.tokens - _forced_demand(problem, events, grid, cut)
+    forced = _forced_demand(problem, events, grid, cut)
+    limit = grid.tokens - forced
     # Demand beyond the whole periods before an event needs a batch cut at it.
-    whole_limit = limit - (grid.tokens - grid.whole_tokens)
+    whole_limit = grid.whole_tokens - forced
     charges = _acceptance_charges(problem, events, grid.next_end)
     # Values in integer micro-units, so equal totals compare equal whatever the order.
     values = [float(round(c.value * 1e6)) for c in problem.candidates]

@@ -192,14 +192,15 @@ def plan_budgets(
     smaller batches would only fall further behind). `loads` lists the decoders the plan must
     serve per TPOT (running and candidates); tiers without decoders still bound the period.
     Without loads the period is `idle_period_s` (at least one token per batch, so best-effort
-    work always progresses). `urgent_periods_s` are periods the most urgent requests need: the
-    admission DP counts whole batches, so a request due sooner than one period after the start
-    (or with tokens due closer together than one per period) is only on time with batches that
-    short (fewer tokens per second; the caller keeps one only when it keeps more on time).
-    Their capacity is computed for `urgent_batch` (default: the main batch, with
-    `min_period_s`): the caller may leave out decoders so far ahead of their line that no
-    batch within the plan's horizon must serve them (a batch takes them only in time it has
-    left), which is what lets a tight-TTFT prompt into a short batch beside long decodes.
+    work always progresses). `urgent_periods_s` are periods the most urgent requests need: a
+    request with tokens due closer together than one per period is only on time with batches
+    that short (fewer tokens per second; the caller keeps one only when it keeps more on time).
+    A prompt merely due inside a period needs no such option (the admission DP counts a batch
+    cut at its deadline), except beside long decodes: the capacity of an urgent option is
+    computed for `urgent_batch` (default: the main batch, with `min_period_s`), which may
+    leave out decoders so far ahead of their line that no batch within the plan's horizon must
+    serve them (a batch takes them only in time it has left), so a tight-TTFT prompt fits a
+    short batch whose worst case would otherwise read every decoder's KV.
     `speculating_batch` (default: the main batch) is the batch speculating options are sized
     for: they serve every decoder in every batch, so it must count them all, while the main
     batch may count a decoder of a looser tier as the fraction of batches it is due in

@@ -267,6 +267,7 @@ class ClusterController:
         vr = self.plane.replicas[report.replica]
         if not vr.alive or report.replica in self._syncing:
             return
+        demoted = vr.num_demoted
         try:
             fit = vr.apply(report)
         except (ValueError, ArithmeticError):
@@ -276,6 +277,7 @@ class ClusterController:
             self._spawn(self._sync(report.replica))
         elif fit is ReportFit.APPLIED:
             self.plane.metrics.inc("preempted", len(report.plan.preempt))
+            self.plane.metrics.inc("demoted", vr.num_demoted - demoted)
             if report.executed:
                 self.plane.metrics.count_step(report.outcome)
             self._send_plan(report.replica, time.time())

@@ -83,6 +83,11 @@ class VirtualReplica:
         return isinstance(self.scheduler, SlosScheduler)
 
     @property
+    def num_demoted(self) -> int:
+        """Admitted requests this incarnation's planner gave up (see SlosScheduler.demoted)."""
+        return self.scheduler.num_demoted if isinstance(self.scheduler, SlosScheduler) else 0
+
+    @property
     def load(self) -> float:
         """Requests held: the least-load first hop's signal."""
         return float(len(self.held))
@@ -129,7 +134,12 @@ class VirtualReplica:
             return ReportFit.STALE
         self.seq = report.seq
         self._calibrate(report)
+        demoted = self.num_demoted
         self.scheduler.update_from_outcome(report.plan, report.outcome, report.time)
+        if self.num_demoted > demoted:
+            assert isinstance(self.scheduler, SlosScheduler)
+            given_up = list(self.scheduler.demoted)[demoted - self.num_demoted :]
+            self.admitted.difference_update(given_up)
         for result in report.outcome.outcomes:
             if result.finished:
                 self.held.pop(result.request_id, None)

@@ -37,6 +37,11 @@ CONTROLLER_COUNTERS = {
     "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", 1.0),
     "steps": ("replica_steps", "Steps the replicas executed.", 1.0),
     "busy_us": ("replica_busy_seconds", "Time the replicas spent executing steps.", 1e-6),
+    "demoted": (
+        "requests_demoted",
+        "Admitted requests that lost their guarantee (a missed deadline, or outgrown KV).",
+        1.0,
+    ),
 }
 """Controller counter -> (exported name, help, scale to the exported unit)."""
 CONTROLLER_HISTOGRAMS = {

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
 
-from replica.batch import BatchOutcome, BatchPlan
+from replica.batch import BatchOutcome, BatchPlan, RequestOutcome
 from replica.perf_model import BatchShape, BatchTimeModel, attention_pairs
 from replica.planner.admission import (
     AdmissionProblem,
@@ -60,6 +60,12 @@ from replica.planner.output_estimate import OutputLengthEstimate
 from replica.planner.queues import RequestQueues, peak_tokens
 from replica.request import Request, Tier
 
+HISTORY = 10_000
+"""Requests the verdict, demotion and promotion histories keep (the oldest are dropped): enough
+to inspect a run, bounded for a controller that plans for days."""
+_LATE_EPS_S = 1e-9
+"""A token this much past its deadline is on time (float rounding of the same instant)."""
+
 
 class SlosScheduler(Scheduler):
     """DP admission + EDF batch formation + best-effort tier, replanned by InvocationPolicy."""
@@ -79,14 +85,19 @@ class SlosScheduler(Scheduler):
         self.lengths = OutputLengthEstimate(estimate) if estimate is not None else None
         self._busy_until = 0.0
         """When the batch this scheduler last planned is predicted to end."""
-        self.demoted: list[str] = []
-        """Admitted requests that lost their guarantee: outgrown reservations left no memory."""
-        self.promoted: list[str] = []
+        self.demoted: deque[str] = deque(maxlen=HISTORY)
+        """Admitted requests that lost their guarantee: outgrown reservations left no memory,
+        or the replica ran slower than planned and a deadline passed (`_give_up_missed`)."""
+        self.num_demoted = 0
+        """Admitted requests that lost their guarantee since the start (`demoted` keeps the
+        latest of them)."""
+        self.promoted: deque[str] = deque(maxlen=HISTORY)
         """Best-effort requests guaranteed later, when a replan found room (`_promotable`)."""
         self.budget: BatchBudget | None = None
         self.last_admission: AdmissionResult | None = None
         self.verdicts: dict[str, bool] = {}
-        """Admission verdict of every request that went through the DP (True: admitted)."""
+        """Admission verdict of the requests that went through the DP (True: admitted), the
+        latest HISTORY of them."""
         self._work: dict[str, SloWork] = {}
         self._reserved_blocks = 0
         self._stretched = True
@@ -390,7 +401,7 @@ class SlosScheduler(Scheduler):
             work.refresh(now, result.budget.period_s, factor)
         for request in new:
             rid = request.request_id
-            self.verdicts[rid] = result.is_admitted(rid)
+            _remember(self.verdicts, rid, result.is_admitted(rid))
             if result.is_admitted(rid):
                 self._admit(rid, now)
             else:
@@ -495,6 +506,7 @@ class SlosScheduler(Scheduler):
                 sum(judged_drafts(o.num_draft_tokens, o.num_accepted_tokens) for o in drafting),
                 sum(o.num_accepted_tokens for o in drafting),
             )
+        self._give_up_missed(outcome, now)
         if self.budget is None:
             return
         period = self.budget.period_s
@@ -507,6 +519,29 @@ class SlosScheduler(Scheduler):
         self.invocation.note_lagging(
             {rid for rid, w in self._work.items() if w.decoding and lags(w.deadline_s, now, period)}
         )
+
+    def _give_up_missed(self, outcome: BatchOutcome, now: float) -> None:
+        """Admitted requests that already missed a deadline (a token out late, or a prompt
+        not done by its first token's deadline) become best-effort: nothing can make them
+        attain now, and keeping them first lets one late batch make every later request late.
+
+        Only a replica slower than its plan misses (the DP's guarantee holds on the
+        profile's speed); live, on cores shared with the serving stack, the admitted backlog
+        otherwise grew until every request missed (loadgen/RESULTS.md)."""
+        missed = [
+            result.request_id
+            for result in outcome.outcomes
+            if result.new_token_ids
+            and result.request_id in self._work
+            and _first_new_late(self._work[result.request_id].state, result, now)
+        ]
+        missed += [
+            rid
+            for rid, work in self._work.items()
+            if not work.state.output_token_ids and prefill_deadline(work.state.request) < now
+        ]
+        for rid in dict.fromkeys(missed):
+            self._demote(rid)
 
     def _extend_reservations(self, outcome: BatchOutcome) -> None:
         """Grow the reservation of every request whose next step could outrun it. If the
@@ -534,10 +569,13 @@ class SlosScheduler(Scheduler):
                 break
             self._resize(work, min(work.reserve_tokens, self._next_step_tokens(work)))
         while self._reserved_blocks > blocks:
-            newest = next(reversed(self._work))
-            self._forget(newest)
-            self.best_effort.append(newest)
-            self.demoted.append(newest)
+            self._demote(next(reversed(self._work)))
+
+    def _demote(self, request_id: str) -> None:
+        self._forget(request_id)
+        self.best_effort.append(request_id)
+        self.demoted.append(request_id)
+        self.num_demoted += 1
 
     def _next_step_tokens(self, work: SloWork) -> int:
         """KV slots the request holds after its next step at the longest."""
@@ -545,6 +583,18 @@ class SlosScheduler(Scheduler):
 
     def has_unfinished(self) -> bool:
         return self.queues.has_unfinished()
+
+
+def _remember(history: dict[str, bool], key: str, value: bool) -> None:
+    history[key] = value
+    if len(history) > HISTORY:
+        del history[next(iter(history))]
+
+
+def _first_new_late(state: RequestState, result: RequestOutcome, now: float) -> bool:
+    """Whether the first token `result` delivered (at `now`) was past its deadline."""
+    first = len(state.output_token_ids) - len(result.new_token_ids)
+    return token_deadline(state.request, first) < now - _LATE_EPS_S
 
 
 def _urgent_periods(

@@ -196,7 +196,7 @@ def test_outgrown_reservations_demote_the_newest_admitted_request() -> None:
     # the newer, loses its guarantee (and its memory while A needs it), and both still
     # finish every token.
     _, scheduler = two_growing(2, 60, 8)
-    assert scheduler.demoted == ["b"]
+    assert list(scheduler.demoted) == ["b"]
 
 
 def test_outgrown_headroom_is_given_up_before_any_guarantee() -> None:
@@ -204,5 +204,5 @@ def test_outgrown_headroom_is_given_up_before_any_guarantee() -> None:
     # both ask for 75 (5 blocks), 10 of the 9 blocks. What each holds at its longest, 60
     # slots (4 blocks), fits: the newer one gives up its headroom instead of its guarantee.
     ran, scheduler = two_growing(20, 44, 9)
-    assert scheduler.demoted == []
+    assert not scheduler.demoted
     assert [o.verdict for o in outcomes(ran)] == [Verdict.ADMITTED] * 3

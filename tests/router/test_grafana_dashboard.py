@@ -42,7 +42,13 @@ def exported_names() -> set[str]:
     m.record_tokens("t", 0.0, [0.1])
     status = ClusterStatus("demo", (ReplicaStatus(0, True, 1, 1, 1, 0, 0.1),))
     hist = {"bounds": [0.01], "counts": [1], "sum": 0.001, "count": 1}
-    counters = {"spec_draft_tokens": 1, "spec_accepted_tokens": 1, "steps": 1, "busy_us": 1}
+    counters = {
+        "spec_draft_tokens": 1,
+        "spec_accepted_tokens": 1,
+        "steps": 1,
+        "busy_us": 1,
+        "demoted": 1,
+    }
     m.refresh(status, {"counters": counters, "histograms": {"planner_latency_s": hist}})
     lines = m.exposition().decode().splitlines()
     return {line.split("{")[0].split(" ")[0] for line in lines if line and not line.startswith("#")}

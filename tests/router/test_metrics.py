@@ -81,6 +81,7 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
             "admitted": 7,
             "steps": 300,
             "busy_us": 2_500_000,
+            "demoted": 3,
         },
         "histograms": {
             "planner_latency_s": {
@@ -106,6 +107,7 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
     assert s[(PREFIX + "spec_decode_num_accepted_tokens_total", model)] == 25
     assert s[(PREFIX + "replica_steps_total", model)] == 300
     assert s[(PREFIX + "replica_busy_seconds_total", model)] == 2.5
+    assert s[(PREFIX + "requests_demoted_total", model)] == 3
     assert s[(PREFIX + "planner_latency_seconds_count", model)] == 4
     inf = (("le", "+Inf"), ("model", "demo"))
     assert s[(PREFIX + "planner_latency_seconds_bucket", inf)] == 4

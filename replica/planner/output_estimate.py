@@ -3,8 +3,11 @@
 Reserving prompt + max_tokens makes admission memory-bound long before the GPU is busy when
 outputs end far below their cap (ChatBot: mean 264 of 839). Instead a request reserves its
 prompt plus a high quantile of the output lengths this replica has seen for the same
-max_tokens, and extends by another quantile's worth when its tokens approach the reservation;
-both steps are capped at `chunk_tokens`, so a long output's memory grows with it.
+max_tokens, and extends by another quantile's worth when its tokens approach the reservation.
+The first step is capped at `chunk_tokens`, every extension at the smaller `extension_tokens`,
+so a long output's memory grows with it. A new request's larger first step is the margin
+admission keeps for everyone's growth; the small extensions stop long-running requests from
+holding memory they will not use before their next extension (see OutputEstimateConfig).
 Until `min_samples` requests with that cap have finished, `prior_tokens` stands in for the
 quantile. When extensions outgrow the cache, the newest admitted requests first give up the
 headroom beyond their next step, and only then lose their guarantee (SlosScheduler demotes them
@@ -51,11 +54,10 @@ class OutputLengthEstimate:
 
     def initial_tokens(self, request: Request) -> int:
         """KV slots to reserve at admission: the prompt plus the expected output."""
-        return min(peak_tokens(request), request.prompt_len + self._chunk(request) - 1)
+        first = min(self.expected_output(request), self.config.chunk_tokens)
+        return min(peak_tokens(request), request.prompt_len + first - 1)
 
     def extended_tokens(self, request: Request, reserved: int) -> int:
         """The next reservation once `reserved` slots are nearly used."""
-        return min(peak_tokens(request), reserved + self._chunk(request))
-
-    def _chunk(self, request: Request) -> int:
-        return min(self.expected_output(request), self.config.chunk_tokens)
+        step = min(self.expected_output(request), self.config.extension_tokens)
+        return min(peak_tokens(request), reserved + step)

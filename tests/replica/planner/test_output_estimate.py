@@ -28,7 +28,7 @@ def test_reserves_the_prior_until_enough_outputs_with_that_cap_finished() -> Non
 
 
 def test_extensions_add_an_estimate_and_stop_at_the_peak() -> None:
-    config = OutputEstimateConfig(quantile=1.0, min_samples=1, chunk_tokens=512)
+    config = OutputEstimateConfig(quantile=1.0, min_samples=1, extension_tokens=512)
     estimate = OutputLengthEstimate(config)
     chat = request(100, 400)
     estimate.observe(chat, 150)
@@ -38,7 +38,9 @@ def test_extensions_add_an_estimate_and_stop_at_the_peak() -> None:
 
 
 def test_long_outputs_reserve_and_extend_a_chunk_at_a_time() -> None:
-    config = OutputEstimateConfig(quantile=1.0, min_samples=1, chunk_tokens=100)
+    config = OutputEstimateConfig(
+        quantile=1.0, min_samples=1, chunk_tokens=100, extension_tokens=100
+    )
     estimate = OutputLengthEstimate(config)
     think = request(50, 8000)
     estimate.observe(think, 6000)
@@ -46,6 +48,19 @@ def test_long_outputs_reserve_and_extend_a_chunk_at_a_time() -> None:
     assert estimate.initial_tokens(think) == 50 + 100 - 1
     assert estimate.extended_tokens(think, 149) == 249
     assert estimate.extended_tokens(think, 8000) == 8049
+
+
+def test_extensions_are_smaller_than_the_first_reservation() -> None:
+    estimate = OutputLengthEstimate(OutputEstimateConfig(quantile=1.0, min_samples=1))
+    chat = request(100, 1000)
+    estimate.observe(chat, 600)
+    assert estimate.initial_tokens(chat) == 100 + 128 - 1
+    assert estimate.extended_tokens(chat, 227) == 227 + 32
+    short = request(100, 1000)
+    estimate = OutputLengthEstimate(OutputEstimateConfig(quantile=1.0, min_samples=1))
+    estimate.observe(short, 20)
+    assert estimate.initial_tokens(short) == 100 + 20 - 1
+    assert estimate.extended_tokens(short, 119) == 119 + 20
 
 
 def test_the_window_forgets_old_outputs() -> None:
@@ -64,6 +79,7 @@ def test_the_window_forgets_old_outputs() -> None:
         ({"window": 0}, "window"),
         ({"prior_tokens": 0}, "prior_tokens"),
         ({"chunk_tokens": 0}, "chunk_tokens"),
+        ({"extension_tokens": 0}, "extension_tokens"),
     ],
 )
 def test_config_names_the_bad_field(kwargs: dict, field: str) -> None:

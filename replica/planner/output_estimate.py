@@ -54,10 +54,14 @@ class OutputLengthEstimate:
 
     def initial_tokens(self, request: Request) -> int:
         """KV slots to reserve at admission: the prompt plus the expected output."""
-        first = min(self.expected_output(request), self.config.chunk_tokens)
+        first = self._step(request, self.config.chunk_tokens)
         return min(peak_tokens(request), request.prompt_len + first - 1)
 
     def extended_tokens(self, request: Request, reserved: int) -> int:
         """The next reservation once `reserved` slots are nearly used."""
-        step = min(self.expected_output(request), self.config.extension_tokens)
-        return min(peak_tokens(request), reserved + step)
+        return min(
+            peak_tokens(request), reserved + self._step(request, self.config.extension_tokens)
+        )
+
+    def _step(self, request: Request, cap: int) -> int:
+        return min(self.expected_output(request), cap)

@@ -10,8 +10,9 @@ from the replica's snapshot instead of being patched.
 With `calibrate` the planner plans with a calibrated perf model: every executed step's
 measured seconds are fed back against the profile's prediction for that step's shape, so a
 replica slower than its profile (shared cores, another tenant) is planned, and admits, as slow
-as it is. Off by default (cluster.config.ClusterConfig.calibrate says why); the simulator's
-replicas run exactly as predicted, so it never needs it.
+as it is. Off by default (cluster.config.ClusterConfig.calibrate says why). The simulator's
+mirrors do not calibrate: with `SimConfig.replica_slowdown` they plan with the profile while
+its replicas run slower, as a live cluster with calibration off does.
 """
 
 from __future__ import annotations

@@ -73,9 +73,9 @@ class OutputEstimateConfig:
     min_samples: int = 20
     """Finished requests (per max_tokens) before the quantile replaces `prior_tokens`."""
     prior_tokens: int = 512
-    """Output reserved for (and each extension, capped at max_tokens) until then: long
-    outputs (a reasoning trace of thousands of tokens) would otherwise hold max_tokens of
-    memory each for minutes before any of them finished."""
+    """Stands in for the quantile until then (capped at max_tokens). Every reservation step is
+    also capped by `chunk_tokens` / `extension_tokens`, so the prior binds only when set
+    below them."""
     window: int = 256
     """Most recent finished requests the quantile is taken over."""
     chunk_tokens: int = 128

@@ -56,8 +56,8 @@ def test_extensions_are_smaller_than_the_first_reservation() -> None:
     estimate.observe(chat, 600)
     assert estimate.initial_tokens(chat) == 100 + 128 - 1
     assert estimate.extended_tokens(chat, 227) == 227 + 32
-    short = request(100, 1000)
     estimate = OutputLengthEstimate(OutputEstimateConfig(quantile=1.0, min_samples=1))
+    short = request(100, 1000)
     estimate.observe(short, 20)
     assert estimate.initial_tokens(short) == 100 + 20 - 1
     assert estimate.extended_tokens(short, 119) == 119 + 20

@@ -48,6 +48,10 @@ _PADDED = FEATURES.index("padded_attn_tokens")
 _DRAFT_KV = FEATURES.index("draft_kv_tokens")
 
 
+_INT = {int}
+"""The one type of valid counts (bool, an int subclass, is not one)."""
+
+
 def _check_count(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -158,16 +162,26 @@ class BatchShape:
             raise ValueError(
                 f"new_tokens has {len(self.new_tokens)} entries but context has {len(self.context)}"
             )
+        # Checked in bulk first (steps are priced by the hundred thousand); only when that
+        # fails does the entry by entry check run, to name the first bad one.
+        if not (
+            {*map(type, self.new_tokens), *map(type, self.context)} <= _INT
+            and min(self.new_tokens, default=1) >= 1
+            and min(self.context, default=0) >= 0
+        ):
+            self._check_entries()
+        _check_draft(self.draft_steps, self.draft_batch, len(self.new_tokens))
+        _check_count("tp", self.tp)
+        if self.tp == 0:
+            raise ValueError("tp must be >= 1, got 0")
+
+    def _check_entries(self) -> None:
         for n in self.new_tokens:
             _check_count("new_tokens entry", n)
             if n == 0:
                 raise ValueError("new_tokens entries must be >= 1, got 0")
         for c in self.context:
             _check_count("context entry", c)
-        _check_draft(self.draft_steps, self.draft_batch, len(self.new_tokens))
-        _check_count("tp", self.tp)
-        if self.tp == 0:
-            raise ValueError("tp must be >= 1, got 0")
 
     @classmethod
     def of_plan(cls, plan: BatchPlan, computed: Callable[[str], int], tp: int = 1) -> BatchShape:
@@ -411,7 +425,7 @@ class PerfModel:
         kv = attn_tokens if kv_tokens is None else kv_tokens
         padded = attn_tokens if padded_attn_tokens is None else padded_attn_tokens
         counts = (num_tokens, num_requests, attn_tokens, kv, padded, draft_steps, draft_batch)
-        valid = all(type(v) is int and v >= 0 for v in counts)
+        valid = {*map(type, counts)} == _INT and min(counts) >= 0
         if not valid or (draft_steps == 0) != (draft_batch == 0) or draft_batch > num_requests:
             # The slow path: constructing the features raises the precise ValueError.
             features = BatchFeatures(
@@ -491,7 +505,8 @@ class PerfModel:
         return extra
 
     def _seconds(self, x: tuple[float, ...]) -> float:
-        return max(t.seconds(x) for t in self.terms)
+        # Term.seconds inlined: planning prices hundreds of thousands of batches a run.
+        return max(sum(map(operator.mul, t.coefficients, x)) for t in self.terms)
 
     def slowed(self, slowdown: Slowdown) -> PerfModel:
         """This model on hardware `slowdown` says is slower (see Slowdown)."""

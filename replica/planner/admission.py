@@ -406,9 +406,9 @@ def _forced_demand(
 
 def _spec_lens(budget: BatchBudget, tpots: np.ndarray) -> np.ndarray:
     """The budget's speculation length for each TPOT (computed once per distinct TPOT)."""
-    unique, inverse = np.unique(tpots, return_inverse=True)
-    lens = np.array([budget.spec_len(float(t)) for t in unique], dtype=float)
-    return lens[inverse.reshape(-1)] if len(tpots) else np.zeros(0)
+    values = tpots.tolist()
+    lens = {t: budget.spec_len(t) for t in set(values)}
+    return np.array([lens[t] for t in values], dtype=float)
 
 
 def _acceptance_charges(

@@ -99,19 +99,6 @@ class SloWork:
         return work
 
 
-@dataclass(frozen=True, slots=True)
-class _Mark:
-    """A batch's size at one point of its formation (`_Step.mark`)."""
-
-    num_entries: int
-    tokens_left: int
-    num_tokens: int
-    attn_tokens: int
-    kv_tokens: int
-    draft_steps: int
-    draft_batch: int
-
-
 @dataclass
 class _Step:
     """The batch being formed, with the aggregate features the perf model prices it by."""
@@ -128,7 +115,7 @@ class _Step:
         """Add a decode speculating at most `spec` drafts; the drafts it got (None: no room)."""
         if self.tokens_left < 1:
             return None
-        k = max(0, min(spec, state.remaining_output - 1, self.tokens_left - 1)) if spec else 0
+        k = _draft_len(spec, state.remaining_output, self.tokens_left)
         self.entries.append(DecodeStep(state.request_id, k))
         self._count(k + 1, state.num_computed_tokens)
         if k > 0:
@@ -148,37 +135,15 @@ class _Step:
         self.attn_tokens += attention_pairs(new_tokens, context)
         self.kv_tokens += new_tokens + context
 
-    def mark(self) -> _Mark:
-        return _Mark(
-            len(self.entries),
-            self.tokens_left,
-            self.num_tokens,
-            self.attn_tokens,
-            self.kv_tokens,
-            self.draft_steps,
-            self.draft_batch,
-        )
-
-    def restore(self, mark: _Mark) -> None:
-        """Undo everything added since `mark`."""
-        del self.entries[mark.num_entries :]
-        self.tokens_left = mark.tokens_left
-        self.num_tokens = mark.num_tokens
-        self.attn_tokens = mark.attn_tokens
-        self.kv_tokens = mark.kv_tokens
-        self.draft_steps = mark.draft_steps
-        self.draft_batch = mark.draft_batch
-
-    def seconds(self, perf: BatchTimeModel, mark: _Mark | None = None) -> float:
-        """Predicted time of the batch as it stands (or as it stood at `mark`)."""
-        m = mark or self.mark()
+    def seconds(self, perf: BatchTimeModel) -> float:
+        """Predicted time of the batch as it stands."""
         return perf.predict_aggregate(
-            num_tokens=m.num_tokens,
-            num_requests=m.num_entries,
-            attn_tokens=m.attn_tokens,
-            kv_tokens=m.kv_tokens,
-            draft_steps=m.draft_steps,
-            draft_batch=m.draft_batch,
+            num_tokens=self.num_tokens,
+            num_requests=len(self.entries),
+            attn_tokens=self.attn_tokens,
+            kv_tokens=self.kv_tokens,
+            draft_steps=self.draft_steps,
+            draft_batch=self.draft_batch,
         )
 
     def seconds_with(self, perf: BatchTimeModel, new_tokens: int, context: int) -> float:
@@ -315,47 +280,94 @@ def _ride_ahead(
     most tokens per second of the batch: tokens nobody promised, which free their KV sooner."""
     if not ahead:
         return
-    start = step.mark()
-    best = (-1.0, 0)
+    decoders = [
+        (spec_lens[w.tpot_s], w.state.remaining_output, w.state.num_computed_tokens) for w in ahead
+    ]
+    best = (-1.0, 0, 0)
+    tried: set[tuple[int, ...]] = set()
     for extra in range(longest + 1):
-        step.restore(start)
-        tokens = _add_within(step, ahead, spec_lens, extra, perf, seconds, acceptance)
-        rate = tokens / step.seconds(perf)
+        ride = _Ride(step, decoders, extra)
+        drafts = tuple(ride.drafts)
+        if drafts in tried:
+            continue  # the same batch as a shorter length's, which keeps the tie
+        tried.add(drafts)
+        fits = ride.longest_within(perf, seconds)
+        rate = ride.expected(fits, acceptance) / ride.seconds(perf, fits)
         if rate > best[0] * (1.0 + 1e-9):
-            best = (rate, extra)
-    if best[1] != longest:
-        step.restore(start)
-        _add_within(step, ahead, spec_lens, best[1], perf, seconds, acceptance)
+            best = (rate, extra, fits)
+    _, extra, fits = best
+    for work in ahead[:fits]:
+        step.decode(work.state, max(spec_lens[work.tpot_s], extra))
 
 
-def _add_within(
-    step: _Step,
-    ahead: Sequence[SloWork],
-    spec_lens: dict[float, int],
-    least: int,
-    perf: BatchTimeModel,
-    seconds: float,
-    acceptance: float,
-) -> float:
-    """Add the longest prefix of `ahead` whose batch ends within `seconds`, each decoder
-    speculating at least `least`; the tokens they are expected to deliver."""
-    marks = [step.mark()]
-    expected = [0.0]
-    for work in ahead:
-        k = step.decode(work.state, max(spec_lens[work.tpot_s], least))
-        marks.append(step.mark())
-        expected.append(expected[-1] + (expected_tokens(acceptance, k) if k is not None else 0.0))
-    fits = len(marks) - 1
-    if step.seconds(perf) > seconds:
-        fits, over = 0, fits
-        while over - fits > 1:
-            mid = (fits + over) // 2
-            if step.seconds(perf, marks[mid]) <= seconds:
-                fits = mid
-            else:
-                over = mid
-        step.restore(marks[fits])
-    return expected[fits]
+class _Ride:
+    """Decoders ahead of their line added in order to `step` as decodes speculating at
+    least `least`, as `_Step.decode` adds them, but only as the batch's features after each
+    prefix: `_ride_ahead` weighs every speculation length and keeps one, and planning runs
+    this for every batch of every replica, so the prefixes are running sums, not batches.
+    `decoders`: (spec length, remaining output, cached context) of each."""
+
+    def __init__(self, step: _Step, decoders: Sequence[tuple[int, int, int]], least: int) -> None:
+        self.num_ahead = len(decoders)
+        self.requests = len(step.entries)
+        self.drafts: list[int] = []
+        tokens, attn, kv = step.num_tokens, step.attn_tokens, step.kv_tokens
+        draft_steps, draft_batch = step.draft_steps, step.draft_batch
+        self.tokens, self.attn, self.kv = [tokens], [attn], [kv]
+        self.draft_steps, self.draft_batch = [draft_steps], [draft_batch]
+        left = step.tokens_left
+        for spec, remaining, context in decoders:
+            if left < 1:
+                break  # the rest get no token: their prefixes are this one
+            k = _draft_len(max(spec, least), remaining, left)
+            left -= k + 1
+            tokens += k + 1
+            attn += attention_pairs(k + 1, context)
+            kv += k + 1 + context
+            if k > 0:
+                draft_steps = max(draft_steps, k)
+                draft_batch += 1
+            self.drafts.append(k)
+            self.tokens.append(tokens)
+            self.attn.append(attn)
+            self.kv.append(kv)
+            self.draft_steps.append(draft_steps)
+            self.draft_batch.append(draft_batch)
+
+    def seconds(self, perf: BatchTimeModel, count: int) -> float:
+        """Predicted time of the batch with the first `count` decoders added."""
+        i = min(count, len(self.drafts))
+        return perf.predict_aggregate(
+            num_tokens=self.tokens[i],
+            num_requests=self.requests + i,
+            attn_tokens=self.attn[i],
+            kv_tokens=self.kv[i],
+            draft_steps=self.draft_steps[i],
+            draft_batch=self.draft_batch[i],
+        )
+
+    def expected(self, count: int, acceptance: float) -> float:
+        """Tokens the first `count` decoders are expected to deliver."""
+        return sum((expected_tokens(acceptance, k) for k in self.drafts[:count]), 0.0)
+
+    def longest_within(self, perf: BatchTimeModel, seconds: float) -> int:
+        """How many decoders, in order, the batch takes and still ends within `seconds`."""
+        fits = self.num_ahead
+        if self.seconds(perf, fits) > seconds:
+            fits, over = 0, fits
+            while over - fits > 1:
+                mid = (fits + over) // 2
+                if self.seconds(perf, mid) <= seconds:
+                    fits = mid
+                else:
+                    over = mid
+        return fits
+
+
+def _draft_len(spec: int, remaining_output: int, tokens_left: int) -> int:
+    """Drafts a decode asking for `spec` gets in a batch with `tokens_left` (>= 1) query
+    tokens left: none past its output's end, and its own token always fits."""
+    return max(0, min(spec, remaining_output - 1, tokens_left - 1)) if spec else 0
 
 
 def _fill_best_effort(

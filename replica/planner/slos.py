@@ -266,7 +266,7 @@ class SlosScheduler(Scheduler):
         (the last prompt deadline plus two of the tightest TPOT, past the life of a budget
         between replans): a decoder far ahead of its line skips a short batch it does not
         fit, so a tight-TTFT prompt can be promised a batch of its own beside long decodes."""
-        loads = Counter(dict(zip(*np.unique(decoders.tpot_s, return_counts=True), strict=True)))
+        loads = Counter(decoders.tpot_s.tolist())
         loads.update(p.tpot_s for p in prefills)
         loads.update(remaining_tpot(r, 1) for r in slo_new)
         works = list(self._work.values())

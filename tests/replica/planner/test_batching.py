@@ -8,7 +8,7 @@ from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, Req
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.batching import SloWork, form_batch
-from replica.planner.budget import TierLoad, plan_budgets
+from replica.planner.budget import BatchBudget, TierLoad, plan_budgets
 from replica.planner.queues import RequestQueues
 from replica.request import SLO, Request, SamplingParams, Tier
 
@@ -90,3 +90,16 @@ def test_decoders_ahead_of_their_line_ride_only_within_the_period() -> None:
     )
     plan = form_batch(0.01, budget, perf, works, [], queues, 0, 8, 0.1)
     assert plan is not None and [e.request_id for e in plan.entries] == ["d0", "d1"]
+
+
+def test_decoders_ahead_of_their_line_ride_only_in_the_tokens_left() -> None:
+    # Time is no bound here (15 ms a batch, 100 ms period): the budget's 3 tokens are. Three
+    # plain decodes (3 tokens for 15.03 ms) beat one decoder drafting 1 or 2 of them (2.6 or
+    # 1.96 tokens for a batch a draft step longer); lengths 3 and 4 are length 2 again.
+    perf = PerfModel.synthetic({"const": 0.015, "tokens": 1e-5, "draft_steps": 5e-4})
+    queues = RequestQueues(CacheBudget(num_blocks=256))
+    works = decoders_ahead(queues, 4, 64)
+    budget = BatchBudget(0.1, 3, 4, 164, 4 * 164, 0.6, 4, 0, 0)
+    plan = form_batch(0.01, budget, perf, works, [], queues, 0, 8, 0.1, 4)
+    assert plan is not None
+    assert plan.entries == (DecodeStep("d0", 0), DecodeStep("d1", 0), DecodeStep("d2", 0))

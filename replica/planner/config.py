@@ -106,7 +106,9 @@ class InvocationConfig:
     """When the planner re-solves admission and the batch budget (Algorithm 1's triggers)."""
 
     interval_s: float = 0.05
-    """Replan at least this often while requests are waiting for a verdict."""
+    """Replan at least this often, waiting requests or not: the budget follows the decoders as
+    they grow and finish, and declined requests are offered again (`SlosScheduler._promotable`).
+    Replanning only while a request waits lost capacity in simulation (loadgen/RESULTS.md)."""
     new_requests: int = 1
     """Replan once this many requests await admission."""
     finished_requests: int = 8

@@ -31,7 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache, partial
 from pathlib import Path
@@ -43,7 +47,7 @@ from cluster.sim_distserve import DEFAULT_LINK_GB_S, pool_splits
 from cluster.sim_spec import DEFAULT_ACCEPTANCE
 from cluster.simulator import Policy, SimConfig, SimRequest, SimResult, Simulator
 from loadgen.arrivals import poisson_arrivals, trace_arrivals
-from loadgen.capacity import find_capacity
+from loadgen.capacity import CapacityResult, find_capacity
 from loadgen.capacity_tables import markdown_tables, summarize
 from loadgen.cli import OptionError
 from loadgen.metrics import RunReport, report
@@ -383,6 +387,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "capacity bars (capacity runs); PATH-timeline.png = burst timeline of one run",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="run this many capacity searches (with --rate: runs) at once, in worker "
+        "processes; 0 = one per CPU (default 1). Every run is deterministic, so the results "
+        "are the same as one at a time",
+    )
+    parser.add_argument(
         "--timeline-scenario",
         help="scenario of the burst timeline (default: the first; coder for --paper-table); "
         "it runs at --rate, else at slos's capacity",
@@ -437,6 +449,8 @@ class Plan:
     slowdown: Slowdown
     length_scale: float
     zero_load: ZeroLoad | None
+    jobs: int = 1
+    """Worker processes (1: the runs in this process, in order)."""
 
     def requests_per_replica(self, scenario: Scenario) -> int:
         """Requests a replica gets at every rate: the scenario's duration at the reference rate
@@ -499,6 +513,8 @@ def plan(args: argparse.Namespace) -> Plan:
         start_rates = dict.fromkeys(scenarios, args.start_rate)
     else:
         start_rates = {s: START_RATES[s] for s in scenarios}
+    if args.jobs < 0:
+        raise OptionError(f"--jobs must be >= 0 (0: one per CPU), got {args.jobs}")
     if args.min_rate > args.max_rate:
         raise OptionError(f"--min-rate {args.min_rate} exceeds --max-rate {args.max_rate}")
     start_rates = {s: min(max(r, args.min_rate), args.max_rate) for s, r in start_rates.items()}
@@ -532,6 +548,7 @@ def plan(args: argparse.Namespace) -> Plan:
         slowdown=Slowdown(args.replica_slowdown, overhead / 1e3),
         length_scale=args.length_scale,
         zero_load=zero_load,
+        jobs=args.jobs or os.cpu_count() or 1,
     )
 
 
@@ -572,32 +589,25 @@ def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
     capacity: dict[str, dict[str, dict[str, float]]] = {}
     searches: list[dict[str, Any]] = []
-    jobs = [(s, policy, n) for s in p.scenarios for policy in p.policies for n in p.replica_counts]
+    jobs = [
+        Job(s, policy, n) for s in p.scenarios for policy in p.policies for n in p.replica_counts
+    ]
     print(
         f"{'scenario':<11}{'policy':<13}{'replicas':>8}{'rate/rep':>10}{'attain':>8}{'wall s':>8}"
     )
-    with tqdm(jobs, unit="run" if p.rate else "search", disable=None, leave=False) as bar:
-        for scenario, policy, n in bar:
-            bar.set_postfix_str(f"{scenario.value} {policy.value} x{n}")
-            attainment = partial(_evaluate, setups[scenario], policy, n, runs)
-            if p.rate is not None:
-                attainment(p.rate)
-                continue
-            found = find_capacity(
-                attainment,
-                p.start_rates[scenario],
-                rel_tol=p.rel_tol,
-                min_rate=args.min_rate,
-                max_rate=args.max_rate,
-            )
-            capacity.setdefault(scenario.value, {}).setdefault(policy.value, {})[str(n)] = (
-                found.capacity
-            )
-            searches.append(
-                {"scenario": scenario.value, "policy": policy.value, "replicas": n}
-                | found.to_dict()
-            )
-            tqdm.write(f"  capacity {scenario.value} {policy.value} x{n}: {found.capacity:.3f}")
+    search = Search(p.rel_tol, args.min_rate, args.max_rate)
+    # In job order whatever order they finish in, so the JSON is the same for every --jobs.
+    for job, (job_runs, found) in zip(jobs, _run_jobs(jobs, setups, p, search), strict=True):
+        runs += job_runs
+        if found is None:
+            continue
+        capacity.setdefault(job.scenario.value, {}).setdefault(job.policy.value, {})[
+            str(job.replicas)
+        ] = found.capacity
+        searches.append(
+            {"scenario": job.scenario.value, "policy": job.policy.value, "replicas": job.replicas}
+            | found.to_dict()
+        )
     out: dict[str, Any] = {
         "profile": p.profile,
         "baseline_profile": p.baseline_profile or p.profile,
@@ -627,6 +637,96 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+@dataclass(frozen=True)
+class Job:
+    """One capacity search of the command (with --rate, one run)."""
+
+    scenario: Scenario
+    policy: Policy
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Search:
+    """The capacity search's options."""
+
+    rel_tol: float
+    min_rate: float
+    max_rate: float
+
+
+JobResult = tuple[list[dict[str, Any]], CapacityResult | None]
+"""A job's runs, in the order they ran, and its search's result (None with --rate)."""
+
+
+def run_job(
+    setup: Setup, job: Job, rate: float | None, start_rate: float, search: Search
+) -> JobResult:
+    """Run one job (in a worker process with --jobs): a top-level function so it pickles."""
+    runs: list[dict[str, Any]] = []
+    attainment = partial(_evaluate, setup, job.policy, job.replicas, runs)
+    if rate is not None:
+        attainment(rate)
+        return runs, None
+    found = find_capacity(
+        attainment,
+        start_rate,
+        rel_tol=search.rel_tol,
+        min_rate=search.min_rate,
+        max_rate=search.max_rate,
+    )
+    return runs, found
+
+
+def _run_jobs(
+    jobs: Sequence[Job], setups: Mapping[Scenario, Setup], p: Plan, search: Search
+) -> list[JobResult]:
+    """Every job's result, in job order."""
+    results: dict[int, JobResult] = {}
+    unit = "run" if p.rate else "search"
+    with tqdm(total=len(jobs), unit=unit, disable=None, leave=False) as bar:
+
+        def done(i: int, result: JobResult) -> None:
+            results[i] = result
+            _print_capacity(jobs[i], result[1])
+            bar.update()
+
+        workers = min(p.jobs, len(jobs))
+        if workers <= 1:
+            for i, job in enumerate(jobs):
+                bar.set_postfix_str(f"{job.scenario.value} {job.policy.value} x{job.replicas}")
+                done(
+                    i,
+                    run_job(setups[job.scenario], job, p.rate, p.start_rates[job.scenario], search),
+                )
+        else:
+            # spawn: the parent's threads (tqdm's monitor) must not be forked mid-lock.
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(workers, mp_context=context) as pool:
+                futures = {
+                    pool.submit(
+                        run_job,
+                        setups[job.scenario],
+                        job,
+                        p.rate,
+                        p.start_rates[job.scenario],
+                        search,
+                    ): i
+                    for i, job in enumerate(jobs)
+                }
+                for future in as_completed(futures):
+                    done(futures[future], future.result())
+    return [results[i] for i in range(len(jobs))]
+
+
+def _print_capacity(job: Job, found: CapacityResult | None) -> None:
+    if found is not None:
+        tqdm.write(
+            f"  capacity {job.scenario.value} {job.policy.value} x{job.replicas}: "
+            f"{found.capacity:.3f}"
+        )
 
 
 def timeline_rate(
@@ -700,13 +800,15 @@ def _records(setup: Setup, policy: Policy, replicas: int, rate: float) -> list[R
 def _evaluate(
     setup: Setup, policy: Policy, replicas: int, runs: list[dict[str, Any]], rate: float
 ) -> float:
-    """Attainment at one rate; the run is printed and appended to `runs`."""
+    """Attainment at one rate; the run is printed (by a worker too: progress as it happens)
+    and appended to `runs`."""
     run_report, result = setup.run(policy, replicas, rate)
     attainment = run_report.overall.attainment
     tqdm.write(
         f"{setup.scenario.value:<11}{policy.value:<13}{replicas:>8}{rate:>10.3f}"
         f"{attainment:>8.3f}{result.wall_s:>8.1f}"
     )
+    sys.stdout.flush()
     runs.append(
         {
             "scenario": setup.scenario.value,

@@ -52,6 +52,8 @@ def test_defaults_and_ablation() -> None:
     assert p.timeline_scenario is Scenario.CODER
     assert p.start_rates == {s: simulate.START_RATES[s] for s in p.scenarios}
     assert not p.same_window
+    assert p.jobs == 1
+    assert simulate.plan(parse("--capacity", "--jobs", "0")).jobs >= 1  # one per CPU
     ablation = simulate.plan(parse("--capacity", "--ablation"))
     assert ablation.policies == [
         Policy.SLOS,
@@ -84,6 +86,7 @@ def test_defaults_and_ablation() -> None:
         (("--rate", "1", "--step-overhead-ms", "-1"), "--step-overhead-ms"),
         (("--rate", "1", "--length-scale", "0"), "--length-scale"),
         (("--rate", "1", "--zero-load", "/nonexistent/zero.json"), "--zero-load"),
+        (("--capacity", "--jobs", "-1"), "--jobs"),
     ],
 )
 def test_bad_options_are_named(argv: tuple[str, ...], option: str) -> None:
@@ -201,6 +204,24 @@ def test_tiny_paper_table_writes_summary_table_and_figures(
         assert path.parent == tmp_path and path.stat().st_size > 5000
     printed = capsys.readouterr().out
     assert "| scenario | replicas | slos | vllm | sarathi | distserve |" in printed
+
+
+def test_searches_in_worker_processes_give_the_same_results(tmp_path: Path) -> None:
+    """Every run is deterministic, so --jobs changes how long the command takes, not what it
+    writes: the runs in the same order, the same capacities (only `wall_s` differs)."""
+    tiny = ("--capacity", "--scenario", "coder,chatbot", "--policies", "slos,vllm")
+    tiny += ("--duration", "2", "--rel-tol", "1", "--start-rate", "1", "--max-rate", "2")
+    outputs = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"jobs{jobs}.json"
+        assert simulate.run(parse(*tiny, "--jobs", jobs, "--json", str(out))) == 0
+        data = json.loads(out.read_text())
+        for r in data["runs"]:
+            del r["wall_s"]
+        outputs.append(data)
+    serial, parallel = outputs
+    assert len(serial["capacity_searches"]) == 4 and len(serial["runs"]) >= 4
+    assert parallel == serial
 
 
 def test_timeline_runs_at_slos_capacity_else_the_highest() -> None:

@@ -7,7 +7,8 @@ attainment (loadgen.capacity) and summarizes slos against the best baseline as a
 mean of capacity ratios, plus scaling over replica counts and ablation variants when present
 (loadgen.capacity_tables). `--paper-table` runs the paper's 1-replica six-scenario comparison;
 `--plot` draws loadgen.plots' figures (distserve, which runs several pool splits, has no burst
-timeline). Arrivals: Poisson, or the scenario's Azure trace rescaled to the rate.
+timeline). Arrivals: Poisson, or the scenario's Azure trace rescaled to the rate. `--jobs` runs
+the searches in worker processes; every run is deterministic, so the output is the same.
 
 A live run's conditions replay with `--zero-load` (its measured SLOs), `--length-scale` and
 `--baseline-profile` (the no-draft profile for policies without a draft); `--replica-slowdown`

@@ -450,7 +450,7 @@ class Plan:
     slowdown: Slowdown
     length_scale: float
     zero_load: ZeroLoad | None
-    jobs: int = 1
+    jobs: int
     """Worker processes (1: the runs in this process, in order)."""
 
     def requests_per_replica(self, scenario: Scenario) -> int:
@@ -596,7 +596,9 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{'scenario':<11}{'policy':<13}{'replicas':>8}{'rate/rep':>10}{'attain':>8}{'wall s':>8}"
     )
-    search = Search(p.rel_tol, args.min_rate, args.max_rate)
+    search = partial(
+        find_capacity, rel_tol=p.rel_tol, min_rate=args.min_rate, max_rate=args.max_rate
+    )
     # In job order whatever order they finish in, so the JSON is the same for every --jobs.
     for job, (job_runs, found) in zip(jobs, _run_jobs(jobs, setups, p, search), strict=True):
         runs += job_runs
@@ -649,14 +651,8 @@ class Job:
     replicas: int
 
 
-@dataclass(frozen=True)
-class Search:
-    """The capacity search's options."""
-
-    rel_tol: float
-    min_rate: float
-    max_rate: float
-
+Search = Callable[[Callable[[float], float], float], CapacityResult]
+"""`find_capacity` with the command's tolerance and bounds: (attainment at a rate, start)."""
 
 JobResult = tuple[list[dict[str, Any]], CapacityResult | None]
 """A job's runs, in the order they ran, and its search's result (None with --rate)."""
@@ -671,14 +667,7 @@ def run_job(
     if rate is not None:
         attainment(rate)
         return runs, None
-    found = find_capacity(
-        attainment,
-        start_rate,
-        rel_tol=search.rel_tol,
-        min_rate=search.min_rate,
-        max_rate=search.max_rate,
-    )
-    return runs, found
+    return runs, search(attainment, start_rate)
 
 
 def _run_jobs(
@@ -694,29 +683,17 @@ def _run_jobs(
             _print_capacity(jobs[i], result[1])
             bar.update()
 
+        calls = [(setups[j.scenario], j, p.rate, p.start_rates[j.scenario], search) for j in jobs]
         workers = min(p.jobs, len(jobs))
         if workers <= 1:
-            for i, job in enumerate(jobs):
+            for i, (job, call) in enumerate(zip(jobs, calls, strict=True)):
                 bar.set_postfix_str(f"{job.scenario.value} {job.policy.value} x{job.replicas}")
-                done(
-                    i,
-                    run_job(setups[job.scenario], job, p.rate, p.start_rates[job.scenario], search),
-                )
+                done(i, run_job(*call))
         else:
             # spawn: the parent's threads (tqdm's monitor) must not be forked mid-lock.
             context = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(workers, mp_context=context) as pool:
-                futures = {
-                    pool.submit(
-                        run_job,
-                        setups[job.scenario],
-                        job,
-                        p.rate,
-                        p.start_rates[job.scenario],
-                        search,
-                    ): i
-                    for i, job in enumerate(jobs)
-                }
+                futures = {pool.submit(run_job, *call): i for i, call in enumerate(calls)}
                 for future in as_completed(futures):
                     done(futures[future], future.result())
     return [results[i] for i in range(len(jobs))]

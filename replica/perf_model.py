@@ -505,8 +505,7 @@ class PerfModel:
         return extra
 
     def _seconds(self, x: tuple[float, ...]) -> float:
-        # Term.seconds inlined: planning prices hundreds of thousands of batches a run.
-        return max(sum(map(operator.mul, t.coefficients, x)) for t in self.terms)
+        return max(t.seconds(x) for t in self.terms)
 
     def slowed(self, slowdown: Slowdown) -> PerfModel:
         """This model on hardware `slowdown` says is slower (see Slowdown)."""

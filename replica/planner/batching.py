@@ -59,29 +59,44 @@ class SloWork:
     """KV slots it may hold at its longest (prompt + max_tokens - 1)."""
     reserve_tokens: int
     """KV slots reserved for it now (peak_tokens unless reservations follow an estimate)."""
+    progress: tuple[int, bool] = (-1, False)
+    """(tokens produced, decoding) that `token_deadline_s` and `chain` were computed for:
+    every replan refreshes every admitted request, most of them unchanged since the last."""
+    token_deadline_s: float = 0.0
+    """Deadline of the next token (the prompt's, before the first)."""
+    chain: tuple[float, ...] = ()
+    """Deadlines of the tokens ahead while a stage may start early (`upcoming_deadlines`)."""
 
     def refresh(self, now: float, period_s: float, behind_factor: float) -> None:
         """Recompute from the request's progress, the batch period and the time."""
         state = self.state
         produced = len(state.output_token_ids)
-        self.base_tpot_s = remaining_tpot(state.request, max(1, produced))
-        self.decoding = state.is_decoding
-        # A decoder's next deadline is exact; before the first token, token 1 is assumed one
-        # TPOT after token 0, so a stage starting early right after token 0 counts too.
-        self.early_tokens = early_stage_starts(state.request, produced if self.decoding else 0)
-        if self.decoding:
-            self.deadline_s = token_deadline(state.request, produced)
+        decoding = state.is_decoding
+        if self.progress != (produced, decoding):
+            self._track(produced, decoding)
+        if decoding:
+            self.deadline_s = self.token_deadline_s
             behind = lags(self.deadline_s, now, period_s)
             self.tpot_s = self.base_tpot_s * (behind_factor if behind else 1.0)
-            self.urgency_s = self.deadline_s
         else:
             self.tpot_s = self.base_tpot_s
             shift = max(0.0, period_s - self.tpot_s)
-            self.deadline_s = token_deadline(state.request, produced) - shift
-            self.urgency_s = self.deadline_s
+            self.deadline_s = self.token_deadline_s - shift
+        self.urgency_s = self.deadline_s
         if self.early_tokens:
-            chain = chain_deadline(upcoming_deadlines(state.request, produced), period_s)
-            self.urgency_s = min(self.urgency_s, chain)
+            self.urgency_s = min(self.urgency_s, chain_deadline(self.chain, period_s))
+
+    def _track(self, produced: int, decoding: bool) -> None:
+        """What depends only on the request's progress."""
+        request = self.state.request
+        self.progress = (produced, decoding)
+        self.decoding = decoding
+        self.base_tpot_s = remaining_tpot(request, max(1, produced))
+        # A decoder's next deadline is exact; before the first token, token 1 is assumed one
+        # TPOT after token 0, so a stage starting early right after token 0 counts too.
+        self.early_tokens = early_stage_starts(request, produced if decoding else 0)
+        self.token_deadline_s = token_deadline(request, produced)
+        self.chain = upcoming_deadlines(request, produced) if self.early_tokens else ()
 
     @classmethod
     def of(
@@ -283,7 +298,7 @@ def _ride_ahead(
     decoders = [
         (spec_lens[w.tpot_s], w.state.remaining_output, w.state.num_computed_tokens) for w in ahead
     ]
-    best = (-1.0, 0, 0)
+    best: tuple[float, _Ride | None, int] = (-1.0, None, 0)
     tried: set[tuple[int, ...]] = set()
     for extra in range(longest + 1):
         ride = _Ride(step, decoders, extra)
@@ -294,56 +309,80 @@ def _ride_ahead(
         fits = ride.longest_within(perf, seconds)
         rate = ride.expected(fits, acceptance) / ride.seconds(perf, fits)
         if rate > best[0] * (1.0 + 1e-9):
-            best = (rate, extra, fits)
-    _, extra, fits = best
-    for work in ahead[:fits]:
-        step.decode(work.state, max(spec_lens[work.tpot_s], extra))
+            best = (rate, ride, fits)
+    _, chosen, fits = best
+    assert chosen is not None  # every rate beats -1
+    chosen.add(step, [work.state.request_id for work in ahead[:fits]])
+
+
+_Sums = tuple[int, int, int, int, int]
+"""A batch's num_tokens, attn_tokens, kv_tokens, draft_steps and draft_batch."""
 
 
 class _Ride:
     """Decoders ahead of their line added in order to `step` as decodes speculating at
-    least `least`, as `_Step.decode` adds them, but only as the batch's features after each
-    prefix: `_ride_ahead` weighs every speculation length and keeps one, and planning runs
-    this for every batch of every replica, so the prefixes are running sums, not batches.
+    least `least`, as `_Step.decode` adds them, but first only as the batch's features:
+    `_ride_ahead` weighs every speculation length and keeps one, and planning runs this for
+    every batch of every replica, so the batch is running sums, not entries, and the sums
+    after each prefix are built only when not every decoder fits (rarely).
     `decoders`: (spec length, remaining output, cached context) of each."""
 
     def __init__(self, step: _Step, decoders: Sequence[tuple[int, int, int]], least: int) -> None:
         self.num_ahead = len(decoders)
         self.requests = len(step.entries)
+        self.base: _Sums = (
+            step.num_tokens,
+            step.attn_tokens,
+            step.kv_tokens,
+            step.draft_steps,
+            step.draft_batch,
+        )
+        self.contexts = [context for _, _, context in decoders]
         self.drafts: list[int] = []
-        tokens, attn, kv = step.num_tokens, step.attn_tokens, step.kv_tokens
-        draft_steps, draft_batch = step.draft_steps, step.draft_batch
-        self.tokens, self.attn, self.kv = [tokens], [attn], [kv]
-        self.draft_steps, self.draft_batch = [draft_steps], [draft_batch]
         left = step.tokens_left
-        for spec, remaining, context in decoders:
+        for spec, remaining, _ in decoders:
             if left < 1:
                 break  # the rest get no token: their prefixes are this one
             k = _draft_len(max(spec, least), remaining, left)
             left -= k + 1
+            self.drafts.append(k)
+        self.total = self._added(self.base, 0, len(self.drafts))
+        self.prefixes: list[_Sums] = []
+        """The sums after each prefix of the drafts' decoders (`sums`)."""
+
+    def _added(self, sums: _Sums, start: int, stop: int) -> _Sums:
+        """`sums` with the decoders `start` to `stop` added."""
+        tokens, attn, kv, draft_steps, draft_batch = sums
+        for k, context in zip(self.drafts[start:stop], self.contexts[start:stop], strict=True):
             tokens += k + 1
             attn += attention_pairs(k + 1, context)
             kv += k + 1 + context
             if k > 0:
                 draft_steps = max(draft_steps, k)
                 draft_batch += 1
-            self.drafts.append(k)
-            self.tokens.append(tokens)
-            self.attn.append(attn)
-            self.kv.append(kv)
-            self.draft_steps.append(draft_steps)
-            self.draft_batch.append(draft_batch)
+        return tokens, attn, kv, draft_steps, draft_batch
+
+    def sums(self, count: int) -> tuple[int, _Sums]:
+        """How many decoders of the first `count` get a token, and the batch's sums with them."""
+        i = min(count, len(self.drafts))
+        if i == len(self.drafts):
+            return i, self.total
+        if not self.prefixes:
+            self.prefixes.append(self.base)
+            for j in range(len(self.drafts)):
+                self.prefixes.append(self._added(self.prefixes[-1], j, j + 1))
+        return i, self.prefixes[i]
 
     def seconds(self, perf: BatchTimeModel, count: int) -> float:
         """Predicted time of the batch with the first `count` decoders added."""
-        i = min(count, len(self.drafts))
+        i, (tokens, attn, kv, draft_steps, draft_batch) = self.sums(count)
         return perf.predict_aggregate(
-            num_tokens=self.tokens[i],
+            num_tokens=tokens,
             num_requests=self.requests + i,
-            attn_tokens=self.attn[i],
-            kv_tokens=self.kv[i],
-            draft_steps=self.draft_steps[i],
-            draft_batch=self.draft_batch[i],
+            attn_tokens=attn,
+            kv_tokens=kv,
+            draft_steps=draft_steps,
+            draft_batch=draft_batch,
         )
 
     def expected(self, count: int, acceptance: float) -> float:
@@ -362,6 +401,14 @@ class _Ride:
                 else:
                     over = mid
         return fits
+
+    def add(self, step: _Step, request_ids: Sequence[str]) -> None:
+        """Add the first decoders (`request_ids`, in order) to `step`."""
+        i, sums = self.sums(len(request_ids))
+        step.entries.extend(map(DecodeStep, request_ids[:i], self.drafts[:i]))
+        step.tokens_left -= sums[0] - step.num_tokens
+        step.num_tokens, step.attn_tokens, step.kv_tokens = sums[:3]
+        step.draft_steps, step.draft_batch = sums[3:]
 
 
 def _draft_len(spec: int, remaining_output: int, tokens_left: int) -> int:

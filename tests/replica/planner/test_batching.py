@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, RequestOutcome
@@ -13,13 +15,17 @@ from replica.planner.queues import RequestQueues
 from replica.request import SLO, Request, SamplingParams, Tier
 
 
-def decoders_ahead(queues: RequestQueues, count: int, context: int) -> list[SloWork]:
-    """Requests with their prompt done and one token out, ten seconds ahead of their line."""
+def decoders_ahead(
+    queues: RequestQueues, count: int, context: int, max_tokens: Sequence[int] = ()
+) -> list[SloWork]:
+    """Requests with their prompt done and one token out, ten seconds ahead of their line
+    (`max_tokens` of the first ones, else 100)."""
+    caps = [*max_tokens, *[100] * (count - len(max_tokens))]
     requests = [
         Request(
             f"d{i}",
             [1] * context,
-            SamplingParams(max_tokens=100, ignore_eos=True),
+            SamplingParams(max_tokens=caps[i], ignore_eos=True),
             SLO(ttft_ms=10_000, tpot_ms=100),
             tier=Tier.SLO,
         )
@@ -103,3 +109,16 @@ def test_decoders_ahead_of_their_line_ride_only_in_the_tokens_left() -> None:
     plan = form_batch(0.01, budget, perf, works, [], queues, 0, 8, 0.1, 4)
     assert plan is not None
     assert plan.entries == (DecodeStep("d0", 0), DecodeStep("d1", 0), DecodeStep("d2", 0))
+
+
+def test_decoders_ahead_of_their_line_draft_no_further_than_their_output_and_the_tokens() -> None:
+    # 15 ms a batch, 0.2 ms a draft step, 11 tokens. Drafting 4 beyond the budget: d0 has 2
+    # tokens to go (1 draft), d1 drafts 4, d2 gets the 4 tokens left (3 drafts): 6.08 tokens
+    # expected for 15.91 ms beat every shorter length (3: 5.95 for 15.7 ms).
+    perf = PerfModel.synthetic({"const": 0.015, "tokens": 1e-5, "draft_steps": 2e-4})
+    queues = RequestQueues(CacheBudget(num_blocks=256))
+    works = decoders_ahead(queues, 3, 64, max_tokens=[3])
+    budget = BatchBudget(0.1, 11, 3, 164, 3 * 164, 0.6, 4, 0, 0)
+    plan = form_batch(0.01, budget, perf, works, [], queues, 0, 8, 0.1, 4)
+    assert plan is not None
+    assert plan.entries == (DecodeStep("d0", 1), DecodeStep("d1", 4), DecodeStep("d2", 3))

@@ -188,8 +188,10 @@ class SlosScheduler(Scheduler):
         """Which of `new` this replica can guarantee next to its admitted requests.
 
         Pure: nothing changes until the caller binds the admitted ones. Best-effort requests
-        in `new` are always declined. Every budget option (see `plan_budgets`) is solved and
-        the one keeping the running requests on time with the most admitted value wins.
+        in `new` are always declined. The budget options (see `plan_budgets`) are solved in
+        order and the one keeping the running requests on time with the most admitted value
+        wins; the solving stops at an option that keeps them all on time and admits every
+        candidate (most replans: a second solve would cost as much and could only tie).
         Batches are planned from the end of the batch in flight, if any: a request admitted
         now can ride no earlier batch."""
         slo_new = [r for r in new if r.tier is Tier.SLO]
@@ -197,22 +199,22 @@ class SlosScheduler(Scheduler):
         cache = self.queues.budget
         candidates = tuple(_candidate(r, cache.blocks_for(self._reservation(r))) for r in slo_new)
         start = max(now, self._busy_until)
-        results = [
-            solve_admission(
-                AdmissionProblem(
-                    now=start,
-                    budget=budget,
-                    candidates=candidates,
-                    prefills=prefills,
-                    decoders=decoders,
-                    free_blocks=cache.num_blocks - self._reserved_blocks,
-                    memory_units=self.config.memory_units,
-                    perf=self.perf,
-                ),
-                self.config.max_dp_candidates,
+        results = []
+        for budget in self._budgets(decoders, prefills, slo_new, start):
+            problem = AdmissionProblem(
+                now=start,
+                budget=budget,
+                candidates=candidates,
+                prefills=prefills,
+                decoders=decoders,
+                free_blocks=cache.num_blocks - self._reserved_blocks,
+                memory_units=self.config.memory_units,
+                perf=self.perf,
             )
-            for budget in self._budgets(decoders, prefills, slo_new, start)
-        ]
+            solved = solve_admission(problem, self.config.max_dp_candidates)
+            results.append(solved)
+            if solved.forced_feasible and not solved.forced_late and not solved.declined:
+                break  # no later option can do better, and ties keep the first
         result = max(results, key=lambda r: (r.forced_feasible, -r.forced_late, r.value))
         if len(slo_new) == len(new):
             return result

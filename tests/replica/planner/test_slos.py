@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from replica.perf_model import PerfModel
 from replica.planner import slos as slos_module
+from replica.planner.admission import AdmissionProblem, AdmissionResult, solve_admission
 from replica.planner.base import CacheBudget, Scheduler
+from replica.planner.budget import BatchBudget
 from replica.planner.config import InvocationConfig, PlannerConfig, SpecConfig
 from replica.planner.deadlines import token_deadline
 from replica.planner.executor import (
@@ -649,3 +655,41 @@ def test_verdict_and_demotion_histories_keep_only_the_latest(
         while scheduler.has_unfinished():
             now = steps(scheduler, executor, now, 1)
     assert list(scheduler.verdicts) == ["r1", "r2"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.booleans())
+def test_property_admission_stops_only_at_an_option_no_later_one_beats(
+    workload: tuple[list[Request], int, int], spec: bool
+) -> None:
+    # plan_admission stops solving at an option that keeps every running request on time and
+    # admits every candidate; solving every option must choose the same.
+    requests, num_blocks, group = workload
+    cache = CacheBudget(num_blocks, 16)
+    config = PlannerConfig(spec=SpecConfig() if spec else None, max_dp_candidates=group)
+    scheduler = SlosScheduler(GPU_LIKE, cache, config)
+    budgets: list[BatchBudget] = []
+    problems: list[AdmissionProblem] = []
+
+    def all_budgets(self: SlosScheduler, *args: Any) -> tuple[BatchBudget, ...]:
+        budgets[:] = find_budgets(self, *args)
+        return tuple(budgets)
+
+    def solve(problem: AdmissionProblem, max_candidates: int = 0) -> AdmissionResult:
+        problems.append(problem)
+        return solve_admission(problem, max_candidates)
+
+    def plan(self: SlosScheduler, new: Sequence[Request], now: float) -> AdmissionResult:
+        problems.clear()
+        result = plan_admission(self, new, now)
+        every = [solve_admission(replace(problems[0], budget=b), group) for b in budgets]
+        best = max(every, key=lambda r: (r.forced_feasible, -r.forced_late, r.value))
+        assert result.budget == best.budget and result.admitted == best.admitted
+        return result
+
+    find_budgets, plan_admission = SlosScheduler._budgets, SlosScheduler.plan_admission
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SlosScheduler, "_budgets", all_budgets)
+        patch.setattr(SlosScheduler, "plan_admission", plan)
+        patch.setattr(slos_module, "solve_admission", solve)
+        run(scheduler, GPU_LIKE, cache, requests)

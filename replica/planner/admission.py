@@ -131,6 +131,11 @@ class AdmissionResult:
     def is_admitted(self, request_id: str) -> bool:
         return request_id in self.admitted
 
+    def rank(self) -> tuple[bool, int, float]:
+        """How budget options compare: running requests kept feasible, then fewer of them
+        late, then more admitted value."""
+        return self.forced_feasible, -self.forced_late, self.value
+
 
 def _effective_deadline(
     budget: BatchBudget, deadline: float, tpot: float, chain: tuple[float, ...]

@@ -59,20 +59,21 @@ class SloWork:
     """KV slots it may hold at its longest (prompt + max_tokens - 1)."""
     reserve_tokens: int
     """KV slots reserved for it now (peak_tokens unless reservations follow an estimate)."""
-    progress: tuple[int, bool] = (-1, False)
-    """(tokens produced, decoding) that `token_deadline_s` and `chain` were computed for:
+    produced: int = -1
+    """Tokens produced when `decoding`, `token_deadline_s` and `chain` were last computed:
     every replan refreshes every admitted request, most of them unchanged since the last."""
     token_deadline_s: float = 0.0
     """Deadline of the next token (the prompt's, before the first)."""
     chain: tuple[float, ...] = ()
-    """Deadlines of the tokens ahead while a stage may start early (`upcoming_deadlines`)."""
+    """Deadlines of the tokens ahead while a stage may start early (`upcoming_deadlines`),
+    else empty."""
 
     def refresh(self, now: float, period_s: float, behind_factor: float) -> None:
         """Recompute from the request's progress, the batch period and the time."""
         state = self.state
         produced = len(state.output_token_ids)
         decoding = state.is_decoding
-        if self.progress != (produced, decoding):
+        if produced != self.produced or decoding != self.decoding:
             self._track(produced, decoding)
         if decoding:
             self.deadline_s = self.token_deadline_s
@@ -89,7 +90,7 @@ class SloWork:
     def _track(self, produced: int, decoding: bool) -> None:
         """What depends only on the request's progress."""
         request = self.state.request
-        self.progress = (produced, decoding)
+        self.produced = produced
         self.decoding = decoding
         self.base_tpot_s = remaining_tpot(request, max(1, produced))
         # A decoder's next deadline is exact; before the first token, token 1 is assumed one

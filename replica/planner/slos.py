@@ -215,7 +215,7 @@ class SlosScheduler(Scheduler):
             results.append(solved)
             if solved.forced_feasible and not solved.forced_late and not solved.declined:
                 break  # no later option can do better, and ties keep the first
-        result = max(results, key=lambda r: (r.forced_feasible, -r.forced_late, r.value))
+        result = max(results, key=AdmissionResult.rank)
         if len(slo_new) == len(new):
             return result
         best_effort = tuple(r.request_id for r in new if r.tier is not Tier.SLO)
@@ -233,12 +233,7 @@ class SlosScheduler(Scheduler):
             tpots = np.where(behind, tpots * self.config.invocation.behind_tpot_factor, tpots)
         remaining = np.array([w.state.remaining_output for w in decoding], dtype=float)
         early = np.array([w.early_tokens for w in decoding], dtype=float)
-        chains = tuple(
-            upcoming_deadlines(w.state.request, len(w.state.output_token_ids))
-            if w.early_tokens
-            else ()
-            for w in decoding
-        )
+        chains = tuple(w.chain for w in decoding)
         prefills = tuple(
             RunningPrefill(
                 prefill_tokens=w.state.num_uncomputed,

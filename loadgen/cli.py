@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("replica.profiler", "profile the engine and fit a batch-time model"),
     "simulate": ("loadgen.simulate", "SLO attainment and capacity per policy, simulated"),
     "loadgen": ("loadgen.run_load", "drive a live server with a scenario; attainment, capacity"),
+    "compare": ("loadgen.compare", "serve configs in turn under the same load; capacity ratio"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("loadgen.bench_engine", "engine vs transformers throughput, speculative speedup"),

@@ -649,7 +649,9 @@ def capacity_summary(found: CapacityResult, replicas: int | None) -> dict[str, A
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One invocation's results (the `--json` document): a point at `--rate`, or a capacity
+    search. Bad options and unreachable targets raise OptionError naming them."""
     try:
         bounds = check_args(args)
         start = args.rate if bounds is None else args.rate or bounds[0]
@@ -681,6 +683,11 @@ def run(args: argparse.Namespace) -> int:
     except (argparse.ArgumentTypeError, ValueError) as exc:
         raise OptionError(str(exc)) from None
     out["points"] = session.points
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    out = measure(args)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

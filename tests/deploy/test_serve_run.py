@@ -7,12 +7,7 @@ a running server); paths stay relative to the repo root, where `serve run` is st
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from loadgen import serve_process
+from loadgen.serve_process import ServeCommand
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
@@ -56,36 +54,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     config = yaml.safe_load((ROOT / "deploy" / "serve-cpu.yaml").read_text())
     path = tmp_path_factory.mktemp("serve") / "serve-cpu.yaml"
     path.write_text(yaml.safe_dump(with_ports(config, http_port, grpc_port)))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    serve_bin = Path(sys.executable).parent / "serve"
-    log = path.with_suffix(".log").open("w")
-    proc = subprocess.Popen(
-        [str(serve_bin), "run", str(path)], cwd=ROOT, env=env, stdout=log, stderr=log
-    )
     base = f"http://127.0.0.1:{http_port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"serve run exited early; see {log.name}"
-            try:
-                if get(base + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail(
-                f"the application did not come up in {START_TIMEOUT_S:.0f} s; see {log.name}"
-            )
+    command = ServeCommand(
+        config=path,
+        health_url=base + "/health",
+        ports=(("127.0.0.1", http_port), ("127.0.0.1", grpc_port)),
+        log=path.with_suffix(".log"),
+        cwd=ROOT,
+        startup_timeout_s=START_TIMEOUT_S,
+    )
+    with serve_process.served(command):
         yield base
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def test_one_completion_through_http(served: str) -> None:

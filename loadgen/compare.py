@@ -1,0 +1,294 @@
+"""`slos-serve compare`: the live capacity comparison, one Ray Serve config after another.
+
+Each config (a `serve run` YAML of slos-serve with its scheduler: slos, or a baseline's, vllm
+or sarathi) is started fresh (loadgen.serve_process), driven by `slos-serve loadgen` with the
+same options (a point at `--rate`, or a capacity search with `--capacity --rates LO,HI`),
+stopped, and the next one started. The summary gives each config's capacity per replica and
+slos over the best baseline. Why one command: a live capacity moves with what else the machine
+runs (loadgen/RESULTS.md), so the comparison only means something side by side, on the same
+requests and SLOs, one right after the other.
+
+Every config is held to the same SLOs: `--zero-load probe` measures on the first config's
+server and reuses those numbers for the rest (written to `<--json stem>.zero-load.json`).
+Sarathi sizes its token budget from the tightest TPOT among its config's tiers, while the load
+generator's requests carry their own SLOs; so that the budget fits the tightest TPOT the
+workload asks for (the baseline's definition), a sarathi config runs as a copy whose tier TPOTs
+are lowered to it (the JSON records the value). Configs are read relative to the working
+directory, where `serve run` starts and resolves the model paths (the repo root for the shipped
+ones). The JSON is rewritten after every config, so a config that fails to start keeps the
+results of the ones before it; each server's log is kept beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cluster.config import ClusterConfig, SchedulerKind
+from cluster.simulator import tightest_tpot_s
+from loadgen import run_load
+from loadgen.cli import OptionError
+from loadgen.plots import Curve, Panel, plot_attainment
+from loadgen.serve_process import ServeCommand, ServeError, served
+from loadgen.workloads import Scenario, WorkloadConfig
+from loadgen.zero_load import ZeroLoad
+from replica.perf_model import PerfModel
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """One `serve run` YAML: where its front doors listen and which scheduler it runs."""
+
+    path: Path
+    data: dict[str, Any]
+    cluster: ClusterConfig
+    http: tuple[str, int]
+    grpc_port: int | None
+
+    @property
+    def label(self) -> str:
+        return self.path.stem
+
+    @classmethod
+    def load(cls, path: Path) -> ServeConfig:
+        """Parse and check `path`; errors name the file and the field."""
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"--configs: cannot read {str(path)!r}: {exc}") from None
+        try:
+            http = data["http_options"]
+            apps = data["applications"]
+            cluster = ClusterConfig.from_dict(apps[0]["args"]["cluster"])
+            host, port = str(http.get("host", "127.0.0.1")), int(http["port"])
+            grpc = data.get("grpc_options") or {}
+            grpc_port = int(grpc["port"]) if "port" in grpc else None
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ValueError(
+                f"--configs: {str(path)!r} is not a Ray Serve config with http_options.port "
+                f"and applications[0].args.cluster (missing {exc})"
+            ) from None
+        except ValueError as exc:
+            raise ValueError(f"--configs: {str(path)!r}: {exc}") from None
+        if len(apps) != 1:
+            raise ValueError(f"--configs: {str(path)!r} must hold one application")
+        return cls(path, data, cluster, (host, port), grpc_port)
+
+    def target(self, protocol: str) -> str:
+        host, port = self.http
+        address = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        if protocol == "grpc":
+            if self.grpc_port is None:
+                raise ValueError(f"--protocol grpc: {self.path} has no grpc_options.port")
+            return f"{address}:{self.grpc_port}"
+        return f"http://{address}:{port}"
+
+    def ports(self) -> tuple[tuple[str, int], ...]:
+        grpc = () if self.grpc_port is None else ((self.http[0], self.grpc_port),)
+        return (self.http, *grpc)
+
+    def with_tpot_cap(self, tpot_ms: float) -> dict[str, Any]:
+        """The config with every tier's TPOT lowered to at most `tpot_ms`."""
+        data = copy.deepcopy(self.data)
+        tiers = data["applications"][0]["args"]["cluster"]["tiers"]
+        for tier in tiers:
+            tier["tpot_ms"] = min(float(tier["tpot_ms"]), tpot_ms)
+        return data
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    run_load.add_arguments(parser)
+    parser.description = __doc__
+    parser.set_defaults(target=None)
+    parser.add_argument(
+        "--configs",
+        required=True,
+        help="comma list of Ray Serve YAMLs run in turn (e.g. deploy/serve-cpu.yaml,"
+        "deploy/serve-cpu-vllm.yaml,deploy/serve-cpu-sarathi.yaml)",
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds for a config to come up"
+    )
+    parser.add_argument(
+        "--settle", type=float, default=5.0, help="seconds between coming up and the first point"
+    )
+    parser.add_argument("--plot", type=Path, help="PNG: attainment vs rate per config")
+
+
+def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
+    """The configs, checked against each other and the options."""
+    if args.target is not None:
+        raise ValueError("--target: compare reads each server's address from its config")
+    for name in ("startup_timeout", "settle"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0 or (name == "startup_timeout" and value == 0):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be finite and > 0, got {value!r}")
+    if args.plot is not None and not args.plot.parent.is_dir():
+        raise ValueError(f"--plot: directory {str(args.plot.parent)!r} does not exist")
+    paths = [Path(p) for p in args.configs.split(",") if p]
+    if len(paths) < 2:
+        raise ValueError(f"--configs needs two or more configs to compare, got {args.configs!r}")
+    configs = [ServeConfig.load(p) for p in paths]
+    labels = [c.label for c in configs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--configs: file names must differ (they label results): {labels}")
+    run_load.check_args(_per_config(args, configs[0], args.zero_load))
+    first = configs[0].cluster.scheduler
+    if args.zero_load == "probe" and first is SchedulerKind.SARATHI:
+        raise ValueError(
+            "--zero-load probe measures on the first config's server, and a sarathi config "
+            "needs the SLOs before it starts: list another config first"
+        )
+    return configs
+
+
+def workload_tightest_tpot_ms(args: argparse.Namespace, zero_load: ZeroLoad | None) -> float:
+    """The tightest TPOT the workload's requests ask for (stages included)."""
+    perf = PerfModel.load(run_load.resolve_profile(args.profile))
+    ttft, targets = run_load.zero_load_and_targets(args, perf, zero_load)
+    spec = run_load.LoadSpec(
+        Scenario(args.scenario),
+        max(1, round((args.rate or 1.0) * args.duration)),
+        run_load.arrival_process(args, Scenario(args.scenario)),
+        WorkloadConfig(ttft, targets=targets, length_scale=args.length_scale),
+        args.seed,
+    )
+    requests = [
+        w.to_request([0] * w.prompt_len, arrival_time=0.0) for w in spec.workload(args.rate or 1.0)
+    ]
+    return tightest_tpot_s(requests) * 1e3
+
+
+def _per_config(args: argparse.Namespace, config: ServeConfig, zero_load: str) -> Any:
+    """`args` for one config's loadgen run; records get the config's label."""
+    records = args.records
+    if records is not None:
+        records = records.with_name(f"{records.stem}.{config.label}{records.suffix}")
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "target": config.target(args.protocol),
+            "records": records,
+            "json": None,
+            "zero_load": zero_load,
+        }
+    )
+
+
+def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Capacity (or attainment at the one rate) per config, and slos over the best baseline:
+    the best slos-scheduler config's over the best other one's."""
+    per_replica: dict[str, float | None] = {}
+    attainment: dict[str, float] = {}
+    slos: list[float] = []
+    baselines: list[float] = []
+    for r in results:
+        summary = r["summary"]
+        if "capacity_rps" in summary:
+            value = summary["capacity_per_replica"]
+            per_replica[r["label"]] = value
+            if value is not None:
+                (slos if r["scheduler"] == SchedulerKind.SLOS.value else baselines).append(value)
+        else:
+            attainment[r["label"]] = summary["attainment"]
+    out: dict[str, Any] = {}
+    if per_replica:
+        out["capacity_per_replica"] = per_replica
+        best = max(baselines, default=0.0)
+        out["capacity_ratio"] = max(slos) / best if slos and best > 0 else None
+    if attainment:
+        out["attainment"] = attainment
+    return out
+
+
+def _plot(results: Sequence[dict[str, Any]], path: Path, scenario: str) -> None:
+    curves = []
+    for r in results:
+        replicas = r["replicas"] or 1
+        by_rate = {p["rate"] / replicas: p["report"]["overall"]["attainment"] for p in r["points"]}
+        capacity = r["summary"].get("capacity_per_replica")
+        rates = tuple(sorted(by_rate))
+        curves.append(Curve(r["label"], rates, tuple(by_rate[x] for x in rates), capacity))
+    replicas = int(results[0]["replicas"] or 1)
+    plot_attainment([Panel(scenario, replicas, tuple(curves))], path)
+
+
+def _table(results: Sequence[dict[str, Any]]) -> str:
+    rows = ["| config | scheduler | rate (req/s) | attainment |", "|---|---|---:|---:|"]
+    for r in results:
+        for p in r["points"]:
+            rows.append(
+                f"| {r['label']} | {r['scheduler']} | {p['rate']:g} | "
+                f"{p['report']['overall']['attainment']:.3f} |"
+            )
+    return "\n".join(rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        configs = load_configs(args)
+        with tempfile.TemporaryDirectory(prefix="slos-compare-") as tmp:
+            results = _run_all(args, configs, Path(tmp))
+    except (argparse.ArgumentTypeError, ValueError, ServeError) as exc:
+        raise OptionError(str(exc)) from None
+    print("\n" + _table(results))
+    print(f"\nsummary: {json.dumps(summarize(results))}")
+    if args.plot is not None:
+        _plot(results, args.plot, args.scenario)
+    return 0
+
+
+def _run_all(
+    args: argparse.Namespace, configs: Sequence[ServeConfig], tmp: Path
+) -> list[dict[str, Any]]:
+    """Each config started, measured and stopped in turn."""
+    out_dir, stem = (args.json.parent, args.json.stem) if args.json else (tmp, "compare")
+    zero_load = args.zero_load
+    results: list[dict[str, Any]] = []
+    for config in configs:
+        path, extra = config.path, {}
+        if config.cluster.scheduler is SchedulerKind.SARATHI:
+            known = None if zero_load in ("profile", "probe") else ZeroLoad.load(Path(zero_load))
+            cap = workload_tightest_tpot_ms(args, known)
+            path = tmp / config.path.name
+            path.write_text(yaml.safe_dump(config.with_tpot_cap(cap)))
+            extra["sarathi_tpot_ms"] = cap
+        command = ServeCommand(
+            config=path.resolve(),
+            health_url=config.target("http") + "/health",
+            ports=config.ports(),
+            log=out_dir / f"{stem}.{config.label}.serve.log",
+            cwd=Path.cwd(),
+            startup_timeout_s=args.startup_timeout,
+        )
+        print(f"\n== {config.label}: serve run {config.path} (log {command.log})", flush=True)
+        with served(command):
+            time.sleep(args.settle)
+            out = run_load.measure(_per_config(args, config, zero_load))
+        if zero_load == "probe":
+            zero_load = str(out_dir / f"{stem}.zero-load.json")
+            Path(zero_load).write_text(json.dumps({"zero_load": out["zero_load"]}, indent=2))
+        results.append(
+            {
+                "label": config.label,
+                "config": str(config.path),
+                "scheduler": config.cluster.scheduler.value,
+                **extra,
+                **out,
+            }
+        )
+        if args.json is not None:
+            document = {"summary": summarize(results), "configs": results}
+            args.json.write_text(json.dumps(document, indent=2) + "\n")
+    return results

@@ -2,9 +2,10 @@
 
 `slos-serve compare` runs one config after another on the same machine, so each must start
 from nothing (no Ray cluster or port left by the previous one, nothing of the user's taken
-over) and leave nothing behind: the process runs in a session of its own, with RAY_ADDRESS
-unset so `serve run` starts a private local Ray cluster, and the whole process group is
-interrupted (then killed) on the way out, whatever happened inside.
+over) and leave nothing behind: the process runs in a session of its own, and `serve run
+--address local` (RAY_ADDRESS unset) starts a private Ray cluster rather than joining one the
+user runs; on the way out, whatever happened inside, serve run is interrupted and then its
+whole process group killed.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class ServeError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServeCommand:
-    """How to start one application; `argv` defaults to this environment's `serve run`."""
+    """How to start one application; `argv` (the config path is appended) defaults to this
+    environment's `serve run --address local`."""
 
     config: Path
     health_url: str
@@ -47,7 +49,8 @@ class ServeCommand:
     def command(self) -> list[str]:
         if self.argv:
             return [*self.argv, str(self.config)]
-        return [str(Path(sys.executable).parent / "serve"), "run", str(self.config)]
+        serve = str(Path(sys.executable).parent / "serve")
+        return [serve, "run", "--address", "local", str(self.config)]
 
 
 def _answers(host: str, port: int) -> bool:
@@ -73,18 +76,15 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError):
-        os.killpg(pid, sig)
-
-
 def _stop(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """SIGINT to the group (serve run's own shutdown, which stops its Ray cluster), then
-    SIGKILL to whatever of the group is still there, serve run included if it hung."""
-    _signal_group(proc.pid, signal.SIGINT)
+    """SIGINT to serve run alone (its Ctrl-C shutdown: Serve, then the Ray cluster it started;
+    interrupting Ray's own processes too can leave it waiting on them), then SIGKILL to
+    whatever of the group is still there, serve run included if it hung."""
+    proc.send_signal(signal.SIGINT)
     with suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout_s)
-    _signal_group(proc.pid, signal.SIGKILL)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 

@@ -24,6 +24,13 @@ from pathlib import Path
 import httpx
 
 POLL_S = 1.0
+_WITH_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+"""Runs the command with SIGINT at its default: a shell's background job (a CI runner's, a
+nohup'd script's) ignores SIGINT and its children inherit that, while serve run stops cleanly
+only on its Ctrl-C path; without this every stop would wait out `stop_timeout_s`."""
 
 
 class ServeError(RuntimeError):
@@ -47,10 +54,9 @@ class ServeCommand:
     argv: tuple[str, ...] = ()
 
     def command(self) -> list[str]:
-        if self.argv:
-            return [*self.argv, str(self.config)]
         serve = str(Path(sys.executable).parent / "serve")
-        return [serve, "run", "--address", "local", str(self.config)]
+        argv = self.argv or (serve, "run", "--address", "local")
+        return [sys.executable, "-c", _WITH_SIGINT, *argv, str(self.config)]
 
 
 def _answers(host: str, port: int) -> bool:

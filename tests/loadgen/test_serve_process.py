@@ -6,6 +6,7 @@ what is under test is the process handling, which must not depend on Ray to be c
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 import textwrap
@@ -35,7 +36,10 @@ APP = textwrap.dedent(
             self.send_response(200 if self.path == "/health" else 404)
             self.end_headers()
 
-    http.server.HTTPServer(("127.0.0.1", int(port)), Health).serve_forever()
+    try:
+        http.server.HTTPServer(("127.0.0.1", int(port)), Health).serve_forever()
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
     """
 )
 
@@ -97,6 +101,7 @@ def test_up_inside_the_block_and_nothing_left_after_it(tmp_path: Path) -> None:
         assert running(child)
     assert not answers(port)
     assert not alive(child)  # what the application started goes with it
+    assert "interrupted" in cmd.log.read_text().splitlines()  # stopped, not killed
 
 
 def test_stopped_even_when_the_block_fails(tmp_path: Path) -> None:
@@ -132,3 +137,16 @@ def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
         with pytest.raises(ServeError, match=f"127.0.0.1:{port} is already taken"), served(cmd):
             pytest.fail("the block must not run")
     assert not cmd.log.exists()
+
+
+def test_stopped_by_its_ctrl_c_path_even_where_sigint_is_ignored(tmp_path: Path) -> None:
+    """A background job of a shell ignores SIGINT, and children inherit that: the application
+    must still get its Ctrl-C, not wait out the stop timeout and be killed."""
+    cmd = command(tmp_path, "ok", free_port())
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with served(cmd):
+            pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "interrupted" in cmd.log.read_text().splitlines()

@@ -129,11 +129,10 @@ def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
     """The configs, checked against each other and the options."""
     if args.target is not None:
         raise ValueError("--target: compare reads each server's address from its config")
-    for name in ("startup_timeout", "settle"):
-        value = getattr(args, name)
-        if not math.isfinite(value) or value < 0 or (name == "startup_timeout" and value == 0):
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} must be finite and > 0, got {value!r}")
+    if not math.isfinite(args.startup_timeout) or args.startup_timeout <= 0:
+        raise ValueError(f"--startup-timeout must be finite and > 0, got {args.startup_timeout!r}")
+    if not math.isfinite(args.settle) or args.settle < 0:
+        raise ValueError(f"--settle must be finite and >= 0, got {args.settle!r}")
     if args.plot is not None and not args.plot.parent.is_dir():
         raise ValueError(f"--plot: directory {str(args.plot.parent)!r} does not exist")
     paths = [Path(p) for p in args.configs.split(",") if p]
@@ -170,7 +169,9 @@ def workload_tightest_tpot_ms(args: argparse.Namespace, zero_load: ZeroLoad | No
     return tightest_tpot_s(requests) * 1e3
 
 
-def _per_config(args: argparse.Namespace, config: ServeConfig, zero_load: str) -> Any:
+def _per_config(
+    args: argparse.Namespace, config: ServeConfig, zero_load: str
+) -> argparse.Namespace:
     """`args` for one config's loadgen run; records get the config's label."""
     records = args.records
     if records is not None:

@@ -6,7 +6,9 @@ same options (a point at `--rate`, or a capacity search with `--capacity --rates
 stopped, and the next one started. The summary gives each config's capacity per replica and
 slos over the best baseline. Why one command: a live capacity moves with what else the machine
 runs (loadgen/RESULTS.md), so the comparison only means something side by side, on the same
-requests and SLOs, one right after the other.
+requests and SLOs, one right after the other; `--rounds N` repeats the whole sequence
+(A B C A B C ...) so that drift over the run hits every config alike, and summarizes each
+config by its median with every round's ratio beside it.
 
 Every config is held to the same SLOs: `--zero-load probe` measures on the first config's
 server and reuses those numbers for the rest (written to `<--json stem>.zero-load.json`).
@@ -25,6 +27,7 @@ import argparse
 import copy
 import json
 import math
+import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -122,6 +125,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--settle", type=float, default=5.0, help="seconds between coming up and the first point"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the configs in turn this many times (A B C A B C ...); the summary takes "
+        "each config's median and gives every round's ratio",
+    )
     parser.add_argument("--plot", type=Path, help="PNG: attainment vs rate per config")
 
 
@@ -133,6 +143,8 @@ def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
         raise ValueError(f"--startup-timeout must be finite and > 0, got {args.startup_timeout!r}")
     if not math.isfinite(args.settle) or args.settle < 0:
         raise ValueError(f"--settle must be finite and >= 0, got {args.settle!r}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.plot is not None and not args.plot.parent.is_dir():
         raise ValueError(f"--plot: directory {str(args.plot.parent)!r} does not exist")
     paths = [Path(p) for p in args.configs.split(",") if p]
@@ -142,7 +154,7 @@ def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
     labels = [c.label for c in configs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--configs: file names must differ (they label results): {labels}")
-    run_load.check_args(_per_config(args, configs[0], args.zero_load))
+    run_load.check_args(_per_config(args, configs[0], args.zero_load, configs[0].label))
     first = configs[0].cluster.scheduler
     if args.zero_load == "probe" and first is SchedulerKind.SARATHI:
         raise ValueError(
@@ -170,12 +182,12 @@ def workload_tightest_tpot_ms(args: argparse.Namespace, zero_load: ZeroLoad | No
 
 
 def _per_config(
-    args: argparse.Namespace, config: ServeConfig, zero_load: str
+    args: argparse.Namespace, config: ServeConfig, zero_load: str, tag: str
 ) -> argparse.Namespace:
-    """`args` for one config's loadgen run; records get the config's label."""
+    """`args` for one config's loadgen run; records get `tag` (the label, and the round)."""
     records = args.records
     if records is not None:
-        records = records.with_name(f"{records.stem}.{config.label}{records.suffix}")
+        records = records.with_name(f"{records.stem}.{tag}{records.suffix}")
     return argparse.Namespace(
         **{
             **vars(args),
@@ -187,50 +199,74 @@ def _per_config(
     )
 
 
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _ratio(values: dict[str, float | None], schedulers: dict[str, str]) -> float | None:
+    """The best slos-scheduler config's value over the best other one's."""
+    slos = SchedulerKind.SLOS.value
+    ours = [v for k, v in values.items() if v is not None and schedulers[k] == slos]
+    baselines = [v for k, v in values.items() if v is not None and schedulers[k] != slos]
+    best = max(baselines, default=0.0)
+    return max(ours) / best if ours and best > 0 else None
+
+
 def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Capacity (or attainment at the one rate) per config, and slos over the best baseline:
-    the best slos-scheduler config's over the best other one's."""
-    per_replica: dict[str, float | None] = {}
-    attainment: dict[str, float] = {}
-    slos: list[float] = []
-    baselines: list[float] = []
+    """Capacity per replica (or attainment at the one rate) per config, the median over
+    rounds, and slos over the best baseline: the best slos-scheduler config's over the best
+    other one's; with several rounds also each round's values and ratio."""
+    schedulers = {r["label"]: r["scheduler"] for r in results}
+    capacity: dict[str, list[float | None]] = {}
+    attainment: dict[str, list[float | None]] = {}
     for r in results:
         summary = r["summary"]
         if "capacity_rps" in summary:
-            value = summary["capacity_per_replica"]
-            per_replica[r["label"]] = value
-            if value is not None:
-                (slos if r["scheduler"] == SchedulerKind.SLOS.value else baselines).append(value)
+            capacity.setdefault(r["label"], []).append(summary["capacity_per_replica"])
         else:
-            attainment[r["label"]] = summary["attainment"]
+            attainment.setdefault(r["label"], []).append(summary["attainment"])
     out: dict[str, Any] = {}
-    if per_replica:
-        out["capacity_per_replica"] = per_replica
-        best = max(baselines, default=0.0)
-        out["capacity_ratio"] = max(slos) / best if slos and best > 0 else None
-    if attainment:
-        out["attainment"] = attainment
+    for key, by_label in (("capacity_per_replica", capacity), ("attainment", attainment)):
+        if not by_label:
+            continue
+        medians = {label: _median(values) for label, values in by_label.items()}
+        out[key] = medians
+        if key == "capacity_per_replica":
+            out["capacity_ratio"] = _ratio(medians, schedulers)
+        rounds = max(len(values) for values in by_label.values())
+        if rounds > 1:
+            out[f"{key}_by_round"] = by_label
+            if key == "capacity_per_replica":
+                out["capacity_ratio_by_round"] = [
+                    _ratio({k: v[i] for k, v in by_label.items() if i < len(v)}, schedulers)
+                    for i in range(rounds)
+                ]
     return out
 
 
-def _plot(results: Sequence[dict[str, Any]], path: Path, scenario: str) -> None:
+def _name(result: dict[str, Any], rounds: int) -> str:
+    return result["label"] if rounds == 1 else f"{result['label']} #{result['round']}"
+
+
+def _plot(results: Sequence[dict[str, Any]], path: Path, scenario: str, rounds: int) -> None:
     curves = []
     for r in results:
         replicas = r["replicas"] or 1
         by_rate = {p["rate"] / replicas: p["report"]["overall"]["attainment"] for p in r["points"]}
         capacity = r["summary"].get("capacity_per_replica")
         rates = tuple(sorted(by_rate))
-        curves.append(Curve(r["label"], rates, tuple(by_rate[x] for x in rates), capacity))
+        curves.append(Curve(_name(r, rounds), rates, tuple(by_rate[x] for x in rates), capacity))
     replicas = int(results[0]["replicas"] or 1)
     plot_attainment([Panel(scenario, replicas, tuple(curves))], path)
 
 
-def _table(results: Sequence[dict[str, Any]]) -> str:
+def _table(results: Sequence[dict[str, Any]], rounds: int) -> str:
     rows = ["| config | scheduler | rate (req/s) | attainment |", "|---|---|---:|---:|"]
     for r in results:
         for p in r["points"]:
             rows.append(
-                f"| {r['label']} | {r['scheduler']} | {p['rate']:g} | "
+                f"| {_name(r, rounds)} | {r['scheduler']} | {p['rate']:g} | "
                 f"{p['report']['overall']['attainment']:.3f} |"
             )
     return "\n".join(rows)
@@ -243,53 +279,58 @@ def run(args: argparse.Namespace) -> int:
             results = _run_all(args, configs, Path(tmp))
     except (argparse.ArgumentTypeError, ValueError, ServeError) as exc:
         raise OptionError(str(exc)) from None
-    print("\n" + _table(results))
+    print("\n" + _table(results, args.rounds))
     print(f"\nsummary: {json.dumps(summarize(results))}")
     if args.plot is not None:
-        _plot(results, args.plot, args.scenario)
+        _plot(results, args.plot, args.scenario, args.rounds)
     return 0
 
 
 def _run_all(
     args: argparse.Namespace, configs: Sequence[ServeConfig], tmp: Path
 ) -> list[dict[str, Any]]:
-    """Each config started, measured and stopped in turn."""
+    """Each config started, measured and stopped in turn, `--rounds` times over."""
     out_dir, stem = (args.json.parent, args.json.stem) if args.json else (tmp, "compare")
     zero_load = args.zero_load
     results: list[dict[str, Any]] = []
-    for config in configs:
-        path, extra = config.path, {}
-        if config.cluster.scheduler is SchedulerKind.SARATHI:
-            known = None if zero_load in ("profile", "probe") else ZeroLoad.load(Path(zero_load))
-            cap = workload_tightest_tpot_ms(args, known)
-            path = tmp / config.path.name
-            path.write_text(yaml.safe_dump(config.with_tpot_cap(cap)))
-            extra["sarathi_tpot_ms"] = cap
-        command = ServeCommand(
-            config=path.resolve(),
-            health_url=config.target("http") + "/health",
-            ports=config.ports(),
-            log=out_dir / f"{stem}.{config.label}.serve.log",
-            cwd=Path.cwd(),
-            startup_timeout_s=args.startup_timeout,
-        )
-        print(f"\n== {config.label}: serve run {config.path} (log {command.log})", flush=True)
-        with served(command):
-            time.sleep(args.settle)
-            out = run_load.measure(_per_config(args, config, zero_load))
-        if zero_load == "probe":
-            zero_load = str(out_dir / f"{stem}.zero-load.json")
-            Path(zero_load).write_text(json.dumps({"zero_load": out["zero_load"]}, indent=2))
-        results.append(
-            {
-                "label": config.label,
-                "config": str(config.path),
-                "scheduler": config.cluster.scheduler.value,
-                **extra,
-                **out,
-            }
-        )
-        if args.json is not None:
-            document = {"summary": summarize(results), "configs": results}
-            args.json.write_text(json.dumps(document, indent=2) + "\n")
+    for round_ in range(1, args.rounds + 1):
+        for config in configs:
+            tag = config.label if args.rounds == 1 else f"{config.label}.round{round_}"
+            path, extra = config.path, {}
+            if config.cluster.scheduler is SchedulerKind.SARATHI:
+                known = (
+                    None if zero_load in ("profile", "probe") else ZeroLoad.load(Path(zero_load))
+                )
+                cap = workload_tightest_tpot_ms(args, known)
+                path = tmp / config.path.name
+                path.write_text(yaml.safe_dump(config.with_tpot_cap(cap)))
+                extra["sarathi_tpot_ms"] = cap
+            command = ServeCommand(
+                config=path.resolve(),
+                health_url=config.target("http") + "/health",
+                ports=config.ports(),
+                log=out_dir / f"{stem}.{tag}.serve.log",
+                cwd=Path.cwd(),
+                startup_timeout_s=args.startup_timeout,
+            )
+            print(f"\n== {tag}: serve run {config.path} (log {command.log})", flush=True)
+            with served(command):
+                time.sleep(args.settle)
+                out = run_load.measure(_per_config(args, config, zero_load, tag))
+            if zero_load == "probe":
+                zero_load = str(out_dir / f"{stem}.zero-load.json")
+                Path(zero_load).write_text(json.dumps({"zero_load": out["zero_load"]}, indent=2))
+            results.append(
+                {
+                    "label": config.label,
+                    "round": round_,
+                    "config": str(config.path),
+                    "scheduler": config.cluster.scheduler.value,
+                    **extra,
+                    **out,
+                }
+            )
+            if args.json is not None:
+                document = {"summary": summarize(results), "configs": results}
+                args.json.write_text(json.dumps(document, indent=2) + "\n")
     return results

@@ -46,6 +46,7 @@ def configs_arg(*paths: Path) -> str:
         (["--configs", configs_arg(*SHIPPED[:2]), "--rate", "0"], "--rate"),
         (["--configs", configs_arg(*SHIPPED[:2]), "--capacity"], "--rates"),
         (["--configs", configs_arg(*SHIPPED[:2]), "--plot", "/nonexistent/p.png"], "--plot"),
+        (["--configs", configs_arg(*SHIPPED[:2]), "--rounds", "0"], "--rounds"),
     ],
 )
 def test_bad_options_fail_before_any_server_starts(argv: list[str], named: str) -> None:
@@ -95,10 +96,13 @@ def test_the_workloads_tightest_tpot_is_its_tightest_slo_level(scenario: str, le
     assert compare.workload_tightest_tpot_ms(args, None) == pytest.approx(expected)
 
 
-def result(label: str, scheduler: str, capacity: float | None, replicas: int = 2) -> dict[str, Any]:
+def result(
+    label: str, scheduler: str, capacity: float | None, replicas: int = 2, round_: int = 1
+) -> dict[str, Any]:
     per_replica = None if capacity is None else capacity / replicas
     return {
         "label": label,
+        "round": round_,
         "scheduler": scheduler,
         "summary": {"capacity_rps": capacity or 0.0, "capacity_per_replica": per_replica},
     }
@@ -123,6 +127,24 @@ def test_the_ratio_is_the_best_slos_config_over_the_best_baseline() -> None:
     assert no_baseline["capacity_ratio"] is None
     point = {"label": "a", "scheduler": "slos", "summary": {"attainment": 0.5}}
     assert compare.summarize([point]) == {"attainment": {"a": 0.5}}
+
+
+def test_rounds_summarize_by_median_with_every_rounds_ratio() -> None:
+    rounds = [
+        (1, {"slos": 10.0, "vllm": 12.0, "sarathi": 8.0}),
+        (2, {"slos": 12.0, "vllm": 8.0, "sarathi": 8.0}),
+        (3, {"slos": 11.0, "vllm": 10.0, "sarathi": 12.0}),
+    ]
+    results = [
+        result(label, label, capacity, replicas=1, round_=n)
+        for n, capacities in rounds
+        for label, capacity in capacities.items()
+    ]
+    summary = compare.summarize(results)
+    assert summary["capacity_per_replica"] == {"slos": 11.0, "vllm": 10.0, "sarathi": 8.0}
+    assert summary["capacity_ratio"] == pytest.approx(1.1)  # medians: 11 over max(10, 8)
+    assert summary["capacity_per_replica_by_round"]["vllm"] == [12.0, 8.0, 10.0]
+    assert summary["capacity_ratio_by_round"] == pytest.approx([10 / 12, 12 / 8, 11 / 12])
 
 
 def on_free_ports(source: Path, dest: Path) -> Path:

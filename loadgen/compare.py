@@ -42,8 +42,8 @@ from cluster.simulator import tightest_tpot_s
 from loadgen import run_load
 from loadgen.cli import OptionError
 from loadgen.plots import Curve, Panel, plot_attainment
-from loadgen.serve_process import ServeCommand, ServeError, served
-from loadgen.workloads import Scenario, WorkloadConfig
+from loadgen.serve_process import ServeCommand, ServeError, local_address, served
+from loadgen.simulate import sim_requests
 from loadgen.zero_load import ZeroLoad
 from replica.perf_model import PerfModel
 
@@ -89,7 +89,7 @@ class ServeConfig:
 
     def target(self, protocol: str) -> str:
         host, port = self.http
-        address = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        address = local_address(host)
         if protocol == "grpc":
             if self.grpc_port is None:
                 raise ValueError(f"--protocol grpc: {self.path} has no grpc_options.port")
@@ -167,18 +167,9 @@ def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
 def workload_tightest_tpot_ms(args: argparse.Namespace, zero_load: ZeroLoad | None) -> float:
     """The tightest TPOT the workload's requests ask for (stages included)."""
     perf = PerfModel.load(run_load.resolve_profile(args.profile))
-    ttft, targets = run_load.zero_load_and_targets(args, perf, zero_load)
-    spec = run_load.LoadSpec(
-        Scenario(args.scenario),
-        max(1, round((args.rate or 1.0) * args.duration)),
-        run_load.arrival_process(args, Scenario(args.scenario)),
-        WorkloadConfig(ttft, targets=targets, length_scale=args.length_scale),
-        args.seed,
-    )
-    requests = [
-        w.to_request([0] * w.prompt_len, arrival_time=0.0) for w in spec.workload(args.rate or 1.0)
-    ]
-    return tightest_tpot_s(requests) * 1e3
+    rate = args.rate or 1.0
+    spec = run_load.load_spec(args, perf, zero_load, None, rate)
+    return tightest_tpot_s([r.request for r in sim_requests(spec.workload(rate))]) * 1e3
 
 
 def _per_config(

@@ -585,12 +585,31 @@ class Session:
         return result
 
 
+def load_spec(
+    args: argparse.Namespace,
+    perf: PerfModel,
+    measured: ZeroLoad | None,
+    max_model_len: int | None,
+    reference_rate: float,
+) -> LoadSpec:
+    """What the options send: `--duration` of requests at `reference_rate`, with SLOs from
+    the measured zero load when there is one, else from the profile."""
+    zero_ttft, targets = zero_load_and_targets(args, perf, measured)
+    config = WorkloadConfig(
+        zero_ttft,
+        targets=targets,
+        length_scale=args.length_scale,
+        max_model_len=max_model_len,
+    )
+    scenario = Scenario(args.scenario)
+    requests = max(1, round(reference_rate * args.duration))
+    return LoadSpec(scenario, requests, arrival_process(args, scenario), config, args.seed)
+
+
 def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, dict[str, Any]]:
     """The session and the JSON header describing it (probing the target when asked)."""
-    scenario = Scenario(args.scenario)
     perf = PerfModel.load(resolve_profile(args.profile))
     info = server_info(args)
-    arrivals = arrival_process(args, scenario)
     measured = None
     if args.zero_load not in ("profile", "probe"):
         measured = ZeroLoad.load(Path(args.zero_load))
@@ -609,27 +628,19 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
         lens = probe_prompt_lens(args.length_scale, info.max_model_len)
         measured = asyncio.run(_probe(target, source, lens))
         print(f"zero load measured at prompts {lens}: {measured.to_dict()}")
-    zero_ttft, targets = zero_load_and_targets(args, perf, measured)
-    config = WorkloadConfig(
-        zero_ttft,
-        targets=targets,
-        length_scale=args.length_scale,
-        max_model_len=info.max_model_len,
-    )
-    requests = max(1, round(reference_rate * args.duration))
-    spec = LoadSpec(scenario, requests, arrivals, config, args.seed)
+    spec = load_spec(args, perf, measured, info.max_model_len, reference_rate)
     header: dict[str, Any] = {
         "target": args.target,
         "protocol": args.protocol,
         "model": info.model,
         "scheduler": info.scheduler,
-        "scenario": scenario.value,
+        "scenario": spec.scenario.value,
         "duration_s": args.duration,
         "reference_rate": reference_rate,
-        "arrivals": arrivals.describe(),
+        "arrivals": spec.arrivals.describe(),
         "length_scale": args.length_scale,
         "profile": str(args.profile),
-        "slo_targets": asdict(targets),
+        "slo_targets": asdict(spec.config.targets),
         "replicas": info.replicas,
         "seed": args.seed,
     }

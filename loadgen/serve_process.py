@@ -59,10 +59,14 @@ class ServeCommand:
         return [sys.executable, "-c", _WITH_SIGINT, *argv, str(self.config)]
 
 
+def local_address(host: str) -> str:
+    """Where to reach a server listening on `host` from this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
 def _answers(host: str, port: int) -> bool:
-    address = "127.0.0.1" if host in ("0.0.0.0", "") else host
     try:
-        with socket.create_connection((address, port), timeout=1.0):
+        with socket.create_connection((local_address(host), port), timeout=1.0):
             return True
     except OSError:
         return False

@@ -240,7 +240,7 @@ def _name(result: dict[str, Any], rounds: int) -> str:
     return result["label"] if rounds == 1 else f"{result['label']} #{result['round']}"
 
 
-def _plot(results: Sequence[dict[str, Any]], path: Path, scenario: str, rounds: int) -> None:
+def _plot(results: Sequence[dict[str, Any]], path: Path, rounds: int) -> None:
     curves = []
     for r in results:
         replicas = r["replicas"] or 1
@@ -249,7 +249,7 @@ def _plot(results: Sequence[dict[str, Any]], path: Path, scenario: str, rounds: 
         rates = tuple(sorted(by_rate))
         curves.append(Curve(_name(r, rounds), rates, tuple(by_rate[x] for x in rates), capacity))
     replicas = int(results[0]["replicas"] or 1)
-    plot_attainment([Panel(scenario, replicas, tuple(curves))], path)
+    plot_attainment([Panel(results[0]["scenario"], replicas, tuple(curves))], path)
 
 
 def _table(results: Sequence[dict[str, Any]], rounds: int) -> str:
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     print("\n" + _table(results, args.rounds))
     print(f"\nsummary: {json.dumps(summarize(results))}")
     if args.plot is not None:
-        _plot(results, args.plot, args.scenario, args.rounds)
+        _plot(results, args.plot, args.rounds)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`slos-serve loadgen`: drive a live server with a paper scenario and judge what it delivered.
+"""`slos-serve loadgen`: drive a live server with a paper scenario (or a mix file of your own
+application classes, loadgen.mixes) and judge what it delivered.
 
 Open loop: every request is sent at its arrival time whatever happened to earlier ones
 (ToolLLM follow-up rounds go out `delay_s` after the round they continue). Each request becomes
@@ -55,19 +56,21 @@ from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
 from loadgen.cli import OptionError
 from loadgen.clients import GrpcClient, HttpClient, LoadClient
 from loadgen.metrics import GroupReport, RunReport, report
+from loadgen.mixes import parse_workload
 from loadgen.prompts import Prompt, PromptSource, heldout_texts
 from loadgen.records import RecordWriter, RequestRecord, Verdict
 from loadgen.simulate import ROOT, TRACE_DIR, resolve_profile
 from loadgen.traces import load_trace
 from loadgen.workloads import (
     TABLE4,
-    TRACE_FILES,
     Scenario,
     SLOTargets,
+    Workload,
     WorkloadConfig,
     WorkloadRequest,
     ZeroLoadTTFT,
     generate_workload,
+    trace_file,
     zero_load_decode_step_s,
     zero_load_ttft_from,
 )
@@ -85,7 +88,7 @@ DECODE_CONTEXT_KEY = "chatbot.prompt"
 class LoadSpec:
     """What a run sends, fixed across the rates of a capacity search."""
 
-    scenario: Scenario
+    scenario: Workload
     requests: int
     """The same at every rate: `--duration` at the reference rate (`--rate`, else LO)."""
     arrivals: ArrivalProcess
@@ -351,7 +354,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
     parser.add_argument(
-        "--scenario", default="mixed", choices=[s.value for s in Scenario], help="paper scenario"
+        "--scenario",
+        default="mixed",
+        help=f"paper scenario ({', '.join(s.value for s in Scenario)}) or a mix file "
+        "(.yaml/.json: your own application classes, loadgen.mixes); default %(default)s",
     )
     parser.add_argument("--rate", type=float, help="requests/s to the target (capacity: start)")
     parser.add_argument(
@@ -440,6 +446,10 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
         raise _fail(f"--target must be host:port for --protocol grpc, got {args.target!r}")
     if args.no_slo_fields and args.protocol != "http":
         raise _fail("--no-slo-fields applies to --protocol http only")
+    try:
+        parse_workload(args.scenario)
+    except ValueError as exc:
+        raise _fail(f"--scenario: {exc}") from None
     if not (args.tokenizer / "tokenizer.json").is_file():
         raise _fail(f"--tokenizer {str(args.tokenizer)!r} has no tokenizer.json")
     for name in ("records", "json"):
@@ -490,9 +500,9 @@ def zero_load_and_targets(
     return ttft, targets
 
 
-def arrival_process(args: argparse.Namespace, scenario: Scenario) -> ArrivalProcess:
+def arrival_process(args: argparse.Namespace, scenario: Workload) -> ArrivalProcess:
     if args.arrivals == "trace":
-        path = args.trace or TRACE_DIR / TRACE_FILES[scenario]
+        path = args.trace or TRACE_DIR / trace_file(scenario)
         return ArrivalProcess(ArrivalKind.TRACE, trace=load_trace(path))
     if args.arrivals == "gamma":
         return ArrivalProcess(ArrivalKind.GAMMA, cv=args.cv)
@@ -601,7 +611,7 @@ def load_spec(
         length_scale=args.length_scale,
         max_model_len=max_model_len,
     )
-    scenario = Scenario(args.scenario)
+    scenario = parse_workload(args.scenario)
     requests = max(1, round(reference_rate * args.duration))
     return LoadSpec(scenario, requests, arrival_process(args, scenario), config, args.seed)
 

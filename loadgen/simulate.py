@@ -1,6 +1,7 @@
 """`slos-serve simulate`: SLO attainment and serving capacity per policy, in simulation.
 
-Generates a paper scenario's workload, runs it through `cluster.simulator` for each policy and
+Generates a paper scenario's workload (or a mix file's: your own application classes,
+loadgen.mixes), runs it through `cluster.simulator` for each policy and
 replica count, and judges the records with loadgen.metrics (deadline semantics). `--rate` is
 requests per second per replica; `--capacity` searches the highest such rate with >= 90%
 attainment (loadgen.capacity) and summarizes slos against the best baseline as a geometric
@@ -52,6 +53,7 @@ from loadgen.capacity import CapacityResult, find_capacity
 from loadgen.capacity_tables import markdown_tables, summarize
 from loadgen.cli import OptionError
 from loadgen.metrics import RunReport, report
+from loadgen.mixes import parse_workload
 from loadgen.plots import (
     attainment_panels,
     burst_timeline,
@@ -64,12 +66,13 @@ from loadgen.plots import (
 from loadgen.records import RequestRecord, Verdict
 from loadgen.traces import Trace, load_trace
 from loadgen.workloads import (
-    TRACE_FILES,
     Scenario,
     SLOTargets,
+    Workload,
     WorkloadConfig,
     WorkloadRequest,
     generate_workload,
+    trace_file,
     zero_load_ttft_from,
 )
 from loadgen.zero_load import ZeroLoad
@@ -81,10 +84,14 @@ TRACE_DIR = ROOT.parent / "shared" / "data" / "azure-llm-inference-2023"
 T = TypeVar("T")
 
 
+def scenario_trace(workload: Workload) -> Trace:
+    """The workload's Azure trace, parsed once per process (a capacity search replays it often)."""
+    return _trace(trace_file(workload))
+
+
 @cache
-def scenario_trace(scenario: Scenario) -> Trace:
-    """The scenario's Azure trace, parsed once per process (a capacity search replays it often)."""
-    return load_trace(TRACE_DIR / TRACE_FILES[scenario])
+def _trace(name: str) -> Trace:
+    return load_trace(TRACE_DIR / name)
 
 
 def resolve_profile(name: str) -> Path:
@@ -148,7 +155,7 @@ class Setup:
     """Everything fixed across the rates of one search."""
 
     perf: PerfModel
-    scenario: Scenario
+    scenario: Workload
     arrivals: str
     requests_per_replica: int
     """The same at every rate of the search (Plan.requests_per_replica)."""
@@ -275,7 +282,9 @@ START_RATES: dict[Scenario, float] = {
 """Where each scenario's search starts unless --start-rate says: near its capacities on the A100
 OPT-7B profile, so fewer overloaded runs (the slow ones) are spent bracketing. With the duration
 they also fix the scenario's request count (the run at the start rate lasts that duration)."""
-PAPER_DURATIONS_S: dict[Scenario, float] = {Scenario.REASONING: 1200.0}
+MIX_START_RATE = 1.0
+"""Where a mix file's search starts unless --start-rate says (req/s per replica)."""
+PAPER_DURATIONS_S: dict[Workload, float] = {Scenario.REASONING: 1200.0}
 """Longer runs where 300 s holds too few requests: reasoning's capacity is a few requests per
 100 s, so 300 s gave 12 per point, where one miss is 8% of the attainment."""
 PAPER_FIXED = ("profile", "scenario", "policies", "replicas", "ablation", "same_window")
@@ -285,7 +294,10 @@ PAPER_FIXED = ("profile", "scenario", "policies", "replicas", "ablation", "same_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", help=f"name or path (default {DEFAULT_PROFILE})")
     parser.add_argument(
-        "--scenario", help=f"comma list of {[s.value for s in Scenario]} (default chatbot)"
+        "--scenario",
+        help=f"comma list of {[s.value for s in Scenario]} and mix files (.yaml/.json: your own "
+        f"application classes, loadgen.mixes; a mix's search starts at {MIX_START_RATE:g} req/s "
+        "unless --start-rate says) (default chatbot)",
     )
     parser.add_argument(
         "--policies",
@@ -420,6 +432,23 @@ def _parse_list(option: str, text: str, parse: Callable[[str], T], known: str) -
     return out
 
 
+def _workloads(text: str) -> list[Workload]:
+    """--scenario's comma list: scenario names and mix files, each label once."""
+    items = _split(text)
+    if not items:
+        raise OptionError("--scenario is empty")
+    out: list[Workload] = []
+    for item in items:
+        try:
+            out.append(parse_workload(item))
+        except ValueError as exc:
+            raise OptionError(f"--scenario: {exc}") from None
+    labels = [w.value for w in out]
+    if len(set(labels)) != len(labels):
+        raise OptionError(f"--scenario: the workloads' names repeat: {labels}")
+    return out
+
+
 def _replica_count(text: str) -> int:
     n = int(text)
     if n < 1:
@@ -432,18 +461,18 @@ class Plan:
     """What one invocation runs, after defaults and --paper-table / --ablation."""
 
     profile: str
-    scenarios: list[Scenario]
+    scenarios: list[Workload]
     policies: list[Policy]
     replica_counts: list[int]
     rate: float | None
     """Attainment at this rate; None = capacity search."""
     duration_s: float
-    scenario_durations_s: dict[Scenario, float]
+    scenario_durations_s: dict[Workload, float]
     """Seconds of arrivals per scenario (`duration_s` unless --paper-table lengthens it)."""
     arrivals: str
     rel_tol: float
-    start_rates: dict[Scenario, float]
-    timeline_scenario: Scenario
+    start_rates: dict[Workload, float]
+    timeline_scenario: Workload
     same_window: bool
     """Every replica count replays the largest count's requests (--same-window)."""
     baseline_profile: str | None
@@ -453,7 +482,7 @@ class Plan:
     jobs: int
     """Worker processes (1: the runs in this process, in order)."""
 
-    def requests_per_replica(self, scenario: Scenario) -> int:
+    def requests_per_replica(self, scenario: Workload) -> int:
         """Requests a replica gets at every rate: the scenario's duration at the reference rate
         (`--rate`, else the search's start)."""
         reference = self.rate if self.rate is not None else self.start_rates[scenario]
@@ -470,12 +499,8 @@ def plan(args: argparse.Namespace) -> Plan:
                 raise OptionError(f"--paper-table sets {flag} itself; drop {flag}")
     if args.ablation and args.policies is not None:
         raise OptionError("--ablation sets --policies itself; drop --policies")
-    scenarios = (
-        list(Scenario)
-        if paper
-        else _parse_list(
-            "--scenario", args.scenario or Scenario.CHATBOT.value, Scenario, "a scenario"
-        )
+    scenarios: list[Workload] = (
+        list(Scenario) if paper else _workloads(args.scenario or Scenario.CHATBOT.value)
     )
     if paper:
         policies = list(PAPER_POLICIES)
@@ -513,22 +538,24 @@ def plan(args: argparse.Namespace) -> Plan:
     if args.start_rate is not None:
         start_rates = dict.fromkeys(scenarios, args.start_rate)
     else:
-        start_rates = {s: START_RATES[s] for s in scenarios}
+        start_rates = {
+            s: START_RATES[s] if isinstance(s, Scenario) else MIX_START_RATE for s in scenarios
+        }
     if args.jobs < 0:
         raise OptionError(f"--jobs must be >= 0 (0: one per CPU), got {args.jobs}")
     if args.min_rate > args.max_rate:
         raise OptionError(f"--min-rate {args.min_rate} exceeds --max-rate {args.max_rate}")
     start_rates = {s: min(max(r, args.min_rate), args.max_rate) for s, r in start_rates.items()}
     duration = args.duration or (PAPER_DURATION_S if paper else 600.0)
-    timeline = Scenario.CODER if paper else scenarios[0]
+    timeline: Workload = Scenario.CODER if paper else scenarios[0]
     if args.timeline_scenario is not None:
-        known = [s.value for s in scenarios]
-        if args.timeline_scenario not in known:
+        by_label = {s.value: s for s in scenarios}
+        if args.timeline_scenario not in by_label:
             raise OptionError(
-                f"--timeline-scenario must be one of the run's scenarios {known}, "
+                f"--timeline-scenario must be one of the run's scenarios {list(by_label)}, "
                 f"got {args.timeline_scenario!r}"
             )
-        timeline = Scenario(args.timeline_scenario)
+        timeline = by_label[args.timeline_scenario]
     return Plan(
         profile=args.profile or DEFAULT_PROFILE,
         scenarios=scenarios,
@@ -646,7 +673,7 @@ def run(args: argparse.Namespace) -> int:
 class Job:
     """One capacity search of the command (with --rate, one run)."""
 
-    scenario: Scenario
+    scenario: Workload
     policy: Policy
     replicas: int
 
@@ -671,7 +698,7 @@ def run_job(
 
 
 def _run_jobs(
-    jobs: Sequence[Job], setups: Mapping[Scenario, Setup], p: Plan, search: Search
+    jobs: Sequence[Job], setups: Mapping[Workload, Setup], p: Plan, search: Search
 ) -> list[JobResult]:
     """Every job's result, in job order."""
     results: dict[int, JobResult] = {}
@@ -708,7 +735,7 @@ def _print_capacity(job: Job, found: CapacityResult | None) -> None:
 
 
 def timeline_rate(
-    capacity: Mapping[str, Mapping[str, Mapping[str, float]]], scenario: Scenario, replicas: int
+    capacity: Mapping[str, Mapping[str, Mapping[str, float]]], scenario: Workload, replicas: int
 ) -> float | None:
     """slos's capacity in the scenario (else the highest capacity found): the load slos just
     holds, where the baselines' behavior under bursts shows; None when every search found 0."""

@@ -57,6 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from statistics import NormalDist
+from typing import Protocol
 
 import numpy as np
 
@@ -312,6 +313,34 @@ TRACE_FILES: dict[Scenario, str] = {
 }
 """Each scenario's arrival trace (paper Table 3; Mixed is ours: its majority is conversational)."""
 TRACE_LENGTH_SCENARIOS = (Scenario.CHATBOT, Scenario.CODER)
+
+
+class CustomWorkload(Protocol):
+    """A workload of the user's own (loadgen.mixes.Mix), wherever a Scenario may go."""
+
+    @property
+    def value(self) -> str:
+        """Its label, as a Scenario's value."""
+        ...
+
+    @property
+    def trace_file(self) -> str:
+        """The Azure trace (a TRACE_FILES value) its trace arrivals replay."""
+        ...
+
+    def generate(
+        self, arrivals: Sequence[float], config: WorkloadConfig, rng: np.random.Generator
+    ) -> list[WorkloadRequest]: ...
+
+
+Workload = Scenario | CustomWorkload
+
+
+def trace_file(workload: Workload) -> str:
+    """The trace file a workload's trace arrivals replay."""
+    return TRACE_FILES[workload] if isinstance(workload, Scenario) else workload.trace_file
+
+
 """Scenarios whose service the Azure traces logged, so their lengths may come from the trace."""
 
 
@@ -476,7 +505,7 @@ def _toolllm(
 
 
 def generate_workload(
-    scenario: Scenario | str,
+    scenario: Workload | str,
     arrivals: Sequence[float] | np.ndarray,
     config: WorkloadConfig,
     seed: int,
@@ -487,7 +516,8 @@ def generate_workload(
     Deterministic for a seed. `trace_rows` (ChatBot, Coder only) pairs arrival i with trace row
     i's logged lengths, e.g. the rows loadgen.arrivals.trace_arrivals returned.
     """
-    scenario = Scenario(scenario)
+    if isinstance(scenario, str):
+        scenario = Scenario(scenario)
     times = [float(t) for t in arrivals]
     if not times:
         raise ValueError("arrivals must not be empty")
@@ -496,14 +526,16 @@ def generate_workload(
     if any(b < a for a, b in itertools.pairwise(times)):
         raise ValueError("arrival times must be sorted")
     if trace_rows is not None:
-        if scenario not in TRACE_LENGTH_SCENARIOS:
+        if not isinstance(scenario, Scenario) or scenario not in TRACE_LENGTH_SCENARIOS:
             raise ValueError(
-                f"scenario {scenario.value!r} cannot take trace lengths; only "
+                f"workload {scenario.value!r} cannot take trace lengths; only "
                 f"{[s.value for s in TRACE_LENGTH_SCENARIOS]} match the traced services"
             )
         if len(trace_rows) != len(times):
             raise ValueError(f"{len(trace_rows)} trace rows for {len(times)} arrivals")
     rng = np.random.default_rng(seed)
+    if not isinstance(scenario, Scenario):
+        return scenario.generate(times, config, rng)
     if scenario is Scenario.MIXED:
         return _mixed(times, config, rng)
     if scenario is Scenario.REASONING:

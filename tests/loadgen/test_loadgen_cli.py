@@ -60,10 +60,13 @@ def test_bad_options_fail_naming_the_option(args: list[str], named: str) -> None
     assert named in str(exc.value.code)
 
 
-def test_unknown_scenario_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
+def test_a_bad_scenario_or_mix_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--scenario: 'poetry' is neither a scenario"):
         cli.main(["loadgen", "--rate", "1", "--scenario", "poetry"])
-    assert "--scenario" in capsys.readouterr().err
+    mix = tmp_path / "mix.yaml"
+    mix.write_text("classes: [{name: chat, share: 1, prompt: 10, output: 5, ttft: soon}]\n")
+    with pytest.raises(SystemExit, match=r"mix.yaml: class 'chat': ttft must be tight or loose"):
+        cli.main(["loadgen", "--rate", "1", "--scenario", str(mix)])
 
 
 def test_unreachable_target_is_named() -> None:
@@ -114,6 +117,47 @@ def test_loadgen_run_against_the_front_door(live: LocalFrontDoor, tmp_path: Path
     attained = summary["attainment"] * 6
     assert attained == round(attained) and 0 <= summary["attainment"] <= 1
     assert set(summary["by_slo_class"]) == {"loose/loose"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_mix_file_through_the_front_door(live: LocalFrontDoor, tmp_path: Path) -> None:
+    """A user's own mix drives the live cluster: its classes' SLOs reach the server as written
+    (absolute) or from the run's levels, and the report groups by class."""
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
+    mix = tmp_path / "shop.yaml"
+    mix.write_text(
+        "name: shop\n"
+        "classes:\n"
+        "  - {name: chat, share: 1, prompt: 40, output: 6, ttft: loose, tpot: loose}\n"
+        "  - {name: quick, share: 1, prompt: 20, output: 3, ttft_ms: 4000, tpot_ms: 400}\n"
+    )
+    out, records_path = tmp_path / "out.json", tmp_path / "run.jsonl"
+    code = cli.main(
+        [
+            "loadgen",
+            *("--target", live.http_url, "--api-key", API_KEY, "--scenario", str(mix)),
+            *("--rate", "3", "--duration", "2", "--length-scale", "1", "--zero-load", str(zero)),
+            *("--records", str(records_path), "--json", str(out), "--no-progress"),
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["scenario"] == "shop"
+    records = read_records(records_path)
+    assert len(records) == 6
+    by_class = {r.slo_class: r for r in records}
+    assert set(by_class) == set(result["summary"]["by_slo_class"]) <= {"chat", "quick"}
+    for r in records:
+        assert r.scenario == r.slo_class and r.request_id.startswith(r.slo_class)
+        if r.slo_class == "quick":
+            assert (r.prompt_len, r.output_len, r.slo.ttft_ms, r.slo.tpot_ms) == (20, 3, 4000, 400)
+        else:
+            assert (r.prompt_len, r.output_len) == (40, 6)
+            assert r.slo.ttft_ms == pytest.approx(5 * 2000.0)  # loose: 5x the 2 s zero load
+        if r.verdict is not Verdict.REJECTED:
+            assert r.error is None and r.complete, r
 
 
 @pytest.mark.slow

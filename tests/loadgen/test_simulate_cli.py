@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster.simulator import Policy
 from loadgen import cli, simulate
@@ -230,3 +231,32 @@ def test_timeline_runs_at_slos_capacity_else_the_highest() -> None:
     capacity["coder"]["slos"]["1"] = 0.0
     assert simulate.timeline_rate(capacity, Scenario.CODER, 1) == 3.0
     assert simulate.timeline_rate(capacity, Scenario.CHATBOT, 1) is None
+
+
+def test_a_mix_file_runs_beside_the_scenarios(tmp_path: Path) -> None:
+    """--scenario takes mix files (loadgen.mixes) in its list; the mix's name is its label in
+    the plan and the JSON, and its classes are the report's SLO classes."""
+    mix = tmp_path / "shop.yaml"
+    chat = {"name": "chat", "share": 1, "prompt": {"mean": 300, "p99": 900}, "output": 40}
+    search = {"name": "search", "share": 1, "prompt": 64, "output": 8}
+    classes = [chat | {"ttft": "loose", "tpot": "loose"}, search | {"ttft_ms": 300, "tpot_ms": 60}]
+    mix.write_text(yaml.safe_dump({"name": "shop", "classes": classes}))
+    p = simulate.plan(
+        parse("--capacity", "--scenario", f"{mix},chatbot", "--timeline-scenario", "shop")
+    )
+    assert [s.value for s in p.scenarios] == ["shop", "chatbot"]
+    assert p.start_rates[p.scenarios[0]] == simulate.MIX_START_RATE
+    assert p.timeline_scenario is p.scenarios[0]
+    with pytest.raises(ValueError, match="--scenario: the workloads' names repeat"):
+        simulate.plan(parse("--capacity", "--scenario", f"{mix},{mix}"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"classes": [chat | {"ttft": "loose"}]}))
+    with pytest.raises(ValueError, match=r"--scenario: mix file .*bad.yaml: class 'chat': give"):
+        simulate.plan(parse("--capacity", "--scenario", str(bad)))
+    out = tmp_path / "out.json"
+    point = ("--rate", "2", "--duration", "5", "--policies", "slos,vllm", "--json", str(out))
+    assert simulate.run(parse("--scenario", str(mix), *point)) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["scenario"], r["policy"]) for r in runs] == [("shop", "slos"), ("shop", "vllm")]
+    assert set(runs[0]["report"]["by_slo_class"]) == {"chat", "search"}
+    assert runs[0]["report"]["overall"]["requests"] == 10

@@ -1,0 +1,295 @@
+"""Your own traffic mix as a workload: application classes with their shares, lengths and SLOs.
+
+The paper's scenarios fix the applications; a service that runs its own set (a chatbot beside a
+coding assistant and an agent, each with its own TTFT and TPOT) describes it in a YAML or JSON
+file and passes the file wherever a scenario name goes (`slos-serve simulate --scenario`,
+`slos-serve loadgen --scenario`, `slos-serve compare --scenario`):
+
+    name: my-services          # label in tables and plots (default: the file's stem)
+    trace: conversation        # --arrivals trace replays conversation (steady) or code (bursty)
+    classes:
+      - name: chat
+        share: 0.6             # of the arrivals; shares are normalized over the classes
+        prompt: {mean: 763, p99: 1591}
+        output: {mean: 266, p99: 619}
+        ttft: loose            # tight | loose: 3x | 5x the prompt's zero-load TTFT
+        tpot: loose            # tight | loose: the run's two TPOT levels
+      - name: copilot
+        share: 0.4
+        prompt: {mean: 847, p99: 2010}
+        output: 32             # a fixed length
+        max_tokens: 64         # what the request asks for (default: the output's largest length)
+        ttft_ms: 400           # absolute targets instead of levels
+        tpot_ms: 40
+
+Lengths are a lognormal fitted to mean and p99 (as the scenarios' Table 4 lengths) or a fixed
+count; `--length-scale` shrinks them and `max_tokens` alike. Level SLOs follow the run's SLO
+targets (GPU levels, or the CPU demo pair's scaled ones), so one file serves both; absolute ones
+are sent as written. Each request's class name is its scenario and SLO class in the records and
+the per-class report. A class has one TTFT and one TPOT: stages and follow-up rounds are what
+the built-in reasoning and toolllm scenarios add.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE
+from loadgen.workloads import (
+    Level,
+    LogNormalLengths,
+    Scenario,
+    WorkloadConfig,
+    WorkloadRequest,
+)
+from replica.request import SLO
+
+MIX_TRACES = {"conversation": AZURE_CONV_FILE, "code": AZURE_CODE_FILE}
+"""`trace` values: which Azure trace --arrivals trace replays."""
+MIX_SUFFIXES = (".yaml", ".yml", ".json")
+_CLASS_KEYS = {
+    "name",
+    "share",
+    "prompt",
+    "output",
+    "max_tokens",
+    "ttft",
+    "ttft_ms",
+    "tpot",
+    "tpot_ms",
+}
+_MIX_KEYS = {"name", "trace", "classes"}
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Token counts of a class: a fixed count, or a lognormal by mean and p99."""
+
+    mean: float
+    p99: float | None = None
+    """None: every request has `mean` tokens."""
+
+    def fitted(self, scale: float) -> LogNormalLengths | int:
+        if self.p99 is None:
+            return max(1, round(self.mean * scale))
+        return LogNormalLengths(self.mean, self.p99).scaled(scale)
+
+
+@dataclass(frozen=True)
+class MixClass:
+    """One application: its share of the arrivals, lengths and SLO."""
+
+    name: str
+    share: float
+    prompt: Lengths
+    output: Lengths
+    ttft: Level | float
+    """A level (a slowdown over the prompt's zero-load TTFT) or milliseconds."""
+    tpot: Level | float
+    """A level (the run's TPOT targets) or milliseconds."""
+    max_tokens: int | None = None
+
+    def ttft_ms(self, config: WorkloadConfig, zero_load_s: float) -> float:
+        if isinstance(self.ttft, Level):
+            return config.targets.ttft_ms(self.ttft, zero_load_s)
+        return self.ttft
+
+    def tpot_ms(self, config: WorkloadConfig) -> float:
+        if isinstance(self.tpot, Level):
+            return config.targets.tpot_ms(self.tpot)
+        return self.tpot
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A traffic mix: where a scenario name goes, a file of application classes."""
+
+    name: str
+    classes: tuple[MixClass, ...]
+    trace: str = "conversation"
+
+    @property
+    def value(self) -> str:
+        """The label tables, plots and JSON keys use (a Scenario's value is its name too)."""
+        return self.name
+
+    @property
+    def trace_file(self) -> str:
+        return MIX_TRACES[self.trace]
+
+    def generate(
+        self, arrivals: Sequence[float], config: WorkloadConfig, rng: np.random.Generator
+    ) -> list[WorkloadRequest]:
+        return generate_mix(self, arrivals, config, rng)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Mix:
+        path = Path(path)
+        if path.suffix not in MIX_SUFFIXES:
+            raise ValueError(f"{path}: a mix file ends in one of {', '.join(MIX_SUFFIXES)}")
+        try:
+            text = path.read_text()
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            raise ValueError(f"cannot read mix file {path}: {exc}") from None
+        try:
+            return mix_from_dict(data, default_name=path.stem)
+        except ValueError as exc:
+            raise ValueError(f"mix file {path}: {exc}") from None
+
+
+def parse_workload(text: str) -> Scenario | Mix:
+    """A built-in scenario's name, or the path of a mix file (see the module notes)."""
+    if text in {s.value for s in Scenario}:
+        return Scenario(text)
+    if Path(text).suffix in MIX_SUFFIXES:
+        return Mix.load(text)
+    raise ValueError(
+        f"{text!r} is neither a scenario ({', '.join(s.value for s in Scenario)}) nor a mix "
+        f"file ({', '.join(MIX_SUFFIXES)})"
+    )
+
+
+def mix_from_dict(data: Any, default_name: str) -> Mix:
+    """A Mix from its parsed file; every error names the field (and class) at fault."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"expected a mapping with 'classes', got {type(data).__name__}")
+    _no_unknown(data, _MIX_KEYS, "the mix")
+    name = data.get("name", default_name)
+    if not isinstance(name, str) or not name or "," in name:
+        raise ValueError(f"name must be a non-empty string without commas, got {name!r}")
+    trace = data.get("trace", "conversation")
+    if trace not in MIX_TRACES:
+        raise ValueError(f"trace must be one of {sorted(MIX_TRACES)}, got {trace!r}")
+    raw = data.get("classes")
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("classes must be a non-empty list")
+    classes = tuple(_mix_class(item, i) for i, item in enumerate(raw))
+    names = [c.name for c in classes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"class names must be distinct, got {names}")
+    return Mix(name, classes, trace)
+
+
+def _mix_class(data: Any, index: int) -> MixClass:
+    where = f"classes[{index}]"
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}.name must be a non-empty string, got {name!r}")
+    where = f"class {name!r}"
+    _no_unknown(data, _CLASS_KEYS, where)
+    share = _number(data.get("share"), f"{where}: share")
+    prompt = _lengths(data.get("prompt"), f"{where}: prompt")
+    output = _lengths(data.get("output"), f"{where}: output")
+    max_tokens = data.get("max_tokens")
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {max_tokens!r}")
+    return MixClass(
+        name=name,
+        share=share,
+        prompt=prompt,
+        output=output,
+        ttft=_target(data, "ttft", where),
+        tpot=_target(data, "tpot", where),
+        max_tokens=max_tokens,
+    )
+
+
+def _no_unknown(data: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{what} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _lengths(value: Any, what: str) -> Lengths:
+    if isinstance(value, Mapping):
+        if set(value) != {"mean", "p99"}:
+            raise ValueError(f"{what} takes {{mean, p99}} or a fixed count, got {dict(value)!r}")
+        lengths = Lengths(
+            _number(value["mean"], f"{what}.mean"), _number(value["p99"], f"{what}.p99")
+        )
+        try:
+            lengths.fitted(1.0)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+        return lengths
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be {{mean, p99}} or a fixed count >= 1, got {value!r}")
+    return Lengths(float(value))
+
+
+def _target(data: Mapping[str, Any], key: str, where: str) -> Level | float:
+    """`ttft`/`tpot` as a level, or `ttft_ms`/`tpot_ms`: exactly one of the two."""
+    level, ms = data.get(key), data.get(f"{key}_ms")
+    if (level is None) == (ms is None):
+        raise ValueError(f"{where}: give exactly one of {key} (tight | loose) and {key}_ms")
+    if ms is not None:
+        return _number(ms, f"{where}: {key}_ms")
+    if level not in {lv.value for lv in Level}:
+        raise ValueError(f"{where}: {key} must be tight or loose, got {level!r}")
+    return Level(level)
+
+
+def generate_mix(
+    mix: Mix, arrivals: Sequence[float], config: WorkloadConfig, rng: np.random.Generator
+) -> list[WorkloadRequest]:
+    """One request per arrival, its class drawn by share (deterministic for the generator)."""
+    shares = np.array([c.share for c in mix.classes])
+    pick = rng.choice(len(mix.classes), size=len(arrivals), p=shares / shares.sum())
+    out: list[WorkloadRequest] = []
+    for k, cls in enumerate(mix.classes):
+        ids = [int(i) for i in np.flatnonzero(pick == k)]
+        prompts = _sample(cls.prompt, config.length_scale, rng, len(ids))
+        outputs = _sample(cls.output, config.length_scale, rng, len(ids))
+        max_tokens = _max_tokens(cls, config.length_scale)
+        for i, p, o in zip(ids, prompts, outputs, strict=True):
+            zero = config.zero_load(p)
+            req = WorkloadRequest(
+                request_id=f"{cls.name}-{i:06d}",
+                scenario=cls.name,
+                slo_class=cls.name,
+                arrival_s=float(arrivals[i]),
+                prompt_len=p,
+                output_len=min(o, max_tokens),
+                max_tokens=max_tokens,
+                slo=SLO(cls.ttft_ms(config, zero), cls.tpot_ms(config)),
+                zero_load_ttft_s=zero,
+            )
+            out.append(config.check_fits(req))
+    out.sort(key=lambda r: (r.arrival_s, r.request_id))
+    return out
+
+
+def _sample(lengths: Lengths, scale: float, rng: np.random.Generator, n: int) -> list[int]:
+    fitted = lengths.fitted(scale)
+    if isinstance(fitted, int):
+        return [fitted] * n
+    return [int(x) for x in fitted.sample(rng, n)]
+
+
+def _max_tokens(cls: MixClass, scale: float) -> int:
+    """What the class's requests ask for: its own max_tokens, else its longest output."""
+    if cls.max_tokens is not None:
+        return max(1, round(cls.max_tokens * scale))
+    fitted = cls.output.fitted(scale)
+    return fitted if isinstance(fitted, int) else fitted.cap

@@ -1,0 +1,206 @@
+"""Mix files: loading (YAML and JSON), errors that name the field, and the requests they give."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from loadgen.mixes import Lengths, Mix, mix_from_dict, parse_workload
+from loadgen.simulate import ROOT
+from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE
+from loadgen.workloads import (
+    Level,
+    LogNormalLengths,
+    Scenario,
+    SLOTargets,
+    WorkloadConfig,
+    generate_workload,
+    trace_file,
+)
+
+EXAMPLE = ROOT / "loadgen" / "mix-examples" / "services.yaml"
+
+
+def zero_load(prompt_len: int) -> float:
+    return 0.01 + prompt_len * 1e-4
+
+
+CONFIG = WorkloadConfig(zero_load)
+
+
+def two_classes() -> dict[str, Any]:
+    return {
+        "name": "shop",
+        "trace": "code",
+        "classes": [
+            {
+                "name": "chat",
+                "share": 3,
+                "prompt": {"mean": 500, "p99": 1500},
+                "output": {"mean": 100, "p99": 400},
+                "ttft": "loose",
+                "tpot": "tight",
+            },
+            {
+                "name": "search",
+                "share": 1,
+                "prompt": 64,
+                "output": 8,
+                "max_tokens": 16,
+                "ttft_ms": 250,
+                "tpot_ms": 20,
+            },
+        ],
+    }
+
+
+def test_yaml_and_json_files_give_the_same_mix(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(two_classes()))
+    (tmp_path / "a.json").write_text(json.dumps(two_classes()))
+    mix = Mix.load(tmp_path / "a.yaml")
+    assert mix == Mix.load(tmp_path / "a.json")
+    assert (mix.name, mix.value, mix.trace_file) == ("shop", "shop", AZURE_CODE_FILE)
+    chat, search = mix.classes
+    assert (chat.share, chat.ttft, chat.tpot) == (3.0, Level.LOOSE, Level.TIGHT)
+    assert chat.prompt == Lengths(500.0, 1500.0)
+    assert (search.prompt, search.output) == (Lengths(64.0), Lengths(8.0))
+    assert (search.ttft, search.tpot, search.max_tokens) == (250.0, 20.0, 16)
+
+
+def test_name_defaults_to_the_file_stem_and_trace_to_conversation(tmp_path: Path) -> None:
+    data = two_classes()
+    del data["name"], data["trace"]
+    (tmp_path / "my-mix.yml").write_text(yaml.safe_dump(data))
+    mix = Mix.load(tmp_path / "my-mix.yml")
+    assert (mix.name, mix.trace_file) == ("my-mix", AZURE_CONV_FILE)
+
+
+def _with(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    data = two_classes()
+    node: Any = data
+    for key in path[:-1]:
+        node = node[key]
+    if value is _DROP:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return data
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("classes",), [], "classes must be a non-empty list"),
+        (("classes",), _DROP, "classes must be a non-empty list"),
+        (("trace",), "azure", "trace must be one of"),
+        (("name",), "a,b", "without commas"),
+        (("rate",), 3, "unknown field(s) ['rate']"),
+        (("classes", 0, "tpot_s"), 0.05, "class 'chat': unknown field(s) ['tpot_s']"),
+        (("classes", 0, "name"), "", "classes[0].name"),
+        (("classes", 1, "name"), "chat", "class names must be distinct"),
+        (("classes", 0, "share"), 0, "class 'chat': share must be > 0"),
+        (("classes", 0, "share"), "half", "class 'chat': share must be a finite number"),
+        (("classes", 0, "prompt"), {"mean": 500}, "class 'chat': prompt takes {mean, p99}"),
+        (("classes", 0, "prompt"), {"mean": 500, "p99": 400}, "class 'chat': prompt: no lognormal"),
+        (("classes", 0, "output"), 0, "class 'chat': output must be {mean, p99} or a fixed"),
+        (("classes", 0, "output"), 2.5, "class 'chat': output must be"),
+        (("classes", 0, "ttft_ms"), 100, "class 'chat': give exactly one of ttft"),
+        (("classes", 0, "tpot"), _DROP, "class 'chat': give exactly one of tpot"),
+        (("classes", 0, "tpot"), "fast", "class 'chat': tpot must be tight or loose"),
+        (("classes", 1, "tpot_ms"), -5, "class 'search': tpot_ms must be > 0"),
+        (("classes", 1, "max_tokens"), 0, "class 'search': max_tokens must be an integer"),
+    ],
+)
+def test_errors_name_the_field_and_class(path: tuple[Any, ...], value: Any, message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        mix_from_dict(_with(path, value), default_name="x")
+    assert message in str(exc.value)
+
+
+def test_file_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="ends in one of"):
+        Mix.load(tmp_path / "mix.txt")
+    with pytest.raises(ValueError, match=r"cannot read mix file .*missing.yaml"):
+        Mix.load(tmp_path / "missing.yaml")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot read mix file .*bad.json"):
+        Mix.load(tmp_path / "bad.json")
+    (tmp_path / "list.yaml").write_text("- chat\n")
+    with pytest.raises(ValueError, match=r"list.yaml: expected a mapping"):
+        Mix.load(tmp_path / "list.yaml")
+
+
+def test_parse_workload_takes_scenario_names_and_mix_files(tmp_path: Path) -> None:
+    assert parse_workload("coder") is Scenario.CODER
+    (tmp_path / "m.json").write_text(json.dumps(two_classes()))
+    assert parse_workload(str(tmp_path / "m.json")).value == "shop"
+    with pytest.raises(ValueError, match=r"'poetry' is neither a scenario .* nor a mix file"):
+        parse_workload("poetry")
+
+
+def test_trace_file_of_scenarios_and_mixes() -> None:
+    assert trace_file(Scenario.CODER) == AZURE_CODE_FILE
+    assert trace_file(mix_from_dict(two_classes(), "x")) == AZURE_CODE_FILE
+
+
+def test_requests_follow_the_classes() -> None:
+    mix = mix_from_dict(two_classes(), "x")
+    arrivals = [i * 0.01 for i in range(4000)]
+    out = generate_workload(mix, arrivals, CONFIG, seed=3)
+    assert len(out) == 4000
+    assert [r.arrival_s for r in out] == arrivals  # one request per arrival, in order
+    assert len({r.request_id for r in out}) == 4000
+    counts = Counter(r.scenario for r in out)
+    assert counts["chat"] / 4000 == pytest.approx(0.75, abs=0.03)  # shares 3 : 1
+    chat = [r for r in out if r.scenario == "chat"]
+    search = [r for r in out if r.scenario == "search"]
+    assert {r.slo_class for r in chat} == {"chat"} and {r.slo_class for r in search} == {"search"}
+    # Fixed lengths as written; the request asks for max_tokens, not its true length.
+    assert {(r.prompt_len, r.output_len, r.max_tokens) for r in search} == {(64, 8, 16)}
+    assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in search} == {(250.0, 20.0)}
+    # Levels follow the run's targets: loose TTFT = 5x the prompt's zero-load TTFT.
+    for r in chat[:50]:
+        assert r.zero_load_ttft_s == zero_load(r.prompt_len)
+        assert r.slo.ttft_ms == pytest.approx(5 * zero_load(r.prompt_len) * 1e3)
+        assert r.slo.tpot_ms == SLOTargets().tight_tpot_ms
+    # Lognormal lengths with the file's mean; max_tokens is the fit's largest length.
+    cap = LogNormalLengths(100, 400).cap
+    assert {r.max_tokens for r in chat} == {cap}
+    assert all(1 <= r.output_len <= cap for r in chat)
+    assert np.mean([r.prompt_len for r in chat]) == pytest.approx(500, rel=0.05)
+    assert out == generate_workload(mix, arrivals, CONFIG, seed=3)
+    assert out != generate_workload(mix, arrivals, CONFIG, seed=4)
+
+
+def test_length_scale_shrinks_lengths_and_max_tokens_not_absolute_slos() -> None:
+    mix = mix_from_dict(two_classes(), "x")
+    config = WorkloadConfig(zero_load, SLOTargets.for_decode_step(0.004), length_scale=0.1)
+    out = generate_workload(mix, [0.0] * 400, config, seed=0)
+    search = [r for r in out if r.scenario == "search"]
+    assert {(r.prompt_len, r.output_len, r.max_tokens) for r in search} == {(6, 1, 2)}
+    assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in search} == {(250.0, 20.0)}
+    chat = [r for r in out if r.scenario == "chat"]
+    assert {r.max_tokens for r in chat} == {LogNormalLengths(10, 40).cap}
+    assert all(r.slo.tpot_ms == pytest.approx(3.3 * 4.0) for r in chat)
+
+
+def test_a_mix_refuses_requests_the_model_cannot_hold() -> None:
+    mix = mix_from_dict(two_classes(), "x")
+    with pytest.raises(ValueError, match="exceeds max_model_len=50"):
+        generate_workload(mix, [0.0] * 10, WorkloadConfig(zero_load, max_model_len=50), seed=0)
+
+
+def test_the_shipped_example_loads() -> None:
+    mix = Mix.load(EXAMPLE)
+    assert mix.name == "services"
+    assert [c.name for c in mix.classes] == ["chat", "copilot", "summarize", "agent"]
+    assert sum(c.share for c in mix.classes) == pytest.approx(1.0)

@@ -9,7 +9,7 @@ file and passes the file wherever a scenario name goes (`slos-serve simulate --s
     trace: conversation        # --arrivals trace replays conversation (steady) or code (bursty)
     classes:
       - name: chat
-        share: 0.6             # of the arrivals; shares are normalized over the classes
+        share: 0.5             # of the arrivals; shares are normalized over the classes
         prompt: {mean: 763, p99: 1591}
         output: {mean: 266, p99: 619}
         ttft: loose            # tight | loose: 3x | 5x the prompt's zero-load TTFT
@@ -21,13 +21,22 @@ file and passes the file wherever a scenario name goes (`slos-serve simulate --s
         max_tokens: 64         # what the request asks for (default: the output's largest length)
         ttft_ms: 400           # absolute targets instead of levels
         tpot_ms: 40
+      - name: reasoner         # stages before the answer, each with its own length and TPOT
+        share: 0.1
+        prompt: {mean: 127, p99: 421}
+        stages:
+          - {name: thinking, tokens: {mean: 4693, p99: 7297}, tpot: tight}
+        output: {mean: 803, p99: 1650}    # the answer, after the stages
+        ttft: tight
+        tpot: loose                       # the answer's
 
 Lengths are a lognormal fitted to mean and p99 (as the scenarios' Table 4 lengths) or a fixed
 count; `--length-scale` shrinks them and `max_tokens` alike. Level SLOs follow the run's SLO
 targets (GPU levels, or the CPU demo pair's scaled ones), so one file serves both; absolute ones
-are sent as written. Each request's class name is its scenario and SLO class in the records and
-the per-class report. A class has one TTFT and one TPOT: stages and follow-up rounds are what
-the built-in reasoning and toolllm scenarios add.
+are sent as written. With `stages` a request's SLO has a stage per entry (its length hidden
+from the planner in max_tokens, its boundary told up front, as in the reasoning scenario) and
+then the answer's. Each request's class name is its scenario and SLO class in the records and
+the per-class report. Follow-up rounds (the toolllm scenario's tool calls) have no mix form.
 """
 
 from __future__ import annotations
@@ -50,17 +59,19 @@ from loadgen.workloads import (
     WorkloadConfig,
     WorkloadRequest,
 )
-from replica.request import SLO
+from replica.request import SLO, Stage
 
 MIX_TRACES = {"conversation": AZURE_CONV_FILE, "code": AZURE_CODE_FILE}
 """`trace` values: which Azure trace --arrivals trace replays."""
 MIX_SUFFIXES = (".yaml", ".yml", ".json")
+_STAGE_KEYS = {"name", "tokens", "tpot", "tpot_ms"}
 _CLASS_KEYS = {
     "name",
     "share",
     "prompt",
     "output",
     "max_tokens",
+    "stages",
     "ttft",
     "ttft_ms",
     "tpot",
@@ -84,6 +95,15 @@ class Lengths:
 
 
 @dataclass(frozen=True)
+class MixStage:
+    """A stage before a class's answer: its length and TPOT."""
+
+    name: str
+    tokens: Lengths
+    tpot: Level | float
+
+
+@dataclass(frozen=True)
 class MixClass:
     """One application: its share of the arrivals, lengths and SLO."""
 
@@ -94,18 +114,14 @@ class MixClass:
     ttft: Level | float
     """A level (a slowdown over the prompt's zero-load TTFT) or milliseconds."""
     tpot: Level | float
-    """A level (the run's TPOT targets) or milliseconds."""
+    """A level (the run's TPOT targets) or milliseconds; with stages, the answer's."""
     max_tokens: int | None = None
+    stages: tuple[MixStage, ...] = ()
 
     def ttft_ms(self, config: WorkloadConfig, zero_load_s: float) -> float:
         if isinstance(self.ttft, Level):
             return config.targets.ttft_ms(self.ttft, zero_load_s)
         return self.ttft
-
-    def tpot_ms(self, config: WorkloadConfig) -> float:
-        if isinstance(self.tpot, Level):
-            return config.targets.tpot_ms(self.tpot)
-        return self.tpot
 
 
 @dataclass(frozen=True)
@@ -196,6 +212,9 @@ def _mix_class(data: Any, index: int) -> MixClass:
         isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
     ):
         raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {max_tokens!r}")
+    stages = data.get("stages", [])
+    if not isinstance(stages, list):
+        raise ValueError(f"{where}: stages must be a list, got {stages!r}")
     return MixClass(
         name=name,
         share=share,
@@ -204,7 +223,19 @@ def _mix_class(data: Any, index: int) -> MixClass:
         ttft=_target(data, "ttft", where),
         tpot=_target(data, "tpot", where),
         max_tokens=max_tokens,
+        stages=tuple(_stage(item, f"{where}: stages[{i}]") for i, item in enumerate(stages)),
     )
+
+
+def _stage(data: Any, where: str) -> MixStage:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
+    _no_unknown(data, _STAGE_KEYS, where)
+    name = data.get("name", "")
+    if not isinstance(name, str):
+        raise ValueError(f"{where}.name must be a string, got {name!r}")
+    tokens = _lengths(data.get("tokens"), f"{where}.tokens")
+    return MixStage(name, tokens, _target(data, "tpot", where))
 
 
 def _no_unknown(data: Mapping[str, Any], known: set[str], where: str) -> None:
@@ -257,27 +288,47 @@ def generate_mix(
     shares = np.array([c.share for c in mix.classes])
     pick = rng.choice(len(mix.classes), size=len(arrivals), p=shares / shares.sum())
     out: list[WorkloadRequest] = []
+    scale = config.length_scale
     for k, cls in enumerate(mix.classes):
         ids = [int(i) for i in np.flatnonzero(pick == k)]
-        prompts = _sample(cls.prompt, config.length_scale, rng, len(ids))
-        outputs = _sample(cls.output, config.length_scale, rng, len(ids))
-        max_tokens = _max_tokens(cls, config.length_scale)
-        for i, p, o in zip(ids, prompts, outputs, strict=True):
+        prompts = _sample(cls.prompt, scale, rng, len(ids))
+        staged = [_sample(stage.tokens, scale, rng, len(ids)) for stage in cls.stages]
+        outputs = _sample(cls.output, scale, rng, len(ids))
+        max_tokens = _max_tokens(cls, scale)
+        for n, (i, p, o) in enumerate(zip(ids, prompts, outputs, strict=True)):
             zero = config.zero_load(p)
+            lengths = [tokens[n] for tokens in staged]
             req = WorkloadRequest(
                 request_id=f"{cls.name}-{i:06d}",
                 scenario=cls.name,
                 slo_class=cls.name,
                 arrival_s=float(arrivals[i]),
                 prompt_len=p,
-                output_len=min(o, max_tokens),
+                output_len=min(sum(lengths) + o, max_tokens),
                 max_tokens=max_tokens,
-                slo=SLO(cls.ttft_ms(config, zero), cls.tpot_ms(config)),
+                slo=_slo(cls, config, zero, lengths),
                 zero_load_ttft_s=zero,
             )
             out.append(config.check_fits(req))
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
     return out
+
+
+def _slo(cls: MixClass, config: WorkloadConfig, zero_load_s: float, lengths: list[int]) -> SLO:
+    """The class's SLO; with stages, each of `lengths` tokens, then the answer's."""
+    ttft = cls.ttft_ms(config, zero_load_s)
+    answer = _tpot_ms(cls.tpot, config)
+    if not cls.stages:
+        return SLO(ttft, answer)
+    stages = [
+        Stage(_tpot_ms(stage.tpot, config), num_tokens=n, name=stage.name)
+        for stage, n in zip(cls.stages, lengths, strict=True)
+    ]
+    return SLO(ttft, stages[0].tpot_ms, (*stages, Stage(answer, name="answer")))
+
+
+def _tpot_ms(target: Level | float, config: WorkloadConfig) -> float:
+    return config.targets.tpot_ms(target) if isinstance(target, Level) else target
 
 
 def _sample(lengths: Lengths, scale: float, rng: np.random.Generator, n: int) -> list[int]:
@@ -288,8 +339,15 @@ def _sample(lengths: Lengths, scale: float, rng: np.random.Generator, n: int) ->
 
 
 def _max_tokens(cls: MixClass, scale: float) -> int:
-    """What the class's requests ask for: its own max_tokens, else its longest output."""
+    """What the class's requests ask for: its own max_tokens, else its longest output (every
+    stage's longest, plus the answer's)."""
     if cls.max_tokens is not None:
         return max(1, round(cls.max_tokens * scale))
-    fitted = cls.output.fitted(scale)
+    return sum(
+        _longest(lengths, scale) for lengths in (*(s.tokens for s in cls.stages), cls.output)
+    )
+
+
+def _longest(lengths: Lengths, scale: float) -> int:
+    fitted = lengths.fitted(scale)
     return fitted if isinstance(fitted, int) else fitted.cap

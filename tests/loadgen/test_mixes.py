@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
+from loadgen import mixes
 from loadgen.mixes import Lengths, Mix, mix_from_dict, parse_workload
 from loadgen.simulate import ROOT
 from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE
@@ -202,5 +204,73 @@ def test_a_mix_refuses_requests_the_model_cannot_hold() -> None:
 def test_the_shipped_example_loads() -> None:
     mix = Mix.load(EXAMPLE)
     assert mix.name == "services"
-    assert [c.name for c in mix.classes] == ["chat", "copilot", "summarize", "agent"]
+    assert [c.name for c in mix.classes] == ["chat", "copilot", "summarize", "agent", "reasoner"]
+    assert [s.name for s in mix.classes[-1].stages] == ["thinking"]
     assert sum(c.share for c in mix.classes) == pytest.approx(1.0)
+
+
+def reasoner(**extra: Any) -> dict[str, Any]:
+    return {
+        "name": "reasoner",
+        "share": 1,
+        "prompt": 100,
+        "stages": [{"name": "thinking", "tokens": {"mean": 1000, "p99": 2000}, "tpot": "tight"}],
+        "output": {"mean": 200, "p99": 500},
+        "ttft": "tight",
+        "tpot": "loose",
+        **extra,
+    }
+
+
+def test_stages_come_before_the_answer_each_with_its_tpot() -> None:
+    mix = mix_from_dict({"classes": [reasoner()]}, "x")
+    out = generate_workload(mix, [0.0] * 300, CONFIG, seed=1)
+    thinking_cap, answer_cap = LogNormalLengths(1000, 2000).cap, LogNormalLengths(200, 500).cap
+    targets = SLOTargets()
+    thinking = []
+    for r in out:
+        first, answer = r.slo.stages
+        assert (first.name, first.tpot_ms) == ("thinking", targets.tight_tpot_ms)
+        assert (answer.name, answer.tpot_ms, answer.num_tokens) == (
+            "answer",
+            targets.loose_tpot_ms,
+            None,
+        )
+        assert r.slo.tpot_ms == targets.tight_tpot_ms
+        assert r.slo.ttft_ms == pytest.approx(3 * zero_load(100) * 1e3)
+        assert first.num_tokens is not None and 1 <= first.num_tokens <= thinking_cap
+        # The true length is the thinking plus an answer; the request asks for both caps.
+        assert first.num_tokens < r.output_len <= first.num_tokens + answer_cap
+        assert r.max_tokens == thinking_cap + answer_cap
+        thinking.append(first.num_tokens)
+    assert np.mean(thinking) == pytest.approx(1000, rel=0.05)
+    # The deadline line switches TPOT at the stage boundary.
+    r = out[0]
+    k = r.slo.stages[0].num_tokens
+    assert k is not None
+    step = r.slo.deadline_s(k + 1) - r.slo.deadline_s(k)
+    assert step == pytest.approx(targets.loose_tpot_ms / 1e3)
+
+
+def test_stage_errors_name_the_stage() -> None:
+    cases = [
+        ({"name": "t", "tokens": 10, "tpot": "tight", "ttft": "x"}, "stages[0]: unknown field"),
+        ({"name": "t", "tpot": "tight"}, "stages[0].tokens must be"),
+        ({"tokens": 10, "tpot": "tight", "tpot_ms": 5}, "stages[0]: give exactly one of tpot"),
+        ({"name": 3, "tokens": 10, "tpot": "tight"}, "stages[0].name must be a string"),
+    ]
+    for stage, message in cases:
+        with pytest.raises(ValueError) as exc:
+            mix_from_dict({"classes": [reasoner(stages=[stage])]}, "x")
+        assert "class 'reasoner': " in str(exc.value) and message in str(exc.value)
+    with pytest.raises(ValueError, match="stages must be a list"):
+        mix_from_dict({"classes": [reasoner(stages={"name": "t"})]}, "x")
+
+
+def test_the_documented_example_loads() -> None:
+    doc = mixes.__doc__ or ""
+    block = doc.split("):\n\n", 1)[1].split("\n\n", 1)[0]
+    mix = mix_from_dict(yaml.safe_load(textwrap.dedent(block)), "x")
+    assert [c.name for c in mix.classes] == ["chat", "copilot", "reasoner"]
+    assert sum(c.share for c in mix.classes) == pytest.approx(1.0)
+    assert mix.classes[1].max_tokens == 64 and mix.classes[2].stages[0].name == "thinking"

@@ -96,6 +96,19 @@ def test_the_workloads_tightest_tpot_is_its_tightest_slo_level(scenario: str, le
     assert compare.workload_tightest_tpot_ms(args, None) == pytest.approx(expected)
 
 
+def test_a_mix_files_tightest_tpot_caps_sarathi(tmp_path: Path) -> None:
+    """With a mix file the cap is the tightest TPOT its classes ask for, absolute or a stage's."""
+    mix = tmp_path / "mix.yaml"
+    loose = "prompt: 20, output: 4, ttft: loose, tpot: loose"
+    mix.write_text(
+        "classes:\n"
+        f"  - {{name: a, share: 1, {loose}}}\n"
+        f"  - {{name: b, share: 1, {loose}, stages: [{{tokens: 3, tpot_ms: 7.5}}]}}\n"
+    )
+    args = parse("--configs", configs_arg(*SHIPPED[:2]), "--rate", "2", "--scenario", str(mix))
+    assert compare.workload_tightest_tpot_ms(args, None) == pytest.approx(7.5)
+
+
 def result(
     label: str, scheduler: str, capacity: float | None, replicas: int = 2, round_: int = 1
 ) -> dict[str, Any]:

@@ -9,13 +9,13 @@ file and passes the file wherever a scenario name goes (`slos-serve simulate --s
     trace: conversation        # --arrivals trace replays conversation (steady) or code (bursty)
     classes:
       - name: chat
-        share: 0.5             # of the arrivals; shares are normalized over the classes
+        share: 0.4             # of the arrivals; shares are normalized over the classes
         prompt: {mean: 763, p99: 1591}
         output: {mean: 266, p99: 619}
         ttft: loose            # tight | loose: 3x | 5x the prompt's zero-load TTFT
         tpot: loose            # tight | loose: the run's two TPOT levels
       - name: copilot
-        share: 0.4
+        share: 0.3
         prompt: {mean: 847, p99: 2010}
         output: 32             # a fixed length
         max_tokens: 64         # what the request asks for (default: the output's largest length)
@@ -29,14 +29,27 @@ file and passes the file wherever a scenario name goes (`slos-serve simulate --s
         output: {mean: 803, p99: 1650}    # the answer, after the stages
         ttft: tight
         tpot: loose                       # the answer's
+      - name: agent            # a session: tool-call rounds, then the answer, each a request
+        share: 0.2
+        prompt: {mean: 690, p99: 2131}
+        output: {mean: 116, p99: 363}     # every round's
+        ttft: tight
+        tpot: loose                       # the answer's
+        tools:
+          calls: [1, 3]                   # rounds before the answer, uniform (or one count)
+          tpot: tight                     # the tool-call rounds' (default: the class's)
+          response: {mean: 128, p99: 512} # tokens a tool adds to the next round's prompt
+          latency_ms: 100                 # a round's last token to the next round's arrival
 
 Lengths are a lognormal fitted to mean and p99 (as the scenarios' Table 4 lengths) or a fixed
 count; `--length-scale` shrinks them and `max_tokens` alike. Level SLOs follow the run's SLO
 targets (GPU levels, or the CPU demo pair's scaled ones), so one file serves both; absolute ones
 are sent as written. With `stages` a request's SLO has a stage per entry (its length hidden
 from the planner in max_tokens, its boundary told up front, as in the reasoning scenario) and
-then the answer's. Each request's class name is its scenario and SLO class in the records and
-the per-class report. Follow-up rounds (the toolllm scenario's tool calls) have no mix form.
+then the answer's. With `tools` an arrival is a session, as in the toolllm scenario: each round
+is a request with the class's TTFT whose prompt is the previous one plus its output and a tool
+response, sent `latency_ms` after that round's last token (the rate counts sessions). Each
+request's class name is its scenario and SLO class in the records and the per-class report.
 """
 
 from __future__ import annotations
@@ -53,6 +66,8 @@ import yaml
 
 from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE
 from loadgen.workloads import (
+    TOOL_RESPONSE_MEAN,
+    TOOL_RESPONSE_P99,
     Level,
     LogNormalLengths,
     Scenario,
@@ -65,6 +80,7 @@ MIX_TRACES = {"conversation": AZURE_CONV_FILE, "code": AZURE_CODE_FILE}
 """`trace` values: which Azure trace --arrivals trace replays."""
 MIX_SUFFIXES = (".yaml", ".yml", ".json")
 _STAGE_KEYS = {"name", "tokens", "tpot", "tpot_ms"}
+_TOOLS_KEYS = {"calls", "response", "latency_ms", "tpot", "tpot_ms"}
 _CLASS_KEYS = {
     "name",
     "share",
@@ -72,6 +88,7 @@ _CLASS_KEYS = {
     "output",
     "max_tokens",
     "stages",
+    "tools",
     "ttft",
     "ttft_ms",
     "tpot",
@@ -104,6 +121,19 @@ class MixStage:
 
 
 @dataclass(frozen=True)
+class MixTools:
+    """A class's sessions: tool-call rounds before the answer."""
+
+    calls: tuple[int, int]
+    """Fewest and most tool-call rounds (uniform)."""
+    response: Lengths
+    latency_s: float | None
+    """None: the run's WorkloadConfig.tool_latency_s."""
+    tpot: Level | float | None
+    """The tool-call rounds' TPOT; None: the class's."""
+
+
+@dataclass(frozen=True)
 class MixClass:
     """One application: its share of the arrivals, lengths and SLO."""
 
@@ -117,6 +147,7 @@ class MixClass:
     """A level (the run's TPOT targets) or milliseconds; with stages, the answer's."""
     max_tokens: int | None = None
     stages: tuple[MixStage, ...] = ()
+    tools: MixTools | None = None
 
     def ttft_ms(self, config: WorkloadConfig, zero_load_s: float) -> float:
         if isinstance(self.ttft, Level):
@@ -215,6 +246,9 @@ def _mix_class(data: Any, index: int) -> MixClass:
     stages = data.get("stages", [])
     if not isinstance(stages, list):
         raise ValueError(f"{where}: stages must be a list, got {stages!r}")
+    tools = data.get("tools")
+    if tools is not None and stages:
+        raise ValueError(f"{where}: stages and tools do not combine; give one of them")
     return MixClass(
         name=name,
         share=share,
@@ -224,6 +258,31 @@ def _mix_class(data: Any, index: int) -> MixClass:
         tpot=_target(data, "tpot", where),
         max_tokens=max_tokens,
         stages=tuple(_stage(item, f"{where}: stages[{i}]") for i, item in enumerate(stages)),
+        tools=None if tools is None else _tools(tools, f"{where}: tools"),
+    )
+
+
+def _tools(data: Any, where: str) -> MixTools:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
+    _no_unknown(data, _TOOLS_KEYS, where)
+    calls = data.get("calls")
+    span = [calls, calls] if isinstance(calls, int) else calls
+    if (
+        not isinstance(span, list)
+        or len(span) != 2
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in span)
+        or not 1 <= span[0] <= span[1]
+    ):
+        raise ValueError(f"{where}.calls must be a count >= 1 or [fewest, most], got {calls!r}")
+    response = data.get("response", {"mean": TOOL_RESPONSE_MEAN, "p99": TOOL_RESPONSE_P99})
+    latency = data.get("latency_ms")
+    has_tpot = "tpot" in data or "tpot_ms" in data
+    return MixTools(
+        calls=(span[0], span[1]),
+        response=_lengths(response, f"{where}.response"),
+        latency_s=None if latency is None else _number(latency, f"{where}.latency_ms") / 1e3,
+        tpot=_target(data, "tpot", where) if has_tpot else None,
     )
 
 
@@ -292,6 +351,10 @@ def generate_mix(
     for k, cls in enumerate(mix.classes):
         ids = [int(i) for i in np.flatnonzero(pick == k)]
         prompts = _sample(cls.prompt, scale, rng, len(ids))
+        if cls.tools is not None:
+            for i, p in zip(ids, prompts, strict=True):
+                out += _session(cls, cls.tools, f"{cls.name}-{i:06d}", arrivals[i], p, config, rng)
+            continue
         staged = [_sample(stage.tokens, scale, rng, len(ids)) for stage in cls.stages]
         outputs = _sample(cls.output, scale, rng, len(ids))
         max_tokens = _max_tokens(cls, scale)
@@ -311,6 +374,44 @@ def generate_mix(
             )
             out.append(config.check_fits(req))
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
+    return out
+
+
+def _session(
+    cls: MixClass,
+    tools: MixTools,
+    session_id: str,
+    arrival_s: float,
+    prompt_len: int,
+    config: WorkloadConfig,
+    rng: np.random.Generator,
+) -> list[WorkloadRequest]:
+    """One arrival's rounds: tool calls, then the answer, each prompt the last one grown."""
+    scale = config.length_scale
+    rounds = 1 + int(rng.integers(tools.calls[0], tools.calls[1] + 1))
+    latency = config.tool_latency_s if tools.latency_s is None else tools.latency_s
+    max_tokens = _max_tokens(cls, scale)
+    context = prompt_len
+    out: list[WorkloadRequest] = []
+    for k in range(rounds):
+        final = k == rounds - 1
+        tpot = cls.tpot if final or tools.tpot is None else tools.tpot
+        zero = config.zero_load(context)
+        req = WorkloadRequest(
+            request_id=f"{session_id}.r{k}",
+            scenario=cls.name,
+            slo_class=cls.name,
+            arrival_s=float(arrival_s),
+            prompt_len=context,
+            output_len=min(_sample(cls.output, scale, rng, 1)[0], max_tokens),
+            max_tokens=max_tokens,
+            slo=SLO(cls.ttft_ms(config, zero), _tpot_ms(tpot, config)),
+            zero_load_ttft_s=zero,
+            follows=out[-1].request_id if out else None,
+            delay_s=latency if out else 0.0,
+        )
+        out.append(config.check_fits(req))
+        context += req.output_len + _sample(tools.response, scale, rng, 1)[0]
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import textwrap
 from collections import Counter
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 import yaml
 
+from cluster.simulator import Policy, SimConfig
 from loadgen import mixes
 from loadgen.mixes import Lengths, Mix, mix_from_dict, parse_workload
-from loadgen.simulate import ROOT
+from loadgen.simulate import ROOT, resolve_profile, simulate_workload
 from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE
 from loadgen.workloads import (
     Level,
@@ -24,7 +26,9 @@ from loadgen.workloads import (
     WorkloadConfig,
     generate_workload,
     trace_file,
+    zero_load_ttft_from,
 )
+from replica.perf_model import PerfModel
 
 EXAMPLE = ROOT / "loadgen" / "mix-examples" / "services.yaml"
 
@@ -271,6 +275,89 @@ def test_the_documented_example_loads() -> None:
     doc = mixes.__doc__ or ""
     block = doc.split("):\n\n", 1)[1].split("\n\n", 1)[0]
     mix = mix_from_dict(yaml.safe_load(textwrap.dedent(block)), "x")
-    assert [c.name for c in mix.classes] == ["chat", "copilot", "reasoner"]
-    assert sum(c.share for c in mix.classes) == pytest.approx(1.0)
+    assert [c.name for c in mix.classes] == ["chat", "copilot", "reasoner", "agent"]
     assert mix.classes[1].max_tokens == 64 and mix.classes[2].stages[0].name == "thinking"
+    tools = mix.classes[3].tools
+    assert tools is not None and (tools.calls, tools.tpot, tools.latency_s) == (
+        (1, 3),
+        Level.TIGHT,
+        0.1,
+    )
+
+
+def agent(**tools: Any) -> dict[str, Any]:
+    return {
+        "name": "agent",
+        "share": 1,
+        "prompt": 200,
+        "output": {"mean": 40, "p99": 120},
+        "ttft": "tight",
+        "tpot": "loose",
+        "tools": {"calls": [1, 3], "response": 30, "tpot": "tight", **tools},
+    }
+
+
+def test_tool_sessions_are_rounds_that_follow_each_other() -> None:
+    mix = mix_from_dict({"classes": [agent(latency_ms=250)]}, "x")
+    arrivals = [float(i) for i in range(200)]
+    out = generate_workload(mix, arrivals, CONFIG, seed=2)
+    sessions: dict[str, list[Any]] = {}
+    for r in out:
+        sessions.setdefault(r.request_id.split(".")[0], []).append(r)
+    assert len(sessions) == 200  # the rate counts sessions
+    assert {len(rounds) for rounds in sessions.values()} == {2, 3, 4}  # 1-3 calls + the answer
+    targets = SLOTargets()
+    for rounds in sessions.values():
+        rounds.sort(key=lambda r: r.request_id)
+        first, *rest = rounds
+        assert (first.follows, first.delay_s, first.prompt_len) == (None, 0.0, 200)
+        assert {r.arrival_s for r in rounds} == {first.arrival_s}
+        for before, after in itertools.pairwise(rounds):
+            assert (after.follows, after.delay_s) == (before.request_id, 0.25)
+            # The next prompt is this one, its output and the tool's 30-token response.
+            assert after.prompt_len == before.prompt_len + before.output_len + 30
+        assert [r.slo.tpot_ms for r in rounds] == [targets.tight_tpot_ms] * len(rest) + [
+            targets.loose_tpot_ms
+        ]
+        for r in rounds:
+            assert r.slo.ttft_ms == pytest.approx(3 * zero_load(r.prompt_len) * 1e3)
+
+
+def test_tool_defaults_and_errors() -> None:
+    data = agent()
+    del data["tools"]["tpot"], data["tools"]["response"]
+    tools = mix_from_dict({"classes": [data]}, "x").classes[0].tools
+    assert tools is not None
+    assert (tools.tpot, tools.latency_s, tools.response) == (None, None, Lengths(128.0, 512.0))
+    config = WorkloadConfig(zero_load, tool_latency_s=0.5)
+    out = generate_workload(mix_from_dict({"classes": [data]}, "x"), [0.0], config, seed=0)
+    assert {r.delay_s for r in out if r.follows} == {0.5}  # the run's tool latency
+    assert {r.slo.tpot_ms for r in out} == {SLOTargets().loose_tpot_ms}  # the class's TPOT
+    cases = [
+        (agent(calls=[3, 1]), "tools.calls must be a count >= 1 or [fewest, most]"),
+        (agent(calls=0), "tools.calls must be"),
+        (agent(calls="2"), "tools.calls must be"),
+        (agent(wait_ms=3), "tools: unknown field(s) ['wait_ms']"),
+        (agent(latency_ms=-1), "tools.latency_ms must be > 0"),
+        (agent() | {"stages": [{"tokens": 5, "tpot": "tight"}]}, "stages and tools do not"),
+    ]
+    for cls, message in cases:
+        with pytest.raises(ValueError) as exc:
+            mix_from_dict({"classes": [cls]}, "x")
+        assert "class 'agent': " in str(exc.value) and message in str(exc.value)
+
+
+def test_tool_rounds_run_in_the_simulator_after_their_predecessor() -> None:
+    """The simulator issues a follow-up round only after its predecessor's last token plus
+    the tool latency, whatever its session's arrival time says."""
+    perf = PerfModel.load(resolve_profile("a100-40gb-opt-7b-tp1"))
+    mix = mix_from_dict({"classes": [agent(calls=2, latency_ms=100)]}, "x")
+    config = WorkloadConfig(zero_load_ttft_from(perf))
+    workload = generate_workload(mix, [0.0, 0.5, 1.0], config, seed=0)
+    _, _, records = simulate_workload(perf, workload, SimConfig(policy=Policy.SLOS))
+    by_id = {r.request_id: r for r in records}
+    assert len(records) == 9 and all(r.complete for r in records)
+    for w in workload:
+        if w.follows is not None:
+            before = by_id[w.follows]
+            assert by_id[w.request_id].arrival_s >= before.token_times_s[-1] + 0.1 - 1e-9

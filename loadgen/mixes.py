@@ -110,6 +110,9 @@ class Lengths:
             return max(1, round(self.mean * scale))
         return LogNormalLengths(self.mean, self.p99).scaled(scale)
 
+    def to_dict(self) -> int | dict[str, float]:
+        return round(self.mean) if self.p99 is None else {"mean": self.mean, "p99": self.p99}
+
 
 @dataclass(frozen=True)
 class MixStage:
@@ -119,6 +122,13 @@ class MixStage:
     tokens: Lengths
     tpot: Level | float
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "tokens": self.tokens.to_dict(),
+            **_target_dict("tpot", self.tpot),
+        }
+
 
 @dataclass(frozen=True)
 class MixTools:
@@ -127,10 +137,16 @@ class MixTools:
     calls: tuple[int, int]
     """Fewest and most tool-call rounds (uniform)."""
     response: Lengths
-    latency_s: float | None
+    latency_ms: float | None
     """None: the run's WorkloadConfig.tool_latency_s."""
     tpot: Level | float | None
     """The tool-call rounds' TPOT; None: the class's."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"calls": list(self.calls), "response": self.response.to_dict()}
+        if self.latency_ms is not None:
+            out["latency_ms"] = self.latency_ms
+        return out | ({} if self.tpot is None else _target_dict("tpot", self.tpot))
 
 
 @dataclass(frozen=True)
@@ -154,6 +170,23 @@ class MixClass:
             return config.targets.ttft_ms(self.ttft, zero_load_s)
         return self.ttft
 
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "share": self.share,
+            "prompt": self.prompt.to_dict(),
+            "output": self.output.to_dict(),
+            **_target_dict("ttft", self.ttft),
+            **_target_dict("tpot", self.tpot),
+        }
+        if self.max_tokens is not None:
+            out["max_tokens"] = self.max_tokens
+        if self.stages:
+            out["stages"] = [stage.to_dict() for stage in self.stages]
+        if self.tools is not None:
+            out["tools"] = self.tools.to_dict()
+        return out
+
 
 @dataclass(frozen=True)
 class Mix:
@@ -176,6 +209,14 @@ class Mix:
         self, arrivals: Sequence[float], config: WorkloadConfig, rng: np.random.Generator
     ) -> list[WorkloadRequest]:
         return generate_mix(self, arrivals, config, rng)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's form (`mix_from_dict` reads it back): results carry the mix they ran."""
+        return {
+            "name": self.name,
+            "trace": self.trace,
+            "classes": [c.to_dict() for c in self.classes],
+        }
 
     @classmethod
     def load(cls, path: str | Path) -> Mix:
@@ -281,7 +322,7 @@ def _tools(data: Any, where: str) -> MixTools:
     return MixTools(
         calls=(span[0], span[1]),
         response=_lengths(response, f"{where}.response"),
-        latency_s=None if latency is None else _number(latency, f"{where}.latency_ms") / 1e3,
+        latency_ms=None if latency is None else _number(latency, f"{where}.latency_ms"),
         tpot=_target(data, "tpot", where) if has_tpot else None,
     )
 
@@ -326,6 +367,10 @@ def _lengths(value: Any, what: str) -> Lengths:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be {{mean, p99}} or a fixed count >= 1, got {value!r}")
     return Lengths(float(value))
+
+
+def _target_dict(key: str, target: Level | float) -> dict[str, str | float]:
+    return {key: target.value} if isinstance(target, Level) else {f"{key}_ms": target}
 
 
 def _target(data: Mapping[str, Any], key: str, where: str) -> Level | float:
@@ -389,7 +434,7 @@ def _session(
     """One arrival's rounds: tool calls, then the answer, each prompt the last one grown."""
     scale = config.length_scale
     rounds = 1 + int(rng.integers(tools.calls[0], tools.calls[1] + 1))
-    latency = config.tool_latency_s if tools.latency_s is None else tools.latency_s
+    latency = config.tool_latency_s if tools.latency_ms is None else tools.latency_ms / 1e3
     max_tokens = _max_tokens(cls, scale)
     context = prompt_len
     out: list[WorkloadRequest] = []

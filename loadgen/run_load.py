@@ -645,6 +645,7 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
         "model": info.model,
         "scheduler": info.scheduler,
         "scenario": spec.scenario.value,
+        **({} if isinstance(spec.scenario, Scenario) else {"mix": spec.scenario.to_dict()}),
         "duration_s": args.duration,
         "reference_rate": reference_rate,
         "arrivals": spec.arrivals.describe(),

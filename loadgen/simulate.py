@@ -432,6 +432,12 @@ def _parse_list(option: str, text: str, parse: Callable[[str], T], known: str) -
     return out
 
 
+def _mixes(scenarios: Sequence[Workload]) -> dict[str, Any]:
+    """The run's mix files as the JSON's `mixes`, by label (nothing when it ran none)."""
+    mixes = {s.value: s.to_dict() for s in scenarios if not isinstance(s, Scenario)}
+    return {"mixes": mixes} if mixes else {}
+
+
 def _workloads(text: str) -> list[Workload]:
     """--scenario's comma list: scenario names and mix files, each label once."""
     items = _split(text)
@@ -648,6 +654,7 @@ def run(args: argparse.Namespace) -> int:
         "arrivals": p.arrivals,
         "duration_s": p.duration_s,
         "scenario_duration_s": {s.value: d for s, d in p.scenario_durations_s.items()},
+        **_mixes(p.scenarios),
         "rel_tol": p.rel_tol,
         "seed": args.seed,
         "same_window": p.same_window,

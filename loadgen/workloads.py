@@ -57,7 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from statistics import NormalDist
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -331,6 +331,10 @@ class CustomWorkload(Protocol):
     def generate(
         self, arrivals: Sequence[float], config: WorkloadConfig, rng: np.random.Generator
     ) -> list[WorkloadRequest]: ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its definition, for the results it produced."""
+        ...
 
 
 Workload = Scenario | CustomWorkload

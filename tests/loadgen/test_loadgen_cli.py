@@ -145,6 +145,7 @@ def test_a_mix_file_through_the_front_door(live: LocalFrontDoor, tmp_path: Path)
     assert code == 0
     result = json.loads(out.read_text())
     assert result["scenario"] == "shop"
+    assert [c["name"] for c in result["mix"]["classes"]] == ["chat", "quick"]
     records = read_records(records_path)
     assert len(records) == 6
     by_class = {r.slo_class: r for r in records}

@@ -278,10 +278,10 @@ def test_the_documented_example_loads() -> None:
     assert [c.name for c in mix.classes] == ["chat", "copilot", "reasoner", "agent"]
     assert mix.classes[1].max_tokens == 64 and mix.classes[2].stages[0].name == "thinking"
     tools = mix.classes[3].tools
-    assert tools is not None and (tools.calls, tools.tpot, tools.latency_s) == (
+    assert tools is not None and (tools.calls, tools.tpot, tools.latency_ms) == (
         (1, 3),
         Level.TIGHT,
-        0.1,
+        100.0,
     )
 
 
@@ -328,7 +328,7 @@ def test_tool_defaults_and_errors() -> None:
     del data["tools"]["tpot"], data["tools"]["response"]
     tools = mix_from_dict({"classes": [data]}, "x").classes[0].tools
     assert tools is not None
-    assert (tools.tpot, tools.latency_s, tools.response) == (None, None, Lengths(128.0, 512.0))
+    assert (tools.tpot, tools.latency_ms, tools.response) == (None, None, Lengths(128.0, 512.0))
     config = WorkloadConfig(zero_load, tool_latency_s=0.5)
     out = generate_workload(mix_from_dict({"classes": [data]}, "x"), [0.0], config, seed=0)
     assert {r.delay_s for r in out if r.follows} == {0.5}  # the run's tool latency
@@ -361,3 +361,23 @@ def test_tool_rounds_run_in_the_simulator_after_their_predecessor() -> None:
         if w.follows is not None:
             before = by_id[w.follows]
             assert by_id[w.request_id].arrival_s >= before.token_times_s[-1] + 0.1 - 1e-9
+
+
+def test_a_mix_reads_back_from_its_dict() -> None:
+    """Results carry `Mix.to_dict()`, which is the file's form: the run can be redone from it."""
+    doc = mixes.__doc__ or ""
+    documented = mix_from_dict(
+        yaml.safe_load(textwrap.dedent(doc.split("):\n\n", 1)[1].split("\n\n", 1)[0])), "x"
+    )
+    for mix in (documented, Mix.load(EXAMPLE), mix_from_dict(two_classes(), "x")):
+        data = json.loads(json.dumps(mix.to_dict()))
+        assert mix_from_dict(data, "other") == mix
+    assert documented.to_dict()["classes"][1] == {
+        "name": "copilot",
+        "share": 0.3,
+        "prompt": {"mean": 847.0, "p99": 2010.0},
+        "output": 32,
+        "ttft_ms": 400.0,
+        "tpot_ms": 40.0,
+        "max_tokens": 64,
+    }

@@ -198,6 +198,7 @@ def test_tiny_paper_table_writes_summary_table_and_figures(
         summary
     )
     assert data["scenario_duration_s"] == {s.value: 2.0 for s in Scenario}
+    assert "mixes" not in data  # only runs of mix files describe them
     assert data["timeline"]["scenario"] == "coder"
     assert set(data["timeline"]["policies"]) == {"slos", "vllm", "sarathi"}
     for name in ("attainment", "capacity", "timeline"):
@@ -256,7 +257,9 @@ def test_a_mix_file_runs_beside_the_scenarios(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     point = ("--rate", "2", "--duration", "5", "--policies", "slos,vllm", "--json", str(out))
     assert simulate.run(parse("--scenario", str(mix), *point)) == 0
-    runs = json.loads(out.read_text())["runs"]
+    data = json.loads(out.read_text())
+    assert data["mixes"]["shop"]["classes"][1]["tpot_ms"] == 60.0  # the run says what it ran
+    runs = data["runs"]
     assert [(r["scenario"], r["policy"]) for r in runs] == [("shop", "slos"), ("shop", "vllm")]
     assert set(runs[0]["report"]["by_slo_class"]) == {"chat", "search"}
     assert runs[0]["report"]["overall"]["requests"] == 10

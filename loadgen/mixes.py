@@ -58,6 +58,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ from loadgen.workloads import (
     Scenario,
     WorkloadConfig,
     WorkloadRequest,
+    tool_session,
 )
 from replica.request import SLO, Stage
 
@@ -234,8 +236,11 @@ class Mix:
             raise ValueError(f"mix file {path}: {exc}") from None
 
 
+@cache
 def parse_workload(text: str) -> Scenario | Mix:
-    """A built-in scenario's name, or the path of a mix file (see the module notes)."""
+    """A built-in scenario's name, or the path of a mix file (see the module notes). A file is
+    read once per process: every config of a compare and every point of a capacity search
+    sends the same mix, even if the file is edited while they run."""
     if text in {s.value for s in Scenario}:
         return Scenario(text)
     if Path(text).suffix in MIX_SUFFIXES:
@@ -431,33 +436,26 @@ def _session(
     config: WorkloadConfig,
     rng: np.random.Generator,
 ) -> list[WorkloadRequest]:
-    """One arrival's rounds: tool calls, then the answer, each prompt the last one grown."""
+    """One arrival's rounds: tool calls, then the answer (workloads.tool_session)."""
     scale = config.length_scale
-    rounds = 1 + int(rng.integers(tools.calls[0], tools.calls[1] + 1))
-    latency = config.tool_latency_s if tools.latency_ms is None else tools.latency_ms / 1e3
-    max_tokens = _max_tokens(cls, scale)
-    context = prompt_len
-    out: list[WorkloadRequest] = []
-    for k in range(rounds):
-        final = k == rounds - 1
+
+    def slo_of(final: bool, zero_load_s: float) -> tuple[str, SLO]:
         tpot = cls.tpot if final or tools.tpot is None else tools.tpot
-        zero = config.zero_load(context)
-        req = WorkloadRequest(
-            request_id=f"{session_id}.r{k}",
-            scenario=cls.name,
-            slo_class=cls.name,
-            arrival_s=float(arrival_s),
-            prompt_len=context,
-            output_len=min(_sample(cls.output, scale, rng, 1)[0], max_tokens),
-            max_tokens=max_tokens,
-            slo=SLO(cls.ttft_ms(config, zero), _tpot_ms(tpot, config)),
-            zero_load_ttft_s=zero,
-            follows=out[-1].request_id if out else None,
-            delay_s=latency if out else 0.0,
-        )
-        out.append(config.check_fits(req))
-        context += req.output_len + _sample(tools.response, scale, rng, 1)[0]
-    return out
+        return cls.name, SLO(cls.ttft_ms(config, zero_load_s), _tpot_ms(tpot, config))
+
+    return tool_session(
+        session_id,
+        cls.name,
+        arrival_s,
+        prompt_len,
+        1 + int(rng.integers(tools.calls[0], tools.calls[1] + 1)),
+        slo_of=slo_of,
+        draw_output=lambda: _sample(cls.output, scale, rng, 1)[0],
+        draw_response=lambda: _sample(tools.response, scale, rng, 1)[0],
+        max_tokens=_max_tokens(cls, scale),
+        latency_s=config.tool_latency_s if tools.latency_ms is None else tools.latency_ms / 1e3,
+        config=config,
+    )
 
 
 def _slo(cls: MixClass, config: WorkloadConfig, zero_load_s: float, lengths: list[int]) -> SLO:

@@ -418,8 +418,9 @@ def _split(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def _parse_list(option: str, text: str, parse: Callable[[str], T], known: str) -> list[T]:
-    """A comma list, each item parsed; errors name the option and the bad item."""
+def _parse_list(option: str, text: str, parse: Callable[[str], T], known: str | None) -> list[T]:
+    """A comma list, each item parsed; errors name the option and the bad item (`known`: what
+    the item should be; None: the parser's own message says it)."""
     items = _split(text)
     if not items:
         raise OptionError(f"{option} is empty")
@@ -427,8 +428,9 @@ def _parse_list(option: str, text: str, parse: Callable[[str], T], known: str) -
     for item in items:
         try:
             out.append(parse(item))
-        except ValueError:
-            raise OptionError(f"{option}: {item!r} is not {known}") from None
+        except ValueError as exc:
+            detail = exc if known is None else f"{item!r} is not {known}"
+            raise OptionError(f"{option}: {detail}") from None
     return out
 
 
@@ -440,15 +442,7 @@ def _mixes(scenarios: Sequence[Workload]) -> dict[str, Any]:
 
 def _workloads(text: str) -> list[Workload]:
     """--scenario's comma list: scenario names and mix files, each label once."""
-    items = _split(text)
-    if not items:
-        raise OptionError("--scenario is empty")
-    out: list[Workload] = []
-    for item in items:
-        try:
-            out.append(parse_workload(item))
-        except ValueError as exc:
-            raise OptionError(f"--scenario: {exc}") from None
+    out: list[Workload] = _parse_list("--scenario", text, parse_workload, None)
     labels = [w.value for w in out]
     if len(set(labels)) != len(labels):
         raise OptionError(f"--scenario: the workloads' names repeat: {labels}")

@@ -313,6 +313,7 @@ TRACE_FILES: dict[Scenario, str] = {
 }
 """Each scenario's arrival trace (paper Table 3; Mixed is ours: its majority is conversational)."""
 TRACE_LENGTH_SCENARIOS = (Scenario.CHATBOT, Scenario.CODER)
+"""Scenarios whose service the Azure traces logged, so their lengths may come from the trace."""
 
 
 class CustomWorkload(Protocol):
@@ -343,9 +344,6 @@ Workload = Scenario | CustomWorkload
 def trace_file(workload: Workload) -> str:
     """The trace file a workload's trace arrivals replay."""
     return TRACE_FILES[workload] if isinstance(workload, Scenario) else workload.trace_file
-
-
-"""Scenarios whose service the Azure traces logged, so their lengths may come from the trace."""
 
 
 @dataclass(frozen=True)
@@ -480,31 +478,70 @@ def _toolllm(
     output = config.lengths("toolllm.output")
     response = LogNormalLengths(TOOL_RESPONSE_MEAN, TOOL_RESPONSE_P99).scaled(config.length_scale)
     targets = config.targets
+
+    def slo_of(final: bool, zero_load_s: float) -> tuple[str, SLO]:
+        tpot = Level.LOOSE if final else Level.TIGHT
+        slo = SLO(targets.ttft_ms(Level.TIGHT, zero_load_s), targets.tpot_ms(tpot))
+        return f"tight/{tpot.value}", slo
+
     out = []
     for i, arrival in enumerate(arrivals):
         rounds = 1 + int(rng.choice(TOOL_CALLS))
-        context = int(prompt.sample(rng, 1)[0])
-        previous: WorkloadRequest | None = None
-        for k in range(rounds):
-            final = k == rounds - 1
-            tpot = Level.LOOSE if final else Level.TIGHT
-            zero = config.zero_load(context)
-            req = WorkloadRequest(
-                request_id=f"toolllm-{i:06d}.r{k}",
-                scenario=Scenario.TOOLLLM.value,
-                slo_class=f"tight/{tpot.value}",
-                arrival_s=float(arrival),
-                prompt_len=context,
-                output_len=int(output.sample(rng, 1)[0]),
-                max_tokens=output.cap,
-                slo=SLO(targets.ttft_ms(Level.TIGHT, zero), targets.tpot_ms(tpot)),
-                zero_load_ttft_s=zero,
-                follows=None if previous is None else previous.request_id,
-                delay_s=0.0 if previous is None else config.tool_latency_s,
-            )
-            out.append(config.check_fits(req))
-            context += req.output_len + int(response.sample(rng, 1)[0])
-            previous = req
+        out += tool_session(
+            f"toolllm-{i:06d}",
+            Scenario.TOOLLLM.value,
+            arrival,
+            int(prompt.sample(rng, 1)[0]),
+            rounds,
+            slo_of=slo_of,
+            draw_output=lambda: int(output.sample(rng, 1)[0]),
+            draw_response=lambda: int(response.sample(rng, 1)[0]),
+            max_tokens=output.cap,
+            latency_s=config.tool_latency_s,
+            config=config,
+        )
+    return out
+
+
+def tool_session(
+    session_id: str,
+    scenario: str,
+    arrival_s: float,
+    prompt_len: int,
+    rounds: int,
+    *,
+    slo_of: Callable[[bool, float], tuple[str, SLO]],
+    draw_output: Callable[[], int],
+    draw_response: Callable[[], int],
+    max_tokens: int,
+    latency_s: float,
+    config: WorkloadConfig,
+) -> list[WorkloadRequest]:
+    """One session of `rounds` requests (tool calls, then the answer): each prompt is the last
+    one plus its output and a tool response, each round is issued `latency_s` after the one it
+    follows. `slo_of(final, zero-load TTFT)` gives a round's SLO class and SLO; a round draws
+    its output, then its tool response, so a seed gives the same session (toolllm, and mix
+    classes with tools)."""
+    context = prompt_len
+    out: list[WorkloadRequest] = []
+    for k in range(rounds):
+        zero = config.zero_load(context)
+        slo_class, slo = slo_of(k == rounds - 1, zero)
+        req = WorkloadRequest(
+            request_id=f"{session_id}.r{k}",
+            scenario=scenario,
+            slo_class=slo_class,
+            arrival_s=float(arrival_s),
+            prompt_len=context,
+            output_len=min(draw_output(), max_tokens),
+            max_tokens=max_tokens,
+            slo=slo,
+            zero_load_ttft_s=zero,
+            follows=out[-1].request_id if out else None,
+            delay_s=latency_s if out else 0.0,
+        )
+        out.append(config.check_fits(req))
+        context += req.output_len + draw_response()
     return out
 
 

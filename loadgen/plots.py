@@ -1,4 +1,5 @@
-"""PNG figures of `slos-serve simulate` results: attainment vs rate, capacity bars, burst timeline.
+"""PNG figures of `slos-serve simulate` results: attainment vs rate, capacity bars, burst
+timeline, and attainment vs replica count for a sizing run.
 
 Each figure has a data-preparation function (tested on hand-made results) and a drawing
 function. Drawing uses matplotlib's object API on the Agg canvas, never pyplot, so no global
@@ -13,7 +14,7 @@ finished (the paper's point: best-effort work is served in the lulls after a bur
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,19 +27,22 @@ from matplotlib.figure import Figure
 from loadgen.capacity import DEFAULT_TARGET
 from loadgen.metrics import attained_deadline
 from loadgen.records import RequestRecord, Verdict
+from loadgen.sizing import Sizing, rate_key
 
 Capacity = Mapping[str, Mapping[str, Mapping[str, float]]]
 """scenario -> policy -> replica count (as a string, the JSON key) -> req/s per replica."""
 
 
 def figure_paths(path: Path) -> dict[str, Path]:
-    """Where the figures of one `--plot PATH` go: PATH itself is attainment vs rate; the
-    capacity bars and the burst timeline get `-capacity` and `-timeline` before the suffix."""
+    """Where the figures of one `--plot PATH` go: PATH itself is attainment vs rate (vs replica
+    count for sizing); the capacity bars, the burst timeline and sizing's replicas needed vs
+    rate get `-capacity`, `-timeline` and `-replicas` before the suffix."""
     suffix = path.suffix or ".png"
     return {
         "attainment": path.with_suffix(suffix),
         "capacity": path.with_name(f"{path.stem}-capacity{suffix}"),
         "timeline": path.with_name(f"{path.stem}-timeline{suffix}"),
+        "replicas": path.with_name(f"{path.stem}-replicas{suffix}"),
     }
 
 
@@ -96,6 +100,22 @@ def _grid(n: int, width: float, height: float) -> tuple[Figure, list[Axes]]:
 
 def plot_attainment(panels: Sequence[Panel], path: Path, target: float = DEFAULT_TARGET) -> None:
     """Attainment vs per-replica rate per policy; a dotted vertical line marks each capacity."""
+    _plot_curves(
+        panels,
+        path,
+        lambda panel: f"{panel.scenario}, {panel.replicas} replica(s)",
+        "request rate per replica (req/s)",
+        target,
+    )
+
+
+def _plot_curves(
+    panels: Sequence[Panel],
+    path: Path,
+    title: Callable[[Panel], str],
+    xlabel: str,
+    target: float,
+) -> None:
     if not panels:
         raise ValueError("no runs to plot")
     fig, axes = _grid(len(panels), 4.5, 3.2)
@@ -105,10 +125,86 @@ def plot_attainment(panels: Sequence[Panel], path: Path, target: float = DEFAULT
             if curve.capacity is not None:
                 ax.axvline(curve.capacity, color=color, ls=":", lw=1.2)
         ax.axhline(target, color="gray", ls="--", lw=1, label=f"{target:.0%} target")
-        ax.set_title(f"{panel.scenario}, {panel.replicas} replica(s)")
-        ax.set_xlabel("request rate per replica (req/s)")
+        ax.set_title(title(panel))
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("SLO attainment")
         ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+
+
+# -- sizing: attainment vs replica count, replicas needed vs total rate -------------------------
+
+
+def sizing_panels(runs: Sequence[Mapping[str, Any]], sizing: Sizing) -> list[Panel]:
+    """One panel per (scenario, total rate), one curve per policy over the replica counts its
+    search ran (`Curve.rates` holds the counts, `Curve.capacity` the count found). `runs` are
+    a sizing run's entries (scenario, policy, total_rate, replicas, attainment);
+    `Panel.replicas` is 0."""
+    points: dict[tuple[str, str], dict[str, dict[int, float]]] = {}
+    for run in runs:
+        key = (str(run["scenario"]), rate_key(float(run["total_rate"])))
+        by_count = points.setdefault(key, {}).setdefault(str(run["policy"]), {})
+        by_count[int(run["replicas"])] = float(run["attainment"])
+    panels = []
+    for (scenario, rate), by_policy in points.items():
+        curves = []
+        for policy, by_count in by_policy.items():
+            counts = sorted(by_count)
+            found = sizing.get(scenario, {}).get(rate, {}).get(policy)
+            chosen = None if found is None or found.replicas is None else float(found.replicas)
+            curves.append(
+                Curve(policy, tuple(map(float, counts)), tuple(by_count[n] for n in counts), chosen)
+            )
+        panels.append(Panel(f"{scenario}, {rate} req/s", 0, tuple(curves)))
+    return panels
+
+
+def plot_sizing(panels: Sequence[Panel], path: Path, target: float = DEFAULT_TARGET) -> None:
+    """Attainment vs replica count at one total rate per panel; a dotted line marks each
+    policy's count."""
+    _plot_curves(panels, path, lambda panel: panel.scenario, "replicas", target)
+
+
+@dataclass(frozen=True)
+class Needed:
+    """One scenario's replicas needed per policy at each total rate (None: not found)."""
+
+    scenario: str
+    rates: tuple[float, ...]
+    replicas: Mapping[str, tuple[int | None, ...]]
+
+
+def replicas_needed(sizing: Sizing) -> list[Needed]:
+    """Per scenario, each policy's count at each rate, rates ascending."""
+    out = []
+    for scenario, by_rate in sizing.items():
+        rates = sorted(by_rate, key=float)
+        policies = dict.fromkeys(p for by in by_rate.values() for p in by)
+        counts = {
+            policy: tuple(
+                None if (r := by_rate[rate].get(policy)) is None else r.replicas for rate in rates
+            )
+            for policy in policies
+        }
+        out.append(Needed(scenario, tuple(map(float, rates)), counts))
+    return out
+
+
+def plot_replicas_needed(needed: Sequence[Needed], path: Path) -> None:
+    """Replicas each policy needs as the total rate grows, one panel per scenario (a count not
+    found within the search's ceiling is left out)."""
+    if not needed:
+        raise ValueError("no sizing to plot")
+    fig, axes = _grid(len(needed), 4.5, 3.2)
+    for ax, one in zip(axes, needed, strict=True):
+        for color, (policy, counts) in zip(_colors(), one.replicas.items(), strict=False):
+            ys = [math.nan if n is None else n for n in counts]
+            ax.plot(one.rates, ys, "o-", color=color, label=policy, ms=3)
+        ax.set_title(one.scenario)
+        ax.set_xlabel("requests per second in all")
+        ax.set_ylabel(f"replicas for {DEFAULT_TARGET:.0%} attainment")
+        ax.set_ylim(bottom=0)
         ax.legend(fontsize="small")
     fig.savefig(path, dpi=110)
 

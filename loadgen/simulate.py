@@ -6,7 +6,9 @@ replica count, and judges the records with loadgen.metrics (deadline semantics).
 requests per second per replica; `--capacity` searches the highest such rate with >= 90%
 attainment (loadgen.capacity) and summarizes slos against the best baseline as a geometric
 mean of capacity ratios, plus scaling over replica counts and ablation variants when present
-(loadgen.capacity_tables). `--paper-table` runs the paper's 1-replica six-scenario comparison;
+(loadgen.capacity_tables). `--size-for RATE` asks the converse: the fewest replicas per
+policy that serve RATE requests per second in all (loadgen.sizing), every count replaying the
+same requests. `--paper-table` runs the paper's 1-replica six-scenario comparison;
 `--plot` draws loadgen.plots' figures (distserve, which runs several pool splits, has no burst
 timeline). Arrivals: Poisson, or the scenario's Azure trace rescaled to the rate. `--jobs` runs
 the searches in worker processes; every run is deterministic, so the output is the same.
@@ -61,9 +63,14 @@ from loadgen.plots import (
     figure_paths,
     plot_attainment,
     plot_capacity,
+    plot_replicas_needed,
+    plot_sizing,
     plot_timelines,
+    replicas_needed,
+    sizing_panels,
 )
 from loadgen.records import RequestRecord, Verdict
+from loadgen.sizing import SizingResult, find_replicas, rate_key, sizing_table, summarize_sizing
 from loadgen.traces import Trace, load_trace
 from loadgen.workloads import (
     Scenario,
@@ -82,6 +89,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "deploy" / "profiles"
 TRACE_DIR = ROOT.parent / "shared" / "data" / "azure-llm-inference-2023"
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def scenario_trace(workload: Workload) -> Trace:
@@ -308,12 +316,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--rate", type=float, help="requests per second per replica")
     mode.add_argument("--capacity", action="store_true", help="search the capacity per policy")
     mode.add_argument(
+        "--size-for",
+        metavar="RATES",
+        help="comma list of requests per second in all: for each, search the fewest replicas "
+        "per policy that serve it at 90%% attainment (every count replays the same requests: "
+        "--duration's worth at that rate; loadgen.sizing)",
+    )
+    mode.add_argument(
         "--paper-table",
         action="store_true",
         help=f"the paper's 1-replica capacity table: six scenarios, {DEFAULT_PROFILE}, "
         f"policies {','.join(PAPER_POLICIES)}, trace arrivals, {PAPER_DURATION_S:g} s ("
         + ", ".join(f"{s.value} {d:g} s" for s, d in PAPER_DURATIONS_S.items())
         + f"), --rel-tol {PAPER_REL_TOL}",
+    )
+    parser.add_argument(
+        "--max-replicas",
+        type=int,
+        default=64,
+        help="--size-for's ceiling: failing there reports the count as not found (default 64)",
     )
     parser.add_argument(
         "--ablation",
@@ -324,9 +345,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration",
         type=float,
-        help="seconds of arrivals at the reference rate (--rate, else --start-rate), which "
-        "fix the request count of every rate (default 600; for --paper-table, sets every "
-        "scenario's)",
+        help="seconds of arrivals at the reference rate (--rate, --size-for, else "
+        "--start-rate), which fix the request count of every rate (default 600; for "
+        "--paper-table, sets every scenario's)",
     )
     parser.add_argument(
         "--same-window",
@@ -449,6 +470,13 @@ def _workloads(text: str) -> list[Workload]:
     return out
 
 
+def _total_rate(text: str) -> float:
+    rate = float(text)
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(text)
+    return rate
+
+
 def _replica_count(text: str) -> int:
     n = int(text)
     if n < 1:
@@ -465,7 +493,11 @@ class Plan:
     policies: list[Policy]
     replica_counts: list[int]
     rate: float | None
-    """Attainment at this rate; None = capacity search."""
+    """Attainment at this rate; None = capacity search (or sizing)."""
+    size_for: list[float]
+    """Sizing: the fewest replicas for each of these requests per second in all (empty: no
+    sizing)."""
+    max_replicas: int
     duration_s: float
     scenario_durations_s: dict[Workload, float]
     """Seconds of arrivals per scenario (`duration_s` unless --paper-table lengthens it)."""
@@ -499,6 +531,18 @@ def plan(args: argparse.Namespace) -> Plan:
                 raise OptionError(f"--paper-table sets {flag} itself; drop {flag}")
     if args.ablation and args.policies is not None:
         raise OptionError("--ablation sets --policies itself; drop --policies")
+    size_for = (
+        []
+        if args.size_for is None
+        else _parse_list("--size-for", args.size_for, _total_rate, "a rate > 0")
+    )
+    if size_for:
+        for name in ("replicas", "same_window"):
+            if getattr(args, name) not in (None, False):
+                flag = "--" + name.replace("_", "-")
+                raise OptionError(f"--size-for searches the replica count itself; drop {flag}")
+    if isinstance(args.max_replicas, bool) or args.max_replicas < 1:
+        raise OptionError(f"--max-replicas must be >= 1, got {args.max_replicas!r}")
     scenarios: list[Workload] = (
         list(Scenario) if paper else _workloads(args.scenario or Scenario.CHATBOT.value)
     )
@@ -562,6 +606,8 @@ def plan(args: argparse.Namespace) -> Plan:
         policies=policies,
         replica_counts=replica_counts,
         rate=args.rate,
+        size_for=size_for,
+        max_replicas=args.max_replicas,
         duration_s=duration,
         scenario_durations_s={
             s: PAPER_DURATIONS_S.get(s, duration) if paper and not args.duration else duration
@@ -592,52 +638,24 @@ def run(args: argparse.Namespace) -> int:
     perf = _profile("--profile", p.profile)
     baseline = p.baseline_profile
     baseline_perf = _profile("--baseline-profile", baseline) if baseline else None
-    setups = {
-        scenario: Setup(
+
+    def setup(scenario: Workload, requests_per_replica: int, window: int | None) -> Setup:
+        return Setup(
             perf,
             scenario,
             p.arrivals,
-            p.requests_per_replica(scenario),
+            requests_per_replica,
             args.seed,
             kv_blocks(perf, args.kv_blocks),
             args.tick_ms / 1e3,
             args.route_limit,
-            window_replicas=max(p.replica_counts) if p.same_window else None,
+            window_replicas=window,
             baseline_perf=baseline_perf,
             slowdown=p.slowdown,
             length_scale=p.length_scale,
             zero_load=p.zero_load,
         )
-        for scenario in p.scenarios
-    }
-    work_bounds = {
-        s.value: {str(n): _work_bound(setup, n) for n in p.replica_counts}
-        for s, setup in setups.items()
-    }
-    runs: list[dict[str, Any]] = []
-    capacity: dict[str, dict[str, dict[str, float]]] = {}
-    searches: list[dict[str, Any]] = []
-    jobs = [
-        Job(s, policy, n) for s in p.scenarios for policy in p.policies for n in p.replica_counts
-    ]
-    print(
-        f"{'scenario':<11}{'policy':<13}{'replicas':>8}{'rate/rep':>10}{'attain':>8}{'wall s':>8}"
-    )
-    search = partial(
-        find_capacity, rel_tol=p.rel_tol, min_rate=args.min_rate, max_rate=args.max_rate
-    )
-    # In job order whatever order they finish in, so the JSON is the same for every --jobs.
-    for job, (job_runs, found) in zip(jobs, _run_jobs(jobs, setups, p, search), strict=True):
-        runs += job_runs
-        if found is None:
-            continue
-        capacity.setdefault(job.scenario.value, {}).setdefault(job.policy.value, {})[
-            str(job.replicas)
-        ] = found.capacity
-        searches.append(
-            {"scenario": job.scenario.value, "policy": job.policy.value, "replicas": job.replicas}
-            | found.to_dict()
-        )
+
     out: dict[str, Any] = {
         "profile": p.profile,
         "baseline_profile": p.baseline_profile or p.profile,
@@ -652,31 +670,154 @@ def run(args: argparse.Namespace) -> int:
         "rel_tol": p.rel_tol,
         "seed": args.seed,
         "same_window": p.same_window,
+    }
+    if p.size_for:
+        out |= _size(p, setup, perf.tp, args.plot)
+    else:
+        setups = {
+            s: setup(
+                s,
+                p.requests_per_replica(s),
+                max(p.replica_counts) if p.same_window else None,
+            )
+            for s in p.scenarios
+        }
+        out |= _capacities(p, setups, args)
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+def _capacities(
+    p: Plan, setups: Mapping[Workload, Setup], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Every (scenario, policy, replica count)'s run at --rate, or its capacity search: the
+    output's requests, work bounds, runs, summary and plots."""
+    out: dict[str, Any] = {
         "requests": {
             s.value: {str(n): setup.requests(n) for n in p.replica_counts}
             for s, setup in setups.items()
         },
-        "work_bound": work_bounds,
-        "runs": runs,
+        "work_bound": {
+            s.value: {str(n): _work_bound(setup, n) for n in p.replica_counts}
+            for s, setup in setups.items()
+        },
     }
+    runs: list[dict[str, Any]] = []
+    capacity: dict[str, dict[str, dict[str, float]]] = {}
+    searches: list[dict[str, Any]] = []
+    _print_run_header()
+    jobs = [
+        Job(s, policy, n) for s in p.scenarios for policy in p.policies for n in p.replica_counts
+    ]
+    search = partial(
+        find_capacity, rel_tol=p.rel_tol, min_rate=args.min_rate, max_rate=args.max_rate
+    )
+    calls = [(setups[j.scenario], j, p.rate, p.start_rates[j.scenario], search) for j in jobs]
+    # In job order whatever order they finish in, so the JSON is the same for every --jobs.
+    for job, (job_runs, found) in zip(
+        jobs, _run_jobs(jobs, run_job, calls, _print_capacity, p.jobs), strict=True
+    ):
+        runs += job_runs
+        if found is None:
+            continue
+        capacity.setdefault(job.scenario.value, {}).setdefault(job.policy.value, {})[
+            str(job.replicas)
+        ] = found.capacity
+        searches.append(
+            {"scenario": job.scenario.value, "policy": job.policy.value, "replicas": job.replicas}
+            | found.to_dict()
+        )
+    out["runs"] = runs
     if p.rate is None:
         out["capacity_searches"] = searches
         out["summary"] = summarize(capacity)
         print(markdown_tables(out["summary"]))
     if args.plot is not None:
         out["plots"] = _plot(args.plot, p, setups[p.timeline_scenario], runs, capacity, out)
-    if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
-    return 0
+    return out
+
+
+def _size(
+    p: Plan,
+    setup: Callable[[Workload, int, int | None], Setup],
+    gpus_per_replica: int,
+    plot: Path | None,
+) -> dict[str, Any]:
+    """Every (scenario, total rate, policy)'s sizing search: the output's requests, work
+    bounds, runs, sizing, summary and plots. Each (scenario, rate) replays the rate's
+    duration of requests on every replica count (`window_replicas` 1: counted in all)."""
+    setups = {
+        (s, rate): setup(s, max(1, round(rate * p.scenario_durations_s[s])), 1)
+        for s in p.scenarios
+        for rate in p.size_for
+    }
+    bounds = {key: _work_bound(one, 1) for key, one in setups.items()}
+    out: dict[str, Any] = {
+        "size_for": p.size_for,
+        "max_replicas": p.max_replicas,
+        "requests": _by_scenario_and_rate({k: one.requests(1) for k, one in setups.items()}),
+        "work_bound": _by_scenario_and_rate(bounds),
+    }
+    _print_run_header()
+    calls = [
+        (one, Job(s, policy, _sizing_start(p, policy, rate, bounds[s, rate]), rate), p.max_replicas)
+        for (s, rate), one in setups.items()
+        for policy in p.policies
+    ]
+    jobs = [job for _, job, _ in calls]
+    runs: list[dict[str, Any]] = []
+    sizing: dict[str, dict[str, dict[str, SizingResult]]] = {}
+    for job, (job_runs, sized) in zip(
+        jobs, _run_jobs(jobs, size_job, calls, _print_sizing, p.jobs), strict=True
+    ):
+        runs += job_runs
+        key = rate_key(job.total_rate or 0.0)
+        sizing.setdefault(job.scenario.value, {}).setdefault(key, {})[job.policy.value] = sized
+    out["runs"] = runs
+    out["sizing"] = {
+        s: {rate: {policy: r.to_dict() for policy, r in by.items()} for rate, by in by_rate.items()}
+        for s, by_rate in sizing.items()
+    }
+    out["summary"] = summarize_sizing(sizing, p.max_replicas, gpus_per_replica)
+    print(sizing_table(out["summary"]))
+    if plot is not None:
+        paths = figure_paths(plot)
+        plot_sizing(sizing_panels(runs, sizing), paths["attainment"])
+        written = {"sizing": paths["attainment"]}
+        if len(p.size_for) > 1:
+            plot_replicas_needed(replicas_needed(sizing), paths["replicas"])
+            written["replicas"] = paths["replicas"]
+        for name, where in written.items():
+            print(f"plot {name}: {where}")
+        out["plots"] = {name: str(where) for name, where in written.items()}
+    return out
+
+
+def _by_scenario_and_rate(values: Mapping[tuple[Workload, float], T]) -> dict[str, dict[str, T]]:
+    out: dict[str, dict[str, T]] = {}
+    for (scenario, rate), value in values.items():
+        out.setdefault(scenario.value, {})[rate_key(rate)] = value
+    return out
+
+
+def _print_run_header() -> None:
+    print(
+        f"{'scenario':<11}{'policy':<13}{'replicas':>8}{'rate/rep':>10}{'attain':>8}{'wall s':>8}"
+    )
 
 
 @dataclass(frozen=True)
 class Job:
-    """One capacity search of the command (with --rate, one run)."""
+    """One capacity search of the command (with --rate, one run; with --size-for, one search
+    of the replica count)."""
 
     scenario: Workload
     policy: Policy
     replicas: int
+    """The replica count; with --size-for, where the search starts."""
+    total_rate: float | None = None
+    """With --size-for: the requests per second in all the count is searched for."""
 
 
 Search = Callable[[Callable[[float], float], float], CapacityResult]
@@ -698,41 +839,83 @@ def run_job(
     return runs, search(attainment, start_rate)
 
 
-def _run_jobs(
-    jobs: Sequence[Job], setups: Mapping[Workload, Setup], p: Plan, search: Search
-) -> list[JobResult]:
-    """Every job's result, in job order."""
-    results: dict[int, JobResult] = {}
-    unit = "run" if p.rate else "search"
-    with tqdm(total=len(jobs), unit=unit, disable=None, leave=False) as bar:
+def size_job(setup: Setup, job: Job, most: int) -> tuple[list[dict[str, Any]], SizingResult]:
+    """Search the fewest replicas for the job's total rate (in a worker process with --jobs)."""
+    assert job.total_rate is not None
+    total_rate = job.total_rate
+    runs: list[dict[str, Any]] = []
 
-        def done(i: int, result: JobResult) -> None:
+    def attainment(n: int) -> float:
+        return _evaluate(setup, job.policy, n, runs, total_rate / n)
+
+    least = _least_replicas(job.policy)
+    found = find_replicas(attainment, job.replicas, least=least, most=max(most, least))
+    for r in runs:
+        r["total_rate"] = total_rate
+    return runs, found
+
+
+def _least_replicas(policy: Policy) -> int:
+    """distserve needs a prefill and a decode replica."""
+    return 2 if policy is Policy.DISTSERVE else 1
+
+
+def _sizing_start(
+    p: Plan, policy: Policy, total_rate: float, work_bound: Mapping[str, float]
+) -> int:
+    """Where a sizing search starts: the count the work bound allows (the fewest any
+    non-speculating policy can need; speculation may pass below it, and the search then goes
+    down), within the search's limits."""
+    least = _least_replicas(policy)
+    start = math.ceil(total_rate / work_bound["rate_per_replica"])
+    return min(max(start, least), max(p.max_replicas, least))
+
+
+def _run_jobs(
+    jobs: Sequence[Job],
+    work: Callable[..., R],
+    calls: Sequence[tuple[Any, ...]],
+    report: Callable[[Job, R], None],
+    workers: int,
+) -> list[R]:
+    """`work(*call)` for every job's call, in job order, at most `workers` at once."""
+    results: dict[int, R] = {}
+    with tqdm(total=len(jobs), unit="job", disable=None, leave=False) as bar:
+
+        def done(i: int, result: R) -> None:
             results[i] = result
-            _print_capacity(jobs[i], result[1])
+            report(jobs[i], result)
             bar.update()
 
-        calls = [(setups[j.scenario], j, p.rate, p.start_rates[j.scenario], search) for j in jobs]
-        workers = min(p.jobs, len(jobs))
-        if workers <= 1:
+        if min(workers, len(jobs)) <= 1:
             for i, (job, call) in enumerate(zip(jobs, calls, strict=True)):
                 bar.set_postfix_str(f"{job.scenario.value} {job.policy.value} x{job.replicas}")
-                done(i, run_job(*call))
+                done(i, work(*call))
         else:
             # spawn: the parent's threads (tqdm's monitor) must not be forked mid-lock.
             context = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(workers, mp_context=context) as pool:
-                futures = {pool.submit(run_job, *call): i for i, call in enumerate(calls)}
+            with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context) as pool:
+                futures = {pool.submit(work, *call): i for i, call in enumerate(calls)}
                 for future in as_completed(futures):
                     done(futures[future], future.result())
     return [results[i] for i in range(len(jobs))]
 
 
-def _print_capacity(job: Job, found: CapacityResult | None) -> None:
+def _print_capacity(job: Job, result: JobResult) -> None:
+    found = result[1]
     if found is not None:
         tqdm.write(
             f"  capacity {job.scenario.value} {job.policy.value} x{job.replicas}: "
             f"{found.capacity:.3f}"
         )
+
+
+def _print_sizing(job: Job, result: tuple[list[dict[str, Any]], SizingResult]) -> None:
+    n = result[1].replicas
+    tqdm.write(
+        f"  replicas {job.scenario.value} {job.policy.value} for {job.total_rate:g} req/s: "
+        + (f"{n}" if n is not None else f"none up to the ceiling ({result[1].largest_failing})")
+    )
 
 
 def timeline_rate(

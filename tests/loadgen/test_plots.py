@@ -17,9 +17,14 @@ from loadgen.plots import (
     figure_paths,
     plot_attainment,
     plot_capacity,
+    plot_replicas_needed,
+    plot_sizing,
     plot_timelines,
+    replicas_needed,
+    sizing_panels,
 )
 from loadgen.records import RequestRecord
+from loadgen.sizing import SizingResult
 from replica.request import SLO
 
 SLO_100_50 = SLO(ttft_ms=100.0, tpot_ms=50.0)
@@ -126,6 +131,7 @@ def test_figure_paths_put_the_main_figure_at_the_given_path() -> None:
         "attainment": Path("out/sim.png"),
         "capacity": Path("out/sim-capacity.png"),
         "timeline": Path("out/sim-timeline.png"),
+        "replicas": Path("out/sim-replicas.png"),
     }
     assert figure_paths(Path("sim"))["capacity"] == Path("sim-capacity.png")
 
@@ -142,8 +148,40 @@ def test_every_figure_is_a_non_empty_png(tmp_path: Path) -> None:
     plot_capacity(capacity_bars(capacity), paths["capacity"])
     timeline = burst_timeline(RECORDS)
     plot_timelines({"slos": timeline, "vllm": timeline}, "coder", paths["timeline"])
-    assert all(is_png(p) for p in paths.values())
+    assert all(is_png(paths[name]) for name in ("attainment", "capacity", "timeline"))
     with pytest.raises(ValueError, match="no runs"):
         plot_attainment([], tmp_path / "empty.png")
     with pytest.raises(ValueError, match="no timelines"):
         plot_timelines({}, "coder", tmp_path / "empty.png")
+
+
+def test_sizing_figures_from_hand_made_searches(tmp_path: Path) -> None:
+    def sized(policy: str, total: float, counts: dict[int, float]) -> list[dict[str, Any]]:
+        return [
+            run("coder", policy, total / n, a) | {"replicas": n, "total_rate": total}
+            for n, a in counts.items()
+        ]
+
+    runs = sized("slos", 12.0, {2: 0.95, 1: 0.4}) + sized("vllm", 12.0, {4: 0.8, 3: 0.7})
+    runs += sized("slos", 24.0, {4: 0.93, 3: 0.6}) + sized("vllm", 24.0, {8: 0.95, 7: 0.85})
+    sizing = {
+        "coder": {
+            "12": {"slos": SizingResult(2, 1, 0.9, ()), "vllm": SizingResult(None, 4, 0.9, ())},
+            "24": {"slos": SizingResult(4, 3, 0.9, ()), "vllm": SizingResult(8, 7, 0.9, ())},
+        }
+    }
+    panels = sizing_panels(runs, sizing)
+    assert [p.scenario for p in panels] == ["coder, 12 req/s", "coder, 24 req/s"]
+    assert panels[0].curves == (
+        Curve("slos", (1.0, 2.0), (0.4, 0.95), 2.0),
+        Curve("vllm", (3.0, 4.0), (0.7, 0.8), None),
+    )
+    (needed,) = replicas_needed(sizing)
+    assert needed.rates == (12.0, 24.0)
+    assert needed.replicas == {"slos": (2, 4), "vllm": (None, 8)}
+    paths = figure_paths(tmp_path / "size.png")
+    plot_sizing(panels, paths["attainment"])
+    plot_replicas_needed([needed], paths["replicas"])
+    assert is_png(paths["attainment"]) and is_png(paths["replicas"])
+    with pytest.raises(ValueError, match="no sizing"):
+        plot_replicas_needed([], tmp_path / "empty.png")

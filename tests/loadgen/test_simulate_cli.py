@@ -263,3 +263,55 @@ def test_a_mix_file_runs_beside_the_scenarios(tmp_path: Path) -> None:
     assert [(r["scenario"], r["policy"]) for r in runs] == [("shop", "slos"), ("shop", "vllm")]
     assert set(runs[0]["report"]["by_slo_class"]) == {"chat", "search"}
     assert runs[0]["report"]["overall"]["requests"] == 10
+
+
+def test_sizing_replays_the_same_requests_on_every_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--size-for searches the fewest replicas per policy for each total rate: every run of a
+    search carries the same requests (the duration's worth at that rate), spread over its
+    count."""
+    out, png = tmp_path / "size.json", tmp_path / "size.png"
+    argv = ("--size-for", "4.5,9", "--scenario", "chatbot", "--policies", "slos,vllm,distserve")
+    argv += ("--duration", "6", "--max-replicas", "8", "--json", str(out), "--plot", str(png))
+    assert simulate.plan(parse(*argv)).size_for == [4.5, 9.0]
+    assert simulate.run(parse(*argv)) == 0
+    data = json.loads(out.read_text())
+    assert data["size_for"] == [4.5, 9.0] and data["requests"] == {"chatbot": {"4.5": 27, "9": 54}}
+    for run in data["runs"]:
+        total = run["total_rate"]
+        assert run["rate_per_replica"] * run["replicas"] == pytest.approx(total)
+        assert run["report"]["overall"]["requests"] == round(6 * total)
+    found: dict[str, dict[str, int]] = {}
+    for rate, by_policy in data["sizing"]["chatbot"].items():
+        for policy, sized in by_policy.items():
+            by_count = {pt["replicas"]: pt["attainment"] for pt in sized["points"]}
+            n = sized["replicas"]
+            assert n is not None and by_count[n] >= 0.9 and sized["monotone"]
+            failing = sized["largest_failing"]
+            assert failing is None or (by_count[failing] < 0.9 and failing == n - 1)
+            found.setdefault(rate, {})[policy] = n
+    assert min(found["9"].values()) >= 2  # 9 req/s is too much for one replica
+    assert found["4.5"]["distserve"] >= 2  # a prefill and a decode replica at least
+    assert all(found["9"][p] >= found["4.5"][p] for p in found["9"])
+    assert data["summary"]["replicas"] == {"chatbot": found}
+    assert set(data["plots"]) == {"sizing", "replicas"}
+    assert all(Path(where).stat().st_size > 5000 for where in data["plots"].values())
+    printed = capsys.readouterr().out
+    assert f"| chatbot | 9 | {found['9']['slos']} | {found['9']['vllm']} |" in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (("--size-for", "4", "--replicas", "2"), "drop --replicas"),
+        (("--size-for", "4", "--same-window"), "drop --same-window"),
+        (("--size-for", "0"), "--size-for: '0' is not a rate > 0"),
+        (("--size-for", "4,x"), "--size-for: 'x' is not a rate > 0"),
+        (("--size-for", ","), "--size-for is empty"),
+        (("--size-for", "4", "--max-replicas", "0"), "--max-replicas must be >= 1"),
+    ],
+)
+def test_bad_sizing_options_are_named(argv: tuple[str, ...], option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        simulate.plan(parse(*argv))

@@ -23,6 +23,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from loadgen.capacity import DEFAULT_TARGET
 from loadgen.metrics import attained_deadline
@@ -106,6 +107,7 @@ def plot_attainment(panels: Sequence[Panel], path: Path, target: float = DEFAULT
         lambda panel: f"{panel.scenario}, {panel.replicas} replica(s)",
         "request rate per replica (req/s)",
         target,
+        integer_x=False,
     )
 
 
@@ -115,6 +117,8 @@ def _plot_curves(
     title: Callable[[Panel], str],
     xlabel: str,
     target: float,
+    *,
+    integer_x: bool,
 ) -> None:
     if not panels:
         raise ValueError("no runs to plot")
@@ -127,6 +131,8 @@ def _plot_curves(
         ax.axhline(target, color="gray", ls="--", lw=1, label=f"{target:.0%} target")
         ax.set_title(title(panel))
         ax.set_xlabel(xlabel)
+        if integer_x:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("SLO attainment")
         ax.set_ylim(-0.02, 1.02)
         ax.legend(fontsize="small")
@@ -163,7 +169,7 @@ def sizing_panels(runs: Sequence[Mapping[str, Any]], sizing: Sizing) -> list[Pan
 def plot_sizing(panels: Sequence[Panel], path: Path, target: float = DEFAULT_TARGET) -> None:
     """Attainment vs replica count at one total rate per panel; a dotted line marks each
     policy's count."""
-    _plot_curves(panels, path, lambda panel: panel.scenario, "replicas", target)
+    _plot_curves(panels, path, lambda panel: panel.scenario, "replicas", target, integer_x=True)
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,7 @@ def plot_replicas_needed(needed: Sequence[Needed], path: Path) -> None:
         ax.set_xlabel("requests per second in all")
         ax.set_ylabel(f"replicas for {DEFAULT_TARGET:.0%} attainment")
         ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize="small")
     fig.savefig(path, dpi=110)
 

@@ -752,7 +752,7 @@ def _size(
         for s in p.scenarios
         for rate in p.size_for
     }
-    bounds = {key: _work_bound(one, 1) for key, one in setups.items()}
+    bounds = {(s, rate): _sizing_bound(one, rate) for (s, rate), one in setups.items()}
     out: dict[str, Any] = {
         "size_for": p.size_for,
         "max_replicas": p.max_replicas,
@@ -761,7 +761,11 @@ def _size(
     }
     _print_run_header()
     calls = [
-        (one, Job(s, policy, _sizing_start(p, policy, rate, bounds[s, rate]), rate), p.max_replicas)
+        (
+            one,
+            Job(s, policy, _sizing_start(p, policy, int(bounds[s, rate]["replicas"])), rate),
+            p.max_replicas,
+        )
         for (s, rate), one in setups.items()
         for policy in p.policies
     ]
@@ -860,15 +864,12 @@ def _least_replicas(policy: Policy) -> int:
     return 2 if policy is Policy.DISTSERVE else 1
 
 
-def _sizing_start(
-    p: Plan, policy: Policy, total_rate: float, work_bound: Mapping[str, float]
-) -> int:
-    """Where a sizing search starts: the count the work bound allows (the fewest any
-    non-speculating policy can need; speculation may pass below it, and the search then goes
-    down), within the search's limits."""
+def _sizing_start(p: Plan, policy: Policy, fewest: int) -> int:
+    """Where a sizing search starts: the `fewest` replicas the work bound allows any
+    non-speculating policy (speculation may pass below it, and the search then goes down),
+    within the search's limits."""
     least = _least_replicas(policy)
-    start = math.ceil(total_rate / work_bound["rate_per_replica"])
-    return min(max(start, least), max(p.max_replicas, least))
+    return min(max(fewest, least), max(p.max_replicas, least))
 
 
 def _run_jobs(
@@ -979,6 +980,18 @@ def _work_bound(setup: Setup, replicas: int) -> dict[str, float]:
         f"request without speculation, so at most {rate:.3g} req/s per replica"
     )
     return {"ms_per_request": least_ms, "rate_per_replica": rate}
+
+
+def _sizing_bound(setup: Setup, total_rate: float) -> dict[str, float]:
+    """`Setup.work_bound` of a sizing search as JSON, with the fewest replicas it allows
+    without speculation; printed."""
+    least_ms, rate = setup.work_bound(1)
+    fewest = math.ceil(total_rate / rate)
+    print(
+        f"work bound {setup.scenario.value} at {total_rate:g} req/s: {least_ms:.2f} ms of "
+        f"replica time a request without speculation, so at least {fewest} replica(s)"
+    )
+    return {"ms_per_request": least_ms, "rate_per_replica": rate, "replicas": fewest}
 
 
 def _records(setup: Setup, policy: Policy, replicas: int, rate: float) -> list[RequestRecord]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -284,6 +285,13 @@ def test_sizing_replays_the_same_requests_on_every_count(
         assert run["report"]["overall"]["requests"] == round(6 * total)
     found: dict[str, dict[str, int]] = {}
     for rate, by_policy in data["sizing"]["chatbot"].items():
+        fewest = data["work_bound"]["chatbot"][rate]["replicas"]
+        assert fewest == math.ceil(
+            float(rate) / data["work_bound"]["chatbot"][rate]["rate_per_replica"]
+        )
+        # Every search starts where the work bound says (distserve: at its 2 replicas at least).
+        assert by_policy["slos"]["points"][0]["replicas"] == fewest
+        assert by_policy["distserve"]["points"][0]["replicas"] == max(2, fewest)
         for policy, sized in by_policy.items():
             by_count = {pt["replicas"]: pt["attainment"] for pt in sized["points"]}
             n = sized["replicas"]

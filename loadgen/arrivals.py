@@ -119,7 +119,8 @@ class ArrivalProcess:
     def describe(self) -> str:
         """One line for result files, with the data attribution when a trace is replayed."""
         if self.trace is not None:
-            return f"trace {self.trace.name} ({self.trace.attribution})"
+            credit = f" ({self.trace.attribution})" if self.trace.attribution else ""
+            return f"trace {self.trace.name}{credit}"
         if self.kind is ArrivalKind.GAMMA:
             return f"gamma (cv={self.cv:g})"
         return "poisson"

@@ -6,7 +6,8 @@ file and passes the file wherever a scenario name goes (`slos-serve simulate --s
 `slos-serve loadgen --scenario`, `slos-serve compare --scenario`):
 
     name: my-services          # label in tables and plots (default: the file's stem)
-    trace: conversation        # --arrivals trace replays conversation (steady) or code (bursty)
+    trace: conversation        # --arrivals trace replays conversation (steady), code (bursty)
+                               # or a CSV of your own in their format (relative to this file)
     classes:
       - name: chat
         share: 0.4             # of the arrivals; shares are normalized over the classes
@@ -65,7 +66,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE
+from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE, load_trace
 from loadgen.workloads import (
     TOOL_RESPONSE_MEAN,
     TOOL_RESPONSE_P99,
@@ -79,7 +80,7 @@ from loadgen.workloads import (
 from replica.request import SLO, Stage
 
 MIX_TRACES = {"conversation": AZURE_CONV_FILE, "code": AZURE_CODE_FILE}
-"""`trace` values: which Azure trace --arrivals trace replays."""
+"""`trace` names: which Azure trace --arrivals trace replays (any other value is a CSV path)."""
 MIX_SUFFIXES = (".yaml", ".yml", ".json")
 _STAGE_KEYS = {"name", "tokens", "tpot", "tpot_ms"}
 _TOOLS_KEYS = {"calls", "response", "latency_ms", "tpot", "tpot_ms"}
@@ -197,6 +198,7 @@ class Mix:
     name: str
     classes: tuple[MixClass, ...]
     trace: str = "conversation"
+    """A MIX_TRACES name, or the absolute path of a trace CSV of your own."""
 
     @property
     def value(self) -> str:
@@ -205,7 +207,7 @@ class Mix:
 
     @property
     def trace_file(self) -> str:
-        return MIX_TRACES[self.trace]
+        return MIX_TRACES.get(self.trace, self.trace)
 
     def generate(
         self, arrivals: Sequence[float], config: WorkloadConfig, rng: np.random.Generator
@@ -231,7 +233,7 @@ class Mix:
         except (OSError, ValueError, yaml.YAMLError) as exc:
             raise ValueError(f"cannot read mix file {path}: {exc}") from None
         try:
-            return mix_from_dict(data, default_name=path.stem)
+            return mix_from_dict(data, default_name=path.stem, base=path.resolve().parent)
         except ValueError as exc:
             raise ValueError(f"mix file {path}: {exc}") from None
 
@@ -251,17 +253,16 @@ def parse_workload(text: str) -> Scenario | Mix:
     )
 
 
-def mix_from_dict(data: Any, default_name: str) -> Mix:
-    """A Mix from its parsed file; every error names the field (and class) at fault."""
+def mix_from_dict(data: Any, default_name: str, base: Path | None = None) -> Mix:
+    """A Mix from its parsed file; every error names the field (and class) at fault. A trace
+    path is taken relative to `base` (the file's directory; default: the working one)."""
     if not isinstance(data, Mapping):
         raise ValueError(f"expected a mapping with 'classes', got {type(data).__name__}")
     _no_unknown(data, _MIX_KEYS, "the mix")
     name = data.get("name", default_name)
     if not isinstance(name, str) or not name or "," in name:
         raise ValueError(f"name must be a non-empty string without commas, got {name!r}")
-    trace = data.get("trace", "conversation")
-    if trace not in MIX_TRACES:
-        raise ValueError(f"trace must be one of {sorted(MIX_TRACES)}, got {trace!r}")
+    trace = _trace(data.get("trace", "conversation"), base or Path.cwd())
     raw = data.get("classes")
     if not isinstance(raw, list) or not raw:
         raise ValueError("classes must be a non-empty list")
@@ -270,6 +271,24 @@ def mix_from_dict(data: Any, default_name: str) -> Mix:
     if len(set(names)) != len(names):
         raise ValueError(f"class names must be distinct, got {names}")
     return Mix(name, classes, trace)
+
+
+def _trace(value: Any, base: Path) -> str:
+    """A MIX_TRACES name as it is; else a trace CSV's absolute path, read now so a bad file
+    is named before anything runs."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"trace must be one of {sorted(MIX_TRACES)} or a CSV path, got {value!r}")
+    if value in MIX_TRACES:
+        return value
+    path = base / value
+    try:
+        load_trace(path)
+    except ValueError as exc:
+        raise ValueError(
+            f"trace {value!r} must be one of {sorted(MIX_TRACES)} or a trace CSV "
+            f"(TIMESTAMP, ContextTokens, GeneratedTokens): {exc}"
+        ) from None
+    return str(path.resolve())
 
 
 def _mix_class(data: Any, index: int) -> MixClass:

@@ -10,7 +10,9 @@ mean of capacity ratios, plus scaling over replica counts and ablation variants 
 policy that serve RATE requests per second in all (loadgen.sizing), every count replaying the
 same requests. `--paper-table` runs the paper's 1-replica six-scenario comparison;
 `--plot` draws loadgen.plots' figures (distserve, which runs several pool splits, has no burst
-timeline). Arrivals: Poisson, or the scenario's Azure trace rescaled to the rate. `--jobs` runs
+timeline). Arrivals: Poisson, or a trace rescaled to the rate: the scenario's Azure trace, a
+mix's own, or `--trace` (any CSV in the Azure format; the JSON's `traces` names each workload's
+with its attribution). `--jobs` runs
 the searches in worker processes; every run is deterministic, so the output is the same.
 
 A live run's conditions replay with `--zero-load` (its measured SLOs), `--length-scale` and
@@ -92,14 +94,15 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def scenario_trace(workload: Workload) -> Trace:
-    """The workload's Azure trace, parsed once per process (a capacity search replays it often)."""
-    return _trace(trace_file(workload))
+def trace_path(workload: Workload) -> Path:
+    """The workload's trace: its Azure file, or a mix's own CSV."""
+    return TRACE_DIR / trace_file(workload)
 
 
 @cache
-def _trace(name: str) -> Trace:
-    return load_trace(TRACE_DIR / name)
+def read_trace(path: Path) -> Trace:
+    """A trace parsed once per process (a capacity search replays it often)."""
+    return load_trace(path)
 
 
 def resolve_profile(name: str) -> Path:
@@ -188,6 +191,8 @@ class Setup:
     zero_load: ZeroLoad | None = None
     """Measured zero-load numbers (a live run's probe): the SLOs then come from them as in
     that run (TPOT tiers from its decode step); None: from `perf`, at the GPU levels."""
+    trace: Path | None = None
+    """The trace CSV trace arrivals replay (--trace); None: the scenario's own."""
 
     def requests(self, replicas: int) -> int:
         return max(2, self.requests_per_replica * (self.window_replicas or replicas))
@@ -199,7 +204,8 @@ class Setup:
         n = self.requests(replicas)
         config = self.workload_config()
         if self.arrivals == "trace":
-            rows = trace_arrivals(scenario_trace(self.scenario), cluster_rate, n, self.seed)
+            trace = read_trace(self.trace or trace_path(self.scenario))
+            rows = trace_arrivals(trace, cluster_rate, n, self.seed)
             times = [r.time_s for r in rows]
         else:
             times = list(poisson_arrivals(cluster_rate, n, self.seed))
@@ -360,6 +366,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arrivals", choices=("poisson", "trace"), help="default poisson (trace: --paper-table)"
     )
     parser.add_argument(
+        "--trace",
+        type=Path,
+        help="trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens: an Azure file or a log of "
+        "your own in its format) every scenario's trace arrivals replay (default: each "
+        f"scenario's Azure trace in {TRACE_DIR}, a mix's `trace`)",
+    )
+    parser.add_argument(
         "--start-rate",
         type=float,
         help="capacity search start, req/s per replica (default: the scenario's START_RATES)",
@@ -455,6 +468,19 @@ def _parse_list(option: str, text: str, parse: Callable[[str], T], known: str | 
     return out
 
 
+def _traces(p: Plan) -> dict[str, Any]:
+    """What trace arrivals replayed, per workload, with the data's attribution."""
+    if p.arrivals != "trace":
+        return {}
+    traces = {s.value: read_trace(p.trace or trace_path(s)) for s in p.scenarios}
+    return {
+        "traces": {
+            label: {"file": t.name, "requests": len(t.rows), "attribution": t.attribution}
+            for label, t in traces.items()
+        }
+    }
+
+
 def _mixes(scenarios: Sequence[Workload]) -> dict[str, Any]:
     """The run's mix files as the JSON's `mixes`, by label (nothing when it ran none)."""
     mixes = {s.value: s.to_dict() for s in scenarios if not isinstance(s, Scenario)}
@@ -511,6 +537,8 @@ class Plan:
     slowdown: Slowdown
     length_scale: float
     zero_load: ZeroLoad | None
+    trace: Path | None
+    """--trace, resolved and read (None: each workload's own trace)."""
     jobs: int
     """Worker processes (1: the runs in this process, in order)."""
 
@@ -585,6 +613,16 @@ def plan(args: argparse.Namespace) -> Plan:
         start_rates = {
             s: START_RATES[s] if isinstance(s, Scenario) else MIX_START_RATE for s in scenarios
         }
+    arrivals = args.arrivals or ("trace" if paper else "poisson")
+    trace = None
+    if args.trace is not None:
+        if arrivals != "trace":
+            raise OptionError(f"--trace applies to --arrivals trace only, not {arrivals}")
+        trace = args.trace.resolve()
+        try:
+            read_trace(trace)
+        except ValueError as exc:
+            raise OptionError(f"--trace: {exc}") from None
     if args.jobs < 0:
         raise OptionError(f"--jobs must be >= 0 (0: one per CPU), got {args.jobs}")
     if args.min_rate > args.max_rate:
@@ -613,7 +651,7 @@ def plan(args: argparse.Namespace) -> Plan:
             s: PAPER_DURATIONS_S.get(s, duration) if paper and not args.duration else duration
             for s in scenarios
         },
-        arrivals=args.arrivals or ("trace" if paper else "poisson"),
+        arrivals=arrivals,
         rel_tol=args.rel_tol or (PAPER_REL_TOL if paper else 0.05),
         start_rates=start_rates,
         timeline_scenario=timeline,
@@ -622,6 +660,7 @@ def plan(args: argparse.Namespace) -> Plan:
         slowdown=Slowdown(args.replica_slowdown, overhead / 1e3),
         length_scale=args.length_scale,
         zero_load=zero_load,
+        trace=trace,
         jobs=args.jobs or os.cpu_count() or 1,
     )
 
@@ -654,6 +693,7 @@ def run(args: argparse.Namespace) -> int:
             slowdown=p.slowdown,
             length_scale=p.length_scale,
             zero_load=p.zero_load,
+            trace=p.trace,
         )
 
     out: dict[str, Any] = {
@@ -664,6 +704,7 @@ def run(args: argparse.Namespace) -> int:
         "zero_load": p.zero_load.to_dict() if p.zero_load is not None else None,
         "paper_table": args.paper_table,
         "arrivals": p.arrivals,
+        **_traces(p),
         "duration_s": p.duration_s,
         "scenario_duration_s": {s.value: d for s, d in p.scenario_durations_s.items()},
         **_mixes(p.scenarios),

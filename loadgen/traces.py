@@ -41,6 +41,7 @@ class Trace:
     name: str
     rows: tuple[TraceRow, ...]
     attribution: str = AZURE_ATTRIBUTION
+    """Whose data it is ("" for a trace of your own: no attribution to keep)."""
 
     def __post_init__(self) -> None:
         if len(self.rows) < 2:
@@ -79,7 +80,8 @@ def _parse_count(text: str, column: str, where: str) -> int:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Parse a trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens; extra columns ignored).
+    """Parse a trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens; extra columns ignored):
+    one of the Azure files, or a log of your own in their format.
 
     Rows must be in non-decreasing time order, as the published files are: a shuffled file is
     more likely a different format than a trace to sort.
@@ -112,4 +114,5 @@ def load_trace(path: str | Path) -> Trace:
                     generated_tokens=_parse_count(raw["GeneratedTokens"], "GeneratedTokens", where),
                 )
             )
-    return Trace(name=path.stem, rows=tuple(rows))
+    azure = path.name in (AZURE_CODE_FILE, AZURE_CONV_FILE)
+    return Trace(name=path.stem, rows=tuple(rows), attribution=AZURE_ATTRIBUTION if azure else "")

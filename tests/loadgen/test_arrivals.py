@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,8 @@ def test_arrival_process_dispatches_and_describes() -> None:
     replay = ArrivalProcess(ArrivalKind.TRACE, trace=trace)
     assert mean_rate(replay.times(4.0, 9, 0)) == pytest.approx(4.0)
     assert "CC-BY 4.0" in replay.describe()
+    own = replace(trace, name="ours", attribution="")
+    assert ArrivalProcess(ArrivalKind.TRACE, trace=own).describe() == "trace ours"
     bursty = ArrivalProcess(ArrivalKind.GAMMA, cv=2.0)
     np.testing.assert_array_equal(bursty.times(1.0, 50, 2), gamma_arrivals(1.0, 50, 2.0, 2))
     assert ArrivalProcess(ArrivalKind.POISSON).describe() == "poisson"

@@ -107,7 +107,7 @@ _DROP = object()
     [
         (("classes",), [], "classes must be a non-empty list"),
         (("classes",), _DROP, "classes must be a non-empty list"),
-        (("trace",), "azure", "trace must be one of"),
+        (("trace",), "azure", "trace 'azure' must be one of"),
         (("name",), "a,b", "without commas"),
         (("rate",), 3, "unknown field(s) ['rate']"),
         (("classes", 0, "tpot_s"), 0.05, "class 'chat': unknown field(s) ['tpot_s']"),
@@ -156,6 +156,26 @@ def test_parse_workload_takes_scenario_names_and_mix_files(tmp_path: Path) -> No
 def test_trace_file_of_scenarios_and_mixes() -> None:
     assert trace_file(Scenario.CODER) == AZURE_CODE_FILE
     assert trace_file(mix_from_dict(two_classes(), "x")) == AZURE_CODE_FILE
+
+
+def test_a_mix_replays_a_trace_of_its_own(tmp_path: Path) -> None:
+    """`trace` may name a CSV in the Azure format, relative to the mix file; it is read when
+    the mix is, so a bad one is named before anything runs."""
+    (tmp_path / "logs").mkdir()
+    own = tmp_path / "logs" / "ours.csv"
+    own.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-01-01 00:00:00,5,1\n")
+    mix_file = tmp_path / "m.yaml"
+    mix_file.write_text(yaml.safe_dump(two_classes() | {"trace": "logs/ours.csv"}))
+    with pytest.raises(ValueError, match=r"m.yaml: trace 'logs/ours.csv' must be .* 2 rows"):
+        Mix.load(mix_file)
+    with own.open("a") as f:
+        f.write("2024-01-01 00:00:02,7,3\n")
+    mix = Mix.load(mix_file)
+    assert mix.trace_file == str(own.resolve())
+    again = mix_from_dict(json.loads(json.dumps(mix.to_dict())), "x")  # the results' form
+    assert again.trace_file == mix.trace_file
+    with pytest.raises(ValueError, match=r"trace 'ours.txt' must be one of .*ours.txt' does not"):
+        mix_from_dict(two_classes() | {"trace": "ours.txt"}, "x", base=tmp_path)
 
 
 def test_requests_follow_the_classes() -> None:

@@ -14,6 +14,8 @@ import yaml
 
 from cluster.simulator import Policy
 from loadgen import cli, simulate
+from loadgen.arrivals import trace_arrivals
+from loadgen.traces import load_trace
 from loadgen.workloads import CPU_LOOSE_TPOT_FACTOR, CPU_TIGHT_TPOT_FACTOR, Scenario
 from loadgen.zero_load import ZeroLoad
 from replica.perf_model import PerfModel, Slowdown
@@ -323,3 +325,41 @@ def test_sizing_replays_the_same_requests_on_every_count(
 def test_bad_sizing_options_are_named(argv: tuple[str, ...], option: str) -> None:
     with pytest.raises(ValueError, match=option):
         simulate.plan(parse(*argv))
+
+
+def test_trace_arrivals_replay_a_trace_of_your_own(tmp_path: Path) -> None:
+    """--trace replays any CSV in the Azure format for every scenario; the JSON says which
+    trace each workload replayed, with its attribution (none for a log of your own)."""
+    own = tmp_path / "ours.csv"
+    stamps = [0.0, 0.1, 0.2, 0.3, 5.0, 5.1, 9.0, 9.05, 9.1, 12.0]  # bursts and lulls
+    own.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(f"2024-01-01 00:00:{t:09.6f},100,10\n" for t in stamps)
+    )
+    out = tmp_path / "own.json"
+    argv = ("--rate", "2", "--duration", "4", "--scenario", "chatbot", "--policies", "vllm")
+    argv += ("--arrivals", "trace", "--trace", str(own), "--json", str(out))
+    p = simulate.plan(parse(*argv))
+    assert p.trace == own.resolve()
+    assert simulate.run(parse(*argv)) == 0
+    data = json.loads(out.read_text())
+    assert data["traces"] == {"chatbot": {"file": "ours", "requests": 10, "attribution": ""}}
+    perf = PerfModel.load(simulate.resolve_profile("a100-40gb-opt-7b-tp1"))
+    setup = simulate.Setup(perf, Scenario.CHATBOT, "trace", 8, 0, 2048, 0.01, 2, trace=p.trace)
+    times = [r.arrival_s for r in setup.workload(2.0, 1)]
+    expected = [r.time_s for r in trace_arrivals(load_trace(own), 2.0, 8, 0)]
+    assert times == pytest.approx(expected)
+    azure = replace(setup, trace=None).workload(2.0, 1)
+    assert [r.arrival_s for r in azure] != pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--trace", "x.csv"), "--trace applies to --arrivals trace only, not poisson"),
+        (("--arrivals", "trace", "--trace", "/nonexistent/x.csv"), "--trace: trace file"),
+    ],
+)
+def test_bad_trace_options_are_named(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        simulate.plan(parse("--rate", "1", *argv))

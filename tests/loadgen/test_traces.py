@@ -33,7 +33,14 @@ def test_parses_times_relative_to_first_row(tmp_path: Path) -> None:
     assert [r.generated_tokens for r in trace.rows] == [10, 8, 27]
     assert trace.duration_s == pytest.approx(2.0)
     assert trace.mean_rate == pytest.approx(1.0)
-    assert "CC-BY 4.0" in trace.attribution
+    assert trace.attribution == ""  # a log of your own: no one's data to credit
+
+
+def test_the_azure_files_carry_their_attribution(tmp_path: Path) -> None:
+    for name in (AZURE_CODE_FILE, AZURE_CONV_FILE):
+        path = tmp_path / name
+        path.write_text(HEADER + "2023-11-16 18:17:03,10,1\n2023-11-16 18:17:04,20,2\n")
+        assert "CC-BY 4.0" in load_trace(path).attribution
 
 
 def test_column_order_and_extra_columns_do_not_matter(tmp_path: Path) -> None:

@@ -5,9 +5,11 @@ deployment asks the converse, "how many replicas (GPUs) does my traffic need", a
 the total rate over the 1-replica capacity: routing, pooled bursts and best-effort spill-over
 make capacity per replica change with the count. So the count is searched directly, replaying
 the same requests at the same total rate on n replicas: from a starting count, multiply by
-`growth` (up while it fails, down while it passes; rounded up both ways, since the runs below
-the answer are overloaded and the slowest to simulate), then bisect the integers between the
-largest failing and the smallest passing count. Attainment is assumed to rise with the count;
+`growth` while it fails and divide by `shrink` while it passes (rounded up, by one replica at
+least), then bisect the integers between the largest failing and the smallest passing count.
+The steps down are short because the runs below the answer are overloaded, and an overloaded
+run is the slowest to simulate (its queues only grow); a good start (the count the work bound
+allows) leaves the answer at most a little below it. Attainment is assumed to rise with the count;
 every evaluation is kept, so a system that breaks the assumption shows in `monotone`.
 """
 
@@ -68,6 +70,7 @@ def find_replicas(
     least: int = 1,
     most: int = 64,
     growth: float = 2.0,
+    shrink: float = 1.25,
 ) -> SizingResult:
     """Smallest n in [least, most] with attainment_at(n) >= target."""
     for name, value in (("start", start), ("least", least), ("most", most)):
@@ -76,8 +79,9 @@ def find_replicas(
         raise ValueError(f"start={start} must be in [{least}, {most}]")
     if not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target!r}")
-    if not math.isfinite(growth) or growth <= 1:
-        raise ValueError(f"growth must be finite and > 1, got {growth!r}")
+    for name, factor in (("growth", growth), ("shrink", shrink)):
+        if not math.isfinite(factor) or factor <= 1:
+            raise ValueError(f"{name} must be finite and > 1, got {factor!r}")
 
     points: list[SizingPoint] = []
 
@@ -98,7 +102,7 @@ def find_replicas(
         while True:
             if high <= least:
                 return result(high, None)
-            n = max(least, min(high - 1, math.ceil(high / growth)))
+            n = max(least, min(high - 1, math.ceil(high / shrink)))
             if not passes(n):
                 low = n
                 break

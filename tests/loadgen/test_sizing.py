@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from loadgen.sizing import (
@@ -34,12 +36,18 @@ def test_finds_the_fewest_passing_count_from_any_start(start: int) -> None:
     assert len(set(calls)) == len(calls)  # no count is run twice
 
 
-def test_bracketing_multiplies_then_bisects() -> None:
+def test_bracketing_multiplies_up_divides_down_then_bisects() -> None:
     calls, attainment = step_at(11)
     find_replicas(attainment, 1)  # type: ignore[arg-type]
     assert calls == [1, 2, 4, 8, 16, 12, 10, 11]
     calls, attainment = step_at(3)
     find_replicas(attainment, 40)  # type: ignore[arg-type]
+    assert calls == [40, 32, 26, 21, 17, 14, 12, 10, 8, 7, 6, 5, 4, 3, 2]
+    calls, attainment = step_at(30)
+    find_replicas(attainment, 40)  # type: ignore[arg-type]
+    assert calls == [40, 32, 26, 29, 30]
+    calls, attainment = step_at(3)
+    find_replicas(attainment, 40, shrink=2.0)  # type: ignore[arg-type]
     assert calls == [40, 20, 10, 5, 3, 2]
 
 
@@ -75,6 +83,7 @@ def test_a_non_monotone_system_shows() -> None:
         ({"start": 1, "least": 2}, r"start=1 must be in \[2, 64\]"),
         ({"start": 1, "target": 0}, "target"),
         ({"start": 1, "growth": 1.0}, "growth"),
+        ({"start": 1, "shrink": math.inf}, "shrink"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, object], message: str) -> None:

@@ -6,14 +6,14 @@ replica count, and judges the records with loadgen.metrics (deadline semantics).
 requests per second per replica; `--capacity` searches the highest such rate with >= 90%
 attainment (loadgen.capacity) and summarizes slos against the best baseline as a geometric
 mean of capacity ratios, plus scaling over replica counts and ablation variants when present
-(loadgen.capacity_tables). `--size-for RATE` asks the converse: the fewest replicas per
-policy that serve RATE requests per second in all (loadgen.sizing), every count replaying the
-same requests. `--paper-table` runs the paper's 1-replica six-scenario comparison;
-`--plot` draws loadgen.plots' figures (distserve, which runs several pool splits, has no burst
-timeline). Arrivals: Poisson, or a trace rescaled to the rate: the scenario's Azure trace, a
-mix's own, or `--trace` (any CSV in the Azure format; the JSON's `traces` names each workload's
-with its attribution). `--jobs` runs
-the searches in worker processes; every run is deterministic, so the output is the same.
+(loadgen.capacity_tables). `--size-for RATES` asks the converse: the fewest replicas per
+policy that serve each total rate (loadgen.sizing), every count replaying the same requests.
+`--paper-table` runs the paper's 1-replica six-scenario comparison; `--plot` draws
+loadgen.plots' figures (distserve, which runs several pool splits, has no burst timeline).
+Arrivals: Poisson, or a trace rescaled to the rate: the scenario's Azure trace, a mix's own, or
+`--trace` (any CSV in the Azure format; the JSON's `traces` names each workload's, with its
+attribution). `--jobs` runs the searches in worker processes; every run is deterministic, so
+the output is the same.
 
 A live run's conditions replay with `--zero-load` (its measured SLOs), `--length-scale` and
 `--baseline-profile` (the no-draft profile for policies without a draft); `--replica-slowdown`

@@ -17,11 +17,13 @@ model is the clock (`SimConfig.replica_slowdown` makes that clock slower than th
 planners believe, as a loaded live machine is); the simulated engine alone knows each request's
 true length and ends it there (EOS), while every scheduler plans with max_tokens. Deterministic
 for a seed: no wall clock, and the only randomness (draft acceptance) comes from per-request
-seeded streams.
+seeded streams. With `SimConfig.stop_below` a run ends as soon as its attainment can no longer
+reach that (a capacity search's failing points, overloaded, are the slowest to simulate).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -47,6 +49,10 @@ from replica.planner.sarathi import SarathiConfig, SarathiScheduler
 from replica.planner.slos import SlosScheduler
 from replica.planner.vllm import VllmScheduler
 from replica.request import Request, Tier
+
+_LATE_S = 1e-6
+"""How far past its deadline a token must be to count as a certain miss for an early stop:
+above the judge's round-off slack (loadgen.metrics.EPS_S), so every such miss is one there."""
 
 
 class Policy(StrEnum):
@@ -123,6 +129,10 @@ class SimConfig:
     replica_slowdown: Slowdown = field(default_factory=Slowdown)
     """How much slower the simulated replicas run than the profile every planner (and the
     controller's mirrors) believes: the live gap between a profile and a loaded machine."""
+    stop_below: float | None = None
+    """Stop the run as soon as its SLO attainment (deadline semantics) can no longer reach
+    this: a capacity search only asks whether a rate passes, and an overloaded run, the
+    slowest to simulate, fails long before its end. None: run to the end."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", Policy(self.policy))
@@ -138,6 +148,8 @@ class SimConfig:
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
         SeededAcceptance(self.acceptance, self.seed)
+        if self.stop_below is not None and not 0 < self.stop_below <= 1:
+            raise ValueError(f"stop_below must be in (0, 1], got {self.stop_below!r}")
         if not isinstance(self.replica_slowdown, Slowdown):
             raise ValueError(f"replica_slowdown must be a Slowdown, got {self.replica_slowdown!r}")
         if self.policy is Policy.DISTSERVE and not 1 <= self.prefill_replicas < self.replicas:
@@ -177,9 +189,22 @@ class SimOutcome:
 
 
 @dataclass(frozen=True)
+class EarlyStop:
+    """Why a run stopped before its end (SimConfig.stop_below)."""
+
+    missed: int
+    """Requests certain to miss by then: rejected, or a token past its deadline."""
+    requests: int
+
+    @property
+    def attainment_at_most(self) -> float:
+        return 1.0 - self.missed / self.requests
+
+
+@dataclass(frozen=True)
 class SimResult:
     outcomes: tuple[SimOutcome, ...]
-    """One per request, in the order given."""
+    """One per request, in the order given (none when the run stopped early)."""
     steps: int
     end_s: float
     """Virtual time of the last event."""
@@ -187,6 +212,8 @@ class SimResult:
     busy_s: float = 0.0
     """Virtual time the replicas spent running steps, summed over replicas: what the policy
     spent on the workload, so a capacity can be told apart from the hardware's limit."""
+    stopped: EarlyStop | None = None
+    """Set when the run stopped once it could no longer attain SimConfig.stop_below."""
 
 
 def tightest_tpot_s(requests: Sequence[Request]) -> float:
@@ -256,6 +283,11 @@ class Simulator:
                 self._followers.setdefault(r.follows, []).append(i)
         self._tracks = [_Track() for _ in self.requests]
         self._open = len(self.requests)
+        self._produced = [0] * len(self.requests)
+        self._first_due: list[tuple[float, int]] = []
+        """(first token deadline, request) of arrived requests, a heap (with stop_below)."""
+        self._missed: set[int] = set()
+        self._stopped = False
         self._events = EventQueue()
         self._steps = 0
         self._busy_s = 0.0
@@ -319,9 +351,11 @@ class Simulator:
                 self._events.push(r.request.arrival_time, EventKind.ARRIVAL, i)
         if self.plane is not None and self._open:
             self._events.push(self.config.tick_interval_s, EventKind.TICK, 1)
-        while self._events:
+        while self._events and not self._stopped:
             event = self._events.pop()
             self._now = event.time
+            if self._first_due:
+                self._note_first_tokens_due()
             if event.kind is EventKind.STEP_DONE:
                 self._step_done(event.target)
             elif event.kind is EventKind.TRANSFER_DONE:
@@ -330,10 +364,13 @@ class Simulator:
                 self._arrive(event.target)
             else:
                 self._tick(event.target)
+        wall_s = time.perf_counter() - started
+        if self._stopped:
+            stop = EarlyStop(len(self._missed), len(self.requests))
+            return SimResult((), self._steps, self._now, wall_s, self._busy_s, stop)
         if self._open:
             raise RuntimeError(f"simulation stalled with {self._open} request(s) unfinished")
         outcomes = tuple(self._outcome(i) for i in range(len(self.requests)))
-        wall_s = time.perf_counter() - started
         return SimResult(outcomes, self._steps, self._now, wall_s, self._busy_s)
 
     def _outcome(self, i: int) -> SimOutcome:
@@ -357,6 +394,8 @@ class Simulator:
         if sim.follows is not None:
             request = replace(request, arrival_time=now)
         self._tracks[i].arrival_s = now
+        if self.config.stop_below is not None and request.slo is not None:
+            heapq.heappush(self._first_due, (now + request.slo.deadline_s(0), i))
         if self.plane is not None:
             if self.config.policy is Policy.SLOS_NOADMIT and request.tier is Tier.SLO:
                 first = self.router.first(self.plane.loads(), self.plane.alive())
@@ -404,6 +443,8 @@ class Simulator:
         rep.running = None
         rep.fold(plan, outcome, self._now)
         for result in outcome.outcomes:
+            if self.config.stop_below is not None and result.new_token_ids:
+                self._note_tokens(self._index[result.request_id], len(result.new_token_ids))
             if result.finished:
                 i = self._index[result.request_id]
                 track = self._tracks[i]
@@ -521,6 +562,8 @@ class Simulator:
         was rejected, reject them too (the session cannot go on)."""
         self._open -= 1
         rejected = self._tracks[i].verdict is Verdict.REJECTED
+        if rejected and self.config.stop_below is not None:
+            self._miss(i)
         for j in self._followers.get(self.requests[i].request.request_id, []):
             if rejected:
                 self._tracks[j].arrival_s = self._now
@@ -528,3 +571,32 @@ class Simulator:
                 self._close(j)
             else:
                 self._events.push(self._now + self.requests[j].delay_s, EventKind.ARRIVAL, j)
+
+    # -- early stop (SimConfig.stop_below) ------------------------------------------------------
+
+    def _note_tokens(self, i: int, count: int) -> None:
+        """Tokens of request i out now: a miss if the first of them is past its deadline."""
+        first = self._produced[i]
+        self._produced[i] += count
+        slo = self.requests[i].request.slo
+        arrival = self._tracks[i].arrival_s
+        if (
+            slo is not None
+            and arrival is not None
+            and self._now > arrival + slo.deadline_s(first) + _LATE_S
+        ):
+            self._miss(i)
+
+    def _note_first_tokens_due(self) -> None:
+        """Requests whose first token fell due before now without one are misses."""
+        while self._first_due and self._first_due[0][0] + _LATE_S < self._now:
+            _, i = heapq.heappop(self._first_due)
+            if self._produced[i] == 0:
+                self._miss(i)
+
+    def _miss(self, i: int) -> None:
+        self._missed.add(i)
+        n = len(self.requests)
+        assert self.config.stop_below is not None
+        if (n - len(self._missed)) / n < self.config.stop_below:
+            self._stopped = True

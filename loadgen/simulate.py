@@ -53,7 +53,7 @@ from cluster.sim_distserve import DEFAULT_LINK_GB_S, pool_splits
 from cluster.sim_spec import DEFAULT_ACCEPTANCE
 from cluster.simulator import Policy, SimConfig, SimRequest, SimResult, Simulator
 from loadgen.arrivals import poisson_arrivals, trace_arrivals
-from loadgen.capacity import CapacityResult, find_capacity
+from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
 from loadgen.capacity_tables import markdown_tables, summarize
 from loadgen.cli import OptionError
 from loadgen.metrics import RunReport, report
@@ -193,6 +193,9 @@ class Setup:
     that run (TPOT tiers from its decode step); None: from `perf`, at the GPU levels."""
     trace: Path | None = None
     """The trace CSV trace arrivals replay (--trace); None: the scenario's own."""
+    stop_below: float | None = None
+    """Runs stop once they can no longer attain this (SimConfig.stop_below): searches only
+    ask pass or fail. None: every run to its end (`--rate`, `--full-runs`)."""
 
     def requests(self, replicas: int) -> int:
         return max(2, self.requests_per_replica * (self.window_replicas or replicas))
@@ -238,18 +241,19 @@ class Setup:
         drafts = policy.is_slos and policy is not Policy.SLOS_NOSPEC
         return self.perf if drafts or self.baseline_perf is None else self.baseline_perf
 
-    def run(self, policy: Policy, replicas: int, rate: float) -> tuple[RunReport, SimResult]:
-        """One policy at `rate` per replica; distserve reports its best pool split."""
+    def run(self, policy: Policy, replicas: int, rate: float) -> tuple[RunReport | None, SimResult]:
+        """One policy at `rate` per replica; distserve reports its best pool split. The report
+        is None for a run that stopped early (`stop_below`)."""
         if policy is Policy.DISTSERVE:
             _, run_report, result = max(
-                self.distserve_runs(replicas, rate), key=lambda r: r[1].overall.attainment
+                self.distserve_runs(replicas, rate), key=lambda r: attainment(r[1], r[2])
             )
             return run_report, result
         return self._run(self.config(policy, replicas), rate)
 
     def distserve_runs(
         self, replicas: int, rate: float
-    ) -> list[tuple[tuple[int, int], RunReport, SimResult]]:
+    ) -> list[tuple[tuple[int, int], RunReport | None, SimResult]]:
         """distserve at each prefill:decode split (cluster.sim_distserve.RATIOS) of
         max(replicas, 2) replicas: one GPU cannot be split, so at 1 it runs a 1:1 pair and
         `rate` stays per replica (per GPU at TP 1), comparable with the other policies."""
@@ -272,13 +276,24 @@ class Setup:
             prefill_replicas=max(1, replicas // 2),
             kv_link_gb_s=self.kv_link_gb_s,
             replica_slowdown=self.slowdown,
+            stop_below=self.stop_below,
         )
 
-    def _run(self, config: SimConfig, rate: float) -> tuple[RunReport, SimResult]:
+    def _run(self, config: SimConfig, rate: float) -> tuple[RunReport | None, SimResult]:
         workload = self.workload(rate, config.replicas)
-        perf = self.perf_for(config.policy)
-        run_report, result, _ = simulate_workload(perf, workload, config)
-        return run_report, result
+        result = Simulator(self.perf_for(config.policy), sim_requests(workload), config).run()
+        if result.stopped is not None:
+            return None, result
+        return report(records(workload, result)), result
+
+
+def attainment(run_report: RunReport | None, result: SimResult) -> float:
+    """A run's deadline attainment; for a run stopped early, the most it could have reached
+    (below the target it stopped under)."""
+    if run_report is not None:
+        return run_report.overall.attainment
+    assert result.stopped is not None
+    return result.stopped.attainment_at_most
 
 
 DEFAULT_PROFILE = "a100-40gb-opt-7b-tp1"
@@ -335,6 +350,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"policies {','.join(PAPER_POLICIES)}, trace arrivals, {PAPER_DURATION_S:g} s ("
         + ", ".join(f"{s.value} {d:g} s" for s, d in PAPER_DURATIONS_S.items())
         + f"), --rel-tol {PAPER_REL_TOL}",
+    )
+    parser.add_argument(
+        "--full-runs",
+        action="store_true",
+        help="run every point of a search (--capacity, --size-for) to its end; by default a "
+        "point stops as soon as it can no longer attain 90%%, and reports the most it could "
+        "have reached (an overloaded run is the slowest to simulate)",
     )
     parser.add_argument(
         "--max-replicas",
@@ -539,6 +561,8 @@ class Plan:
     zero_load: ZeroLoad | None
     trace: Path | None
     """--trace, resolved and read (None: each workload's own trace)."""
+    stop_below: float | None
+    """Where a search's runs stop early (None with --rate or --full-runs)."""
     jobs: int
     """Worker processes (1: the runs in this process, in order)."""
 
@@ -661,6 +685,7 @@ def plan(args: argparse.Namespace) -> Plan:
         length_scale=args.length_scale,
         zero_load=zero_load,
         trace=trace,
+        stop_below=None if args.rate is not None or args.full_runs else DEFAULT_TARGET,
         jobs=args.jobs or os.cpu_count() or 1,
     )
 
@@ -694,6 +719,7 @@ def run(args: argparse.Namespace) -> int:
             length_scale=p.length_scale,
             zero_load=p.zero_load,
             trace=p.trace,
+            stop_below=p.stop_below,
         )
 
     out: dict[str, Any] = {
@@ -711,6 +737,7 @@ def run(args: argparse.Namespace) -> int:
         "rel_tol": p.rel_tol,
         "seed": args.seed,
         "same_window": p.same_window,
+        "stop_below": p.stop_below,
     }
     if p.size_for:
         out |= _size(p, setup, perf.tp, args.plot)
@@ -1036,20 +1063,24 @@ def _sizing_bound(setup: Setup, total_rate: float) -> dict[str, float]:
 
 
 def _records(setup: Setup, policy: Policy, replicas: int, rate: float) -> list[RequestRecord]:
+    """Every request's record of a whole run (never stopped early: a timeline shows it all)."""
     workload = setup.workload(rate, replicas)
-    return simulate_workload(setup.perf_for(policy), workload, setup.config(policy, replicas))[2]
+    config = replace(setup.config(policy, replicas), stop_below=None)
+    return simulate_workload(setup.perf_for(policy), workload, config)[2]
 
 
 def _evaluate(
     setup: Setup, policy: Policy, replicas: int, runs: list[dict[str, Any]], rate: float
 ) -> float:
     """Attainment at one rate; the run is printed (by a worker too: progress as it happens)
-    and appended to `runs`."""
+    and appended to `runs`. A run stopped early shows the most it could have attained
+    ("<" before it in the printout, `stopped_early` in the JSON) and has no report."""
     run_report, result = setup.run(policy, replicas, rate)
-    attainment = run_report.overall.attainment
+    value = attainment(run_report, result)
+    shown = f"{value:.3f}" if run_report is not None else f"<{value:.3f}"
     tqdm.write(
         f"{setup.scenario.value:<11}{policy.value:<13}{replicas:>8}{rate:>10.3f}"
-        f"{attainment:>8.3f}{result.wall_s:>8.1f}"
+        f"{shown:>8}{result.wall_s:>8.1f}"
     )
     sys.stdout.flush()
     runs.append(
@@ -1058,18 +1089,21 @@ def _evaluate(
             "policy": policy.value,
             "replicas": replicas,
             "rate_per_replica": rate,
-            "attainment": attainment,
-            "paper_attainment": run_report.overall.paper_attainment,
+            "attainment": value,
+            "stopped_early": run_report is None,
+            "paper_attainment": None if run_report is None else run_report.overall.paper_attainment,
             "steps": result.steps,
             "simulated_s": result.end_s,
             "wall_s": result.wall_s,
             "busy_s": result.busy_s,
             "utilization": result.busy_s / (replicas * result.end_s) if result.end_s else 0.0,
-            "busy_ms_per_request": 1e3 * result.busy_s / len(result.outcomes),
-            "report": run_report.to_dict(),
+            "busy_ms_per_request": None
+            if run_report is None
+            else 1e3 * result.busy_s / len(result.outcomes),
+            "report": None if run_report is None else run_report.to_dict(),
         }
     )
-    return attainment
+    return value
 
 
 def main() -> int:

@@ -58,6 +58,9 @@ class Curve:
     rates: tuple[float, ...]
     attainments: tuple[float, ...]
     capacity: float | None
+    stopped: tuple[bool, ...] = ()
+    """Per point (or none): the run stopped early, so its attainment is the most it could have
+    reached (drawn hollow)."""
 
 
 @dataclass(frozen=True)
@@ -71,21 +74,35 @@ def attainment_panels(runs: Sequence[Mapping[str, Any]], capacity: Capacity) -> 
     """One panel per (scenario, replica count) in first-seen order, one curve per policy.
 
     `runs` are the `runs` entries of the simulate JSON (scenario, policy, replicas,
-    rate_per_replica, attainment); a rate evaluated twice keeps its last value."""
-    points: dict[tuple[str, int], dict[str, dict[float, float]]] = {}
+    rate_per_replica, attainment, stopped_early); a rate evaluated twice keeps its last value."""
+    points: dict[tuple[str, int], dict[str, dict[float, tuple[float, bool]]]] = {}
     for run in runs:
         key = (str(run["scenario"]), int(run["replicas"]))
         by_rate = points.setdefault(key, {}).setdefault(str(run["policy"]), {})
-        by_rate[float(run["rate_per_replica"])] = float(run["attainment"])
+        by_rate[float(run["rate_per_replica"])] = _point(run)
     panels = []
     for (scenario, replicas), by_policy in points.items():
         curves = []
         for policy, by_rate in by_policy.items():
-            rates = sorted(by_rate)
             found = capacity.get(scenario, {}).get(policy, {}).get(str(replicas))
-            curves.append(Curve(policy, tuple(rates), tuple(by_rate[r] for r in rates), found))
+            curves.append(_curve(policy, by_rate, found))
         panels.append(Panel(scenario, replicas, tuple(curves)))
     return panels
+
+
+def _point(run: Mapping[str, Any]) -> tuple[float, bool]:
+    return float(run["attainment"]), bool(run.get("stopped_early", False))
+
+
+def _curve(policy: str, points: Mapping[float, tuple[float, bool]], mark: float | None) -> Curve:
+    xs = sorted(points)
+    return Curve(
+        policy,
+        tuple(xs),
+        tuple(points[x][0] for x in xs),
+        mark,
+        tuple(points[x][1] for x in xs),
+    )
 
 
 def _grid(n: int, width: float, height: float) -> tuple[Figure, list[Axes]]:
@@ -126,8 +143,13 @@ def _plot_curves(
     for ax, panel in zip(axes, panels, strict=True):
         for color, curve in zip(_colors(), panel.curves, strict=False):
             ax.plot(curve.rates, curve.attainments, "o-", color=color, label=curve.policy, ms=3)
+            stopped = [i for i, s in enumerate(curve.stopped) if s]
+            xs, ys = [curve.rates[i] for i in stopped], [curve.attainments[i] for i in stopped]
+            ax.plot(xs, ys, "o", color=color, mfc="white", ms=5)
             if curve.capacity is not None:
                 ax.axvline(curve.capacity, color=color, ls=":", lw=1.2)
+        if any(any(c.stopped) for c in panel.curves):
+            ax.plot([], [], "o", color="gray", mfc="white", ms=5, label="stopped early: at most")
         ax.axhline(target, color="gray", ls="--", lw=1, label=f"{target:.0%} target")
         ax.set_title(title(panel))
         ax.set_xlabel(xlabel)
@@ -147,21 +169,18 @@ def sizing_panels(runs: Sequence[Mapping[str, Any]], sizing: Sizing) -> list[Pan
     search ran (`Curve.rates` holds the counts, `Curve.capacity` the count found). `runs` are
     a sizing run's entries (scenario, policy, total_rate, replicas, attainment);
     `Panel.replicas` is 0."""
-    points: dict[tuple[str, str], dict[str, dict[int, float]]] = {}
+    points: dict[tuple[str, str], dict[str, dict[float, tuple[float, bool]]]] = {}
     for run in runs:
         key = (str(run["scenario"]), rate_key(float(run["total_rate"])))
         by_count = points.setdefault(key, {}).setdefault(str(run["policy"]), {})
-        by_count[int(run["replicas"])] = float(run["attainment"])
+        by_count[float(run["replicas"])] = _point(run)
     panels = []
     for (scenario, rate), by_policy in points.items():
         curves = []
         for policy, by_count in by_policy.items():
-            counts = sorted(by_count)
             found = sizing.get(scenario, {}).get(rate, {}).get(policy)
             chosen = None if found is None or found.replicas is None else float(found.replicas)
-            curves.append(
-                Curve(policy, tuple(map(float, counts)), tuple(by_count[n] for n in counts), chosen)
-            )
+            curves.append(_curve(policy, by_count, chosen))
         panels.append(Panel(f"{scenario}, {rate} req/s", 0, tuple(curves)))
     return panels
 

@@ -70,7 +70,8 @@ def test_attainment_panels_sort_rates_and_mark_capacity() -> None:
         run("coder", "vllm", 1.0, 0.8),
         run("chatbot", "slos", 1.0, 0.95),
         run("coder", "slos", 1.5, 0.92),
-        run("coder", "slos", 2.0, 0.6),  # evaluated again: the last value counts
+        # evaluated again: the last value counts (a search stopped it early this time)
+        run("coder", "slos", 2.0, 0.6) | {"stopped_early": True},
     ]
     capacity = {"coder": {"slos": {"1": 1.5}, "vllm": {"1": 0.0}}}
     coder, chatbot = attainment_panels(runs, capacity)
@@ -78,11 +79,11 @@ def test_attainment_panels_sort_rates_and_mark_capacity() -> None:
         "coder",
         1,
         (
-            Curve("slos", (1.0, 1.5, 2.0), (1.0, 0.92, 0.6), 1.5),
-            Curve("vllm", (1.0,), (0.8,), 0.0),
+            Curve("slos", (1.0, 1.5, 2.0), (1.0, 0.92, 0.6), 1.5, (False, False, True)),
+            Curve("vllm", (1.0,), (0.8,), 0.0, (False,)),
         ),
     )
-    assert chatbot == Panel("chatbot", 1, (Curve("slos", (1.0,), (0.95,), None),))
+    assert chatbot == Panel("chatbot", 1, (Curve("slos", (1.0,), (0.95,), None, (False,)),))
 
 
 def test_capacity_bars_group_by_replica_count_with_nan_for_missing() -> None:
@@ -163,6 +164,7 @@ def test_sizing_figures_from_hand_made_searches(tmp_path: Path) -> None:
         ]
 
     runs = sized("slos", 12.0, {2: 0.95, 1: 0.4}) + sized("vllm", 12.0, {4: 0.8, 3: 0.7})
+    runs[1]["stopped_early"] = True
     runs += sized("slos", 24.0, {4: 0.93, 3: 0.6}) + sized("vllm", 24.0, {8: 0.95, 7: 0.85})
     sizing = {
         "coder": {
@@ -173,8 +175,8 @@ def test_sizing_figures_from_hand_made_searches(tmp_path: Path) -> None:
     panels = sizing_panels(runs, sizing)
     assert [p.scenario for p in panels] == ["coder, 12 req/s", "coder, 24 req/s"]
     assert panels[0].curves == (
-        Curve("slos", (1.0, 2.0), (0.4, 0.95), 2.0),
-        Curve("vllm", (3.0, 4.0), (0.7, 0.8), None),
+        Curve("slos", (1.0, 2.0), (0.4, 0.95), 2.0, (True, False)),
+        Curve("vllm", (3.0, 4.0), (0.7, 0.8), None, (False, False)),
     )
     (needed,) = replicas_needed(sizing)
     assert needed.rates == (12.0, 24.0)

@@ -57,6 +57,11 @@ def test_defaults_and_ablation() -> None:
     assert p.start_rates == {s: simulate.START_RATES[s] for s in p.scenarios}
     assert not p.same_window
     assert p.jobs == 1
+    # Searches stop failing runs early unless --full-runs; a single --rate run never stops.
+    assert p.stop_below == 0.9
+    assert simulate.plan(parse("--capacity", "--full-runs")).stop_below is None
+    assert simulate.plan(parse("--rate", "2")).stop_below is None
+    assert simulate.plan(parse("--size-for", "2")).stop_below == 0.9
     assert simulate.plan(parse("--capacity", "--jobs", "0")).jobs >= 1  # one per CPU
     ablation = simulate.plan(parse("--capacity", "--ablation"))
     assert ablation.policies == [

@@ -59,8 +59,8 @@ class Curve:
     attainments: tuple[float, ...]
     capacity: float | None
     stopped: tuple[bool, ...] = ()
-    """Per point (or none): the run stopped early, so its attainment is the most it could have
-    reached (drawn hollow)."""
+    """Per point (or none): the run stopped early, so its attainment is only the most it could
+    have reached (drawn as a hollow triangle under the target, off the line)."""
 
 
 @dataclass(frozen=True)
@@ -142,14 +142,17 @@ def _plot_curves(
     fig, axes = _grid(len(panels), 4.5, 3.2)
     for ax, panel in zip(axes, panels, strict=True):
         for color, curve in zip(_colors(), panel.curves, strict=False):
-            ax.plot(curve.rates, curve.attainments, "o-", color=color, label=curve.policy, ms=3)
-            stopped = [i for i, s in enumerate(curve.stopped) if s]
-            xs, ys = [curve.rates[i] for i in stopped], [curve.attainments[i] for i in stopped]
-            ax.plot(xs, ys, "o", color=color, mfc="white", ms=5)
+            stopped = curve.stopped or (False,) * len(curve.rates)
+            whole = [i for i, s in enumerate(stopped) if not s]
+            xs, ys = [curve.rates[i] for i in whole], [curve.attainments[i] for i in whole]
+            ax.plot(xs, ys, "o-", color=color, label=curve.policy, ms=3)
+            cut = [i for i, s in enumerate(stopped) if s]
+            xs, ys = [curve.rates[i] for i in cut], [curve.attainments[i] for i in cut]
+            ax.plot(xs, ys, "v", color=color, mfc="white", ms=5)
             if curve.capacity is not None:
                 ax.axvline(curve.capacity, color=color, ls=":", lw=1.2)
         if any(any(c.stopped) for c in panel.curves):
-            ax.plot([], [], "o", color="gray", mfc="white", ms=5, label="stopped early: at most")
+            ax.plot([], [], "v", color="gray", mfc="white", ms=5, label="failed, stopped early")
         ax.axhline(target, color="gray", ls="--", lw=1, label=f"{target:.0%} target")
         ax.set_title(title(panel))
         ax.set_xlabel(xlabel)

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -75,11 +75,11 @@ def attainment_panels(runs: Sequence[Mapping[str, Any]], capacity: Capacity) -> 
 
     `runs` are the `runs` entries of the simulate JSON (scenario, policy, replicas,
     rate_per_replica, attainment, stopped_early); a rate evaluated twice keeps its last value."""
-    points: dict[tuple[str, int], dict[str, dict[float, tuple[float, bool]]]] = {}
-    for run in runs:
-        key = (str(run["scenario"]), int(run["replicas"]))
-        by_rate = points.setdefault(key, {}).setdefault(str(run["policy"]), {})
-        by_rate[float(run["rate_per_replica"])] = _point(run)
+    points = _group(
+        runs,
+        lambda run: (str(run["scenario"]), int(run["replicas"])),
+        lambda run: float(run["rate_per_replica"]),
+    )
     panels = []
     for (scenario, replicas), by_policy in points.items():
         curves = []
@@ -90,11 +90,25 @@ def attainment_panels(runs: Sequence[Mapping[str, Any]], capacity: Capacity) -> 
     return panels
 
 
-def _point(run: Mapping[str, Any]) -> tuple[float, bool]:
-    return float(run["attainment"]), bool(run.get("stopped_early", False))
+Point = tuple[float, bool]
+"""A run's attainment and whether it stopped early."""
+K = TypeVar("K")
 
 
-def _curve(policy: str, points: Mapping[float, tuple[float, bool]], mark: float | None) -> Curve:
+def _group(
+    runs: Sequence[Mapping[str, Any]],
+    key: Callable[[Mapping[str, Any]], K],
+    x: Callable[[Mapping[str, Any]], float],
+) -> dict[K, dict[str, dict[float, Point]]]:
+    """Runs by panel key, then policy, then x; an x evaluated twice keeps its last run."""
+    out: dict[K, dict[str, dict[float, Point]]] = {}
+    for run in runs:
+        by_x = out.setdefault(key(run), {}).setdefault(str(run["policy"]), {})
+        by_x[x(run)] = float(run["attainment"]), bool(run.get("stopped_early", False))
+    return out
+
+
+def _curve(policy: str, points: Mapping[float, Point], mark: float | None) -> Curve:
     xs = sorted(points)
     return Curve(
         policy,
@@ -172,11 +186,11 @@ def sizing_panels(runs: Sequence[Mapping[str, Any]], sizing: Sizing) -> list[Pan
     search ran (`Curve.rates` holds the counts, `Curve.capacity` the count found). `runs` are
     a sizing run's entries (scenario, policy, total_rate, replicas, attainment);
     `Panel.replicas` is 0."""
-    points: dict[tuple[str, str], dict[str, dict[float, tuple[float, bool]]]] = {}
-    for run in runs:
-        key = (str(run["scenario"]), rate_key(float(run["total_rate"])))
-        by_count = points.setdefault(key, {}).setdefault(str(run["policy"]), {})
-        by_count[float(run["replicas"])] = _point(run)
+    points = _group(
+        runs,
+        lambda run: (str(run["scenario"]), rate_key(float(run["total_rate"]))),
+        lambda run: float(run["replicas"]),
+    )
     panels = []
     for (scenario, rate), by_policy in points.items():
         curves = []

@@ -851,7 +851,11 @@ def _size(
         s: {rate: {policy: r.to_dict() for policy, r in by.items()} for rate, by in by_rate.items()}
         for s, by_rate in sizing.items()
     }
-    out["summary"] = summarize_sizing(sizing, p.max_replicas, gpus_per_replica)
+    fewest = {
+        s: {rate: int(b["replicas"]) for rate, b in by.items()}
+        for s, by in out["work_bound"].items()
+    }
+    out["summary"] = summarize_sizing(sizing, p.max_replicas, gpus_per_replica, fewest)
     print(sizing_table(out["summary"]))
     if plot is not None:
         paths = figure_paths(plot)

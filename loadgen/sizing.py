@@ -149,8 +149,14 @@ def _savings(by_policy: Mapping[str, int | None]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def summarize_sizing(sizing: Sizing, max_replicas: int, gpus_per_replica: int) -> dict[str, Any]:
-    """The `summary` of a sizing run: replicas and GPUs per policy, and what slos saves."""
+def summarize_sizing(
+    sizing: Sizing,
+    max_replicas: int,
+    gpus_per_replica: int,
+    work_bound: Mapping[str, Mapping[str, int]],
+) -> dict[str, Any]:
+    """The `summary` of a sizing run: replicas and GPUs per policy, what slos saves, and the
+    fewest replicas the work bound allows any policy without speculation (scenario -> rate)."""
     replicas = {
         s: {rate: {p: r.replicas for p, r in by.items()} for rate, by in by_rate.items()}
         for s, by_rate in sizing.items()
@@ -158,6 +164,7 @@ def summarize_sizing(sizing: Sizing, max_replicas: int, gpus_per_replica: int) -
     return {
         "max_replicas": max_replicas,
         "gpus_per_replica": gpus_per_replica,
+        "work_bound_replicas": work_bound,
         "replicas": replicas,
         "gpus": {
             s: {
@@ -174,13 +181,13 @@ def summarize_sizing(sizing: Sizing, max_replicas: int, gpus_per_replica: int) -
 
 
 def sizing_table(summary: Mapping[str, Any]) -> str:
-    """The summary as markdown: replicas per policy (">N" where even the ceiling failed) and
-    the best baseline's count over slos's."""
+    """The summary as markdown: the work bound's count, replicas per policy (">N" where even
+    the ceiling failed) and the best baseline's count over slos's."""
     replicas: Mapping[str, Mapping[str, Mapping[str, int | None]]] = summary["replicas"]
     policies = list(
         dict.fromkeys(p for by_rate in replicas.values() for by in by_rate.values() for p in by)
     )
-    head = ["scenario", "req/s in all", *policies, "best of vllm, sarathi / slos"]
+    head = ["scenario", "req/s in all", "work bound", *policies, "best of vllm, sarathi / slos"]
     lines = [
         f"Replicas at {DEFAULT_TARGET:.0%} attainment ({summary['gpus_per_replica']} GPU(s) each):",
         "",
@@ -189,7 +196,7 @@ def sizing_table(summary: Mapping[str, Any]) -> str:
     ]
     for scenario, by_rate in replicas.items():
         for rate, by_policy in by_rate.items():
-            cells = [scenario, rate]
+            cells = [scenario, rate, str(summary["work_bound_replicas"][scenario][rate])]
             for policy in policies:
                 n = by_policy.get(policy, 0)
                 cells.append(

@@ -316,7 +316,11 @@ def test_sizing_replays_the_same_requests_on_every_count(
     assert set(data["plots"]) == {"sizing", "replicas"}
     assert all(Path(where).stat().st_size > 5000 for where in data["plots"].values())
     printed = capsys.readouterr().out
-    assert f"| chatbot | 9 | {found['9']['slos']} | {found['9']['vllm']} |" in printed
+    bound = data["work_bound"]["chatbot"]["9"]["replicas"]
+    assert data["summary"]["work_bound_replicas"] == {
+        "chatbot": {r: b["replicas"] for r, b in data["work_bound"]["chatbot"].items()}
+    }
+    assert f"| chatbot | 9 | {bound} | {found['9']['slos']} | {found['9']['vllm']} |" in printed
 
 
 @pytest.mark.parametrize(

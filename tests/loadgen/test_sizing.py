@@ -114,7 +114,9 @@ def test_summary_counts_gpus_and_what_slos_saves() -> None:
         "coder": {"12": {"slos": result(7), "vllm": result(None), "sarathi": result(10)}},
         "summarizer": {"12": {"slos": result(None), "sarathi": result(2)}},
     }
-    summary = summarize_sizing(sizing, 64, 2)
+    bound = {"chatbot": {"12": 3, "24": 5}, "coder": {"12": 1}, "summarizer": {"12": 1}}
+    summary = summarize_sizing(sizing, 64, 2, bound)
+    assert summary["work_bound_replicas"] == bound
     assert summary["replicas"]["chatbot"]["12"] == {
         "slos": 3,
         "vllm": 5,
@@ -132,8 +134,8 @@ def test_summary_counts_gpus_and_what_slos_saves() -> None:
     assert summary["slos_saves"]["summarizer"]["12"] == {}
     table = sizing_table(summary)
     assert "Replicas at 90% attainment (2 GPU(s) each)" in table
-    assert "| scenario | req/s in all | slos | vllm | sarathi | distserve |" in table
-    assert "| chatbot | 12 | 3 | 5 | 4 | 6 | 1.33x |" in table
-    assert "| chatbot | 24 | 5 | 9 | 8 | - | 1.60x |" in table
-    assert "| coder | 12 | 7 | >64 | 10 | - | n/a |" in table
-    assert "| summarizer | 12 | >64 | - | 2 | - | n/a |" in table
+    assert "| scenario | req/s in all | work bound | slos | vllm | sarathi | distserve |" in table
+    assert "| chatbot | 12 | 3 | 3 | 5 | 4 | 6 | 1.33x |" in table
+    assert "| chatbot | 24 | 5 | 5 | 9 | 8 | - | 1.60x |" in table
+    assert "| coder | 12 | 1 | 7 | >64 | 10 | - | n/a |" in table
+    assert "| summarizer | 12 | 1 | >64 | - | 2 | - | n/a |" in table

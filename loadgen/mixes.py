@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE, load_trace
+from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE, read_trace
 from loadgen.workloads import (
     TOOL_RESPONSE_MEAN,
     TOOL_RESPONSE_P99,
@@ -280,15 +280,15 @@ def _trace(value: Any, base: Path) -> str:
         raise ValueError(f"trace must be one of {sorted(MIX_TRACES)} or a CSV path, got {value!r}")
     if value in MIX_TRACES:
         return value
-    path = base / value
+    path = (base / value).resolve()
     try:
-        load_trace(path)
+        read_trace(path)
     except ValueError as exc:
         raise ValueError(
             f"trace {value!r} must be one of {sorted(MIX_TRACES)} or a trace CSV "
             f"(TIMESTAMP, ContextTokens, GeneratedTokens): {exc}"
         ) from None
-    return str(path.resolve())
+    return str(path)
 
 
 def _mix_class(data: Any, index: int) -> MixClass:

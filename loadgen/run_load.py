@@ -60,7 +60,7 @@ from loadgen.mixes import parse_workload
 from loadgen.prompts import Prompt, PromptSource, heldout_texts
 from loadgen.records import RecordWriter, RequestRecord, Verdict
 from loadgen.simulate import ROOT, TRACE_DIR, resolve_profile
-from loadgen.traces import load_trace
+from loadgen.traces import read_trace
 from loadgen.workloads import (
     TABLE4,
     Scenario,
@@ -503,7 +503,7 @@ def zero_load_and_targets(
 def arrival_process(args: argparse.Namespace, scenario: Workload) -> ArrivalProcess:
     if args.arrivals == "trace":
         path = args.trace or TRACE_DIR / trace_file(scenario)
-        return ArrivalProcess(ArrivalKind.TRACE, trace=load_trace(path))
+        return ArrivalProcess(ArrivalKind.TRACE, trace=read_trace(path))
     if args.arrivals == "gamma":
         return ArrivalProcess(ArrivalKind.GAMMA, cv=args.cv)
     return ArrivalProcess(ArrivalKind.POISSON)

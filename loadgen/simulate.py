@@ -43,7 +43,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -73,7 +73,7 @@ from loadgen.plots import (
 )
 from loadgen.records import RequestRecord, Verdict
 from loadgen.sizing import SizingResult, find_replicas, rate_key, sizing_table, summarize_sizing
-from loadgen.traces import Trace, load_trace
+from loadgen.traces import read_trace
 from loadgen.workloads import (
     Scenario,
     SLOTargets,
@@ -97,12 +97,6 @@ R = TypeVar("R")
 def trace_path(workload: Workload) -> Path:
     """The workload's trace: its Azure file, or a mix's own CSV."""
     return TRACE_DIR / trace_file(workload)
-
-
-@cache
-def read_trace(path: Path) -> Trace:
-    """A trace parsed once per process (a capacity search replays it often)."""
-    return load_trace(path)
 
 
 def resolve_profile(name: str) -> Path:
@@ -154,9 +148,12 @@ def records(workload: Sequence[WorkloadRequest], result: SimResult) -> list[Requ
 
 def simulate_workload(
     perf: PerfModel, workload: Sequence[WorkloadRequest], config: SimConfig
-) -> tuple[RunReport, SimResult, list[RequestRecord]]:
-    """Run a workload and judge it: the report, the raw result, the per-request records."""
+) -> tuple[RunReport | None, SimResult, list[RequestRecord]]:
+    """Run a workload and judge it: the report, the raw result, the per-request records (no
+    report and no records for a run that stopped early, `SimConfig.stop_below`)."""
     result = Simulator(perf, sim_requests(workload), config).run()
+    if result.stopped is not None:
+        return None, result, []
     recs = records(workload, result)
     return report(recs), result, recs
 
@@ -281,10 +278,8 @@ class Setup:
 
     def _run(self, config: SimConfig, rate: float) -> tuple[RunReport | None, SimResult]:
         workload = self.workload(rate, config.replicas)
-        result = Simulator(self.perf_for(config.policy), sim_requests(workload), config).run()
-        if result.stopped is not None:
-            return None, result
-        return report(records(workload, result)), result
+        run_report, result, _ = simulate_workload(self.perf_for(config.policy), workload, config)
+        return run_report, result
 
 
 def attainment(run_report: RunReport | None, result: SimResult) -> float:
@@ -838,23 +833,19 @@ def _size(
         for policy in p.policies
     ]
     jobs = [job for _, job, _ in calls]
+    keys = [(s.value, rate_key(rate), policy.value) for s, rate in setups for policy in p.policies]
     runs: list[dict[str, Any]] = []
     sizing: dict[str, dict[str, dict[str, SizingResult]]] = {}
-    for job, (job_runs, sized) in zip(
-        jobs, _run_jobs(jobs, size_job, calls, _print_sizing, p.jobs), strict=True
-    ):
+    results = _run_jobs(jobs, size_job, calls, _print_sizing, p.jobs)
+    for (scenario, rate, policy), (job_runs, sized) in zip(keys, results, strict=True):
         runs += job_runs
-        key = rate_key(job.total_rate or 0.0)
-        sizing.setdefault(job.scenario.value, {}).setdefault(key, {})[job.policy.value] = sized
+        sizing.setdefault(scenario, {}).setdefault(rate, {})[policy] = sized
     out["runs"] = runs
     out["sizing"] = {
         s: {rate: {policy: r.to_dict() for policy, r in by.items()} for rate, by in by_rate.items()}
         for s, by_rate in sizing.items()
     }
-    fewest = {
-        s: {rate: int(b["replicas"]) for rate, b in by.items()}
-        for s, by in out["work_bound"].items()
-    }
+    fewest = _by_scenario_and_rate({k: int(b["replicas"]) for k, b in bounds.items()})
     out["summary"] = summarize_sizing(sizing, p.max_replicas, gpus_per_replica, fewest)
     print(sizing_table(out["summary"]))
     if plot is not None:

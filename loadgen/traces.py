@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 from pathlib import Path
 
 AZURE_ATTRIBUTION = (
@@ -116,3 +117,10 @@ def load_trace(path: str | Path) -> Trace:
             )
     azure = path.name in (AZURE_CODE_FILE, AZURE_CONV_FILE)
     return Trace(name=path.stem, rows=tuple(rows), attribution=AZURE_ATTRIBUTION if azure else "")
+
+
+@cache
+def read_trace(path: Path) -> Trace:
+    """`load_trace`, once per process and path: a capacity search replays a trace at every
+    point, and a mix file's own trace is read when the mix is checked and again to replay."""
+    return load_trace(path)

@@ -326,7 +326,8 @@ class CustomWorkload(Protocol):
 
     @property
     def trace_file(self) -> str:
-        """The Azure trace (a TRACE_FILES value) its trace arrivals replay."""
+        """The trace its trace arrivals replay: an Azure file (a TRACE_FILES value) or the
+        absolute path of a CSV of the user's own."""
         ...
 
     def generate(

@@ -143,6 +143,8 @@ class SLO:
 
     def deadline_s(self, j: int) -> float:
         """Seconds after arrival by which output token j (0-based) must be out."""
+        if not self.stages:  # the one piece of `_pieces`, without building it
+            return self.ttft_ms / 1e3 + j * (self.tpot_ms / 1e3)
         t = 0.0
         start = 0
         for count, tpot, gap in self._pieces():
@@ -193,9 +195,13 @@ class Request:
         if not isinstance(self.prompt_token_ids, list | tuple) or not self.prompt_token_ids:
             raise ValueError("prompt must not be empty")
         self.prompt_token_ids = list(self.prompt_token_ids)
-        for t in self.prompt_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"prompt token ids must be non-negative integers, got {t!r}")
+        # In bulk first (a simulation builds requests by the thousand, prompts by the
+        # thousand tokens); one by one only to name the bad id.
+        ids = self.prompt_token_ids
+        if not ({*map(type, ids)} == {int} and min(ids) >= 0):
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"prompt token ids must be non-negative integers, got {t!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
         if self.slo is not None and not isinstance(self.slo, SLO):

@@ -296,17 +296,18 @@ def _ride_ahead(
     most tokens per second of the batch: tokens nobody promised, which free their KV sooner."""
     if not ahead:
         return
-    decoders = [
-        (spec_lens[w.tpot_s], w.state.remaining_output, w.state.num_computed_tokens) for w in ahead
-    ]
+    specs = [spec_lens[w.tpot_s] for w in ahead]
+    remaining = [w.state.remaining_output for w in ahead]
+    contexts = [w.state.num_computed_tokens for w in ahead]
     best: tuple[float, _Ride | None, int] = (-1.0, None, 0)
     tried: set[tuple[int, ...]] = set()
-    for extra in range(longest + 1):
-        ride = _Ride(step, decoders, extra)
-        drafts = tuple(ride.drafts)
+    # A length no longer than every decoder's own drafts what length 0 does.
+    for extra in (0, *range(min(specs) + 1, longest + 1)):
+        drafts = _ride_drafts(specs, remaining, step.tokens_left, extra)
         if drafts in tried:
             continue  # the same batch as a shorter length's, which keeps the tie
         tried.add(drafts)
+        ride = _Ride(step, len(ahead), contexts, drafts)
         fits = ride.longest_within(perf, seconds)
         rate = ride.expected(fits, acceptance) / ride.seconds(perf, fits)
         if rate > best[0] * (1.0 + 1e-9):
@@ -320,16 +321,34 @@ _Sums = tuple[int, int, int, int, int]
 """A batch's num_tokens, attn_tokens, kv_tokens, draft_steps and draft_batch."""
 
 
-class _Ride:
-    """Decoders ahead of their line added in order to `step` as decodes speculating at
-    least `least`, as `_Step.decode` adds them, but first only as the batch's features:
-    `_ride_ahead` weighs every speculation length and keeps one, and planning runs this for
-    every batch of every replica, so the batch is running sums, not entries, and the sums
-    after each prefix are built only when not every decoder fits (rarely).
-    `decoders`: (spec length, remaining output, cached context) of each."""
+def _ride_drafts(
+    specs: Sequence[int], remaining: Sequence[int], tokens_left: int, least: int
+) -> tuple[int, ...]:
+    """The drafts of decoders ahead of their line added in order as decodes speculating at
+    least `least`, as `_Step.decode` adds them, until the batch's tokens run out (the rest
+    get no token). `specs` and `remaining`: each one's spec length and remaining output."""
+    drafts: list[int] = []
+    left = tokens_left
+    for spec, rest in zip(specs, remaining, strict=True):
+        if left < 1:
+            break
+        k = _draft_len(max(spec, least), rest, left)
+        left -= k + 1
+        drafts.append(k)
+    return tuple(drafts)
 
-    def __init__(self, step: _Step, decoders: Sequence[tuple[int, int, int]], least: int) -> None:
-        self.num_ahead = len(decoders)
+
+class _Ride:
+    """Decoders ahead of their line added in order to `step` with the given drafts, but
+    first only as the batch's features: `_ride_ahead` weighs every speculation length and
+    keeps one, and planning runs this for every batch of every replica, so the batch is
+    running sums, not entries, and the sums after each prefix are built only when not every
+    decoder fits (rarely). `contexts`: each decoder's cached context."""
+
+    def __init__(
+        self, step: _Step, num_ahead: int, contexts: Sequence[int], drafts: Sequence[int]
+    ) -> None:
+        self.num_ahead = num_ahead
         self.requests = len(step.entries)
         self.base: _Sums = (
             step.num_tokens,
@@ -338,15 +357,8 @@ class _Ride:
             step.draft_steps,
             step.draft_batch,
         )
-        self.contexts = [context for _, _, context in decoders]
-        self.drafts: list[int] = []
-        left = step.tokens_left
-        for spec, remaining, _ in decoders:
-            if left < 1:
-                break  # the rest get no token: their prefixes are this one
-            k = _draft_len(max(spec, least), remaining, left)
-            left -= k + 1
-            self.drafts.append(k)
+        self.contexts = contexts
+        self.drafts = drafts
         self.total = self._added(self.base, 0, len(self.drafts))
         self.prefixes: list[_Sums] = []
         """The sums after each prefix of the drafts' decoders (`sums`)."""

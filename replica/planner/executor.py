@@ -33,7 +33,13 @@ AcceptFn = Callable[[str, int], int]
 
 def token_id(request_id: str, position: int) -> int:
     """The token a request has at output position `position` (deterministic)."""
-    return (_id_sum(request_id) * 31 + position * 7) % 4096
+    return token_ids(request_id, position, 1)[0]
+
+
+def token_ids(request_id: str, start: int, count: int) -> list[int]:
+    """The tokens a request has at output positions `start` to `start + count - 1`."""
+    base = _id_sum(request_id) * 31
+    return [(base + position * 7) % 4096 for position in range(start, start + count)]
 
 
 @lru_cache(maxsize=4096)
@@ -49,10 +55,6 @@ class _Sequence:
     computed: int = 0
     finished: bool = False
     stop_after: int | None = None
-
-    @property
-    def known(self) -> int:
-        return self.request.prompt_len + len(self.output)
 
 
 class PerfExecutor:
@@ -119,52 +121,54 @@ class PerfExecutor:
         return BatchOutcome(outcomes=outcomes, target_s=duration, free_blocks=free), duration
 
     def _run_entry(self, entry: DecodeStep | PrefillChunk, end: float) -> RequestOutcome:
-        seq = self.sequences[entry.request_id]
+        rid = entry.request_id
+        seq = self.sequences[rid]
         if seq.finished:
-            raise ValueError(f"request {entry.request_id!r} is already finished")
+            raise ValueError(f"request {rid!r} is already finished")
+        output = seq.output
+        produced = len(output)
+        known = seq.request.prompt_len + produced
         new: list[int] = []
         drafted = accepted = 0
         if isinstance(entry, PrefillChunk):
-            if entry.num_tokens > seq.known - seq.computed:
+            if entry.num_tokens > known - seq.computed:
                 raise ValueError(
-                    f"prefill of {entry.num_tokens} tokens for {entry.request_id!r} exceeds "
-                    f"its {seq.known - seq.computed} uncomputed tokens"
+                    f"prefill of {entry.num_tokens} tokens for {rid!r} exceeds "
+                    f"its {known - seq.computed} uncomputed tokens"
                 )
             seq.computed += entry.num_tokens
-            if seq.computed == seq.known:
-                new = [token_id(entry.request_id, len(seq.output))]
+            if seq.computed == known:
+                new = token_ids(rid, produced, 1)
         else:
-            if seq.known - seq.computed != 1 or not seq.output:
-                raise ValueError(f"request {entry.request_id!r} is not decoding")
+            if known - seq.computed != 1 or not output:
+                raise ValueError(f"request {rid!r} is not decoding")
             drafted = entry.num_spec_tokens
-            remaining = seq.request.sampling.max_tokens - len(seq.output)
+            remaining = seq.request.sampling.max_tokens - produced
             if drafted > remaining - 1:
-                raise ValueError(
-                    f"{entry.request_id!r} speculates {drafted} tokens with {remaining} to go"
-                )
+                raise ValueError(f"{rid!r} speculates {drafted} tokens with {remaining} to go")
             self.drafted.append(drafted)
             accepted = (
-                min(max(0, self.accept(entry.request_id, drafted)), drafted)
+                min(max(0, self.accept(rid, drafted)), drafted)
                 if (self.accept is not None and drafted > 0)
                 else 0
             )
             count = accepted + 1
             if seq.stop_after is not None:
-                count = min(count, seq.stop_after - len(seq.output))
-            new = [token_id(entry.request_id, len(seq.output) + i) for i in range(count)]
-            seq.computed = seq.known + count - 1
-        seq.output.extend(new)
-        self.token_times[entry.request_id].extend([end] * len(new))
+                count = min(count, seq.stop_after - produced)
+            new = token_ids(rid, produced, count)
+            seq.computed = known + count - 1
+        output.extend(new)
+        self.token_times[rid].extend([end] * len(new))
         reason = None
-        if seq.stop_after is not None and len(seq.output) >= seq.stop_after:
+        if seq.stop_after is not None and len(output) >= seq.stop_after:
             reason = FinishReason.STOP
-        elif len(seq.output) >= seq.request.sampling.max_tokens:
+        elif len(output) >= seq.request.sampling.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:
             seq.finished = True
             seq.computed = 0
         return RequestOutcome(
-            request_id=entry.request_id,
+            request_id=rid,
             new_token_ids=new,
             num_computed_tokens=seq.computed,
             num_draft_tokens=drafted,

@@ -278,6 +278,41 @@ CPU_NODRAFT = PerfModel.load(
 )
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 1e-3) | st.just(0.0), min_size=len(FEATURES), max_size=len(FEATURES)),
+    st.lists(st.integers(0, 10**6), min_size=len(FEATURES), max_size=len(FEATURES)),
+)
+def test_a_term_prices_every_feature_it_charges(coefs: list[float], counts: list[int]) -> None:
+    x = tuple(float(c) for c in counts)
+    assert Term("t", tuple(coefs)).seconds(x) == sum(c * v for c, v in zip(coefs, x, strict=True))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 3000))
+def test_least_request_seconds_equals_its_schedule_batch_by_batch(prompt: int, output: int) -> None:
+    """The closed form against the schedule it stands for, built entry by entry."""
+    perf = two_term_model()
+    prefill = BatchShape((prompt,), (0,)).features()
+    steps = output - 1
+    decode = BatchShape((1,) * steps, tuple(range(prompt, prompt + steps))).features()
+    own = BatchFeatures(
+        num_tokens=prefill.num_tokens + decode.num_tokens,
+        num_requests=prefill.num_requests + decode.num_requests,
+        attn_tokens=prefill.attn_tokens + decode.attn_tokens,
+        kv_tokens=prefill.kv_tokens + decode.kv_tokens,
+        padded_attn_tokens=0,
+    )
+    # No fixed cost: steps share it.
+    unfixed = replace(
+        perf,
+        terms=tuple(replace(t, coefficients=(0.0, *t.coefficients[1:])) for t in perf.terms),
+    )
+    assert perf.least_request_seconds(prompt, output) == pytest.approx(
+        unfixed.predict_features(own), rel=1e-12
+    )
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     lengths=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)), min_size=1, max_size=5),

@@ -90,6 +90,9 @@ def test_empty_prompt_and_bad_ids() -> None:
         make(prompt_token_ids=[])
     with pytest.raises(ValueError, match="prompt token ids"):
         make(prompt_token_ids=[1, -2])
+    for bad in (True, 2.0, "3"):
+        with pytest.raises(ValueError, match=f"non-negative integers, got {bad!r}"):
+            make(prompt_token_ids=[1, bad, 4])
     with pytest.raises(ValueError, match="request_id"):
         make(request_id="")
 

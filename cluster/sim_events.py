@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 
 class EventKind(IntEnum):
@@ -25,8 +26,9 @@ class EventKind(IntEnum):
     """The controller's planning tick (admission and routing)."""
 
 
-@dataclass(frozen=True, order=True)
-class Event:
+class Event(NamedTuple):
+    """A tuple, so the heap compares events in C (a run pushes one per step)."""
+
     time: float
     kind: EventKind
     seq: int

@@ -308,8 +308,8 @@ def _ride_ahead(
             continue  # the same batch as a shorter length's, which keeps the tie
         tried.add(drafts)
         ride = _Ride(step, len(ahead), contexts, drafts)
-        fits = ride.longest_within(perf, seconds)
-        rate = ride.expected(fits, acceptance) / ride.seconds(perf, fits)
+        fits, took = ride.longest_within(perf, seconds)
+        rate = ride.expected(fits, acceptance) / took
         if rate > best[0] * (1.0 + 1e-9):
             best = (rate, ride, fits)
     _, chosen, fits = best
@@ -402,18 +402,22 @@ class _Ride:
         """Tokens the first `count` decoders are expected to deliver."""
         return sum((expected_tokens(acceptance, k) for k in self.drafts[:count]), 0.0)
 
-    def longest_within(self, perf: BatchTimeModel, seconds: float) -> int:
-        """How many decoders, in order, the batch takes and still ends within `seconds`."""
+    def longest_within(self, perf: BatchTimeModel, seconds: float) -> tuple[int, float]:
+        """How many decoders, in order, the batch takes and still ends within `seconds`, and
+        the batch's time with them."""
         fits = self.num_ahead
-        if self.seconds(perf, fits) > seconds:
-            fits, over = 0, fits
+        every = self.seconds(perf, fits)
+        took: float | None = every
+        if every > seconds:
+            fits, over, took = 0, fits, None
             while over - fits > 1:
                 mid = (fits + over) // 2
-                if self.seconds(perf, mid) <= seconds:
-                    fits = mid
+                mid_s = self.seconds(perf, mid)
+                if mid_s <= seconds:
+                    fits, took = mid, mid_s
                 else:
                     over = mid
-        return fits
+        return fits, self.seconds(perf, fits) if took is None else took
 
     def add(self, step: _Step, request_ids: Sequence[str]) -> None:
         """Add the first decoders (`request_ids`, in order) to `step`."""

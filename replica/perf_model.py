@@ -404,7 +404,7 @@ class PerfModel:
             draft_steps=0,
             draft_batch=0,
         )
-        return self._seconds((0.0, *x[1:]))
+        return self._seconds(tuple(0.0 if i == _CONST else v for i, v in enumerate(x)))
 
     def predict(self, shape: BatchShape) -> float:
         """Seconds for one step of this exact batch."""

@@ -267,7 +267,7 @@ class ClusterController:
         vr = self.plane.replicas[report.replica]
         if not vr.alive or report.replica in self._syncing:
             return
-        demoted = vr.num_demoted
+        demoted, dropped = vr.num_demoted, vr.preempted_tokens
         try:
             fit = vr.apply(report)
         except (ValueError, ArithmeticError):
@@ -277,6 +277,7 @@ class ClusterController:
             self._spawn(self._sync(report.replica))
         elif fit is ReportFit.APPLIED:
             self.plane.metrics.inc("preempted", len(report.plan.preempt))
+            self.plane.metrics.inc("preempted_tokens", vr.preempted_tokens - dropped)
             self.plane.metrics.inc("demoted", vr.num_demoted - demoted)
             if report.executed:
                 self.plane.metrics.count_step(report.outcome)

@@ -214,6 +214,9 @@ class SimResult:
     spent on the workload, so a capacity can be told apart from the hardware's limit."""
     stopped: EarlyStop | None = None
     """Set when the run stopped once it could no longer attain SimConfig.stop_below."""
+    preemptions: int = 0
+    preempted_tokens: int = 0
+    """KV tokens the preemptions dropped, summed over replicas: work computed twice."""
 
 
 def tightest_tpot_s(requests: Sequence[Request]) -> float:
@@ -365,13 +368,21 @@ class Simulator:
             else:
                 self._tick(event.target)
         wall_s = time.perf_counter() - started
+        executors = [rep.executor for rep in self.replicas]
+        result = SimResult(
+            (),
+            self._steps,
+            self._now,
+            wall_s,
+            self._busy_s,
+            preemptions=sum(len(e.preemptions) for e in executors),
+            preempted_tokens=sum(e.preempted_tokens for e in executors),
+        )
         if self._stopped:
-            stop = EarlyStop(len(self._missed), len(self.requests))
-            return SimResult((), self._steps, self._now, wall_s, self._busy_s, stop)
+            return replace(result, stopped=EarlyStop(len(self._missed), len(self.requests)))
         if self._open:
             raise RuntimeError(f"simulation stalled with {self._open} request(s) unfinished")
-        outcomes = tuple(self._outcome(i) for i in range(len(self.requests)))
-        return SimResult(outcomes, self._steps, self._now, wall_s, self._busy_s)
+        return replace(result, outcomes=tuple(self._outcome(i) for i in range(len(self.requests))))
 
     def _outcome(self, i: int) -> SimOutcome:
         track = self._tracks[i]

@@ -68,6 +68,9 @@ class VirtualReplica:
         self.seq = 0
         self.held: dict[str, Request] = {}
         self.admitted: set[str] = set()
+        self.preempted_tokens = 0
+        """KV tokens the replica's preemptions dropped (work it computes again when the
+        requests resume), counted as their steps are folded in."""
         self.scheduler = self._new_scheduler()
 
     def _new_scheduler(self) -> ReplicaScheduler:
@@ -135,6 +138,10 @@ class VirtualReplica:
             return ReportFit.STALE
         self.seq = report.seq
         self._calibrate(report)
+        states = self.scheduler.queues.states
+        self.preempted_tokens += sum(
+            states[rid].num_computed_tokens for rid in report.plan.preempt if rid in states
+        )
         demoted = self.num_demoted
         self.scheduler.update_from_outcome(report.plan, report.outcome, report.time)
         if self.num_demoted > demoted:

@@ -20,8 +20,9 @@ A live run's conditions replay with `--zero-load` (its measured SLOs), `--length
 and `--step-overhead-ms` run the replicas slower than the profile every planner believes, the
 gap a loaded live machine opens (loadgen/RESULTS.md: the CPU cluster runs ~5x its profile).
 
-Each run reports its replicas' busy time (`utilization`, `busy_ms_per_request`), and the header
-a `work_bound` per scenario: the least replica time a request costs without speculation on the
+Each run reports its replicas' busy time (`utilization`, `busy_ms_per_request`), its
+preemptions and the KV they dropped (`preemptions`, `preempted_tokens`: prefill the replicas do
+again when those requests resume), and the header a `work_bound` per scenario: the least replica time a request costs without speculation on the
 simulated replicas, whose inverse caps any such policy's capacity. A policy near full
 utilization at its capacity is out of hardware, not out of scheduling; ratios above the bound
 over a baseline's capacity need less work per request (speculation), not a better order.
@@ -1095,6 +1096,8 @@ def _evaluate(
             "busy_ms_per_request": None
             if run_report is None
             else 1e3 * result.busy_s / len(result.outcomes),
+            "preemptions": result.preemptions,
+            "preempted_tokens": result.preempted_tokens,
             "report": None if run_report is None else run_report.to_dict(),
         }
     )

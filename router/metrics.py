@@ -37,6 +37,16 @@ CONTROLLER_COUNTERS = {
     "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", 1.0),
     "steps": ("replica_steps", "Steps the replicas executed.", 1.0),
     "busy_us": ("replica_busy_seconds", "Time the replicas spent executing steps.", 1e-6),
+    "preempted": (
+        "num_preemptions",
+        "Requests preempted: KV dropped, tokens kept, recomputed when they resume.",
+        1.0,
+    ),
+    "preempted_tokens": (
+        "preempted_tokens",
+        "KV tokens preemptions dropped: work the replicas compute again.",
+        1.0,
+    ),
     "demoted": (
         "requests_demoted",
         "Admitted requests that lost their guarantee (a missed deadline, or outgrown KV).",

@@ -68,6 +68,8 @@ class PerfExecutor:
         self.token_times: dict[str, list[float]] = {}
         self.peak_blocks = 0
         self.preemptions: list[str] = []
+        self.preempted_tokens = 0
+        """KV tokens preemption dropped: work a resumed request computes again."""
         self.drafted: list[int] = []
         """Speculative tokens of every decode step executed, in order."""
 
@@ -111,6 +113,7 @@ class PerfExecutor:
     def execute(self, plan: BatchPlan, now: float) -> tuple[BatchOutcome, float]:
         """Run one step starting at `now`; returns the outcome and the step's duration."""
         for rid in plan.preempt:
+            self.preempted_tokens += self.sequences[rid].computed
             self.sequences[rid].computed = 0
             self.preemptions.append(rid)
         self._check_memory(plan)

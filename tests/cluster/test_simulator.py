@@ -72,6 +72,20 @@ def test_busy_time_sums_the_steps_and_leaves_out_idle_time() -> None:
     assert Simulator(LINEAR, requests, slow).run().busy_s == pytest.approx(0.128)
 
 
+def test_preemption_counts_the_kv_it_drops_and_the_resume_recomputes_it() -> None:
+    # Two blocks of 16 slots. A and B prefill (0-0.024, -0.048) and decode twice together
+    # (-0.060, -0.072), 16 slots each. A's next token needs a second block: vllm preempts B,
+    # the newest, dropping its 16 cached tokens. A decodes alone to 0.127; B then prefills its
+    # 17 known tokens again (27 ms) and decodes on.
+    requests = [sim_request(r, 14, 0.0, 8, max_tokens=8) for r in ("a", "b")]
+    tight = Simulator(LINEAR, requests, SimConfig(policy=Policy.VLLM, num_kv_blocks=2)).run()
+    assert (tight.preemptions, tight.preempted_tokens) == (1, 16)
+    b = next(o.token_times_s for o in tight.outcomes if o.request_id == "b")
+    assert b[2:4] == pytest.approx((0.072, 0.154))
+    roomy = Simulator(LINEAR, requests, SimConfig(policy=Policy.VLLM, num_kv_blocks=64)).run()
+    assert (roomy.preemptions, roomy.preempted_tokens) == (0, 0)
+
+
 def test_slowed_replicas_run_the_same_schedule_on_the_slower_clock() -> None:
     # Steps take 2 x (10 ms + 1 ms a token) + 1 ms: A's prefill 0-0.041; B (arrived at 0.015)
     # is prefilled next, 0.041-0.102; both decode -0.127 (B ends); A alone -0.150.

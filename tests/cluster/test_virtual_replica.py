@@ -86,6 +86,24 @@ def test_mirror_plans_every_admitted_request_to_completion(
     assert all(len(executor.output(f"r{i}")) == 6 + i for i in range(3))
 
 
+@SCHEDULERS
+def test_mirror_counts_the_kv_its_replica_preemptions_drop(
+    perf: PerfModel, config: SchedulerConfig | None
+) -> None:
+    """Two requests outgrow a two-block cache: the mirror counts what the replica drops.
+    (Best-effort, so the slos planner holds no reservation for them and preempts too.)"""
+    tight = CacheBudget(num_blocks=2)
+    vr = VirtualReplica(0, perf, tight, config)
+    executor = PerfExecutor(perf, tight)
+    for rid in ("a", "b"):
+        r = Request(rid, [1] * 14, SamplingParams(max_tokens=8), tier=Tier.BEST_EFFORT)
+        vr.add_best_effort(r, 0.0)
+        executor.add(r)
+    run_steps(vr, executor, 0.0, 500)
+    assert not vr.has_work()
+    assert vr.preempted_tokens == executor.preempted_tokens > 0
+
+
 def test_reports_out_of_sequence_are_ignored_or_force_a_resync(perf: PerfModel) -> None:
     vr = VirtualReplica(0, perf, CACHE)
     vr.incarnation = "a"

@@ -47,6 +47,8 @@ def exported_names() -> set[str]:
         "spec_accepted_tokens": 1,
         "steps": 1,
         "busy_us": 1,
+        "preempted": 1,
+        "preempted_tokens": 1,
         "demoted": 1,
     }
     m.refresh(status, {"counters": counters, "histograms": {"planner_latency_s": hist}})

@@ -81,6 +81,8 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
             "admitted": 7,
             "steps": 300,
             "busy_us": 2_500_000,
+            "preempted": 2,
+            "preempted_tokens": 48,
             "demoted": 3,
         },
         "histograms": {
@@ -108,6 +110,8 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
     assert s[(PREFIX + "replica_steps_total", model)] == 300
     assert s[(PREFIX + "replica_busy_seconds_total", model)] == 2.5
     assert s[(PREFIX + "requests_demoted_total", model)] == 3
+    assert s[(PREFIX + "num_preemptions_total", model)] == 2
+    assert s[(PREFIX + "preempted_tokens_total", model)] == 48
     assert s[(PREFIX + "planner_latency_seconds_count", model)] == 4
     inf = (("le", "+Inf"), ("model", "demo"))
     assert s[(PREFIX + "planner_latency_seconds_bucket", inf)] == 4

@@ -38,6 +38,7 @@ def test_preemption_keeps_tokens_and_resume_recomputes_them() -> None:
     executor.execute(BatchPlan((PrefillChunk("a", 6),)), 2.5)
     assert executor.output("a") == [token_id("a", j) for j in range(3)]
     assert executor.preemptions == ["a"]
+    assert executor.preempted_tokens == 5  # the prompt and the first token's KV
 
 
 def test_refuses_plans_that_overrun_the_cache_or_feed_unknown_tokens() -> None:

@@ -22,10 +22,11 @@ gap a loaded live machine opens (loadgen/RESULTS.md: the CPU cluster runs ~5x it
 
 Each run reports its replicas' busy time (`utilization`, `busy_ms_per_request`), its
 preemptions and the KV they dropped (`preemptions`, `preempted_tokens`: prefill the replicas do
-again when those requests resume), and the header a `work_bound` per scenario: the least replica time a request costs without speculation on the
-simulated replicas, whose inverse caps any such policy's capacity. A policy near full
-utilization at its capacity is out of hardware, not out of scheduling; ratios above the bound
-over a baseline's capacity need less work per request (speculation), not a better order.
+again when those requests resume), and the header a `work_bound` per scenario: the least
+replica time a request costs without speculation on the simulated replicas, whose inverse caps
+any such policy's capacity. A policy near full utilization at its capacity is out of hardware,
+not out of scheduling; ratios above the bound over a baseline's capacity need less work per
+request (speculation), not a better order.
 
 Every rate of one search replays the same requests, only compressed or stretched in time (the
 paper's "truncate and rescale"): their count is fixed so the run at the reference rate (the

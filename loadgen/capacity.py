@@ -11,7 +11,7 @@ non-monotone system shows in the result (`monotone`) rather than hiding in one n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +37,8 @@ class CapacityResult:
     @property
     def monotone(self) -> bool:
         """Whether the points agree with the assumption: nothing passes above a failure."""
-        failing = [p.rate for p in self.points if p.attainment < self.target]
-        passing = [p.rate for p in self.points if p.attainment >= self.target]
-        return not failing or not passing or max(passing) < min(failing)
+        points = ((p.rate, p.attainment) for p in self.points)
+        return monotone(points, self.target, passes_high=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -49,6 +48,27 @@ class CapacityResult:
             "monotone": self.monotone,
             "points": [{"rate": p.rate, "attainment": p.attainment} for p in self.points],
         }
+
+
+def monotone(points: Iterable[tuple[float, float]], target: float, *, passes_high: bool) -> bool:
+    """Whether (x, attainment) points of a search agree with the order it assumes: with
+    `passes_high` (attainment rises with x, as with replicas) no failure above a pass, else
+    (it falls, as with the rate) no pass above a failure."""
+    failing: list[float] = []
+    passing: list[float] = []
+    for x, attainment in points:
+        (passing if attainment >= target else failing).append(x)
+    if not failing or not passing:
+        return True
+    return max(failing) < min(passing) if passes_high else max(passing) < min(failing)
+
+
+def checked_attainment(value: float, where: str) -> float:
+    """A search's evaluation as a float in [0, 1], or an error naming `where` it came from."""
+    value = float(value)
+    if not 0 <= value <= 1:
+        raise ValueError(f"attainment {where} must be in [0, 1], got {value!r}")
+    return value
 
 
 def _positive(name: str, value: float) -> None:
@@ -84,9 +104,7 @@ def find_capacity(
     points: list[CapacityPoint] = []
 
     def passes(rate: float) -> bool:
-        value = float(attainment_at(rate))
-        if not 0 <= value <= 1:
-            raise ValueError(f"attainment at rate {rate} must be in [0, 1], got {value!r}")
+        value = checked_attainment(attainment_at(rate), f"at rate {rate}")
         points.append(CapacityPoint(rate, value))
         return value >= target
 

@@ -835,13 +835,14 @@ def _size(
         for policy in p.policies
     ]
     jobs = [job for _, job, _ in calls]
-    keys = [(s.value, rate_key(rate), policy.value) for s, rate in setups for policy in p.policies]
     runs: list[dict[str, Any]] = []
     sizing: dict[str, dict[str, dict[str, SizingResult]]] = {}
     results = _run_jobs(jobs, size_job, calls, _print_sizing, p.jobs)
-    for (scenario, rate, policy), (job_runs, sized) in zip(keys, results, strict=True):
+    for job, (job_runs, sized) in zip(jobs, results, strict=True):
+        assert job.total_rate is not None
         runs += job_runs
-        sizing.setdefault(scenario, {}).setdefault(rate, {})[policy] = sized
+        by_rate = sizing.setdefault(job.scenario.value, {})
+        by_rate.setdefault(rate_key(job.total_rate), {})[job.policy.value] = sized
     out["runs"] = runs
     out["sizing"] = {
         s: {rate: {policy: r.to_dict() for policy, r in by.items()} for rate, by in by_rate.items()}
@@ -1048,15 +1049,12 @@ def _work_bound(setup: Setup, replicas: int) -> dict[str, float]:
 
 
 def _sizing_bound(setup: Setup, total_rate: float) -> dict[str, float]:
-    """`Setup.work_bound` of a sizing search as JSON, with the fewest replicas it allows
+    """`_work_bound` of a sizing search, with the fewest replicas it allows `total_rate`
     without speculation; printed."""
-    least_ms, rate = setup.work_bound(1)
-    fewest = math.ceil(total_rate / rate)
-    print(
-        f"work bound {setup.scenario.value} at {total_rate:g} req/s: {least_ms:.2f} ms of "
-        f"replica time a request without speculation, so at least {fewest} replica(s)"
-    )
-    return {"ms_per_request": least_ms, "rate_per_replica": rate, "replicas": fewest}
+    bound = _work_bound(setup, 1)
+    fewest = math.ceil(total_rate / bound["rate_per_replica"])
+    print(f"  so at least {fewest} replica(s) for {total_rate:g} req/s")
+    return bound | {"replicas": fewest}
 
 
 def _records(setup: Setup, policy: Policy, replicas: int, rate: float) -> list[RequestRecord]:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from loadgen.capacity import DEFAULT_TARGET
+from loadgen.capacity import DEFAULT_TARGET, checked_attainment, monotone
 from loadgen.capacity_tables import BASELINES, DISTSERVE, FULL
 
 
@@ -43,9 +43,8 @@ class SizingResult:
     @property
     def monotone(self) -> bool:
         """Whether the points agree with the assumption: no failure above a pass."""
-        failing = [p.replicas for p in self.points if p.attainment < self.target]
-        passing = [p.replicas for p in self.points if p.attainment >= self.target]
-        return not failing or not passing or max(failing) < min(passing)
+        points = ((p.replicas, p.attainment) for p in self.points)
+        return monotone(points, self.target, passes_high=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,9 +85,7 @@ def find_replicas(
     points: list[SizingPoint] = []
 
     def passes(n: int) -> bool:
-        value = float(attainment_at(n))
-        if not 0 <= value <= 1:
-            raise ValueError(f"attainment with {n} replicas must be in [0, 1], got {value!r}")
+        value = checked_attainment(attainment_at(n), f"with {n} replicas")
         points.append(SizingPoint(n, value))
         return value >= target
 

@@ -406,10 +406,9 @@ class _Ride:
         """How many decoders, in order, the batch takes and still ends within `seconds`, and
         the batch's time with them."""
         fits = self.num_ahead
-        every = self.seconds(perf, fits)
-        took: float | None = every
-        if every > seconds:
-            fits, over, took = 0, fits, None
+        took = self.seconds(perf, fits)
+        if took > seconds:
+            fits, over, took = 0, fits, self.seconds(perf, 0)
             while over - fits > 1:
                 mid = (fits + over) // 2
                 mid_s = self.seconds(perf, mid)
@@ -417,7 +416,7 @@ class _Ride:
                     fits, took = mid, mid_s
                 else:
                     over = mid
-        return fits, self.seconds(perf, fits) if took is None else took
+        return fits, took
 
     def add(self, step: _Step, request_ids: Sequence[str]) -> None:
         """Add the first decoders (`request_ids`, in order) to `step`."""

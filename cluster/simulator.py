@@ -39,7 +39,8 @@ from cluster.sim_events import EventKind, EventQueue
 from cluster.sim_spec import DEFAULT_ACCEPTANCE, SeededAcceptance
 from cluster.virtual_replica import VirtualReplica
 from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
-from replica.perf_model import PerfModel, Slowdown
+from replica.perf_info import Slowdown
+from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.baseline_sizing import sarathi_token_budget, vllm_config
 from replica.planner.config import OutputEstimateConfig, PlannerConfig, SpecConfig

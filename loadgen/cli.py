@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("loadgen.simulate", "SLO attainment and capacity per policy, simulated"),
     "loadgen": ("loadgen.run_load", "drive a live server with a scenario; attainment, capacity"),
     "compare": ("loadgen.compare", "serve configs in turn under the same load; capacity ratio"),
+    "compile": ("replica.compiled", "compile the planner with mypyc: faster planning, simulation"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("loadgen.bench_engine", "engine vs transformers throughput, speculative speedup"),

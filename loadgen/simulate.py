@@ -87,7 +87,9 @@ from loadgen.workloads import (
     zero_load_ttft_from,
 )
 from loadgen.zero_load import ZeroLoad
-from replica.perf_model import PerfModel, Slowdown
+from replica import compiled
+from replica.perf_info import Slowdown
+from replica.perf_model import PerfModel
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "deploy" / "profiles"
@@ -735,6 +737,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "same_window": p.same_window,
         "stop_below": p.stop_below,
+        "compiled_planner": compiled.active(),
     }
     if p.size_for:
         out |= _size(p, setup, perf.tp, args.plot)

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from replica.user_cache import user_cache_dir
+
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
@@ -53,16 +55,11 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "slos-serve" / "kernels"
-
-
 def _build(compiler: str) -> Path:
     sources = b"".join(path.read_bytes() for path in SOURCES)
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS) + _cpu_flags()
     key = hashlib.sha256(sources + flags.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    target = user_cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from replica.perf_model import FEATURES, BatchShape, PerfModel, ProfileInfo, Term
+from replica.perf_info import ProfileInfo
+from replica.perf_model import FEATURES, BatchShape, PerfModel, Term
 
 ANALYTIC_DATE = "2026-11-22"
 BYTES_PER_PARAM = 2

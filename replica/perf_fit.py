@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from replica.perf_model import FEATURES, BatchFeatures, PerfModel, ProfileInfo, Term
+from replica.perf_info import ProfileInfo
+from replica.perf_model import FEATURES, BatchFeatures, PerfModel, Term
 
 MAX_ASSIGN_ROUNDS = 50
 _SPLIT_FEATURES = ("tokens", "attn_tokens", "kv_tokens", "draft_tokens", "requests")

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from replica.batch import BatchPlan, DecodeStep
+from replica.compiled import reduce_frozen
+from replica.perf_info import ProfileInfo, Slowdown
 
 FORMAT = "slos-serve-perf-model/1"
 FEATURES: tuple[str, ...] = (
@@ -38,7 +40,6 @@ FEATURES: tuple[str, ...] = (
     "draft_kv_tokens",
 )
 """Feature names in coefficient order (see BatchFeatures for their meaning)."""
-SOURCES = ("measured", "analytic")
 _CONST = FEATURES.index("const")
 _TOKENS = FEATURES.index("tokens")
 _ATTN = FEATURES.index("attn_tokens")
@@ -234,6 +235,9 @@ class Term:
     """(feature index, coefficient) of the features it charges: planning prices hundreds
     of thousands of batches a simulated minute, and most profiles leave features at 0."""
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_frozen(self)
+
     def __post_init__(self) -> None:
         if len(self.coefficients) != len(FEATURES):
             raise ValueError(
@@ -254,67 +258,6 @@ class Term:
         for i, c in self.nonzero:
             total += c * x[i]
         return total
-
-
-@dataclass(frozen=True)
-class ProfileInfo:
-    """Where a profile comes from; serialized at the JSON's top level."""
-
-    source: str
-    """"measured" (fitted on engine runs) or "analytic" (FLOPs and bytes over datasheet rates)."""
-    backend: str
-    device: str
-    model: str
-    draft: str | None = None
-    dtype: str = "bfloat16"
-    tp: int = 1
-    date: str = ""
-    """ISO date the profile was made."""
-    r2: float | None = None
-    """Coefficient of determination on the held-out split (measured profiles)."""
-    mape: float | None = None
-    """Mean absolute percentage error on the held-out split, as a fraction (0.05 = 5%)."""
-    notes: tuple[str, ...] = ()
-    assumptions: dict[str, Any] = field(default_factory=dict)
-    fit: dict[str, Any] = field(default_factory=dict)
-    """How the coefficients were fitted (method, sample counts, ...)."""
-
-    def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
-        _check_count("tp", self.tp)
-        if self.tp == 0:
-            raise ValueError("tp must be >= 1, got 0")
-        if self.source == "measured" and (self.r2 is None or self.mape is None):
-            raise ValueError("a measured profile needs r2 and mape from its held-out split")
-
-
-@dataclass(frozen=True)
-class Slowdown:
-    """Steps take `factor` times the profile's time plus `overhead_s`: hardware slower than
-    its profile (shared cores, a serving loop's per-step cost), for asking how planners that
-    believe the profile fare against it."""
-
-    factor: float = 1.0
-    overhead_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name, value in (("factor", self.factor), ("overhead_s", self.overhead_s)):
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"slowdown {name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"slowdown {name} must be finite, got {value!r}")
-        if self.factor <= 0:
-            raise ValueError(f"slowdown factor must be > 0, got {self.factor!r}")
-        if self.overhead_s < 0:
-            raise ValueError(f"slowdown overhead_s must be >= 0, got {self.overhead_s!r}")
-
-    @property
-    def is_none(self) -> bool:
-        return self.factor == 1.0 and self.overhead_s == 0.0
-
-    def __str__(self) -> str:
-        return f"{self.factor:g} x the profile + {self.overhead_s * 1e3:g} ms per step"
 
 
 class BatchTimeModel(Protocol):
@@ -358,6 +301,9 @@ class PerfModel:
 
     terms: tuple[Term, ...]
     info: ProfileInfo
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_frozen(self)
 
     def __post_init__(self) -> None:
         if not self.terms:

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
+from replica.compiled import reduce_frozen
 from replica.perf_model import BatchTimeModel
 from replica.planner.budget import BatchBudget
 from replica.planner.deadlines import chain_deadline
@@ -127,6 +129,9 @@ class AdmissionResult:
     """Total value of the admitted candidates."""
     forced_late: int = 0
     """Running requests this budget cannot keep on time (a budget choice should avoid it)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_frozen(self)
 
     def is_admitted(self, request_id: str) -> bool:
         return request_id in self.admitted
@@ -361,7 +366,8 @@ def _solve(problem: AdmissionProblem) -> AdmissionResult:
     best_value = value[feasible].max()
     best = int(np.argmin(np.where(feasible & (value == best_value), cons, np.inf)))
     chosen: set[int] = set()
-    for idx, take, delta in reversed(decisions):
+    # Walked by slice: mypyc cannot compile unpacking in a loop over reversed().
+    for idx, take, delta in decisions[::-1]:
         if take[best]:
             chosen.add(idx)
             best -= delta

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
+
+from mypy_extensions import mypyc_attr
 
 from replica.batch import BatchOutcome, BatchPlan
+from replica.compiled import reduce_frozen
 from replica.request import Request
 
 
@@ -20,6 +24,9 @@ class CacheBudget:
 
     num_blocks: int
     block_size: int = 16
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_frozen(self)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -67,6 +74,7 @@ class RequestState:
         self.finished = self.finished or finished
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Scheduler(ABC):
     """Invariants: every plan fits the `CacheBudget`; a request is in at most one entry per
     plan; `update_from_outcome` is called once per executed plan, in order."""

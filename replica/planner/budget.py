@@ -35,7 +35,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from replica.compiled import reduce_frozen
 from replica.perf_model import BatchTimeModel
 from replica.planner.config import SpecConfig
 
@@ -91,6 +93,9 @@ class BatchBudget:
     min_spec_len: int = 0
     """Speculation every decoder gets at least: the tightest tier's length when the budget
     drafts, so looser tiers do not slow down (see the module notes)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return reduce_frozen(self)
 
     def spec_len(self, tpot_s: float) -> int:
         """Shortest speculation that lets a decoder of this TPOT keep up with the period, and

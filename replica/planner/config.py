@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 
-def _check_positive_int(name: str, value: int, low: int = 1) -> None:
+def check_int(name: str, value: int, low: int = 1) -> None:
+    """An integer >= low, named when it is not; shared by every planner's config."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < low:
@@ -56,7 +57,7 @@ class SpecConfig:
     equally well there, 0.7 and above start to cost chatbot and mixed."""
 
     def __post_init__(self) -> None:
-        _check_positive_int("max_spec_tokens", self.max_spec_tokens, low=0)
+        check_int("max_spec_tokens", self.max_spec_tokens, low=0)
         _check_fraction("initial_acceptance", self.initial_acceptance, low=0.0, high=1.0)
         _check_fraction("ema_weight", self.ema_weight, low=0.0, high=1.0)
         _check_fraction("max_acceptance", self.max_acceptance, low=0.0, high=0.999)
@@ -94,11 +95,11 @@ class OutputEstimateConfig:
 
     def __post_init__(self) -> None:
         _check_fraction("quantile", self.quantile, low=0.0, high=1.0)
-        _check_positive_int("min_samples", self.min_samples)
-        _check_positive_int("prior_tokens", self.prior_tokens)
-        _check_positive_int("window", self.window)
-        _check_positive_int("chunk_tokens", self.chunk_tokens)
-        _check_positive_int("extension_tokens", self.extension_tokens)
+        check_int("min_samples", self.min_samples)
+        check_int("prior_tokens", self.prior_tokens)
+        check_int("window", self.window)
+        check_int("chunk_tokens", self.chunk_tokens)
+        check_int("extension_tokens", self.extension_tokens)
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,8 @@ class InvocationConfig:
 
     def __post_init__(self) -> None:
         _check_seconds("interval_s", self.interval_s)
-        _check_positive_int("new_requests", self.new_requests)
-        _check_positive_int("finished_requests", self.finished_requests)
+        check_int("new_requests", self.new_requests)
+        check_int("finished_requests", self.finished_requests)
         _check_fraction("drift_fraction", self.drift_fraction, low=0.0, high=10.0)
         _check_fraction("behind_tpot_factor", self.behind_tpot_factor, low=0.05, high=1.0)
 
@@ -152,10 +153,10 @@ class PlannerConfig:
     invocation: InvocationConfig = field(default_factory=InvocationConfig)
 
     def __post_init__(self) -> None:
-        _check_positive_int("memory_units", self.memory_units)
-        _check_positive_int("max_dp_candidates", self.max_dp_candidates)
+        check_int("memory_units", self.memory_units)
+        check_int("max_dp_candidates", self.max_dp_candidates)
         _check_seconds("idle_period_s", self.idle_period_s)
-        _check_positive_int("max_best_effort_requests", self.max_best_effort_requests, low=0)
+        check_int("max_best_effort_requests", self.max_best_effort_requests, low=0)
         _check_fraction("best_effort_stretch", self.best_effort_stretch, low=0.0, high=10.0)
         if self.spec is not None and not isinstance(self.spec, SpecConfig):
             raise ValueError(f"spec must be a SpecConfig or None, got {self.spec!r}")

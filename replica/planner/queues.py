@@ -20,14 +20,6 @@ from replica.planner.base import CacheBudget, RequestState
 from replica.request import Request
 
 
-def check_int(name: str, value: int, low: int) -> None:
-    """Config validation shared by the schedulers: an integer >= low, named when it is not."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-
-
 def peak_tokens(request: Request) -> int:
     """The most KV slots a request ever holds: its last token is sampled, never fed."""
     return request.prompt_len + request.sampling.max_tokens - 1

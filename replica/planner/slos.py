@@ -17,7 +17,6 @@ With `PlannerConfig.output_estimate`, an admitted request reserves KV for an est
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -54,7 +53,6 @@ from replica.planner.deadlines import (
     token_deadline,
     upcoming_deadlines,
 )
-from replica.planner.executor import AcceptFn, PerfExecutor
 from replica.planner.invocation import InvocationPolicy, lags
 from replica.planner.output_estimate import OutputLengthEstimate
 from replica.planner.queues import RequestQueues, peak_tokens
@@ -461,29 +459,6 @@ class SlosScheduler(Scheduler):
         """The plan as the perf model sees it."""
         states = self.queues.states
         return BatchShape.of_plan(plan, lambda rid: states[rid].num_computed_tokens, self.perf.tp)
-
-    def plan_ahead(
-        self, now: float, count: int, accept: AcceptFn | None = None
-    ) -> list[tuple[float, BatchPlan]]:
-        """The next `count` batches with their predicted start times, as this scheduler would
-        form them if every batch ran as the perf model predicts (speculation accepting as
-        `accept` says; none by default). Runs on a copy: nothing here changes."""
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"count must be a positive integer, got {count!r}")
-        twin = copy.deepcopy(self, {id(self.perf): self.perf})
-        executor = PerfExecutor(self.perf, self.queues.budget, accept)
-        for state in twin.queues.states.values():
-            executor.add(state.request, state.output_token_ids, state.num_computed_tokens)
-        plans: list[tuple[float, BatchPlan]] = []
-        for _ in range(count):
-            plan = twin.schedule(now)
-            if plan is None:
-                break
-            plans.append((now, plan))
-            outcome, duration = executor.execute(plan, now)
-            now += duration
-            twin.update_from_outcome(plan, outcome, now)
-        return plans
 
     # -- outcomes ------------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from replica.batch import BatchOutcome, BatchPlan
 from replica.planner.base import CacheBudget, Scheduler
-from replica.planner.queues import RequestQueues, StepBuilder, check_int, peak_tokens
+from replica.planner.config import check_int
+from replica.planner.queues import RequestQueues, StepBuilder, peak_tokens
 from replica.request import Request
 
 

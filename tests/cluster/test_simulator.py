@@ -23,7 +23,8 @@ from cluster.simulator import (
 from loadgen import simulate
 from loadgen.arrivals import poisson_arrivals
 from loadgen.workloads import Scenario, WorkloadConfig, generate_workload, zero_load_ttft_from
-from replica.perf_model import PerfModel, Slowdown
+from replica.perf_info import Slowdown
+from replica.perf_model import PerfModel
 from replica.request import SLO, Request, SamplingParams
 
 LINEAR = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})

@@ -18,7 +18,8 @@ from loadgen.arrivals import trace_arrivals
 from loadgen.traces import load_trace
 from loadgen.workloads import CPU_LOOSE_TPOT_FACTOR, CPU_TIGHT_TPOT_FACTOR, Scenario
 from loadgen.zero_load import ZeroLoad
-from replica.perf_model import PerfModel, Slowdown
+from replica.perf_info import Slowdown
+from replica.perf_model import PerfModel
 
 
 def parse(*argv: str) -> argparse.Namespace:

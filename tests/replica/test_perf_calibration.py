@@ -3,12 +3,12 @@ from __future__ import annotations
 import pytest
 
 from replica.perf_calibration import CalibratedPerfModel, Calibration, ShapeClass, shape_class
+from replica.perf_info import ProfileInfo
 from replica.perf_model import (
     FEATURES,
     BatchShape,
     BatchTimeModel,
     PerfModel,
-    ProfileInfo,
     Term,
 )
 

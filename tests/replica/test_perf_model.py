@@ -7,13 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replica.perf_info import ProfileInfo, Slowdown
 from replica.perf_model import (
     FEATURES,
     BatchFeatures,
     BatchShape,
     PerfModel,
-    ProfileInfo,
-    Slowdown,
     Term,
     attention_pairs,
 )

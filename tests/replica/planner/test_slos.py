@@ -133,18 +133,6 @@ def test_plan_admission_is_a_pure_verdict() -> None:
     assert scheduler.plan_admission([be], 0.0).declined == ("be",)
 
 
-def test_plan_ahead_forms_the_next_batches_without_changing_state() -> None:
-    cache = CacheBudget(100, 16)
-    scheduler = SlosScheduler(SIX_PER_UNIT, cache, PlannerConfig(idle_period_s=1.0))
-    for r in figure3_requests():
-        scheduler.add_request(r, r.arrival_time)
-    ahead = scheduler.plan_ahead(1.0, count=4)
-    assert [t for t, _ in ahead] == [1.0, 2.0, 3.0, 4.0]
-    assert scheduler.pending and not scheduler.verdicts
-    assert scheduler.schedule(1.0) == ahead[0][1]
-    assert all(plan.num_tokens == 6 for _, plan in ahead)  # full batches of one time unit
-
-
 def test_reasoning_request_is_planned_with_the_tight_tier_only_while_thinking() -> None:
     stages = (Stage(tpot_ms=20.0, num_tokens=6, name="think"), Stage(tpot_ms=200.0, name="answer"))
     reasoning = request("r", 8, 12, ttft_s=0.2, tpot_s=0.2, stages=stages)

@@ -1,0 +1,183 @@
+"""The planner and the perf model compiled to C by mypyc: the same source, run faster.
+
+The live controller and the simulator spend their time in the planner's pure-Python loops, a
+few microseconds at a time with nothing for numpy to vectorize. mypyc compiles the typed
+modules in `MODULES` as they are. `slos-serve compile` (`make compile`) builds them into
+the per-user cache under a key hashed from their sources; `use()`, run when `replica` is first
+imported, points imports of those modules at that build only while every source still hashes
+to its key. So an edited module never runs stale code: the process runs the Python source until
+the next build. Without a build, or with SLOS_SERVE_COMPILED=0, everything runs from source.
+
+Compiled code is stricter than Python in three ways the sources allow for:
+- A frozen dataclass compiled by mypyc cannot be unpickled or copied the usual way, so the
+  ones that outlive a planning call (held by a scheduler, pickled to Ray actors and worker
+  processes) rebuild themselves through their constructor (`reduce_frozen`). Schedulers
+  themselves are not copied: a compiled class's copy would run its constructor again.
+- A Python class cannot subclass a compiled one unless it allows it: `Scheduler` does, so the
+  baselines and policies written in Python can implement it.
+- A value read as a declared `int` or `float` is converted on the way (a bool becomes 1), so
+  checks of user input live in modules left as Python (`perf_info`, `planner/config`, the
+  baselines, `request`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Sequence
+from importlib.abc import MetaPathFinder
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from replica.user_cache import user_cache_dir
+
+log = logging.getLogger(__name__)
+
+MODULES = (
+    "replica.perf_model",
+    "replica.planner.admission",
+    "replica.planner.base",
+    "replica.planner.batching",
+    "replica.planner.budget",
+    "replica.planner.deadlines",
+    "replica.planner.executor",
+    "replica.planner.queues",
+    "replica.planner.slos",
+)
+GROUP = "replica.planner_c"
+"""mypyc's group name: the code of all of `MODULES` is one library, `replica.planner_c__mypyc`,
+so they call each other natively; each module's own extension is a shim onto it."""
+DISABLE_ENV = "SLOS_SERVE_COMPILED"
+ROOT = Path(__file__).resolve().parent.parent
+_DONE = "complete"
+_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def _source(root: Path, module: str) -> Path:
+    return root.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def source_key(root: Path = ROOT) -> str:
+    """Hash of what a build is made from: the modules' names and sources and the interpreter."""
+    digest = hashlib.sha256(f"{GROUP}\0{sys.version}\0{_SUFFIX}".encode())
+    for module in MODULES:
+        digest.update(f"\0{module}\0".encode())
+        digest.update(_source(root, module).read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def build_dir(key: str) -> Path:
+    return user_cache_dir() / "mypyc" / key
+
+
+class _BuildFinder(MetaPathFinder):
+    """Finds the compiled modules (and their shared library) in one build directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.names = {*MODULES, f"{GROUP}__mypyc"}
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname not in self.names:
+            return None
+        *package, name = fullname.split(".")
+        file = self.directory.joinpath(*package, name + _SUFFIX)
+        return importlib.util.spec_from_file_location(fullname, file)
+
+
+def use(root: Path = ROOT) -> Path | None:
+    """Load `MODULES` from the build of their current sources, if there is one; its directory.
+
+    Must run before any of them is imported (`replica/__init__` calls it); runs once."""
+    for finder in sys.meta_path:
+        if isinstance(finder, _BuildFinder):
+            return finder.directory
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    directory = build_dir(source_key(root))
+    if not (directory / _DONE).exists():
+        return None
+    sys.meta_path.insert(0, _BuildFinder(directory))
+    return directory
+
+
+def active() -> bool:
+    """Whether this process runs the compiled planner."""
+    from replica.planner import slos
+
+    return (slos.__file__ or "").endswith(_SUFFIX)
+
+
+def build(root: Path = ROOT) -> Path:
+    """Compile `MODULES` of `root` into the cache (nothing to do when that build exists)."""
+    from mypyc.build import mypycify
+    from setuptools import Distribution
+
+    target = build_dir(source_key(root))
+    if (target / _DONE).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+    try:
+        # mypyc type-checks first; from the root it finds the project's [tool.mypy] settings.
+        with contextlib.chdir(root):
+            extensions = mypycify(
+                [str(_source(root, m).relative_to(root)) for m in MODULES],
+                group_name=GROUP,
+                target_dir=str(work / "c"),
+            )
+            dist = Distribution({"name": "slos-serve-planner", "ext_modules": extensions})
+            command = dist.get_command_obj("build_ext")
+            command.build_lib = str(work / "lib")
+            command.build_temp = str(work / "obj")
+            command.parallel = os.cpu_count() or 1
+            dist.run_command("build_ext")
+        (work / "lib" / _DONE).touch()
+        # Renamed into place whole, so a concurrent reader never sees half a build (a
+        # concurrent builder's rename may win; the check below accepts either).
+        with contextlib.suppress(OSError):
+            os.replace(work / "lib", target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if not (target / _DONE).exists():
+        raise RuntimeError(f"mypyc build of the planner did not land in {target}")
+    return target
+
+
+def reduce_frozen(obj: Any) -> tuple[Any, tuple[Any, ...]]:
+    """`__reduce__` for a frozen dataclass mypyc compiles: copy and pickle rebuild it through
+    its constructor, because mypyc's own unpickling sets fields one by one and a frozen class
+    refuses that."""
+    return type(obj), tuple(getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Compile the planner and the perf model with mypyc into the user's cache; every later "
+        "process loads that build while the sources are unchanged (SLOS_SERVE_COMPILED=0: "
+        "run from source)."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    if shutil.which(compiler.split()[0]) is None:
+        print(f"no C compiler ({compiler}): the planner runs from its Python source")
+        return 0
+    print(f"compiled planner: {build()}")
+    return 0

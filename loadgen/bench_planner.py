@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.cli import OptionError
+from replica import compiled
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.config import InvocationConfig, PlannerConfig
@@ -139,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         "quick": bool(args.quick),
         "load_average": list(os.getloadavg()),
         "cpus": os.cpu_count(),
+        "compiled_planner": compiled.active(),
         "summary": {
             "case": list(SUMMARY_CASE),
             "p50_ms": summary["p50_ms"],

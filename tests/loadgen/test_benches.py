@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadgen import cli
+from replica import compiled
 
 
 def run_bench(name: str, out: Path, *extra: str) -> dict:  # type: ignore[type-arg]
@@ -20,6 +21,7 @@ def test_bench_planner_quick(tmp_path: Path) -> None:
     assert {"p50_ms", "p99_ms"} <= set(result["summary"])
     assert result["summary"]["p50_ms"] > 0
     assert len(result["cases"]) >= 1
+    assert result["compiled_planner"] is compiled.active()
 
 
 def test_bench_controller_quick_without_ray(tmp_path: Path) -> None:

@@ -144,7 +144,6 @@ def build(root: Path = ROOT) -> Path:
             command = dist.get_command_obj("build_ext")
             command.build_lib = str(work / "lib")
             command.build_temp = str(work / "obj")
-            command.parallel = os.cpu_count() or 1
             dist.run_command("build_ext")
         (work / "lib" / _DONE).touch()
         # Renamed into place whole, so a concurrent reader never sees half a build (a

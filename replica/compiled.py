@@ -133,10 +133,15 @@ def build(root: Path = ROOT) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
     try:
-        # mypyc type-checks first; from the root it finds the project's [tool.mypy] settings.
+        # mypyc type-checks first: from a checkout's root with the project's [tool.mypy]
+        # settings; in an installed copy (site-packages, no settings) it must not ask for
+        # stubs of packages that ship none.
         with contextlib.chdir(root):
             extensions = mypycify(
-                [str(_source(root, m).relative_to(root)) for m in MODULES],
+                [
+                    "--ignore-missing-imports",
+                    *(str(_source(root, m).relative_to(root)) for m in MODULES),
+                ],
                 group_name=GROUP,
                 target_dir=str(work / "c"),
             )

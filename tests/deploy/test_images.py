@@ -50,7 +50,7 @@ def test_base_is_rays_official_image_at_the_tested_version(name: str, flavour: s
 def test_cpu_image_installs_the_pinned_cpu_torch_before_the_project() -> None:
     runs = [a for kind, a in instructions("Dockerfile") if kind == "RUN"]
     torch_step = next(i for i, r in enumerate(runs) if "torch" in r)
-    project_step = next(i for i, r in enumerate(runs) if r.endswith(" ."))
+    project_step = next(i for i, r in enumerate(runs) if r.endswith(' ".[compile]"'))
     assert torch_step < project_step
     assert "--index-url https://download.pytorch.org/whl/cpu" in runs[torch_step]
     assert torch_pin() in runs[torch_step].split()
@@ -59,9 +59,20 @@ def test_cpu_image_installs_the_pinned_cpu_torch_before_the_project() -> None:
 def test_gpu_image_installs_the_gpu_extra() -> None:
     runs = [a for kind, a in instructions("Dockerfile.cuda") if kind == "RUN"]
     assert any(torch_pin() in r.split() for r in runs)
-    assert any(r.endswith('".[gpu]"') for r in runs)
+    assert any(r.endswith('".[gpu,compile]"') for r in runs)
     assert any(
         d.startswith("flashinfer") for d in PYPROJECT["project"]["optional-dependencies"]["gpu"]
+    )
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_images_compile_the_planner_after_installing_mypyc(name: str) -> None:
+    runs = [a for kind, a in instructions(name) if kind == "RUN"]
+    install = next(i for i, r in enumerate(runs) if "compile]" in r)
+    assert runs.index("slos-serve compile") > install
+    assert any(
+        d.startswith("mypy[mypyc]")
+        for d in PYPROJECT["project"]["optional-dependencies"]["compile"]
     )
 
 

@@ -4,6 +4,7 @@ the tests that need it skip without one."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -112,3 +113,13 @@ def test_frozen_planner_types_copy_and_pickle_whole() -> None:
         assert pickle.loads(pickle.dumps(value)) == value
         assert copy.deepcopy(value) == value
     assert pickle.loads(pickle.dumps(perf.terms[0])).nonzero == perf.terms[0].nonzero
+
+
+def test_without_a_c_compiler_the_command_says_so_and_builds_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert compiled.run(argparse.Namespace()) == 0
+    assert "no C compiler" in capsys.readouterr().out
+    assert not (tmp_path / "cache").exists()

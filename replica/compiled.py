@@ -7,6 +7,7 @@ the per-user cache under a key hashed from their sources; `use()`, run when `rep
 imported, points imports of those modules at that build only while every source still hashes
 to its key. So an edited module never runs stale code: the process runs the Python source until
 the next build. Without a build, or with SLOS_SERVE_COMPILED=0, everything runs from source.
+The cache keeps the builds made or asked for last (`KEEP_BUILDS`).
 
 Compiled code is stricter than Python in three ways the sources allow for:
 - A frozen dataclass compiled by mypyc cannot be unpickled or copied the usual way, so the
@@ -60,6 +61,8 @@ GROUP = "replica.planner_c"
 """mypyc's group name: the code of all of `MODULES` is one library, `replica.planner_c__mypyc`,
 so they call each other natively; each module's own extension is a shim onto it."""
 DISABLE_ENV = "SLOS_SERVE_COMPILED"
+KEEP_BUILDS = 4
+"""Builds kept in the cache (about 2.3 MB each): a few checkouts or branches side by side."""
 ROOT = Path(__file__).resolve().parent.parent
 _DONE = "complete"
 _SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
@@ -123,13 +126,19 @@ def active() -> bool:
 
 
 def build(root: Path = ROOT) -> Path:
-    """Compile `MODULES` of `root` into the cache (nothing to do when that build exists)."""
+    """The cache's build of `MODULES` as they are in `root`, compiled unless it exists."""
+    target = build_dir(source_key(root))
+    if not (target / _DONE).exists():
+        _compile(root, target)
+    (target / _DONE).touch()
+    prune(target.parent)
+    return target
+
+
+def _compile(root: Path, target: Path) -> None:
     from mypyc.build import mypycify
     from setuptools import Distribution
 
-    target = build_dir(source_key(root))
-    if (target / _DONE).exists():
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
     try:
@@ -159,7 +168,15 @@ def build(root: Path = ROOT) -> Path:
         shutil.rmtree(work, ignore_errors=True)
     if not (target / _DONE).exists():
         raise RuntimeError(f"mypyc build of the planner did not land in {target}")
-    return target
+
+
+def prune(builds: Path, keep: int = KEEP_BUILDS) -> None:
+    """Remove all but the `keep` builds built or asked for last: every edit of a compiled
+    source makes a new one. A process still running a removed build keeps its mapped copy."""
+    done = [d / _DONE for d in builds.iterdir() if (d / _DONE).exists()]
+    done.sort(key=lambda marker: marker.stat().st_mtime, reverse=True)
+    for marker in done[keep:]:
+        shutil.rmtree(marker.parent, ignore_errors=True)
 
 
 def reduce_frozen(obj: Any) -> tuple[Any, tuple[Any, ...]]:

@@ -123,3 +123,19 @@ def test_without_a_c_compiler_the_command_says_so_and_builds_nothing(
     assert compiled.run(argparse.Namespace()) == 0
     assert "no C compiler" in capsys.readouterr().out
     assert not (tmp_path / "cache").exists()
+
+
+def test_prune_keeps_the_builds_made_or_asked_for_last(tmp_path: Path) -> None:
+    for age, key in enumerate(["new", "recent", "old", "oldest", "ancient"]):
+        marker = tmp_path / key / "complete"
+        marker.parent.mkdir()
+        marker.touch()
+        os.utime(marker, (1e9 - age, 1e9 - age))
+    (tmp_path / ".build-unfinished").mkdir()
+    compiled.prune(tmp_path, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".build-unfinished",
+        "new",
+        "old",
+        "recent",
+    ]

@@ -2,7 +2,7 @@
 
 The live controller and the simulator spend their time in the planner's pure-Python loops, a
 few microseconds at a time with nothing for numpy to vectorize. mypyc compiles the typed
-modules in `MODULES` as they are. `slos-serve compile` (`make compile`) builds them into
+modules in `MODULES`. `slos-serve compile` (`make compile`) builds them into
 the per-user cache under a key hashed from their sources; `use()`, run when `replica` is first
 imported, points imports of those modules at that build only while every source still hashes
 to its key. So an edited module never runs stale code: the process runs the Python source until
@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import importlib.machinery
 import importlib.util
-import logging
 import os
 import shutil
 import sys
@@ -43,8 +42,6 @@ from types import ModuleType
 from typing import Any
 
 from replica.user_cache import user_cache_dir
-
-log = logging.getLogger(__name__)
 
 MODULES = (
     "replica.perf_model",
@@ -68,7 +65,7 @@ _DONE = "complete"
 _SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
-def _source(root: Path, module: str) -> Path:
+def source_path(root: Path, module: str) -> Path:
     return root.joinpath(*module.split(".")).with_suffix(".py")
 
 
@@ -77,7 +74,7 @@ def source_key(root: Path = ROOT) -> str:
     digest = hashlib.sha256(f"{GROUP}\0{sys.version}\0{_SUFFIX}".encode())
     for module in MODULES:
         digest.update(f"\0{module}\0".encode())
-        digest.update(_source(root, module).read_bytes())
+        digest.update(source_path(root, module).read_bytes())
     return digest.hexdigest()[:20]
 
 
@@ -102,20 +99,14 @@ class _BuildFinder(MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, file)
 
 
-def use(root: Path = ROOT) -> Path | None:
-    """Load `MODULES` from the build of their current sources, if there is one; its directory.
-
-    Must run before any of them is imported (`replica/__init__` calls it); runs once."""
-    for finder in sys.meta_path:
-        if isinstance(finder, _BuildFinder):
-            return finder.directory
+def use() -> None:
+    """Load `MODULES` from the build of their current sources, if there is one. Must run
+    before any of them is imported: `replica/__init__` calls it, once per process."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
-    directory = build_dir(source_key(root))
-    if not (directory / _DONE).exists():
-        return None
-    sys.meta_path.insert(0, _BuildFinder(directory))
-    return directory
+        return
+    directory = build_dir(source_key())
+    if (directory / _DONE).exists():
+        sys.meta_path.insert(0, _BuildFinder(directory))
 
 
 def active() -> bool:
@@ -149,7 +140,7 @@ def _compile(root: Path, target: Path) -> None:
             extensions = mypycify(
                 [
                     "--ignore-missing-imports",
-                    *(str(_source(root, m).relative_to(root)) for m in MODULES),
+                    *(str(source_path(root, m).relative_to(root)) for m in MODULES),
                 ],
                 group_name=GROUP,
                 target_dir=str(work / "c"),
@@ -195,7 +186,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING)
     compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     if shutil.which(compiler.split()[0]) is None:
         print(f"no C compiler ({compiler}): the planner runs from its Python source")

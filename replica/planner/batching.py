@@ -307,7 +307,7 @@ def _ride_ahead(
         if drafts in tried:
             continue  # the same batch as a shorter length's, which keeps the tie
         tried.add(drafts)
-        ride = _Ride(step, len(ahead), contexts, drafts)
+        ride = _Ride(step, contexts, drafts)
         fits, took = ride.longest_within(perf, seconds)
         rate = ride.expected(fits, acceptance) / took
         if rate > best[0] * (1.0 + 1e-9):
@@ -345,10 +345,8 @@ class _Ride:
     running sums, not entries, and the sums after each prefix are built only when not every
     decoder fits (rarely). `contexts`: each decoder's cached context."""
 
-    def __init__(
-        self, step: _Step, num_ahead: int, contexts: Sequence[int], drafts: Sequence[int]
-    ) -> None:
-        self.num_ahead = num_ahead
+    def __init__(self, step: _Step, contexts: Sequence[int], drafts: Sequence[int]) -> None:
+        self.num_ahead = len(contexts)
         self.requests = len(step.entries)
         self.base: _Sums = (
             step.num_tokens,

@@ -30,8 +30,8 @@ needs_build = pytest.mark.skipif(
 
 def _copy_sources(root: Path) -> None:
     for module in compiled.MODULES:
-        source = compiled.ROOT.joinpath(*module.split(".")).with_suffix(".py")
-        target = root.joinpath(*module.split(".")).with_suffix(".py")
+        source = compiled.source_path(compiled.ROOT, module)
+        target = compiled.source_path(root, module)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
 
@@ -41,7 +41,7 @@ def test_key_follows_every_compiled_source(tmp_path: Path) -> None:
     assert compiled.source_key(tmp_path) == compiled.source_key()
     keys = {compiled.source_key()}
     for module in compiled.MODULES:
-        source = tmp_path.joinpath(*module.split(".")).with_suffix(".py")
+        source = compiled.source_path(tmp_path, module)
         text = source.read_text()
         source.write_text(text + "\n")
         keys.add(compiled.source_key(tmp_path))

@@ -324,8 +324,3 @@ async def _placement(config: ClusterConfig) -> dict[str, Any]:
 def start_actor(cls: type, *args: object, **options: Any) -> Any:
     """`cls` as a Ray actor with `options` (typed Any: Ray's stubs do not know the methods)."""
     return ray.remote(cls).options(**options).remote(*args)
-
-
-def launch_sync(config: ClusterConfig) -> ClusterHandle:
-    """`launch` for callers without an event loop."""
-    return asyncio.run(launch(config))

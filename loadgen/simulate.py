@@ -37,6 +37,7 @@ other stretches of a bursty trace at each rate, and attainment would not fall mo
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import multiprocessing
@@ -103,16 +104,28 @@ def trace_path(workload: Workload) -> Path:
     return TRACE_DIR / trace_file(workload)
 
 
+PROFILE_ALIASES = {
+    "a100-opt7b": "a100-40gb-opt-7b-tp1",
+    "h100-llama8b": "h100-80gb-llama-31-8b-tp1",
+    "h100-llama70b-tp4": "h100-80gb-llama-31-70b-tp4",
+}
+"""Short names, as the deploy configs are named (`serve-a100-opt7b.yaml`, ...), for the profiles
+those configs serve with: `a100-opt7b` is the paper's setup."""
+
+
 def resolve_profile(name: str) -> Path:
-    """A profile path, or a name in deploy/profiles (with or without .json)."""
+    """A profile path, a name in deploy/profiles (with or without .json) or a short name."""
     path = Path(name)
     if path.is_file():
         return path
-    shipped = PROFILES / (name if name.endswith(".json") else f"{name}.json")
+    stem = name.removesuffix(".json")
+    shipped = PROFILES / f"{PROFILE_ALIASES.get(stem, stem)}.json"
     if shipped.is_file():
         return shipped
-    known = sorted(p.stem for p in PROFILES.glob("*.json"))
-    raise ValueError(f"profile {name!r} is neither a file nor one of {known}")
+    known = sorted(p.stem for p in PROFILES.glob("*.json")) + sorted(PROFILE_ALIASES)
+    close = difflib.get_close_matches(stem, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"profile {name!r} is neither a file nor one of {known}{hint}")
 
 
 def kv_blocks(perf: PerfModel, default: int, block_size: int = 16) -> int:
@@ -320,7 +333,11 @@ PAPER_FIXED = ("profile", "scenario", "policies", "replicas", "ablation", "same_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--profile", help=f"name or path (default {DEFAULT_PROFILE})")
+    parser.add_argument(
+        "--profile",
+        help=f"name in deploy/profiles, short name ({', '.join(PROFILE_ALIASES)}) or path "
+        f"(default {DEFAULT_PROFILE})",
+    )
     parser.add_argument(
         "--scenario",
         help=f"comma list of {[s.value for s in Scenario]} and mix files (.yaml/.json: your own "
@@ -603,7 +620,10 @@ def plan(args: argparse.Namespace) -> Plan:
         policies = [p for p in Policy if p.is_slos]
     else:
         policies = _parse_list(
-            "--policies", args.policies or "slos,vllm,sarathi", Policy, "a policy"
+            "--policies",
+            args.policies or "slos,vllm,sarathi",
+            Policy,
+            f"a policy ({', '.join(policy.value for policy in Policy)})",
         )
     replica_counts = _parse_list(
         "--replicas", args.replicas or "1", _replica_count, "a replica count >= 1"

@@ -84,11 +84,6 @@ class LocalReplica:
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
-    @property
-    def num_active(self) -> int:
-        """Requests submitted and not yet finished, aborted or failed."""
-        return len(self._streams)
-
     async def start(self) -> None:
         if self._task is not None:
             raise RuntimeError("the replica is already started")

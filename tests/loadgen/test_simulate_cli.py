@@ -109,6 +109,24 @@ def test_the_command_reports_a_bad_option_without_a_traceback() -> None:
         cli.main(["simulate", "--capacity", "--same-window", "--replicas", "4"])
 
 
+def test_an_unknown_policy_is_answered_with_the_known_ones() -> None:
+    known = r"'orca' is not a policy \(slos, slos-noroute, .*distserve\)"
+    with pytest.raises(ValueError, match=known):
+        simulate.plan(parse("--capacity", "--policies", "slos,orca"))
+
+
+def test_short_profile_names_are_the_deploy_configs_profiles() -> None:
+    """`a100-opt7b` (the issue's and the deploy config's name) is the paper's A100-40GB setup, and
+    every short name is the profile its `serve-<name>.yaml` serves with."""
+    assert simulate.resolve_profile("a100-opt7b").stem == "a100-40gb-opt-7b-tp1"
+    assert simulate.resolve_profile("a100-opt7b.json").stem == "a100-40gb-opt-7b-tp1"
+    for short, stem in simulate.PROFILE_ALIASES.items():
+        config = yaml.safe_load((simulate.ROOT / "deploy" / f"serve-{short}.yaml").read_text())
+        assert f"deploy/profiles/{stem}.json" in json.dumps(config)
+    with pytest.raises(ValueError, match="did you mean 'a100-opt7b'"):
+        simulate.resolve_profile("a100-opt-7b")
+
+
 def test_a_bad_profile_is_named_without_a_traceback(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="slos-serve simulate: error: --baseline-profile"):
         cli.main(["simulate", "--rate", "1", "--baseline-profile", "no-such-gpu"])

@@ -18,6 +18,7 @@ import yaml
 from cluster.routing import BackupPolicy, FirstHop
 
 SPEC_POLICY = re.compile(r"^(none|slos|ngram|fixed:[1-9][0-9]?)$")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class SchedulerKind(StrEnum):
@@ -56,9 +57,10 @@ class ClusterConfig:
     """What runs: replicas of one model (and draft), and how requests are admitted and routed."""
 
     model: str
-    """Local directory of the target checkpoint (HF format)."""
+    """The target checkpoint (HF format): a local folder or a hub repo id, fetched into the HF
+    cache on first load (replica.model_source)."""
     draft: str | None = None
-    """Local directory of the draft checkpoint; None disables draft-model speculation."""
+    """The draft checkpoint, the same way; None disables draft-model speculation."""
     model_name: str = "demo"
     """Name clients use in the `model` field."""
     replicas: int = 2
@@ -87,6 +89,9 @@ class ClusterConfig:
     num_cpus_per_replica: float = 1.0
     num_gpus_per_replica: float = 0.0
     tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    """Weights and KV cache precision: auto (bfloat16 on a GPU, float32 on CPU), float32,
+    bfloat16 or float16."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,6 +133,8 @@ class ClusterConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_cpus_per_replica < 0 or self.num_gpus_per_replica < 0:
             raise ValueError("num_cpus_per_replica and num_gpus_per_replica must be >= 0")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     def _check_scheduler(self) -> None:
         try:

@@ -271,6 +271,11 @@ class _Lost(Exception):
 async def launch(config: ClusterConfig) -> ClusterHandle:
     """Start the replicas and the controller on the current Ray cluster (a local one is
     started when Ray is not initialized); returns once every replica has loaded its model."""
+    if config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size}: tensor parallelism is not "
+            "implemented yet; a replica runs on one device (tensor_parallel_size 1)"
+        )
     load_profile(config)
     if not ray.is_initialized():
         ray.init()

@@ -15,7 +15,7 @@ from cluster.config import ClusterConfig
 from cluster.messages import ReplicaSnapshot, StepReport, StreamItem
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchPlan
-from replica.engine import Engine
+from replica.engine import Engine, ProposerKind
 from replica.request import Request
 
 CONTROLLER_NAME = "slos-serve-controller"
@@ -25,16 +25,41 @@ def replica_name(index: int) -> str:
     return f"slos-serve-replica-{index}"
 
 
+def engine_device(config: ClusterConfig) -> tuple[torch.device, torch.dtype]:
+    """Where the replica computes: the GPU Ray gave it (CUDA_VISIBLE_DEVICES) when it asked for
+    one, else the CPU; `auto` precision is bfloat16 on a GPU and float32 on CPU."""
+    device = torch.device("cpu")
+    if config.num_gpus_per_replica > 0:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"num_gpus_per_replica={config.num_gpus_per_replica:g}, but torch in this "
+                f"replica sees no CUDA device (torch {torch.__version__}: a CPU wheel, or a node "
+                "without a GPU driver)"
+            )
+        device = torch.device("cuda")
+    name = config.dtype
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" else "float32"
+    return device, getattr(torch, name)
+
+
 def build_engine(config: ClusterConfig) -> Engine:
-    """The engine `config.spec_policy` asks for: a draft model only when it drafts."""
+    """The engine `config.spec_policy` asks for (a draft model only when it drafts), on the
+    replica's device."""
+    device, dtype = engine_device(config)
+    draft: str | None = None
+    proposer: ProposerKind | None = None
     if config.spec_policy == "ngram":
-        return Engine.from_dirs(config.model, num_blocks=config.num_kv_blocks, proposer="ngram")
-    drafts = config.spec_policy != "none"
+        proposer = "ngram"
+    elif config.spec_policy != "none":
+        draft, proposer = config.draft, "draft"
     return Engine.from_dirs(
         config.model,
-        config.draft if drafts else None,
+        draft,
         num_blocks=config.num_kv_blocks,
-        proposer="draft" if drafts else None,
+        dtype=dtype,
+        device=device,
+        proposer=proposer,
     )
 
 

@@ -75,6 +75,7 @@ from loadgen.workloads import (
     zero_load_ttft_from,
 )
 from loadgen.zero_load import PROBE_OUTPUT_LEN, PROBE_PROMPT_LENS, ZeroLoad, probe
+from replica.model_source import load_tokenizer, model_dir
 from replica.perf_model import PerfModel
 from router.client import AsyncClient, Client, ClientError
 
@@ -392,9 +393,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tokenizer",
-        type=Path,
         default=DEFAULT_TOKENIZER,
-        help="folder with the served model's tokenizer.json (prompts, HTTP token counts)",
+        help="the served model's folder or hub repo id, for its tokenizer (prompts, HTTP token "
+        "counts)",
     )
     parser.add_argument("--model", help="model name (default: the server's first /v1/models)")
     parser.add_argument("--max-model-len", type=int, help="refuse workloads that do not fit")
@@ -450,8 +451,14 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
         parse_workload(args.scenario)
     except ValueError as exc:
         raise _fail(f"--scenario: {exc}") from None
-    if not (args.tokenizer / "tokenizer.json").is_file():
-        raise _fail(f"--tokenizer {str(args.tokenizer)!r} has no tokenizer.json")
+    try:
+        args.tokenizer = model_dir(args.tokenizer)
+    except ValueError as exc:
+        raise _fail(f"--tokenizer: {exc}") from None
+    if load_tokenizer(args.tokenizer) is None:
+        raise _fail(
+            f"--tokenizer {str(args.tokenizer)!r} has no tokenizer.json nor tokenizer files"
+        )
     for name in ("records", "json"):
         path = getattr(args, name)
         if path is not None and not path.parent.is_dir():
@@ -623,7 +630,8 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
     measured = None
     if args.zero_load not in ("profile", "probe"):
         measured = ZeroLoad.load(Path(args.zero_load))
-    tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+    tokenizer = load_tokenizer(args.tokenizer)
+    assert tokenizer is not None, "check_args loaded it"
     source = PromptSource(tokenizer, heldout_texts(), args.seed)
     target = Target(
         args.protocol,

@@ -28,6 +28,7 @@ from replica.batch import (
 )
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
+from replica.model_source import load_tokenizer, model_dir
 from replica.request import Request
 from replica.sampling import make_generator, sample, token_probs
 from replica.spec.draft import DraftJob, DraftModel, Proposal, load_draft_vocab
@@ -114,13 +115,21 @@ class Engine:
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
         proposer: ProposerKind | None = None,
     ) -> Engine:
-        """Load the pair from HF folders; the target's tokenizer.json (if any) detokenizes."""
+        """Load the pair from HF folders or hub repo ids (`model_source`); the target's
+        tokenizer (if any) detokenizes."""
         if num_blocks is None and kv_memory_bytes is None:
             num_blocks = 1024
+        target_dir = model_dir(target_dir)
+        draft_dir = None if draft_dir is None else model_dir(draft_dir)
         target = ModelRunner(
-            target_dir, num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes, dtype=dtype
+            target_dir,
+            num_blocks=num_blocks,
+            kv_memory_bytes=kv_memory_bytes,
+            dtype=dtype,
+            device=device,
         )
         draft = None
         if draft_dir is not None:
@@ -128,6 +137,7 @@ class Engine:
                 draft_dir,
                 num_blocks=target.num_blocks,
                 dtype=dtype,
+                device=device,
                 head_vocab=load_draft_vocab(draft_dir),
             )
         if proposer is None and draft is not None:
@@ -410,14 +420,11 @@ def _draft_tokens(w: _Work) -> int:
     return w.seq.num_known + w.num_spec - 1
 
 
-def load_detokenizer(model_dir: str | Path) -> Detokenize | None:
-    """`tokenizer.json` of an HF folder as a decode function, or None when there is none."""
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
+def load_detokenizer(folder: str | Path) -> Detokenize | None:
+    """The tokenizer of an HF folder as a decode function, or None when it has none."""
+    tokenizer = load_tokenizer(Path(folder))
+    if tokenizer is None:
         return None
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(path))
 
     def detokenize(ids: list[int]) -> str:
         return str(tokenizer.decode(ids, skip_special_tokens=False))

@@ -1,4 +1,4 @@
-"""Our own Llama/Qwen2 forward pass over a paged KV cache, for ragged batches.
+"""Our own Llama/Qwen2/OPT forward pass over a paged KV cache, for ragged batches.
 
 One `forward` call takes any mix of prefill chunks, decode tokens and verify tokens: each
 request brings q >= 1 new tokens that attend to its cached context plus its own new tokens
@@ -61,7 +61,9 @@ from safetensors.torch import load_file
 from replica import cpu_kernels
 
 BLOCK_SIZE = 16
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "opt")
+OPT_POSITION_OFFSET = 2
+"""OPT's learned position table starts two rows in (a fairseq legacy transformers keeps)."""
 SMALL_QUERY = 16
 """CPU attention pads rows of at most this many new tokens into one call."""
 FUSED_MAX_TOKENS = {torch.float32: 64, torch.bfloat16: 32}
@@ -85,12 +87,18 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    norm_eps: float
     rope_theta: float
+    """0 for OPT, which has no rotary embedding."""
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
     eos_token_ids: tuple[int, ...]
+
+    @property
+    def is_opt(self) -> bool:
+        """OPT: learned positions, LayerNorms with biases, a ReLU MLP, biased projections."""
+        return self.model_type == "opt"
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -104,6 +112,8 @@ class ModelConfig:
                 f"model_type {model_type!r} is not supported; expected one of "
                 f"{SUPPORTED_MODEL_TYPES}"
             )
+        if model_type == "opt":
+            return cls._from_opt(model_dir, raw)
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -120,11 +130,50 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads", num_heads),
             head_dim=head_dim,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or raw.get("attention_bias", False),
+            eos_token_ids=_eos_ids(Path(model_dir), raw),
+        )
+
+    @classmethod
+    def _from_opt(cls, model_dir: Path, raw: dict[str, Any]) -> ModelConfig:
+        """OPT-125m, 1.3b, 2.7b, 6.7b, 13b, 30b, 66b: pre-norm, ReLU, the embedding as wide as
+        the model. OPT-350m's post-norm layers and projected embeddings are refused."""
+        unsupported = {
+            "do_layer_norm_before": (raw.get("do_layer_norm_before", True), True),
+            "word_embed_proj_dim": (
+                raw.get("word_embed_proj_dim", raw["hidden_size"]),
+                raw["hidden_size"],
+            ),
+            "activation_function": (raw.get("activation_function", "relu"), "relu"),
+            "enable_bias": (raw.get("enable_bias", True), True),
+            "layer_norm_elementwise_affine": (
+                raw.get("layer_norm_elementwise_affine", True),
+                True,
+            ),
+            "_remove_final_layer_norm": (raw.get("_remove_final_layer_norm", False), False),
+        }
+        for name, (value, supported) in unsupported.items():
+            if value != supported:
+                raise ValueError(f"OPT with {name}={value!r} is not supported (need {supported!r})")
+        num_heads = raw["num_attention_heads"]
+        return cls(
+            model_type="opt",
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["ffn_dim"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_heads,
+            head_dim=raw["hidden_size"] // num_heads,
+            norm_eps=1e-5,
+            rope_theta=0.0,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", True),
+            qkv_bias=True,
             eos_token_ids=_eos_ids(Path(model_dir), raw),
         )
 
@@ -152,12 +201,19 @@ def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 class _Layer:
     attn_norm: torch.Tensor
     qkv: torch.Tensor
-    """Rows: q, k, rotate_half(q), rotate_half(k), v."""
+    """Rows: q, k, rotate_half(q), rotate_half(k), v (rotary models); q, k, v (OPT)."""
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     mlp_norm: torch.Tensor
     gate_up: torch.Tensor
+    """Rows: gate, up (Llama, Qwen2); OPT's fc1."""
     down: torch.Tensor
+    attn_norm_bias: torch.Tensor | None = None
+    """OPT's LayerNorms and projections carry biases; the RMSNorm models' do not."""
+    o_bias: torch.Tensor | None = None
+    mlp_norm_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 def _rotate_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
@@ -169,26 +225,42 @@ def _rotate_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor
 
 
 def _load_state(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir}")
+    """Safetensors shards, else PyTorch `.bin` shards (older hub checkpoints such as OPT's),
+    read tensors-only. Keys of a bare decoder (`decoder.*`) get the causal LM's `model.`."""
     state: dict[str, torch.Tensor] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
     for f in files:
         state.update(load_file(str(f)))
+    if not files:
+        files = sorted(Path(model_dir).glob("pytorch_model*.bin"))
+        for f in files:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    if not files:
+        raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
+    if any(k.startswith("decoder.") for k in state):
+        state = {
+            k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v for k, v in state.items()
+        }
     return state
+
+
+def _tensor(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in state:
+        raise ValueError(f"checkpoint is missing weight {name!r}")
+    return state[name]
 
 
 def _build_layers(
     state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> list[_Layer]:
     def get(name: str) -> torch.Tensor:
-        if name not in state:
-            raise ValueError(f"checkpoint is missing weight {name!r}")
-        return state[name].to(torch.float32)
+        return _tensor(state, name).to(torch.float32)
 
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
+    if cfg.is_opt:
+        return [_opt_layer(get, put, f"model.decoder.layers.{i}.") for i in range(cfg.num_layers)]
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -215,6 +287,44 @@ def _build_layers(
             )
         )
     return layers
+
+
+def _opt_layer(
+    get: Callable[[str], torch.Tensor], put: Callable[[torch.Tensor], torch.Tensor], p: str
+) -> _Layer:
+    def both(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return put(get(f"{p}{name}.weight")), put(get(f"{p}{name}.bias"))
+
+    attn_norm, attn_norm_bias = both("self_attn_layer_norm")
+    o, o_bias = both("self_attn.out_proj")
+    mlp_norm, mlp_norm_bias = both("final_layer_norm")
+    fc1, fc1_bias = both("fc1")
+    fc2, fc2_bias = both("fc2")
+    qkv = [get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+    qkv_bias = [get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
+    return _Layer(
+        attn_norm=attn_norm,
+        qkv=put(torch.cat(qkv)),
+        qkv_bias=put(torch.cat(qkv_bias)),
+        o=o,
+        mlp_norm=mlp_norm,
+        gate_up=fc1,
+        down=fc2,
+        attn_norm_bias=attn_norm_bias,
+        o_bias=o_bias,
+        mlp_norm_bias=mlp_norm_bias,
+        gate_up_bias=fc1_bias,
+        down_bias=fc2_bias,
+    )
+
+
+def _norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """OPT's LayerNorm when the norm has a bias, else Llama's RMSNorm."""
+    if bias is None:
+        return _rms_norm(x, weight, eps)
+    return F.layer_norm(x, weight.shape, weight, bias, eps)
 
 
 def _rope_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,8 +409,9 @@ class _StepMeta:
     """Index tensors of one forward, shared by every layer."""
 
     input_ids: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
+    positions: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+    """cos and sin of each token's position, [tokens, 1, head_dim] each; None for OPT."""
     write_k: torch.Tensor
     write_v: torch.Tensor
     logit_rows: torch.Tensor
@@ -361,8 +472,14 @@ class ModelRunner:
             raise ValueError(f"the KV budget holds {num_blocks} blocks; need at least 1")
         self.num_blocks = int(num_blocks)
         state = _load_state(self.model_dir)
-        embed = state["model.embed_tokens.weight"]
+        prefix = "model.decoder." if cfg.is_opt else "model."
+        embed = _tensor(state, f"{prefix}embed_tokens.weight")
         self.embed = embed.to(device=self.device, dtype=dtype).contiguous()
+        self.pos_embed: torch.Tensor | None = None
+        """OPT's learned position table; None for rotary models."""
+        if cfg.is_opt:
+            table = _tensor(state, "model.decoder.embed_positions.weight")
+            self.pos_embed = table.to(device=self.device, dtype=dtype).contiguous()
         head = self.embed if cfg.tie_word_embeddings else state.get("lm_head.weight")
         if head is None:
             raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
@@ -377,10 +494,19 @@ class ModelRunner:
             head = head.index_select(0, ids)
             self.head_vocab = ids.to(self.device)
         self.lm_head = head.to(device=self.device, dtype=dtype).contiguous()
-        self.final_norm = state["model.norm.weight"].to(device=self.device, dtype=dtype)
+        final = "model.decoder.final_layer_norm" if cfg.is_opt else "model.norm"
+        self.final_norm = _tensor(state, f"{final}.weight").to(device=self.device, dtype=dtype)
+        self.final_norm_bias = (
+            _tensor(state, f"{final}.bias").to(device=self.device, dtype=dtype)
+            if cfg.is_opt
+            else None
+        )
         self.layers = _build_layers(state, cfg, dtype, self.device)
-        cos, sin = _rope_tables(cfg, dtype)
-        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        """cos and sin tables per position; None for OPT, whose positions are learned."""
+        if not cfg.is_opt:
+            cos, sin = _rope_tables(cfg, dtype)
+            self.rope = cos.to(self.device), sin.to(self.device)
         self.kv = torch.zeros(
             cfg.num_layers,
             self.num_blocks,
@@ -400,7 +526,9 @@ class ModelRunner:
         self._flashinfer = _FlashInferAttention(self) if _flashinfer_usable(self.device) else None
         kernels = cpu_kernels.load() if paged_kernel and self.device.type == "cpu" else None
         self._paged = kernels if kernels is not None and kernels.supports(dtype) else None
-        self._fused = self._fused_template() if self._paged is not None and fused_forward else None
+        fused = self._paged is not None and fused_forward and not cfg.is_opt
+        self._fused = self._fused_template() if fused else None
+        """The fused C forward computes the rotary models' layers only."""
 
     @property
     def vocab_size(self) -> int:
@@ -422,25 +550,41 @@ class ModelRunner:
         meta = self._prepare(seqs, flat)
         cfg = self.config
         x = F.embedding(meta.input_ids, self.embed)
+        if self.pos_embed is not None:
+            x = x + F.embedding(meta.positions + OPT_POSITION_OFFSET, self.pos_embed)
         num_tokens = x.shape[0]
+        eps = cfg.norm_eps
+        w = self._qk_width
         for li, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            h = _norm(x, layer.attn_norm, layer.attn_norm_bias, eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            w = self._qk_width
             qk = qkv[:, :w].view(num_tokens, -1, cfg.head_dim)
-            qk_rot = qkv[:, w : 2 * w].view(num_tokens, -1, cfg.head_dim)
-            qk = torch.addcmul(qk * meta.cos, qk_rot, meta.sin)
+            if meta.rope is None:
+                v = qkv[:, w:]
+            else:
+                cos, sin = meta.rope
+                qk_rot = qkv[:, w : 2 * w].view(num_tokens, -1, cfg.head_dim)
+                qk = torch.addcmul(qk * cos, qk_rot, sin)
+                v = qkv[:, 2 * w :]
             q = qk[:, : cfg.num_heads]
             k = qk[:, cfg.num_heads :]
-            v = qkv[:, 2 * w :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             self._flat_kv[li].index_copy_(0, meta.write_k, k)
-            self._flat_kv[li].index_copy_(0, meta.write_v, v)
-            x = x + F.linear(meta.attend(q, li), layer.o)
-            h = _rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            self._flat_kv[li].index_copy_(
+                0, meta.write_v, v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            )
+            x = x + F.linear(meta.attend(q, li), layer.o, layer.o_bias)
+            h = _norm(x, layer.mlp_norm, layer.mlp_norm_bias, eps)
+            if cfg.is_opt:
+                x = x + F.linear(
+                    F.relu(F.linear(h, layer.gate_up, layer.gate_up_bias)),
+                    layer.down,
+                    layer.down_bias,
+                )
+            else:
+                gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+                x = x + F.linear(F.silu(gate) * up, layer.down)
         rows = x.index_select(0, meta.logit_rows)
-        rows = _rms_norm(rows, self.final_norm, cfg.rms_norm_eps)
+        rows = _norm(rows, self.final_norm, self.final_norm_bias, eps)
         return F.linear(rows, self.lm_head).float()
 
     def _attend(
@@ -558,8 +702,13 @@ class ModelRunner:
             attend = functools.partial(self._attend, groups)
         return _StepMeta(
             input_ids=torch.tensor(input_ids, device=dev),
-            cos=F.embedding(pos_t, self.cos).unsqueeze(1),
-            sin=F.embedding(pos_t, self.sin).unsqueeze(1),
+            positions=pos_t,
+            rope=None
+            if self.rope is None
+            else (
+                F.embedding(pos_t, self.rope[0]).unsqueeze(1),
+                F.embedding(pos_t, self.rope[1]).unsqueeze(1),
+            ),
             write_k=wk,
             write_v=wk + bs,
             logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
@@ -587,8 +736,9 @@ class ModelRunner:
                 for w in self.layers
             )
         )
-        self._cos32 = self.cos.float().contiguous()
-        self._sin32 = self.sin.float().contiguous()
+        assert self.rope is not None, "the fused forward is built for rotary models only"
+        self._cos32 = self.rope[0].float().contiguous()
+        self._sin32 = self.rope[1].float().contiguous()
         return cpu_kernels.ModelArgs(
             embed=ptr(self.embed),
             layers=self._layer_ptrs,
@@ -606,7 +756,7 @@ class ModelRunner:
             kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             block_size=BLOCK_SIZE,
-            eps=cfg.rms_norm_eps,
+            eps=cfg.norm_eps,
             scale=cfg.head_dim**-0.5,
         )
 

@@ -26,8 +26,10 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Rows of fp32 logits [n, vocab] -> the distributions the request samples from.
 
     Greedy requests get a one-hot on the argmax, which keeps the verification rule uniform.
+    The rows move to the CPU, where each request's seeded generator lives, so a seed gives the
+    same tokens on any device.
     """
-    logits = logits.float()
+    logits = logits.float().cpu()
     if params.greedy:
         return one_hot_probs(logits.argmax(dim=-1), logits.shape[-1])
     logits = logits / params.temperature

@@ -1,7 +1,8 @@
 """Text <-> token ids at the door: encoding, the chat template, incremental decoding.
 
 Built on `tokenizers` and a sandboxed Jinja environment (the way HF renders chat templates),
-so the router needs neither torch nor transformers to start.
+so the router needs neither torch nor transformers to start (transformers only converts the
+tokenizer of a model that ships no tokenizer.json).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from replica.model_source import load_tokenizer, model_dir
 from router.errors import BadRequest
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -29,12 +31,14 @@ class TextCodec:
     eos_token: str | None = None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> TextCodec:
-        """Load `tokenizer.json` plus the chat template of an HF folder."""
-        root = Path(model_dir)
-        path = root / "tokenizer.json"
-        if not path.is_file():
-            raise ValueError(f"no tokenizer.json in {root}")
+    def from_dir(cls, model: str | Path) -> TextCodec:
+        """The tokenizer plus the chat template of an HF folder or hub repo id."""
+        root = model_dir(model)
+        tokenizer = load_tokenizer(root)
+        if tokenizer is None:
+            raise ValueError(
+                f"no tokenizer.json, nor tokenizer files transformers reads, in {root}"
+            )
         config_path = root / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template_path = root / "chat_template.jinja"
@@ -42,7 +46,7 @@ class TextCodec:
         template = template or config.get("chat_template")
         eos = config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
-        return cls(Tokenizer.from_file(str(path)), template, eos)
+        return cls(tokenizer, template, eos)
 
     @property
     def vocab_size(self) -> int:

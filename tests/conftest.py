@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _opt_checkpoint(path: Path, **overrides: object) -> Path:
+    """A tiny randomly initialised OPT (learned positions, LayerNorms and projections with
+    biases, a ReLU MLP, tied head), every bias and norm perturbed so that each one counts."""
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    fields: dict[str, object] = {
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "ffn_dim": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 128,
+        "word_embed_proj_dim": 64,
+        "eos_token_id": 2,
+    }
+    config = OPTConfig(**{**fields, **overrides})
+    model = OPTForCausalLM(config)
+    for name, param in model.named_parameters():
+        if name.endswith("bias") or "layer_norm" in name:
+            torch.nn.init.normal_(param, mean=1.0 if name.endswith("weight") else 0.0, std=0.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def opt_checkpoint() -> Callable[..., Path]:
+    """Writes a tiny OPT checkpoint into a folder: `opt_checkpoint(path, **config_overrides)`."""
+    return _opt_checkpoint

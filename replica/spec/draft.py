@@ -147,7 +147,7 @@ class DraftModel:
         if vocab is None:
             return probs
         full = probs.new_zeros(probs.shape[0], self.runner.vocab_size)
-        return full.index_copy_(1, vocab, probs)
+        return full.index_copy_(1, vocab.to(probs.device), probs)
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Keep at most `num_tokens` cached tokens (those verified as the request's own)."""

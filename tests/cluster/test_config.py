@@ -43,6 +43,7 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
         ("tick_interval_ms", 0, "tick_interval_ms"),
         ("num_kv_blocks", 0, "num_kv_blocks"),
         ("calibrate", "yes", "calibrate"),
+        ("dtype", "fp8", "dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
         ("tiers", [{"name": "a", "ttft_ms": -1, "tpot_ms": 1}], "ttft_ms"),
         ("tiers", [{"name": "a", "ttft_ms": 1, "tpot_ms": float("nan")}], "tpot_ms"),
         ("tiers", [{"name": "a", "ttft_ms": 1, "tpot_ms": 1}] * 2, "unique"),
@@ -91,3 +92,34 @@ def test_baseline_scheduler_loads_from_yaml(tmp_path: Path) -> None:
     cfg = ClusterConfig.from_yaml(path)
     assert cfg.scheduler is SchedulerKind.SARATHI
     assert ClusterConfig(model="m", draft="d").scheduler is SchedulerKind.SLOS
+
+
+def test_a_replica_computes_on_the_device_it_asked_for() -> None:
+    """CPU replicas run float32 unless told otherwise; a replica given a GPU runs there, and
+    one that asked for a GPU its torch cannot see says so instead of running on the CPU."""
+    import torch
+
+    from cluster.replica_actor import engine_device
+
+    cpu = ClusterConfig.from_dict({"model": "m", "spec_policy": "none"})
+    assert engine_device(cpu) == (torch.device("cpu"), torch.float32)
+    bf16 = ClusterConfig.from_dict({"model": "m", "spec_policy": "none", "dtype": "bfloat16"})
+    assert engine_device(bf16) == (torch.device("cpu"), torch.bfloat16)
+    gpu = ClusterConfig.from_dict({"model": "m", "spec_policy": "none", "num_gpus_per_replica": 1})
+    if torch.cuda.is_available():
+        assert engine_device(gpu) == (torch.device("cuda"), torch.bfloat16)
+    else:
+        with pytest.raises(RuntimeError, match=r"num_gpus_per_replica=1, but torch .* no CUDA"):
+            engine_device(gpu)
+
+
+def test_tensor_parallel_configs_are_refused_at_launch_before_anything_starts() -> None:
+    import asyncio
+
+    from cluster.handle import launch
+
+    config = ClusterConfig.from_dict(
+        {"model": "m", "spec_policy": "none", "tensor_parallel_size": 4}
+    )
+    with pytest.raises(ValueError, match="tensor_parallel_size=4: tensor parallelism is not"):
+        asyncio.run(launch(config))

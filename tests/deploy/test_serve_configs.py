@@ -15,8 +15,23 @@ from cluster.config import ClusterConfig, SchedulerKind
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-GPU_CONFIGS = ["serve-a100-opt7b.yaml", "serve-h100-llama8b.yaml", "serve-h100-llama70b-tp4.yaml"]
-CPU_BASELINES = {"serve-cpu-vllm.yaml": "vllm", "serve-cpu-sarathi.yaml": "sarathi"}
+GPU_BASELINES = {
+    "serve-a100-opt7b-vllm.yaml": ("serve-a100-opt7b.yaml", "vllm", None),
+    "serve-a100-opt7b-sarathi.yaml": ("serve-a100-opt7b.yaml", "sarathi", None),
+}
+GPU_CONFIGS = [
+    "serve-a100-opt7b.yaml",
+    *GPU_BASELINES,
+    "serve-h100-llama8b.yaml",
+    "serve-h100-llama70b-tp4.yaml",
+]
+NODRAFT_CPU = "deploy/profiles/cpu-demo-nodraft.json"
+CPU_BASELINES = {
+    "serve-cpu-vllm.yaml": ("serve-cpu.yaml", "vllm", NODRAFT_CPU),
+    "serve-cpu-sarathi.yaml": ("serve-cpu.yaml", "sarathi", NODRAFT_CPU),
+}
+"""Baseline config: (the slos config it is compared with, its scheduler, its profile when it
+differs: the CPU profile measured without a draft; the analytic GPU profile has none to drop)."""
 ALL_CONFIGS = ["serve-cpu.yaml", *CPU_BASELINES, *GPU_CONFIGS]
 
 
@@ -77,15 +92,16 @@ def test_cpu_default_serves_the_demo_pair_locally() -> None:
     assert (ROOT / cfg.draft / "config.json").exists()
 
 
-@pytest.mark.parametrize(("name", "scheduler"), CPU_BASELINES.items())
-def test_cpu_baseline_differs_from_the_default_in_its_scheduler_only(
-    name: str, scheduler: str
+@pytest.mark.parametrize(("name", "compared"), {**CPU_BASELINES, **GPU_BASELINES}.items())
+def test_baseline_differs_from_its_slos_config_in_its_scheduler_only(
+    name: str, compared: tuple[str, str, str | None]
 ) -> None:
     """A capacity comparison must change the scheduler and nothing else (the baselines do
-    not speculate, so they load no draft, and plan with the profile of an engine without one:
-    a draft model prefills every prompt alongside the target)."""
+    not speculate, so they load no draft, and on CPU plan with the profile of an engine
+    without one: a draft model prefills every prompt alongside the target)."""
+    slos_name, scheduler, profile = compared
     config = load(name)
-    default = load("serve-cpu.yaml")
+    default = load(slos_name)
     cfg = ClusterConfig.from_dict(app_args(config)["cluster"])
     slos = ClusterConfig.from_dict(app_args(default)["cluster"])
     assert slos.scheduler is SchedulerKind.SLOS
@@ -94,7 +110,7 @@ def test_cpu_baseline_differs_from_the_default_in_its_scheduler_only(
         scheduler=SchedulerKind(scheduler),
         spec_policy="none",
         draft=None,
-        profile="deploy/profiles/cpu-demo-nodraft.json",
+        profile=profile or slos.profile,
     )
     assert {k: v for k, v in config.items() if k != "applications"} == {
         k: v for k, v in default.items() if k != "applications"
@@ -109,6 +125,6 @@ def test_gpu_config_gives_each_replica_its_tensor_parallel_gpus(name: str) -> No
     config = load(name)
     cfg = ClusterConfig.from_dict(app_args(config)["cluster"])
     assert config["http_options"]["host"] == "0.0.0.0"
-    assert cfg.draft is not None
+    assert (cfg.draft is None) == (name in GPU_BASELINES)
     assert cfg.num_gpus_per_replica == cfg.tensor_parallel_size
     assert 8 % cfg.tensor_parallel_size == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,30 @@ def test_flashinfer_path_matches_cpu(target_dir: Path, hf_logits: torch.Tensor) 
     assert torch.allclose(out.cpu(), hf_logits, atol=1e-2)
 
 
+@pytest.mark.gpu
+def test_a_cuda_engine_serves_the_cpu_engines_greedy_tokens(
+    target_dir: Path, draft_dir: Path
+) -> None:
+    """The replica's GPU path end to end: the pair on CUDA, speculating, greedy tokens as on
+    the CPU; a seeded sampled request runs too (its generator stays on the CPU)."""
+    from replica.batch import BatchPlan, DecodeStep, PrefillChunk
+    from replica.engine import Engine
+    from replica.request import Request, SamplingParams, Tier
+
+    def run(device: str, params: SamplingParams) -> list[int]:
+        engine = Engine.from_dirs(target_dir, draft_dir, num_blocks=16, device=device)
+        engine.add_request(Request("a", PROMPT[:20], params, tier=Tier.BEST_EFFORT))
+        engine.step(BatchPlan((PrefillChunk("a", 20),)))
+        while engine.finish_reason("a") is None:
+            engine.step(BatchPlan((DecodeStep("a", num_spec_tokens=3),)))
+        return engine.output_token_ids("a")
+
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert run("cuda", greedy) == run("cpu", greedy)
+    sampled = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=7)
+    assert len(run("cuda", sampled)) == 12
+
+
 def test_a_cut_head_returns_the_full_heads_columns(runner: ModelRunner, target_dir: Path) -> None:
     vocab = [0, 5, 17, 4095, 300]
     cut = ModelRunner(target_dir, num_blocks=32, head_vocab=vocab)
@@ -159,6 +184,22 @@ def test_a_cut_head_returns_the_full_heads_columns(runner: ModelRunner, target_d
     for bad in ([], [1, 1], [4096]):
         with pytest.raises(ValueError, match="head_vocab"):
             ModelRunner(target_dir, num_blocks=2, head_vocab=bad)
+
+
+SMALL_PROMPT = [(i * 7 + 3) % 290 + 5 for i in range(37)]
+"""Token ids inside the tiny random checkpoints' 300-token vocabulary."""
+
+
+def _chunked_rows(runner: ModelRunner) -> torch.Tensor:
+    """SMALL_PROMPT as a prefill chunk, then a decode row, a verify-sized row and the rest,
+    over the pool (the fused C forward takes the small rows when it is built)."""
+    cache = KVCacheManager(runner.num_blocks)
+    rows = []
+    for start, stop in ((0, 30), (30, 31), (31, 35), (35, 37)):
+        cache.append("a", stop - start)
+        seq = ForwardSeq(SMALL_PROMPT[start:stop], cache.block_table("a"), start, stop - start)
+        rows.append(runner.forward([seq]))
+    return torch.cat(rows)
 
 
 @pytest.fixture(scope="module")
@@ -192,16 +233,79 @@ def test_qwen2_matches_transformers(qwen2_dir: Path, fused: bool) -> None:
     """A prefill chunk, then decode and verify rows (the fused C forward when it is built)."""
     from transformers import AutoModelForCausalLM
 
-    prompt = [(i * 7 + 3) % 290 + 5 for i in range(37)]
     model = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        want = model(torch.tensor([prompt])).logits[0]
+        want = model(torch.tensor([SMALL_PROMPT])).logits[0]
     runner = ModelRunner(qwen2_dir, num_blocks=8, fused_forward=fused)
     assert runner.config.qkv_bias and not runner.config.tie_word_embeddings
-    cache = KVCacheManager(runner.num_blocks)
-    rows = []
-    for start, stop in ((0, 30), (30, 31), (31, 35), (35, 37)):
-        cache.append("a", stop - start)
-        seq = ForwardSeq(prompt[start:stop], cache.block_table("a"), start, stop - start)
-        rows.append(runner.forward([seq]))
-    assert torch.allclose(torch.cat(rows), want, atol=TOL)
+    assert torch.allclose(_chunked_rows(runner), want, atol=TOL)
+
+
+@pytest.fixture(scope="module")
+def opt_dir(tmp_path_factory: pytest.TempPathFactory, opt_checkpoint: Callable[..., Path]) -> Path:
+    return opt_checkpoint(tmp_path_factory.mktemp("opt"))
+
+
+def test_opt_matches_transformers(opt_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(opt_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([SMALL_PROMPT])).logits[0]
+    runner = ModelRunner(opt_dir, num_blocks=8)
+    assert runner.config.is_opt and runner.config.tie_word_embeddings
+    assert runner.config.eos_token_ids == (2,)
+    assert torch.allclose(_chunked_rows(runner), want, atol=TOL)
+
+
+def test_opt_bin_checkpoint_of_a_bare_decoder_loads_the_same(opt_dir: Path, tmp_path: Path) -> None:
+    """Older hub checkpoints (OPT's among them) ship `pytorch_model.bin` with `decoder.*` keys."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(opt_dir / "model.safetensors"))
+    bare = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    torch.save(bare, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text((opt_dir / "config.json").read_text())
+    from_bin = _chunked_rows(ModelRunner(tmp_path, num_blocks=8))
+    assert torch.equal(from_bin, _chunked_rows(ModelRunner(opt_dir, num_blocks=8)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"do_layer_norm_before": False}, "do_layer_norm_before"),
+        ({"activation_function": "gelu"}, "activation_function"),
+    ],
+)
+def test_opt_variants_we_do_not_compute_are_refused(
+    tmp_path: Path, opt_checkpoint: Callable[..., Path], overrides: dict[str, object], field: str
+) -> None:
+    path = opt_checkpoint(tmp_path, **overrides)
+    with pytest.raises(ValueError, match=f"OPT with {field}="):
+        ModelRunner(path, num_blocks=8)
+
+
+def test_an_opt_pair_speculates_to_transformers_greedy_output(
+    opt_dir: Path, tmp_path: Path, opt_checkpoint: Callable[..., Path]
+) -> None:
+    """OPT-6.7B with OPT-125m is the paper's pair: the engine drafts with one OPT and verifies
+    with another, and its greedy tokens are transformers' own."""
+    from transformers import AutoModelForCausalLM
+
+    from replica.batch import BatchPlan, DecodeStep, PrefillChunk
+    from replica.engine import Engine
+    from replica.request import Request, SamplingParams, Tier
+
+    draft_dir = opt_checkpoint(tmp_path, num_hidden_layers=1)
+    model = AutoModelForCausalLM.from_pretrained(opt_dir, dtype=torch.float32).eval()
+    prompt = SMALL_PROMPT[:20]
+    want = model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12
+    )[0, len(prompt) :].tolist()
+    engine = Engine.from_dirs(opt_dir, draft_dir, num_blocks=16)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.add_request(Request("a", prompt, params, tier=Tier.BEST_EFFORT))
+    engine.step(BatchPlan((PrefillChunk("a", len(prompt)),)))
+    while engine.finish_reason("a") is None:
+        engine.step(BatchPlan((DecodeStep("a", num_spec_tokens=3),)))
+    assert engine.output_token_ids("a") == want

@@ -1,0 +1,59 @@
+"""Where a model's files come from: a local folder, or a Hugging Face Hub repo id.
+
+The GPU deploy configs name their models by hub id (`facebook/opt-6.7b`); every process that
+loads one (each replica, the front door's tokenizer) resolves it here to a folder in the HF
+cache (`HF_HOME`), fetching on first use. Only what the engine reads is fetched: the configs,
+the tokenizer files and the weights, safetensors when the repo has them, else its PyTorch
+`.bin` shards (older repos such as OPT's have no safetensors).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""`owner/name`, as the hub spells repo ids; a path with more parts is never one."""
+CONFIG_FILES = ["*.json", "*.txt", "*.jinja", "*.model"]
+"""config.json, generation_config.json, tokenizer files (merges.txt, tokenizer.model), and
+the shard indexes."""
+
+
+def model_dir(name: str | Path) -> Path:
+    """The local folder holding `name`: the folder itself, or the hub repo's cached snapshot."""
+    path = Path(name)
+    if path.is_dir():
+        return path
+    text = str(name)
+    if not HUB_ID.fullmatch(text):
+        raise ValueError(f"model {text!r} is not a folder (from {Path.cwd()}) nor a hub repo id")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(text, allow_patterns=[*CONFIG_FILES, "*.safetensors"]))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(text, allow_patterns=["pytorch_model*.bin"]))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        raise ValueError(
+            f"model {text!r} is not a folder (from {Path.cwd()}), and fetching the hub repo "
+            f"failed: {exc}"
+        ) from exc
+    return folder
+
+
+def load_tokenizer(folder: Path) -> Tokenizer | None:
+    """The folder's `tokenizer.json`, else the fast tokenizer transformers converts from its
+    older files (OPT ships vocab.json + merges.txt); None when it has neither."""
+    path = folder / "tokenizer.json"
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    if not (folder / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    converted = AutoTokenizer.from_pretrained(str(folder))
+    backend = getattr(converted, "backend_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else None

@@ -89,6 +89,7 @@ class ClusterConfig:
     num_cpus_per_replica: float = 1.0
     num_gpus_per_replica: float = 0.0
     tensor_parallel_size: int = 1
+    """Processes (GPUs) one replica's target model is split over (replica.tensor_parallel)."""
     dtype: str = "auto"
     """Weights and KV cache precision: auto (bfloat16 on a GPU, float32 on CPU), float32,
     bfloat16 or float16."""

@@ -33,7 +33,7 @@ from cluster.control import Binding
 from cluster.controller import ClusterController, load_profile
 from cluster.messages import StreamItem
 from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
-from cluster.replica_actor import CONTROLLER_NAME, ReplicaActor, replica_name
+from cluster.replica_actor import CONTROLLER_NAME, ReplicaActor, rank_resources, replica_name
 from replica.planner.base import CacheBudget
 from replica.planner.queues import peak_tokens
 from replica.request import Request
@@ -271,14 +271,10 @@ class _Lost(Exception):
 async def launch(config: ClusterConfig) -> ClusterHandle:
     """Start the replicas and the controller on the current Ray cluster (a local one is
     started when Ray is not initialized); returns once every replica has loaded its model."""
-    if config.tensor_parallel_size > 1:
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size}: tensor parallelism is not "
-            "implemented yet; a replica runs on one device (tensor_parallel_size 1)"
-        )
     load_profile(config)
     if not ray.is_initialized():
         ray.init()
+    cpus, gpus = rank_resources(config)
     replicas = [
         start_actor(
             ReplicaActor,
@@ -286,8 +282,8 @@ async def launch(config: ClusterConfig) -> ClusterHandle:
             config,
             name=replica_name(i),
             max_restarts=-1,
-            num_cpus=config.num_cpus_per_replica,
-            num_gpus=config.num_gpus_per_replica,
+            num_cpus=cpus,
+            num_gpus=gpus,
             **await _placement(config),
         )
         for i in range(config.replicas)
@@ -308,8 +304,9 @@ async def launch(config: ClusterConfig) -> ClusterHandle:
 
 
 async def _placement(config: ClusterConfig) -> dict[str, Any]:
-    """A GPU replica gets its own placement group, so its devices are reserved together
-    (and stay reserved across restarts); CPU replicas need none."""
+    """A GPU replica gets its own placement group, one bundle per tensor-parallel rank on one
+    node, so its devices are reserved together (and stay reserved across restarts); the
+    replica actor is rank 0, in the first bundle. CPU replicas need none."""
     if config.num_gpus_per_replica <= 0:
         return {}
     if ray.cluster_resources().get("GPU", 0) < config.num_gpus_per_replica:
@@ -320,10 +317,16 @@ async def _placement(config: ClusterConfig) -> dict[str, Any]:
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = {"CPU": config.num_cpus_per_replica, "GPU": config.num_gpus_per_replica}
-    group = placement_group([bundle], strategy="STRICT_PACK")
+    cpus, gpus = rank_resources(config)
+    group = placement_group(
+        [{"CPU": cpus, "GPU": gpus}] * config.tensor_parallel_size, strategy="STRICT_PACK"
+    )
     await group.ready()
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
+    return {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0
+        )
+    }
 
 
 def start_actor(cls: type, *args: object, **options: Any) -> Any:

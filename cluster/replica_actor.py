@@ -2,11 +2,23 @@
 
 Ray restarts it when it dies (max_restarts); a restarted replica is a new incarnation that
 holds nothing, and the controller rebuilds its mirror from its (empty) snapshot.
+
+With `tensor_parallel_size` > 1 the replica actor is rank 0 of a tensor-parallel group
+(replica.tensor_parallel) and starts the other ranks as `TensorParallelWorker` actors it owns,
+in the bundles of its placement group. A worker that dies takes its replica down with it
+(the replica's process exits, Ray restarts it with a new group), so a broken group never
+hangs a replica's requests: they are resumed as after any replica restart.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
+import threading
 from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
 
 import ray
 import torch
@@ -16,9 +28,16 @@ from cluster.messages import ReplicaSnapshot, StepReport, StreamItem
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchPlan
 from replica.engine import Engine, ProposerKind
+from replica.model_runner import ModelRunner
+from replica.model_source import model_dir
 from replica.request import Request
+from replica.tensor_parallel import TensorParallel, join
 
 CONTROLLER_NAME = "slos-serve-controller"
+TP_JOIN_TIMEOUT = timedelta(minutes=10)
+"""How long a rank waits for the rest of its group to be scheduled and start."""
+
+log = logging.getLogger(__name__)
 
 
 def replica_name(index: int) -> str:
@@ -43,9 +62,73 @@ def engine_device(config: ClusterConfig) -> tuple[torch.device, torch.dtype]:
     return device, getattr(torch, name)
 
 
-def build_engine(config: ClusterConfig) -> Engine:
+def rank_resources(config: ClusterConfig) -> tuple[float, float]:
+    """(CPUs, GPUs) of each process of a replica: the replica's share split over its ranks."""
+    size = config.tensor_parallel_size
+    return config.num_cpus_per_replica / size, config.num_gpus_per_replica / size
+
+
+def worker_name(replica: int, rank: int) -> str:
+    return f"slos-serve-replica-{replica}-rank-{rank}"
+
+
+class TensorParallelWorker:
+    """Rank > 0 of a replica's tensor-parallel group: its share of the target model's heads,
+    MLP columns and KV cache, computing every batch rank 0 sends."""
+
+    def __init__(self, config: ClusterConfig, rank: int, address: str) -> None:
+        torch.set_num_threads(max(1, round(rank_resources(config)[0])))
+        device, dtype = engine_device(config)
+        group = join(rank, config.tensor_parallel_size, address, device, TP_JOIN_TIMEOUT)
+        self.runner = ModelRunner(
+            model_dir(config.model),
+            num_blocks=config.num_kv_blocks,
+            dtype=dtype,
+            device=device,
+            tp=group,
+        )
+
+    def serve(self) -> None:
+        """Returns only if the group breaks (rank 0 never sends the stop)."""
+        self.runner.serve_batches()
+
+
+def start_group(index: int, config: ClusterConfig) -> tuple[TensorParallel, list[Any]]:
+    """Rank 0's side of a replica's tensor-parallel group: the other ranks started beside it
+    (in its placement group, one bundle each, on GPUs; on its node otherwise), and the group
+    joined once they have, at this node's Ray address."""
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import (
+        NodeAffinitySchedulingStrategy,
+        PlacementGroupSchedulingStrategy,
+    )
+
+    device, _ = engine_device(config)
+    node = ray.get_runtime_context().get_node_id()
+    host = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        address = f"tcp://{host}:{probe.getsockname()[1]}"
+    cpus, gpus = rank_resources(config)
+    group = get_current_placement_group()
+    workers = []
+    for rank in range(1, config.tensor_parallel_size):
+        placement: Any = NodeAffinitySchedulingStrategy(node, soft=False)
+        if group is not None:
+            placement = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+        actor = ray.remote(TensorParallelWorker).options(
+            name=worker_name(index, rank),
+            num_cpus=cpus,
+            num_gpus=gpus,
+            scheduling_strategy=placement,
+        )
+        workers.append(actor.remote(config, rank, address))
+    return join(0, config.tensor_parallel_size, address, device, TP_JOIN_TIMEOUT), workers
+
+
+def build_engine(config: ClusterConfig, tp: TensorParallel | None = None) -> Engine:
     """The engine `config.spec_policy` asks for (a draft model only when it drafts), on the
-    replica's device."""
+    replica's device; with `tp`, rank 0's share of the target."""
     device, dtype = engine_device(config)
     draft: str | None = None
     proposer: ProposerKind | None = None
@@ -60,16 +143,29 @@ def build_engine(config: ClusterConfig) -> Engine:
         dtype=dtype,
         device=device,
         proposer=proposer,
+        tp=tp,
     )
+
+
+def _exit_when_one_ends(serving: list[Any]) -> None:
+    """A worker's `serve` ended: its rank is gone and the group with it. Exiting lets Ray
+    restart this replica (and, as their owner, drop the other workers)."""
+    ready, _ = ray.wait(serving, num_returns=1)
+    log.error("replica lost a tensor-parallel rank (%s); restarting", ready)
+    os._exit(1)
 
 
 class ReplicaActor:
     """Methods are the controller's and the clients' view of one replica."""
 
     def __init__(self, index: int, config: ClusterConfig) -> None:
-        torch.set_num_threads(max(1, round(config.num_cpus_per_replica)))
+        torch.set_num_threads(max(1, round(rank_resources(config)[0])))
         self.index = index
-        self.engine = build_engine(config)
+        tp, workers = start_group(index, config) if config.tensor_parallel_size > 1 else (None, [])
+        self.engine = build_engine(config, tp)
+        if workers:
+            serving = [w.serve.remote() for w in workers]
+            threading.Thread(target=_exit_when_one_ends, args=(serving,), daemon=True).start()
         self.core = ReplicaCore(self.engine, index, self._report)
         self._controller: ray.actor.ActorHandle | None = None
 

@@ -34,6 +34,7 @@ from replica.sampling import make_generator, sample, token_probs
 from replica.spec.draft import DraftJob, DraftModel, Proposal, load_draft_vocab
 from replica.spec.ngram import NgramProposer
 from replica.spec.verify import verify_greedy, verify_stochastic
+from replica.tensor_parallel import TensorParallel
 
 ProposerKind = Literal["draft", "ngram"]
 Detokenize = Callable[[list[int]], str]
@@ -117,9 +118,11 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         proposer: ProposerKind | None = None,
+        tp: TensorParallel | None = None,
     ) -> Engine:
         """Load the pair from HF folders or hub repo ids (`model_source`); the target's
-        tokenizer (if any) detokenizes."""
+        tokenizer (if any) detokenizes. With `tp` this process is rank 0 of the target's
+        tensor-parallel group (the draft stays whole, here)."""
         if num_blocks is None and kv_memory_bytes is None:
             num_blocks = 1024
         target_dir = model_dir(target_dir)
@@ -130,6 +133,7 @@ class Engine:
             kv_memory_bytes=kv_memory_bytes,
             dtype=dtype,
             device=device,
+            tp=tp,
         )
         draft = None
         if draft_dir is not None:

@@ -50,7 +50,7 @@ import functools
 import importlib.util
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from replica import cpu_kernels
+from replica.tensor_parallel import TensorParallel
 
 BLOCK_SIZE = 16
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "opt")
@@ -175,6 +176,22 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", True),
             qkv_bias=True,
             eos_token_ids=_eos_ids(Path(model_dir), raw),
+        )
+
+    def sharded(self, size: int) -> ModelConfig:
+        """One rank's share under tensor parallelism over `size` ranks: its heads and MLP
+        columns (replica.tensor_parallel)."""
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, name) % size:
+                raise ValueError(
+                    f"tensor parallelism over {size} needs {name} ({getattr(self, name)}) "
+                    f"divisible by {size}"
+                )
+        return replace(
+            self,
+            num_heads=self.num_heads // size,
+            num_kv_heads=self.num_kv_heads // size,
+            intermediate_size=self.intermediate_size // size,
         )
 
     def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
@@ -459,11 +476,15 @@ class ModelRunner:
         head_vocab: Sequence[int] | None = None,
         paged_kernel: bool = True,
         fused_forward: bool = True,
+        tp: TensorParallel | None = None,
     ) -> None:
         if (num_blocks is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_memory_bytes")
         self.model_dir = Path(model_dir)
-        self.config = cfg = ModelConfig.from_dir(self.model_dir)
+        full = ModelConfig.from_dir(self.model_dir)
+        self.tp = tp
+        """The tensor-parallel group this runner is one rank of; `config` is then its share."""
+        self.config = cfg = full if tp is None else full.sharded(tp.size)
         self.dtype = dtype
         self.device = torch.device(device)
         if num_blocks is None:
@@ -472,6 +493,8 @@ class ModelRunner:
             raise ValueError(f"the KV budget holds {num_blocks} blocks; need at least 1")
         self.num_blocks = int(num_blocks)
         state = _load_state(self.model_dir)
+        if tp is not None:
+            state = tp.shard(state)
         prefix = "model.decoder." if cfg.is_opt else "model."
         embed = _tensor(state, f"{prefix}embed_tokens.weight")
         self.embed = embed.to(device=self.device, dtype=dtype).contiguous()
@@ -526,9 +549,9 @@ class ModelRunner:
         self._flashinfer = _FlashInferAttention(self) if _flashinfer_usable(self.device) else None
         kernels = cpu_kernels.load() if paged_kernel and self.device.type == "cpu" else None
         self._paged = kernels if kernels is not None and kernels.supports(dtype) else None
-        fused = self._paged is not None and fused_forward and not cfg.is_opt
+        fused = self._paged is not None and fused_forward and not cfg.is_opt and tp is None
         self._fused = self._fused_template() if fused else None
-        """The fused C forward computes the rotary models' layers only."""
+        """The fused C forward computes the rotary models' layers, on one process."""
 
     @property
     def vocab_size(self) -> int:
@@ -547,6 +570,25 @@ class ModelRunner:
         flat = self._flatten(seqs)
         if self._fused is not None and _fits_fused(seqs, flat, self.dtype):
             return self._forward_fused(seqs, flat)
+        if self.tp is not None:
+            self.tp.send_batch(seqs)
+        return self._forward(seqs, flat)
+
+    @torch.inference_mode()
+    def serve_batches(self) -> None:
+        """A rank > 0's loop: compute its share of every batch rank 0 sends, until it sends
+        None (`stop_group`)."""
+        if self.tp is None or self.tp.rank == 0:
+            raise ValueError("serve_batches runs on the ranks > 0 of a tensor-parallel group")
+        while (seqs := self.tp.receive_batch()) is not None:
+            self._forward(seqs, self._flatten(seqs))
+
+    def stop_group(self) -> None:
+        """Rank 0: release the other ranks from `serve_batches`."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send_batch(None)
+
+    def _forward(self, seqs: list[ForwardSeq], flat: _Flat) -> torch.Tensor:
         meta = self._prepare(seqs, flat)
         cfg = self.config
         x = F.embedding(meta.input_ids, self.embed)
@@ -572,20 +614,21 @@ class ModelRunner:
             self._flat_kv[li].index_copy_(
                 0, meta.write_v, v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             )
-            x = x + F.linear(meta.attend(q, li), layer.o, layer.o_bias)
+            x = x + self._sum(F.linear(meta.attend(q, li), layer.o, layer.o_bias))
             h = _norm(x, layer.mlp_norm, layer.mlp_norm_bias, eps)
             if cfg.is_opt:
-                x = x + F.linear(
-                    F.relu(F.linear(h, layer.gate_up, layer.gate_up_bias)),
-                    layer.down,
-                    layer.down_bias,
-                )
+                act = F.relu(F.linear(h, layer.gate_up, layer.gate_up_bias))
             else:
                 gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-                x = x + F.linear(F.silu(gate) * up, layer.down)
+                act = F.silu(gate) * up
+            x = x + self._sum(F.linear(act, layer.down, layer.down_bias))
         rows = x.index_select(0, meta.logit_rows)
         rows = _norm(rows, self.final_norm, self.final_norm_bias, eps)
         return F.linear(rows, self.lm_head).float()
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-split projection's output: the sum over the tensor-parallel ranks."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _attend(
         self, groups: list[_AttnGroup | _PagedGroup], q: torch.Tensor, layer: int

@@ -111,15 +111,3 @@ def test_a_replica_computes_on_the_device_it_asked_for() -> None:
     else:
         with pytest.raises(RuntimeError, match=r"num_gpus_per_replica=1, but torch .* no CUDA"):
             engine_device(gpu)
-
-
-def test_tensor_parallel_configs_are_refused_at_launch_before_anything_starts() -> None:
-    import asyncio
-
-    from cluster.handle import launch
-
-    config = ClusterConfig.from_dict(
-        {"model": "m", "spec_policy": "none", "tensor_parallel_size": 4}
-    )
-    with pytest.raises(ValueError, match="tensor_parallel_size=4: tensor parallelism is not"):
-        asyncio.run(launch(config))

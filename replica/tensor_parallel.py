@@ -1,0 +1,89 @@
+"""Tensor parallelism: one replica's model split by attention heads and MLP columns over a
+group of processes (Megatron-style), each holding its shard of the weights and of the KV cache.
+
+Rank 0 runs the engine (scheduling, the draft, sampling); every forward it sends the batch to
+the other ranks, all compute their heads and columns, and the attention output and MLP
+projections are summed with one all-reduce each per layer. NCCL between GPUs, gloo on CPU; the
+batches always go over a gloo group, since they are Python objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROW_SPLIT = ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.", "fc1.")
+"""Weights (and biases) whose output rows are split: each rank computes its heads/columns."""
+COLUMN_SPLIT = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "fc2.weight")
+"""Weights whose input columns are split: each rank's product is a partial sum."""
+ONCE = ("out_proj.bias", "fc2.bias")
+"""Biases of the summed projections: added by rank 0 alone, so the sum counts them once."""
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in a replica's tensor-parallel group."""
+
+    rank: int
+    size: int
+    device_group: Any
+    """Sums the partial products (NCCL on GPUs, gloo on CPU)."""
+    batch_group: Any
+    """Carries the batches from rank 0 (gloo)."""
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(partial, group=self.device_group)
+        return partial
+
+    def send_batch(self, batch: object) -> None:
+        """Rank 0: the next forward's batch, or None to stop the other ranks."""
+        dist.broadcast_object_list([batch], src=0, group=self.batch_group)
+
+    def receive_batch(self) -> Any:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.batch_group)
+        return box[0]
+
+    def shard(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of a full checkpoint: heads and MLP columns split evenly, and the
+        summed projections' biases kept by rank 0 (zero elsewhere)."""
+        out = {}
+        for name, tensor in state.items():
+            if name.endswith(ONCE):
+                out[name] = tensor if self.rank == 0 else torch.zeros_like(tensor)
+            elif any(part in name for part in ROW_SPLIT):
+                out[name] = tensor.chunk(self.size, dim=0)[self.rank].contiguous()
+            elif name.endswith(COLUMN_SPLIT):
+                out[name] = tensor.chunk(self.size, dim=1)[self.rank].contiguous()
+            else:
+                out[name] = tensor
+        return out
+
+
+def join(
+    rank: int,
+    size: int,
+    address: str,
+    device: torch.device,
+    timeout: timedelta = timedelta(minutes=10),
+) -> TensorParallel:
+    """Join the group rendezvousing at `address` (tcp://host:port); blocks until all have,
+    or raises after `timeout` (also the limit of every later collective)."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank must be in [0, {size}), got {rank}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=address, rank=rank, world_size=size, timeout=timeout
+    )
+    world = dist.group.WORLD
+    batches = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    return TensorParallel(rank, size, world, batches)
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,122 @@
+"""Tensor parallelism over two real processes (gloo on 127.0.0.1): the split model computes what
+the whole one does, for a rotary GQA model (the demo target) and for OPT (biased projections)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from replica.model_runner import ModelConfig
+from replica.tensor_parallel import TensorParallel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RANK = """
+import json, sys, torch
+torch.set_num_threads(1)
+from replica.kv_cache import KVCacheManager
+from replica.model_runner import ForwardSeq, ModelRunner
+from replica.tensor_parallel import join, leave
+
+rank, size, address, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+runner = ModelRunner(model, num_blocks=16, tp=join(rank, size, address, torch.device("cpu")))
+if rank > 0:
+    runner.serve_batches()
+else:
+    whole = ModelRunner(model, num_blocks=16)
+    prompt = [(i * 7 + 3) % 290 + 5 for i in range(37)]
+    diffs = []
+    for r in (runner, whole):
+        cache = KVCacheManager(r.num_blocks)
+        out = []
+        cache.append("a", 30)
+        out.append(r.forward([ForwardSeq(prompt[:30], cache.block_table("a"), 0, 30)]))
+        cache.append("a", 1)
+        cache.append("b", 12)
+        out.append(r.forward([
+            ForwardSeq(prompt[30:31], cache.block_table("a"), 30, 1),
+            ForwardSeq(prompt[:12], cache.block_table("b"), 0, 12),
+        ]))
+        diffs.append(torch.cat(out))
+    runner.stop_group()
+    print(json.dumps({
+        "max_diff": (diffs[0] - diffs[1]).abs().max().item(),
+        "heads": [runner.config.num_heads, whole.config.num_heads],
+        "kv_blocks_bytes": [runner.config.kv_bytes_per_block(torch.float32),
+                            whole.config.kv_bytes_per_block(torch.float32)],
+    }))
+leave()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _run_group(model: Path, size: int = 2) -> dict[str, object]:
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(rank), str(size), address, str(model)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(size)
+    ]
+    outputs = [p.communicate(timeout=120) for p in ranks]
+    for p, (_, err) in zip(ranks, outputs, strict=True):
+        assert p.returncode == 0, err
+    result: dict[str, object] = json.loads(outputs[0][0])
+    return result
+
+
+def test_two_ranks_compute_the_demo_target(target_dir: Path) -> None:
+    result = _run_group(target_dir)
+    assert isinstance(result["max_diff"], float) and result["max_diff"] < 1e-4
+    assert result["heads"] == [4, 8]
+    assert result["kv_blocks_bytes"][0] * 2 == result["kv_blocks_bytes"][1]  # type: ignore[index]
+
+
+def test_two_ranks_compute_opt_with_its_biases_counted_once(
+    tmp_path: Path, opt_checkpoint: Callable[..., Path]
+) -> None:
+    result = _run_group(opt_checkpoint(tmp_path))
+    assert isinstance(result["max_diff"], float) and result["max_diff"] < 1e-4
+
+
+def test_shards_split_heads_and_columns_and_keep_shared_biases_once() -> None:
+    full = {
+        "l.self_attn.q_proj.weight": torch.arange(24.0).view(6, 4),
+        "l.self_attn.out_proj.weight": torch.arange(24.0).view(4, 6),
+        "l.self_attn.out_proj.bias": torch.ones(4),
+        "l.input_layernorm.weight": torch.ones(4),
+    }
+    one = TensorParallel(1, 2, None, None).shard(full)
+    assert torch.equal(one["l.self_attn.q_proj.weight"], full["l.self_attn.q_proj.weight"][3:])
+    assert torch.equal(
+        one["l.self_attn.out_proj.weight"], full["l.self_attn.out_proj.weight"][:, 3:]
+    )
+    assert torch.equal(one["l.self_attn.out_proj.bias"], torch.zeros(4))
+    assert torch.equal(one["l.input_layernorm.weight"], full["l.input_layernorm.weight"])
+    zero = TensorParallel(0, 2, None, None).shard(full)
+    assert torch.equal(zero["l.self_attn.out_proj.bias"], torch.ones(4))
+
+
+def test_a_model_that_does_not_split_evenly_is_refused(target_dir: Path) -> None:
+    config = ModelConfig.from_dir(target_dir)
+    with pytest.raises(ValueError, match=r"tensor parallelism over 3 needs num_heads \(8\)"):
+        config.sharded(3)

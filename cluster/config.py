@@ -16,9 +16,9 @@ from typing import Any
 import yaml
 
 from cluster.routing import BackupPolicy, FirstHop
+from replica.device import DTYPES
 
 SPEC_POLICY = re.compile(r"^(none|slos|ngram|fixed:[1-9][0-9]?)$")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class SchedulerKind(StrEnum):

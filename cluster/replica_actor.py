@@ -27,6 +27,7 @@ from cluster.config import ClusterConfig
 from cluster.messages import ReplicaSnapshot, StepReport, StreamItem
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchPlan
+from replica.device import compute_device
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
 from replica.model_source import model_dir
@@ -46,20 +47,9 @@ def replica_name(index: int) -> str:
 
 def engine_device(config: ClusterConfig) -> tuple[torch.device, torch.dtype]:
     """Where the replica computes: the GPU Ray gave it (CUDA_VISIBLE_DEVICES) when it asked for
-    one, else the CPU; `auto` precision is bfloat16 on a GPU and float32 on CPU."""
-    device = torch.device("cpu")
-    if config.num_gpus_per_replica > 0:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"num_gpus_per_replica={config.num_gpus_per_replica:g}, but torch in this "
-                f"replica sees no CUDA device (torch {torch.__version__}: a CPU wheel, or a node "
-                "without a GPU driver)"
-            )
-        device = torch.device("cuda")
-    name = config.dtype
-    if name == "auto":
-        name = "bfloat16" if device.type == "cuda" else "float32"
-    return device, getattr(torch, name)
+    one, else the CPU."""
+    gpus = config.num_gpus_per_replica
+    return compute_device(gpus > 0, config.dtype, f"num_gpus_per_replica={gpus:g}")
 
 
 def rank_resources(config: ClusterConfig) -> tuple[float, float]:

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from replica import cpu_kernels
 from replica.tensor_parallel import TensorParallel
@@ -241,17 +241,26 @@ def _rotate_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor
     return rotated.reshape(w.shape)
 
 
-def _load_state(model_dir: Path) -> dict[str, torch.Tensor]:
+def _load_state(model_dir: Path, tp: TensorParallel | None = None) -> dict[str, torch.Tensor]:
     """Safetensors shards, else PyTorch `.bin` shards (older hub checkpoints such as OPT's),
-    read tensors-only. Keys of a bare decoder (`decoder.*`) get the causal LM's `model.`."""
+    read tensors-only. Both are mapped, not read whole, so a tensor-parallel rank reads only
+    its pieces. Keys of a bare decoder (`decoder.*`) get the causal LM's `model.`."""
     state: dict[str, torch.Tensor] = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     for f in files:
-        state.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (the handle is not iterable)
+                if tp is None:
+                    state[name] = handle.get_tensor(name)
+                else:
+                    piece = handle.get_slice(name)
+                    state[name] = tp.take(name, piece, piece.get_shape())
     if not files:
         files = sorted(Path(model_dir).glob("pytorch_model*.bin"))
         for f in files:
-            state.update(torch.load(f, map_location="cpu", weights_only=True))
+            mapped = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            for name, tensor in mapped.items():
+                state[name] = tensor if tp is None else tp.take(name, tensor, tensor.shape)
     if not files:
         raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
     if any(k.startswith("decoder.") for k in state):
@@ -492,9 +501,7 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"the KV budget holds {num_blocks} blocks; need at least 1")
         self.num_blocks = int(num_blocks)
-        state = _load_state(self.model_dir)
-        if tp is not None:
-            state = tp.shard(state)
+        state = _load_state(self.model_dir, tp)
         prefix = "model.decoder." if cfg.is_opt else "model."
         embed = _tensor(state, f"{prefix}embed_tokens.weight")
         self.embed = embed.to(device=self.device, dtype=dtype).contiguous()

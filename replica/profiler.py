@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from replica.batch import BatchPlan, DecodeStep, PlanEntry, PrefillChunk
+from replica.device import DTYPES, compute_device
 from replica.engine import Engine
 from replica.perf_fit import Sample, fit_profile, samples_to_json, split_samples
 from replica.perf_model import BatchFeatures, BatchShape, PerfModel
@@ -255,6 +256,8 @@ def profile_engine(
     too_long = [p for p in grid if p.longest() > engine.max_model_len]
     if too_long:
         raise ValueError(f"grid point {too_long[0]} exceeds the model context")
+    if clock == "cpu" and engine.target.device.type != "cpu":
+        raise ValueError("the cpu clock does not see time spent on a GPU: use the wall clock")
     if clock == "cpu" and torch.get_num_threads() != 1:
         raise ValueError(
             f"the cpu clock sums every thread's time: use it with 1 torch thread, "
@@ -309,8 +312,21 @@ def plot_fit(model: PerfModel, samples: Sequence[Sample], path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, required=True, help="target model folder (HF)")
-    parser.add_argument("--draft", type=Path, help="draft model folder: adds speculative points")
+    parser.add_argument(
+        "--model", type=Path, required=True, help="target model: HF folder or hub repo id"
+    )
+    parser.add_argument(
+        "--draft", type=Path, help="draft model (folder or hub repo id): adds speculative points"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where to profile (cuda: the GPU this process sees; time it with --clock wall)",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on cuda, float32 on cpu"
+    )
     parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
     parser.add_argument("--plot", type=Path, help="PNG of predicted vs measured")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per visit")
@@ -338,7 +354,13 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     started = time.perf_counter()
-    engine = Engine.from_dirs(args.model, args.draft, num_blocks=KV_BLOCKS)
+    try:
+        device, dtype = compute_device(args.device == "cuda", args.dtype, "--device cuda")
+    except RuntimeError as exc:
+        raise SystemExit(f"slos-serve profile: error: {exc}") from None
+    engine = Engine.from_dirs(
+        args.model, args.draft, num_blocks=KV_BLOCKS, device=device, dtype=dtype
+    )
     speculative = args.draft is not None
     if args.quick:
         grid = quick_grid(speculative=speculative)

@@ -9,6 +9,7 @@ batches always go over a gloo group, since they are Python objects.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -48,20 +49,24 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0, group=self.batch_group)
         return box[0]
 
-    def shard(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's part of a full checkpoint: heads and MLP columns split evenly, and the
-        summed projections' biases kept by rank 0 (zero elsewhere)."""
-        out = {}
-        for name, tensor in state.items():
-            if name.endswith(ONCE):
-                out[name] = tensor if self.rank == 0 else torch.zeros_like(tensor)
-            elif any(part in name for part in ROW_SPLIT):
-                out[name] = tensor.chunk(self.size, dim=0)[self.rank].contiguous()
-            elif name.endswith(COLUMN_SPLIT):
-                out[name] = tensor.chunk(self.size, dim=1)[self.rank].contiguous()
-            else:
-                out[name] = tensor
-        return out
+    def take(self, name: str, source: Any, shape: Sequence[int]) -> torch.Tensor:
+        """This rank's piece of checkpoint tensor `name` read from `source` (a tensor, or a
+        safetensors slice that reads only the piece): heads and MLP columns split evenly, and
+        the summed projections' biases kept by rank 0 (zero elsewhere)."""
+        if name.endswith(ONCE):
+            whole: torch.Tensor = source[:]
+            return whole if self.rank == 0 else torch.zeros_like(whole)
+        if any(part in name for part in ROW_SPLIT):
+            return source[self._range(shape[0])]
+        if name.endswith(COLUMN_SPLIT):
+            return source[:, self._range(shape[1])]
+        return source[:]
+
+    def _range(self, length: int) -> slice:
+        if length % self.size:
+            raise ValueError(f"{length} rows or columns do not split over {self.size} ranks")
+        step = length // self.size
+        return slice(self.rank * step, (self.rank + 1) * step)
 
 
 def join(
@@ -85,5 +90,8 @@ def join(
 
 
 def leave() -> None:
+    """Leave together: a rank that tore down alone would cut the others' store connection
+    (rank 0 hosts it) while they still use it."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

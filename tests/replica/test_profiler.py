@@ -127,6 +127,18 @@ def test_cli_writes_a_measured_profile(target_dir: Path, draft_dir: Path, tmp_pa
     assert len(data["fit"]["samples"]) == len(quick_grid(speculative=True))
 
 
+def test_cli_names_a_missing_gpu_and_a_clock_blind_to_it(target_dir: Path, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--model", str(target_dir), "--out", str(tmp_path / "p.json"), "--quick"]
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="the cpu clock does not see time spent on a GPU"):
+            run(parser.parse_args([*base, "--device", "cuda", "--clock", "cpu"]))
+    else:
+        with pytest.raises(SystemExit, match="--device cuda, but torch in this process sees no"):
+            run(parser.parse_args([*base, "--device", "cuda"]))
+
+
 def test_plot_fit_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     samples = [

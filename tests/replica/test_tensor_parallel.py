@@ -20,7 +20,7 @@ from replica.tensor_parallel import TensorParallel
 ROOT = Path(__file__).resolve().parents[2]
 
 RANK = """
-import json, sys, torch
+import json, os, sys, torch
 torch.set_num_threads(1)
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
@@ -52,8 +52,11 @@ else:
         "heads": [runner.config.num_heads, whole.config.num_heads],
         "kv_blocks_bytes": [runner.config.kv_bytes_per_block(torch.float32),
                             whole.config.kv_bytes_per_block(torch.float32)],
-    }))
+    }), flush=True)
 leave()
+# torch's TCPStore server (rank 0 hosts it) can abort in its destructor at interpreter exit
+# ("terminate called without an active exception"); the group is already left cleanly.
+os._exit(0)
 """
 
 
@@ -78,8 +81,8 @@ def _run_group(model: Path, size: int = 2) -> dict[str, object]:
         for rank in range(size)
     ]
     outputs = [p.communicate(timeout=120) for p in ranks]
-    for p, (_, err) in zip(ranks, outputs, strict=True):
-        assert p.returncode == 0, err
+    for rank, (p, (_, err)) in enumerate(zip(ranks, outputs, strict=True)):
+        assert p.returncode == 0, (rank, err)
     result: dict[str, object] = json.loads(outputs[0][0])
     return result
 
@@ -98,22 +101,25 @@ def test_two_ranks_compute_opt_with_its_biases_counted_once(
     assert isinstance(result["max_diff"], float) and result["max_diff"] < 1e-4
 
 
-def test_shards_split_heads_and_columns_and_keep_shared_biases_once() -> None:
+def test_a_rank_takes_its_heads_and_columns_and_rank_0_the_shared_biases() -> None:
     full = {
         "l.self_attn.q_proj.weight": torch.arange(24.0).view(6, 4),
         "l.self_attn.out_proj.weight": torch.arange(24.0).view(4, 6),
         "l.self_attn.out_proj.bias": torch.ones(4),
         "l.input_layernorm.weight": torch.ones(4),
     }
-    one = TensorParallel(1, 2, None, None).shard(full)
-    assert torch.equal(one["l.self_attn.q_proj.weight"], full["l.self_attn.q_proj.weight"][3:])
-    assert torch.equal(
-        one["l.self_attn.out_proj.weight"], full["l.self_attn.out_proj.weight"][:, 3:]
-    )
-    assert torch.equal(one["l.self_attn.out_proj.bias"], torch.zeros(4))
-    assert torch.equal(one["l.input_layernorm.weight"], full["l.input_layernorm.weight"])
-    zero = TensorParallel(0, 2, None, None).shard(full)
-    assert torch.equal(zero["l.self_attn.out_proj.bias"], torch.ones(4))
+
+    def take(rank: int, name: str) -> torch.Tensor:
+        return TensorParallel(rank, 2, None, None).take(name, full[name], full[name].shape)
+
+    q, o = full["l.self_attn.q_proj.weight"], full["l.self_attn.out_proj.weight"]
+    assert torch.equal(take(1, "l.self_attn.q_proj.weight"), q[3:])
+    assert torch.equal(take(1, "l.self_attn.out_proj.weight"), o[:, 3:])
+    assert torch.equal(take(1, "l.self_attn.out_proj.bias"), torch.zeros(4))
+    assert torch.equal(take(0, "l.self_attn.out_proj.bias"), torch.ones(4))
+    assert torch.equal(take(1, "l.input_layernorm.weight"), torch.ones(4))
+    with pytest.raises(ValueError, match="6 rows or columns do not split over 4 ranks"):
+        TensorParallel(0, 4, None, None).take("l.self_attn.q_proj.weight", q, q.shape)
 
 
 def test_a_model_that_does_not_split_evenly_is_refused(target_dir: Path) -> None:

@@ -452,7 +452,7 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
     except ValueError as exc:
         raise _fail(f"--scenario: {exc}") from None
     try:
-        args.tokenizer = model_dir(args.tokenizer)
+        args.tokenizer = model_dir(args.tokenizer, weights=False)
     except ValueError as exc:
         raise _fail(f"--tokenizer: {exc}") from None
     if load_tokenizer(args.tokenizer) is None:

@@ -204,6 +204,7 @@ class Engine:
         seqs = [self._forward_seq(w) for w in works]
         target_start = time.perf_counter()
         logits = self.target.forward(seqs) if seqs else torch.empty(0)
+        self._settle()
         target_s = time.perf_counter() - target_start
         # One argmax for the whole batch: greedy requests need nothing else.
         choices = logits.argmax(dim=-1).tolist() if seqs else []
@@ -334,7 +335,14 @@ class Engine:
             return 0.0
         start = time.perf_counter()
         self.draft.prefill(chunks)
+        self._settle()
         return time.perf_counter() - start
+
+    def _settle(self) -> None:
+        """Wait for the GPU's queued kernels, so a timed part of the step counts its own work
+        rather than the next part's (a no-op on CPU, where calls return when done)."""
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
 
     def _forward_seq(self, w: _Work) -> ForwardSeq:
         seq = w.seq

@@ -21,8 +21,10 @@ CONFIG_FILES = ["*.json", "*.txt", "*.jinja", "*.model"]
 the shard indexes."""
 
 
-def model_dir(name: str | Path) -> Path:
-    """The local folder holding `name`: the folder itself, or the hub repo's cached snapshot."""
+def model_dir(name: str | Path, *, weights: bool = True) -> Path:
+    """The local folder holding `name`: the folder itself, or the hub repo's cached snapshot
+    (without the weights when `weights` is False: the front door and the load generator need
+    the tokenizer only)."""
     path = Path(name)
     if path.is_dir():
         return path
@@ -33,8 +35,9 @@ def model_dir(name: str | Path) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        folder = Path(snapshot_download(text, allow_patterns=[*CONFIG_FILES, "*.safetensors"]))
-        if not any(folder.glob("*.safetensors")):
+        patterns = [*CONFIG_FILES, "*.safetensors"] if weights else CONFIG_FILES
+        folder = Path(snapshot_download(text, allow_patterns=patterns))
+        if weights and not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(text, allow_patterns=["pytorch_model*.bin"]))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
         raise ValueError(

@@ -33,7 +33,7 @@ class TextCodec:
     @classmethod
     def from_dir(cls, model: str | Path) -> TextCodec:
         """The tokenizer plus the chat template of an HF folder or hub repo id."""
-        root = model_dir(model)
+        root = model_dir(model, weights=False)
         tokenizer = load_tokenizer(root)
         if tokenizer is None:
             raise ValueError(

@@ -1022,6 +1022,7 @@ class _FlashInferAttention:
         cfg = self.runner.config
         dev = self.runner.device
         qo_indptr, kv_indptr, kv_indices, last_len = [0], [0], [], []
+        custom = any(s.attn_mask is not None for s in seqs)
         masks = []
         for s, q, kv_len in zip(seqs, q_lens, kv_lens, strict=True):
             pages = -(-kv_len // BLOCK_SIZE)
@@ -1029,13 +1030,14 @@ class _FlashInferAttention:
             kv_indptr.append(kv_indptr[-1] + pages)
             kv_indices.extend(s.block_table[:pages])
             last_len.append(kv_len - (pages - 1) * BLOCK_SIZE)
-            full = torch.ones(q, kv_len, dtype=torch.bool)
-            if s.attn_mask is None:
-                full = torch.tril(full, diagonal=s.num_cached)
-            else:
-                full[:, s.num_cached :] = s.attn_mask.to("cpu", torch.bool)
-            masks.append(full.flatten())
-        custom = any(s.attn_mask is not None for s in seqs)
+            if custom:
+                # One tree in the batch makes every request's mask explicit (causal ones too).
+                full = torch.ones(q, kv_len, dtype=torch.bool)
+                if s.attn_mask is None:
+                    full = torch.tril(full, diagonal=s.num_cached)
+                else:
+                    full[:, s.num_cached :] = s.attn_mask.to("cpu", torch.bool)
+                masks.append(full.flatten())
 
         def i32(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=dev)

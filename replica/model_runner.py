@@ -629,6 +629,8 @@ class ModelRunner:
                 gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
                 act = F.silu(gate) * up
             x = x + self._sum(F.linear(act, layer.down, layer.down_bias))
+        if self.tp is not None and self.tp.rank > 0:
+            return x[:0]  # rank 0 alone samples: the others skip the head
         rows = x.index_select(0, meta.logit_rows)
         rows = _norm(rows, self.final_norm, self.final_norm_bias, eps)
         return F.linear(rows, self.lm_head).float()

@@ -537,6 +537,7 @@ class ModelRunner:
         if not cfg.is_opt:
             cos, sin = _rope_tables(cfg, dtype)
             self.rope = cos.to(self.device), sin.to(self.device)
+        self._check_gpu_room()
         self.kv = torch.zeros(
             cfg.num_layers,
             self.num_blocks,
@@ -559,6 +560,18 @@ class ModelRunner:
         fused = self._paged is not None and fused_forward and not cfg.is_opt and tp is None
         self._fused = self._fused_template() if fused else None
         """The fused C forward computes the rotary models' layers, on one process."""
+
+    def _check_gpu_room(self) -> None:
+        """A KV pool the GPU cannot hold is refused with the numbers, not a CUDA OOM."""
+        if self.device.type != "cuda":
+            return
+        need = self.num_blocks * self.config.kv_bytes_per_block(self.dtype)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if need > free:
+            raise ValueError(
+                f"{self.num_blocks} KV blocks need {need / 2**30:.1f} GiB but the GPU has "
+                f"{free / 2**30:.1f} GiB free after the weights: lower num_kv_blocks"
+            )
 
     @property
     def vocab_size(self) -> int:

@@ -153,6 +153,12 @@ def test_flashinfer_path_matches_cpu(target_dir: Path, hf_logits: torch.Tensor) 
 
 
 @pytest.mark.gpu
+def test_a_kv_pool_larger_than_the_gpu_is_refused_with_its_size(target_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"KV blocks need .* lower num_kv_blocks"):
+        ModelRunner(target_dir, num_blocks=10**9, device="cuda")
+
+
+@pytest.mark.gpu
 def test_a_cuda_engine_serves_the_cpu_engines_greedy_tokens(
     target_dir: Path, draft_dir: Path
 ) -> None:

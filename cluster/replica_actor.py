@@ -58,8 +58,10 @@ def rank_resources(config: ClusterConfig) -> tuple[float, float]:
     return config.num_cpus_per_replica / size, config.num_gpus_per_replica / size
 
 
-def worker_name(replica: int, rank: int) -> str:
-    return f"slos-serve-replica-{replica}-rank-{rank}"
+def worker_name(replica: int, rank: int, owner: int) -> str:
+    """Named for its replica, rank and owning process: a restarted replica's new ranks must not
+    collide with the old ones Ray is still tearing down."""
+    return f"slos-serve-replica-{replica}-rank-{rank}-pid-{owner}"
 
 
 class TensorParallelWorker:
@@ -107,7 +109,7 @@ def start_group(index: int, config: ClusterConfig) -> tuple[TensorParallel, list
         if group is not None:
             placement = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
         actor = ray.remote(TensorParallelWorker).options(
-            name=worker_name(index, rank),
+            name=worker_name(index, rank, os.getpid()),
             num_cpus=cpus,
             num_gpus=gpus,
             scheduling_strategy=placement,

@@ -75,7 +75,7 @@ from loadgen.workloads import (
     zero_load_ttft_from,
 )
 from loadgen.zero_load import PROBE_OUTPUT_LEN, PROBE_PROMPT_LENS, ZeroLoad, probe
-from replica.model_source import load_tokenizer, model_dir
+from replica.model_source import has_tokenizer, load_tokenizer, model_dir
 from replica.perf_model import PerfModel
 from router.client import AsyncClient, Client, ClientError
 
@@ -455,7 +455,7 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
         args.tokenizer = model_dir(args.tokenizer, weights=False)
     except ValueError as exc:
         raise _fail(f"--tokenizer: {exc}") from None
-    if load_tokenizer(args.tokenizer) is None:
+    if not has_tokenizer(args.tokenizer):
         raise _fail(
             f"--tokenizer {str(args.tokenizer)!r} has no tokenizer.json nor tokenizer files"
         )

@@ -50,6 +50,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from tqdm import tqdm
 
 from cluster.sim_distserve import DEFAULT_LINK_GB_S, pool_splits
@@ -104,25 +105,30 @@ def trace_path(workload: Workload) -> Path:
     return TRACE_DIR / trace_file(workload)
 
 
-PROFILE_ALIASES = {
-    "a100-opt7b": "a100-40gb-opt-7b-tp1",
-    "h100-llama8b": "h100-80gb-llama-31-8b-tp1",
-    "h100-llama70b-tp4": "h100-80gb-llama-31-70b-tp4",
-}
-"""Short names, as the deploy configs are named (`serve-a100-opt7b.yaml`, ...), for the profiles
-those configs serve with: `a100-opt7b` is the paper's setup."""
+def profile_aliases() -> dict[str, str]:
+    """Short names: each deploy config's, `serve-<name>.yaml`, for the profile it serves with
+    (`a100-opt7b` is the paper's setup), read from the configs themselves."""
+    aliases = {}
+    for config in sorted((ROOT / "deploy").glob("serve-*.yaml")):
+        (app,) = yaml.safe_load(config.read_text())["applications"]
+        aliases[config.stem.removeprefix("serve-")] = Path(app["args"]["cluster"]["profile"]).stem
+    return aliases
 
 
 def resolve_profile(name: str) -> Path:
-    """A profile path, a name in deploy/profiles (with or without .json) or a short name."""
+    """A profile path, a name in deploy/profiles (with or without .json) or a deploy config's
+    short name (`profile_aliases`)."""
     path = Path(name)
     if path.is_file():
         return path
     stem = name.removesuffix(".json")
-    shipped = PROFILES / f"{PROFILE_ALIASES.get(stem, stem)}.json"
+    shipped = PROFILES / f"{stem}.json"
     if shipped.is_file():
         return shipped
-    known = sorted(p.stem for p in PROFILES.glob("*.json")) + sorted(PROFILE_ALIASES)
+    aliases = profile_aliases()
+    if stem in aliases:
+        return PROFILES / f"{aliases[stem]}.json"
+    known = sorted(p.stem for p in PROFILES.glob("*.json")) + sorted(aliases)
     close = difflib.get_close_matches(stem, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ValueError(f"profile {name!r} is neither a file nor one of {known}{hint}")
@@ -335,8 +341,8 @@ PAPER_FIXED = ("profile", "scenario", "policies", "replicas", "ablation", "same_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
-        help=f"name in deploy/profiles, short name ({', '.join(PROFILE_ALIASES)}) or path "
-        f"(default {DEFAULT_PROFILE})",
+        help="name in deploy/profiles, a deploy config's short name (a100-opt7b for "
+        f"serve-a100-opt7b.yaml's) or path (default {DEFAULT_PROFILE})",
     )
     parser.add_argument(
         "--scenario",

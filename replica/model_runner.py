@@ -615,7 +615,7 @@ class ModelRunner:
         if self.pos_embed is not None:
             x = x + F.embedding(meta.positions + OPT_POSITION_OFFSET, self.pos_embed)
         num_tokens = x.shape[0]
-        eps = cfg.norm_eps
+        eps, opt = cfg.norm_eps, cfg.is_opt
         w = self._qk_width
         for li, layer in enumerate(self.layers):
             h = _norm(x, layer.attn_norm, layer.attn_norm_bias, eps)
@@ -636,7 +636,7 @@ class ModelRunner:
             )
             x = x + self._sum(F.linear(meta.attend(q, li), layer.o, layer.o_bias))
             h = _norm(x, layer.mlp_norm, layer.mlp_norm_bias, eps)
-            if cfg.is_opt:
+            if opt:
                 act = F.relu(F.linear(h, layer.gate_up, layer.gate_up_bias))
             else:
                 gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)

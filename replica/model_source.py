@@ -47,16 +47,23 @@ def model_dir(name: str | Path, *, weights: bool = True) -> Path:
     return folder
 
 
+def has_tokenizer(folder: Path) -> bool:
+    """Whether `load_tokenizer` has files to build one from, without building it."""
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
 def load_tokenizer(folder: Path) -> Tokenizer | None:
     """The folder's `tokenizer.json`, else the fast tokenizer transformers converts from its
     older files (OPT ships vocab.json + merges.txt); None when it has neither."""
+    if not has_tokenizer(folder):
+        return None
     path = folder / "tokenizer.json"
     if path.is_file():
         return Tokenizer.from_file(str(path))
-    if not (folder / "tokenizer_config.json").is_file():
-        return None
     from transformers import AutoTokenizer
 
     converted = AutoTokenizer.from_pretrained(str(folder))
     backend = getattr(converted, "backend_tokenizer", None)
-    return backend if isinstance(backend, Tokenizer) else None
+    if not isinstance(backend, Tokenizer):
+        raise ValueError(f"transformers built no fast tokenizer from the files in {folder}")
+    return backend

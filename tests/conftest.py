@@ -1,9 +1,10 @@
-"""Shared fixtures: the shipped demo model pair, and the `gpu` marker's skip rule."""
+"""Shared fixtures: the shipped demo model pair, a tiny OPT checkpoint, one local Ray instance,
+and the `gpu` marker's skip rule."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,18 @@ def _opt_checkpoint(path: Path, **overrides: object) -> Path:
 def opt_checkpoint() -> Callable[..., Path]:
     """Writes a tiny OPT checkpoint into a folder: `opt_checkpoint(path, **config_overrides)`."""
     return _opt_checkpoint
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One local Ray instance for every test that needs one (2 CPUs, 127.0.0.1), shut down at
+    the end; a test run that already has Ray up keeps it."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
+        )
+    yield
+    if started:
+        ray.shutdown()

@@ -67,6 +67,10 @@ class DraftModel:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        vocab = runner.head_vocab
+        self._vocab_cpu = None if vocab is None else vocab.cpu()
+        """The cut head's token ids where sampled distributions live (the CPU, see
+        sampling.token_probs), copied once rather than at every sampled draft token."""
         self.cache = KVCacheManager(runner.num_blocks)
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
@@ -143,11 +147,10 @@ class DraftModel:
     def _full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """A cut head's distribution spread over the whole vocabulary (zero off the cut), so
         verification sees the q it must divide by."""
-        vocab = self.runner.head_vocab
-        if vocab is None:
+        if self._vocab_cpu is None:
             return probs
         full = probs.new_zeros(probs.shape[0], self.runner.vocab_size)
-        return full.index_copy_(1, vocab.to(probs.device), probs)
+        return full.index_copy_(1, self._vocab_cpu, probs)
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Keep at most `num_tokens` cached tokens (those verified as the request's own)."""

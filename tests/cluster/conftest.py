@@ -1,5 +1,5 @@
-"""Fixtures of the cluster tests: a synthetic perf profile, one local Ray instance (2 CPUs,
-127.0.0.1), and a cluster of the demo pair per module."""
+"""Fixtures of the cluster tests: a synthetic perf profile, and a cluster of the demo pair per
+module on the session's Ray instance (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -34,19 +34,6 @@ def write_profile(
 @pytest.fixture(scope="session")
 def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_profile(tmp_path_factory.mktemp("profile") / "synthetic.json")
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

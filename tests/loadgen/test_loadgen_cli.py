@@ -23,9 +23,9 @@ from loadgen.zero_load import ZeroLoad
 from replica.request import SLO
 from router.local import LocalFrontDoor
 from tests.cluster.conftest import write_profile
-from tests.router.conftest import API_KEY, live, ray_local
+from tests.router.conftest import API_KEY, live
 
-__all__ = ["live", "ray_local"]
+__all__ = ["live"]
 LOOSE = SLO(5000.0, 500.0)
 IMPOSSIBLE = SLO(0.001, 0.001)
 """No replica can promise a first token within a microsecond."""

@@ -16,22 +16,9 @@ API_KEY = "sk-test"
 TENANT = "team-a"
 
 
-@pytest.fixture(scope="session")
-def ray_local() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
-        )
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def live(
-    ray_local: None, target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    ray_session: None, target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalFrontDoor]:
     tmp = tmp_path_factory.mktemp("frontdoor")
     keys = tmp / "keys"

@@ -21,7 +21,7 @@ def free_port() -> int:
 
 
 def test_build_app_serves_http_and_grpc(
-    ray_local: None, target_dir: Path, draft_dir: Path, tmp_path: Path
+    ray_session: None, target_dir: Path, draft_dir: Path, tmp_path: Path
 ) -> None:
     from ray import serve
 

@@ -516,6 +516,8 @@ class ModelRunner:
         self.head_vocab: torch.Tensor | None = None
         """Token id of each logit column when the head is cut to a vocabulary subset."""
         if head_vocab is not None:
+            if tp is not None:
+                raise ValueError("a cut head (head_vocab) is the draft's, which is not split")
             ids = torch.tensor(list(head_vocab), dtype=torch.long)
             if ids.numel() == 0 or len(set(ids.tolist())) != ids.numel():
                 raise ValueError("head_vocab must list distinct token ids")
@@ -611,7 +613,11 @@ class ModelRunner:
     def _forward(self, seqs: list[ForwardSeq], flat: _Flat) -> torch.Tensor:
         meta = self._prepare(seqs, flat)
         cfg = self.config
-        x = F.embedding(meta.input_ids, self.embed)
+        x = (
+            F.embedding(meta.input_ids, self.embed)
+            if self.tp is None
+            else self.tp.embed(meta.input_ids, self.embed)
+        )
         if self.pos_embed is not None:
             x = x + F.embedding(meta.positions + OPT_POSITION_OFFSET, self.pos_embed)
         num_tokens = x.shape[0]
@@ -642,11 +648,12 @@ class ModelRunner:
                 gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
                 act = F.silu(gate) * up
             x = x + self._sum(F.linear(act, layer.down, layer.down_bias))
-        if self.tp is not None and self.tp.rank > 0:
-            return x[:0]  # rank 0 alone samples: the others skip the head
         rows = x.index_select(0, meta.logit_rows)
         rows = _norm(rows, self.final_norm, self.final_norm_bias, eps)
-        return F.linear(rows, self.lm_head).float()
+        logits = F.linear(rows, self.lm_head)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits, cfg.vocab_size)
+        return logits.float()
 
     def _sum(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-split projection's output: the sum over the tensor-parallel ranks."""

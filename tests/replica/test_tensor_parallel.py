@@ -1,5 +1,6 @@
 """Tensor parallelism over two real processes (gloo on 127.0.0.1): the split model computes what
-the whole one does, for a rotary GQA model (the demo target) and for OPT (biased projections)."""
+the whole one does, for a rotary GQA model (the demo target) and for OPT (biased projections, and
+a vocabulary that does not divide by the group's size)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replica.model_runner import ModelConfig
+from replica.model_runner import ModelConfig, ModelRunner
 from replica.tensor_parallel import TensorParallel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +51,7 @@ else:
     print(json.dumps({
         "max_diff": (diffs[0] - diffs[1]).abs().max().item(),
         "heads": [runner.config.num_heads, whole.config.num_heads],
+        "vocab_rows": [runner.embed.shape[0], runner.lm_head.shape[0], whole.embed.shape[0]],
         "kv_blocks_bytes": [runner.config.kv_bytes_per_block(torch.float32),
                             whole.config.kv_bytes_per_block(torch.float32)],
     }), flush=True)
@@ -91,14 +93,16 @@ def test_two_ranks_compute_the_demo_target(target_dir: Path) -> None:
     result = _run_group(target_dir)
     assert isinstance(result["max_diff"], float) and result["max_diff"] < 1e-4
     assert result["heads"] == [4, 8]
+    assert result["vocab_rows"] == [2048, 2048, 4096]
     assert result["kv_blocks_bytes"][0] * 2 == result["kv_blocks_bytes"][1]  # type: ignore[index]
 
 
-def test_two_ranks_compute_opt_with_its_biases_counted_once(
+def test_two_ranks_compute_opt_with_its_biases_counted_once_and_an_odd_vocabulary(
     tmp_path: Path, opt_checkpoint: Callable[..., Path]
 ) -> None:
-    result = _run_group(opt_checkpoint(tmp_path))
+    result = _run_group(opt_checkpoint(tmp_path, vocab_size=301))
     assert isinstance(result["max_diff"], float) and result["max_diff"] < 1e-4
+    assert result["vocab_rows"] == [151, 151, 301]
 
 
 def test_a_rank_takes_its_heads_and_columns_and_rank_0_the_shared_biases() -> None:
@@ -122,7 +126,25 @@ def test_a_rank_takes_its_heads_and_columns_and_rank_0_the_shared_biases() -> No
         TensorParallel(0, 4, None, None).take("l.self_attn.q_proj.weight", q, q.shape)
 
 
+def test_a_rank_takes_its_range_of_the_vocabulary_padded_to_an_equal_share() -> None:
+    table = torch.arange(10.0).view(5, 2)
+
+    def take(rank: int, name: str) -> torch.Tensor:
+        return TensorParallel(rank, 2, None, None).take(name, table, table.shape)
+
+    assert torch.equal(take(0, "model.embed_tokens.weight"), table[:3])
+    assert torch.equal(take(1, "lm_head.weight"), torch.cat([table[3:], torch.zeros(1, 2)]))
+    assert torch.equal(take(1, "model.decoder.embed_positions.weight"), table)
+
+
 def test_a_model_that_does_not_split_evenly_is_refused(target_dir: Path) -> None:
     config = ModelConfig.from_dir(target_dir)
     with pytest.raises(ValueError, match=r"tensor parallelism over 3 needs num_heads \(8\)"):
         config.sharded(3)
+
+
+def test_a_cut_head_is_refused_on_a_split_model(target_dir: Path) -> None:
+    with pytest.raises(ValueError, match="a cut head"):
+        ModelRunner(
+            target_dir, num_blocks=4, head_vocab=[1, 2], tp=TensorParallel(0, 2, None, None)
+        )

@@ -66,7 +66,7 @@ def worker_name(replica: int, rank: int, owner: int) -> str:
 
 class TensorParallelWorker:
     """Rank > 0 of a replica's tensor-parallel group: its share of the target model's heads,
-    MLP columns and KV cache, computing every batch rank 0 sends."""
+    MLP columns, vocabulary and KV cache, computing every batch rank 0 sends."""
 
     def __init__(self, config: ClusterConfig, rank: int, address: str) -> None:
         torch.set_num_threads(max(1, round(rank_resources(config)[0])))

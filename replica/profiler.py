@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.connection
+import os
 import platform
 import random
 import statistics
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -37,9 +42,12 @@ from tqdm import tqdm
 from replica.batch import BatchPlan, DecodeStep, PlanEntry, PrefillChunk
 from replica.device import DTYPES, compute_device
 from replica.engine import Engine
+from replica.model_runner import ModelConfig, ModelRunner
+from replica.model_source import model_dir
 from replica.perf_fit import Sample, fit_profile, samples_to_json, split_samples
 from replica.perf_model import BatchFeatures, BatchShape, PerfModel
 from replica.request import Request, SamplingParams, Tier
+from replica.tensor_parallel import join, leave
 
 SETUP_CHUNK = 512
 """Setup prefills are fed in chunks of this many tokens (one request per step)."""
@@ -235,6 +243,25 @@ def _mean_features(shapes: Sequence[BatchShape]) -> BatchFeatures:
     )
 
 
+def check_clock(clock: Clock, device: torch.device, *, split: bool) -> None:
+    """The cpu clock measures only this process's CPU time: a step's whole cost on one CPU
+    thread, and no other case."""
+    if clock != "cpu":
+        return
+    if device.type != "cpu":
+        raise ValueError("the cpu clock does not see time spent on a GPU: use the wall clock")
+    if split:
+        raise ValueError(
+            "the cpu clock sees this process only, not the other tensor-parallel ranks: "
+            "use the wall clock"
+        )
+    if torch.get_num_threads() != 1:
+        raise ValueError(
+            f"the cpu clock sums every thread's time: use it with 1 torch thread, "
+            f"not {torch.get_num_threads()}"
+        )
+
+
 def profile_engine(
     engine: Engine,
     grid: Sequence[GridPoint],
@@ -256,13 +283,7 @@ def profile_engine(
     too_long = [p for p in grid if p.longest() > engine.max_model_len]
     if too_long:
         raise ValueError(f"grid point {too_long[0]} exceeds the model context")
-    if clock == "cpu" and engine.target.device.type != "cpu":
-        raise ValueError("the cpu clock does not see time spent on a GPU: use the wall clock")
-    if clock == "cpu" and torch.get_num_threads() != 1:
-        raise ValueError(
-            f"the cpu clock sums every thread's time: use it with 1 torch thread, "
-            f"not {torch.get_num_threads()}"
-        )
+    check_clock(clock, engine.target.device, split=engine.target.tp is not None)
     profiler = _Profiler(engine, repeats, clock)
     for point in grid[:2]:
         profiler.measure(point)
@@ -327,6 +348,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on cuda, float32 on cpu"
     )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the target over N processes (one GPU each with --device cuda; gloo on cpu), "
+        "as a replica with tensor_parallel_size N runs it; needs --clock wall",
+    )
     parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
     parser.add_argument("--plot", type=Path, help="PNG of predicted vs measured")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per visit")
@@ -354,13 +383,103 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     started = time.perf_counter()
+    size = args.tensor_parallel
     try:
         device, dtype = compute_device(args.device == "cuda", args.dtype, "--device cuda")
-    except RuntimeError as exc:
+        check_clock(args.clock, device, split=size > 1)
+        check_group_size(size, device)
+        ModelConfig.from_dir(model_dir(args.model, weights=False)).sharded(size)
+    except (RuntimeError, ValueError) as exc:
         raise SystemExit(f"slos-serve profile: error: {exc}") from None
-    engine = Engine.from_dirs(
-        args.model, args.draft, num_blocks=KV_BLOCKS, device=device, dtype=dtype
+    if size == 1:
+        engine = Engine.from_dirs(
+            args.model, args.draft, num_blocks=KV_BLOCKS, device=device, dtype=dtype
+        )
+        return _profile(args, engine, started)
+    with tempfile.TemporaryDirectory(prefix="slos-serve-profile-") as rendezvous:
+        address = (Path(rendezvous) / "group").as_uri()
+        spawn = multiprocessing.get_context("spawn")
+        ranks = [
+            spawn.Process(
+                target=_serve_rank,
+                args=(rank, size, address, str(args.model), device.type, dtype, args.threads),
+                name=f"tensor-parallel rank {rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for rank_process in ranks:
+            rank_process.start()
+        threading.Thread(target=_exit_if_a_rank_fails, args=(ranks,), daemon=True).start()
+        tp = join(0, size, address, rank_device(device, 0))
+        try:
+            engine = Engine.from_dirs(
+                args.model,
+                args.draft,
+                num_blocks=KV_BLOCKS,
+                device=rank_device(device, 0),
+                dtype=dtype,
+                tp=tp,
+            )
+            return _profile(args, engine, started)
+        finally:
+            tp.send_batch(None)
+            leave()
+            for rank_process in ranks:
+                rank_process.join()
+
+
+def check_group_size(size: int, device: torch.device) -> None:
+    if size < 1:
+        raise ValueError(f"--tensor-parallel must be >= 1, got {size}")
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(
+            f"--tensor-parallel {size} needs {size} GPUs; this process sees "
+            f"{torch.cuda.device_count()}"
+        )
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """One GPU per rank, all of them visible to this machine's processes; ranks share a CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _serve_rank(
+    rank: int, size: int, address: str, model: str, device: str, dtype: torch.dtype, threads: int
+) -> None:
+    """A rank > 0 of the profiled target (its own process): computes its share of every batch
+    rank 0 times, until rank 0 stops the group."""
+    torch.set_num_threads(threads)
+    where = rank_device(torch.device(device), rank)
+    runner = ModelRunner(
+        model_dir(model),
+        num_blocks=KV_BLOCKS,
+        dtype=dtype,
+        device=where,
+        tp=join(rank, size, address, where),
     )
+    runner.serve_batches()
+    leave()
+
+
+def _exit_if_a_rank_fails(ranks: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    """A rank that dies leaves rank 0 waiting in a collective: end the run, naming it."""
+    alive = list(ranks)
+    while alive:
+        multiprocessing.connection.wait([rank.sentinel for rank in alive])
+        for rank in [rank for rank in alive if rank.exitcode is not None]:
+            alive.remove(rank)
+            if rank.exitcode:
+                print(
+                    f"slos-serve profile: error: {rank.name} exited with code {rank.exitcode}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+
+def _profile(args: argparse.Namespace, engine: Engine, started: float) -> int:
+    """Time the grid on `engine`, fit, and write the profile (and its plot)."""
     speculative = args.draft is not None
     if args.quick:
         grid = quick_grid(speculative=speculative)
@@ -385,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model.name,
         draft=args.draft.name if args.draft else None,
         dtype=str(engine.target.dtype).removeprefix("torch."),
-        tp=1,
+        tp=args.tensor_parallel,
         date=datetime.now(UTC).date().isoformat(),
         notes=(
             f"Measured with `slos-serve profile` over {len(grid)} batch shapes, "

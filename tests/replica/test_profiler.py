@@ -3,6 +3,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,6 +140,60 @@ def test_cli_names_a_missing_gpu_and_a_clock_blind_to_it(target_dir: Path, tmp_p
     else:
         with pytest.raises(SystemExit, match="--device cuda, but torch in this process sees no"):
             run(parser.parse_args([*base, "--device", "cuda"]))
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cli_profiles_a_target_split_over_two_processes(
+    target_dir: Path, draft_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "tp2.json"
+    command = [sys.executable, "-m", "loadgen.cli", "profile", "--model", str(target_dir)]
+    command += ["--draft", str(draft_dir), "--out", str(out), "--tensor-parallel", "2"]
+    command += ["--clock", "wall", "--quick", "--repeats", "3", "--passes", "2", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    model = PerfModel.load(out)
+    assert model.info.tp == 2
+    assert len(model.info.fit["samples"]) == len(quick_grid(speculative=True))
+
+
+def test_cli_refuses_a_split_it_cannot_time_or_make(target_dir: Path, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--model", str(target_dir), "--out", str(tmp_path / "p.json"), "--quick"]
+    with pytest.raises(SystemExit, match="the cpu clock sees this process only"):
+        run(parser.parse_args([*base, "--tensor-parallel", "2"]))
+    with pytest.raises(SystemExit, match=r"tensor parallelism over 3 needs num_heads \(8\)"):
+        run(parser.parse_args([*base, "--tensor-parallel", "3", "--clock", "wall"]))
+    with pytest.raises(SystemExit, match="--tensor-parallel must be >= 1, got 0"):
+        run(parser.parse_args([*base, "--tensor-parallel", "0", "--clock", "wall"]))
+    assert not (tmp_path / "p.json").exists()
+
+
+WATCHED = """
+import multiprocessing, sys, time
+from replica.profiler import _exit_if_a_rank_fails
+if __name__ == "__main__":
+    ranks = [multiprocessing.Process(target=time.sleep, args=(3,), name="rank 1"),
+             multiprocessing.Process(target=sys.exit, args=(3,), name="rank 2")]
+    for rank in ranks:
+        rank.start()
+    _exit_if_a_rank_fails(ranks)
+    print("not reached")
+"""
+
+
+def test_a_rank_that_dies_ends_the_profile_naming_it() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", WATCHED], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1
+    assert "rank 2 exited with code 3" in done.stderr
+    assert "not reached" not in done.stdout
 
 
 def test_plot_fit_writes_a_png(tmp_path: Path) -> None:

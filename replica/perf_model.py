@@ -541,7 +541,7 @@ class PerfModel:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     @classmethod
-    def synthetic(cls, *terms: dict[str, float], note: str = "") -> PerfModel:
+    def synthetic(cls, *terms: dict[str, float], note: str = "", tp: int = 1) -> PerfModel:
         """A model from hand-set coefficients (features left out are 0).
 
         For worked examples stated in round numbers (the paper's "6 tokens per time unit"),
@@ -558,6 +558,7 @@ class PerfModel:
             backend="synthetic",
             device="synthetic",
             model="synthetic",
+            tp=tp,
             notes=(note,) if note else (),
         )
         return cls(terms=tuple(built), info=info)

@@ -108,7 +108,7 @@ class PerfExecutor:
         return list(self.sequences[request_id].output)
 
     def shape(self, plan: BatchPlan) -> BatchShape:
-        return BatchShape.of_plan(plan, lambda rid: self.sequences[rid].computed)
+        return BatchShape.of_plan(plan, lambda rid: self.sequences[rid].computed, self.perf.tp)
 
     def execute(self, plan: BatchPlan, now: float) -> tuple[BatchOutcome, float]:
         """Run one step starting at `now`; returns the outcome and the step's duration."""

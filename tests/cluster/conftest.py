@@ -19,13 +19,19 @@ from replica.request import Request, SamplingParams, Tier
 
 
 def write_profile(
-    path: Path, *, const: float = 0.05, tokens: float = 0.04, draft_steps: float = 0.05
+    path: Path,
+    *,
+    const: float = 0.05,
+    tokens: float = 0.04,
+    draft_steps: float = 0.05,
+    tp: int = 1,
 ) -> Path:
     """A one-term profile with round numbers, so admission verdicts are predictable: with
     these defaults a replica holds one request of a 100 ms TPOT tier, not two."""
     model = PerfModel.synthetic(
         {"const": const, "tokens": tokens, "draft_steps": draft_steps},
         note="Synthetic coefficients for tests, not a measurement.",
+        tp=tp,
     )
     model.save(path)
     return path

@@ -15,7 +15,7 @@ from cluster.config import ClusterConfig
 from cluster.handle import ClusterHandle, launch
 from cluster.replica_actor import worker_name
 from replica.engine import Engine
-from tests.cluster.conftest import all_alive, greedy_reference, status_until
+from tests.cluster.conftest import all_alive, greedy_reference, status_until, write_profile
 from tests.cluster.test_cluster_faults import holder, prompts, stream_with_hook
 
 pytestmark = pytest.mark.timeout(240)
@@ -25,13 +25,17 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def tp_cluster(
-    ray_session: None, runner: asyncio.Runner, target_dir: Path, draft_dir: Path, profile_path: Path
+    ray_session: None,
+    runner: asyncio.Runner,
+    target_dir: Path,
+    draft_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ClusterHandle]:
     """Two replicas of the demo pair, each target over two ranks (half a CPU each)."""
     config = ClusterConfig(
         model=str(target_dir),
         draft=str(draft_dir),
-        profile=str(profile_path),
+        profile=str(write_profile(tmp_path_factory.mktemp("tp2") / "synthetic.json", tp=2)),
         num_kv_blocks=256,
         replicas=2,
         tensor_parallel_size=2,

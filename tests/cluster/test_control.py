@@ -45,6 +45,17 @@ def decide(p: ControlPlane, request: Request, now: float = 100.0, ticks: int = 3
     raise AssertionError(f"no verdict for {request.request_id}")
 
 
+def test_a_profile_for_another_tensor_parallel_degree_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError,
+        match="is for tensor parallelism 1, but the replicas run "
+        "tensor_parallel_size 2: set `profile` to one made for 2",
+    ):
+        plane(tmp_path, tensor_parallel_size=2)
+    split = write_profile(tmp_path / "tp2.json", tp=2)
+    assert plane(tmp_path, tensor_parallel_size=2, profile=str(split)).replicas
+
+
 def test_declined_request_is_admitted_at_the_next_hop(tmp_path: Path) -> None:
     p = plane(tmp_path)
     first = decide(p, tight("a"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
@@ -26,6 +28,14 @@ def test_prefill_samples_the_first_token_and_decode_appends_accepted_drafts() ->
     assert outcome.outcomes[0].num_accepted_tokens == 1
     assert executor.output("a") == [token_id("a", j) for j in range(3)]
     assert executor.token_times["a"] == [2.0, 3.5, 3.5]
+
+
+def test_a_tensor_parallel_profile_times_steps_at_its_degree() -> None:
+    split = PerfModel(PERF.terms, replace(PERF.info, tp=4))
+    executor = PerfExecutor(split, CacheBudget(4, 4))
+    executor.add(make(prompt=4))
+    _, duration = executor.execute(BatchPlan((PrefillChunk("a", 4),)), 0.0)
+    assert duration == 2.0
 
 
 def test_preemption_keeps_tokens_and_resume_recomputes_them() -> None:

@@ -715,6 +715,17 @@ def plan(args: argparse.Namespace) -> Plan:
     )
 
 
+def _check_kv_bytes(name: str, perf: PerfModel) -> None:
+    """distserve moves each prompt's KV to a decode replica, priced by the profile's bytes per
+    token: refused before any run rather than after the other policies' runs."""
+    if "kv_bytes_per_token_per_gpu" not in perf.info.assumptions:
+        raise OptionError(
+            f"--policies distserve: profile {name!r} has no kv_bytes_per_token_per_gpu "
+            f"assumption (the KV bytes a token moves between replicas); re-measure it with "
+            f"`slos-serve profile`, which records it, or leave distserve out"
+        )
+
+
 def _profile(option: str, name: str) -> PerfModel:
     try:
         return PerfModel.load(resolve_profile(name))
@@ -727,6 +738,8 @@ def run(args: argparse.Namespace) -> int:
     perf = _profile("--profile", p.profile)
     baseline = p.baseline_profile
     baseline_perf = _profile("--baseline-profile", baseline) if baseline else None
+    if Policy.DISTSERVE in p.policies:
+        _check_kv_bytes(baseline or p.profile, baseline_perf or perf)
 
     def setup(scenario: Workload, requests_per_replica: int, window: int | None) -> Setup:
         return Setup(

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from replica.batch import BatchPlan, DecodeStep, PlanEntry, PrefillChunk
 from replica.device import DTYPES, compute_device
 from replica.engine import Engine
-from replica.model_runner import ModelConfig, ModelRunner
+from replica.model_runner import BLOCK_SIZE, ModelConfig, ModelRunner
 from replica.model_source import model_dir
 from replica.perf_fit import Sample, fit_profile, samples_to_json, split_samples
 from replica.perf_model import BatchFeatures, BatchShape, PerfModel
@@ -517,7 +517,11 @@ def _profile(args: argparse.Namespace, engine: Engine, started: float) -> int:
         seed=args.seed,
     )
     fit = {**model.info.fit, "samples": samples_to_json(samples)}
-    model = PerfModel(model.terms, replace(model.info, fit=fit))
+    target = engine.target
+    kv_per_token = target.config.kv_bytes_per_block(target.dtype) // BLOCK_SIZE
+    # What a DistServe-style simulation moves per token from a prefill to a decode replica.
+    assumptions = {"kv_bytes_per_token_per_gpu": kv_per_token}
+    model = PerfModel(model.terms, replace(model.info, fit=fit, assumptions=assumptions))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model.save(args.out)
     if args.plot is not None:

@@ -139,6 +139,18 @@ def test_a_bad_profile_is_named_without_a_traceback(tmp_path: Path) -> None:
         cli.main(["simulate", "--rate", "1", "--profile", str(foreign)])
 
 
+def test_distserve_on_a_profile_without_kv_bytes_is_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bare = tmp_path / "bare.json"
+    PerfModel.synthetic({"const": 0.01, "tokens": 0.001}).save(bare)
+    argv = ["simulate", "--rate", "1", "--duration", "5", "--profile", str(bare)]
+    with pytest.raises(SystemExit, match=r"--policies distserve: profile .* has no kv_bytes"):
+        cli.main([*argv, "--policies", "slos,distserve"])
+    assert "slos" not in capsys.readouterr().out  # no run printed before the refusal
+    assert cli.main([*argv, "--policies", "slos,vllm"]) == 0
+
+
 def test_a_live_runs_conditions_reach_the_setup(tmp_path: Path) -> None:
     """--zero-load, --length-scale, --baseline-profile and the slowdown replay a live CPU run:
     its measured SLOs and scaled lengths, the no-draft profile for the baselines, and replicas

@@ -128,6 +128,8 @@ def test_cli_writes_a_measured_profile(target_dir: Path, draft_dir: Path, tmp_pa
     assert model.info.draft == draft_dir.name
     assert model.info.notes[-1] == "smoke run"
     assert len(data["fit"]["samples"]) == len(quick_grid(speculative=True))
+    # 6 layers x K and V x 4 KV heads x 32 dims x 4 bytes
+    assert data["assumptions"] == {"kv_bytes_per_token_per_gpu": 6144}
 
 
 def test_cli_names_a_missing_gpu_and_a_clock_blind_to_it(target_dir: Path, tmp_path: Path) -> None:
@@ -157,6 +159,7 @@ def test_cli_profiles_a_target_split_over_two_processes(
     assert done.returncode == 0, done.stderr
     model = PerfModel.load(out)
     assert model.info.tp == 2
+    assert model.info.assumptions == {"kv_bytes_per_token_per_gpu": 3072}  # one rank's heads
     assert len(model.info.fit["samples"]) == len(quick_grid(speculative=True))
 
 

@@ -396,6 +396,15 @@ def run(args: argparse.Namespace) -> int:
             args.model, args.draft, num_blocks=KV_BLOCKS, device=device, dtype=dtype
         )
         return _profile(args, engine, started)
+    return _profile_split(args, device, dtype, started)
+
+
+def _profile_split(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, started: float
+) -> int:
+    """`_profile` on rank 0 of a target split over `args.tensor_parallel` processes, the others
+    started here and rendezvousing in a temporary directory (all on this machine)."""
+    size = args.tensor_parallel
     with tempfile.TemporaryDirectory(prefix="slos-serve-profile-") as rendezvous:
         address = (Path(rendezvous) / "group").as_uri()
         spawn = multiprocessing.get_context("spawn")

@@ -30,10 +30,10 @@ from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.model_source import load_tokenizer, model_dir
 from replica.request import Request
-from replica.sampling import make_generator, sample, token_probs
+from replica.sampling import make_generator, sample, seeded_choice, token_probs
 from replica.spec.draft import DraftJob, DraftModel, Proposal, load_draft_vocab
 from replica.spec.ngram import NgramProposer
-from replica.spec.verify import verify_greedy, verify_stochastic
+from replica.spec.verify import verify_choices, verify_stochastic
 from replica.tensor_parallel import TensorParallel
 
 ProposerKind = Literal["draft", "ngram"]
@@ -166,7 +166,7 @@ class Engine:
         request.check_fits(self.max_model_len, self.target.vocab_size)
         if request.sampling.stop and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
-        self._seqs[request.request_id] = _Seq(request, make_generator(request.sampling.seed))
+        self._seqs[request.request_id] = _Seq(request, make_generator())
 
     def abort(self, request_id: str) -> None:
         """Free the request's KV and forget it (also how finished requests are released)."""
@@ -366,7 +366,10 @@ class Engine:
             seq.num_computed += w.num_feed
             return RequestOutcome(rid, num_computed_tokens=seq.num_computed)
         if params.greedy:
-            new = verify_greedy(proposal, argmax)
+            new = verify_choices(proposal, argmax)
+        elif params.seed is not None:
+            choices = seeded_choice(token_probs(logits, params), params.seed, len(seq.tokens))
+            new = verify_choices(proposal, choices)
         elif proposal:
             probs = token_probs(logits, params)
             new = verify_stochastic(proposal, w.proposal.probs, probs, seq.generator)

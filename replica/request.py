@@ -57,7 +57,7 @@ class SamplingParams:
     top_k: int = 0
     """0 disables top-k."""
     seed: int | None = None
-    """Per-request generator seed: same seed, same output."""
+    """Same seed, same output, whatever the batching or speculation (replica.sampling)."""
     stop: tuple[str, ...] = ()
     """Strings that end generation (not included in the output)."""
     ignore_eos: bool = False
@@ -69,7 +69,7 @@ class SamplingParams:
         _check_finite("top_p", self.top_p, positive=True, upper=1.0)
         _check_int("top_k", self.top_k, low=0)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0, high=MAX_SEED)
+            _check_int("seed", self.seed, low=-MAX_SEED - 1, high=MAX_SEED)
         if isinstance(self.stop, str) or not isinstance(self.stop, Sequence):
             raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -1,8 +1,16 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator per request.
+"""Token sampling: greedy, temperature, top-k, top-p; seeded requests draw by position.
 
 `token_probs` is the single place a request's sampling parameters shape a distribution, so
 ordinary sampling, draft proposals and speculative verification all use the same one (the
 lossless acceptance rule needs p and q to be the distributions actually sampled from).
+
+A request without a seed draws from its own generator, and speculative steps use the rejection
+rule, which accepts the most drafts. A seeded request's token at sequence position n is
+argmax(p / E_n), with E_n exponential noise fixed by (seed, n): an exact draw from p (the
+exponential race) that does not depend on how the engine got there. The draft proposes with the
+same noise and a proposal is kept only where it equals the target's own choice, so the output
+is the same whatever the batching, the speculation lengths, a preemption or a move to another
+replica.
 """
 
 from __future__ import annotations
@@ -11,15 +19,33 @@ import torch
 
 from replica.request import SamplingParams
 
+_SEED_MIX = 0x9E3779B97F4A7C15
+_POSITION_MIX = 0xBF58476D1CE4E5B9
+"""Odd 64-bit multipliers spreading (seed, position) over the generator's seeds."""
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator: seeded for reproducible requests, from OS entropy otherwise."""
+
+def make_generator() -> torch.Generator:
+    """A CPU generator seeded from OS entropy: an unseeded request's own."""
     gen = torch.Generator()
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
+    gen.seed()
     return gen
+
+
+def position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """Exponential(1) noise [vocab] of a seeded request at sequence position `position`
+    (float64, and never 0, so no probability is divided by zero)."""
+    gen = torch.Generator().manual_seed((seed * _SEED_MIX + position * _POSITION_MIX) % 2**64)
+    noise = torch.empty(vocab, dtype=torch.float64).exponential_(generator=gen)
+    return noise.clamp_min_(torch.finfo(torch.float64).tiny)
+
+
+def seeded_choice(probs: torch.Tensor, seed: int, position: int) -> list[int]:
+    """One token per row of `probs` [n, vocab], row i at sequence position `position + i`."""
+    vocab = probs.shape[-1]
+    return [
+        int(torch.argmax(row / position_noise(seed, position + i, vocab)))
+        for i, row in enumerate(probs)
+    ]
 
 
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -294,13 +294,13 @@ def _sampling(
     max_tokens = _int(body, max_tokens_name, default, low=1, high=ctx.max_model_len)
     seed = body.get("seed")
     if seed is not None:
-        seed = _int(body, "seed", 0, low=0, high=MAX_SEED)
+        seed = _int(body, "seed", 0, low=-MAX_SEED - 1, high=MAX_SEED)
     return _build(
         lambda: SamplingParams(
             max_tokens=max_tokens,
             temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
             top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0),
-            top_k=_int(body, "top_k", 0, low=0, high=ctx.vocab_size),
+            top_k=max(_int(body, "top_k", 0, low=-1, high=ctx.vocab_size), 0),  # vLLM's -1: off
             seed=seed,
             stop=_stop(body.get("stop")),
             ignore_eos=_bool(body, "ignore_eos", False),

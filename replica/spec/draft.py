@@ -25,7 +25,7 @@ import torch
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.request import SamplingParams
-from replica.sampling import sample, token_probs
+from replica.sampling import sample, seeded_choice, token_probs
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -59,7 +59,8 @@ class DraftJob:
 class Proposal:
     tokens: list[int]
     probs: torch.Tensor | None
-    """Draft distributions [k, vocab] the tokens were sampled from; None for greedy requests."""
+    """Draft distributions [k, vocab] the tokens were sampled from; None where verification
+    needs none (greedy and seeded requests: they keep what the target itself chooses)."""
 
 
 class DraftModel:
@@ -118,10 +119,14 @@ class DraftModel:
             greedy_choice = self._token_ids(logits.argmax(dim=-1)).tolist()
             for row, i in enumerate(active):
                 job = jobs[i]
-                if job.params.greedy:
+                params = job.params
+                if params.greedy:
                     token = greedy_choice[row]
+                elif params.seed is not None:
+                    probs = self._full_vocab(token_probs(logits[row : row + 1], params))
+                    token = seeded_choice(probs, params.seed, len(job.tokens) + step)[0]
                 else:
-                    probs = self._full_vocab(token_probs(logits[row : row + 1], job.params))
+                    probs = self._full_vocab(token_probs(logits[row : row + 1], params))
                     token = sample(probs, job.generator)[0]
                     prob_rows[i].append(probs[0])
                 proposals[i].tokens.append(token)

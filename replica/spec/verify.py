@@ -10,23 +10,25 @@ from __future__ import annotations
 import torch
 
 
-def verify_greedy(proposal: list[int], target_argmax: list[int]) -> list[int]:
-    """Longest prefix of `proposal` equal to the target's argmax, then the target's next token.
+def verify_choices(proposal: list[int], target_choices: list[int]) -> list[int]:
+    """Longest prefix of `proposal` equal to the target's own choices, then the target's next
+    token: the output is exactly what the target alone would choose (greedy: its argmax;
+    seeded: its draw with the position's noise, replica.sampling).
 
-    `target_argmax[i]` is the target's choice after the context plus proposal[:i]
+    `target_choices[i]` is the target's choice after the context plus proposal[:i]
     (len(proposal) + 1 entries).
     """
-    if len(target_argmax) != len(proposal) + 1:
+    if len(target_choices) != len(proposal) + 1:
         raise ValueError(
             f"need {len(proposal) + 1} target tokens for {len(proposal)} proposed, "
-            f"got {len(target_argmax)}"
+            f"got {len(target_choices)}"
         )
     out: list[int] = []
-    for token, choice in zip(proposal, target_argmax, strict=False):
+    for token, choice in zip(proposal, target_choices, strict=False):
         out.append(choice)
         if token != choice:
             return out
-    out.append(target_argmax[len(proposal)])
+    out.append(target_choices[len(proposal)])
     return out
 
 

@@ -68,16 +68,17 @@ def test_top_p_range(value: float) -> None:
 
 
 @given(st.integers(max_value=-1))
-def test_top_k_and_seed_non_negative(value: int) -> None:
+def test_top_k_non_negative(value: int) -> None:
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=value)
-    with pytest.raises(ValueError, match="seed"):
-        SamplingParams(seed=value)
 
 
-def test_seed_upper_bound_and_stop_entries() -> None:
-    with pytest.raises(ValueError, match="seed"):
-        SamplingParams(seed=2**63)
+def test_seed_is_a_64_bit_integer_and_stop_entries() -> None:
+    assert SamplingParams(seed=-1).seed == -1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    for seed in (2**63, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop="abc")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stop"):

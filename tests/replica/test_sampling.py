@@ -1,11 +1,11 @@
-"""Sampling: the distribution each request's parameters define, and seeded reproducibility."""
+"""Sampling: the distribution each request's parameters define, and seeded draws by position."""
 
 from __future__ import annotations
 
 import torch
 
 from replica.request import SamplingParams
-from replica.sampling import make_generator, sample, token_probs
+from replica.sampling import sample, seeded_choice, token_probs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
@@ -34,8 +34,27 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     assert torch.allclose(probs[0, :2], full[:2] / top_two)
 
 
-def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
+def test_same_generator_seed_same_tokens_other_seed_other_tokens() -> None:
     probs = torch.softmax(torch.zeros(1, 1000), dim=-1)
-    draws = [sample(probs.expand(8, -1), make_generator(seed)) for seed in (7, 7, 8)]
+    draws = [sample(probs.expand(8, -1), torch.Generator().manual_seed(s)) for s in (7, 7, 8)]
     assert draws[0] == draws[1]
     assert draws[0] != draws[2]
+
+
+def test_a_seeded_draw_is_fixed_by_seed_and_position_alone() -> None:
+    probs = torch.softmax(torch.zeros(1, 1000), dim=-1).expand(6, -1)
+    draws = seeded_choice(probs, 7, 40)
+    assert draws == seeded_choice(probs, 7, 40)
+    assert seeded_choice(probs[2:], 7, 42) == draws[2:]  # row i is position 40 + i
+    assert seeded_choice(probs, 8, 40) != draws
+    assert seeded_choice(probs, -8, 40) != seeded_choice(probs, 8, 40)
+    assert len(set(draws)) > 1
+
+
+def test_seeded_draws_follow_the_distribution() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0, 0.0]])
+    draws = [seeded_choice(probs, seed, 17)[0] for seed in range(4000)]
+    shares = [draws.count(token) / len(draws) for token in range(5)]
+    assert shares[3] == shares[4] == 0.0
+    for share, p in zip(shares, [0.5, 0.3, 0.2], strict=False):
+        assert abs(share - p) < 0.03, shares

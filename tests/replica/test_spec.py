@@ -13,17 +13,17 @@ from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
 from replica.spec.draft import DRAFT_VOCAB_FILE, DraftJob, DraftModel, load_draft_vocab
 from replica.spec.ngram import NgramProposer
-from replica.spec.verify import verify_greedy, verify_stochastic
+from replica.spec.verify import verify_choices, verify_stochastic
 
 # Chi-square critical value for 5 degrees of freedom at p = 0.001.
 CHI2_CRITICAL_DF5 = 20.52
 
 
 def test_greedy_verification_accepts_the_matching_prefix_plus_one() -> None:
-    assert verify_greedy([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
-    assert verify_greedy([4, 9, 6], [4, 5, 6, 7]) == [4, 5]
-    assert verify_greedy([9], [3, 8]) == [3]
-    assert verify_greedy([], [3]) == [3]
+    assert verify_choices([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert verify_choices([4, 9, 6], [4, 5, 6, 7]) == [4, 5]
+    assert verify_choices([9], [3, 8]) == [3]
+    assert verify_choices([], [3]) == [3]
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -218,24 +218,31 @@ def test_a_prefill_the_draft_cache_cannot_hold_is_refused(
 
 
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
-def test_seeded_speculative_sampling_is_reproducible(
+def test_seeded_sampling_gives_the_same_tokens_at_any_speculation_length(
     runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]], proposer: ProposerKind
 ) -> None:
+    """Speculating or not, k = 1..5 varying step by step, or resumed elsewhere with its output
+    as prompt (a migration): a seed fixes the tokens."""
     engine = _engine(runners, proposer)
 
-    def run(rid: str, seed: int) -> list[int]:
+    def run(rid: str, seed: int, ks: list[int], prompt: list[int] = prompts[1]) -> list[int]:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=seed, ignore_eos=True)
-        engine.add_request(Request(rid, prompts[1], params, tier=Tier.BEST_EFFORT))
-        engine.step(BatchPlan((PrefillChunk(rid, len(prompts[1])),)))
+        engine.add_request(Request(rid, prompt, params, tier=Tier.BEST_EFFORT))
+        engine.step(BatchPlan((PrefillChunk(rid, len(prompt)),)))
+        step = 0
         while engine.finish_reason(rid) is None:
-            engine.step(BatchPlan((DecodeStep(rid, 3),)))
+            engine.step(BatchPlan((DecodeStep(rid, ks[step % len(ks)]),)))
+            step += 1
         out = engine.output_token_ids(rid)
         engine.abort(rid)
         assert len(out) == MAX_TOKENS
         return out
 
-    assert run("a", 3) == run("b", 3)
-    assert run("c", 3) != run("d", 4)
+    plain = run("a", 3, [0])
+    assert run("b", 3, [3]) == plain
+    assert run("c", 3, [1, 5, 2, 0, 4]) == plain
+    assert plain[5:] == run("d", 3, [2], prompts[1] + plain[:5])[: MAX_TOKENS - 5]
+    assert run("e", 4, [3]) != plain
 
 
 @pytest.fixture(scope="module")
@@ -267,13 +274,21 @@ def test_a_cut_head_proposes_inside_its_vocabulary_with_full_distributions(
             "s",
             prompts[1],
             4,
-            SamplingParams(max_tokens=8, temperature=1.0, seed=1),
+            SamplingParams(max_tokens=8, temperature=1.0),
             torch.Generator().manual_seed(1),
+        ),
+        DraftJob(
+            "d",
+            prompts[2],
+            4,
+            SamplingParams(max_tokens=8, temperature=1.0, seed=1),
+            torch.Generator(),
         ),
     ]
     inside = set(head.tolist())
-    greedy, sampled = draft.propose(jobs)
+    greedy, sampled, seeded = draft.propose(jobs)
     assert greedy.probs is None and set(greedy.tokens) <= inside
+    assert seeded.probs is None and set(seeded.tokens) <= inside and len(seeded.tokens) == 4
     assert set(sampled.tokens) <= inside
     assert sampled.probs is not None and sampled.probs.shape == (4, cut_runners[1].vocab_size)
     off = torch.ones(cut_runners[1].vocab_size, dtype=torch.bool)

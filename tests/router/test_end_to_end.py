@@ -70,6 +70,21 @@ def test_streamed_completion_equals_unstreamed(oai: openai.OpenAI, greedy_text: 
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
 
 
+def test_a_seed_gives_the_same_text_on_either_replica_streamed_or_not(oai: openai.OpenAI) -> None:
+    """Sampled (temperature 0.9) and speculating: the seed alone fixes the text."""
+    body: dict[str, Any] = dict(model="demo", prompt=PROMPT, max_tokens=24, temperature=0.9)
+    texts, replicas = set(), set()
+    for _ in range(4):
+        out = oai.completions.create(**body, seed=1234)
+        texts.add(out.choices[0].text)
+        replicas.add(out.model_extra["slos_serve"]["replica"])
+    stream = oai.completions.create(**body, seed=1234, stream=True)
+    texts.add("".join(c.choices[0].text for c in stream if c.choices))
+    assert len(texts) == 1 and replicas == {0, 1}, (texts, replicas)
+    other = oai.completions.create(**body, seed=4321)
+    assert other.choices[0].text not in texts
+
+
 def test_chat_stream_with_usage(oai: openai.OpenAI) -> None:
     stream = oai.chat.completions.create(
         model="demo",

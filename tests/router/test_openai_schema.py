@@ -95,6 +95,8 @@ def test_completion_fields(codec: TextCodec, ctx: SchemaContext) -> None:
     )
     assert parsed.stream and not parsed.include_usage
     assert parsed.request.value == 4.0
+    vllm_style = parse(codec, ctx, {"model": "demo", "prompt": "x", "top_k": -1, "seed": -1})
+    assert (vllm_style.request.sampling.top_k, vllm_style.request.sampling.seed) == (0, -1)
 
 
 def test_chat_uses_template_and_remaining_context(codec: TextCodec, ctx: SchemaContext) -> None:
@@ -151,7 +153,8 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo", "prompt": "x", "max_tokens": True}, "max_tokens"),
         ({"model": "demo", "prompt": "x", "temperature": math.nan}, "temperature"),
         ({"model": "demo", "prompt": "x", "top_p": 0}, "top_p"),
-        ({"model": "demo", "prompt": "x", "seed": -1}, "seed"),
+        ({"model": "demo", "prompt": "x", "seed": -(2**63) - 1}, "seed"),
+        ({"model": "demo", "prompt": "x", "top_k": -2}, "top_k"),
         ({"model": "demo", "prompt": "x", "stop": ["a", 3]}, "stop"),
         ({"model": "demo", "prompt": "x", "n": 2}, "n"),
         ({"model": "demo", "prompt": "x", "echo": True}, "echo"),

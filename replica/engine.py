@@ -402,7 +402,7 @@ class Engine:
             if token in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = FinishReason.STOP
                 break
-            if params.stop and self._cut_at_stop(seq, before):
+            if params.stop and self._completes_a_stop(seq):
                 seq.finish_reason = FinishReason.STOP
                 break
             if len(seq.output) >= params.max_tokens:
@@ -410,21 +410,17 @@ class Engine:
                 break
         return seq.output[before:]
 
-    def _cut_at_stop(self, seq: _Seq, keep: int) -> bool:
-        """If the output text now contains a stop string, drop this step's tokens from where
-        it starts (tokens of earlier steps were already reported and stay)."""
+    def _completes_a_stop(self, seq: _Seq) -> bool:
+        """Whether the token just appended completes a stop string in the output text. Checked
+        at every token, so a match must end in that token: only the text of the last few
+        tokens is decoded (a character may take several byte-level tokens). The token stays
+        in the output, as in vLLM; the text the client sees is cut before the stop string by
+        the front door (router.stops)."""
         assert self.detokenize is not None
-        text = self.detokenize(seq.output)
-        starts = [text.find(s) for s in seq.request.sampling.stop]
-        hits = [i for i in starts if i >= 0]
-        if not hits:
-            return False
-        first = min(hits)
-        cut = len(seq.output) - 1
-        while cut > keep and len(self.detokenize(seq.output[:cut])) > first:
-            cut -= 1
-        del seq.output[cut:]
-        return True
+        stops = seq.request.sampling.stop
+        window = 4 * max(len(s) for s in stops) + 8
+        text = self.detokenize(seq.output[-window:])
+        return any(s in text for s in stops)
 
 
 def _draft_tokens(w: _Work) -> int:
@@ -442,6 +438,6 @@ def load_detokenizer(folder: str | Path) -> Detokenize | None:
         return None
 
     def detokenize(ids: list[int]) -> str:
-        return str(tokenizer.decode(ids, skip_special_tokens=False))
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
 
     return detokenize

@@ -27,6 +27,7 @@ from router.auth import ApiKeys
 from router.errors import BadRequest, ModelNotFound, Rejected, Unauthorized, Unavailable
 from router.metrics import FrontDoorMetrics
 from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body
+from router.stops import StopText
 from router.tokenizer import IncrementalDetokenizer, TextCodec
 
 
@@ -82,6 +83,7 @@ class Generation:
         self.first = first
         self.rest = rest
         self.detokenizer: IncrementalDetokenizer = door.codec.detokenizer()
+        self.stop_text = StopText(parsed.request.sampling.stop)
         self.finished = False
         self.last_token_time: float | None = None
 
@@ -104,7 +106,7 @@ class Generation:
         item: TokenChunk | FinalRecord | None = self.first
         while item is not None:
             if isinstance(item, FinalRecord):
-                tail = self.detokenizer.flush()
+                tail = self.stop_text.push(self.detokenizer.flush()) + self.stop_text.flush()
                 if tail:
                     yield TextDelta(tail, ())
                 self.finished = True
@@ -114,7 +116,8 @@ class Generation:
             self.last_token_time = self.door.metrics.record_tokens(
                 self.parsed.slo_label, self.last_token_time, item.times
             )
-            yield TextDelta(self.detokenizer.push(item.token_ids), item.token_ids)
+            text = self.stop_text.push(self.detokenizer.push(item.token_ids))
+            yield TextDelta(text, item.token_ids)
             try:
                 item = await anext(self.rest, None)
             except ClusterUnavailable as exc:

@@ -89,6 +89,13 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
     tenant = door.authenticate(request.headers.get("authorization"))
     try:
         body = json.loads(await request.body())
+        # JSON may escape a lone UTF-16 surrogate ("\ud800"); no tokenizer takes one.
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        door.metrics.reject(tenant, "bad_request")
+        raise BadRequest(
+            "the request body holds a lone UTF-16 surrogate, which is not text"
+        ) from None
     except (ValueError, RecursionError):
         door.metrics.reject(tenant, "bad_request")
         raise BadRequest("the request body is not valid JSON") from None

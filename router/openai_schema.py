@@ -100,10 +100,22 @@ COMMON_FIELDS = {
     "frequency_penalty",
     "logit_bias",
     "logprobs",
+    "repetition_penalty",
+    "store",
+    "metadata",
 }
 FIELDS = {
     Endpoint.COMPLETIONS: COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"},
-    Endpoint.CHAT: COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"},
+    Endpoint.CHAT: COMMON_FIELDS
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -153,11 +165,11 @@ def parse_body(
     options = body.get("stream_options")
     if options is not None and not stream:
         raise BadRequest("stream_options needs stream: true", "stream_options")
-    include_usage = True
+    include_usage = False  # as OpenAI: a stream's usage chunk (no choices) only when asked
     if options is not None:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise BadRequest("stream_options may hold only include_usage", "stream_options")
-        include_usage = _bool(options, "include_usage", True, "stream_options.include_usage")
+        include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
     return ParsedRequest(endpoint, request, stream, include_usage, slo_label)
 
 
@@ -184,7 +196,13 @@ def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
         "logprobs": (None, False) + ((0,) if endpoint is Endpoint.COMPLETIONS else ()),
         "top_logprobs": (None, 0),
         "echo": (None, False),
-        "suffix": (None,),
+        "suffix": (None, ""),
+        "repetition_penalty": (None, 1, 1.0),
+        "store": (None, False),
+        "response_format": (None, {"type": "text"}),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None, True, False),
     }
     for name, allowed in noop.items():
         value = body.get(name)
@@ -196,6 +214,12 @@ def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest("user must be a string", "user")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and all(isinstance(v, str) for v in metadata.values())  # keys are str in JSON
+    ):
+        raise BadRequest("metadata must be an object of strings", "metadata")
 
 
 def _prompt_ids(

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from replica.batch import BatchPlan, DecodeStep, PrefillChunk
-from replica.engine import Engine, ProposerKind
+from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
+from replica.engine import Engine, ProposerKind, load_detokenizer
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
 from replica.spec.draft import DRAFT_VOCAB_FILE, DraftJob, DraftModel, load_draft_vocab
@@ -215,6 +215,26 @@ def test_a_prefill_the_draft_cache_cannot_hold_is_refused(
     assert engine.cache.num_tokens("a") == 0 and engine.num_computed_tokens("a") == 0
     engine.step(BatchPlan((PrefillChunk("a", 16),)))
     assert engine.num_computed_tokens("a") == 16
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_output_as_without_them(
+    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]], target_dir: Path
+) -> None:
+    detok = load_detokenizer(target_dir)
+    assert detok is not None
+    engine = Engine(*runners, proposer="draft", detokenize=detok)
+    plain = _generate(_engine(runners, None), prompts[:1], [0])[0]
+    stop = detok(plain)[len(detok(plain[:5])) - 1 :][:3]
+    want = next(n for n in range(1, len(plain) + 1) if stop in detok(plain[:n]))
+    assert want < MAX_TOKENS
+    params = SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,), ignore_eos=True)
+    engine.add_request(Request("s", prompts[0], params, tier=Tier.BEST_EFFORT))
+    engine.step(BatchPlan((PrefillChunk("s", len(prompts[0])),)))
+    while engine.finish_reason("s") is None:
+        engine.step(BatchPlan((DecodeStep("s", 4),)))
+    assert engine.output_token_ids("s") == plain[:want]
+    assert engine.finish_reason("s") is FinishReason.STOP
+    engine.abort("s")
 
 
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])

@@ -65,9 +65,19 @@ def test_streamed_completion_equals_unstreamed(oai: openai.OpenAI, greedy_text: 
         model="demo", prompt=PROMPT, max_tokens=8, temperature=0, stream=True
     )
     chunks = list(stream)
-    text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == greedy_text
-    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+    assert all(c.choices for c in chunks)  # no usage chunk unless asked, as OpenAI
+    assert "".join(c.choices[0].text for c in chunks) == greedy_text
+    asked = list(
+        oai.completions.create(
+            model="demo",
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert asked[-1].usage is not None and asked[-1].usage.total_tokens > 0
 
 
 def test_a_seed_gives_the_same_text_on_either_replica_streamed_or_not(oai: openai.OpenAI) -> None:
@@ -83,6 +93,22 @@ def test_a_seed_gives_the_same_text_on_either_replica_streamed_or_not(oai: opena
     assert len(texts) == 1 and replicas == {0, 1}, (texts, replicas)
     other = oai.completions.create(**body, seed=4321)
     assert other.choices[0].text not in texts
+
+
+def test_a_stop_string_inside_a_token_cuts_the_text_right_before_it(
+    oai: openai.OpenAI, live: LocalFrontDoor
+) -> None:
+    body: dict[str, Any] = dict(model="demo", prompt=PROMPT, max_tokens=24, temperature=0)
+    full = oai.completions.create(**body).choices[0].text
+    ids = live.door.codec.encode(full)
+    starts = {len(live.door.codec.decode(ids[:n])) for n in range(len(ids) + 1)}
+    at = next(i for i in range(1, len(full) - 2) if i not in starts and full.find(full[i]) == i)
+    stop = full[at : at + 2]
+    assert full.find(stop) == at
+    out = oai.completions.create(**body, stop=stop)
+    assert out.choices[0].text == full[:at] and out.choices[0].finish_reason == "stop"
+    streamed = oai.completions.create(**body, stop=[stop, "\u2603"], stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:at]
 
 
 def test_chat_stream_with_usage(oai: openai.OpenAI) -> None:
@@ -161,6 +187,17 @@ def test_errors_have_the_right_status(oai: openai.OpenAI, live: LocalFrontDoor) 
         live.http_url + "/v1/completions", content=b"[[[[" * 5000, headers=auth(), timeout=30
     )
     assert r.status_code == 400
+    lone_surrogates = [
+        ("/v1/completions", b'{"model": "demo", "prompt": "\\ud800"}'),
+        ("/v1/completions", b'{"model": "demo", "prompt": "x", "\\udfff": 1}'),
+        (
+            "/v1/chat/completions",
+            b'{"model": "demo", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+        ),
+    ]
+    for path, content in lone_surrogates:
+        r = httpx.post(live.http_url + path, content=content, headers=auth(), timeout=30)
+        assert r.status_code == 400 and "lone UTF-16 surrogate" in r.json()["error"]["message"]
 
 
 def test_models_health_status_metrics(oai: openai.OpenAI, live: LocalFrontDoor) -> None:

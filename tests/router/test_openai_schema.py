@@ -63,7 +63,7 @@ def test_completion_defaults(codec: TextCodec, ctx: SchemaContext) -> None:
     assert req.sampling.temperature == 1.0
     assert req.slo == DEFAULT and req.tier is Tier.SLO and req.value == 1.0
     assert req.request_id == "r1" and req.arrival_time == 100.0 and req.model == "demo"
-    assert not parsed.stream and parsed.include_usage and parsed.slo_label == "default"
+    assert not parsed.stream and not parsed.include_usage and parsed.slo_label == "default"
 
 
 def test_completion_fields(codec: TextCodec, ctx: SchemaContext) -> None:
@@ -167,6 +167,9 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo", "prompt": "x", "slo": "chat", "service_tier": "flex"}, "slo"),
         ({"model": "demo", "prompt": "x", "stream_options": {}}, "stream_options"),
         ({"model": "demo", "prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ({"model": "demo", "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"model": "demo", "prompt": "x", "metadata": {"k": 1}}, "metadata"),
+        ({"model": "demo", "prompt": "x", "tools": []}, "tools"),  # a chat field
         ({"model": "demo", "prompt": "x" * 2048 * 17}, "prompt"),
     ],
 )
@@ -179,6 +182,28 @@ def test_bad_fields_are_named(
         assert info.value.param == param
     else:
         assert info.value.param is not None and info.value.param.startswith("slo.stages[0]")
+
+
+def test_openai_and_vllm_options_at_their_no_op_are_accepted(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    """What SDKs send by default; any other value is refused by name (above)."""
+    common = {"store": False, "metadata": {"app": "x"}, "repetition_penalty": 1.0}
+    parse(codec, ctx, {"model": "demo", "prompt": "x", "suffix": "", **common})
+    chat = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "text"},
+        "tools": [],
+        "tool_choice": "none",
+        "parallel_tool_calls": True,
+        **common,
+    }
+    parse(codec, ctx, chat, endpoint=Endpoint.CHAT)
+    for name, value in [("response_format", {"type": "json_object"}), ("tool_choice", "auto")]:
+        with pytest.raises(BadRequest, match="is not supported") as info:
+            parse(codec, ctx, {**chat, name: value}, endpoint=Endpoint.CHAT)
+        assert info.value.param == name
 
 
 def test_bad_header_is_named(codec: TextCodec, ctx: SchemaContext) -> None:

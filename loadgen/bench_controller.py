@@ -32,6 +32,8 @@ from cluster.control import ControlPlane, Decision
 from cluster.controller import build_plane
 from cluster.handle import start_actor
 from cluster.messages import StepReport
+from loadgen.simulate import load_profile
+from replica.arguments import non_negative_int, output_file, positive_float, positive_int
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.executor import PerfExecutor
@@ -45,21 +47,25 @@ TIERS_MS = ((600.0, 100.0), (1500.0, 150.0))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", type=Path, help="write results here")
-    parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="perf profile JSON")
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=2000, help="simulated arrivals")
+    parser.add_argument("--json", type=output_file, help="write results here")
+    parser.add_argument(
+        "--profile", default=str(DEFAULT_PROFILE), help="perf profile: a path or a name"
+    )
+    parser.add_argument("--replicas", type=positive_int, default=8)
+    parser.add_argument("--requests", type=positive_int, default=2000, help="simulated arrivals")
     parser.add_argument(
         "--rates",
-        type=float,
+        type=positive_float,
         nargs="+",
         default=[80.0, 200.0, 400.0],
         help="arrival rates (cluster, per second); the summary reports the first",
     )
-    parser.add_argument("--tick-ms", type=float, default=10.0, help="planning tick period")
-    parser.add_argument("--ray-calls", type=int, default=200, help="decisions timed via Ray")
+    parser.add_argument("--tick-ms", type=positive_float, default=10.0, help="planning tick period")
+    parser.add_argument(
+        "--ray-calls", type=positive_int, default=200, help="decisions timed via Ray"
+    )
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray-path measurement")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--quick", action="store_true", help="smoke test: few requests and calls")
 
 
@@ -241,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.requests = min(args.requests, 200)
         args.ray_calls = min(args.ray_calls, 20)
-    perf = PerfModel.load(args.profile)
+    perf = load_profile("--profile", args.profile)
     sims = [simulate(args, perf, rate) for rate in args.rates]
     out: dict[str, Any] = {
         "bench": "controller",

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from replica.arguments import output_file, positive_int
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
@@ -66,10 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models = _default_models_dir()
     parser.add_argument("--target", type=Path, default=models / "demo-target")
     parser.add_argument("--draft", type=Path, default=models / "demo-draft")
-    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--json", type=output_file, help="write the results here")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per case; the best counts")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=3, help="runs per case; the best counts"
+    )
     parser.add_argument(
         "--dtype",
         choices=[*DTYPES, "all"],

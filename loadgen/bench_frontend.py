@@ -27,7 +27,7 @@ import httpx
 import ray
 
 from cluster.api import FinalRecord
-from loadgen.cli import OptionError
+from replica.arguments import output_file, positive_float, positive_int
 from replica.request import Request, SamplingParams, Tier
 from router.client import AsyncClient, Client
 from router.config import FrontDoorConfig
@@ -39,13 +39,15 @@ PROMPT = "Hello"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     demo = Path(os.environ.get("SLOS_DEMO_DIR", ROOT / "deploy" / "models"))
-    parser.add_argument("--json", type=Path, help="write results here")
+    parser.add_argument("--json", type=output_file, help="write results here")
     parser.add_argument("--target", type=Path, default=demo / "demo-target")
     parser.add_argument("--draft", type=Path, default=demo / "demo-draft")
     parser.add_argument("--profile", type=Path, help="perf profile (default: the cluster's)")
-    parser.add_argument("--rounds", type=int, default=200, help="latency rounds")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per rate test")
+    parser.add_argument("--rounds", type=positive_int, default=200, help="latency rounds")
+    parser.add_argument("--concurrency", type=positive_int, default=16)
+    parser.add_argument(
+        "--duration", type=positive_float, default=10.0, help="seconds per rate test"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: 20 rounds, 2 s rates")
 
 
@@ -173,8 +175,6 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.rounds < 1 or args.concurrency < 1 or args.duration <= 0:
-        raise OptionError("--rounds and --concurrency must be >= 1 and --duration > 0")
     rounds = min(args.rounds, 20) if args.quick else args.rounds
     duration = min(args.duration, 2.0) if args.quick else args.duration
     if not ray.is_initialized():

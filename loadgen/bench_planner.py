@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import OptionError
+from loadgen.simulate import load_profile
 from replica import compiled
+from replica.arguments import non_negative_int, output_file, positive_int
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.config import InvocationConfig, PlannerConfig
@@ -38,10 +39,12 @@ DEFAULT_PROFILE = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", type=Path, help="write results here")
-    parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE, help="perf profile JSON")
-    parser.add_argument("--calls", type=int, default=300, help="timed calls per case")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=output_file, help="write results here")
+    parser.add_argument(
+        "--profile", default=str(DEFAULT_PROFILE), help="perf profile: a path or a name"
+    )
+    parser.add_argument("--calls", type=positive_int, default=300, help="timed calls per case")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--quick", action="store_true", help="smoke test: few calls, small cases")
 
 
@@ -118,9 +121,7 @@ def bench_case(
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.calls < 1:
-        raise OptionError(f"--calls must be >= 1, got {args.calls}")
-    perf = PerfModel.load(args.profile)
+    perf = load_profile("--profile", args.profile)
     calls = min(args.calls, 20) if args.quick else args.calls
     cases = CASES[:3] if args.quick else CASES
     results = []

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
+from replica.arguments import OptionError
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("replica.demo", "generate with the demo pair on one local replica and print tokens/s"),
     "profile": ("replica.profiler", "profile the engine and fit a batch-time model"),
@@ -27,10 +29,6 @@ BENCHES: dict[str, tuple[str, str]] = {
     "controller": ("loadgen.bench_controller", "routing/admission decisions per second"),
     "frontend": ("loadgen.bench_frontend", "added latency and max req/s of HTTP and gRPC"),
 }
-
-
-class OptionError(ValueError):
-    """A bad option or option combination: `main` reports it as one `PROG: error:` line."""
 
 
 def package_version() -> str:

@@ -40,12 +40,11 @@ import yaml
 from cluster.config import ClusterConfig, SchedulerKind
 from cluster.simulator import tightest_tpot_s
 from loadgen import run_load
-from loadgen.cli import OptionError
 from loadgen.plots import Curve, Panel, plot_attainment
 from loadgen.serve_process import ServeCommand, ServeError, local_address, served
 from loadgen.simulate import sim_requests
 from loadgen.zero_load import ZeroLoad
-from replica.perf_model import PerfModel
+from replica.arguments import OptionError, output_file, positive_int
 
 
 @dataclass(frozen=True)
@@ -127,12 +126,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=positive_int,
         default=1,
         help="run the configs in turn this many times (A B C A B C ...); the summary takes "
         "each config's median and gives every round's ratio",
     )
-    parser.add_argument("--plot", type=Path, help="PNG: attainment vs rate per config")
+    parser.add_argument("--plot", type=output_file, help="PNG: attainment vs rate per config")
 
 
 def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
@@ -143,10 +142,6 @@ def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
         raise ValueError(f"--startup-timeout must be finite and > 0, got {args.startup_timeout!r}")
     if not math.isfinite(args.settle) or args.settle < 0:
         raise ValueError(f"--settle must be finite and >= 0, got {args.settle!r}")
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
-    if args.plot is not None and not args.plot.parent.is_dir():
-        raise ValueError(f"--plot: directory {str(args.plot.parent)!r} does not exist")
     paths = [Path(p) for p in args.configs.split(",") if p]
     if len(paths) < 2:
         raise ValueError(f"--configs needs two or more configs to compare, got {args.configs!r}")
@@ -166,7 +161,7 @@ def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
 
 def workload_tightest_tpot_ms(args: argparse.Namespace, zero_load: ZeroLoad | None) -> float:
     """The tightest TPOT the workload's requests ask for (stages included)."""
-    perf = PerfModel.load(run_load.resolve_profile(args.profile))
+    perf = run_load.load_profile("--profile", args.profile)
     rate = args.rate or 1.0
     spec = run_load.load_spec(args, perf, zero_load, None, rate)
     return tightest_tpot_s([r.request for r in sim_requests(spec.workload(rate))]) * 1e3

@@ -53,13 +53,12 @@ from tqdm import tqdm
 
 from loadgen.arrivals import ArrivalKind, ArrivalProcess
 from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
-from loadgen.cli import OptionError
 from loadgen.clients import GrpcClient, HttpClient, LoadClient
 from loadgen.metrics import GroupReport, RunReport, report
 from loadgen.mixes import parse_workload
 from loadgen.prompts import Prompt, PromptSource, heldout_texts
 from loadgen.records import RecordWriter, RequestRecord, Verdict
-from loadgen.simulate import ROOT, TRACE_DIR, resolve_profile
+from loadgen.simulate import ROOT, TRACE_DIR, load_profile
 from loadgen.traces import read_trace
 from loadgen.workloads import (
     TABLE4,
@@ -75,6 +74,7 @@ from loadgen.workloads import (
     zero_load_ttft_from,
 )
 from loadgen.zero_load import PROBE_OUTPUT_LEN, PROBE_PROMPT_LENS, ZeroLoad, probe
+from replica.arguments import OptionError, non_negative_int, output_file, positive_int
 from replica.model_source import has_tokenizer, load_tokenizer, model_dir
 from replica.perf_model import PerfModel
 from router.client import AsyncClient, Client, ClientError
@@ -404,14 +404,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-slo-fields", action="store_true", help="HTTP: omit the slo body field"
     )
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds")
-    parser.add_argument("--replicas", type=int, help="for capacity per replica")
+    parser.add_argument("--replicas", type=positive_int, help="for capacity per replica")
     parser.add_argument("--capacity", action="store_true", help="search the capacity")
     parser.add_argument("--rates", help="capacity: search bounds LO,HI in requests/s")
     parser.add_argument("--rel-tol", type=float, default=0.1, help="capacity search tolerance")
     parser.add_argument("--cooldown", type=float, default=5.0, help="seconds between points")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--records", type=Path, help="per-request JSONL")
-    parser.add_argument("--json", type=Path, help="results JSON (top-level `summary`)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--records", type=output_file, help="per-request JSONL")
+    parser.add_argument("--json", type=output_file, help="results JSON (top-level `summary`)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -433,8 +433,6 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
         raise _fail(f"--rel-tol must be finite and > 0, got {args.rel_tol!r}")
     if args.cooldown < 0 or not math.isfinite(args.cooldown):
         raise _fail(f"--cooldown must be finite and >= 0, got {args.cooldown!r}")
-    if args.replicas is not None and args.replicas < 1:
-        raise _fail(f"--replicas must be >= 1, got {args.replicas}")
     if args.cv is not None and args.arrivals != "gamma":
         raise _fail(f"--cv applies to --arrivals gamma only, not {args.arrivals}")
     if args.arrivals == "gamma" and args.cv is None:
@@ -459,10 +457,6 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
         raise _fail(
             f"--tokenizer {str(args.tokenizer)!r} has no tokenizer.json nor tokenizer files"
         )
-    for name in ("records", "json"):
-        path = getattr(args, name)
-        if path is not None and not path.parent.is_dir():
-            raise _fail(f"--{name}: directory {str(path.parent)!r} does not exist")
     if args.zero_load not in ("profile", "probe") and not Path(args.zero_load).is_file():
         raise _fail(f"--zero-load must be profile, probe or a JSON file, got {args.zero_load!r}")
     if not args.capacity:
@@ -625,7 +619,7 @@ def load_spec(
 
 def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, dict[str, Any]]:
     """The session and the JSON header describing it (probing the target when asked)."""
-    perf = PerfModel.load(resolve_profile(args.profile))
+    perf = load_profile("--profile", args.profile)
     info = server_info(args)
     measured = None
     if args.zero_load not in ("profile", "probe"):

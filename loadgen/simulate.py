@@ -59,7 +59,6 @@ from cluster.simulator import Policy, SimConfig, SimRequest, SimResult, Simulato
 from loadgen.arrivals import poisson_arrivals, trace_arrivals
 from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
 from loadgen.capacity_tables import markdown_tables, summarize
-from loadgen.cli import OptionError
 from loadgen.metrics import RunReport, report
 from loadgen.mixes import parse_workload
 from loadgen.plots import (
@@ -90,6 +89,13 @@ from loadgen.workloads import (
 )
 from loadgen.zero_load import ZeroLoad
 from replica import compiled
+from replica.arguments import (
+    OptionError,
+    non_negative_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
 
@@ -466,14 +472,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the TPOT tiers come from its measured numbers, as in that live run (default: from "
         "the profile, GPU TPOT levels)",
     )
-    parser.add_argument("--kv-blocks", type=int, default=2048, help="if the profile has none")
-    parser.add_argument("--tick-ms", type=float, default=10.0)
-    parser.add_argument("--route-limit", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="write results here")
+    parser.add_argument(
+        "--kv-blocks", type=positive_int, default=2048, help="if the profile has none"
+    )
+    parser.add_argument("--tick-ms", type=positive_float, default=10.0)
+    parser.add_argument("--route-limit", type=positive_int, default=2)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--json", type=output_file, help="write results here")
     parser.add_argument(
         "--plot",
-        type=Path,
+        type=output_file,
         help="PNG path: PATH = attainment vs rate (capacities marked); PATH-capacity.png = "
         "capacity bars (capacity runs); PATH-timeline.png = burst timeline of one run",
     )
@@ -726,7 +734,8 @@ def _check_kv_bytes(name: str, perf: PerfModel) -> None:
         )
 
 
-def _profile(option: str, name: str) -> PerfModel:
+def load_profile(option: str, name: str) -> PerfModel:
+    """The profile a name or path gives, or an error naming `option`."""
     try:
         return PerfModel.load(resolve_profile(name))
     except ValueError as exc:
@@ -735,9 +744,9 @@ def _profile(option: str, name: str) -> PerfModel:
 
 def run(args: argparse.Namespace) -> int:
     p = plan(args)
-    perf = _profile("--profile", p.profile)
+    perf = load_profile("--profile", p.profile)
     baseline = p.baseline_profile
-    baseline_perf = _profile("--baseline-profile", baseline) if baseline else None
+    baseline_perf = load_profile("--baseline-profile", baseline) if baseline else None
     if Policy.DISTSERVE in p.policies:
         _check_kv_bytes(baseline or p.profile, baseline_perf or perf)
 

@@ -88,6 +88,8 @@ def load_trace(path: str | Path) -> Trace:
     more likely a different format than a trace to sort.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"trace file {str(path)!r} is a directory")
     if not path.is_file():
         raise ValueError(f"trace file {str(path)!r} does not exist")
     with path.open(newline="", encoding="utf-8") as f:
@@ -105,6 +107,11 @@ def load_trace(path: str | Path) -> Trace:
                 raise ValueError(f"{where}: expected {len(header)} fields, got fewer")
             stamp = _parse_time(raw["TIMESTAMP"], where)
             start = stamp if start is None else start
+            if (stamp.tzinfo is None) != (start.tzinfo is None):
+                raise ValueError(
+                    f"{where}: TIMESTAMP {raw['TIMESTAMP']!r} mixes time zones: give every row "
+                    f"an offset, or none"
+                )
             t = (stamp - start).total_seconds()
             if rows and t < rows[-1].time_s:
                 raise ValueError(f"{where}: timestamp goes back in time ({raw['TIMESTAMP']})")

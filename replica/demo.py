@@ -17,6 +17,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from replica.arguments import (
+    OptionError,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from replica.engine import Engine
 from replica.local import LocalReplica, TokenChunk, cache_budget
 from replica.perf_model import PerfModel
@@ -60,23 +67,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEPLOY / "profiles" / "cpu-demo.json",
         help="perf-model profile the slos planner plans with",
     )
-    parser.add_argument("--ttft-ms", type=float, default=2000.0, help="SLO: time to first token")
-    parser.add_argument("--tpot-ms", type=float, default=200.0, help="SLO: time per output token")
     parser.add_argument(
-        "--spec-k", type=int, default=3, help="draft tokens per decode (0: no speculation)"
+        "--ttft-ms", type=positive_float, default=2000.0, help="SLO: time to first token"
     )
-    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
-    parser.add_argument("--prompts", type=int, default=4, help="concurrent requests")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument(
+        "--tpot-ms", type=positive_float, default=200.0, help="SLO: time per output token"
+    )
+    parser.add_argument(
+        "--spec-k",
+        type=non_negative_int,
+        default=3,
+        help="draft tokens per decode (0: no speculation)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="output tokens per request"
+    )
+    parser.add_argument("--prompts", type=positive_int, default=4, help="concurrent requests")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
     parser.add_argument(
         "--token-budget",
-        type=int,
+        type=positive_int,
         default=None,
         help="tokens per step (default: 256 for sarathi, the model context for vllm)",
     )
-    parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks of 16 tokens")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument(
+        "--num-blocks", type=positive_int, default=256, help="KV blocks of 16 tokens"
+    )
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch threads")
 
 
 @dataclass
@@ -114,24 +132,27 @@ async def serve(replica: LocalReplica, requests: list[Request]) -> list[Served]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.prompts < 1 or args.max_tokens < 1 or args.spec_k < 0:
-        raise SystemExit("--prompts and --max-tokens must be >= 1, --spec-k >= 0")
     draft = args.draft if args.spec_k > 0 else None
-    for path in (args.target, draft):
+    for option, path in (("--target", args.target), ("--draft", draft)):
         if path is not None and not (path / "config.json").is_file():
-            raise SystemExit(f"no model at {path} (train the demo pair with `make models`)")
+            raise OptionError(f"{option}: no model at {path} (train the pair: `make models`)")
     torch.set_num_threads(args.threads)
     engine = Engine.from_dirs(args.target, draft, num_blocks=args.num_blocks)
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-    )
     texts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
-    slo = SLO(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms)
-    requests = [
-        Request(f"demo-{i}", tokenizer.encode(text).ids, params, slo=slo)
-        for i, text in enumerate(texts)
-    ]
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+        slo = SLO(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms)
+        requests = [
+            Request(f"demo-{i}", tokenizer.encode(text).ids, params, slo=slo)
+            for i, text in enumerate(texts)
+        ]
+        for request in requests:
+            request.check_fits(engine.max_model_len, engine.target.vocab_size)
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
     scheduler = make_scheduler(args, cache_budget(engine), engine.max_model_len)
     replica = LocalReplica(engine, scheduler)
     start = time.perf_counter()

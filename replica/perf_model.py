@@ -538,7 +538,13 @@ class PerfModel:
 
     @classmethod
     def load(cls, path: str | Path) -> PerfModel:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a perf profile: {path} is not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"not a perf profile: {path} holds a {type(data).__name__}")
+        return cls.from_dict(data)
 
     @classmethod
     def synthetic(cls, *terms: dict[str, float], note: str = "", tp: int = 1) -> PerfModel:

@@ -39,6 +39,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
+from replica.arguments import fraction, non_negative_int, output_file, positive_int
 from replica.batch import BatchPlan, DecodeStep, PlanEntry, PrefillChunk
 from replica.device import DTYPES, compute_device
 from replica.engine import Engine
@@ -350,22 +351,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tensor-parallel",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="split the target over N processes (one GPU each with --device cuda; gloo on cpu), "
         "as a replica with tensor_parallel_size N runs it; needs --clock wall",
     )
-    parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
-    parser.add_argument("--plot", type=Path, help="PNG of predicted vs measured")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per visit")
-    parser.add_argument("--passes", type=int, default=3, help="visits of every grid point")
+    parser.add_argument("--out", type=output_file, required=True, help="profile JSON to write")
+    parser.add_argument("--plot", type=output_file, help="PNG of predicted vs measured")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per visit")
+    parser.add_argument("--passes", type=positive_int, default=3, help="visits of every grid point")
     parser.add_argument("--quick", action="store_true", help="small grid (seconds, for tests)")
-    parser.add_argument("--max-terms", type=int, default=3, help="most linear terms in the max")
-    parser.add_argument("--holdout", type=float, default=0.25, help="held-out fraction")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/held-out split")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads (serve-cpu.yaml: 1 per replica)"
+        "--max-terms", type=positive_int, default=3, help="most linear terms in the max"
+    )
+    parser.add_argument("--holdout", type=fraction, default=0.25, help="held-out fraction")
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of the train/held-out split"
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch CPU threads (serve-cpu.yaml: 1 per replica)",
     )
     parser.add_argument(
         "--clock",
@@ -388,7 +396,9 @@ def run(args: argparse.Namespace) -> int:
         device, dtype = compute_device(args.device == "cuda", args.dtype, "--device cuda")
         check_clock(args.clock, device, split=size > 1)
         check_group_size(size, device)
-        ModelConfig.from_dir(model_dir(args.model, weights=False)).sharded(size)
+        ModelConfig.from_dir(_folder("--model", args.model)).sharded(size)
+        if args.draft is not None:
+            _folder("--draft", args.draft)
     except (RuntimeError, ValueError) as exc:
         raise SystemExit(f"slos-serve profile: error: {exc}") from None
     if size == 1:
@@ -438,9 +448,16 @@ def _profile_split(
                 rank_process.join()
 
 
+def _folder(option: str, model: Path) -> Path:
+    """The model's local folder (config and tokenizer fetched for a hub id), or an error
+    naming the option."""
+    try:
+        return model_dir(model, weights=False)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
+
+
 def check_group_size(size: int, device: torch.device) -> None:
-    if size < 1:
-        raise ValueError(f"--tensor-parallel must be >= 1, got {size}")
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(
             f"--tensor-parallel {size} needs {size} GPUs; this process sees "

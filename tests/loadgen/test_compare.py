@@ -16,7 +16,6 @@ import yaml
 from cluster.config import SchedulerKind
 from loadgen import cli, compare, run_load
 from loadgen.workloads import SLOTargets
-from replica.perf_model import PerfModel
 from tests.deploy.test_serve_run import free_port, with_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,10 +48,12 @@ def configs_arg(*paths: Path) -> str:
         (["--configs", configs_arg(*SHIPPED[:2]), "--rounds", "0"], "--rounds"),
     ],
 )
-def test_bad_options_fail_before_any_server_starts(argv: list[str], named: str) -> None:
+def test_bad_options_fail_before_any_server_starts(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["compare", "--rate", "1", *argv])
-    assert named in str(exc.value.code)
+    assert named in str(exc.value.code) + capsys.readouterr().err  # ours, or argparse's
 
 
 def test_a_config_without_a_cluster_is_named(tmp_path: Path) -> None:
@@ -89,7 +90,7 @@ def test_sarathi_runs_with_tier_tpots_lowered_to_the_workloads_tightest() -> Non
 @pytest.mark.parametrize(("scenario", "level"), [("mixed", "tight"), ("chatbot", "loose")])
 def test_the_workloads_tightest_tpot_is_its_tightest_slo_level(scenario: str, level: str) -> None:
     args = parse("--configs", configs_arg(*SHIPPED[:2]), "--rate", "2", "--scenario", scenario)
-    perf = PerfModel.load(run_load.resolve_profile(args.profile))
+    perf = run_load.load_profile("--profile", args.profile)
     _, targets = run_load.zero_load_and_targets(args, perf, None)
     assert isinstance(targets, SLOTargets)
     expected = getattr(targets, f"{level}_tpot_ms")

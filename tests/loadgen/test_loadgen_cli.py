@@ -54,10 +54,12 @@ IMPOSSIBLE = SLO(0.001, 0.001)
         (["--rate", "1", "--replicas", "0"], "--replicas"),
     ],
 )
-def test_bad_options_fail_naming_the_option(args: list[str], named: str) -> None:
+def test_bad_options_fail_naming_the_option(
+    args: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["loadgen", *args])
-    assert named in str(exc.value.code)
+    assert named in str(exc.value.code) + capsys.readouterr().err  # ours, or argparse's
 
 
 def test_a_bad_scenario_or_mix_file_is_named(tmp_path: Path) -> None:

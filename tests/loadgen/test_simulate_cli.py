@@ -373,6 +373,25 @@ def test_bad_sizing_options_are_named(argv: tuple[str, ...], option: str) -> Non
         simulate.plan(parse(*argv))
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--seed", "-1"), "argument --seed: must be an integer >= 0"),
+        (("--tick-ms", "0"), "argument --tick-ms: must be > 0"),
+        (("--kv-blocks", "0"), "argument --kv-blocks: must be an integer >= 1"),
+        (("--route-limit", "0"), "argument --route-limit: must be an integer >= 1"),
+        (("--json", "/proc/slos-serve-sim.json"), "argument --json: cannot write"),
+        (("--plot", "/nonexistent/p.png"), "argument --plot: directory '/nonexistent'"),
+    ],
+)
+def test_bad_run_options_are_refused_before_any_run(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["simulate", "--rate", "1", "--duration", "5", *argv])
+    assert message in capsys.readouterr().err
+
+
 def test_trace_arrivals_replay_a_trace_of_your_own(tmp_path: Path) -> None:
     """--trace replays any CSV in the Azure format for every scenario; the JSON says which
     trace each workload replayed, with its attribution (none for a log of your own)."""

@@ -65,6 +65,7 @@ def test_column_order_and_extra_columns_do_not_matter(tmp_path: Path) -> None:
         ("2023-11-16 18:00:00,1,2\n", HEADER, "at least 2 rows"),
         ("2023-11-16 18:00:00,1,2\n2023-11-16 18:00:00,1,2\n", HEADER, "spans no time"),
         ("", "", "missing column"),
+        ("2023-11-16 18:00:00,1,2\n2023-11-16 18:20:00+00:00,1,2\n", HEADER, "mixes time zones"),
     ],
 )
 def test_malformed_files_name_the_problem(
@@ -77,6 +78,8 @@ def test_malformed_files_name_the_problem(
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         load_trace(tmp_path / "absent.csv")
+    with pytest.raises(ValueError, match="is a directory"):
+        load_trace(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from replica import demo
+from replica.arguments import OptionError
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -34,5 +35,5 @@ def test_demo_serves_every_prompt(
 
 
 def test_demo_names_missing_models(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="make models"):
+    with pytest.raises(OptionError, match=r"--target: no model at .*make models"):
         demo.run(parse("--target", str(tmp_path)))

@@ -148,6 +148,13 @@ def test_json_round_trip(tmp_path: Path) -> None:
     assert data["mape"] == 0.04
 
 
+def test_a_file_that_is_not_a_json_object_is_not_a_profile(tmp_path: Path) -> None:
+    for name, text, kind in [("list.json", "[1, 2]", "holds a list"), ("e.json", "", "not JSON")]:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"not a perf profile: .*{kind}"):
+            PerfModel.load(tmp_path / name)
+
+
 def test_from_dict_rejects_foreign_or_incomplete_files() -> None:
     data = two_term_model().to_dict()
     with pytest.raises(ValueError, match="not a perf profile"):

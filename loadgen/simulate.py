@@ -24,7 +24,8 @@ Each run reports its replicas' busy time (`utilization`, `busy_ms_per_request`),
 preemptions and the KV they dropped (`preemptions`, `preempted_tokens`: prefill the replicas do
 again when those requests resume), and the header a `work_bound` per scenario: the least
 replica time a request costs without speculation on the simulated replicas, whose inverse caps
-any such policy's capacity. A policy near full utilization at its capacity is out of hardware,
+the rate any such policy sustains (a finite run can pass above it by finishing its backlog
+after the last arrival). A policy near full utilization at its capacity is out of hardware,
 not out of scheduling; ratios above the bound over a baseline's capacity need less work per
 request (speculation), not a better order.
 
@@ -251,13 +252,14 @@ class Setup:
 
     def work_bound(self, replicas: int) -> tuple[float, float]:
         """(mean ms, rate per replica): the least replica time the search's requests cost
-        without speculation on the simulated replicas (`PerfModel.least_request_seconds`; the
+        without speculation on the simulated replicas (`PerfModel.least_work_seconds`; the
         lengths are the same at every rate), and the rate it caps every non-speculating
-        policy's capacity at, in the search's unit (arrivals: a ToolLLM session's later rounds
-        count in its cost, not as arrivals)."""
+        policy's sustained throughput at, in the search's unit (arrivals: a ToolLLM session's
+        later rounds count in its cost, not as arrivals). A finite run can pass at a higher
+        rate, finishing its backlog after the last arrival."""
         truth = self.perf_for(Policy.VLLM).slowed(self.slowdown)
         workload = self.workload(1.0, replicas)
-        total = sum(truth.least_request_seconds(r.prompt_len, r.output_len) for r in workload)
+        total = truth.least_work_seconds((r.prompt_len, r.output_len) for r in workload)
         arrivals = sum(r.follows is None for r in workload)
         return 1e3 * total / len(workload), arrivals / total
 
@@ -1094,7 +1096,7 @@ def _work_bound(setup: Setup, replicas: int) -> dict[str, float]:
     least_ms, rate = setup.work_bound(replicas)
     print(
         f"work bound {setup.scenario.value} x{replicas}: {least_ms:.2f} ms of replica time a "
-        f"request without speculation, so at most {rate:.3g} req/s per replica"
+        f"request without speculation, so at most {rate:.3g} req/s per replica sustained"
     )
     return {"ms_per_request": least_ms, "rate_per_replica": rate}
 

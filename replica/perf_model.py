@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -115,6 +115,28 @@ class BatchFeatures:
             self.draft_steps,
             self.draft_batch,
         )
+
+
+def _least_vector(prompt_len: int, output_len: int) -> tuple[float, ...]:
+    """The features of one request's prompt as one chunk plus one decode step per later
+    token, on contexts prompt_len, ..., prompt_len + steps - 1, in closed form."""
+    _check_count("prompt_len", prompt_len)
+    _check_count("output_len", output_len)
+    if prompt_len < 1 or output_len < 1:
+        raise ValueError(
+            f"a request needs a prompt and an output, got {prompt_len=}, {output_len=}"
+        )
+    steps = output_len - 1
+    contexts = steps * prompt_len + steps * (steps - 1) // 2
+    return _vector(
+        num_tokens=prompt_len + steps,
+        num_requests=1 + steps,
+        attn_tokens=attention_pairs(prompt_len, 0) + contexts + steps,
+        kv_tokens=prompt_len + steps + contexts,
+        padded_attn_tokens=0,
+        draft_steps=0,
+        draft_batch=0,
+    )
 
 
 def _vector(
@@ -321,36 +343,23 @@ class PerfModel:
     def predict_features(self, features: BatchFeatures) -> float:
         return self._seconds(features.vector())
 
-    def least_request_seconds(self, prompt_len: int, output_len: int) -> float:
-        """The least step time serving one request adds to any schedule that does not
-        speculate: its prompt in one chunk, then one decode step per later token, with no
-        step's fixed cost (steps share it) and no padding.
+    def least_work_seconds(self, requests: Iterable[tuple[int, int]]) -> float:
+        """The least step time serving these (prompt_len, output_len) requests adds to any
+        schedule that does not speculate: each prompt in one chunk, then one decode step per
+        later token, with no step's fixed cost (steps share it) and no padding.
 
         Every other feature of a batch is the sum of its requests' own, and coefficients are
-        non-negative, so a replica spends at least the sum of this over the requests it
-        serves: at full occupancy that caps the rate any scheduler can serve on this profile.
+        non-negative, so the steps' features add up to at least the requests' summed; the
+        max over terms of a sum is at most the sum of the steps' maxima. At full occupancy
+        that caps the rate any scheduler can sustain on this profile. (Summing each request's
+        own max instead would overstate it when terms differ.)
         """
-        _check_count("prompt_len", prompt_len)
-        _check_count("output_len", output_len)
-        if prompt_len < 1 or output_len < 1:
-            raise ValueError(
-                f"a request needs a prompt and an output, got {prompt_len=}, {output_len=}"
-            )
-        # The features of the prompt's chunk plus those of the decode steps, which feed one
-        # token each on contexts prompt_len, ..., prompt_len + steps - 1, in closed form (the
-        # work bound sums this over every request of a run).
-        steps = output_len - 1
-        contexts = steps * prompt_len + steps * (steps - 1) // 2
-        x = _vector(
-            num_tokens=prompt_len + steps,
-            num_requests=1 + steps,
-            attn_tokens=attention_pairs(prompt_len, 0) + contexts + steps,
-            kv_tokens=prompt_len + steps + contexts,
-            padded_attn_tokens=0,
-            draft_steps=0,
-            draft_batch=0,
-        )
-        return self._seconds(tuple(0.0 if i == _CONST else v for i, v in enumerate(x)))
+        total = [0.0] * len(FEATURES)
+        for prompt_len, output_len in requests:
+            for i, v in enumerate(_least_vector(prompt_len, output_len)):
+                total[i] += v
+        total[_CONST] = 0.0
+        return self._seconds(tuple(total))
 
     def predict(self, shape: BatchShape) -> float:
         """Seconds for one step of this exact batch."""

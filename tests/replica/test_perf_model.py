@@ -262,26 +262,37 @@ def test_slowdown_refuses_bad_values(factor: float, overhead: float, message: st
         Slowdown(factor, overhead)
 
 
-def test_least_request_seconds_is_the_requests_own_features_without_fixed_costs() -> None:
+def test_least_work_is_the_requests_own_features_without_fixed_costs() -> None:
     perf = PerfModel.synthetic(
         {"const": 0.5, "tokens": 0.001, "requests": 0.01, "attn_tokens": 1e-5, "kv_tokens": 1e-4}
     )
     # Prompt 4 in one chunk: 4 tokens, 1 request, 10 causal pairs, 4 KV. Then 2 decode steps
     # on 4 and 5 cached tokens: 2 tokens, 2 requests, 5 + 6 pairs, 5 + 6 KV. No const.
     expected = 0.001 * 6 + 0.01 * 3 + 1e-5 * 21 + 1e-4 * 15
-    assert perf.least_request_seconds(4, 3) == pytest.approx(expected)
-    assert perf.least_request_seconds(4, 1) == pytest.approx(0.001 * 4 + 0.01 + 1e-5 * 10 + 4e-4)
+    assert perf.least_work_seconds([(4, 3)]) == pytest.approx(expected)
+    assert perf.least_work_seconds([(4, 1)]) == pytest.approx(0.001 * 4 + 0.01 + 1e-5 * 10 + 4e-4)
     # Slower hardware costs more; a per-step overhead is a fixed cost, shared, so it does not.
-    assert perf.slowed(Slowdown(2.0, 0.3)).least_request_seconds(4, 3) == pytest.approx(
+    assert perf.slowed(Slowdown(2.0, 0.3)).least_work_seconds([(4, 3)]) == pytest.approx(
         2 * expected
     )
     with pytest.raises(ValueError, match="output_len=0"):
-        perf.least_request_seconds(4, 0)
+        perf.least_work_seconds([(4, 0)])
+
+
+def test_least_work_sums_the_requests_features_before_the_max_over_terms() -> None:
+    """One term prices prefill tokens, the other decode requests: a batch holding both costs
+    the max of the sums, less than the sum of each request's own max."""
+    perf = PerfModel.synthetic({"tokens": 0.01}, {"requests": 0.05})
+    prefill, decodes = (100, 1), (1, 21)  # 100 tokens, 1 request; 21 tokens, 21 requests
+    alone = perf.least_work_seconds([prefill]) + perf.least_work_seconds([decodes])
+    assert alone == pytest.approx(1.0 + 1.05)
+    assert perf.least_work_seconds([prefill, decodes]) == pytest.approx(max(1.21, 1.1))
 
 
 CPU_NODRAFT = PerfModel.load(
     Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "cpu-demo-nodraft.json"
 )
+SPLIT_TERMS = PerfModel.synthetic({"tokens": 0.01}, {"requests": 0.05})
 
 
 @settings(max_examples=200, deadline=None)
@@ -296,7 +307,7 @@ def test_a_term_prices_every_feature_it_charges(coefs: list[float], counts: list
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 3000), st.integers(1, 3000))
-def test_least_request_seconds_equals_its_schedule_batch_by_batch(prompt: int, output: int) -> None:
+def test_least_work_equals_its_schedule_batch_by_batch(prompt: int, output: int) -> None:
     """The closed form against the schedule it stands for, built entry by entry."""
     perf = two_term_model()
     prefill = BatchShape((prompt,), (0,)).features()
@@ -314,7 +325,7 @@ def test_least_request_seconds_equals_its_schedule_batch_by_batch(prompt: int, o
         perf,
         terms=tuple(replace(t, coefficients=(0.0, *t.coefficients[1:])) for t in perf.terms),
     )
-    assert perf.least_request_seconds(prompt, output) == pytest.approx(
+    assert perf.least_work_seconds([(prompt, output)]) == pytest.approx(
         unfixed.predict_features(own), rel=1e-12
     )
 
@@ -327,8 +338,10 @@ def test_least_request_seconds_equals_its_schedule_batch_by_batch(prompt: int, o
 def test_no_schedule_of_a_workload_costs_less_than_its_requests_least_times(
     lengths: list[tuple[int, int]], data: st.DataObject
 ) -> None:
-    """Any schedule: prompts in random chunks, requests joining steps at random."""
-    least = sum(CPU_NODRAFT.least_request_seconds(p, o) for p, o in lengths)
+    """Any schedule: prompts in random chunks, requests joining steps at random; on the
+    shipped CPU profile and on two terms that price different batches."""
+    perf = data.draw(st.sampled_from([CPU_NODRAFT, SPLIT_TERMS]))
+    least = perf.least_work_seconds(lengths)
     computed = [0] * len(lengths)
     produced = [0] * len(lengths)
     spent = 0.0
@@ -347,5 +360,5 @@ def test_no_schedule_of_a_workload_costs_less_than_its_requests_least_times(
             new.append(chunk)
             context.append(computed[i])
             computed[i] += chunk
-        spent += CPU_NODRAFT.predict(BatchShape(tuple(new), tuple(context)))
+        spent += perf.predict(BatchShape(tuple(new), tuple(context)))
     assert spent >= least - 1e-12

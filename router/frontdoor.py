@@ -145,6 +145,9 @@ class Generation:
         """Abort the request in the cluster unless it already finished."""
         if not self.finished:
             self.finished = True
+            placement = self.placement
+            if placement is not None:
+                self.door.metrics.record_cancelled(placement.verdict, self.tenant)
             self.door.cluster.abort(self.request_id)
 
 

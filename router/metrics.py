@@ -172,6 +172,13 @@ class FrontDoorMetrics:
             [*by_tenant, "reason"],
             registry=self.registry,
         )
+        self.cancelled = Counter(
+            PREFIX + "requests_cancelled",
+            "Requests whose client left (disconnect, deadline, cancel) before they finished; "
+            "also counted as admitted or best-effort.",
+            [*by_tenant, "verdict"],
+            registry=self.registry,
+        )
         self.hops = Histogram(
             PREFIX + "route_hops",
             "Replicas a request tried before its verdict.",
@@ -211,6 +218,13 @@ class FrontDoorMetrics:
             name = stage.name or str(i)
             target = self.attained if stage.attained else self.violated
             target.labels(self.model, tier, name).inc()
+
+    def record_cancelled(self, verdict: Verdict, tenant: str) -> None:
+        """Count a request its client left: admitted (or best-effort) like a finished one,
+        though no final record comes, and cancelled."""
+        counter = self.admitted if verdict is Verdict.ADMITTED else self.best_effort
+        counter.labels(self.model, tenant).inc()
+        self.cancelled.labels(self.model, tenant, verdict.value).inc()
 
     def reject(self, tenant: str, reason: str) -> None:
         if reason not in REJECT_REASONS:

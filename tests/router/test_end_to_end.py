@@ -292,6 +292,9 @@ def test_client_disconnect_aborts_the_request(live: LocalFrontDoor) -> None:
         next(r.iter_lines())
     status = wait_until_idle(live)
     assert all(rep["running"] == 0 for rep in status["replicas"]), status
+    metrics = httpx.get(live.http_url + "/metrics", timeout=30).text
+    cancelled = f'slos_serve:requests_cancelled_total{{model="demo",tenant="{TENANT}",'
+    assert any(line.startswith(cancelled) for line in metrics.splitlines()), metrics[-2000:]
 
 
 ABORT_WITHIN_S = 1.5

@@ -54,6 +54,11 @@ def test_counts_match_records_fed() -> None:
     assert s[(PREFIX + "requests_rejected_total", rejected)] == 1
     bad = (("model", "demo"), ("reason", "bad_request"), ("tenant", "team-b"))
     assert s[(PREFIX + "requests_rejected_total", bad)] == 1
+    m.record_cancelled(Verdict.ADMITTED, "team-a")
+    s = samples(m)
+    assert s[(PREFIX + "requests_admitted_total", admitted)] == 3
+    cancelled = (("model", "demo"), ("tenant", "team-a"), ("verdict", "admitted"))
+    assert s[(PREFIX + "requests_cancelled_total", cancelled)] == 1
     think = (("model", "demo"), ("stage", "think"), ("tier", "chat"))
     answer = (("model", "demo"), ("stage", "answer"), ("tier", "chat"))
     assert s[(PREFIX + "slo_attained_total", think)] == 2

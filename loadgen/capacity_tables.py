@@ -107,6 +107,12 @@ def summarize(capacity: Capacity) -> dict[str, Any]:
     return summary
 
 
+def best_baseline_title(policies: list[str]) -> str:
+    """What the ratio column divides by: the baselines that ran, not the ones that might."""
+    ran = [b for b in BASELINES if b in policies] or list(BASELINES)
+    return ran[0] if len(ran) == 1 else f"best({', '.join(ran)})"
+
+
 def _fmt(value: float | None, suffix: str = "") -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:.2f}{suffix}"
 
@@ -119,7 +125,7 @@ def markdown_tables(summary: Mapping[str, Any]) -> str:
     ratio_columns = [
         (key, title)
         for key, title in (
-            ("capacity_ratio", f"{FULL} / best({', '.join(BASELINES)})"),
+            ("capacity_ratio", f"{FULL} / {best_baseline_title(policies)}"),
             ("capacity_ratio_vs_distserve", f"{FULL} / {DISTSERVE}"),
         )
         if summary.get(key)

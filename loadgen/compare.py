@@ -109,7 +109,7 @@ class ServeConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    run_load.add_arguments(parser)
+    run_load.add_arguments(parser, target=False)
     parser.description = __doc__
     parser.set_defaults(target=None)
     parser.add_argument(
@@ -136,13 +136,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
     """The configs, checked against each other and the options."""
-    if args.target is not None:
-        raise ValueError("--target: compare reads each server's address from its config")
     if not math.isfinite(args.startup_timeout) or args.startup_timeout <= 0:
         raise ValueError(f"--startup-timeout must be finite and > 0, got {args.startup_timeout!r}")
     if not math.isfinite(args.settle) or args.settle < 0:
         raise ValueError(f"--settle must be finite and >= 0, got {args.settle!r}")
-    paths = [Path(p) for p in args.configs.split(",") if p]
+    paths = [Path(p.strip()) for p in args.configs.split(",") if p.strip()]
     if len(paths) < 2:
         raise ValueError(f"--configs needs two or more configs to compare, got {args.configs!r}")
     configs = [ServeConfig.load(p) for p in paths]

@@ -345,14 +345,16 @@ def run_summary(result: RunResult, replicas: int | None = None) -> dict[str, Any
     }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> None:
+    """The load options; `target=False` for a command that starts its own servers."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "--target",
-        default="http://127.0.0.1:8000",
-        help="base URL (http) or host:port (grpc); default %(default)s",
-    )
+    if target:
+        parser.add_argument(
+            "--target",
+            default="http://127.0.0.1:8000",
+            help="base URL (http) or host:port (grpc); default %(default)s",
+        )
     parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
     parser.add_argument(
         "--scenario",

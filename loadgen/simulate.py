@@ -391,7 +391,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-replicas",
         type=int,
-        default=64,
         help="--size-for's ceiling: failing there reports the count as not found (default 64)",
     )
     parser.add_argument(
@@ -433,13 +432,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-rate",
         type=float,
-        default=1e-3,
         help="capacity search floor: failing there reports capacity 0",
     )
     parser.add_argument(
         "--max-rate",
         type=float,
-        default=1e4,
         help="capacity search ceiling: passing there reports it as the capacity",
     )
     parser.add_argument(
@@ -502,23 +499,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _split(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def _parse_list(option: str, text: str, parse: Callable[[str], T], known: str | None) -> list[T]:
     """A comma list, each item parsed; errors name the option and the bad item (`known`: what
     the item should be; None: the parser's own message says it)."""
-    items = _split(text)
-    if not items:
+    items = [part.strip() for part in text.split(",")]
+    if not any(items):
         raise OptionError(f"{option} is empty")
-    out = []
+    if not all(items):
+        raise OptionError(f"{option}: an empty item in {text!r}")
+    out: list[T] = []
     for item in items:
         try:
-            out.append(parse(item))
+            value = parse(item)
         except ValueError as exc:
             detail = exc if known is None else f"{item!r} is not {known}"
             raise OptionError(f"{option}: {detail}") from None
+        if value in out:
+            raise OptionError(f"{option}: {item!r} repeats an earlier item")
+        out.append(value)
     return out
 
 
@@ -578,6 +576,9 @@ class Plan:
     """Sizing: the fewest replicas for each of these requests per second in all (empty: no
     sizing)."""
     max_replicas: int
+    min_rate: float
+    max_rate: float
+    """A capacity search's floor and ceiling."""
     duration_s: float
     scenario_durations_s: dict[Workload, float]
     """Seconds of arrivals per scenario (`duration_s` unless --paper-table lengthens it)."""
@@ -605,6 +606,22 @@ class Plan:
         return max(1, round(reference * self.scenario_durations_s[scenario]))
 
 
+SEARCH_OPTIONS = ("start_rate", "rel_tol", "min_rate", "max_rate", "full_runs")
+"""Options of a search (--capacity, --size-for), which a run at one --rate would ignore."""
+
+
+def _check_search_options(args: argparse.Namespace, size_for: list[float]) -> None:
+    """An option the run would ignore is refused: it says the user expects something else."""
+    given = [n for n in SEARCH_OPTIONS if getattr(args, n) not in (None, False)]
+    if args.rate is not None and given:
+        flag = "--" + given[0].replace("_", "-")
+        raise OptionError(f"{flag} applies to a search (--capacity, --size-for), not --rate")
+    if args.max_replicas is not None and not size_for:
+        raise OptionError("--max-replicas applies to --size-for only")
+    if args.timeline_scenario is not None and args.plot is None:
+        raise OptionError("--timeline-scenario picks a plot's timeline: give --plot too")
+
+
 def plan(args: argparse.Namespace) -> Plan:
     """Resolve the options; a conflict or a bad value raises OptionError naming the option."""
     paper = args.paper_table
@@ -625,10 +642,14 @@ def plan(args: argparse.Namespace) -> Plan:
             if getattr(args, name) not in (None, False):
                 flag = "--" + name.replace("_", "-")
                 raise OptionError(f"--size-for searches the replica count itself; drop {flag}")
-    if isinstance(args.max_replicas, bool) or args.max_replicas < 1:
-        raise OptionError(f"--max-replicas must be >= 1, got {args.max_replicas!r}")
+    _check_search_options(args, size_for)
+    max_replicas = 64 if args.max_replicas is None else args.max_replicas
+    if isinstance(max_replicas, bool) or max_replicas < 1:
+        raise OptionError(f"--max-replicas must be >= 1, got {max_replicas!r}")
     scenarios: list[Workload] = (
-        list(Scenario) if paper else _workloads(args.scenario or Scenario.CHATBOT.value)
+        list(Scenario)
+        if paper
+        else _workloads(Scenario.CHATBOT.value if args.scenario is None else args.scenario)
     )
     if paper:
         policies = list(PAPER_POLICIES)
@@ -637,12 +658,15 @@ def plan(args: argparse.Namespace) -> Plan:
     else:
         policies = _parse_list(
             "--policies",
-            args.policies or "slos,vllm,sarathi",
+            "slos,vllm,sarathi" if args.policies is None else args.policies,
             Policy,
             f"a policy ({', '.join(policy.value for policy in Policy)})",
         )
     replica_counts = _parse_list(
-        "--replicas", args.replicas or "1", _replica_count, "a replica count >= 1"
+        "--replicas",
+        "1" if args.replicas is None else args.replicas,
+        _replica_count,
+        "a replica count >= 1",
     )
     if args.same_window and len(set(replica_counts)) < 2:
         raise OptionError("--same-window compares replica counts; --replicas needs two or more")
@@ -684,9 +708,11 @@ def plan(args: argparse.Namespace) -> Plan:
             raise OptionError(f"--trace: {exc}") from None
     if args.jobs < 0:
         raise OptionError(f"--jobs must be >= 0 (0: one per CPU), got {args.jobs}")
-    if args.min_rate > args.max_rate:
-        raise OptionError(f"--min-rate {args.min_rate} exceeds --max-rate {args.max_rate}")
-    start_rates = {s: min(max(r, args.min_rate), args.max_rate) for s, r in start_rates.items()}
+    min_rate = 1e-3 if args.min_rate is None else args.min_rate
+    max_rate = 1e4 if args.max_rate is None else args.max_rate
+    if min_rate > max_rate:
+        raise OptionError(f"--min-rate {min_rate} exceeds --max-rate {max_rate}")
+    start_rates = {s: min(max(r, min_rate), max_rate) for s, r in start_rates.items()}
     duration = args.duration or (PAPER_DURATION_S if paper else 600.0)
     timeline: Workload = Scenario.CODER if paper else scenarios[0]
     if args.timeline_scenario is not None:
@@ -704,7 +730,9 @@ def plan(args: argparse.Namespace) -> Plan:
         replica_counts=replica_counts,
         rate=args.rate,
         size_for=size_for,
-        max_replicas=args.max_replicas,
+        max_replicas=max_replicas,
+        min_rate=min_rate,
+        max_rate=max_rate,
         duration_s=duration,
         scenario_durations_s={
             s: PAPER_DURATIONS_S.get(s, duration) if paper and not args.duration else duration
@@ -828,9 +856,7 @@ def _capacities(
     jobs = [
         Job(s, policy, n) for s in p.scenarios for policy in p.policies for n in p.replica_counts
     ]
-    search = partial(
-        find_capacity, rel_tol=p.rel_tol, min_rate=args.min_rate, max_rate=args.max_rate
-    )
+    search = partial(find_capacity, rel_tol=p.rel_tol, min_rate=p.min_rate, max_rate=p.max_rate)
     calls = [(setups[j.scenario], j, p.rate, p.start_rates[j.scenario], search) for j in jobs]
     # In job order whatever order they finish in, so the JSON is the same for every --jobs.
     for job, (job_runs, found) in zip(

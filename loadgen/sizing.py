@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadgen.capacity import DEFAULT_TARGET, checked_attainment, monotone
-from loadgen.capacity_tables import BASELINES, DISTSERVE, FULL
+from loadgen.capacity_tables import BASELINES, DISTSERVE, FULL, best_baseline_title
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,8 @@ def sizing_table(summary: Mapping[str, Any]) -> str:
     policies = list(
         dict.fromkeys(p for by_rate in replicas.values() for by in by_rate.values() for p in by)
     )
-    head = ["scenario", "req/s in all", "work bound", *policies, "best of vllm, sarathi / slos"]
+    head = ["scenario", "req/s in all", "work bound", *policies]
+    head.append(f"{best_baseline_title(policies)} / {FULL}")
     lines = [
         f"Replicas at {DEFAULT_TARGET:.0%} attainment ({summary['gpus_per_replica']} GPU(s) each):",
         "",

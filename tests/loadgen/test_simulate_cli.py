@@ -80,7 +80,14 @@ def test_defaults_and_ablation() -> None:
         (("--paper-table", "--replicas", "2"), "--replicas"),
         (("--paper-table", "--ablation"), "--ablation"),
         (("--paper-table", "--same-window"), "--same-window"),
-        (("--capacity", "--same-window", "--replicas", "2,2"), "--same-window"),
+        (("--capacity", "--same-window", "--replicas", "2"), "--same-window"),
+        (("--capacity", "--replicas", "1,,2"), "--replicas: an empty item"),
+        (("--capacity", "--policies", "vllm, vllm"), "--policies: 'vllm' repeats an earlier"),
+        (("--capacity", "--policies", ""), "--policies is empty"),
+        (("--rate", "1", "--rel-tol", "0.1"), "--rel-tol applies to a search"),
+        (("--rate", "1", "--full-runs"), "--full-runs applies to a search"),
+        (("--capacity", "--max-replicas", "3"), "--max-replicas applies to --size-for"),
+        (("--rate", "1", "--timeline-scenario", "chatbot"), "give --plot"),
         (("--capacity", "--ablation", "--policies", "slos"), "--policies"),
         (("--capacity", "--policies", "slos,orca"), "--policies"),
         (("--capacity", "--scenario", "chat"), "--scenario"),
@@ -285,13 +292,20 @@ def test_a_mix_file_runs_beside_the_scenarios(tmp_path: Path) -> None:
     classes = [chat | {"ttft": "loose", "tpot": "loose"}, search | {"ttft_ms": 300, "tpot_ms": 60}]
     mix.write_text(yaml.safe_dump({"name": "shop", "classes": classes}))
     p = simulate.plan(
-        parse("--capacity", "--scenario", f"{mix},chatbot", "--timeline-scenario", "shop")
+        parse(
+            *("--capacity", "--scenario", f"{mix},chatbot", "--timeline-scenario", "shop"),
+            *("--plot", str(tmp_path / "shop.png")),
+        )
     )
     assert [s.value for s in p.scenarios] == ["shop", "chatbot"]
     assert p.start_rates[p.scenarios[0]] == simulate.MIX_START_RATE
     assert p.timeline_scenario is p.scenarios[0]
-    with pytest.raises(ValueError, match="--scenario: the workloads' names repeat"):
+    with pytest.raises(ValueError, match=r"--scenario: .*shop\.yaml' repeats an earlier item"):
         simulate.plan(parse("--capacity", "--scenario", f"{mix},{mix}"))
+    twin = tmp_path / "twin.yaml"  # another mix under the same name
+    twin.write_text(yaml.safe_dump({"name": "shop", "classes": classes[:1]}))
+    with pytest.raises(ValueError, match="--scenario: the workloads' names repeat"):
+        simulate.plan(parse("--capacity", "--scenario", f"{mix},{twin}"))
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"classes": [chat | {"ttft": "loose"}]}))
     with pytest.raises(ValueError, match=r"--scenario: mix file .*bad.yaml: class 'chat': give"):

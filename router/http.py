@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router.errors import ApiError, BadRequest, Rejected, Unavailable
+from router.errors import ApiError, BadRequest, ModelNotFound, Rejected, Unavailable
 from router.frontdoor import Finished, FrontDoor, Generation
 from router.openai_format import (
     ChunkWriter,
@@ -53,17 +53,26 @@ def create_app(door: FrontDoor) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _generate(door, request, Endpoint.CHAT)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        door.authenticate(request.headers.get("authorization"))
-        card = {
+    def model_card() -> dict[str, object]:
+        return {
             "id": door.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "slos-serve",
             "max_model_len": door.schema.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        door.authenticate(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        door.authenticate(request.headers.get("authorization"))
+        if model_id != door.model_name:
+            raise ModelNotFound(f"model {model_id!r} does not exist", "model")
+        return JSONResponse(model_card())
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request) -> JSONResponse:

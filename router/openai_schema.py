@@ -19,6 +19,7 @@ the request when the DP cannot admit everyone. Allowed range: -19..19.
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from enum import StrEnum
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from replica.request import MAX_SEED, SLO, Request, SamplingParams, Stage, Tier
+from replica.request import MAX_LATENCY_MS, MAX_SEED, SLO, Request, SamplingParams, Stage, Tier
 from router.errors import BadRequest, ModelNotFound
 
 MAX_PRIORITY = 19
@@ -34,6 +35,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 CHARS_PER_TOKEN_LIMIT = 16
 """A prompt longer than this many characters per context token cannot fit; refuse it unread."""
+DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+"""A plain decimal number (float() also takes "1_000", "nan" and "inf")."""
 HEADER_TTFT = "x-slo-ttft-ms"
 HEADER_TPOT = "x-slo-tpot-ms"
 T = TypeVar("T")
@@ -193,7 +196,7 @@ def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
         "best_of": (None, 1),
         "presence_penalty": (None, 0, 0.0),
         "frequency_penalty": (None, 0, 0.0),
-        "logprobs": (None, False) + ((0,) if endpoint is Endpoint.COMPLETIONS else ()),
+        "logprobs": (None, False),  # completions' 0 still asks for the sampled token's
         "top_logprobs": (None, 0),
         "echo": (None, False),
         "suffix": (None, ""),
@@ -323,7 +326,7 @@ def _sampling(
         lambda: SamplingParams(
             max_tokens=max_tokens,
             temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
-            top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0),
+            top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, above_low=True),
             top_k=max(_int(body, "top_k", 0, low=-1, high=ctx.vocab_size), 0),  # vLLM's -1: off
             seed=seed,
             stop=_stop(body.get("stop")),
@@ -383,8 +386,24 @@ def _body_slo(raw: object, base: SLO) -> SLO:
         raise BadRequest(f"unknown slo field(s): {', '.join(extra[:8])}", f"slo.{extra[0]}")
     stages = _stages(raw.get("stages"))
     tpot_default = stages[0].tpot_ms if stages else base.tpot_ms
-    ttft = _number(raw, "ttft_ms", base.ttft_ms, low=0.0, name="slo.ttft_ms")
-    tpot = _number(raw, "tpot_ms", tpot_default, low=0.0, name="slo.tpot_ms")
+    ttft = _number(
+        raw,
+        "ttft_ms",
+        base.ttft_ms,
+        low=0.0,
+        high=MAX_LATENCY_MS,
+        name="slo.ttft_ms",
+        above_low=True,
+    )
+    tpot = _number(
+        raw,
+        "tpot_ms",
+        tpot_default,
+        low=0.0,
+        high=MAX_LATENCY_MS,
+        name="slo.tpot_ms",
+        above_low=True,
+    )
     return _build(partial(SLO, ttft_ms=ttft, tpot_ms=tpot, stages=stages), "slo")
 
 
@@ -436,12 +455,15 @@ def _header_ms(headers: Mapping[str, str], name: str, default: float) -> float:
     raw = headers.get(name)
     if raw is None:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise BadRequest(f"header {name} must be a number of milliseconds", name) from None
-    if not math.isfinite(value) or value <= 0:
-        raise BadRequest(f"header {name} must be finite and > 0, got {raw!r}", name)
+    if not DECIMAL.fullmatch(raw.strip()):
+        raise BadRequest(f"header {name} must be a number of milliseconds, got {raw!r}", name)
+    value = float(raw)
+    if not 0 < value <= MAX_LATENCY_MS:
+        raise BadRequest(
+            f"header {name} must be a number of milliseconds in (0, {MAX_LATENCY_MS:g}], "
+            f"got {raw!r}",
+            name,
+        )
     return value
 
 
@@ -479,7 +501,9 @@ def _number(
     low: float,
     high: float = float("inf"),
     name: str | None = None,
+    above_low: bool = False,
 ) -> float:
+    """`above_low`: `low` itself is out of range too."""
     name = name or key
     value = body.get(key)
     if value is None:
@@ -489,9 +513,12 @@ def _number(
     if isinstance(value, int) and abs(value) > 2**53:
         raise BadRequest(f"{name} is out of range, got {_short(value)}", name)
     number = float(value)
-    if not math.isfinite(number) or not low <= number <= high:
+    too_low = number <= low if above_low else number < low
+    if not math.isfinite(number) or too_low or number > high:
+        bracket = "(" if above_low else "["
         raise BadRequest(
-            f"{name} must be a finite number in [{low:g}, {high:g}], got {_short(value)}", name
+            f"{name} must be a finite number in {bracket}{low:g}, {high:g}], got {_short(value)}",
+            name,
         )
     return number
 

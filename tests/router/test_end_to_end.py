@@ -202,6 +202,9 @@ def test_errors_have_the_right_status(oai: openai.OpenAI, live: LocalFrontDoor) 
 
 def test_models_health_status_metrics(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
     assert [m.id for m in oai.models.list()] == ["demo"]
+    assert oai.models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4")
     assert httpx.get(live.http_url + "/health", timeout=30).json()["status"] == "ok"
     status = httpx.get(live.http_url + "/v1/cluster/status", headers=auth(), timeout=30).json()
     assert status["model"] == "demo" and len(status["replicas"]) == 2

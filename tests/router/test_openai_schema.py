@@ -153,6 +153,9 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo", "prompt": "x", "max_tokens": True}, "max_tokens"),
         ({"model": "demo", "prompt": "x", "temperature": math.nan}, "temperature"),
         ({"model": "demo", "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": "demo", "prompt": "x", "logprobs": 0}, "logprobs"),
+        ({"model": "demo", "prompt": "x", "slo": {"ttft_ms": 0}}, "slo.ttft_ms"),
+        ({"model": "demo", "prompt": "x", "slo": {"tpot_ms": 1e9}}, "slo.tpot_ms"),
         ({"model": "demo", "prompt": "x", "seed": -(2**63) - 1}, "seed"),
         ({"model": "demo", "prompt": "x", "top_k": -2}, "top_k"),
         ({"model": "demo", "prompt": "x", "stop": ["a", 3]}, "stop"),
@@ -207,9 +210,12 @@ def test_openai_and_vllm_options_at_their_no_op_are_accepted(
 
 
 def test_bad_header_is_named(codec: TextCodec, ctx: SchemaContext) -> None:
-    with pytest.raises(BadRequest) as info:
-        parse(codec, ctx, {"model": "demo", "prompt": "x"}, {"x-slo-tpot-ms": "fast"})
-    assert info.value.param == "x-slo-tpot-ms"
+    for value in ("fast", "1_000", "nan", "1e308", "0"):
+        with pytest.raises(BadRequest) as info:
+            parse(codec, ctx, {"model": "demo", "prompt": "x"}, {"x-slo-tpot-ms": value})
+        assert info.value.param == "x-slo-tpot-ms", value
+    with pytest.raises(BadRequest, match=r"top_p must be a finite number in \(0, 1\]"):
+        parse(codec, ctx, {"model": "demo", "prompt": "x", "top_p": 0})
 
 
 def test_unknown_model_is_404(codec: TextCodec, ctx: SchemaContext) -> None:

@@ -370,7 +370,10 @@ def _no_unknown(data: Mapping[str, Any], known: set[str], where: str) -> None:
 
 def _number(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
+        hint = ""
+        if isinstance(value, str) and "e" in value.lower():
+            hint = " (YAML 1.1 reads an exponent without a dot as text: write 1.0e-9, not 1e-9)"
+        raise ValueError(f"{what} must be a finite number, got {value!r}{hint}")
     if value <= 0:
         raise ValueError(f"{what} must be > 0, got {value!r}")
     return float(value)

@@ -459,8 +459,20 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
         raise _fail(
             f"--tokenizer {str(args.tokenizer)!r} has no tokenizer.json nor tokenizer files"
         )
-    if args.zero_load not in ("profile", "probe") and not Path(args.zero_load).is_file():
-        raise _fail(f"--zero-load must be profile, probe or a JSON file, got {args.zero_load!r}")
+    if args.zero_load not in ("profile", "probe"):
+        if not Path(args.zero_load).is_file():
+            raise _fail(
+                f"--zero-load must be profile, probe or a JSON file, got {args.zero_load!r}"
+            )
+        try:
+            ZeroLoad.load(Path(args.zero_load))
+        except ValueError as exc:
+            raise _fail(f"--zero-load: {exc}") from None
+    if args.arrivals == "trace" and args.trace is not None:
+        try:
+            read_trace(args.trace)
+        except ValueError as exc:
+            raise _fail(f"--trace: {exc}") from None
     if not args.capacity:
         if args.rate is None:
             raise _fail("--rate is required (or --capacity with --rates)")

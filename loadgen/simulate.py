@@ -777,6 +777,11 @@ def run(args: argparse.Namespace) -> int:
     perf = load_profile("--profile", p.profile)
     baseline = p.baseline_profile
     baseline_perf = load_profile("--baseline-profile", baseline) if baseline else None
+    if baseline_perf is not None and baseline_perf.tp != perf.tp:
+        raise OptionError(
+            f"--baseline-profile is for tensor parallelism {baseline_perf.tp} and --profile for "
+            f"{perf.tp}: the policies would run on different replicas"
+        )
     if Policy.DISTSERVE in p.policies:
         _check_kv_bytes(baseline or p.profile, baseline_perf or perf)
 

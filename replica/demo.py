@@ -107,7 +107,15 @@ class Served:
 def make_scheduler(args: argparse.Namespace, budget: CacheBudget, max_model_len: int) -> Scheduler:
     if args.scheduler == "slos":
         spec = SpecConfig(max_spec_tokens=args.spec_k) if args.spec_k > 0 else None
-        return SlosScheduler(PerfModel.load(args.profile), budget, PlannerConfig(spec=spec))
+        try:
+            perf = PerfModel.load(args.profile)
+        except (OSError, ValueError) as exc:
+            raise OptionError(f"--profile: {exc}") from None
+        if perf.tp != 1:
+            raise OptionError(
+                f"--profile is for tensor parallelism {perf.tp}; the demo runs one process"
+            )
+        return SlosScheduler(perf, budget, PlannerConfig(spec=spec))
     if args.scheduler == "vllm":
         tokens = args.token_budget or max_model_len
         return VllmScheduler(budget, VllmConfig(max_num_batched_tokens=tokens, spec_k=args.spec_k))

@@ -25,6 +25,8 @@ from router.local import LocalFrontDoor
 from tests.cluster.conftest import write_profile
 from tests.router.conftest import API_KEY, live
 
+NOT_ZERO_LOAD = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "cpu-demo.json"
+
 __all__ = ["live"]
 LOOSE = SLO(5000.0, 500.0)
 IMPOSSIBLE = SLO(0.001, 0.001)
@@ -52,6 +54,8 @@ IMPOSSIBLE = SLO(0.001, 0.001)
         (["--capacity", "--rates", "1,2", "--rate", "3"], "--rate"),
         (["--rate", "1", "--rel-tol", "0"], "--rel-tol"),
         (["--rate", "1", "--replicas", "0"], "--replicas"),
+        (["--rate", "1", "--arrivals", "trace", "--trace", "/nonexistent.csv"], "--trace"),
+        (["--rate", "1", "--zero-load", str(NOT_ZERO_LOAD)], "--zero-load: "),
     ],
 )
 def test_bad_options_fail_naming_the_option(

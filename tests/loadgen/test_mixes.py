@@ -115,6 +115,7 @@ _DROP = object()
         (("classes", 1, "name"), "chat", "class names must be distinct"),
         (("classes", 0, "share"), 0, "class 'chat': share must be > 0"),
         (("classes", 0, "share"), "half", "class 'chat': share must be a finite number"),
+        (("classes", 1, "tpot_ms"), "1e-9", "write 1.0e-9, not 1e-9"),  # YAML 1.1 reads text
         (("classes", 0, "prompt"), {"mean": 500}, "class 'chat': prompt takes {mean, p99}"),
         (("classes", 0, "prompt"), {"mean": 500, "p99": 400}, "class 'chat': prompt: no lognormal"),
         (("classes", 0, "output"), 0, "class 'chat': output must be {mean, p99} or a fixed"),

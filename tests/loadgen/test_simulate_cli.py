@@ -146,6 +146,13 @@ def test_a_bad_profile_is_named_without_a_traceback(tmp_path: Path) -> None:
         cli.main(["simulate", "--rate", "1", "--profile", str(foreign)])
 
 
+def test_baseline_profile_of_another_tensor_parallel_degree_is_refused() -> None:
+    with pytest.raises(SystemExit, match="--baseline-profile is for tensor parallelism 2"):
+        cli.main(
+            ["simulate", "--rate", "1", "--profile", "cpu", "--baseline-profile", "cpu-demo-tp2"]
+        )
+
+
 def test_distserve_on_a_profile_without_kv_bytes_is_refused_before_any_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

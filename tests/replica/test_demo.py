@@ -34,6 +34,12 @@ def test_demo_serves_every_prompt(
         assert out.count(", admitted") == 3
 
 
+def test_demo_refuses_a_profile_for_a_split_model() -> None:
+    split = Path(demo.DEPLOY) / "profiles" / "cpu-demo-tp2.json"
+    with pytest.raises(OptionError, match="--profile is for tensor parallelism 2"):
+        demo.run(parse("--profile", str(split), "--prompts", "1", "--max-tokens", "2"))
+
+
 def test_demo_names_missing_models(tmp_path: Path) -> None:
     with pytest.raises(OptionError, match=r"--target: no model at .*make models"):
         demo.run(parse("--target", str(tmp_path)))

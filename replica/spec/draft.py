@@ -122,13 +122,13 @@ class DraftModel:
                 params = job.params
                 if params.greedy:
                     token = greedy_choice[row]
-                elif params.seed is not None:
-                    probs = self._full_vocab(token_probs(logits[row : row + 1], params))
-                    token = seeded_choice(probs, params.seed, len(job.tokens) + step)[0]
                 else:
                     probs = self._full_vocab(token_probs(logits[row : row + 1], params))
-                    token = sample(probs, job.generator)[0]
-                    prob_rows[i].append(probs[0])
+                    if params.seed is not None:
+                        token = seeded_choice(probs, params.seed, len(job.tokens) + step)[0]
+                    else:
+                        token = sample(probs, job.generator)[0]
+                        prob_rows[i].append(probs[0])
                 proposals[i].tokens.append(token)
                 pending[i] = [token]
         for i, rows in enumerate(prob_rows):

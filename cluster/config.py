@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -93,7 +93,6 @@ class ClusterConfig:
     dtype: str = "auto"
     """Weights and KV cache precision: auto (bfloat16 on a GPU, float32 on CPU), float32,
     bfloat16 or float16."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -47,8 +47,17 @@ async def build_front_door(config: FrontDoorConfig) -> tuple[FrontDoor, Any]:
 
 
 # The door only parses, tokenizes and relays; the CPUs a config declares go to the model
-# replicas (serve-cpu.yaml gives each replica one of a 2-core machine's cores).
-@serve.deployment(num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+# replicas (serve-cpu.yaml gives each replica one of a 2-core machine's cores). It runs on the
+# head node, whose resource Ray names itself, so its own gRPC server is at a known address
+# (the head's port forward, the chart's gRPC Service); HTTP goes through every node's proxy.
+HEAD_NODE = {"node:__internal_head__": 0.001}
+
+
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests=1024,
+    ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE},
+)
 @serve.ingress()
 class FrontDoorDeployment:
     def __init__(self, args: dict[str, Any]) -> None:

@@ -5,6 +5,8 @@ Serve config equal to the matching deploy/ config; bad values are refused at ins
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,7 @@ def listening_on_all_interfaces(config: dict[str, Any]) -> dict[str, Any]:
     expected["http_options"]["host"] = "0.0.0.0"
     for app in expected["applications"]:
         app["args"]["http"]["host"] = "0.0.0.0"
+        app["args"]["grpc"]["host"] = "0.0.0.0"
     return expected
 
 
@@ -137,20 +140,25 @@ def test_other_objects_and_pod_templates_validate_against_kubernetes(
         )
 
 
-def test_services_reach_the_serve_proxies(render: Render) -> None:
+def test_services_reach_the_serve_proxies_and_the_front_doors_grpc(render: Render) -> None:
     objects = render()
     templates = pod_templates(one(objects, "RayService"))
-    for suffix, port, target in [("-http", 8000, "serve"), ("-grpc", 50051, "grpc")]:
+    for suffix, port, target, kuberay_label in [
+        ("-http", 8000, "serve", ("ray.io/serve", "true")),  # pods whose proxy is healthy
+        ("-grpc", 50051, "grpc", ("ray.io/node-type", "head")),  # where the front door runs
+    ]:
         service = one(objects, "Service", suffix)
         (service_port,) = service["spec"]["ports"]
         assert (service_port["port"], service_port["targetPort"]) == (port, target)
         selector = dict(service["spec"]["selector"])
-        # KubeRay sets this label on pods whose Serve proxy is healthy.
-        assert selector.pop("ray.io/serve") == "true"
+        label, value = kuberay_label
+        assert selector.pop(label) == value
         for template in templates:
             assert selector.items() <= template["metadata"]["labels"].items()
             (container,) = template["spec"]["containers"]
             assert target in {p["name"] for p in container["ports"]}
+    (app,) = serve_config(one(objects, "RayService"))["applications"]
+    assert app["args"]["grpc"]["host"] == "0.0.0.0"
 
 
 def test_disruption_budget_covers_workers_only(render: Render) -> None:
@@ -272,6 +280,8 @@ def gpu_group(gpus: int) -> dict[str, Any]:
             r"/cluster/backup_policy': value must be one of 'best_effort', 'reject'",
         ),
         ({"cluster": {"spec_policy": "fixed:0"}}, r"/cluster/spec_policy'"),
+        ({"cluster": {"scheduler": "vllm"}}, r"/cluster/spec_policy'"),  # slos: a baseline's none
+        ({"cluster": {"scheduler": "orca"}}, r"/cluster/scheduler'"),
         ({"clusterr": {}}, r"additional properties 'clusterr' not allowed"),
         ({"head": {"rayStartParams": {"num-cpus": 0}}}, r"/head/rayStartParams/num-cpus'"),
     ],
@@ -281,6 +291,26 @@ def test_bad_values_are_refused_at_install_time(
 ) -> None:
     with pytest.raises(helm.HelmValuesError, match=message):
         render(values)
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        {"scheduler": "vllm", "spec_policy": "none"},
+        {"scheduler": "sarathi", "spec_policy": "none"},
+        {"calibrate": True},
+    ],
+)
+def test_every_cluster_config_field_is_a_value(render: Render, cluster: dict[str, Any]) -> None:
+    """`cluster` is ClusterConfig field for field: baselines and calibration install too."""
+    (app,) = serve_config(one(render({"cluster": cluster}), "RayService"))["applications"]
+    assert cluster.items() <= app["args"]["cluster"].items()
+
+
+def test_the_cluster_schema_has_every_cluster_config_field() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    fields = {f.name for f in dataclasses.fields(ClusterConfig)}
+    assert set(schema["properties"]["cluster"]["properties"]) == fields
 
 
 def test_values_readme_lists_every_value() -> None:

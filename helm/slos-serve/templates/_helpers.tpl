@@ -41,14 +41,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/*
 The Serve config (serveConfigV2): the same document as deploy/serve-*.yaml, except that HTTP
-listens on 0.0.0.0 so the Services can reach the proxies.
+and gRPC listen on 0.0.0.0 so the Services can reach them.
 */}}
 {{- define "slos-serve.serveConfig" -}}
 {{- $keysFile := include "slos-serve.apiKeysFile" . }}
 {{- $args := dict
   "cluster" .Values.cluster
   "http" (dict "host" "0.0.0.0" "port" .Values.ports.http)
-  "grpc" (dict "port" .Values.ports.grpc)
+  "grpc" (dict "host" "0.0.0.0" "port" .Values.ports.grpc)
   "api_keys_file" (ternary $keysFile nil (ne $keysFile ""))
 }}
 {{- $app := dict

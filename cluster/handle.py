@@ -42,6 +42,9 @@ CONTROLLER_RETRIES = 20
 """Controller calls retried while Ray restarts it (each after RETRY_DELAY_S)."""
 RETRY_DELAY_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
+RESUME_WAIT_S = 120.0
+"""How long a request that lost its replica waits for one to be up again (a restart reloads
+the model: seconds here, longer for a large checkpoint) before the client is told."""
 
 
 @dataclass
@@ -124,8 +127,9 @@ class ClusterHandle:
     async def submit(self, request: Request) -> AsyncIterator[TokenChunk | FinalRecord]:
         """Token chunks as produced, then exactly one FinalRecord.
 
-        Raises ValueError for invalid requests and ClusterUnavailable when no replica is up,
-        before anything is yielded. Closing the iterator early aborts the request."""
+        Raises ValueError for invalid requests, and ClusterUnavailable when no replica is up
+        (before anything is yielded) or when a request that lost its replica cannot be resumed
+        (possibly mid-stream). Closing the iterator early aborts the request."""
         self.validate(request)
         rid = request.request_id
         if rid in self._active:
@@ -163,12 +167,14 @@ class ClusterHandle:
                             end = item.finish_reason
                             break
                 except (RayActorError, _Lost):
-                    moved = await self._resume(request, binding, progress)
-                    if moved.verdict in (Verdict.ADMITTED, Verdict.BEST_EFFORT):
+                    if len(progress.tokens) < request.sampling.max_tokens:
+                        moved = await self._resume(request, binding, progress)
+                        if moved.verdict not in (Verdict.ADMITTED, Verdict.BEST_EFFORT):
+                            # No output to report as served: the client learns it was cut off.
+                            raise ClusterUnavailable(moved.reason or "no replica is up") from None
                         binding = replace(moved, hops=binding.hops)
                         continue
-                    end = "abort"
-                    binding = replace(binding, reason=moved.reason or "no replica is up")
+                    end = "length"  # the replica failed after delivering every token
                 finished = True
                 yield self._final(request, binding, end, progress)
                 return
@@ -185,10 +191,16 @@ class ClusterHandle:
             yield await ref
 
     async def _resume(self, request: Request, binding: Binding, progress: _Progress) -> Binding:
-        if len(progress.tokens) >= request.sampling.max_tokens:
-            return replace(binding, verdict=None, reason="replica failed after the last token")
+        """Continue elsewhere after the delivered tokens. When every replica is down (Ray is
+        restarting them), wait up to RESUME_WAIT_S for one rather than give the stream up."""
         progress.migrations += 1
         assert binding.replica is not None
+        deadline = time.monotonic() + RESUME_WAIT_S
+        while True:
+            status: ClusterStatus = await self._call("status")
+            if any(r.alive for r in status.replicas) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(RETRY_DELAY_S)
         result: Binding = await self._call(
             "resume", request, list(progress.tokens), binding.replica
         )

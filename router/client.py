@@ -112,6 +112,16 @@ class GenerateOptions:
     model: str = ""
 
 
+def _wire_value(name: str, value: float) -> float:
+    """vLLM's conventions on the proto's unsigned fields: top_k -1 is off (0), and a negative
+    seed travels as its 64-bit two's complement (the server reads it back as int64)."""
+    if name == "top_k" and value == -1:
+        return 0
+    if name == "seed" and -(2**63) <= value < 0:
+        return value + 2**64
+    return value
+
+
 def build_request(
     prompt: str | Sequence[int] | None,
     messages: Sequence[tuple[str, str]] | None,
@@ -137,7 +147,10 @@ def build_request(
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         value = getattr(options, name)
         if value is not None:
-            setattr(request, name, value)
+            try:
+                setattr(request, name, _wire_value(name, value))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{name}={value!r}: {exc}") from None
     if isinstance(options.slo, str):
         request.slo.tier = options.slo
     elif options.slo is not None:

@@ -55,6 +55,10 @@ def request_to_body(
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         if request.HasField(name):
             body[name] = getattr(request, name)
+    if "seed" in body and body["seed"] >= 2**63:
+        body["seed"] -= 2**64  # uint64 read as int64, as HTTP takes seeds: every value is one
+    if request.service_tier not in (pb.SERVICE_TIER_DEFAULT, pb.SERVICE_TIER_FLEX):
+        raise BadRequest(f"unknown service_tier {request.service_tier}", "service_tier")
     if request.stop:
         body["stop"] = list(request.stop)
     if request.ignore_eos:
@@ -181,9 +185,11 @@ class ServingServicer(pb_grpc.ServingServicer):
     ) -> pb.ClusterStatus:
         try:
             self.door.authenticate(_metadata(context).get("authorization"))
-        except ApiError as exc:
+            status = await self.door.status()
+        except ApiError as exc:  # Unavailable included: the controller does not answer
             await _abort(context, exc)
-        return status_to_proto(await self.door.status())
+            raise  # not reached: grpc's abort raises
+        return status_to_proto(status)
 
 
 class GrpcServer:

@@ -118,12 +118,17 @@ def _buckets(hist: Mapping[str, Any]) -> list[tuple[str, float]]:
     return [*pairs, ("+Inf", float(hist["count"]))]
 
 
+MAX_STAGE_LABELS = 32
+"""Distinct SLO stage names a front door labels its attainment counters with."""
+
+
 class FrontDoorMetrics:
     """All metrics of one front door and its cluster, in their own registry."""
 
     def __init__(self, model: str) -> None:
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
+        self._stage_labels: set[str] = set()
         by_tier = ["model", "tier"]
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
@@ -215,9 +220,17 @@ class FrontDoorMetrics:
         if record.finish_time is not None and record.num_output_tokens:
             self.e2e.labels(self.model, tier).observe(record.finish_time - record.arrival_time)
         for i, stage in enumerate(record.stages):
-            name = stage.name or str(i)
+            name = self._stage_label(stage.name or str(i))
             target = self.attained if stage.attained else self.violated
             target.labels(self.model, tier, name).inc()
+
+    def _stage_label(self, name: str) -> str:
+        """Clients name their stages, so the label set is capped: names past the first
+        MAX_STAGE_LABELS seen are counted as "other" rather than as new series forever."""
+        if name in self._stage_labels or len(self._stage_labels) < MAX_STAGE_LABELS:
+            self._stage_labels.add(name)
+            return name
+        return "other"
 
     def record_cancelled(self, verdict: Verdict, tenant: str) -> None:
         """Count a request its client left: admitted (or best-effort) like a finished one,

@@ -1,4 +1,5 @@
-"""Failures: a replica killed mid-stream, a controller restarted mid-stream."""
+"""Failures: a replica killed mid-stream, every replica down at once, a controller restarted
+mid-stream."""
 
 from __future__ import annotations
 
@@ -75,6 +76,38 @@ def test_killed_replica_streams_resume_elsewhere_without_loss_or_duplicates(
 
     assert runner.run(back()), "the killed replica did not rejoin after its restart"
     assert runner.run(cluster.status()).counters["migrated"] >= 1
+
+
+def test_a_stream_whose_replicas_are_all_down_waits_for_one_to_restart(
+    cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
+) -> None:
+    """The client stops reading, every replica is killed and the controller sees them all
+    down; when the stream is read again its request resumes on a restarted replica (it used
+    to end as an empty-handed "abort" that counted its SLO as met)."""
+    rid, prompt, max_tokens = "all-down", [41, 311, 77, 6], 400
+
+    async def run() -> tuple[list[int], FinalRecord]:
+        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), slo=LOOSE)
+        stream = cluster.submit(request)
+        tokens: list[int] = []
+        while len(tokens) < 3:
+            item = await anext(stream)
+            assert isinstance(item, TokenChunk)
+            tokens.extend(item.token_ids)
+        for replica in cluster.replicas:
+            ray.kill(replica, no_restart=False)
+        down = await status_until(cluster, lambda s: not any(r.alive for r in s.replicas), 80, 0.1)
+        assert not any(r.alive for r in down.replicas)
+        async for item in stream:
+            if isinstance(item, FinalRecord):
+                return tokens, item
+            tokens.extend(item.token_ids)
+        raise AssertionError("no FinalRecord")
+
+    tokens, final = runner.run(run())
+    assert tokens == greedy_reference(engine, rid, prompt, max_tokens)
+    assert final.finish_reason == "length" and final.migrations >= 1
+    assert runner.run(status_until(cluster, all_alive, 240, 0.25)).replicas
 
 
 def test_controller_restart_keeps_in_flight_requests(

@@ -48,6 +48,23 @@ def test_chat_flex_and_tier_name(codec: TextCodec) -> None:
     assert req.slo == SLO(1000, 100) and req.prompt_token_ids == [7, 8]
 
 
+def test_vllm_conventions_cross_the_unsigned_proto_fields() -> None:
+    """top_k -1 is off; a negative seed travels as uint64 and arrives as the same int64."""
+    request = build_request("x", None, GenerateOptions(top_k=-1, seed=-5))
+    assert request.top_k == 0 and request.seed == 2**64 - 5
+    _, body = request_to_body(request, "demo")
+    assert (body["top_k"], body["seed"]) == (0, -5)
+    _, big = request_to_body(pb.GenerateRequest(prompt="x", seed=2**63), "demo")
+    assert big["seed"] == -(2**63)
+    with pytest.raises(ValueError, match="top_k=-2"):
+        build_request("x", None, GenerateOptions(top_k=-2))
+
+
+def test_an_unknown_service_tier_is_refused() -> None:
+    with pytest.raises(BadRequest, match="service_tier"):
+        request_to_body(pb.GenerateRequest(prompt="x", service_tier=7), "demo")  # type: ignore[arg-type]
+
+
 def test_input_must_be_exactly_one() -> None:
     for request in (pb.GenerateRequest(), pb.GenerateRequest(prompt="x", prompt_token_ids=[1])):
         with pytest.raises(BadRequest) as info:

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.api import ClusterStatus, FinalRecord, ReplicaStatus, StageVerdict, Verdict
-from router.metrics import PREFIX, FrontDoorMetrics
+from router.metrics import MAX_STAGE_LABELS, PREFIX, FrontDoorMetrics
 
 
 def samples(metrics: FrontDoorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -33,6 +33,16 @@ def record(verdict: Verdict, hops: int, stages: tuple[StageVerdict, ...] = ()) -
         num_output_tokens=4 if served else 0,
         stages=stages,
     )
+
+
+def test_client_chosen_stage_names_are_capped_as_labels() -> None:
+    m = FrontDoorMetrics("demo")
+    for i in range(MAX_STAGE_LABELS + 5):
+        m.record_final(record(Verdict.ADMITTED, 1, (StageVerdict(f"s{i}", True, 0),)), "c", "t")
+    stages = {
+        labels[1][1] for (name, labels) in samples(m) if name == PREFIX + "slo_attained_total"
+    }
+    assert len(stages) == MAX_STAGE_LABELS + 1 and "other" in stages
 
 
 def test_counts_match_records_fed() -> None:

@@ -357,7 +357,9 @@ class AsyncClient(_Base):
         timeout_s: float | None = None,
         **options: Any,
     ) -> AsyncIterator[Chunk | Result]:
-        """Stream the output: `Chunk`s, then one `Result`."""
+        """Stream the output: `Chunk`s, then one `Result`. To stop early, close the generator
+        (`await stream.aclose()`, or iterate inside `contextlib.aclosing`): a loop left with
+        `break` keeps the request running until the generator is collected."""
         request = build_request(prompt, messages, GenerateOptions(**options))
         deadline = self._deadline(timeout_s)
         attempt = 1

@@ -107,4 +107,4 @@ class ClusterStatus:
     """admitted, best_effort, rejected, routed, migrated, preempted, demoted (since start)."""
     scheduler: str = ""
     """What plans the replicas: slos, or a baseline (vllm, sarathi) that admits everything;
-    empty where the source does not say (the gRPC status has no such field)."""
+    empty where the source does not say."""

@@ -187,11 +187,19 @@ def status_from_proto(status: pb.ClusterStatus) -> ClusterStatus:
         model=status.model,
         replicas=tuple(
             ReplicaStatus(
-                r.replica, r.alive, r.running, r.waiting, r.admitted, r.best_effort, r.kv_usage
+                r.replica,
+                r.alive,
+                r.running,
+                r.waiting,
+                r.admitted,
+                r.best_effort,
+                r.kv_usage,
+                dict(r.calibration),
             )
             for r in status.replicas
         ),
         counters=dict(status.counters),
+        scheduler=status.scheduler,
     )
 
 

@@ -131,10 +131,12 @@ def status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
                 admitted=r.admitted,
                 best_effort=r.best_effort,
                 kv_usage=r.kv_usage,
+                calibration=dict(r.calibration),
             )
             for r in status.replicas
         ],
         counters=dict(status.counters),
+        scheduler=status.scheduler,
     )
 
 

@@ -96,5 +96,6 @@ def test_final_and_status_round_trip() -> None:
     result = result_from_proto(final_to_proto(record))
     assert (result.verdict, result.replica, result.finish_reason) == ("admitted", 0, "stop")
     assert result.ttft_s == 0.25 and result.e2e_s == 1.0 and result.slo_attained is True
-    status = ClusterStatus("demo", (ReplicaStatus(0, True, 1, 2, 1, 0, 0.5),), {"admitted": 4})
-    assert status_from_proto(status_to_proto(status)) == status
+    replica = ReplicaStatus(0, True, 1, 2, 1, 0, 0.5, {"decode": 1.25})
+    status = ClusterStatus("demo", (replica,), {"admitted": 4}, scheduler="sarathi")
+    assert status_from_proto(status_to_proto(status)) == status  # as HTTP reports it

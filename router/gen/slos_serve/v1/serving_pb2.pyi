@@ -137,7 +137,14 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica", "alive", "running", "waiting", "admitted", "best_effort", "kv_usage")
+    __slots__ = ("replica", "alive", "running", "waiting", "admitted", "best_effort", "kv_usage", "calibration")
+    class CalibrationEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +152,7 @@ class ReplicaStatus(_message.Message):
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     BEST_EFFORT_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     replica: int
     alive: bool
     running: int
@@ -152,10 +160,11 @@ class ReplicaStatus(_message.Message):
     admitted: int
     best_effort: int
     kv_usage: float
-    def __init__(self, replica: _Optional[int] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., admitted: _Optional[int] = ..., best_effort: _Optional[int] = ..., kv_usage: _Optional[float] = ...) -> None: ...
+    calibration: _containers.ScalarMap[str, float]
+    def __init__(self, replica: _Optional[int] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., admitted: _Optional[int] = ..., best_effort: _Optional[int] = ..., kv_usage: _Optional[float] = ..., calibration: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "replicas", "counters")
+    __slots__ = ("model", "replicas", "counters", "scheduler")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,7 +175,9 @@ class ClusterStatus(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     model: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    scheduler: str
+    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., scheduler: _Optional[str] = ...) -> None: ...

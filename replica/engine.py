@@ -30,7 +30,7 @@ from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.model_source import load_tokenizer, model_dir
 from replica.request import Request
-from replica.sampling import make_generator, sample, seeded_choice, token_probs
+from replica.sampling import make_generator, noisy_choice, position_noise, sample, token_probs
 from replica.spec.draft import DraftJob, DraftModel, Proposal, load_draft_vocab
 from replica.spec.ngram import NgramProposer
 from replica.spec.verify import verify_choices, verify_stochastic
@@ -76,6 +76,9 @@ class _Work:
     num_feed: int
     num_spec: int
     proposal: Proposal = field(default_factory=lambda: Proposal(tokens=[], probs=None))
+    noise: torch.Tensor | None = None
+    """A seeded request's noise for the positions this step may sample, when the draft made
+    it; verification reuses it rather than drawing it again."""
 
 
 class Engine:
@@ -308,6 +311,12 @@ class Engine:
             for w in spec:
                 w.proposal = Proposal(self.ngram.propose(w.seq.tokens, w.num_spec), None)
         elif self.draft is not None:
+            for w in spec:
+                params = w.seq.request.sampling
+                if params.seed is not None and not params.greedy:
+                    w.noise = position_noise(
+                        params.seed, len(w.seq.tokens), w.num_spec + 1, self.target.vocab_size
+                    )
             jobs = [
                 DraftJob(
                     w.seq.request.request_id,
@@ -315,6 +324,7 @@ class Engine:
                     w.num_spec,
                     w.seq.request.sampling,
                     w.seq.generator,
+                    None if w.noise is None else w.noise[: w.num_spec],
                 )
                 for w in spec
             ]
@@ -368,8 +378,11 @@ class Engine:
         if params.greedy:
             new = verify_choices(proposal, argmax)
         elif params.seed is not None:
-            choices = seeded_choice(token_probs(logits, params), params.seed, len(seq.tokens))
-            new = verify_choices(proposal, choices)
+            noise = w.noise
+            if noise is None:
+                vocab = self.target.vocab_size
+                noise = position_noise(params.seed, len(seq.tokens), logits.shape[0], vocab)
+            new = verify_choices(proposal, noisy_choice(token_probs(logits, params), noise))
         elif proposal:
             probs = token_probs(logits, params)
             new = verify_stochastic(proposal, w.proposal.probs, probs, seq.generator)

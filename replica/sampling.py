@@ -31,21 +31,26 @@ def make_generator() -> torch.Generator:
     return gen
 
 
-def position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
-    """Exponential(1) noise [vocab] of a seeded request at sequence position `position`
-    (float64, and never 0, so no probability is divided by zero)."""
-    gen = torch.Generator().manual_seed((seed * _SEED_MIX + position * _POSITION_MIX) % 2**64)
-    noise = torch.empty(vocab, dtype=torch.float64).exponential_(generator=gen)
-    return noise.clamp_min_(torch.finfo(torch.float64).tiny)
-
-
-def seeded_choice(probs: torch.Tensor, seed: int, position: int) -> list[int]:
-    """One token per row of `probs` [n, vocab], row i at sequence position `position + i`."""
-    vocab = probs.shape[-1]
-    return [
-        int(torch.argmax(row / position_noise(seed, position + i, vocab)))
-        for i, row in enumerate(probs)
+def position_noise(seed: int, first: int, count: int, vocab: int) -> torch.Tensor:
+    """Exponential(1) noise [count, vocab] of a seeded request at sequence positions first,
+    first + 1, ...: -log U with U uniform in [0, 1) in float32 (as torch.multinomial draws),
+    so never 0 and a zero-probability token never wins. 4-5x cheaper than exponential_ at a
+    128k vocabulary; made once per position a step may sample, for the draft and
+    verification."""
+    rows = [
+        torch.rand(vocab, generator=_position_generator(seed, position))
+        for position in range(first, first + count)
     ]
+    return torch.stack(rows).log_().neg_()
+
+
+def _position_generator(seed: int, position: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * _SEED_MIX + position * _POSITION_MIX) % 2**64)
+
+
+def noisy_choice(probs: torch.Tensor, noise: torch.Tensor) -> list[int]:
+    """One token per row of `probs` [n, vocab]: argmax p / E with the row's noise."""
+    return (probs / noise).argmax(dim=-1).tolist()
 
 
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.request import SamplingParams
-from replica.sampling import sample, seeded_choice, token_probs
+from replica.sampling import noisy_choice, sample, token_probs
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -53,6 +53,9 @@ class DraftJob:
     k: int
     params: SamplingParams
     generator: torch.Generator
+    noise: torch.Tensor | None = None
+    """A seeded request's noise [k, vocab] of the positions it proposes (replica.sampling):
+    its draft tokens are drawn with the noise the target's own draws will use."""
 
 
 @dataclass
@@ -124,8 +127,8 @@ class DraftModel:
                     token = greedy_choice[row]
                 else:
                     probs = self._full_vocab(token_probs(logits[row : row + 1], params))
-                    if params.seed is not None:
-                        token = seeded_choice(probs, params.seed, len(job.tokens) + step)[0]
+                    if job.noise is not None:
+                        token = noisy_choice(probs, job.noise[step : step + 1])[0]
                     else:
                         token = sample(probs, job.generator)[0]
                         prob_rows[i].append(probs[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from replica.request import SamplingParams
-from replica.sampling import sample, seeded_choice, token_probs
+from replica.sampling import noisy_choice, position_noise, sample, token_probs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
@@ -39,6 +39,11 @@ def test_same_generator_seed_same_tokens_other_seed_other_tokens() -> None:
     draws = [sample(probs.expand(8, -1), torch.Generator().manual_seed(s)) for s in (7, 7, 8)]
     assert draws[0] == draws[1]
     assert draws[0] != draws[2]
+
+
+def seeded_choice(probs: torch.Tensor, seed: int, position: int) -> list[int]:
+    """Row i of `probs` drawn at sequence position `position + i`."""
+    return noisy_choice(probs, position_noise(seed, position, probs.shape[0], probs.shape[-1]))
 
 
 def test_a_seeded_draw_is_fixed_by_seed_and_position_alone() -> None:

@@ -11,6 +11,7 @@ from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.engine import Engine, ProposerKind, load_detokenizer
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
+from replica.sampling import position_noise
 from replica.spec.draft import DRAFT_VOCAB_FILE, DraftJob, DraftModel, load_draft_vocab
 from replica.spec.ngram import NgramProposer
 from replica.spec.verify import verify_choices, verify_stochastic
@@ -303,6 +304,7 @@ def test_a_cut_head_proposes_inside_its_vocabulary_with_full_distributions(
             4,
             SamplingParams(max_tokens=8, temperature=1.0, seed=1),
             torch.Generator(),
+            position_noise(1, len(prompts[2]), 4, cut_runners[1].vocab_size),
         ),
     ]
     inside = set(head.tolist())

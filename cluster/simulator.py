@@ -268,6 +268,19 @@ class _Track:
     times: tuple[float, ...] = ()
 
 
+def kv_bytes_per_token(perf: PerfModel, override: float | None = None) -> float:
+    """What distserve moves per token from a prefill to a decode replica: `override`, else the
+    profile's `kv_bytes_per_token_per_gpu` (analytic profiles and `slos-serve profile` record
+    it)."""
+    per_token = override or perf.info.assumptions.get("kv_bytes_per_token_per_gpu")
+    if not isinstance(per_token, int | float):
+        raise ValueError(
+            "distserve needs the KV bytes a token moves between replicas: the profile has no "
+            "kv_bytes_per_token_per_gpu assumption (re-measure it with `slos-serve profile`)"
+        )
+    return float(per_token)
+
+
 class Simulator:
     """One run of a workload; `run` may be called once."""
 
@@ -326,17 +339,9 @@ class Simulator:
                 for i in range(config.replicas)
             ]
         if config.policy is Policy.DISTSERVE:
-            per_token = config.kv_bytes_per_token or perf.info.assumptions.get(
-                "kv_bytes_per_token_per_gpu"
-            )
-            if not isinstance(per_token, int | float):
-                raise ValueError(
-                    "distserve needs kv_bytes_per_token: the profile has no "
-                    "kv_bytes_per_token_per_gpu assumption"
-                )
+            per_token = kv_bytes_per_token(perf, config.kv_bytes_per_token)
             self._links = [
-                KvLink(config.kv_link_gb_s, float(per_token))
-                for _ in range(config.prefill_replicas)
+                KvLink(config.kv_link_gb_s, per_token) for _ in range(config.prefill_replicas)
             ]
 
     def _baseline(self, cache: CacheBudget) -> Scheduler:

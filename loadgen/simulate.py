@@ -56,7 +56,14 @@ from tqdm import tqdm
 
 from cluster.sim_distserve import DEFAULT_LINK_GB_S, pool_splits
 from cluster.sim_spec import DEFAULT_ACCEPTANCE
-from cluster.simulator import Policy, SimConfig, SimRequest, SimResult, Simulator
+from cluster.simulator import (
+    Policy,
+    SimConfig,
+    SimRequest,
+    SimResult,
+    Simulator,
+    kv_bytes_per_token,
+)
 from loadgen.arrivals import poisson_arrivals, trace_arrivals
 from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
 from loadgen.capacity_tables import markdown_tables, summarize
@@ -753,17 +760,6 @@ def plan(args: argparse.Namespace) -> Plan:
     )
 
 
-def _check_kv_bytes(name: str, perf: PerfModel) -> None:
-    """distserve moves each prompt's KV to a decode replica, priced by the profile's bytes per
-    token: refused before any run rather than after the other policies' runs."""
-    if "kv_bytes_per_token_per_gpu" not in perf.info.assumptions:
-        raise OptionError(
-            f"--policies distserve: profile {name!r} has no kv_bytes_per_token_per_gpu "
-            f"assumption (the KV bytes a token moves between replicas); re-measure it with "
-            f"`slos-serve profile`, which records it, or leave distserve out"
-        )
-
-
 def load_profile(option: str, name: str) -> PerfModel:
     """The profile a name or path gives, or an error naming `option`."""
     try:
@@ -783,7 +779,12 @@ def run(args: argparse.Namespace) -> int:
             f"{perf.tp}: the policies would run on different replicas"
         )
     if Policy.DISTSERVE in p.policies:
-        _check_kv_bytes(baseline or p.profile, baseline_perf or perf)
+        try:  # before any run, not after the other policies' runs
+            kv_bytes_per_token(baseline_perf or perf)
+        except ValueError as exc:
+            raise OptionError(
+                f"--policies distserve: profile {baseline or p.profile!r}: {exc}"
+            ) from None
 
     def setup(scenario: Workload, requests_per_replica: int, window: int | None) -> Setup:
         return Setup(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,24 +72,26 @@ class Generation:
     def __init__(
         self,
         door: FrontDoor,
-        parsed: ParsedRequest,
+        request: Request,
+        slo_label: str,
         tenant: str,
         first: TokenChunk | FinalRecord,
         rest: AsyncIterator[TokenChunk | FinalRecord],
     ) -> None:
         self.door = door
-        self.parsed = parsed
+        self.request = request
+        self.slo_label = slo_label
         self.tenant = tenant
         self.first = first
         self.rest = rest
         self.detokenizer: IncrementalDetokenizer = door.codec.detokenizer()
-        self.stop_text = StopText(parsed.request.sampling.stop)
+        self.stop_text = StopText(request.sampling.stop)
         self.finished = False
         self.last_token_time: float | None = None
 
     @property
     def request_id(self) -> str:
-        return self.parsed.request.request_id
+        return self.request.request_id
 
     @property
     def placement(self) -> Placement | None:
@@ -110,11 +112,11 @@ class Generation:
                 if tail:
                     yield TextDelta(tail, ())
                 self.finished = True
-                self.door.metrics.record_final(item, self.parsed.slo_label, self.tenant)
+                self.door.metrics.record_final(item, self.slo_label, self.tenant)
                 yield Finished(item)
                 return
             self.last_token_time = self.door.metrics.record_tokens(
-                self.parsed.slo_label, self.last_token_time, item.times
+                self.slo_label, self.last_token_time, item.times
             )
             text = self.stop_text.push(self.detokenizer.push(item.token_ids))
             yield TextDelta(text, item.token_ids)
@@ -149,6 +151,33 @@ class Generation:
             if placement is not None:
                 self.door.metrics.record_cancelled(placement.verdict, self.tenant)
             self.door.cluster.abort(self.request_id)
+
+
+async def interleaved(
+    generations: Sequence[Generation],
+) -> AsyncIterator[tuple[int, TextDelta | Finished]]:
+    """The events of several generations as each comes, tagged with the generation's index.
+    An error in one ends the whole (the caller closes the others)."""
+    streams = [g.events() for g in generations]
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                index = pending.pop(future)
+                try:
+                    event = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+                yield index, event
+    finally:
+        for future in pending:
+            future.cancel()
 
 
 class FrontDoor:
@@ -202,25 +231,49 @@ class FrontDoor:
             self.metrics.reject(tenant, "not_found")
             raise
 
-    async def start(self, parsed: ParsedRequest, tenant: str) -> Generation:
-        """Submit and wait for the cluster's first item: a token, or a rejection."""
-        stream = self.cluster.submit(parsed.request)
+    async def start(self, parsed: ParsedRequest, tenant: str) -> tuple[Generation, ...]:
+        """Submit every choice and wait for each one's first item: a token, or a rejection.
+
+        All or nothing: if one choice is rejected or cannot be placed, the others are
+        aborted and the request fails as that choice did."""
+        if len(parsed.requests) == 1:
+            return (await self._start_one(parsed.requests[0], parsed.slo_label, tenant),)
+        tasks = [
+            asyncio.create_task(self._start_one(r, parsed.slo_label, tenant))
+            for r in parsed.requests
+        ]
+        try:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:  # cancelled too: the choices that started are aborted unless all did
+            started = [
+                t.result() for t in tasks if t.done() and not t.cancelled() and not t.exception()
+            ]
+            if len(started) < len(tasks):
+                for generation in started:
+                    generation.close()
+        failure = next((t.exception() for t in tasks if t.exception() is not None), None)
+        if failure is not None:
+            raise failure
+        return tuple(started)
+
+    async def _start_one(self, request: Request, slo_label: str, tenant: str) -> Generation:
+        stream = self.cluster.submit(request)
         try:
             first = await anext(stream)
         except ClusterUnavailable as exc:
             self.metrics.reject(tenant, "unavailable")
             raise Unavailable(str(exc) or "no replica is up") from exc
         except StopAsyncIteration as exc:
-            raise RuntimeError(f"cluster stream of {parsed.request.request_id} was empty") from exc
+            raise RuntimeError(f"cluster stream of {request.request_id} was empty") from exc
         except asyncio.CancelledError:
-            self.cluster.abort(parsed.request.request_id)
+            self.cluster.abort(request.request_id)
             raise
         if isinstance(first, FinalRecord) and first.verdict is Verdict.REJECTED:
-            self.metrics.record_final(first, parsed.slo_label, tenant)
+            self.metrics.record_final(first, slo_label, tenant)
             raise Rejected(
                 first.reason or "rejected by the backup policy", None, first.retry_after_s
             )
-        return Generation(self, parsed, tenant, first, stream)
+        return Generation(self, request, slo_label, tenant, first, stream)
 
     async def status(self) -> ClusterStatus:
         try:

@@ -163,12 +163,12 @@ class ServingServicer(pb_grpc.ServingServicer):
             tenant = self.door.authenticate(metadata.get("authorization"))
             endpoint, body = request_to_body(request, self.door.model_name)
             parsed = self.door.parse(endpoint, body, metadata, tenant)
-            generation = await self.door.start(parsed, tenant)
+            (generation,) = await self.door.start(parsed, tenant)  # one prompt, n = 1
         except ApiError as exc:
             await _abort(context, exc)
             return
         try:
-            placement = placement_headers(generation.placement)
+            placement = placement_headers([generation.placement])
             if placement:
                 await context.send_initial_metadata(tuple(placement.items()))
             async for event in generation.events():

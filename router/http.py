@@ -10,6 +10,7 @@ first byte, from the cluster's first answer, which also gives the `x-slos-serve-
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -19,8 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from cluster.api import FinalRecord
 from router.errors import ApiError, BadRequest, ModelNotFound, Rejected, Unavailable
-from router.frontdoor import Finished, FrontDoor, Generation
+from router.frontdoor import Finished, FrontDoor, Generation, interleaved
 from router.openai_format import (
     ChunkWriter,
     cluster_headers,
@@ -109,30 +111,45 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
         door.metrics.reject(tenant, "bad_request")
         raise BadRequest("the request body is not valid JSON") from None
     parsed = door.parse(endpoint, body, request.headers, tenant)
-    generation = await door.start(parsed, tenant)
+    generations = await door.start(parsed, tenant)
     if parsed.stream:
+        placements = [g.placement for g in generations]
         return StreamingResponse(
-            _sse(generation, parsed, door.model_name),
+            _sse(generations, parsed, door.model_name),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", **placement_headers(generation.placement)},
+            headers={"Cache-Control": "no-cache", **placement_headers(placements)},
         )
-    text, record = await generation.collect()
-    created = int(parsed.request.arrival_time)
-    content = full_response(endpoint, generation.request_id, created, door.model_name, text, record)
-    return JSONResponse(content, headers=cluster_headers(record))
-
-
-async def _sse(generation: Generation, parsed: ParsedRequest, model: str) -> AsyncIterator[bytes]:
-    writer = ChunkWriter(
-        parsed.endpoint, generation.request_id, int(parsed.request.arrival_time), model
-    )
+    collecting = [asyncio.ensure_future(g.collect()) for g in generations]
     try:
-        async for event in generation.events():
+        outputs = await asyncio.gather(*collecting)
+    finally:  # one choice failed: the others stop too (a cancelled collect aborts its request)
+        for task in collecting:
+            task.cancel()
+    texts = [text for text, _ in outputs]
+    records = [record for _, record in outputs]
+    created = int(parsed.arrival_time)
+    content = full_response(
+        endpoint, parsed.response_id, created, door.model_name, texts, records, parsed.n
+    )
+    return JSONResponse(content, headers=cluster_headers(content["slos_serve"]))
+
+
+async def _sse(
+    generations: tuple[Generation, ...], parsed: ParsedRequest, model: str
+) -> AsyncIterator[bytes]:
+    writer = ChunkWriter(parsed.endpoint, parsed.response_id, int(parsed.arrival_time), model)
+    records: dict[int, FinalRecord] = {}
+    try:
+        async for index, event in interleaved(generations):
             if isinstance(event, Finished):
-                yield writer.finish(event.record, parsed.include_usage)
+                records[index] = event.record
+                yield writer.finish(index, event.record)
             elif event.text:
-                yield writer.text(event.text)
+                yield writer.text(index, event.text)
+        ordered = [records[i] for i in range(len(generations))]
+        yield writer.done(ordered, parsed.n, parsed.include_usage)
     except ApiError as exc:
         yield writer.error(exc)
     finally:
-        generation.close()
+        for generation in generations:
+            generation.close()

@@ -7,6 +7,7 @@ replica, hops, SLO attainment per stage), since OpenAI's schema has no place for
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cluster.api import FinalRecord, Placement, Verdict
@@ -35,8 +36,8 @@ def error_body(error: ApiError) -> dict[str, Any]:
     }
 
 
-def service_tier(record: FinalRecord) -> str:
-    return "flex" if record.verdict is Verdict.BEST_EFFORT else "default"
+def service_tier(records: Sequence[FinalRecord]) -> str:
+    return "flex" if any(r.verdict is Verdict.BEST_EFFORT for r in records) else "default"
 
 
 def cluster_info(record: FinalRecord) -> dict[str, Any]:
@@ -53,60 +54,105 @@ def cluster_info(record: FinalRecord) -> dict[str, Any]:
     }
 
 
-def placement_headers(placement: Placement | None) -> dict[str, str]:
-    """Where the request was bound: HTTP headers of a stream (sent with the first token) and
-    gRPC initial metadata, so a client that stops reading early still learns the verdict."""
-    if placement is None:
-        return {}
+def cluster_summary(records: Sequence[FinalRecord]) -> dict[str, Any]:
+    """A response's `slos_serve`: its one choice's, or, over several choices (each of which
+    carries its own), the weakest verdict, the replica if they share one, the most hops, all
+    migrations, and a stage attained only where every choice attained it."""
+    if len(records) == 1:
+        return cluster_info(records[0])
+    replicas = {r.replica for r in records}
+    attained = [r.slo_attained for r in records]
     return {
-        HEADER_VERDICT: placement.verdict.value,
-        HEADER_REPLICA: str(placement.replica),
-        HEADER_HOPS: str(placement.hops),
+        "verdict": _weakest(r.verdict for r in records).value,
+        "replica": replicas.pop() if len(replicas) == 1 else None,
+        "hops": max(r.hops for r in records),
+        "migrations": sum(r.migrations for r in records),
+        "slo_attained": None if None in attained else all(attained),
+        "stages": [
+            {
+                "name": same[0].name,
+                "attained": all(s.attained for s in same),
+                "late_tokens": sum(s.late_tokens for s in same),
+            }
+            for same in zip(*(r.stages for r in records), strict=False)
+        ],
     }
 
 
-def cluster_headers(record: FinalRecord) -> dict[str, str]:
-    """Response headers for a finished (non-streamed) request."""
-    headers = {HEADER_VERDICT: record.verdict.value, HEADER_HOPS: str(record.hops)}
-    if record.replica is not None:
-        headers[HEADER_REPLICA] = str(record.replica)
-    if record.slo_attained is not None:
-        headers["x-slos-serve-slo-attained"] = str(record.slo_attained).lower()
+def _weakest(verdicts: Iterable[Verdict]) -> Verdict:
+    return (
+        Verdict.BEST_EFFORT if any(v is Verdict.BEST_EFFORT for v in verdicts) else Verdict.ADMITTED
+    )
+
+
+def placement_headers(placements: Sequence[Placement | None]) -> dict[str, str]:
+    """Where the choices were bound: HTTP headers of a stream (sent with the first token) and
+    gRPC initial metadata, so a client that stops reading early still learns the verdict.
+    Several choices give the weakest verdict, the most hops, and the replica if they share one."""
+    known = [p for p in placements if p is not None]
+    if not known:
+        return {}
+    headers = {
+        HEADER_VERDICT: _weakest(p.verdict for p in known).value,
+        HEADER_HOPS: str(max(p.hops for p in known)),
+    }
+    replicas = {p.replica for p in known}
+    if len(replicas) == 1:
+        headers[HEADER_REPLICA] = str(replicas.pop())
     return headers
 
 
-def usage(record: FinalRecord) -> dict[str, int]:
+def cluster_headers(summary: dict[str, Any]) -> dict[str, str]:
+    """Response headers of a finished (non-streamed) response, from its `cluster_summary`."""
+    headers = {HEADER_VERDICT: summary["verdict"], HEADER_HOPS: str(summary["hops"])}
+    if summary["replica"] is not None:
+        headers[HEADER_REPLICA] = str(summary["replica"])
+    if summary["slo_attained"] is not None:
+        headers["x-slos-serve-slo-attained"] = str(summary["slo_attained"]).lower()
+    return headers
+
+
+def usage(records: Sequence[FinalRecord], n: int) -> dict[str, int]:
+    """Each prompt counted once, however many samples (`n`) it had, as OpenAI counts."""
+    prompt = sum(r.num_prompt_tokens for r in records[::n])
+    completion = sum(r.num_output_tokens for r in records)
     return {
-        "prompt_tokens": record.num_prompt_tokens,
-        "completion_tokens": record.num_output_tokens,
-        "total_tokens": record.num_prompt_tokens + record.num_output_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
 def full_response(
-    endpoint: Endpoint, response_id: str, created: int, model: str, text: str, record: FinalRecord
+    endpoint: Endpoint,
+    response_id: str,
+    created: int,
+    model: str,
+    texts: Sequence[str],
+    records: Sequence[FinalRecord],
+    n: int,
 ) -> dict[str, Any]:
-    """The non-streamed body of a finished request."""
-    if endpoint is Endpoint.CHAT:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": record.finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": record.finish_reason}
-        obj = "text_completion"
+    """The non-streamed body of a finished request: one choice per record, in order."""
+    choices = []
+    for index, (text, record) in enumerate(zip(texts, records, strict=True)):
+        choice: dict[str, Any] = {"index": index}
+        if endpoint is Endpoint.CHAT:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice |= {"logprobs": None, "finish_reason": record.finish_reason}
+        if len(records) > 1:
+            choice["slos_serve"] = cluster_info(record)
+        choices.append(choice)
     return {
         "id": response_id,
-        "object": obj,
+        "object": "chat.completion" if endpoint is Endpoint.CHAT else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage(record),
-        "service_tier": service_tier(record),
-        "slos_serve": cluster_info(record),
+        "choices": choices,
+        "usage": usage(records, n),
+        "service_tier": service_tier(records),
+        "slos_serve": cluster_summary(records),
     }
 
 
@@ -118,7 +164,7 @@ class ChunkWriter:
         self.response_id = response_id
         self.created = created
         self.model = model
-        self.role_sent = False
+        self.role_sent: set[int] = set()
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = "chat.completion.chunk" if self.endpoint is Endpoint.CHAT else "text_completion"
@@ -132,28 +178,31 @@ class ChunkWriter:
         }
         return sse_event(payload)
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         if self.endpoint is Endpoint.COMPLETIONS:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         delta: dict[str, Any] = {"content": text}
-        if not self.role_sent:
+        if index not in self.role_sent:
             delta["role"] = "assistant"
-            self.role_sent = True
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            self.role_sent.add(index)
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def text(self, text: str) -> bytes:
-        return self._chunk([self._choice(text, None)])
+    def text(self, index: int, text: str) -> bytes:
+        return self._chunk([self._choice(index, text, None)])
 
-    def finish(self, record: FinalRecord, include_usage: bool) -> bytes:
-        """The closing events: finish reason and cluster info, then usage, then [DONE]."""
-        events = self._chunk(
-            [self._choice("", record.finish_reason)],
-            service_tier=service_tier(record),
+    def finish(self, index: int, record: FinalRecord) -> bytes:
+        """Choice `index`'s last chunk: its finish reason, and what the cluster did with it."""
+        return self._chunk(
+            [self._choice(index, "", record.finish_reason)],
+            service_tier=service_tier([record]),
             slos_serve=cluster_info(record),
         )
+
+    def done(self, records: Sequence[FinalRecord], n: int, include_usage: bool) -> bytes:
+        """After every choice finished: the usage chunk if asked for, then [DONE]."""
         if include_usage:
-            events += self._chunk([], usage=usage(record))
-        return events + SSE_DONE
+            return self._chunk([], usage=usage(records, n)) + SSE_DONE
+        return SSE_DONE
 
     def error(self, error: ApiError) -> bytes:
         """An error after the stream started (status already sent): an error event, then [DONE]."""

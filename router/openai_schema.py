@@ -22,7 +22,7 @@ import math
 import re
 import reprlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -33,8 +33,13 @@ from router.errors import BadRequest, ModelNotFound
 MAX_PRIORITY = 19
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_CHOICES = 128
+"""Choices one request may ask for (prompts x n): OpenAI's cap on `n`."""
 CHARS_PER_TOKEN_LIMIT = 16
 """A prompt longer than this many characters per context token cannot fit; refuse it unread."""
+PROMPTS_CHARS_CONTEXTS = 8
+"""A request's prompts together hold at most this many prompts' worth of characters: the door
+tokenizes on its event loop, which every stream shares (128 full prompts: about a second)."""
 DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 """A plain decimal number (float() also takes "1_000", "nan" and "inf")."""
 HEADER_TTFT = "x-slo-ttft-ms"
@@ -76,11 +81,19 @@ class SchemaContext:
 @dataclass(frozen=True)
 class ParsedRequest:
     endpoint: Endpoint
-    request: Request
+    response_id: str
+    requests: tuple[Request, ...]
+    """One cluster request per choice, in choice order: prompt i's sample j is choice i * n + j
+    (as vLLM numbers them), each admitted and served on its own."""
+    n: int
     stream: bool
     include_usage: bool
     slo_label: str
     """Where the SLO came from, for metrics: a tier name, custom, header, default or flex."""
+
+    @property
+    def arrival_time(self) -> float:
+        return self.requests[0].arrival_time
 
 
 COMMON_FIELDS = {
@@ -147,23 +160,31 @@ def parse_body(
             f"model {_short(model)} does not exist; this server has {ctx.model_name!r}", "model"
         )
     _check_unsupported(endpoint, body)
-    prompt = _prompt_ids(endpoint, body, ctx, codec)
-    sampling = _sampling(endpoint, body, ctx, len(prompt))
+    prompts = _prompts(endpoint, body, ctx, codec)
+    n = _choices_per_prompt(body, len(prompts))
     tier, slo, slo_label = _tier_and_slo(body, headers, ctx)
-    request = _build(
-        lambda: Request(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            slo=slo,
-            tier=tier,
-            arrival_time=arrival_time,
-            value=_value(body),
-            model=model,
-        ),
-        "prompt",
-    )
-    _build(lambda: request.check_fits(ctx.max_model_len, ctx.vocab_size), "max_tokens")
+    value = _value(body)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        sampling = _sampling(endpoint, body, ctx, len(prompt))
+        for j in range(n):
+            index = i * n + j
+            request = _build(
+                partial(
+                    Request,
+                    request_id=request_id if len(prompts) * n == 1 else f"{request_id}-{index}",
+                    prompt_token_ids=prompt,
+                    sampling=_sample(sampling, j),
+                    slo=slo,
+                    tier=tier,
+                    arrival_time=arrival_time,
+                    value=value,
+                    model=model,
+                ),
+                "prompt",
+            )
+            _build(partial(request.check_fits, ctx.max_model_len, ctx.vocab_size), "max_tokens")
+            requests.append(request)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not stream:
@@ -173,7 +194,7 @@ def parse_body(
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise BadRequest("stream_options may hold only include_usage", "stream_options")
         include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
-    return ParsedRequest(endpoint, request, stream, include_usage, slo_label)
+    return ParsedRequest(endpoint, request_id, tuple(requests), n, stream, include_usage, slo_label)
 
 
 def _build(make: Callable[[], T], param: str) -> T:
@@ -192,8 +213,6 @@ def _build(make: Callable[[], T], param: str) -> T:
 def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
     """Refuse OpenAI options we would otherwise silently ignore, unless set to their no-op."""
     noop: dict[str, tuple[object, ...]] = {
-        "n": (None, 1),
-        "best_of": (None, 1),
         "presence_penalty": (None, 0, 0.0),
         "frequency_penalty": (None, 0, 0.0),
         "logprobs": (None, False),  # completions' 0 still asks for the sampled token's
@@ -225,40 +244,90 @@ def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
         raise BadRequest("metadata must be an object of strings", "metadata")
 
 
-def _prompt_ids(
+def _choices_per_prompt(body: dict[str, Any], num_prompts: int) -> int:
+    n = _int(body, "n", 1, low=1, high=MAX_CHOICES)
+    best_of = body.get("best_of")
+    if best_of is not None and not (_is_int(best_of) and best_of == n):
+        raise BadRequest(
+            f"best_of={_short(best_of)} is not supported: ranking choices needs logprobs; "
+            "best_of may only equal n",
+            "best_of",
+        )
+    if num_prompts * n > MAX_CHOICES:
+        raise BadRequest(
+            f"{num_prompts} prompts x n={n} ask for {num_prompts * n} choices; at most "
+            f"{MAX_CHOICES} fit one request",
+            "n",
+        )
+    return n
+
+
+def _sample(sampling: SamplingParams, j: int) -> SamplingParams:
+    """Sample j of a prompt: a seeded request's samples get seeds seed, seed + 1, ... (wrapped
+    to int64), as vLLM's, so n seeded choices differ yet each is reproducible."""
+    if j == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + j + MAX_SEED + 1) % 2**64 - MAX_SEED - 1)
+
+
+def _prompts(
     endpoint: Endpoint, body: dict[str, Any], ctx: SchemaContext, codec: Codec
-) -> list[int]:
+) -> list[list[int]]:
+    """The prompts' token ids: chat has one; a completion's `prompt` is a string or a list of
+    token ids (one prompt), or a list of either (one choice per prompt and sample)."""
     if endpoint is Endpoint.CHAT:
-        return _encode(codec.render_chat(_messages(body.get("messages"), ctx)), ctx, codec)
+        return [
+            _encode(codec.render_chat(_messages(body.get("messages"), ctx)), "prompt", ctx, codec)
+        ]
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return _encode(prompt, ctx, codec)
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if len(prompt) >= ctx.max_model_len:
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        return [_prompt_ids(prompt, "prompt", ctx, codec)]
+    if isinstance(prompt, list) and 0 < len(prompt) <= MAX_CHOICES:
+        chars = sum(len(p) for p in prompt if isinstance(p, str))
+        if chars > PROMPTS_CHARS_CONTEXTS * ctx.max_prompt_chars:
             raise BadRequest(
-                f"prompt has {len(prompt)} tokens; the model context is {ctx.max_model_len}",
+                f"the prompts have {chars} characters; together they may have at most "
+                f"{PROMPTS_CHARS_CONTEXTS * ctx.max_prompt_chars}",
                 "prompt",
             )
-        return [int(t) for t in prompt]
+        return [_prompt_ids(p, f"prompt[{i}]", ctx, codec) for i, p in enumerate(prompt)]
     raise BadRequest(
-        "prompt must be a non-empty string or a list of token ids (one prompt)", "prompt"
+        "prompt must be a non-empty string, a list of token ids, or a list of 1.."
+        f"{MAX_CHOICES} of either",
+        "prompt",
     )
 
 
-def _encode(text: str, ctx: SchemaContext, codec: Codec) -> list[int]:
+def _prompt_ids(prompt: object, where: str, ctx: SchemaContext, codec: Codec) -> list[int]:
+    if isinstance(prompt, str):
+        return _encode(prompt, where, ctx, codec)
+    if not _is_token_list(prompt):
+        raise BadRequest(f"{where} must be a non-empty string or a list of token ids", "prompt")
+    assert isinstance(prompt, list)
+    if len(prompt) >= ctx.max_model_len:
+        raise BadRequest(
+            f"{where} has {len(prompt)} tokens; the model context is {ctx.max_model_len}",
+            "prompt",
+        )
+    return [int(t) for t in prompt]
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
+def _encode(text: str, where: str, ctx: SchemaContext, codec: Codec) -> list[int]:
     if not text:
-        raise BadRequest("prompt must not be empty", "prompt")
+        raise BadRequest(f"{where} must not be empty", "prompt")
     if len(text) > ctx.max_prompt_chars:
         raise BadRequest(
-            f"prompt has {len(text)} characters; at most {ctx.max_prompt_chars} can fit the "
+            f"{where} has {len(text)} characters; at most {ctx.max_prompt_chars} can fit the "
             f"{ctx.max_model_len}-token context",
             "prompt",
         )
     ids = codec.encode(text)
     if not ids:
-        raise BadRequest("prompt encodes to no tokens", "prompt")
+        raise BadRequest(f"{where} encodes to no tokens", "prompt")
     return ids
 
 

@@ -146,6 +146,87 @@ def test_flex_is_served_best_effort(oai: openai.OpenAI) -> None:
     assert out.model_extra["slos_serve"]["slo_attained"] is None
 
 
+def test_several_prompts_and_samples_in_one_request(
+    oai: openai.OpenAI, live: LocalFrontDoor, greedy_text: str
+) -> None:
+    """Two prompts x n = 2 from the OpenAI SDK: choice i * 2 + j is prompt i's sample j, each
+    served as its own request; the stream's chunks carry their choice's index and join to the
+    same texts."""
+    other = "The little dog"
+    body: dict[str, Any] = dict(
+        model="demo", prompt=[PROMPT, other], n=2, max_tokens=8, temperature=0
+    )
+    out = oai.completions.create(**body)
+    texts = [c.text for c in out.choices]
+    alone = [
+        oai.completions.create(model="demo", prompt=p, max_tokens=8, temperature=0)
+        for p in (PROMPT, other)
+    ]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert texts == [greedy_text] * 2 + [alone[1].choices[0].text] * 2
+    assert out.usage is not None and all(a.usage is not None for a in alone)
+    assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert out.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    infos = [c.model_extra["slos_serve"] for c in out.choices]
+    assert all(i["verdict"] == "admitted" and i["slo_attained"] for i in infos), infos
+    assert out.model_extra["slos_serve"]["verdict"] == "admitted"
+    joined, finished = [""] * 4, set()
+    for chunk in oai.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}
+    ):
+        for choice in chunk.choices:
+            joined[choice.index] += choice.text
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+        usage = chunk.usage
+    assert joined == texts and finished == {0, 1, 2, 3}
+    assert usage is not None and usage.total_tokens == out.usage.total_tokens
+
+
+def test_n_seeded_samples_differ_and_each_is_reproducible(oai: openai.OpenAI) -> None:
+    """Sample j of a request seeded s is the request seeded s + j (vLLM's rule)."""
+    messages = [{"role": "user", "content": PROMPT}]
+    body: dict[str, Any] = dict(model="demo", messages=messages, max_tokens=16, temperature=0.9)
+    out = oai.chat.completions.create(**body, n=2, seed=77)
+    first, second = (c.message.content for c in out.choices)
+    assert first != second
+    assert oai.chat.completions.create(**body, seed=78).choices[0].message.content == second
+    roles, joined = [None, None], ["", ""]
+    for chunk in oai.chat.completions.create(**body, n=2, seed=77, stream=True):
+        for choice in chunk.choices:
+            roles[choice.index] = roles[choice.index] or choice.delta.role
+            joined[choice.index] += choice.delta.content or ""
+    assert roles == ["assistant", "assistant"] and joined == [first, second]
+
+
+def cancelled_admitted(live: LocalFrontDoor) -> float:
+    text = httpx.get(live.http_url + "/metrics", timeout=30).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "slos_serve:requests_cancelled_total" and s.labels["verdict"] == "admitted"
+    )
+
+
+def test_a_refused_choice_stops_the_others(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
+    """The test profile lets a replica hold one request of a 100 ms TPOT, not two: of three
+    choices, two are admitted (one per replica) and the third is refused, so the request gets
+    429 and the two admitted choices are stopped, not left to run."""
+    before = cancelled_admitted(live)
+    with pytest.raises(openai.RateLimitError):
+        oai.completions.create(
+            model="demo",
+            prompt=PROMPT,
+            n=3,
+            max_tokens=900,
+            extra_body={"slo": {"ttft_ms": 5000, "tpot_ms": 100}, "ignore_eos": True},
+        )
+    status = wait_until_idle(live)
+    assert all(rep["running"] == 0 for rep in status["replicas"]), status
+    assert cancelled_admitted(live) - before == 2
+
+
 def test_headers_say_what_the_cluster_did(live: LocalFrontDoor) -> None:
     body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2}
     headers = {**auth(), "x-slo-ttft-ms": "5000", "x-slo-tpot-ms": "1000"}
@@ -179,6 +260,13 @@ def test_errors_have_the_right_status(oai: openai.OpenAI, live: LocalFrontDoor) 
             model="demo", prompt="x", max_tokens=2, extra_body={"slo": IMPOSSIBLE}
         )
     assert int(limited.value.response.headers["retry-after"]) >= 1
+    with pytest.raises(openai.RateLimitError):  # all choices or none
+        oai.completions.create(
+            model="demo", prompt=["x", "y"], n=2, max_tokens=2, extra_body={"slo": IMPOSSIBLE}
+        )
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.completions.create(model="demo", prompt="x", n=2, best_of=3, max_tokens=1)
+    assert bad.value.body["param"] == "best_of"
     r = httpx.post(
         live.http_url + "/v1/completions", content=b"{not json", headers=auth(), timeout=30
     )
@@ -287,14 +375,18 @@ def test_client_disconnect_aborts_the_request(live: LocalFrontDoor) -> None:
         "stream": True,
         "ignore_eos": True,
     }
-    with (
-        httpx.Client(timeout=60) as client,
-        client.stream("POST", live.http_url + "/v1/completions", json=body, headers=auth()) as r,
-    ):
-        assert r.status_code == 200
-        next(r.iter_lines())
-    status = wait_until_idle(live)
-    assert all(rep["running"] == 0 for rep in status["replicas"]), status
+    several = {**body, "n": 2, "max_tokens": 900}  # both fit one replica's KV
+    for sent in (body, several):
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream(
+                "POST", live.http_url + "/v1/completions", json=sent, headers=auth()
+            ) as r,
+        ):
+            assert r.status_code == 200
+            next(r.iter_lines())
+        status = wait_until_idle(live)
+        assert all(rep["running"] == 0 for rep in status["replicas"]), status
     metrics = httpx.get(live.http_url + "/metrics", timeout=30).text
     cancelled = f'slos_serve:requests_cancelled_total{{model="demo",tenant="{TENANT}",'
     assert any(line.startswith(cancelled) for line in metrics.splitlines()), metrics[-2000:]
@@ -340,6 +432,9 @@ def _bounded(body: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, int) and not isinstance(value, bool) and 8 < value < 100_000:
             body[key] = 8
     body.pop("ignore_eos", None)
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and 2 < n <= 128:
+        body["n"] = 2
     return body
 
 

@@ -29,7 +29,7 @@ def test_sdk_request_parses_like_the_http_body(codec: TextCodec) -> None:
     options = GenerateOptions(max_tokens=4, slo=slo, priority=1, temperature=0.0, stop=["\n"])
     endpoint, body = request_to_body(build_request("Hello", None, options), "demo")
     assert endpoint is Endpoint.COMPLETIONS
-    req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).request
+    req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).requests[0]
     assert req.slo == slo and req.value == 0.5 and req.sampling.temperature == 0.0
     assert req.sampling.max_tokens == 4 and req.sampling.stop == ("\n",)
     assert req.prompt_token_ids == codec.encode("Hello")
@@ -39,12 +39,12 @@ def test_chat_flex_and_tier_name(codec: TextCodec) -> None:
     messages = [("user", "Hi")]
     options = GenerateOptions(service_tier="flex")
     endpoint, body = request_to_body(build_request(None, messages, options), "demo")
-    req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).request
+    req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).requests[0]
     assert endpoint is Endpoint.CHAT and req.tier is Tier.BEST_EFFORT and req.slo is None
     _, body = request_to_body(build_request([7, 8], None, GenerateOptions(slo="chat")), "demo")
     req = parse_body(
         Endpoint.COMPLETIONS, body, {}, CTX, codec, request_id="g", arrival_time=1.0
-    ).request
+    ).requests[0]
     assert req.slo == SLO(1000, 100) and req.prompt_token_ids == [7, 8]
 
 

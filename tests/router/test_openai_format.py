@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
-from cluster.api import FinalRecord, StageVerdict, Verdict
+from cluster.api import FinalRecord, Placement, StageVerdict, Verdict
 from router.errors import Rejected
-from router.openai_format import ChunkWriter, cluster_headers, error_body, full_response, sse_event
+from router.openai_format import (
+    ChunkWriter,
+    cluster_headers,
+    error_body,
+    full_response,
+    placement_headers,
+    sse_event,
+)
 from router.openai_schema import Endpoint
 
 RECORD = FinalRecord(
@@ -40,7 +48,8 @@ def test_sse_event_is_one_line_even_with_newlines() -> None:
 
 def test_chat_stream_shape() -> None:
     w = ChunkWriter(Endpoint.CHAT, "id1", 5, "demo")
-    stream = w.text("Hel") + w.text("lo") + w.finish(RECORD, include_usage=True)
+    stream = w.text(0, "Hel") + w.text(0, "lo") + w.finish(0, RECORD)
+    stream += w.done([RECORD], 1, include_usage=True)
     data = events(stream)
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
@@ -56,22 +65,93 @@ def test_chat_stream_shape() -> None:
 
 def test_completion_stream_without_usage() -> None:
     w = ChunkWriter(Endpoint.COMPLETIONS, "id2", 5, "demo")
-    data = events(w.text("x") + w.finish(RECORD, include_usage=False))
+    data = events(w.text(0, "x") + w.finish(0, RECORD) + w.done([RECORD], 1, False))
     assert [json.loads(d)["choices"][0]["text"] for d in data[:-1]] == ["x", ""]
     assert data[-1] == "[DONE]"
 
 
 def test_full_response_and_headers() -> None:
-    body = full_response(Endpoint.CHAT, "id3", 7, "demo", "hi", RECORD)
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    body = full_response(Endpoint.CHAT, "id3", 7, "demo", ["hi"], [RECORD], 1)
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
     assert body["slos_serve"]["slo_attained"] is False
     assert body["slos_serve"]["stages"] == [
         {"name": "default", "attained": False, "late_tokens": 1}
     ]
-    headers = cluster_headers(RECORD)
+    headers = cluster_headers(body["slos_serve"])
     assert headers["x-slos-serve-verdict"] == "best_effort"
     assert headers["x-slos-serve-replica"] == "1"
     assert headers["x-slos-serve-slo-attained"] == "false"
+
+
+ADMITTED = replace(
+    RECORD,
+    verdict=Verdict.ADMITTED,
+    replica=0,
+    hops=1,
+    migrations=1,
+    num_output_tokens=4,
+    stages=(StageVerdict("default", True, 0),),
+)
+
+
+def test_several_choices_each_say_what_the_cluster_did() -> None:
+    """Two prompts x n = 2: the prompts counted once each, every choice's verdict in it, and
+    the response's the weakest over them."""
+    records = [ADMITTED, RECORD, ADMITTED, ADMITTED]
+    body = full_response(Endpoint.COMPLETIONS, "id5", 7, "demo", list("abcd"), records, 2)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == list("abcd")
+    assert [c["slos_serve"]["replica"] for c in body["choices"]] == [0, 1, 0, 0]
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 14, "total_tokens": 20}
+    assert body["service_tier"] == "flex"
+    summary = body["slos_serve"]
+    assert summary == {
+        "verdict": "best_effort",
+        "replica": None,
+        "hops": 2,
+        "migrations": 3,
+        "slo_attained": False,
+        "stages": [{"name": "default", "attained": False, "late_tokens": 1}],
+    }
+    assert cluster_headers(summary) == {
+        "x-slos-serve-verdict": "best_effort",
+        "x-slos-serve-hops": "2",
+        "x-slos-serve-slo-attained": "false",
+    }
+    same = full_response(Endpoint.CHAT, "id6", 7, "demo", ["a", "b"], [ADMITTED] * 2, 2)
+    assert same["slos_serve"]["replica"] == 0 and same["slos_serve"]["slo_attained"] is True
+    assert same["usage"]["prompt_tokens"] == 3 and same["service_tier"] == "default"
+    placed = [Placement(Verdict.ADMITTED, 1, 1), Placement(Verdict.ADMITTED, 1, 3)]
+    assert placement_headers(placed) == {
+        "x-slos-serve-verdict": "admitted",
+        "x-slos-serve-hops": "3",
+        "x-slos-serve-replica": "1",
+    }
+    assert placement_headers([None]) == {}
+
+
+def test_chat_stream_of_several_choices() -> None:
+    """Each choice's first delta carries the role; each ends with its own finish chunk."""
+    w = ChunkWriter(Endpoint.CHAT, "id7", 5, "demo")
+    stream = w.text(1, "b") + w.text(0, "a") + w.text(1, "c") + w.finish(1, RECORD)
+    stream += w.finish(0, ADMITTED) + w.done([ADMITTED, RECORD], 2, include_usage=True)
+    chunks = [json.loads(d) for d in events(stream)[:-1]]
+    choices = [c["choices"][0] for c in chunks[:-1]]
+    assert [(c["index"], c["delta"].get("role")) for c in choices[:3]] == [
+        (1, "assistant"),
+        (0, "assistant"),
+        (1, None),
+    ]
+    assert chunks[3]["slos_serve"]["verdict"] == "best_effort" and choices[3]["index"] == 1
+    assert chunks[4]["slos_serve"]["verdict"] == "admitted" and choices[4]["index"] == 0
+    assert chunks[5]["usage"]["prompt_tokens"] == 3 and chunks[5]["choices"] == []
 
 
 def test_error_json_shape() -> None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from replica.request import SLO, Stage, Tier
 from router.errors import ApiError, BadRequest, ModelNotFound
 from router.openai_schema import (
+    MAX_CHOICES,
     MAX_PRIORITY,
     Endpoint,
     ParsedRequest,
@@ -57,7 +58,7 @@ def parse(
 
 def test_completion_defaults(codec: TextCodec, ctx: SchemaContext) -> None:
     parsed = parse(codec, ctx, {"model": "demo", "prompt": "Hello world"})
-    req = parsed.request
+    req = parsed.requests[0]
     assert req.prompt_token_ids == codec.encode("Hello world")
     assert req.sampling.max_tokens == 16
     assert req.sampling.temperature == 1.0
@@ -83,8 +84,8 @@ def test_completion_fields(codec: TextCodec, ctx: SchemaContext) -> None:
         "user": "alice",
     }
     parsed = parse(codec, ctx, body)
-    s = parsed.request.sampling
-    assert parsed.request.prompt_token_ids == [5, 6, 7]
+    s = parsed.requests[0].sampling
+    assert parsed.requests[0].prompt_token_ids == [5, 6, 7]
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (
         8,
         0.0,
@@ -94,9 +95,9 @@ def test_completion_fields(codec: TextCodec, ctx: SchemaContext) -> None:
         ("\n",),
     )
     assert parsed.stream and not parsed.include_usage
-    assert parsed.request.value == 4.0
+    assert parsed.requests[0].value == 4.0
     vllm_style = parse(codec, ctx, {"model": "demo", "prompt": "x", "top_k": -1, "seed": -1})
-    assert (vllm_style.request.sampling.top_k, vllm_style.request.sampling.seed) == (0, -1)
+    assert (vllm_style.requests[0].sampling.top_k, vllm_style.requests[0].sampling.seed) == (0, -1)
 
 
 def test_chat_uses_template_and_remaining_context(codec: TextCodec, ctx: SchemaContext) -> None:
@@ -106,23 +107,54 @@ def test_chat_uses_template_and_remaining_context(codec: TextCodec, ctx: SchemaC
     ]
     parsed = parse(codec, ctx, {"model": "demo", "messages": messages}, endpoint=Endpoint.CHAT)
     text = "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
-    assert parsed.request.prompt_token_ids == codec.encode(text)
-    assert parsed.request.sampling.max_tokens == ctx.default_chat_max_tokens
+    assert parsed.requests[0].prompt_token_ids == codec.encode(text)
+    assert parsed.requests[0].sampling.max_tokens == ctx.default_chat_max_tokens
     body = {"model": "demo", "messages": messages, "max_completion_tokens": 3}
-    assert parse(codec, ctx, body, endpoint=Endpoint.CHAT).request.sampling.max_tokens == 3
+    assert parse(codec, ctx, body, endpoint=Endpoint.CHAT).requests[0].sampling.max_tokens == 3
+
+
+def test_several_prompts_and_samples_make_one_request_per_choice(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    """Choice i * n + j is prompt i's sample j; a seed makes each sample reproducible and
+    different from its siblings; a lone choice keeps the response's id."""
+    body = {"model": "demo", "prompt": ["Hello", [5, 6, 7]], "n": 3, "seed": 2**63 - 2}
+    parsed = parse(codec, ctx, body)
+    assert parsed.n == 3 and parsed.response_id == "r1"
+    assert [r.request_id for r in parsed.requests] == [f"r1-{i}" for i in range(6)]
+    prompts = [r.prompt_token_ids for r in parsed.requests]
+    assert prompts == [codec.encode("Hello")] * 3 + [[5, 6, 7]] * 3
+    seeds = [r.sampling.seed for r in parsed.requests]
+    assert seeds == [2**63 - 2, 2**63 - 1, -(2**63)] * 2  # wrapped to int64
+    assert {r.arrival_time for r in parsed.requests} == {100.0}
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 2}
+    both = parse(codec, ctx, chat, endpoint=Endpoint.CHAT).requests
+    assert len(both) == 2 and both[0].prompt_token_ids == both[1].prompt_token_ids
+    assert [r.sampling.seed for r in both] == [None, None]
+    one = parse(codec, ctx, {"model": "demo", "prompt": ["Hello"], "n": 1, "best_of": 1})
+    assert [r.request_id for r in one.requests] == ["r1"]
+    at_cap = parse(codec, ctx, {"model": "demo", "prompt": ["x", "y"], "n": MAX_CHOICES // 2})
+    assert len(at_cap.requests) == MAX_CHOICES
+
+
+def test_a_bad_prompt_among_several_is_named_by_index(codec: TextCodec, ctx: SchemaContext) -> None:
+    with pytest.raises(BadRequest, match=r"prompt\[1\] must not be empty"):
+        parse(codec, ctx, {"model": "demo", "prompt": ["a", ""]})
+    with pytest.raises(BadRequest, match=r"prompt\[2\] has 2048 tokens"):
+        parse(codec, ctx, {"model": "demo", "prompt": [[1], [2], [3] * 2048]})
 
 
 def test_slo_sources_in_order(codec: TextCodec, ctx: SchemaContext) -> None:
     base = {"model": "demo", "prompt": "x"}
     headers = {"X-SLO-TTFT-MS": "500", "x-slo-tpot-ms": "50"}
     by_header = parse(codec, ctx, base, headers)
-    assert by_header.request.slo == SLO(500, 50) and by_header.slo_label == "header"
-    only_ttft = parse(codec, ctx, base, {"x-slo-ttft-ms": "700"}).request.slo
+    assert by_header.requests[0].slo == SLO(500, 50) and by_header.slo_label == "header"
+    only_ttft = parse(codec, ctx, base, {"x-slo-ttft-ms": "700"}).requests[0].slo
     assert only_ttft == SLO(700, DEFAULT.tpot_ms)
     body = {**base, "slo": {"ttft_ms": 300}}
-    assert parse(codec, ctx, body, headers).request.slo == SLO(300, DEFAULT.tpot_ms)
+    assert parse(codec, ctx, body, headers).requests[0].slo == SLO(300, DEFAULT.tpot_ms)
     named = parse(codec, ctx, {**base, "slo": "chat"}, headers)
-    assert named.request.slo == CHAT_TIER and named.slo_label == "chat"
+    assert named.requests[0].slo == CHAT_TIER and named.slo_label == "chat"
     staged = {
         **base,
         "slo": {
@@ -130,13 +162,13 @@ def test_slo_sources_in_order(codec: TextCodec, ctx: SchemaContext) -> None:
             "stages": [{"name": "think", "tpot_ms": 20, "num_tokens": 50}, {"tpot_ms": 80}],
         },
     }
-    slo = parse(codec, ctx, staged).request.slo
+    slo = parse(codec, ctx, staged).requests[0].slo
     assert slo == SLO(100, 20, (Stage(20, 50, None, "think"), Stage(80)))
 
 
 def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -> None:
     parsed = parse(codec, ctx, {"model": "demo", "prompt": "x", "service_tier": "flex"})
-    assert parsed.request.tier is Tier.BEST_EFFORT and parsed.request.slo is None
+    assert parsed.requests[0].tier is Tier.BEST_EFFORT and parsed.requests[0].slo is None
     assert parsed.slo_label == "flex"
 
 
@@ -145,7 +177,11 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
     [
         ({"model": "demo"}, "prompt"),
         ({"model": "demo", "prompt": ""}, "prompt"),
-        ({"model": "demo", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "demo", "prompt": ["a", 3]}, "prompt"),
+        ({"model": "demo", "prompt": ["a", ""]}, "prompt"),
+        ({"model": "demo", "prompt": [[1], []]}, "prompt"),
+        ({"model": "demo", "prompt": ["a"] * (MAX_CHOICES + 1)}, "prompt"),
+        ({"model": "demo", "prompt": ["x" * 2048 * 16] * 9}, "prompt"),
         ({"model": "demo", "prompt": [1, 99999]}, "prompt"),
         ({"prompt": "x"}, "model"),
         ({"model": "demo", "prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -159,7 +195,10 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo", "prompt": "x", "seed": -(2**63) - 1}, "seed"),
         ({"model": "demo", "prompt": "x", "top_k": -2}, "top_k"),
         ({"model": "demo", "prompt": "x", "stop": ["a", 3]}, "stop"),
-        ({"model": "demo", "prompt": "x", "n": 2}, "n"),
+        ({"model": "demo", "prompt": "x", "n": 0}, "n"),
+        ({"model": "demo", "prompt": "x", "n": MAX_CHOICES + 1}, "n"),
+        ({"model": "demo", "prompt": ["x", "y"], "n": MAX_CHOICES // 2 + 1}, "n"),
+        ({"model": "demo", "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
         ({"model": "demo", "prompt": "x", "echo": True}, "echo"),
         ({"model": "demo", "prompt": "x", "priority": MAX_PRIORITY + 1}, "priority"),
         ({"model": "demo", "prompt": "x", "service_tier": "scale"}, "service_tier"),
@@ -251,7 +290,9 @@ def test_any_body_parses_or_fails_cleanly(
         assert exc.message and len(exc.message) < 1000
         json.dumps({"message": exc.message, "param": exc.param})
         return
-    assert parsed.request.prompt_len + parsed.request.sampling.max_tokens <= ctx.max_model_len
+    assert 1 <= len(parsed.requests) <= MAX_CHOICES
+    for request in parsed.requests:
+        assert request.prompt_len + request.sampling.max_tokens <= ctx.max_model_len
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -85,6 +85,11 @@ class ControlPlane:
     def is_pending(self, request_id: str) -> bool:
         return any(p.request.request_id == request_id for q in self._queues for p in q)
 
+    def request_ids(self) -> set[str]:
+        """Every request the plane knows: held by a replica or waiting for a verdict."""
+        held = {rid for vr in self.replicas for rid in vr.held}
+        return held | {p.request.request_id for q in self._queues for p in q}
+
     def num_pending(self, replica: int) -> int:
         return len(self._queues[replica])
 

@@ -124,8 +124,51 @@ class ClusterController:
         self._arrived: asyncio.Event | None = None
         """Set by a request that waits for a verdict: the tick loop plans without waiting."""
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._doors: dict[str, float] = {}
+        """Front doors holding a lease: id -> when it was last renewed (monotonic)."""
+        self._owners: dict[str, str] = {}
+        """Request id -> the front door that streams it."""
+        self._closing = False
 
     # -- lifecycle ------------------------------------------------------------------------------
+
+    async def cluster_config(self) -> ClusterConfig:
+        return self.config
+
+    async def attach(self, door: str) -> bool:
+        """Take or renew a front door's lease; False once the cluster is being stopped."""
+        if self._closing:
+            return False
+        self._doors[door] = time.monotonic()
+        return True
+
+    async def release(self, door: str) -> bool:
+        """A front door leaves, and its requests end with it. True when no other door holds a
+        lease: the cluster is then closing (no door may attach) and the caller stops it."""
+        self._doors.pop(door, None)
+        self._abort_owned({door})
+        self._expire_leases()
+        self._closing = not self._doors
+        return self._closing
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        lease_s = self.config.door_lease_s
+        gone = {door for door, renewed in self._doors.items() if now - renewed > lease_s}
+        for door in gone:
+            del self._doors[door]
+            log.warning("front door %s stopped renewing its lease; its requests end", door)
+        self._abort_owned(gone)
+
+    def _abort_owned(self, doors: set[str]) -> None:
+        """Abort the requests of `doors`; forget the owners of requests that ended."""
+        known = self.plane.request_ids() | set(self._waiters)
+        known.update(rid for binding in self._binding.values() for rid in binding)
+        for rid, door in list(self._owners.items()):
+            if door in doors or rid not in known:
+                del self._owners[rid]
+            if door in doors and rid in known:
+                self._spawn(self.abort(rid))
 
     async def ready(self) -> None:
         """Returns once every mirror is built from its replica's snapshot."""
@@ -148,16 +191,25 @@ class ClusterController:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def submit(self, request: Request) -> Binding:
-        """The request's verdict and replica (idempotent: a retried submit gets the same)."""
+    async def submit(self, request: Request, door: str | None = None) -> Binding:
+        """The request's verdict and replica (idempotent: a retried submit gets the same).
+        `door`: the front door that streams it, whose lease keeps it alive."""
         await self.ready()
+        if door is not None:
+            self._owners[request.request_id] = door
         return await self._decide(request, self.plane.submit(request, time.time()))
 
     async def resume(
-        self, original: Request, delivered: Sequence[int], from_replica: int
+        self,
+        original: Request,
+        delivered: Sequence[int],
+        from_replica: int,
+        door: str | None = None,
     ) -> Binding:
         """Continue a request whose replica failed mid-stream, after `delivered` tokens."""
         await self.ready()
+        if door is not None:
+            self._owners[original.request_id] = door
         self._binding[from_replica].pop(original.request_id, None)
         decision = self.plane.resume(original, list(delivered), from_replica, time.time())
         return await self._decide(original, decision)
@@ -299,6 +351,7 @@ class ClusterController:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
+            self._expire_leases()
             await asyncio.gather(*(self._check(i) for i in range(len(self.replicas))))
 
     async def _check(self, replica: int) -> None:

@@ -9,8 +9,11 @@ the client sees every token exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,10 +36,18 @@ from cluster.control import Binding
 from cluster.controller import ClusterController, load_profile
 from cluster.messages import StreamItem
 from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
-from cluster.replica_actor import CONTROLLER_NAME, ReplicaActor, rank_resources, replica_name
+from cluster.replica_actor import (
+    CONTROLLER_NAME,
+    NAMESPACE,
+    ReplicaActor,
+    rank_resources,
+    replica_name,
+)
 from replica.planner.base import CacheBudget
 from replica.planner.queues import peak_tokens
 from replica.request import Request
+
+log = logging.getLogger(__name__)
 
 CONTROLLER_RETRIES = 20
 """Controller calls retried while Ray restarts it (each after RETRY_DELAY_S)."""
@@ -89,6 +100,9 @@ class ClusterHandle:
         """Request ids being streamed by this handle (an id streams to one client only)."""
         self.metrics = Metrics()
         """What clients saw: TTFT and TPOT per tier (the controller counts decisions)."""
+        self.door_id = uuid.uuid4().hex
+        """This handle's lease on the cluster: its requests end when the lease does."""
+        self._lease: asyncio.Task[None] | None = None
 
     @property
     def model_name(self) -> str:
@@ -140,7 +154,7 @@ class ClusterHandle:
         progress = _Progress([], [])
         finished = False
         try:
-            binding = await self._call("submit", request)
+            binding = await self._call("submit", request, self.door_id)
             if binding.verdict is None:
                 finished = True
                 raise ClusterUnavailable(binding.reason)
@@ -202,7 +216,7 @@ class ClusterHandle:
                 break
             await asyncio.sleep(RETRY_DELAY_S)
         result: Binding = await self._call(
-            "resume", request, list(progress.tokens), binding.replica
+            "resume", request, list(progress.tokens), binding.replica, self.door_id
         )
         return result
 
@@ -256,21 +270,47 @@ class ClusterHandle:
                 await asyncio.sleep(RETRY_DELAY_S)
         raise ClusterUnavailable("the cluster controller does not answer")
 
+    async def attach(self) -> bool:
+        """Take a lease on the cluster and keep renewing it; False when it is being stopped."""
+        if not await self._call("attach", self.door_id):
+            return False
+        self._lease = asyncio.create_task(self._renew())
+        return True
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.door_lease_s / 4)
+            with contextlib.suppress(RayActorError):  # the controller restarts: renew then
+                await self._controller.attach.remote(self.door_id)
+
     async def shutdown(self) -> None:
-        """Stop the controller, then the replicas (open streams end); returns once their
-        names are free, so a new cluster can launch on the same Ray instance."""
-        ray.kill(self._controller, no_restart=True)
-        for replica in self._replicas:
-            ray.kill(replica, no_restart=True)
-        names = [CONTROLLER_NAME, *(replica_name(i) for i in range(len(self._replicas)))]
-        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-        while time.monotonic() < deadline and any(_exists(name) for name in names):
-            await asyncio.sleep(0.1)
+        """Leave the cluster, ending this handle's requests. The last handle to leave stops
+        it: the controller, then the replicas (open streams end); returns once their names
+        are free, so a new cluster can launch on the same Ray instance."""
+        if self._lease is not None:
+            self._lease.cancel()
+        try:
+            last = await self._controller.release.remote(self.door_id)
+        except RayActorError:
+            last = True
+        if last:
+            names = [CONTROLLER_NAME, *(replica_name(i) for i in range(len(self._replicas)))]
+            await _stop(names)
+
+
+async def _stop(names: Sequence[str]) -> None:
+    """Kill the named actors for good; returns once the names are free (or after a timeout)."""
+    for name in names:
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+    while time.monotonic() < deadline and any(_exists(name) for name in names):
+        await asyncio.sleep(0.1)
 
 
 def _exists(name: str) -> bool:
     try:
-        ray.get_actor(name)
+        ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return False
     return True
@@ -280,12 +320,23 @@ class _Lost(Exception):
     """The replica no longer holds the request (it restarted)."""
 
 
-async def launch(config: ClusterConfig) -> ClusterHandle:
+async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHandle:
     """Start the replicas and the controller on the current Ray cluster (a local one is
-    started when Ray is not initialized); returns once every replica has loaded its model."""
+    started when Ray is not initialized); returns once every replica has loaded its model.
+
+    `detached`: the actors outlive this process (Ray Serve's front door, which Serve restarts
+    when it crashes). A running cluster launched so with the same config is then attached
+    instead, without reloading a model; one with another config, or being stopped, is
+    stopped first."""
     load_profile(config)
     if not ray.is_initialized():
         ray.init()
+    if detached:
+        handle = await _reattach(config)
+        if handle is not None:
+            return handle
+        await _stop(_cluster_names())
+    lifetime: dict[str, Any] = {"lifetime": "detached"} if detached else {}
     cpus, gpus = rank_resources(config)
     replicas = [
         start_actor(
@@ -293,9 +344,11 @@ async def launch(config: ClusterConfig) -> ClusterHandle:
             i,
             config,
             name=replica_name(i),
+            namespace=NAMESPACE,
             max_restarts=-1,
             num_cpus=cpus,
             num_gpus=gpus,
+            **lifetime,
             **await _placement(config),
         )
         for i in range(config.replicas)
@@ -307,12 +360,45 @@ async def launch(config: ClusterConfig) -> ClusterHandle:
         config,
         replicas,
         name=CONTROLLER_NAME,
+        namespace=NAMESPACE,
         max_restarts=-1,
         max_task_retries=-1,
         num_cpus=0,
+        **lifetime,
     )
     await controller.ready.remote()
-    return ClusterHandle(config, controller, replicas, max_model_len, vocab_size)
+    handle = ClusterHandle(config, controller, replicas, max_model_len, vocab_size)
+    await handle.attach()
+    return handle
+
+
+async def _reattach(config: ClusterConfig) -> ClusterHandle | None:
+    """A handle on the running cluster, if it was launched with `config` and is not being
+    stopped (the requests of a front door that died end when its lease runs out)."""
+    try:
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        replicas = [
+            ray.get_actor(replica_name(i), namespace=NAMESPACE) for i in range(config.replicas)
+        ]
+        if await controller.cluster_config.remote() != config:
+            log.info("a cluster with another config is running; stopping it")
+            return None
+        infos = await asyncio.gather(*(r.info.remote() for r in replicas))
+    except (ValueError, RayActorError):
+        return None
+    handle = ClusterHandle(config, controller, replicas, *infos[0])
+    if not await handle.attach():
+        return None
+    log.info("attached to the running cluster (%d replicas)", len(replicas))
+    return handle
+
+
+def _cluster_names() -> list[str]:
+    """The names of the cluster's actors, whatever its size."""
+    prefix = replica_name(0).removesuffix("0")
+    named = ray.util.list_named_actors(all_namespaces=True)
+    names = [a["name"] for a in named if a["namespace"] == NAMESPACE]
+    return [n for n in names if n == CONTROLLER_NAME or n.startswith(prefix)]
 
 
 async def _placement(config: ClusterConfig) -> dict[str, Any]:

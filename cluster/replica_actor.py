@@ -35,6 +35,9 @@ from replica.request import Request
 from replica.tensor_parallel import TensorParallel, join
 
 CONTROLLER_NAME = "slos-serve-controller"
+NAMESPACE = "slos-serve"
+"""The Ray namespace of the controller and replicas: a fixed one, so a front door that Ray
+Serve restarts (in whichever job namespace) finds a detached cluster by name."""
 TP_JOIN_TIMEOUT = timedelta(minutes=10)
 """How long a rank waits for the rest of its group to be scheduled and start."""
 
@@ -165,7 +168,7 @@ class ReplicaActor:
         """Fire-and-forget: a lost report shows up as a sequence gap at the controller."""
         if self._controller is None:
             try:
-                self._controller = ray.get_actor(CONTROLLER_NAME)
+                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
             except ValueError:
                 return
         self._controller.report.remote(report)

@@ -29,9 +29,12 @@ from router.tokenizer import TextCodec
 logger = logging.getLogger(__name__)
 
 
-async def build_front_door(config: FrontDoorConfig) -> tuple[FrontDoor, Any]:
-    """Launch the cluster and wrap it; returns the door and the cluster handle."""
-    handle = await cluster.launch(config.cluster)
+async def build_front_door(
+    config: FrontDoorConfig, *, detached: bool = False
+) -> tuple[FrontDoor, Any]:
+    """Launch (or, `detached`, attach to) the cluster and wrap it; returns the door and the
+    cluster handle."""
+    handle = await cluster.launch(config.cluster, detached=detached)
     codec = TextCodec.from_dir(config.cluster.model)
     schema = SchemaContext(
         model_name=handle.model_name,
@@ -63,14 +66,25 @@ class FrontDoorDeployment:
     def __init__(self, args: dict[str, Any]) -> None:
         self.config = FrontDoorConfig.from_args(args)
         self.grpc: GrpcServer | None = None
+        self.handle: Any = None
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
-        door, _ = await build_front_door(self.config)
+        # Detached: if this door crashes, the cluster keeps its loaded models and the door
+        # Serve starts next attaches to it; the crashed door's requests end with its lease.
+        door, self.handle = await build_front_door(self.config, detached=True)
         door.keys.bind_host(self.config.http_host, "HTTP (Ray Serve http_options)")
         if self.config.grpc_port:
             host = door.keys.bind_host(self.config.grpc_host, "gRPC")
             self.grpc = await start_grpc_server(door, host, self.config.grpc_port)
         return create_app(door)
+
+    async def __del__(self) -> None:
+        """Serve stops the door (delete, redeploy, shutdown): stop the cluster with it, unless
+        another door holds it. A door that crashes never gets here."""
+        if self.grpc is not None:
+            await self.grpc.stop()
+        if self.handle is not None:
+            await self.handle.shutdown()
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -41,6 +41,8 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
         ("route_limit", 0, "route_limit"),
         ("backup_policy", "drop", "drop"),
         ("tick_interval_ms", 0, "tick_interval_ms"),
+        ("door_lease_s", 0.1, r"door_lease_s must be in \[0.5, 600\], got 0.1"),
+        ("door_lease_s", True, "door_lease_s"),
         ("num_kv_blocks", 0, "num_kv_blocks"),
         ("calibrate", "yes", "calibrate"),
         ("dtype", "fp8", "dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),

@@ -1,13 +1,18 @@
-"""`router.app:build_app` under Ray Serve: the deployment entry point serves both doors."""
+"""`router.app:build_app` under Ray Serve: the deployment entry point serves both doors; the
+cluster outlives a crashed door (the next door attaches to it) and stops with the app."""
 
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import openai
 import pytest
+import ray
+from openai.types import Completion
 
+from cluster.replica_actor import NAMESPACE
 from router.app import build_app
 from router.client import Client
 
@@ -50,5 +55,32 @@ def test_build_app_serves_http_and_grpc(
             done = client.complete("Hello", max_tokens=4, temperature=0.0)
         assert done.text == out.choices[0].text
         assert done.result.verdict == "admitted"
+
+        replica = ray.get_actor("slos-serve-replica-0", namespace=NAMESPACE)
+        loaded = ray.get(replica.health.remote())
+        (door,) = [a for a in named_actors() if "FrontDoorDeployment" in a["name"]]
+        ray.kill(ray.get_actor(door["name"], namespace=door["namespace"]), no_restart=True)
+        again = complete_within(oai, 120.0)
+        assert again.choices[0].text == out.choices[0].text
+        assert again.model_extra["slos_serve"]["verdict"] == "admitted"
+        assert ray.get(replica.health.remote()) == loaded  # the same replica: nothing reloaded
     finally:
         serve.shutdown()
+    assert not [a for a in named_actors() if a["namespace"] == NAMESPACE]
+
+
+def named_actors() -> list[dict[str, str]]:
+    named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)
+    return named
+
+
+def complete_within(oai: openai.OpenAI, timeout_s: float) -> Completion:
+    """The first completion the app serves again, once Serve has replaced its door."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return oai.completions.create(model="demo", prompt="Hello", max_tokens=4, temperature=0)
+        except openai.APIError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)

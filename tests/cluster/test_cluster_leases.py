@@ -1,0 +1,103 @@
+"""Detached clusters and front-door leases: a handle that stops renewing its lease (its process
+died) has its requests ended, while other handles on the same cluster keep theirs; the last
+handle to leave stops the cluster; a detached launch attaches to a running cluster of the same
+config without reloading a model, and replaces one of another config."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cluster.api import FinalRecord, TokenChunk
+from cluster.config import ClusterConfig
+from cluster.handle import ClusterHandle, _cluster_names, launch
+from replica.request import SLO, Request, SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def long_request(rid: str, max_tokens: int = 1500) -> Request:
+    return Request(
+        rid,
+        [5, 6, 7, 8],
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        slo=SLO(ttft_ms=5000, tpot_ms=1000),
+    )
+
+
+async def incarnations(handle: ClusterHandle) -> list[str]:
+    return list(await asyncio.gather(*(r.health.remote() for r in handle.replicas)))
+
+
+async def _last(stream: AsyncIterator[TokenChunk | FinalRecord]) -> FinalRecord:
+    items = [item async for item in stream]
+    assert isinstance(items[-1], FinalRecord)
+    return items[-1]
+
+
+async def idle(handle: ClusterHandle, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        status = await handle.status()
+        if all(r.running == 0 and r.waiting == 0 for r in status.replicas):
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def demo(target_dir: Path, draft_dir: Path, profile_path: Path) -> ClusterConfig:
+    return ClusterConfig(model=str(target_dir), draft=str(draft_dir), profile=str(profile_path))
+
+
+def test_a_lapsed_lease_ends_only_its_own_requests(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    config = replace(demo, replicas=1, num_kv_blocks=256, door_lease_s=1.0)
+
+    async def run() -> None:
+        first = await launch(config, detached=True)
+        loaded = await incarnations(first)
+        second = await launch(config, detached=True)
+        assert second.door_id != first.door_id
+        assert await incarnations(second) == loaded  # attached: no model loaded again
+
+        orphan = first.submit(long_request("orphan"))
+        assert isinstance(await anext(orphan), TokenChunk)
+        assert first._lease is not None
+        first._lease.cancel()  # as if its process died: the lease is no longer renewed
+        kept = second.submit(long_request("kept", 1000))
+        orphaned, served = await asyncio.gather(_last(orphan), _last(kept))
+        assert orphaned.finish_reason == "abort" and orphaned.num_output_tokens < 1500
+        assert served.finish_reason == "length" and served.num_output_tokens == 1000
+        assert await idle(second, 5.0)
+
+        await first.shutdown()  # another handle holds the cluster: it keeps running
+        assert (await _last(second.submit(long_request("after", 4)))).num_output_tokens == 4
+        await second.shutdown()  # the last one stops it
+        assert _cluster_names() == []
+
+    runner.run(run())
+
+
+def test_a_detached_launch_replaces_a_cluster_of_another_config(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    config = replace(demo, replicas=2, num_kv_blocks=128)
+
+    async def run() -> None:
+        old = await launch(config, detached=True)
+        loaded = await incarnations(old)
+        new = await launch(replace(config, replicas=1, num_kv_blocks=64), detached=True)
+        assert await incarnations(new) != loaded[:1]
+        assert sorted(_cluster_names()) == ["slos-serve-controller", "slos-serve-replica-0"]
+        assert (await _last(new.submit(long_request("new", 4)))).num_output_tokens == 4
+        await new.shutdown()
+        assert _cluster_names() == []
+
+    runner.run(run())

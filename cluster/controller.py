@@ -162,6 +162,8 @@ class ClusterController:
 
     def _abort_owned(self, doors: set[str]) -> None:
         """Abort the requests of `doors`; forget the owners of requests that ended."""
+        if not self._owners:
+            return
         known = self.plane.request_ids() | set(self._waiters)
         known.update(rid for binding in self._binding.values() for rid in binding)
         for rid, door in list(self._owners.items()):

@@ -21,6 +21,12 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
+from ray.util.placement_group import (
+    get_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.api import (
     ClusterStatus,
@@ -299,10 +305,13 @@ class ClusterHandle:
 
 
 async def _stop(names: Sequence[str]) -> None:
-    """Kill the named actors for good; returns once the names are free (or after a timeout)."""
+    """Kill the named actors for good and free their placement groups (GPU replicas');
+    returns once the names are free (or after a timeout)."""
     for name in names:
         with contextlib.suppress(ValueError):
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        with contextlib.suppress(ValueError):
+            remove_placement_group(get_placement_group(name))
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
     while time.monotonic() < deadline and any(_exists(name) for name in names):
         await asyncio.sleep(0.1)
@@ -349,7 +358,7 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
             num_cpus=cpus,
             num_gpus=gpus,
             **lifetime,
-            **await _placement(config),
+            **await _placement(config, i, lifetime),
         )
         for i in range(config.replicas)
     ]
@@ -401,10 +410,12 @@ def _cluster_names() -> list[str]:
     return [n for n in names if n == CONTROLLER_NAME or n.startswith(prefix)]
 
 
-async def _placement(config: ClusterConfig) -> dict[str, Any]:
+async def _placement(config: ClusterConfig, index: int, lifetime: dict[str, Any]) -> dict[str, Any]:
     """A GPU replica gets its own placement group, one bundle per tensor-parallel rank on one
     node, so its devices are reserved together (and stay reserved across restarts); the
-    replica actor is rank 0, in the first bundle. CPU replicas need none."""
+    replica actor is rank 0, in the first bundle. CPU replicas need none. The group is named
+    for its replica (`_stop` removes it) and lives as long as the replica may: a detached
+    replica in a group its launcher owns would die with the launcher."""
     if config.num_gpus_per_replica <= 0:
         return {}
     if ray.cluster_resources().get("GPU", 0) < config.num_gpus_per_replica:
@@ -412,12 +423,12 @@ async def _placement(config: ClusterConfig) -> dict[str, Any]:
             f"num_gpus_per_replica={config.num_gpus_per_replica} but the Ray cluster has "
             f"{ray.cluster_resources().get('GPU', 0)} GPU(s)"
         )
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     cpus, gpus = rank_resources(config)
     group = placement_group(
-        [{"CPU": cpus, "GPU": gpus}] * config.tensor_parallel_size, strategy="STRICT_PACK"
+        [{"CPU": cpus, "GPU": gpus}] * config.tensor_parallel_size,
+        strategy="STRICT_PACK",
+        name=replica_name(index),
+        **lifetime,
     )
     await group.ready()
     return {

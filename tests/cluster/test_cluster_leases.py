@@ -12,10 +12,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import ray
+from ray.util.placement_group import get_placement_group, placement_group
 
 from cluster.api import FinalRecord, TokenChunk
 from cluster.config import ClusterConfig
-from cluster.handle import ClusterHandle, _cluster_names, launch
+from cluster.handle import ClusterHandle, _cluster_names, _stop, launch
+from cluster.replica_actor import replica_name
 from replica.request import SLO, Request, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -101,3 +104,15 @@ def test_a_detached_launch_replaces_a_cluster_of_another_config(
         assert _cluster_names() == []
 
     runner.run(run())
+
+
+def test_stopping_a_cluster_frees_its_replicas_placement_groups(
+    ray_session: None, runner: asyncio.Runner
+) -> None:
+    """A GPU replica's group is detached with it, so only `_stop` gives its devices back."""
+    name = replica_name(7)
+    group = placement_group([{"CPU": 0.01}], name=name, lifetime="detached")
+    ray.get(group.ready())
+    runner.run(_stop([name]))
+    with pytest.raises(ValueError, match="Failed to look up placement group"):
+        get_placement_group(name)

@@ -95,7 +95,9 @@ class ClusterConfig:
     bfloat16 or float16."""
     door_lease_s: float = 10.0
     """How long a front door may go without renewing its lease (every quarter of it) before
-    the controller ends its requests: no one reads them once the door has crashed or hung."""
+    the controller ends its requests (within half a second more): no one reads them once the
+    door has crashed or hung. A detached cluster no door renews for max(60 s, twice this)
+    stops itself."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -136,8 +138,8 @@ class ClusterConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_cpus_per_replica < 0 or self.num_gpus_per_replica < 0:
             raise ValueError("num_cpus_per_replica and num_gpus_per_replica must be >= 0")
-        if isinstance(self.door_lease_s, bool) or not 0.5 <= self.door_lease_s <= 600:
-            raise ValueError(f"door_lease_s must be in [0.5, 600], got {self.door_lease_s!r}")
+        if isinstance(self.door_lease_s, bool) or not 2 <= self.door_lease_s <= 600:
+            raise ValueError(f"door_lease_s must be in [2, 600], got {self.door_lease_s!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

@@ -18,12 +18,15 @@ from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from cluster.api import ClusterStatus, Verdict
 from cluster.config import ClusterConfig, SchedulerKind
 from cluster.control import Binding, ControlPlane, Decision
+from cluster.leases import Leases
 from cluster.messages import StepReport
 from cluster.metrics import Metrics
 from cluster.routing import Router
@@ -105,11 +108,21 @@ def build_plane(config: ClusterConfig, metrics: Metrics | None = None) -> Contro
 class ClusterController:
     """Submit, resume and abort requests; receive step reports; report status."""
 
-    def __init__(self, config: ClusterConfig, replicas: Sequence[ActorHandle]) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        replicas: Sequence[ActorHandle],
+        groups: Sequence[PlacementGroup | None] = (),
+        detached: bool = False,
+    ) -> None:
+        """`groups`: the replicas' placement groups (GPU replicas'). `detached`: the cluster
+        outlives its launcher, so it stops itself once abandoned by every front door."""
         if len(replicas) != config.replicas:
             raise ValueError(f"config has {config.replicas} replicas, got {len(replicas)} handles")
         self.config = config
         self.replicas = list(replicas)
+        self.groups = list(groups)
+        self.detached = detached
         self.plane = build_plane(config)
         self._waiters: dict[str, asyncio.Future[Binding]] = {}
         self._binding: dict[int, dict[str, tuple[Request, bool]]] = {
@@ -124,53 +137,55 @@ class ClusterController:
         self._arrived: asyncio.Event | None = None
         """Set by a request that waits for a verdict: the tick loop plans without waiting."""
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._doors: dict[str, float] = {}
-        """Front doors holding a lease: id -> when it was last renewed (monotonic)."""
-        self._owners: dict[str, str] = {}
-        """Request id -> the front door that streams it."""
-        self._closing = False
+        self.leases = Leases(
+            config.door_lease_s,
+            booted=time.monotonic(),
+            restarted=ray.get_runtime_context().was_current_actor_reconstructed,
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def cluster_config(self) -> ClusterConfig:
         return self.config
 
-    async def attach(self, door: str) -> bool:
-        """Take or renew a front door's lease; False once the cluster is being stopped."""
-        if self._closing:
-            return False
-        self._doors[door] = time.monotonic()
-        return True
+    async def placement_groups(self) -> list[PlacementGroup | None]:
+        return self.groups
+
+    async def attach(self, door: str, requests: Sequence[str] = ()) -> bool:
+        """Take or renew a front door's lease over the requests it streams; False once the
+        cluster is being stopped."""
+        return self.leases.renew(door, requests, time.monotonic())
 
     async def release(self, door: str) -> bool:
-        """A front door leaves, and its requests end with it. True when no other door holds a
-        lease: the cluster is then closing (no door may attach) and the caller stops it."""
-        self._doors.pop(door, None)
-        self._abort_owned({door})
-        self._expire_leases()
-        self._closing = not self._doors
-        return self._closing
+        """A front door leaves, and its requests end with it. True when it was the last: the
+        cluster is then closing (no door may attach) and the caller stops it."""
+        last = self.leases.release(door, time.monotonic())
+        self._end_orphans()
+        return last
 
-    def _expire_leases(self) -> None:
+    def _watch_leases(self) -> None:
         now = time.monotonic()
-        lease_s = self.config.door_lease_s
-        gone = {door for door, renewed in self._doors.items() if now - renewed > lease_s}
-        for door in gone:
-            del self._doors[door]
+        for door in self.leases.expire(now):
             log.warning("front door %s stopped renewing its lease; its requests end", door)
-        self._abort_owned(gone)
+        self._end_orphans()
+        if self.detached and self.leases.abandoned(now):
+            log.warning(
+                "no front door for %.0f s: stopping the cluster", self.leases.abandoned_after_s
+            )
+            for replica in self.replicas:
+                ray.kill(replica, no_restart=True)
+            for group in self.groups:
+                if group is not None:
+                    remove_placement_group(group)
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
-    def _abort_owned(self, doors: set[str]) -> None:
-        """Abort the requests of `doors`; forget the owners of requests that ended."""
-        if not self._owners:
+    def _end_orphans(self) -> None:
+        if not self.leases.owners:
             return
         known = self.plane.request_ids() | set(self._waiters)
         known.update(rid for binding in self._binding.values() for rid in binding)
-        for rid, door in list(self._owners.items()):
-            if door in doors or rid not in known:
-                del self._owners[rid]
-            if door in doors and rid in known:
-                self._spawn(self.abort(rid))
+        for rid in self.leases.orphans(known):
+            self._spawn(self.abort(rid))
 
     async def ready(self) -> None:
         """Returns once every mirror is built from its replica's snapshot."""
@@ -198,7 +213,7 @@ class ClusterController:
         `door`: the front door that streams it, whose lease keeps it alive."""
         await self.ready()
         if door is not None:
-            self._owners[request.request_id] = door
+            self.leases.own(request.request_id, door, time.monotonic())
         return await self._decide(request, self.plane.submit(request, time.time()))
 
     async def resume(
@@ -211,7 +226,7 @@ class ClusterController:
         """Continue a request whose replica failed mid-stream, after `delivered` tokens."""
         await self.ready()
         if door is not None:
-            self._owners[original.request_id] = door
+            self.leases.own(original.request_id, door, time.monotonic())
         self._binding[from_replica].pop(original.request_id, None)
         decision = self.plane.resume(original, list(delivered), from_replica, time.time())
         return await self._decide(original, decision)
@@ -353,7 +368,7 @@ class ClusterController:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
-            self._expire_leases()
+            self._watch_leases()
             await asyncio.gather(*(self._check(i) for i in range(len(self.replicas))))
 
     async def _check(self, replica: int) -> None:

@@ -22,6 +22,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 from ray.util.placement_group import (
+    PlacementGroup,
     get_placement_group,
     placement_group,
     remove_placement_group,
@@ -96,10 +97,16 @@ class ClusterHandle:
         replicas: Sequence[ActorHandle],
         max_model_len: int,
         vocab_size: int,
+        groups: Sequence[PlacementGroup | None] = (),
+        namespace: str | None = None,
     ) -> None:
+        """`groups`: the replicas' placement groups; `namespace`: the Ray namespace their
+        names are in (None: this job's)."""
         self.config = config
         self._controller = controller
         self._replicas = list(replicas)
+        self._groups = list(groups)
+        self._namespace = namespace
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
         self._active: set[str] = set()
@@ -109,6 +116,9 @@ class ClusterHandle:
         self.door_id = uuid.uuid4().hex
         """This handle's lease on the cluster: its requests end when the lease does."""
         self._lease: asyncio.Task[None] | None = None
+        self.lease_refused = False
+        """The cluster is being stopped and refused this handle's lease: nothing it sends
+        will be served (Serve's health check restarts such a door)."""
 
     @property
     def model_name(self) -> str:
@@ -284,45 +294,62 @@ class ClusterHandle:
         return True
 
     async def _renew(self) -> None:
-        while True:
+        while not self.lease_refused:
             await asyncio.sleep(self.config.door_lease_s / 4)
-            with contextlib.suppress(RayActorError):  # the controller restarts: renew then
-                await self._controller.attach.remote(self.door_id)
+            try:
+                renewed = await self._controller.attach.remote(self.door_id, list(self._active))
+            except RayActorError:  # the controller restarts: renew with the next one
+                continue
+            if not renewed:
+                log.warning("the cluster is being stopped; this front door cannot serve")
+                self.lease_refused = True
 
     async def shutdown(self) -> None:
         """Leave the cluster, ending this handle's requests. The last handle to leave stops
-        it: the controller, then the replicas (open streams end); returns once their names
-        are free, so a new cluster can launch on the same Ray instance."""
+        it: the controller, then the replicas (open streams end), by their handles (a name
+        may already be a newer cluster's); returns once their names are free of them, so a
+        new cluster can launch on the same Ray instance. A controller gone for good was
+        stopped by whoever replaced it, with its replicas."""
         if self._lease is not None:
             self._lease.cancel()
         try:
-            last = await self._controller.release.remote(self.door_id)
+            last: bool = await asyncio.wait_for(
+                self._controller.release.remote(self.door_id), SHUTDOWN_TIMEOUT_S
+            )
         except RayActorError:
-            last = True
+            return
+        except TimeoutError:
+            last = True  # a controller that does not answer cannot be left running
         if last:
             names = [CONTROLLER_NAME, *(replica_name(i) for i in range(len(self._replicas)))]
-            await _stop(names)
+            actors = dict(zip(names, [self._controller, *self._replicas], strict=True))
+            await _stop(actors, self._groups, self._namespace)
 
 
-async def _stop(names: Sequence[str]) -> None:
-    """Kill the named actors for good and free their placement groups (GPU replicas');
-    returns once the names are free (or after a timeout)."""
-    for name in names:
-        with contextlib.suppress(ValueError):
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-        with contextlib.suppress(ValueError):
-            remove_placement_group(get_placement_group(name))
+async def _stop(
+    actors: dict[str, ActorHandle],
+    groups: Sequence[PlacementGroup | None],
+    namespace: str | None,
+) -> None:
+    """Kill these named actors for good and free their placement groups; returns once no
+    name is held by one of them any more (or after a timeout)."""
+    for actor in actors.values():
+        ray.kill(actor, no_restart=True)
+    for group in groups:
+        if group is not None:
+            remove_placement_group(group)
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-    while time.monotonic() < deadline and any(_exists(name) for name in names):
+    while time.monotonic() < deadline and any(
+        _holds(name, actor, namespace) for name, actor in actors.items()
+    ):
         await asyncio.sleep(0.1)
 
 
-def _exists(name: str) -> bool:
+def _holds(name: str, actor: ActorHandle, namespace: str | None) -> bool:
     try:
-        ray.get_actor(name, namespace=NAMESPACE)
+        return bool(ray.get_actor(name, namespace=namespace) == actor)
     except ValueError:
         return False
-    return True
 
 
 class _Lost(Exception):
@@ -340,27 +367,30 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
     load_profile(config)
     if not ray.is_initialized():
         ray.init()
+    namespace = NAMESPACE if detached else None
     if detached:
         handle = await _reattach(config)
         if handle is not None:
             return handle
-        await _stop(_cluster_names())
+        await _stop_running(config)
     lifetime: dict[str, Any] = {"lifetime": "detached"} if detached else {}
     cpus, gpus = rank_resources(config)
+    groups = [await _placement_group(config, i, lifetime) for i in range(config.replicas)]
     replicas = [
         start_actor(
             ReplicaActor,
             i,
             config,
+            namespace,
             name=replica_name(i),
-            namespace=NAMESPACE,
+            namespace=namespace,
             max_restarts=-1,
             num_cpus=cpus,
             num_gpus=gpus,
             **lifetime,
-            **await _placement(config, i, lifetime),
+            **_in_group(group),
         )
-        for i in range(config.replicas)
+        for i, group in enumerate(groups)
     ]
     infos = await asyncio.gather(*(r.info.remote() for r in replicas))
     max_model_len, vocab_size = infos[0]
@@ -368,56 +398,82 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
         ClusterController,
         config,
         replicas,
+        groups,
+        detached,
         name=CONTROLLER_NAME,
-        namespace=NAMESPACE,
+        namespace=namespace,
         max_restarts=-1,
         max_task_retries=-1,
         num_cpus=0,
         **lifetime,
     )
     await controller.ready.remote()
-    handle = ClusterHandle(config, controller, replicas, max_model_len, vocab_size)
+    handle = ClusterHandle(
+        config, controller, replicas, max_model_len, vocab_size, groups, namespace
+    )
     await handle.attach()
     return handle
 
 
 async def _reattach(config: ClusterConfig) -> ClusterHandle | None:
-    """A handle on the running cluster, if it was launched with `config` and is not being
-    stopped (the requests of a front door that died end when its lease runs out)."""
+    """A handle on the detached cluster running, if it was launched with `config` and is
+    not being stopped (the requests of a front door that died end when its lease runs out)."""
     try:
         controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
-        replicas = [
-            ray.get_actor(replica_name(i), namespace=NAMESPACE) for i in range(config.replicas)
-        ]
         if await controller.cluster_config.remote() != config:
             log.info("a cluster with another config is running; stopping it")
             return None
+        groups = await controller.placement_groups.remote()
+        replicas = [
+            ray.get_actor(replica_name(i), namespace=NAMESPACE) for i in range(config.replicas)
+        ]
         infos = await asyncio.gather(*(r.info.remote() for r in replicas))
     except (ValueError, RayActorError):
         return None
-    handle = ClusterHandle(config, controller, replicas, *infos[0])
+    handle = ClusterHandle(config, controller, replicas, *infos[0], groups, NAMESPACE)
     if not await handle.attach():
         return None
     log.info("attached to the running cluster (%d replicas)", len(replicas))
     return handle
 
 
+async def _stop_running(config: ClusterConfig) -> None:
+    """Stop the detached cluster running under our names (another config's, or one being
+    stopped), and any group left by a launcher that died before starting its replica."""
+    actors = {}
+    for name in _cluster_names():
+        with contextlib.suppress(ValueError):
+            actors[name] = ray.get_actor(name, namespace=NAMESPACE)
+    groups: list[PlacementGroup | None] = []
+    if CONTROLLER_NAME in actors:
+        with contextlib.suppress(RayActorError, TimeoutError):
+            groups = await asyncio.wait_for(
+                actors[CONTROLLER_NAME].placement_groups.remote(), SHUTDOWN_TIMEOUT_S
+            )
+    await _stop(actors, groups, NAMESPACE)
+    for i in range(config.replicas):
+        with contextlib.suppress(ValueError):
+            remove_placement_group(get_placement_group(replica_name(i)))
+
+
 def _cluster_names() -> list[str]:
-    """The names of the cluster's actors, whatever its size."""
+    """The names of the detached cluster's actors, whatever its size."""
     prefix = replica_name(0).removesuffix("0")
     named = ray.util.list_named_actors(all_namespaces=True)
     names = [a["name"] for a in named if a["namespace"] == NAMESPACE]
     return [n for n in names if n == CONTROLLER_NAME or n.startswith(prefix)]
 
 
-async def _placement(config: ClusterConfig, index: int, lifetime: dict[str, Any]) -> dict[str, Any]:
+async def _placement_group(
+    config: ClusterConfig, index: int, lifetime: dict[str, Any]
+) -> PlacementGroup | None:
     """A GPU replica gets its own placement group, one bundle per tensor-parallel rank on one
     node, so its devices are reserved together (and stay reserved across restarts); the
     replica actor is rank 0, in the first bundle. CPU replicas need none. The group is named
-    for its replica (`_stop` removes it) and lives as long as the replica may: a detached
-    replica in a group its launcher owns would die with the launcher."""
+    for its replica and lives as long as the replica may: a detached replica in a group its
+    launcher owned would die with the launcher."""
     if config.num_gpus_per_replica <= 0:
-        return {}
+        return None
     if ray.cluster_resources().get("GPU", 0) < config.num_gpus_per_replica:
         raise ValueError(
             f"num_gpus_per_replica={config.num_gpus_per_replica} but the Ray cluster has "
@@ -431,11 +487,14 @@ async def _placement(config: ClusterConfig, index: int, lifetime: dict[str, Any]
         **lifetime,
     )
     await group.ready()
-    return {
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=0
-        )
-    }
+    return group
+
+
+def _in_group(group: PlacementGroup | None) -> dict[str, Any]:
+    if group is None:
+        return {}
+    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+    return {"scheduling_strategy": strategy}
 
 
 def start_actor(cls: type, *args: object, **options: Any) -> Any:

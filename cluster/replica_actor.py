@@ -36,8 +36,8 @@ from replica.tensor_parallel import TensorParallel, join
 
 CONTROLLER_NAME = "slos-serve-controller"
 NAMESPACE = "slos-serve"
-"""The Ray namespace of the controller and replicas: a fixed one, so a front door that Ray
-Serve restarts (in whichever job namespace) finds a detached cluster by name."""
+"""The Ray namespace of a detached cluster's controller and replicas: a fixed one, so a front
+door that Ray Serve restarts finds it by name."""
 TP_JOIN_TIMEOUT = timedelta(minutes=10)
 """How long a rank waits for the rest of its group to be scheduled and start."""
 
@@ -153,9 +153,11 @@ def _exit_when_one_ends(serving: list[Any]) -> None:
 class ReplicaActor:
     """Methods are the controller's and the clients' view of one replica."""
 
-    def __init__(self, index: int, config: ClusterConfig) -> None:
+    def __init__(self, index: int, config: ClusterConfig, namespace: str | None = None) -> None:
+        """`namespace`: the controller's Ray namespace (None: this job's)."""
         torch.set_num_threads(max(1, round(rank_resources(config)[0])))
         self.index = index
+        self.namespace = namespace
         tp, workers = start_group(index, config) if config.tensor_parallel_size > 1 else (None, [])
         self.engine = build_engine(config, tp)
         if workers:
@@ -168,7 +170,7 @@ class ReplicaActor:
         """Fire-and-forget: a lost report shows up as a sequence gap at the controller."""
         if self._controller is None:
             try:
-                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=self.namespace)
             except ValueError:
                 return
         self._controller.report.remote(report)

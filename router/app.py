@@ -78,6 +78,12 @@ class FrontDoorDeployment:
             self.grpc = await start_grpc_server(door, host, self.config.grpc_port)
         return create_app(door)
 
+    async def check_health(self) -> None:
+        """Serve restarts a door whose cluster is being stopped under it (the next door
+        launches a new one)."""
+        if self.handle is not None and self.handle.lease_refused:
+            raise RuntimeError("the cluster this door served is being stopped")
+
     async def __del__(self) -> None:
         """Serve stops the door (delete, redeploy, shutdown): stop the cluster with it, unless
         another door holds it. A door that crashes never gets here."""

@@ -17,7 +17,7 @@ from ray.util.placement_group import get_placement_group, placement_group
 
 from cluster.api import FinalRecord, TokenChunk
 from cluster.config import ClusterConfig
-from cluster.handle import ClusterHandle, _cluster_names, _stop, launch
+from cluster.handle import ClusterHandle, _cluster_names, _stop_running, launch
 from cluster.replica_actor import replica_name
 from replica.request import SLO, Request, SamplingParams
 
@@ -61,7 +61,7 @@ def demo(target_dir: Path, draft_dir: Path, profile_path: Path) -> ClusterConfig
 def test_a_lapsed_lease_ends_only_its_own_requests(
     ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
 ) -> None:
-    config = replace(demo, replicas=1, num_kv_blocks=256, door_lease_s=1.0)
+    config = replace(demo, replicas=1, num_kv_blocks=256, door_lease_s=2.0)
 
     async def run() -> None:
         first = await launch(config, detached=True)
@@ -99,6 +99,8 @@ def test_a_detached_launch_replaces_a_cluster_of_another_config(
         new = await launch(replace(config, replicas=1, num_kv_blocks=64), detached=True)
         assert await incarnations(new) != loaded[:1]
         assert sorted(_cluster_names()) == ["slos-serve-controller", "slos-serve-replica-0"]
+        await old.shutdown()  # its controller is gone: it stops nothing, by name or otherwise
+        assert sorted(_cluster_names()) == ["slos-serve-controller", "slos-serve-replica-0"]
         assert (await _last(new.submit(long_request("new", 4)))).num_output_tokens == 4
         await new.shutdown()
         assert _cluster_names() == []
@@ -106,13 +108,32 @@ def test_a_detached_launch_replaces_a_cluster_of_another_config(
     runner.run(run())
 
 
-def test_stopping_a_cluster_frees_its_replicas_placement_groups(
-    ray_session: None, runner: asyncio.Runner
+def test_replacing_a_cluster_frees_a_group_left_without_its_replica(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
 ) -> None:
-    """A GPU replica's group is detached with it, so only `_stop` gives its devices back."""
-    name = replica_name(7)
+    """A launcher that died between reserving a GPU replica's group and starting the replica
+    left a detached group: the next detached launch frees it before reserving its own."""
+    name = replica_name(0)
     group = placement_group([{"CPU": 0.01}], name=name, lifetime="detached")
     ray.get(group.ready())
-    runner.run(_stop([name]))
+    runner.run(_stop_running(replace(demo, replicas=1)))
     with pytest.raises(ValueError, match="Failed to look up placement group"):
         get_placement_group(name)
+
+
+def test_a_door_whose_cluster_is_closing_learns_it_at_its_next_renewal(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    """What Serve's health check reads (router.app): the door is restarted, not left up."""
+    config = replace(demo, replicas=1, num_kv_blocks=64, door_lease_s=2.0)
+
+    async def run() -> None:
+        door = await launch(config, detached=True)
+        assert await door.controller.release.remote(door.door_id)  # the last door: closing
+        assert not door.lease_refused
+        await asyncio.sleep(config.door_lease_s / 4 + 0.5)
+        assert door.lease_refused
+        await door.shutdown()
+        assert _cluster_names() == []
+
+    runner.run(run())

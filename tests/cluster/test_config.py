@@ -41,7 +41,7 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
         ("route_limit", 0, "route_limit"),
         ("backup_policy", "drop", "drop"),
         ("tick_interval_ms", 0, "tick_interval_ms"),
-        ("door_lease_s", 0.1, r"door_lease_s must be in \[0.5, 600\], got 0.1"),
+        ("door_lease_s", 1.0, r"door_lease_s must be in \[2, 600\], got 1.0"),
         ("door_lease_s", True, "door_lease_s"),
         ("num_kv_blocks", 0, "num_kv_blocks"),
         ("calibrate", "yes", "calibrate"),

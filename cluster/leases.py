@@ -1,0 +1,85 @@
+"""Front-door leases: who reads each request, and when a cluster has no reader left.
+
+A front door (a `ClusterHandle`) renews its lease every quarter of `door_lease_s` and names
+the requests it streams. A door that stops renewing has crashed or hung: no one reads its
+requests any more, so the controller ends them. A detached cluster that no door has renewed
+for `abandoned_after_s` (the door that would stop it died before it could) stops itself.
+Pure and clock-injected, like the planner: the controller feeds it `time.monotonic()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+ABANDONED_MIN_S = 60.0
+"""A cluster outlives every door by at least this long: time for Serve to start the next one."""
+
+
+@dataclass
+class Leases:
+    lease_s: float
+    booted: float
+    """When this controller (re)started: its first lease period may not have heard from every
+    live door yet."""
+    restarted: bool = False
+    doors: dict[str, float] = field(default_factory=dict)
+    """Door id -> when it last renewed."""
+    owners: dict[str, str] = field(default_factory=dict)
+    """Request id -> the door that streams it."""
+    closing: bool = False
+    last_renewal: float | None = None
+
+    def renew(self, door: str, requests: Iterable[str], now: float) -> bool:
+        """Take or renew `door`'s lease, owning `requests` (a restarted controller learns its
+        owners again this way); False once the cluster is closing."""
+        if self.closing:
+            return False
+        self.doors[door] = self.last_renewal = now
+        for request_id in requests:
+            self.owners.setdefault(request_id, door)
+        return True
+
+    def own(self, request_id: str, door: str, now: float) -> None:
+        """A door submits or resumes a request: a sign of life too."""
+        self.owners[request_id] = door
+        if not self.closing:
+            self.doors[door] = self.last_renewal = now
+
+    def release(self, door: str, now: float) -> bool:
+        """`door` leaves. True when it was the last one: the cluster is closing from now on
+        (no door may attach) and the caller stops it. A controller restarted less than a lease
+        ago answers False: another door may not have renewed with it yet."""
+        self.doors.pop(door, None)
+        self.expire(now)
+        if self.restarted and now - self.booted < self.lease_s:
+            return False
+        self.closing = not self.doors
+        return self.closing
+
+    def expire(self, now: float) -> list[str]:
+        """Drop the doors whose lease lapsed; their ids."""
+        gone = [door for door, renewed in self.doors.items() if now - renewed > self.lease_s]
+        for door in gone:
+            del self.doors[door]
+        return gone
+
+    def orphans(self, known: set[str]) -> list[str]:
+        """Requests still running (`known`) whose door is gone, to be aborted; the owners of
+        requests that ended are forgotten."""
+        ended = [
+            rid for rid, door in self.owners.items() if rid not in known or door not in self.doors
+        ]
+        orphaned = [rid for rid in ended if rid in known]
+        for rid in ended:
+            del self.owners[rid]
+        return orphaned
+
+    def abandoned(self, now: float) -> bool:
+        """No door has renewed for `abandoned_after_s`, since boot or the last renewal."""
+        since = self.booted if self.last_renewal is None else self.last_renewal
+        return not self.doors and now - since > self.abandoned_after_s
+
+    @property
+    def abandoned_after_s(self) -> float:
+        return max(ABANDONED_MIN_S, 2 * self.lease_s)

@@ -1,0 +1,68 @@
+"""Front-door leases on an injected clock: lapsed doors lose their requests, others keep
+theirs; the last door out closes the cluster, except right after a controller restart; an
+abandoned cluster is noticed."""
+
+from __future__ import annotations
+
+from cluster.leases import ABANDONED_MIN_S, Leases
+
+
+def test_a_lapsed_door_loses_only_its_own_requests() -> None:
+    leases = Leases(lease_s=10.0, booted=0.0)
+    assert leases.renew("a", [], now=0.0) and leases.renew("b", [], now=0.0)
+    leases.own("a1", "a", now=1.0)
+    leases.own("b1", "b", now=1.0)
+    leases.renew("b", [], now=9.0)
+    assert leases.expire(now=10.5) == []  # a renewed at 1.0 (its submit): 9.5 s ago
+    assert leases.expire(now=11.5) == ["a"]
+    assert leases.orphans(known={"a1", "b1"}) == ["a1"]
+    assert leases.owners == {"b1": "b"}
+    assert leases.orphans(known=set()) == []  # b1 ended: forgotten, not aborted
+    assert leases.owners == {}
+
+
+def test_a_renewal_names_the_requests_a_restarted_controller_forgot() -> None:
+    leases = Leases(lease_s=10.0, booted=100.0, restarted=True)
+    assert leases.renew("a", ["r1", "r2"], now=101.0)
+    assert leases.owners == {"r1": "a", "r2": "a"}
+    assert leases.expire(now=112.0) == ["a"]
+    assert sorted(leases.orphans(known={"r1", "r2"})) == ["r1", "r2"]
+
+
+def test_the_last_door_out_closes_the_cluster_and_no_door_attaches_after() -> None:
+    leases = Leases(lease_s=10.0, booted=0.0)
+    leases.renew("a", [], now=0.0)
+    leases.renew("b", [], now=0.0)
+    assert not leases.release("a", now=1.0) and not leases.closing
+    assert leases.release("b", now=2.0) and leases.closing
+    assert not leases.renew("c", [], now=3.0)
+    assert leases.doors == {}
+
+
+def test_a_lapsed_door_does_not_keep_the_cluster_open() -> None:
+    leases = Leases(lease_s=10.0, booted=0.0)
+    leases.renew("dead", [], now=0.0)
+    leases.renew("a", [], now=15.0)
+    assert leases.release("a", now=15.0)
+
+
+def test_a_restarted_controller_does_not_close_before_hearing_from_every_door() -> None:
+    leases = Leases(lease_s=10.0, booted=50.0, restarted=True)
+    leases.renew("a", [], now=51.0)
+    assert not leases.release("a", now=52.0) and not leases.closing  # b may renew at 57
+    leases.renew("a", [], now=61.0)
+    assert leases.release("a", now=61.0)
+
+
+def test_a_cluster_without_doors_is_abandoned_after_the_grace() -> None:
+    short = Leases(lease_s=10.0, booted=0.0)
+    assert short.abandoned_after_s == ABANDONED_MIN_S
+    assert not short.abandoned(now=ABANDONED_MIN_S)  # no door ever: counted from boot
+    assert short.abandoned(now=ABANDONED_MIN_S + 1)
+    short.renew("a", [], now=100.0)
+    assert not short.abandoned(now=100.0 + ABANDONED_MIN_S + 1)  # a holds a lease
+    short.expire(now=111.0)
+    assert not short.abandoned(now=100.0 + ABANDONED_MIN_S)
+    assert short.abandoned(now=100.0 + ABANDONED_MIN_S + 1)
+    long = Leases(lease_s=100.0, booted=0.0)
+    assert long.abandoned_after_s == 200.0 and not long.abandoned(now=150.0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -155,7 +155,7 @@ class Generation:
 
 async def interleaved(
     generations: Sequence[Generation],
-) -> AsyncIterator[tuple[int, TextDelta | Finished]]:
+) -> AsyncGenerator[tuple[int, TextDelta | Finished]]:
     """The events of several generations as each comes, tagged with the generation's index.
     An error in one ends the whole (the caller closes the others)."""
     streams = [g.events() for g in generations]
@@ -178,6 +178,14 @@ async def interleaved(
     finally:
         for future in pending:
             future.cancel()
+
+
+async def _settle(tasks: list[asyncio.Task[Generation]]) -> list[Generation]:
+    """Cancel the tasks still running, wait for all; the generations that started."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks)
+    return [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
 
 
 class FrontDoor:
@@ -235,24 +243,25 @@ class FrontDoor:
         """Submit every choice and wait for each one's first item: a token, or a rejection.
 
         All or nothing: if one choice is rejected or cannot be placed, the others are
-        aborted and the request fails as that choice did."""
+        aborted once they have answered (an admitted choice's first token comes within its
+        TTFT) and the request fails as that choice did."""
         if len(parsed.requests) == 1:
             return (await self._start_one(parsed.requests[0], parsed.slo_label, tenant),)
         tasks = [
             asyncio.create_task(self._start_one(r, parsed.slo_label, tenant))
             for r in parsed.requests
         ]
-        try:
+        try:  # every choice's first answer, so that each one's verdict is counted
             await asyncio.gather(*tasks, return_exceptions=True)
-        finally:  # cancelled too: the choices that started are aborted unless all did
-            started = [
-                t.result() for t in tasks if t.done() and not t.cancelled() and not t.exception()
-            ]
-            if len(started) < len(tasks):
-                for generation in started:
-                    generation.close()
-        failure = next((t.exception() for t in tasks if t.exception() is not None), None)
+        except asyncio.CancelledError:  # the client left
+            for generation in await _settle(tasks):
+                generation.close()
+            raise
+        started = await _settle(tasks)
+        failure = next((t.exception() for t in tasks if not t.cancelled() and t.exception()), None)
         if failure is not None:
+            for generation in started:
+                generation.close()
             raise failure
         return tuple(started)
 

@@ -11,6 +11,7 @@ first byte, from the cluster's first answer, which also gives the `x-slos-serve-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -140,12 +141,13 @@ async def _sse(
     writer = ChunkWriter(parsed.endpoint, parsed.response_id, int(parsed.arrival_time), model)
     records: dict[int, FinalRecord] = {}
     try:
-        async for index, event in interleaved(generations):
-            if isinstance(event, Finished):
-                records[index] = event.record
-                yield writer.finish(index, event.record)
-            elif event.text:
-                yield writer.text(index, event.text)
+        async with contextlib.aclosing(interleaved(generations)) as events:
+            async for index, event in events:
+                if isinstance(event, Finished):
+                    records[index] = event.record
+                    yield writer.finish(index, event.record)
+                elif event.text:
+                    yield writer.text(index, event.text)
         ordered = [records[i] for i in range(len(generations))]
         yield writer.done(ordered, parsed.n, parsed.include_usage)
     except ApiError as exc:

@@ -166,6 +166,7 @@ def parse_body(
     value = _value(body)
     requests = []
     for i, prompt in enumerate(prompts):
+        where = "" if len(prompts) == 1 else f"prompt[{i}]: "
         sampling = _sampling(endpoint, body, ctx, len(prompt))
         for j in range(n):
             index = i * n + j
@@ -182,8 +183,10 @@ def parse_body(
                     model=model,
                 ),
                 "prompt",
+                where,
             )
-            _build(partial(request.check_fits, ctx.max_model_len, ctx.vocab_size), "max_tokens")
+            check = partial(request.check_fits, ctx.max_model_len, ctx.vocab_size)
+            _build(check, "max_tokens", where)
             requests.append(request)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
@@ -197,8 +200,9 @@ def parse_body(
     return ParsedRequest(endpoint, request_id, tuple(requests), n, stream, include_usage, slo_label)
 
 
-def _build(make: Callable[[], T], param: str) -> T:
-    """Run a domain constructor, turning its ValueError into a 400 that names the field."""
+def _build(make: Callable[[], T], param: str, where: str = "") -> T:
+    """Run a domain constructor, turning its ValueError into a 400 that names the field
+    (`where` prefixes the message: which of several prompts)."""
     try:
         return make()
     except BadRequest:
@@ -207,7 +211,7 @@ def _build(make: Callable[[], T], param: str) -> T:
         message = str(exc)
         head = message.split(" ", 1)[0]
         named = head.replace("[]", "").replace(".", "").replace("_", "").isalnum()
-        raise BadRequest(message, head if named else param) from exc
+        raise BadRequest(where + message, head if named else param) from exc
 
 
 def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
@@ -246,11 +250,10 @@ def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
 
 def _choices_per_prompt(body: dict[str, Any], num_prompts: int) -> int:
     n = _int(body, "n", 1, low=1, high=MAX_CHOICES)
-    best_of = body.get("best_of")
-    if best_of is not None and not (_is_int(best_of) and best_of == n):
+    if _int(body, "best_of", n, low=1, high=MAX_CHOICES) != n:
         raise BadRequest(
-            f"best_of={_short(best_of)} is not supported: ranking choices needs logprobs; "
-            "best_of may only equal n",
+            f"best_of={_short(body['best_of'])} is not supported: ranking choices needs "
+            "logprobs; best_of may only equal n",
             "best_of",
         )
     if num_prompts * n > MAX_CHOICES:
@@ -282,6 +285,11 @@ def _prompts(
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_token_list(prompt):
         return [_prompt_ids(prompt, "prompt", ctx, codec)]
+    if isinstance(prompt, list) and any(_is_int(p) for p in prompt):
+        bad = next(i for i, p in enumerate(prompt) if not _is_int(p))
+        raise BadRequest(f"prompt is a list of token ids, but prompt[{bad}] is not one", "prompt")
+    if isinstance(prompt, list) and len({isinstance(p, str) for p in prompt}) > 1:
+        raise BadRequest("prompt mixes strings and lists of token ids; give one kind", "prompt")
     if isinstance(prompt, list) and 0 < len(prompt) <= MAX_CHOICES:
         chars = sum(len(p) for p in prompt if isinstance(p, str))
         if chars > PROMPTS_CHARS_CONTEXTS * ctx.max_prompt_chars:

@@ -118,12 +118,12 @@ def test_several_prompts_and_samples_make_one_request_per_choice(
 ) -> None:
     """Choice i * n + j is prompt i's sample j; a seed makes each sample reproducible and
     different from its siblings; a lone choice keeps the response's id."""
-    body = {"model": "demo", "prompt": ["Hello", [5, 6, 7]], "n": 3, "seed": 2**63 - 2}
+    body = {"model": "demo", "prompt": [[4, 9], [5, 6, 7]], "n": 3, "seed": 2**63 - 2}
     parsed = parse(codec, ctx, body)
     assert parsed.n == 3 and parsed.response_id == "r1"
     assert [r.request_id for r in parsed.requests] == [f"r1-{i}" for i in range(6)]
     prompts = [r.prompt_token_ids for r in parsed.requests]
-    assert prompts == [codec.encode("Hello")] * 3 + [[5, 6, 7]] * 3
+    assert prompts == [[4, 9]] * 3 + [[5, 6, 7]] * 3
     seeds = [r.sampling.seed for r in parsed.requests]
     assert seeds == [2**63 - 2, 2**63 - 1, -(2**63)] * 2  # wrapped to int64
     assert {r.arrival_time for r in parsed.requests} == {100.0}
@@ -133,6 +133,8 @@ def test_several_prompts_and_samples_make_one_request_per_choice(
     assert [r.sampling.seed for r in both] == [None, None]
     one = parse(codec, ctx, {"model": "demo", "prompt": ["Hello"], "n": 1, "best_of": 1})
     assert [r.request_id for r in one.requests] == ["r1"]
+    for whole in ({"n": 2.0, "best_of": 2}, {"n": 2, "best_of": 2.0}):
+        assert parse(codec, ctx, {"model": "demo", "prompt": "x", **whole}).n == 2
     at_cap = parse(codec, ctx, {"model": "demo", "prompt": ["x", "y"], "n": MAX_CHOICES // 2})
     assert len(at_cap.requests) == MAX_CHOICES
 
@@ -142,6 +144,13 @@ def test_a_bad_prompt_among_several_is_named_by_index(codec: TextCodec, ctx: Sch
         parse(codec, ctx, {"model": "demo", "prompt": ["a", ""]})
     with pytest.raises(BadRequest, match=r"prompt\[2\] has 2048 tokens"):
         parse(codec, ctx, {"model": "demo", "prompt": [[1], [2], [3] * 2048]})
+    with pytest.raises(BadRequest, match=r"prompt is a list of token ids, but prompt\[1\] is"):
+        parse(codec, ctx, {"model": "demo", "prompt": [1, "a"]})
+    with pytest.raises(BadRequest, match="mixes strings and lists of token ids"):
+        parse(codec, ctx, {"model": "demo", "prompt": ["a", [1]]})
+    with pytest.raises(BadRequest, match=r"^prompt\[0\]: ") as fits:
+        parse(codec, ctx, {"model": "demo", "prompt": [[1] * 2040, [2]], "max_tokens": 16})
+    assert fits.value.param == "max_tokens"
 
 
 def test_slo_sources_in_order(codec: TextCodec, ctx: SchemaContext) -> None:
@@ -178,6 +187,8 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo"}, "prompt"),
         ({"model": "demo", "prompt": ""}, "prompt"),
         ({"model": "demo", "prompt": ["a", 3]}, "prompt"),
+        ({"model": "demo", "prompt": ["a", [3]]}, "prompt"),
+        ({"model": "demo", "prompt": "x", "n": 2, "best_of": 2.5}, "best_of"),
         ({"model": "demo", "prompt": ["a", ""]}, "prompt"),
         ({"model": "demo", "prompt": [[1], []]}, "prompt"),
         ({"model": "demo", "prompt": ["a"] * (MAX_CHOICES + 1)}, "prompt"),

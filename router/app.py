@@ -14,7 +14,9 @@ from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from ray.serve import Application
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cluster
 from router.auth import ApiKeys
@@ -49,6 +51,27 @@ async def build_front_door(
     return door, handle
 
 
+class DisconnectOnCancelledReceive:
+    """ASGI middleware: a client that leaves is an `http.disconnect`, as Starlette expects.
+
+    When a client disconnects, Ray Serve's proxy cancels the replica's pending `receive`, and
+    Serve raises that as TaskCancelledError from `receive` (ray/serve/_private/http_util.py).
+    Starlette's streaming response then logged a 60-line "exception was never retrieved"
+    traceback per disconnected stream."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def receive_or_disconnect() -> Message:
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)
+
+
 # The door only parses, tokenizes and relays; the CPUs a config declares go to the model
 # replicas (serve-cpu.yaml gives each replica one of a 2-core machine's cores). It runs on the
 # head node, whose resource Ray names itself, so its own gRPC server is at a known address
@@ -76,7 +99,9 @@ class FrontDoorDeployment:
         if self.config.grpc_port:
             host = door.keys.bind_host(self.config.grpc_host, "gRPC")
             self.grpc = await start_grpc_server(door, host, self.config.grpc_port)
-        return create_app(door)
+        app = create_app(door)
+        app.add_middleware(DisconnectOnCancelledReceive)
+        return app
 
     async def check_health(self) -> None:
         """Serve restarts a door whose cluster is being stopped under it (the next door

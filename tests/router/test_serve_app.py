@@ -3,6 +3,7 @@ cluster outlives a crashed door (the next door attaches to it) and stops with th
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from pathlib import Path
@@ -11,9 +12,11 @@ import openai
 import pytest
 import ray
 from openai.types import Completion
+from ray.exceptions import TaskCancelledError
+from starlette.types import Message, Receive, Scope, Send
 
 from cluster.replica_actor import NAMESPACE
-from router.app import build_app
+from router.app import DisconnectOnCancelledReceive, build_app
 from router.client import Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -67,6 +70,34 @@ def test_build_app_serves_http_and_grpc(
     finally:
         serve.shutdown()
     assert not [a for a in named_actors() if a["namespace"] == NAMESPACE]
+
+
+def test_a_cancelled_receive_is_a_disconnect() -> None:
+    """What Serve raises from `receive` when a client leaves reaches the app as the
+    `http.disconnect` Starlette expects; other messages and errors pass through."""
+    seen: list[Message] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(await receive())
+
+    async def cancelled() -> Message:
+        raise TaskCancelledError()
+
+    async def body() -> Message:
+        return {"type": "http.request", "body": b"{}"}
+
+    async def broken() -> Message:
+        raise ValueError("not a disconnect")
+
+    async def send(message: Message) -> None:
+        del message
+
+    door = DisconnectOnCancelledReceive(app)
+    asyncio.run(door({"type": "http"}, cancelled, send))
+    asyncio.run(door({"type": "http"}, body, send))
+    assert seen == [{"type": "http.disconnect"}, {"type": "http.request", "body": b"{}"}]
+    with pytest.raises(ValueError, match="not a disconnect"):
+        asyncio.run(door({"type": "http"}, broken, send))
 
 
 def named_actors() -> list[dict[str, str]]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from replica.batch import TokenLogprob
+
 
 class Verdict(StrEnum):
     ADMITTED = "admitted"
@@ -45,6 +47,8 @@ class TokenChunk:
     placement: Placement | None = None
     """Set on the first chunk from each replica the request is bound to (after a migration,
     the new one); None on the others."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token, when the request's sampling asked for them (`logprobs`)."""
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,9 @@ class ClusterHandle:
                         if item.token_ids:
                             progress.tokens.extend(item.token_ids)
                             progress.times.extend(item.times)
-                            yield TokenChunk(rid, item.token_ids, item.times, placement)
+                            yield TokenChunk(
+                                rid, item.token_ids, item.times, placement, item.logprobs
+                            )
                             placement = None
                         if item.lost:
                             raise _Lost

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replica.batch import BatchOutcome, BatchPlan
+from replica.batch import BatchOutcome, BatchPlan, TokenLogprob
 from replica.request import Request
 
 
@@ -59,3 +59,5 @@ class StreamItem:
     times: tuple[float, ...] = ()
     finish_reason: str | None = None
     lost: bool = False
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token, when the request asked for them."""

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.messages import HeldRequest, ReplicaSnapshot, StepReport, StreamItem
 from cluster.plans import SeqView, derive_plan, reconcile
@@ -188,7 +188,8 @@ class ReplicaCore:
                 continue
             held.output.extend(result.new_token_ids)
             held.num_computed = result.num_computed_tokens
-            item = StreamItem(tuple(result.new_token_ids), (now,) * len(result.new_token_ids))
+            tokens = tuple(result.new_token_ids)
+            item = StreamItem(tokens, (now,) * len(tokens), logprobs=tuple(result.logprobs))
             if result.finish_reason is not None:
                 self._end(result.request_id, result.finish_reason, item)
             elif item.token_ids:
@@ -238,4 +239,4 @@ class ReplicaCore:
         if stream is not None:
             stream.ended = True
             last = last or StreamItem()
-            stream.queue.put_nowait(StreamItem(last.token_ids, last.times, str(reason)))
+            stream.queue.put_nowait(replace(last, finish_reason=str(reason)))

@@ -69,6 +69,16 @@ class FinishReason(StrEnum):
     ABORT = "abort"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A produced token's log-probability under the target model, from its raw logits (before
+    temperature, top-k and top-p, as vLLM reports by default), with the `k` most likely
+    tokens and theirs when the request asked for them."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutcome:
     """What one step did to one request."""
@@ -80,6 +90,8 @@ class RequestOutcome:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per new token, when the request's `logprobs` asks for them."""
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,7 @@ from replica.batch import (
     PlanEntry,
     PrefillChunk,
     RequestOutcome,
+    TokenLogprob,
 )
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
@@ -404,6 +405,7 @@ class Engine:
             num_draft_tokens=len(proposal),
             num_accepted_tokens=accepted,
             finish_reason=seq.finish_reason,
+            logprobs=token_logprobs(logits, appended, params.logprobs),
         )
 
     def _append(self, seq: _Seq, new: list[int]) -> list[int]:
@@ -434,6 +436,21 @@ class Engine:
         window = 4 * max(len(s) for s in stops) + 8
         text = self.detokenize(seq.output[-window:])
         return any(s in text for s in stops)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int | None) -> list[TokenLogprob]:
+    """Token i came from row i of its entry's logits (the verified positions, in order)."""
+    if k is None or not tokens:
+        return []
+    logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1).cpu()
+    chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    if k == 0:
+        return [TokenLogprob(lp) for lp in chosen]
+    values, ids = logprobs.topk(k, dim=-1)
+    return [
+        TokenLogprob(lp, tuple(zip(row_ids, row_values, strict=True)))
+        for lp, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist(), strict=True)
+    ]
 
 
 def _draft_tokens(w: _Work) -> int:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20
+"""Most alternatives a token's log-probabilities may list (vLLM's default cap)."""
 MAX_LATENCY_MS = 24 * 3600 * 1000.0
 
 
@@ -62,6 +64,9 @@ class SamplingParams:
     """Strings that end generation (not included in the output)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
+    logprobs: int | None = None
+    """Report each output token's log-probability and those of the `logprobs` most likely
+    tokens (0: the token's own only); None: none."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -78,6 +83,8 @@ class SamplingParams:
                 raise ValueError(f"stop entries must be non-empty strings, got {s!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,7 @@ from cluster.api import (
     TokenChunk,
     Verdict,
 )
+from replica.batch import TokenLogprob
 from replica.request import Request
 from router.auth import ApiKeys
 from router.errors import BadRequest, ModelNotFound, Rejected, Unauthorized, Unavailable
@@ -56,10 +57,22 @@ class ClusterLike(Protocol):
 class TextDelta:
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class Finished:
+    record: FinalRecord
+
+
+@dataclass(frozen=True)
+class Output:
+    """A finished choice: its text, its tokens with their log-probabilities (when asked for),
+    and what the cluster did with it."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
     record: FinalRecord
 
 
@@ -119,7 +132,7 @@ class Generation:
                 self.slo_label, self.last_token_time, item.times
             )
             text = self.stop_text.push(self.detokenizer.push(item.token_ids))
-            yield TextDelta(text, item.token_ids)
+            yield TextDelta(text, item.token_ids, item.logprobs)
             try:
                 item = await anext(self.rest, None)
             except ClusterUnavailable as exc:
@@ -127,9 +140,11 @@ class Generation:
                 raise Unavailable(str(exc) or "the request's replica was lost") from exc
         raise RuntimeError(f"cluster stream of {self.request_id} ended without a FinalRecord")
 
-    async def collect(self) -> tuple[str, FinalRecord]:
-        """The whole output text and the final record (for non-streamed responses)."""
+    async def collect(self) -> Output:
+        """The whole output (for non-streamed responses)."""
         parts: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
         record: FinalRecord | None = None
         try:
             async for event in self.events():
@@ -137,11 +152,13 @@ class Generation:
                     record = event.record
                 else:
                     parts.append(event.text)
+                    token_ids.extend(event.token_ids)
+                    logprobs.extend(event.logprobs)
         finally:
             self.close()
         if record is None:
             raise RuntimeError(f"cluster stream of {self.request_id} ended without a FinalRecord")
-        return "".join(parts), record
+        return Output("".join(parts), tuple(token_ids), tuple(logprobs), record)
 
     def close(self) -> None:
         """Abort the request in the cluster unless it already finished."""

@@ -116,7 +116,7 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
     if parsed.stream:
         placements = [g.placement for g in generations]
         return StreamingResponse(
-            _sse(generations, parsed, door.model_name),
+            _sse(generations, parsed, door),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **placement_headers(placements)},
         )
@@ -126,19 +126,26 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
     finally:  # one choice failed: the others stop too (a cancelled collect aborts its request)
         for task in collecting:
             task.cancel()
-    texts = [text for text, _ in outputs]
-    records = [record for _, record in outputs]
     created = int(parsed.arrival_time)
     content = full_response(
-        endpoint, parsed.response_id, created, door.model_name, texts, records, parsed.n
+        endpoint,
+        parsed.response_id,
+        created,
+        door.model_name,
+        outputs,
+        parsed.n,
+        door.codec.token_text,
     )
     return JSONResponse(content, headers=cluster_headers(content["slos_serve"]))
 
 
 async def _sse(
-    generations: tuple[Generation, ...], parsed: ParsedRequest, model: str
+    generations: tuple[Generation, ...], parsed: ParsedRequest, door: FrontDoor
 ) -> AsyncIterator[bytes]:
-    writer = ChunkWriter(parsed.endpoint, parsed.response_id, int(parsed.arrival_time), model)
+    created = int(parsed.arrival_time)
+    writer = ChunkWriter(
+        parsed.endpoint, parsed.response_id, created, door.model_name, door.codec.token_text
+    )
     records: dict[int, FinalRecord] = {}
     try:
         async with contextlib.aclosing(interleaved(generations)) as events:
@@ -146,8 +153,8 @@ async def _sse(
                 if isinstance(event, Finished):
                     records[index] = event.record
                     yield writer.finish(index, event.record)
-                elif event.text:
-                    yield writer.text(index, event.text)
+                elif event.text or event.logprobs:
+                    yield writer.text(index, event.text, event.token_ids, event.logprobs)
         ordered = [records[i] for i in range(len(generations))]
         yield writer.done(ordered, parsed.n, parsed.include_usage)
     except ApiError as exc:

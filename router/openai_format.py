@@ -6,12 +6,15 @@ replica, hops, SLO attainment per stage), since OpenAI's schema has no place for
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from cluster.api import FinalRecord, Placement, Verdict
+from replica.batch import TokenLogprob
 from router.errors import ApiError
+from router.frontdoor import Output
 from router.openai_schema import Endpoint
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -123,26 +126,68 @@ def usage(records: Sequence[FinalRecord], n: int) -> dict[str, int]:
     }
 
 
+def logprobs_json(
+    endpoint: Endpoint,
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprob],
+    token_text: Callable[[int], str],
+    offset: int = 0,
+) -> tuple[dict[str, Any] | None, int]:
+    """A choice's (or a chunk's) `logprobs` in the endpoint's OpenAI form, or None when the
+    request asked for none; and the text offset after its tokens (completions' `text_offset`
+    counts each token's text from `offset`)."""
+    if not logprobs:
+        return None, offset
+    texts = [token_text(t) for t in token_ids]
+    if endpoint is Endpoint.CHAT:
+        content = [
+            {
+                **_token_entry(text, lp.logprob),
+                "top_logprobs": [_token_entry(token_text(t), v) for t, v in lp.top],
+            }
+            for text, lp in zip(texts, logprobs, strict=True)
+        ]
+        return {"content": content, "refusal": None}, offset
+    offsets = list(itertools.accumulate((len(t) for t in texts), initial=offset))
+    top = [
+        {**{token_text(t): v for t, v in lp.top}, text: lp.logprob}
+        for text, lp in zip(texts, logprobs, strict=True)
+    ]
+    completion = {
+        "tokens": texts,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets[:-1],
+    }
+    return completion, offsets[-1]
+
+
+def _token_entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
 def full_response(
     endpoint: Endpoint,
     response_id: str,
     created: int,
     model: str,
-    texts: Sequence[str],
-    records: Sequence[FinalRecord],
+    outputs: Sequence[Output],
     n: int,
+    token_text: Callable[[int], str],
 ) -> dict[str, Any]:
-    """The non-streamed body of a finished request: one choice per record, in order."""
+    """The non-streamed body of a finished request: one choice per output, in order."""
+    records = [o.record for o in outputs]
     choices = []
-    for index, (text, record) in enumerate(zip(texts, records, strict=True)):
+    for index, output in enumerate(outputs):
         choice: dict[str, Any] = {"index": index}
         if endpoint is Endpoint.CHAT:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": output.text}
         else:
-            choice["text"] = text
-        choice |= {"logprobs": None, "finish_reason": record.finish_reason}
-        if len(records) > 1:
-            choice["slos_serve"] = cluster_info(record)
+            choice["text"] = output.text
+        logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)
+        choice |= {"logprobs": logprobs, "finish_reason": output.record.finish_reason}
+        if len(outputs) > 1:
+            choice["slos_serve"] = cluster_info(output.record)
         choices.append(choice)
     return {
         "id": response_id,
@@ -159,12 +204,22 @@ def full_response(
 class ChunkWriter:
     """Builds the SSE events of one streamed response, in OpenAI's chunk format."""
 
-    def __init__(self, endpoint: Endpoint, response_id: str, created: int, model: str) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        response_id: str,
+        created: int,
+        model: str,
+        token_text: Callable[[int], str],
+    ) -> None:
         self.endpoint = endpoint
         self.response_id = response_id
         self.created = created
         self.model = model
+        self.token_text = token_text
         self.role_sent: set[int] = set()
+        self.offsets: dict[int, int] = {}
+        """Per choice: the text offset its next token's log-probability starts at."""
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = "chat.completion.chunk" if self.endpoint is Endpoint.CHAT else "text_completion"
@@ -178,17 +233,44 @@ class ChunkWriter:
         }
         return sse_event(payload)
 
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if self.endpoint is Endpoint.COMPLETIONS:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         delta: dict[str, Any] = {"content": text}
         if index not in self.role_sent:
             delta["role"] = "assistant"
             self.role_sent.add(index)
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
 
-    def text(self, index: int, text: str) -> bytes:
-        return self._chunk([self._choice(index, text, None)])
+    def text(
+        self,
+        index: int,
+        text: str,
+        token_ids: Sequence[int] = (),
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> bytes:
+        """Choice `index`'s next text, with its tokens' log-probabilities when asked for."""
+        offset = self.offsets.get(index, 0)
+        payload, self.offsets[index] = logprobs_json(
+            self.endpoint, token_ids, logprobs, self.token_text, offset
+        )
+        return self._chunk([self._choice(index, text, None, payload)])
 
     def finish(self, index: int, record: FinalRecord) -> bytes:
         """Choice `index`'s last chunk: its finish reason, and what the cluster did with it."""

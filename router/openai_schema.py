@@ -27,7 +27,16 @@ from enum import StrEnum
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from replica.request import MAX_LATENCY_MS, MAX_SEED, SLO, Request, SamplingParams, Stage, Tier
+from replica.request import (
+    MAX_LATENCY_MS,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    SLO,
+    Request,
+    SamplingParams,
+    Stage,
+    Tier,
+)
 from router.errors import BadRequest, ModelNotFound
 
 MAX_PRIORITY = 19
@@ -219,8 +228,6 @@ def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
     noop: dict[str, tuple[object, ...]] = {
         "presence_penalty": (None, 0, 0.0),
         "frequency_penalty": (None, 0, 0.0),
-        "logprobs": (None, False),  # completions' 0 still asks for the sampled token's
-        "top_logprobs": (None, 0),
         "echo": (None, False),
         "suffix": (None, ""),
         "repetition_penalty": (None, 1, 1.0),
@@ -408,9 +415,26 @@ def _sampling(
             seed=seed,
             stop=_stop(body.get("stop")),
             ignore_eos=_bool(body, "ignore_eos", False),
+            logprobs=_logprobs(endpoint, body),
         ),
         "sampling",
     )
+
+
+def _logprobs(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
+    """How many alternatives each token's log-probability lists (0: the token's own only),
+    or None: completions' `logprobs` is that number; chat asks with `logprobs: true` and
+    counts with `top_logprobs`."""
+    if endpoint is Endpoint.COMPLETIONS:
+        if body.get("logprobs") is None or body.get("logprobs") is False:
+            return None
+        return _int(body, "logprobs", 0, low=0, high=MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", 0, low=0, high=MAX_LOGPROBS)
+    if not _bool(body, "logprobs", False):
+        if top:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return top
 
 
 def _stop(raw: object) -> tuple[str, ...]:

@@ -218,6 +218,42 @@ def test_a_refused_choice_stops_the_others(oai: openai.OpenAI, live: LocalFrontD
     assert status["counters"]["admitted"] - before["admitted"] == 2, status
 
 
+def test_logprobs_of_every_token_streamed_or_not(oai: openai.OpenAI) -> None:
+    """Greedy: each token is its row's most likely one, so its log-probability heads its
+    alternatives; the tokens spell the text; a stream's chunks carry the same values."""
+    body: dict[str, Any] = dict(model="demo", prompt=PROMPT, max_tokens=8, temperature=0)
+    out = oai.completions.create(**body, logprobs=2)
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.top_logprobs
+    assert "".join(logprobs.tokens) == out.choices[0].text
+    assert len(logprobs.tokens) == out.usage.completion_tokens
+    for token, lp, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert lp <= 0 and lp == max(top.values()) and top[token] == lp and len(top) <= 3
+    streamed = [
+        c.choices[0].logprobs
+        for c in oai.completions.create(**body, logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs
+    ]
+    assert [lp for s in streamed for lp in s.token_logprobs] == pytest.approx(
+        logprobs.token_logprobs, abs=1e-6
+    )
+    assert [o for s in streamed for o in s.text_offset] == logprobs.text_offset
+    chat = oai.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob for c in content)
+    assert oai.completions.create(**body).choices[0].logprobs is None
+
+
 def test_headers_say_what_the_cluster_did(live: LocalFrontDoor) -> None:
     body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2}
     headers = {**auth(), "x-slo-ttft-ms": "5000", "x-slo-tpot-ms": "1000"}

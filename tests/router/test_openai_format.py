@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 from cluster.api import FinalRecord, Placement, StageVerdict, Verdict
+from replica.batch import TokenLogprob
 from router.errors import Rejected
+from router.frontdoor import Output
 from router.openai_format import (
     ChunkWriter,
     cluster_headers,
@@ -29,6 +32,15 @@ RECORD = FinalRecord(
 )
 
 
+TOKENS = {1: "He", 2: "llo", 3: "é", 4: "</s>"}
+"""Token id -> text, standing in for a tokenizer."""
+TEXT_OF = TOKENS.__getitem__
+
+
+def outputs(texts: list[str], records: list[FinalRecord]) -> list[Output]:
+    return [Output(t, (), (), r) for t, r in zip(texts, records, strict=True)]
+
+
 def events(stream: bytes) -> list[str]:
     """Split an SSE byte stream into data payloads the way a client does."""
     assert stream.endswith(b"\n\n")
@@ -47,7 +59,7 @@ def test_sse_event_is_one_line_even_with_newlines() -> None:
 
 
 def test_chat_stream_shape() -> None:
-    w = ChunkWriter(Endpoint.CHAT, "id1", 5, "demo")
+    w = ChunkWriter(Endpoint.CHAT, "id1", 5, "demo", TEXT_OF)
     stream = w.text(0, "Hel") + w.text(0, "lo") + w.finish(0, RECORD)
     stream += w.done([RECORD], 1, include_usage=True)
     data = events(stream)
@@ -64,14 +76,14 @@ def test_chat_stream_shape() -> None:
 
 
 def test_completion_stream_without_usage() -> None:
-    w = ChunkWriter(Endpoint.COMPLETIONS, "id2", 5, "demo")
+    w = ChunkWriter(Endpoint.COMPLETIONS, "id2", 5, "demo", TEXT_OF)
     data = events(w.text(0, "x") + w.finish(0, RECORD) + w.done([RECORD], 1, False))
     assert [json.loads(d)["choices"][0]["text"] for d in data[:-1]] == ["x", ""]
     assert data[-1] == "[DONE]"
 
 
 def test_full_response_and_headers() -> None:
-    body = full_response(Endpoint.CHAT, "id3", 7, "demo", ["hi"], [RECORD], 1)
+    body = full_response(Endpoint.CHAT, "id3", 7, "demo", outputs(["hi"], [RECORD]), 1, TEXT_OF)
     assert body["choices"] == [
         {
             "index": 0,
@@ -105,7 +117,15 @@ def test_several_choices_each_say_what_the_cluster_did() -> None:
     """Two prompts x n = 2: the prompts counted once each, every choice's verdict in it, and
     the response's the weakest over them."""
     records = [ADMITTED, RECORD, ADMITTED, ADMITTED]
-    body = full_response(Endpoint.COMPLETIONS, "id5", 7, "demo", list("abcd"), records, 2)
+    body = full_response(
+        Endpoint.COMPLETIONS,
+        "id5",
+        7,
+        "demo",
+        outputs(list("abcd"), records),
+        2,
+        TEXT_OF,
+    )
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in body["choices"]] == list("abcd")
     assert [c["slos_serve"]["replica"] for c in body["choices"]] == [0, 1, 0, 0]
@@ -125,7 +145,9 @@ def test_several_choices_each_say_what_the_cluster_did() -> None:
         "x-slos-serve-hops": "2",
         "x-slos-serve-slo-attained": "false",
     }
-    same = full_response(Endpoint.CHAT, "id6", 7, "demo", ["a", "b"], [ADMITTED] * 2, 2)
+    same = full_response(
+        Endpoint.CHAT, "id6", 7, "demo", outputs(["a", "b"], [ADMITTED] * 2), 2, TEXT_OF
+    )
     assert same["slos_serve"]["replica"] == 0 and same["slos_serve"]["slo_attained"] is True
     assert same["usage"]["prompt_tokens"] == 3 and same["service_tier"] == "default"
     placed = [Placement(Verdict.ADMITTED, 1, 1), Placement(Verdict.ADMITTED, 1, 3)]
@@ -139,7 +161,7 @@ def test_several_choices_each_say_what_the_cluster_did() -> None:
 
 def test_chat_stream_of_several_choices() -> None:
     """Each choice's first delta carries the role; each ends with its own finish chunk."""
-    w = ChunkWriter(Endpoint.CHAT, "id7", 5, "demo")
+    w = ChunkWriter(Endpoint.CHAT, "id7", 5, "demo", TEXT_OF)
     stream = w.text(1, "b") + w.text(0, "a") + w.text(1, "c") + w.finish(1, RECORD)
     stream += w.finish(0, ADMITTED) + w.done([ADMITTED, RECORD], 2, include_usage=True)
     chunks = [json.loads(d) for d in events(stream)[:-1]]
@@ -154,11 +176,52 @@ def test_chat_stream_of_several_choices() -> None:
     assert chunks[5]["usage"]["prompt_tokens"] == 3 and chunks[5]["choices"] == []
 
 
+LOGPROBS = (TokenLogprob(-0.5, ((1, -0.5), (3, -1.5))), TokenLogprob(-2.0, ((4, -0.1), (3, -2.5))))
+
+
+def only_choice(endpoint: Endpoint, output: Output) -> dict[str, Any]:
+    return full_response(endpoint, "id8", 7, "demo", [output], 1, TEXT_OF)["choices"][0]
+
+
+def test_completion_logprobs_list_tokens_offsets_and_alternatives() -> None:
+    """The sampled token joins its alternatives, as OpenAI's legacy form lists them; offsets
+    run on across a stream's chunks."""
+    choice = only_choice(Endpoint.COMPLETIONS, Output("Hello", (1, 2), LOGPROBS, RECORD))
+    assert choice["logprobs"] == {
+        "tokens": ["He", "llo"],
+        "token_logprobs": [-0.5, -2.0],
+        "top_logprobs": [{"He": -0.5, "é": -1.5}, {"</s>": -0.1, "é": -2.5, "llo": -2.0}],
+        "text_offset": [0, 2],
+    }
+    w = ChunkWriter(Endpoint.COMPLETIONS, "id9", 5, "demo", TEXT_OF)
+    stream = w.text(0, "He", (1,), LOGPROBS[:1]) + w.text(0, "llo", (2,), LOGPROBS[1:])
+    first, second = (json.loads(d)["choices"][0]["logprobs"] for d in events(stream))
+    assert first["text_offset"] == [0] and second["text_offset"] == [2]
+    without = json.loads(events(w.text(1, "x"))[0])["choices"][0]
+    assert without["logprobs"] is None
+
+
+def test_chat_logprobs_have_bytes_and_top_entries() -> None:
+    logprobs = only_choice(Endpoint.CHAT, Output("éllo", (3, 2), LOGPROBS, RECORD))["logprobs"]
+    content = logprobs["content"]
+    assert content[0] == {
+        "token": "é",
+        "logprob": -0.5,
+        "bytes": [195, 169],
+        "top_logprobs": [
+            {"token": "He", "logprob": -0.5, "bytes": [72, 101]},
+            {"token": "é", "logprob": -1.5, "bytes": [195, 169]},
+        ],
+    }
+    assert [c["token"] for c in content] == ["é", "llo"]
+    assert logprobs["refusal"] is None
+
+
 def test_error_json_shape() -> None:
     body = error_body(Rejected("full", None, 2.0))
     assert body == {
         "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": 429}
     }
-    w = ChunkWriter(Endpoint.CHAT, "id4", 5, "demo")
+    w = ChunkWriter(Endpoint.CHAT, "id4", 5, "demo", TEXT_OF)
     data = events(w.error(Rejected("gone", None, 1.0)))
     assert json.loads(data[0])["error"]["message"] == "gone" and data[1] == "[DONE]"

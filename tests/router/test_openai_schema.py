@@ -153,6 +153,32 @@ def test_a_bad_prompt_among_several_is_named_by_index(codec: TextCodec, ctx: Sch
     assert fits.value.param == "max_tokens"
 
 
+def test_logprobs_as_each_endpoint_asks_for_them(codec: TextCodec, ctx: SchemaContext) -> None:
+    def asked(body: dict[str, Any], endpoint: Endpoint = Endpoint.COMPLETIONS) -> int | None:
+        return (
+            parse(codec, ctx, {"model": "demo", **body}, endpoint=endpoint)
+            .requests[0]
+            .sampling.logprobs
+        )
+
+    assert asked({"prompt": "x"}) is None and asked({"prompt": "x", "logprobs": None}) is None
+    assert asked({"prompt": "x", "logprobs": 0}) == 0
+    assert asked({"prompt": "x", "logprobs": 5}) == 5
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert asked(chat, Endpoint.CHAT) is None
+    assert asked({**chat, "logprobs": True}, Endpoint.CHAT) == 0
+    assert asked({**chat, "logprobs": True, "top_logprobs": 20}, Endpoint.CHAT) == 20
+    assert asked({**chat, "logprobs": False, "top_logprobs": 0}, Endpoint.CHAT) is None
+    for bad, param in [
+        ({**chat, "top_logprobs": 2}, "top_logprobs"),
+        ({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({**chat, "logprobs": 1}, "logprobs"),
+    ]:
+        with pytest.raises(BadRequest) as info:
+            parse(codec, ctx, {"model": "demo", **bad}, endpoint=Endpoint.CHAT)
+        assert info.value.param == param
+
+
 def test_slo_sources_in_order(codec: TextCodec, ctx: SchemaContext) -> None:
     base = {"model": "demo", "prompt": "x"}
     headers = {"X-SLO-TTFT-MS": "500", "x-slo-tpot-ms": "50"}
@@ -200,7 +226,8 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo", "prompt": "x", "max_tokens": True}, "max_tokens"),
         ({"model": "demo", "prompt": "x", "temperature": math.nan}, "temperature"),
         ({"model": "demo", "prompt": "x", "top_p": 0}, "top_p"),
-        ({"model": "demo", "prompt": "x", "logprobs": 0}, "logprobs"),
+        ({"model": "demo", "prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"model": "demo", "prompt": "x", "logprobs": True}, "logprobs"),
         ({"model": "demo", "prompt": "x", "slo": {"ttft_ms": 0}}, "slo.ttft_ms"),
         ({"model": "demo", "prompt": "x", "slo": {"tpot_ms": 1e9}}, "slo.tpot_ms"),
         ({"model": "demo", "prompt": "x", "seed": -(2**63) - 1}, "seed"),

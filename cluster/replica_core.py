@@ -194,7 +194,7 @@ class ReplicaCore:
                 self._end(result.request_id, result.finish_reason, item)
             elif item.token_ids:
                 self._push(result.request_id, item)
-        self._report(StepReport(self.index, self.incarnation, self.seq, plan, outcome, now))
+        self._report(StepReport(self.index, self.incarnation, self.seq, plan, _lean(outcome), now))
 
     def _fail(self, plan: BatchPlan) -> None:
         """End the requests of a step that failed midway (their KV state is unknown). The
@@ -240,3 +240,11 @@ class ReplicaCore:
             stream.ended = True
             last = last or StreamItem()
             stream.queue.put_nowait(replace(last, finish_reason=str(reason)))
+
+
+def _lean(outcome: BatchOutcome) -> BatchOutcome:
+    """The outcome as the controller needs it: log-probabilities (up to 20 alternatives a
+    token) go to the clients' streams only."""
+    if not any(o.logprobs for o in outcome.outcomes):
+        return outcome
+    return replace(outcome, outcomes=[replace(o, logprobs=[]) for o in outcome.outcomes])

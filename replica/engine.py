@@ -439,17 +439,21 @@ class Engine:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int | None) -> list[TokenLogprob]:
-    """Token i came from row i of its entry's logits (the verified positions, in order)."""
+    """Token i came from row i of its entry's logits (the verified positions, in order). Only
+    the chosen and top-k values leave the device, never a vocabulary-wide row."""
     if k is None or not tokens:
         return []
-    logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1).cpu()
-    chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    rows = logits[: len(tokens)].float()
+    norm = torch.logsumexp(rows, dim=-1, keepdim=True)
+    index = torch.tensor(tokens, device=rows.device).unsqueeze(1)
+    chosen = (rows.gather(1, index) - norm).squeeze(1).tolist()
     if k == 0:
         return [TokenLogprob(lp) for lp in chosen]
-    values, ids = logprobs.topk(k, dim=-1)
+    values, ids = rows.topk(k, dim=-1)
+    tops = zip(ids.tolist(), (values - norm).tolist(), strict=True)
     return [
-        TokenLogprob(lp, tuple(zip(row_ids, row_values, strict=True)))
-        for lp, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist(), strict=True)
+        TokenLogprob(lp, tuple(zip(top_ids, top_values, strict=True)))
+        for lp, (top_ids, top_values) in zip(chosen, tops, strict=True)
     ]
 
 

@@ -18,6 +18,7 @@ from router.frontdoor import Output
 from router.openai_schema import Endpoint
 
 SSE_DONE = b"data: [DONE]\n\n"
+LOGPROB_FLOOR = -9999.0
 HEADER_VERDICT = "x-slos-serve-verdict"
 HEADER_REPLICA = "x-slos-serve-replica"
 HEADER_HOPS = "x-slos-serve-hops"
@@ -139,6 +140,7 @@ def logprobs_json(
     if not logprobs:
         return None, offset
     texts = [token_text(t) for t in token_ids]
+    logprobs = [_finite(lp) for lp in logprobs]
     if endpoint is Endpoint.CHAT:
         content = [
             {
@@ -150,7 +152,7 @@ def logprobs_json(
         return {"content": content, "refusal": None}, offset
     offsets = list(itertools.accumulate((len(t) for t in texts), initial=offset))
     top = [
-        {**{token_text(t): v for t, v in lp.top}, text: lp.logprob}
+        _by_text([*((token_text(t), v) for t, v in lp.top), (text, lp.logprob)])
         for text, lp in zip(texts, logprobs, strict=True)
     ]
     completion = {
@@ -160,6 +162,21 @@ def logprobs_json(
         "text_offset": offsets[:-1],
     }
     return completion, offsets[-1]
+
+
+def _finite(logprob: TokenLogprob) -> TokenLogprob:
+    """JSON has no -inf (a masked or underflowed token): floored as vLLM does."""
+    top = tuple((t, max(v, LOGPROB_FLOOR)) for t, v in logprob.top)
+    return TokenLogprob(max(logprob.logprob, LOGPROB_FLOOR), top)
+
+
+def _by_text(entries: Sequence[tuple[str, float]]) -> dict[str, float]:
+    """Completions' legacy form keys alternatives by text: tokens that decode alike (pieces
+    of a character) keep the highest value."""
+    merged: dict[str, float] = {}
+    for text, value in entries:
+        merged[text] = max(value, merged.get(text, value))
+    return merged
 
 
 def _token_entry(text: str, logprob: float) -> dict[str, Any]:

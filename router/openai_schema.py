@@ -259,8 +259,8 @@ def _choices_per_prompt(body: dict[str, Any], num_prompts: int) -> int:
     n = _int(body, "n", 1, low=1, high=MAX_CHOICES)
     if _int(body, "best_of", n, low=1, high=MAX_CHOICES) != n:
         raise BadRequest(
-            f"best_of={_short(body['best_of'])} is not supported: ranking choices needs "
-            "logprobs; best_of may only equal n",
+            f"best_of={_short(body['best_of'])} is not supported: the server does not pick "
+            "the best of several samples; best_of may only equal n",
             "best_of",
         )
     if num_prompts * n > MAX_CHOICES:

@@ -57,6 +57,26 @@ def test_one_prefill_plan_then_derived_decodes_finish_the_request(engine: Engine
     assert engine.num_free_blocks == engine.cache.num_blocks
 
 
+def test_logprobs_reach_the_stream_and_stay_out_of_the_reports(engine: Engine) -> None:
+    reports: list[StepReport] = []
+    asking = Request("p", PROMPT, SamplingParams(max_tokens=6, logprobs=2), slo=SLO(1000, 100))
+
+    async def run() -> list[StreamItem]:
+        core = ReplicaCore(engine, 0, reports.append)
+        core.start()
+        core.add_request(asking, admitted=True)
+        core.set_plan(BatchPlan((PrefillChunk("p", len(PROMPT)),)))
+        items = await drain(core, "p")
+        await core.stop()
+        return items
+
+    items = asyncio.run(run())
+    assert all(len(i.logprobs) == len(i.token_ids) for i in items)
+    assert sum(len(i.logprobs) for i in items) == 6
+    assert all(len(lp.top) == 2 for i in items for lp in i.logprobs)
+    assert not any(o.logprobs for r in reports for o in r.outcome.outcomes)
+
+
 def test_abort_ends_the_stream_and_frees_kv(engine: Engine) -> None:
     reports: list[StepReport] = []
 

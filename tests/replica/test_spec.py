@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk, TokenLogprob
+from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.engine import Engine, ProposerKind, load_detokenizer
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
@@ -326,19 +326,40 @@ def test_malformed_draft_vocabulary_names_the_file(tmp_path: Path) -> None:
     assert load_draft_vocab(tmp_path / "missing") is None
 
 
-def test_logprobs_come_from_the_target_at_any_speculation_length(
-    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]], target_dir: Path
-) -> None:
-    """Each token's log-probability and its top alternatives are the target's, from the row
-    that produced the token, whether it was drafted and verified or decoded alone: equal to
-    a plain transformers forward over prompt + output."""
+@pytest.fixture(scope="module")
+def transformers_target(target_dir: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    prompt = prompts[0]
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
-    def run(k: int) -> tuple[list[int], list[TokenLogprob]]:
-        engine = _engine(runners, "draft")
-        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+
+@pytest.mark.parametrize(
+    ("proposer", "sampling"),
+    [
+        ("draft", {}),
+        ("ngram", {}),
+        ("draft", {"temperature": 0.9, "seed": 7}),
+        ("draft", {"temperature": 0.9, "top_k": 5}),
+        ("draft", {"stop": ("e",)}),
+    ],
+)
+def test_logprobs_come_from_the_target_at_any_speculation_length(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    target_dir: Path,
+    transformers_target: torch.nn.Module,
+    proposer: ProposerKind,
+    sampling: dict[str, object],
+) -> None:
+    """Each token's log-probability and its top alternatives are the target's raw ones (before
+    temperature and top-k), from the row that produced the token, whether it was drafted and
+    verified, cut short by a stop, or decoded alone: equal to a plain transformers forward
+    over prompt + output."""
+    prompt = prompts[0]
+    detok = load_detokenizer(target_dir)
+    for k in (0, 4):
+        engine = Engine(*runners, proposer=proposer, detokenize=detok)
+        params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=3, **sampling)
         engine.add_request(Request("l", prompt, params, tier=Tier.BEST_EFFORT))
         step = engine.step(BatchPlan((PrefillChunk("l", len(prompt)),)))
         logprobs = step.outcomes[0].logprobs
@@ -346,17 +367,12 @@ def test_logprobs_come_from_the_target_at_any_speculation_length(
             logprobs += engine.step(BatchPlan((DecodeStep("l", k),))).outcomes[0].logprobs
         tokens = engine.output_token_ids("l")
         engine.abort("l")
-        return tokens, logprobs
-
-    tokens, plain = run(0)
-    drafted_tokens, drafted = run(4)
-    assert drafted_tokens == tokens and len(plain) == len(drafted) == len(tokens)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0]
-    expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-    for i, token in enumerate(tokens):
-        for got in (plain[i], drafted[i]):
+        assert len(logprobs) == len(tokens)
+        with torch.no_grad():
+            logits = transformers_target(torch.tensor([prompt + tokens])).logits[0]
+        expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        for i, token in enumerate(tokens):
+            got = logprobs[i]
             assert got.logprob == pytest.approx(expected[i, token].item(), abs=1e-4)
             assert [t for t, _ in got.top] == expected[i].topk(3).indices.tolist()
             assert got.top[0][1] == pytest.approx(expected[i].max().item(), abs=1e-4)

@@ -32,7 +32,7 @@ RECORD = FinalRecord(
 )
 
 
-TOKENS = {1: "He", 2: "llo", 3: "é", 4: "</s>"}
+TOKENS = {1: "He", 2: "llo", 3: "é", 4: "</s>", 5: "é"}
 """Token id -> text, standing in for a tokenizer."""
 TEXT_OF = TOKENS.__getitem__
 
@@ -199,6 +199,14 @@ def test_completion_logprobs_list_tokens_offsets_and_alternatives() -> None:
     assert first["text_offset"] == [0] and second["text_offset"] == [2]
     without = json.loads(events(w.text(1, "x"))[0])["choices"][0]
     assert without["logprobs"] is None
+
+
+def test_alternatives_that_decode_alike_keep_the_highest_and_infinities_are_floored() -> None:
+    logprob = TokenLogprob(float("-inf"), ((5, -1.0), (3, -1.5), (2, float("-inf"))))
+    choice = only_choice(Endpoint.COMPLETIONS, Output("He", (1,), (logprob,), RECORD))
+    assert choice["logprobs"]["top_logprobs"] == [{"é": -1.0, "llo": -9999.0, "He": -9999.0}]
+    assert choice["logprobs"]["token_logprobs"] == [-9999.0]
+    json.dumps(choice, allow_nan=False)
 
 
 def test_chat_logprobs_have_bytes_and_top_entries() -> None:

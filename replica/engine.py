@@ -443,14 +443,13 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int | None) -> li
     the chosen and top-k values leave the device, never a vocabulary-wide row."""
     if k is None or not tokens:
         return []
-    rows = logits[: len(tokens)].float()
-    norm = torch.logsumexp(rows, dim=-1, keepdim=True)
-    index = torch.tensor(tokens, device=rows.device).unsqueeze(1)
-    chosen = (rows.gather(1, index) - norm).squeeze(1).tolist()
+    logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    index = torch.tensor(tokens, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()
     if k == 0:
         return [TokenLogprob(lp) for lp in chosen]
-    values, ids = rows.topk(k, dim=-1)
-    tops = zip(ids.tolist(), (values - norm).tolist(), strict=True)
+    values, ids = logprobs.topk(k, dim=-1)
+    tops = zip(ids.tolist(), values.tolist(), strict=True)
     return [
         TokenLogprob(lp, tuple(zip(top_ids, top_values, strict=True)))
         for lp, (top_ids, top_values) in zip(chosen, tops, strict=True)

@@ -289,6 +289,9 @@ class FrontDoor:
         except ClusterUnavailable as exc:
             self.metrics.reject(tenant, "unavailable")
             raise Unavailable(str(exc) or "no replica is up") from exc
+        except ValueError as exc:  # the cluster's own checks: what a replica's KV cache holds
+            self.metrics.reject(tenant, "bad_request")
+            raise BadRequest(str(exc), "max_tokens") from exc
         except StopAsyncIteration as exc:
             raise RuntimeError(f"cluster stream of {request.request_id} was empty") from exc
         except asyncio.CancelledError:

@@ -16,6 +16,28 @@ API_KEY = "sk-test"
 TENANT = "team-a"
 
 
+def demo_door(
+    target_dir: Path,
+    draft_dir: Path,
+    tmp: Path,
+    cluster: dict[str, object],
+    api_keys_file: Path | None = None,
+) -> FrontDoorConfig:
+    """Both doors on free loopback ports over the demo pair on the synthetic profile;
+    `cluster` sets the rest of the cluster config."""
+    profile = str(write_profile(tmp / "profile.json"))
+    base = {"model": str(target_dir), "draft": str(draft_dir), "profile": profile}
+    keys = None if api_keys_file is None else str(api_keys_file)
+    return FrontDoorConfig.from_args(
+        {
+            "cluster": {**base, **cluster},
+            "http": {"port": 0},
+            "grpc": {"port": 0},
+            "api_keys_file": keys,
+        }
+    )
+
+
 @pytest.fixture(scope="module")
 def live(
     ray_session: None, target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -23,21 +45,11 @@ def live(
     tmp = tmp_path_factory.mktemp("frontdoor")
     keys = tmp / "keys"
     keys.write_text(f"{API_KEY} {TENANT}\n")
-    config = FrontDoorConfig.from_args(
-        {
-            "cluster": {
-                "model": str(target_dir),
-                "draft": str(draft_dir),
-                "profile": str(write_profile(tmp / "profile.json")),
-                "replicas": 2,
-                "num_kv_blocks": 128,
-                "backup_policy": "reject",
-                "tiers": [{"name": "chat", "ttft_ms": 3000, "tpot_ms": 500}],
-            },
-            "http": {"port": 0},
-            "grpc": {"port": 0},
-            "api_keys_file": str(keys),
-        }
-    )
-    with LocalFrontDoor(config) as front:
+    cluster = {
+        "replicas": 2,
+        "num_kv_blocks": 128,
+        "backup_policy": "reject",
+        "tiers": [{"name": "chat", "ttft_ms": 3000, "tpot_ms": 500}],
+    }
+    with LocalFrontDoor(demo_door(target_dir, draft_dir, tmp, cluster, keys)) as front:
         yield front

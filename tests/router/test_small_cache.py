@@ -11,9 +11,8 @@ import httpx
 import pytest
 
 from router.client import Client, ClientError
-from router.config import FrontDoorConfig
 from router.local import LocalFrontDoor
-from tests.cluster.conftest import write_profile
+from tests.router.conftest import demo_door
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -23,19 +22,7 @@ def small(
     ray_session: None, target_dir: Path, draft_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalFrontDoor]:
     tmp = tmp_path_factory.mktemp("small")
-    config = FrontDoorConfig.from_args(
-        {
-            "cluster": {
-                "model": str(target_dir),
-                "draft": str(draft_dir),
-                "profile": str(write_profile(tmp / "profile.json")),
-                "replicas": 1,
-                "num_kv_blocks": 16,
-            },
-            "http": {"port": 0},
-            "grpc": {"port": 0},
-        }
-    )
+    config = demo_door(target_dir, draft_dir, tmp, {"replicas": 1, "num_kv_blocks": 16})
     with LocalFrontDoor(config) as front:
         yield front
 

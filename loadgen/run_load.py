@@ -74,7 +74,14 @@ from loadgen.workloads import (
     zero_load_ttft_from,
 )
 from loadgen.zero_load import PROBE_OUTPUT_LEN, PROBE_PROMPT_LENS, ZeroLoad, probe
-from replica.arguments import OptionError, non_negative_int, output_file, positive_int
+from replica.arguments import (
+    OptionError,
+    non_negative_float,
+    non_negative_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from replica.model_source import has_tokenizer, load_tokenizer, model_dir
 from replica.perf_model import PerfModel
 from router.client import AsyncClient, Client, ClientError
@@ -362,10 +369,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
         help=f"paper scenario ({', '.join(s.value for s in Scenario)}) or a mix file "
         "(.yaml/.json: your own application classes, loadgen.mixes); default %(default)s",
     )
-    parser.add_argument("--rate", type=float, help="requests/s to the target (capacity: start)")
+    parser.add_argument(
+        "--rate", type=positive_float, help="requests/s to the target (capacity: start)"
+    )
     parser.add_argument(
         "--duration",
-        type=float,
+        type=positive_float,
         default=60.0,
         help="seconds of arrivals at --rate (capacity: the search's start), which fix the "
         "request count of every point",
@@ -373,13 +382,15 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
     parser.add_argument(
         "--arrivals", choices=("poisson", "gamma", "trace"), default="poisson", help="arrivals"
     )
-    parser.add_argument("--cv", type=float, help="gamma arrivals: inter-arrival CV (burstiness)")
+    parser.add_argument(
+        "--cv", type=positive_float, help="gamma arrivals: inter-arrival CV (burstiness)"
+    )
     parser.add_argument(
         "--trace", type=Path, help=f"trace CSV for --arrivals trace (default: in {TRACE_DIR})"
     )
     parser.add_argument(
         "--length-scale",
-        type=float,
+        type=positive_float,
         default=0.1,
         help="multiplies every Table 4 length (default %(default)s, for the CPU demo pair)",
     )
@@ -405,12 +416,16 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
     parser.add_argument(
         "--no-slo-fields", action="store_true", help="HTTP: omit the slo body field"
     )
-    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds")
+    parser.add_argument("--request-timeout", type=positive_float, default=120.0, help="seconds")
     parser.add_argument("--replicas", type=positive_int, help="for capacity per replica")
     parser.add_argument("--capacity", action="store_true", help="search the capacity")
     parser.add_argument("--rates", help="capacity: search bounds LO,HI in requests/s")
-    parser.add_argument("--rel-tol", type=float, default=0.1, help="capacity search tolerance")
-    parser.add_argument("--cooldown", type=float, default=5.0, help="seconds between points")
+    parser.add_argument(
+        "--rel-tol", type=positive_float, default=0.1, help="capacity search tolerance"
+    )
+    parser.add_argument(
+        "--cooldown", type=non_negative_float, default=5.0, help="seconds between points"
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--records", type=output_file, help="per-request JSONL")
     parser.add_argument("--json", type=output_file, help="results JSON (top-level `summary`)")
@@ -421,20 +436,8 @@ def _fail(message: str) -> argparse.ArgumentTypeError:
     return argparse.ArgumentTypeError(message)
 
 
-def _positive(args: argparse.Namespace, name: str) -> None:
-    value = getattr(args, name.lstrip("-").replace("-", "_"))
-    if value is not None and (not math.isfinite(value) or value <= 0):
-        raise _fail(f"{name} must be finite and > 0, got {value!r}")
-
-
 def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
     """Validate option combinations; returns the capacity bounds. Errors name the option."""
-    for name in ("--rate", "--duration", "--length-scale", "--cv", "--request-timeout"):
-        _positive(args, name)
-    if args.rel_tol <= 0 or not math.isfinite(args.rel_tol):
-        raise _fail(f"--rel-tol must be finite and > 0, got {args.rel_tol!r}")
-    if args.cooldown < 0 or not math.isfinite(args.cooldown):
-        raise _fail(f"--cooldown must be finite and >= 0, got {args.cooldown!r}")
     if args.cv is not None and args.arrivals != "gamma":
         raise _fail(f"--cv applies to --arrivals gamma only, not {args.arrivals}")
     if args.arrivals == "gamma" and args.cv is None:

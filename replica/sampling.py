@@ -37,15 +37,12 @@ def position_noise(seed: int, first: int, count: int, vocab: int) -> torch.Tenso
     so never 0 and a zero-probability token never wins. 4-5x cheaper than exponential_ at a
     128k vocabulary; made once per position a step may sample, for the draft and
     verification."""
-    rows = [
-        torch.rand(vocab, generator=_position_generator(seed, position))
-        for position in range(first, first + count)
-    ]
-    return torch.stack(rows).log_().neg_()
-
-
-def _position_generator(seed: int, position: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * _SEED_MIX + position * _POSITION_MIX) % 2**64)
+    noise = torch.empty(count, vocab)
+    generator = torch.Generator()
+    for row, position in enumerate(range(first, first + count)):
+        generator.manual_seed((seed * _SEED_MIX + position * _POSITION_MIX) % 2**64)
+        torch.rand(vocab, generator=generator, out=noise[row])
+    return noise.log_().neg_()
 
 
 def noisy_choice(probs: torch.Tensor, noise: torch.Tensor) -> list[int]:

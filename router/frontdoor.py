@@ -197,14 +197,6 @@ async def interleaved(
             future.cancel()
 
 
-async def _settle(tasks: list[asyncio.Task[Generation]]) -> list[Generation]:
-    """Cancel the tasks still running, wait for all; the generations that started."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.wait(tasks)
-    return [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-
-
 class FrontDoor:
     """The shared request path behind the HTTP and gRPC servers."""
 
@@ -269,18 +261,20 @@ class FrontDoor:
             for r in parsed.requests
         ]
         try:  # every choice's first answer, so that each one's verdict is counted
-            await asyncio.gather(*tasks, return_exceptions=True)
-        except asyncio.CancelledError:  # the client left
-            for generation in await _settle(tasks):
-                generation.close()
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the client left: gather cancelled the choices
+            await asyncio.wait(tasks)  # still starting; close those that started
+            for task in tasks:
+                if not task.cancelled() and task.exception() is None:
+                    task.result().close()
             raise
-        started = await _settle(tasks)
-        failure = next((t.exception() for t in tasks if not t.cancelled() and t.exception()), None)
+        started = tuple(o for o in outcomes if isinstance(o, Generation))
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failure is not None:
             for generation in started:
                 generation.close()
             raise failure
-        return tuple(started)
+        return started
 
     async def _start_one(self, request: Request, slo_label: str, tenant: str) -> Generation:
         stream = self.cluster.submit(request)

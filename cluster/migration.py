@@ -46,6 +46,11 @@ def resumed_request(original: Request, delivered: Sequence[int]) -> Request:
     return replace(
         original,
         prompt_token_ids=[*original.prompt_token_ids, *delivered],
-        sampling=replace(original.sampling, max_tokens=original.sampling.max_tokens - count),
+        sampling=replace(
+            original.sampling,
+            max_tokens=original.sampling.max_tokens - count,
+            min_tokens=max(0, original.sampling.min_tokens - count),
+        ),
         slo=None if original.slo is None else shift_slo(original.slo, count),
+        resumed_output=original.resumed_output + count,
     )

@@ -7,7 +7,9 @@ All in one process and one run, on the same model, requests and thread count:
 - speculative decoding at batch 1 and 8 for k in {0, 2, 3, 4, 6}, for the draft-model and the
   n-gram proposer, over the same 8 prompts (batch 1 decodes them one after another): tokens/s,
   acceptance rate, mean tokens per verify step, speedup over k = 0, and where the step time
-  goes (draft / target / overhead).
+  goes (draft / target / overhead);
+- what bias and penalties cost: the same speculation runs (k = 0, and the draft at k = 3) with
+  and without frequency, presence and repetition penalties and a logit bias, side by side.
 Prompts are windows of Python standard-library source, the demo pair's own domain.
 """
 
@@ -35,6 +37,14 @@ from replica.request import Request, SamplingParams, Tier
 from replica.spec.draft import load_draft_vocab
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SHAPING = {
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.5,
+    "repetition_penalty": 1.1,
+    "logit_bias": tuple((token, 1.0) for token in range(64)),
+}
+"""A request with every kind of logits shaping (replica.sampling.LogitsContext)."""
+SHAPING_K = 3
 
 
 @dataclass(frozen=True)
@@ -97,8 +107,10 @@ def stdlib_prompts(tokenize: Any, count: int, length: int) -> list[list[int]]:
     raise ValueError(f"found only {len(prompts)} standard-library files of {2 * length} tokens")
 
 
-def _requests(prompts: list[list[int]], max_tokens: int, tag: str) -> list[Request]:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+def _requests(
+    prompts: list[list[int]], max_tokens: int, tag: str, shaping: dict[str, Any] | None = None
+) -> list[Request]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(shaping or {}))
     return [Request(f"{tag}-{i}", p, params, tier=Tier.BEST_EFFORT) for i, p in enumerate(prompts)]
 
 
@@ -159,7 +171,12 @@ def hf_throughput(model: Any, prompts: list[list[int]], new_tokens: int) -> dict
 
 
 def spec_run(
-    engine: Engine, prompts: list[list[int]], batch: int, k: int, new_tokens: int
+    engine: Engine,
+    prompts: list[list[int]],
+    batch: int,
+    k: int,
+    new_tokens: int,
+    shaping: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Greedy generation with k proposals per decode, the prompts taken `batch` at a time (one
     group after another, so batch 1 averages over every prompt rather than depending on one).
@@ -168,7 +185,7 @@ def spec_run(
     drafted = accepted = verify_steps = produced = 0
     draft_s = target_s = overhead_s = elapsed = prefill_s = 0.0
     for g in range(0, len(prompts), batch):
-        reqs = _requests(prompts[g : g + batch], new_tokens, f"sp{batch}k{k}g{g}")
+        reqs = _requests(prompts[g : g + batch], new_tokens, f"sp{batch}k{k}g{g}", shaping)
         for r in reqs:
             engine.add_request(r)
         start = time.perf_counter()
@@ -231,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
     cases += (
         len(dtypes) * len(settings.spec_batches) * (1 + 2 * sum(k > 0 for k in settings.spec_ks))
     )
+    cases += 4 * len(settings.spec_batches)
     bar = tqdm(total=cases, desc="bench engine", unit="case")
     results: dict[str, Any] = {"throughput": [], "hf": [], "spec": []}
 
@@ -269,6 +287,9 @@ def run(args: argparse.Namespace) -> int:
     for name in dtypes:
         for row in spec_cases(engines[name].target, args.draft, spec_prompts, settings, bar, args):
             results["spec"].append({"dtype": name, **row})
+    results["shaping"] = shaping_cases(
+        engines[spec_dtype].target, args.draft, spec_prompts, settings, bar, args
+    )
     bar.close()
     results["config"] = {
         "target": str(args.target),
@@ -300,12 +321,7 @@ def spec_cases(
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     """Every speculation case on `target`'s dtype: k = 0, then each proposer and k."""
-    draft = ModelRunner(
-        draft_dir,
-        num_blocks=target.num_blocks,
-        dtype=target.dtype,
-        head_vocab=load_draft_vocab(draft_dir),
-    )
+    draft = _draft_runner(target, draft_dir)
     proposers: list[ProposerKind] = ["draft", "ngram"]
     spec_ks = [k for k in settings.spec_ks if k > 0]
     rows = []
@@ -331,6 +347,59 @@ def spec_cases(
                 speedup = row["tok_s"] / baseline["tok_s"]
                 rows.append({"proposer": proposer, "batch": b, "k": k, **row, "speedup": speedup})
                 bar.update()
+    return rows
+
+
+def _draft_runner(target: ModelRunner, draft_dir: Path) -> ModelRunner:
+    """The draft as the engine loads it, beside `target` (its dtype and cache size)."""
+    return ModelRunner(
+        draft_dir,
+        num_blocks=target.num_blocks,
+        dtype=target.dtype,
+        head_vocab=load_draft_vocab(draft_dir),
+    )
+
+
+def shaping_cases(
+    target: ModelRunner,
+    draft_dir: Path,
+    prompts: list[list[int]],
+    settings: Settings,
+    bar: tqdm,
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """Decode rate with and without `SHAPING`, measured in turn per case, and their ratio."""
+    draft = _draft_runner(target, draft_dir)
+    rows = []
+    for b in settings.spec_batches:
+        for proposer, k in (("none", 0), ("draft", SHAPING_K)):
+            engine = Engine(target, draft, proposer=None if k == 0 else "draft")
+            rates = {}
+            for shaped in (False, True):
+                bar.set_postfix_str(f"shaping {proposer} batch {b} {'on' if shaped else 'off'}")
+                measure = functools.partial(
+                    spec_run,
+                    engine,
+                    prompts,
+                    b,
+                    k,
+                    settings.spec_new_tokens,
+                    SHAPING if shaped else None,
+                )
+                rates[shaped] = best_of(args.repeats, measure, "tok_s")
+                bar.update()
+            rows.append(
+                {
+                    "proposer": proposer,
+                    "batch": b,
+                    "k": k,
+                    "plain_tok_s": rates[False]["tok_s"],
+                    "shaped_tok_s": rates[True]["tok_s"],
+                    "shaped_over_plain": rates[True]["tok_s"] / rates[False]["tok_s"],
+                    "plain_acceptance": rates[False]["acceptance_rate"],
+                    "shaped_acceptance": rates[True]["acceptance_rate"],
+                }
+            )
     return rows
 
 
@@ -396,6 +465,9 @@ def _summary(
         "ngram_speedup_b1": best_ngram["speedup"],
         "ngram_best_k_b1": best_ngram["k"],
         "spec_dtype_b1": spec_dtype,
+        "shaped_over_plain": {
+            f"{r['proposer']}_b{r['batch']}": r["shaped_over_plain"] for r in results["shaping"]
+        },
         "spec_b1_by_dtype": {
             d: {
                 proposer: {

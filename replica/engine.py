@@ -31,7 +31,14 @@ from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.model_source import load_tokenizer, model_dir
 from replica.request import Request
-from replica.sampling import make_generator, noisy_choice, position_noise, sample, token_probs
+from replica.sampling import (
+    LogitsShaper,
+    make_generator,
+    noisy_choice,
+    position_noise,
+    sample,
+    token_probs,
+)
 from replica.spec.draft import DraftJob, DraftModel, Proposal, load_draft_vocab
 from replica.spec.ngram import NgramProposer
 from replica.spec.verify import verify_choices, verify_stochastic
@@ -47,6 +54,8 @@ class _Seq:
 
     request: Request
     generator: torch.Generator
+    shaper: LogitsShaper | None = None
+    """The request's bias, penalties and min_tokens; None when it has none (most requests)."""
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
     finish_reason: FinishReason | None = None
@@ -66,6 +75,12 @@ class _Seq:
     @property
     def is_decoding(self) -> bool:
         return bool(self.output) and self.num_known - self.num_computed == 1
+
+    @property
+    def generated(self) -> list[int]:
+        """The request's whole output, with what it produced before a resume (now prompt)."""
+        resumed = self.request.resumed_output
+        return self.request.prompt_token_ids[self.request.prompt_len - resumed :] + self.output
 
 
 @dataclass
@@ -170,7 +185,7 @@ class Engine:
         request.check_fits(self.max_model_len, self.target.vocab_size)
         if request.sampling.stop and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
-        self._seqs[request.request_id] = _Seq(request, make_generator())
+        self._seqs[request.request_id] = _Seq(request, make_generator(), self._shaper(request))
 
     def abort(self, request_id: str) -> None:
         """Free the request's KV and forget it (also how finished requests are released)."""
@@ -326,6 +341,7 @@ class Engine:
                     w.seq.request.sampling,
                     w.seq.generator,
                     None if w.noise is None else w.noise[: w.num_spec],
+                    w.seq.shaper,
                 )
                 for w in spec
             ]
@@ -376,6 +392,10 @@ class Engine:
         if not argmax:
             seq.num_computed += w.num_feed
             return RequestOutcome(rid, num_computed_tokens=seq.num_computed)
+        raw = logits
+        if seq.shaper is not None:
+            logits = seq.shaper.shape(logits, proposal)
+            argmax = logits.argmax(dim=-1).tolist()
         if params.greedy:
             new = verify_choices(proposal, argmax)
         elif params.seed is not None:
@@ -405,37 +425,69 @@ class Engine:
             num_draft_tokens=len(proposal),
             num_accepted_tokens=accepted,
             finish_reason=seq.finish_reason,
-            logprobs=token_logprobs(logits, appended, params.logprobs),
+            logprobs=token_logprobs(raw, appended, params.logprobs),
+        )
+
+    def _shaper(self, request: Request) -> LogitsShaper | None:
+        params = request.sampling
+        if not params.shapes_logits:
+            return None
+        held_back = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            held_back |= self.eos_token_ids
+        return LogitsShaper(
+            params,
+            request.prompt_token_ids,
+            request.resumed_output,
+            held_back,
+            self.target.vocab_size,
+            self.target.device,
         )
 
     def _append(self, seq: _Seq, new: list[int]) -> list[int]:
-        """Append tokens one by one until a stop condition; returns those appended."""
+        """Append tokens one by one until a stop condition; returns those appended. As in
+        vLLM, none but max_tokens ends the output before min_tokens tokens."""
         params = seq.request.sampling
         before = len(seq.output)
         for token in new:
             seq.output.append(token)
-            if token in self.eos_token_ids and not params.ignore_eos:
-                seq.finish_reason = FinishReason.STOP
-                break
-            if params.stop and self._completes_a_stop(seq):
+            if len(seq.output) >= params.min_tokens and self._stops_at(seq, token):
                 seq.finish_reason = FinishReason.STOP
                 break
             if len(seq.output) >= params.max_tokens:
                 seq.finish_reason = FinishReason.LENGTH
                 break
-        return seq.output[before:]
+        appended = seq.output[before:]
+        if seq.shaper is not None:
+            seq.shaper.add(appended)
+        return appended
+
+    def _stops_at(self, seq: _Seq, token: int) -> bool:
+        params = seq.request.sampling
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return True
+        return token in params.stop_token_ids or bool(params.stop and self._completes_a_stop(seq))
 
     def _completes_a_stop(self, seq: _Seq) -> bool:
-        """Whether the token just appended completes a stop string in the output text. Checked
-        at every token, so a match must end in that token: only the text of the last few
-        tokens is decoded (a character may take several byte-level tokens). The token stays
-        in the output, as in vLLM; the text the client sees is cut before the stop string by
-        the front door (router.stops)."""
+        """Whether the token just appended completes a stop string in the output text: only
+        the text of the last few tokens is decoded (a character may take several byte-level
+        tokens), counting a resumed request's earlier output. The token stays in the output,
+        as in vLLM; the text the client sees is cut before the stop string by the front door
+        (router.stops).
+
+        Every earlier token was checked, so a match must end in this one, unless the window
+        reaches back to tokens min_tokens kept from being checked: a match must then end in
+        this token's text, which costs a second decode."""
         assert self.detokenize is not None
-        stops = seq.request.sampling.stop
+        params = seq.request.sampling
+        stops = params.stop
         window = 4 * max(len(s) for s in stops) + 8
-        text = self.detokenize(seq.output[-window:])
-        return any(s in text for s in stops)
+        recent = seq.generated[-window:]
+        text = self.detokenize(recent)
+        if not params.min_tokens or len(seq.output) - window >= params.min_tokens:
+            return any(s in text for s in stops)
+        before = len(self.detokenize(recent[:-1]))
+        return any(text.find(s, max(0, before - len(s) + 1)) >= 0 for s in stops)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int | None) -> list[TokenLogprob]:

@@ -14,14 +14,27 @@ from enum import StrEnum
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 """Most alternatives a token's log-probabilities may list (vLLM's default cap)."""
+MAX_LOGIT_BIAS = 300
+"""Most tokens one request may bias (OpenAI's cap)."""
+MAX_STOP_TOKEN_IDS = 256
 MAX_LATENCY_MS = 24 * 3600 * 1000.0
 
 
-def _check_finite(name: str, value: float, *, positive: bool, upper: float | None = None) -> None:
+def _check_number(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def _check_between(name: str, value: float, low: float, high: float) -> None:
+    _check_number(name, value)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
+
+
+def _check_finite(name: str, value: float, *, positive: bool, upper: float | None = None) -> None:
+    _check_number(name, value)
     if positive and value <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
     if not positive and value < 0:
@@ -67,6 +80,20 @@ class SamplingParams:
     logprobs: int | None = None
     """Report each output token's log-probability and those of the `logprobs` most likely
     tokens (0: the token's own only); None: none."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token the output already holds (OpenAI)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output already holds it (OpenAI)."""
+    repetition_penalty: float = 1.0
+    """Divides positive logits and multiplies negative ones of every token the prompt or the
+    output holds (vLLM, after Keskar et al.); 1 is off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling (OpenAI)."""
+    min_tokens: int = 0
+    """No stop condition ends the output before this many tokens; EOS and `stop_token_ids`
+    cannot be drawn before then (vLLM)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the output, like EOS: counted and kept in the ids, not in the text."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -85,10 +112,50 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        _check_between("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_between("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_finite("repetition_penalty", self.repetition_penalty, positive=True, upper=100.0)
+        self._check_logit_bias()
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        ids = self.stop_token_ids
+        if isinstance(ids, str) or not isinstance(ids, Sequence):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids[]", token, low=0)
+
+    def _check_logit_bias(self) -> None:
+        pairs = self.logit_bias
+        if not isinstance(pairs, Sequence) or isinstance(pairs, str):
+            raise ValueError(f"logit_bias must be (token id, bias) pairs, got {pairs!r}")
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens")
+        for pair in pairs:
+            if not isinstance(pair, Sequence) or len(pair) != 2:
+                raise ValueError(f"logit_bias entries must be (token id, bias), got {pair!r}")
+            _check_int("logit_bias token id", pair[0], low=0)
+            _check_between("logit_bias value", pair[1], -100.0, 100.0)
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in pairs))
+        if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether a bias, a penalty or min_tokens changes the logits before sampling
+        (`replica.sampling.LogitsContext`); most requests skip that work."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -195,6 +262,11 @@ class Request:
     value: float = 1.0
     """Admission weight (e.g. from priority); the DP maximizes the admitted total."""
     model: str = ""
+    resumed_output: int = 0
+    """How many of the prompt's last tokens are this request's own earlier output (it was
+    resumed on another replica, cluster.migration, which takes them off max_tokens and
+    min_tokens): penalties and stop strings count them as output, so the request goes on as it
+    would have where it began."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -218,6 +290,7 @@ class Request:
             raise ValueError("slo is required for tier 'slo' (use tier 'best_effort' without one)")
         _check_finite("arrival_time", self.arrival_time, positive=False)
         _check_finite("value", self.value, positive=True, upper=1e6)
+        _check_int("resumed_output", self.resumed_output, low=0, high=len(ids) - 1)
 
     @property
     def prompt_len(self) -> int:
@@ -235,7 +308,16 @@ class Request:
                 f"max_tokens={self.sampling.max_tokens} with a {self.prompt_len}-token prompt "
                 f"exceeds the model context of {max_model_len} tokens"
             )
-        if vocab_size is not None:
-            bad = next((t for t in self.prompt_token_ids if t >= vocab_size), None)
+        if vocab_size is None:
+            return
+        bad = next((t for t in self.prompt_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary ({vocab_size})")
+        params = self.sampling
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
-                raise ValueError(f"prompt token id {bad} is outside the vocabulary ({vocab_size})")
+                raise ValueError(f"{name} token id {bad} is outside the vocabulary ({vocab_size})")

@@ -15,6 +15,9 @@ replica.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Collection, Sequence
+
 import torch
 
 from replica.request import SamplingParams
@@ -48,6 +51,101 @@ def position_noise(seed: int, first: int, count: int, vocab: int) -> torch.Tenso
 def noisy_choice(probs: torch.Tensor, noise: torch.Tensor) -> list[int]:
     """One token per row of `probs` [n, vocab]: argmax p / E with the row's noise."""
     return (probs / noise).argmax(dim=-1).tolist()
+
+
+class LogitsShaper:
+    """One request's logit bias, penalties and min_tokens, with what they count (the output's
+    token counts, the tokens seen in prompt and output) kept as dense vocabulary tensors and
+    updated as tokens are appended, so shaping a step costs a few tensor operations whatever
+    the request's length.
+
+    Row i of the logits a call shapes follows the request's tokens plus the first
+    `start + i` proposed ones: a verify step's rows are shaped as decoding its proposal one by
+    one would shape them, and a draft's k-th proposal as if the k - 1 before it were output.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        tokens: Sequence[int],
+        num_output: int,
+        held_back: Collection[int],
+        vocab: int,
+        device: torch.device,
+    ) -> None:
+        """`tokens`: prompt then output, whose last `num_output` are output (a resumed
+        request's earlier output included: penalties count it). `held_back`: the tokens
+        min_tokens keeps from being drawn (stop_token_ids, and EOS unless ignored)."""
+        self.params = params
+        self.vocab = vocab
+        self.device = device
+        self.num_fresh = 0
+        """Output tokens appended here: min_tokens counts these (a resume lowers it)."""
+        self.counts: torch.Tensor | None = None
+        if params.presence_penalty or params.frequency_penalty:
+            output = tokens[len(tokens) - num_output :]
+            self.counts = torch.bincount(self._ids(output), minlength=vocab).float()
+        self.seen: torch.Tensor | None = None
+        """1.0 where prompt or output holds the token, else 0.0."""
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.bincount(self._ids(tokens), minlength=vocab).clamp_(max=1).float()
+        self.bias_ids = self._ids([t for t, _ in params.logit_bias])
+        self.bias = torch.tensor([b for _, b in params.logit_bias], device=device)
+        self.held_back = self._ids(sorted(held_back) if params.min_tokens else [])
+
+    def _ids(self, tokens: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Count newly appended output tokens."""
+        self.num_fresh += len(tokens)
+        if not tokens:
+            return
+        ids = self._ids(tokens)
+        if self.counts is not None:
+            self.counts.index_add_(0, ids, torch.ones(len(tokens), device=self.device))
+        if self.seen is not None:
+            self.seen[ids] = 1.0
+
+    def shape(
+        self, logits: torch.Tensor, proposal: Sequence[int] = (), start: int = 0
+    ) -> torch.Tensor:
+        """Shaped fp32 copy of logits [n, vocab] (rows follow proposal[: start + i]), in
+        vLLM's order: min_tokens and logit_bias, then the penalties."""
+        params = self.params
+        n = logits.shape[0]
+        out = logits.float().clone()
+        masked = max(0, min(n, params.min_tokens - self.num_fresh - start))
+        if masked and len(self.held_back):
+            out[:masked, self.held_back] = float("-inf")
+        if len(self.bias_ids):
+            out[:, self.bias_ids] += self.bias
+        if self.counts is None and self.seen is None:
+            return out
+        drafted = self._drafted(proposal[: start + n - 1], start, n)
+        if self.seen is not None:
+            seen = self.seen if drafted is None else (self.seen + drafted).clamp_(max=1.0)
+            # x / r where x > 0, x * r elsewhere, on seen tokens only: x * r^-sign(x). (An
+            # exponent rather than torch.where, which costs 5x more here; -inf stays -inf.)
+            factor = torch.sign(out).mul_(seen).mul_(-math.log(params.repetition_penalty))
+            out.mul_(factor.exp_())
+        if self.counts is not None:
+            counts = self.counts if drafted is None else self.counts + drafted
+            out -= params.frequency_penalty * counts + params.presence_penalty * counts.clamp(
+                max=1.0
+            )
+        return out
+
+    def _drafted(self, drafted: Sequence[int], start: int, n: int) -> torch.Tensor | None:
+        """Counts [n, vocab] of the proposed tokens row i follows (the first start + i), or
+        None when no row follows any."""
+        if not drafted:
+            return None
+        rows = [i for i in range(n) for _ in range(start + i)]
+        columns = [t for i in range(n) for t in drafted[: start + i]]
+        counts = torch.zeros(n, self.vocab, device=self.device)
+        ones = torch.ones(len(rows), device=self.device)
+        return counts.index_put_((self._ids(rows), self._ids(columns)), ones, accumulate=True)
 
 
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -110,6 +110,21 @@ class GenerateOptions:
     stop: Sequence[str] = field(default_factory=tuple)
     ignore_eos: bool = False
     model: str = ""
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+
+
+OPTIONAL_SCALARS = tuple(
+    f.name
+    for f in pb.GenerateRequest.DESCRIPTOR.fields
+    if f.has_presence and f.message_type is None
+)
+"""GenerateRequest's scalars that may be unset (the server's default then applies), named as
+their `GenerateOptions` and OpenAI fields."""
 
 
 def _wire_value(name: str, value: float) -> float:
@@ -144,13 +159,19 @@ def build_request(
         request.prompt_token_ids.extend(prompt)
     for role, content in messages or ():
         request.messages.add(role=role, content=content)
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in OPTIONAL_SCALARS:
         value = getattr(options, name)
         if value is not None:
             try:
                 setattr(request, name, _wire_value(name, value))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{name}={value!r}: {exc}") from None
+    try:
+        request.logit_bias.update(options.logit_bias)
+        request.min_tokens = options.min_tokens
+        request.stop_token_ids.extend(options.stop_token_ids)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"logit_bias, min_tokens or stop_token_ids: {exc}") from None
     if isinstance(options.slo, str):
         request.slo.tier = options.slo
     elif options.slo is not None:

@@ -99,6 +99,7 @@ class Generation:
         self.rest = rest
         self.detokenizer: IncrementalDetokenizer = door.codec.detokenizer()
         self.stop_text = StopText(request.sampling.stop)
+        self.num_tokens = 0
         self.finished = False
         self.last_token_time: float | None = None
 
@@ -131,14 +132,29 @@ class Generation:
             self.last_token_time = self.door.metrics.record_tokens(
                 self.slo_label, self.last_token_time, item.times
             )
-            text = self.stop_text.push(self.detokenizer.push(item.token_ids))
-            yield TextDelta(text, item.token_ids, item.logprobs)
+            yield TextDelta(self._text(item.token_ids), item.token_ids, item.logprobs)
             try:
                 item = await anext(self.rest, None)
             except ClusterUnavailable as exc:
                 self.finished = True
                 raise Unavailable(str(exc) or "the request's replica was lost") from exc
         raise RuntimeError(f"cluster stream of {self.request_id} ended without a FinalRecord")
+
+    def _text(self, token_ids: tuple[int, ...]) -> str:
+        """The text of newly generated tokens that is safe to send, as the engine stops: no
+        stop string ends in the first min_tokens - 1 tokens (the engine checks none there),
+        and a stop token id, like EOS, ends the output without text of its own."""
+        params = self.request.sampling
+        done = self.num_tokens
+        self.num_tokens += len(token_ids)
+        ids = list(token_ids)
+        if ids and ids[-1] in params.stop_token_ids and self.num_tokens >= params.min_tokens:
+            ids.pop()
+        unchecked = max(0, min(len(ids), params.min_tokens - 1 - done))
+        text = ""
+        if unchecked:
+            text = self.stop_text.push(self.detokenizer.push(ids[:unchecked]), checked=False)
+        return text + self.stop_text.push(self.detokenizer.push(ids[unchecked:]))
 
     async def collect(self) -> Output:
         """The whole output (for non-streamed responses)."""

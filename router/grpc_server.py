@@ -26,6 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from cluster.api import ClusterStatus, FinalRecord
+from router.client import OPTIONAL_SCALARS
 from router.errors import ApiError, BadRequest, Rejected, Unavailable
 from router.frontdoor import Finished, FrontDoor
 from router.gen.slos_serve.v1 import serving_pb2 as pb
@@ -52,9 +53,15 @@ def request_to_body(
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
     else:
         body["prompt"] = request.prompt or list(request.prompt_token_ids)
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in OPTIONAL_SCALARS:
         if request.HasField(name):
             body[name] = getattr(request, name)
+    if request.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in request.logit_bias.items()}
+    if request.min_tokens:
+        body["min_tokens"] = request.min_tokens
+    if request.stop_token_ids:
+        body["stop_token_ids"] = list(request.stop_token_ids)
     if "seed" in body and body["seed"] >= 2**63:
         body["seed"] -= 2**64  # uint64 read as int64, as HTTP takes seeds: every value is one
     if request.service_tier not in (pb.SERVICE_TIER_DEFAULT, pb.SERVICE_TIER_FLEX):

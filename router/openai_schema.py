@@ -29,8 +29,10 @@ from typing import Any, Protocol, TypeVar
 
 from replica.request import (
     MAX_LATENCY_MS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_SEED,
+    MAX_STOP_TOKEN_IDS,
     SLO,
     Request,
     SamplingParams,
@@ -126,6 +128,8 @@ COMMON_FIELDS = {
     "logit_bias",
     "logprobs",
     "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
     "store",
     "metadata",
 }
@@ -226,11 +230,8 @@ def _build(make: Callable[[], T], param: str, where: str = "") -> T:
 def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
     """Refuse OpenAI options we would otherwise silently ignore, unless set to their no-op."""
     noop: dict[str, tuple[object, ...]] = {
-        "presence_penalty": (None, 0, 0.0),
-        "frequency_penalty": (None, 0, 0.0),
         "echo": (None, False),
         "suffix": (None, ""),
-        "repetition_penalty": (None, 1, 1.0),
         "store": (None, False),
         "response_format": (None, {"type": "text"}),
         "tools": (None, []),
@@ -241,9 +242,6 @@ def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
         value = body.get(name)
         if not any(type(value) is type(a) and value == a for a in allowed):
             raise BadRequest(f"{name}={value!r} is not supported", name)
-    bias = body.get("logit_bias")
-    if bias not in (None, {}):
-        raise BadRequest("logit_bias is not supported", "logit_bias")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest("user must be a string", "user")
@@ -416,9 +414,61 @@ def _sampling(
             stop=_stop(body.get("stop")),
             ignore_eos=_bool(body, "ignore_eos", False),
             logprobs=_logprobs(endpoint, body),
+            presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+            repetition_penalty=_number(
+                body, "repetition_penalty", 1.0, low=0.0, high=100.0, above_low=True
+            ),
+            logit_bias=_logit_bias(body.get("logit_bias")),
+            min_tokens=_min_tokens(body, max_tokens, max_tokens_name),
+            stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
         ),
         "sampling",
     )
+
+
+def _min_tokens(body: dict[str, Any], max_tokens: int, max_tokens_name: str) -> int:
+    min_tokens = _int(body, "min_tokens", 0, low=0, high=MAX_SEED)
+    if min_tokens > max_tokens:
+        raise BadRequest(
+            f"min_tokens={min_tokens} exceeds {max_tokens_name}={max_tokens}", "min_tokens"
+        )
+    return min_tokens
+
+
+def _logit_bias(raw: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (decimal strings, as JSON keys must be) to biases."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or len(raw) > MAX_LOGIT_BIAS:
+        raise BadRequest(
+            f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers", "logit_bias"
+        )
+    pairs: dict[int, float] = {}
+    for key in raw:
+        text = str(key)
+        if not text.isascii() or not text.isdigit() or len(text) > 12:
+            raise BadRequest(f"logit_bias keys must be token ids, got {_short(key)}", "logit_bias")
+        token = int(text)
+        if token in pairs:
+            raise BadRequest(f"logit_bias names token id {token} twice", "logit_bias")
+        if raw[key] is None:
+            raise BadRequest(f"logit_bias[{text}] must be a number, got None", "logit_bias")
+        pairs[token] = _number(raw, key, 0.0, low=-100.0, high=100.0, name=f"logit_bias[{text}]")
+    return tuple(pairs.items())
+
+
+def _stop_token_ids(raw: object) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(
+            f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+            "stop_token_ids",
+        )
+    if not all(_is_int(t) and t >= 0 for t in raw):
+        raise BadRequest("stop_token_ids must hold non-negative integers", "stop_token_ids")
+    return tuple(raw)
 
 
 def _logprobs(endpoint: Endpoint, body: dict[str, Any]) -> int | None:

@@ -25,7 +25,7 @@ import torch
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.request import SamplingParams
-from replica.sampling import noisy_choice, sample, token_probs
+from replica.sampling import LogitsShaper, noisy_choice, sample, token_probs
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -56,6 +56,9 @@ class DraftJob:
     noise: torch.Tensor | None = None
     """A seeded request's noise [k, vocab] of the positions it proposes (replica.sampling):
     its draft tokens are drawn with the noise the target's own draws will use."""
+    shaper: LogitsShaper | None = None
+    """The request's bias, penalties and min_tokens: the draft proposes from logits shaped as
+    the target's will be, which keeps its proposals acceptable."""
 
 
 @dataclass
@@ -104,7 +107,8 @@ class DraftModel:
         for job in jobs:
             cached = self.cache.num_tokens(job.request_id)
             pending.append(job.tokens[cached:])
-        if all(j.params.greedy for j in jobs) and self.runner.can_chain([len(p) for p in pending]):
+        plain_greedy = all(j.params.greedy and j.shaper is None for j in jobs)
+        if plain_greedy and self.runner.can_chain([len(p) for p in pending]):
             return self._propose_chain(jobs, pending)
         proposals = [Proposal(tokens=[], probs=None) for _ in jobs]
         prob_rows: list[list[torch.Tensor]] = [[] for _ in jobs]
@@ -123,10 +127,14 @@ class DraftModel:
             for row, i in enumerate(active):
                 job = jobs[i]
                 params = job.params
-                if params.greedy:
+                if params.greedy and job.shaper is None:
                     token = greedy_choice[row]
+                elif params.greedy:
+                    token = int(
+                        self._shaped(logits[row : row + 1], job, proposals[i].tokens).argmax()
+                    )
                 else:
-                    probs = self._full_vocab(token_probs(logits[row : row + 1], params))
+                    probs = self._probs(logits[row : row + 1], job, proposals[i].tokens)
                     if job.noise is not None:
                         token = noisy_choice(probs, job.noise[step : step + 1])[0]
                     else:
@@ -147,6 +155,24 @@ class DraftModel:
             seqs.append(ForwardSeq(feed, self.cache.block_table(job.request_id), cached, 1))
         chains = self.runner.greedy_chain(seqs, [j.k for j in jobs])
         return [Proposal(tokens=chain, probs=None) for chain in chains]
+
+    def _probs(self, logits: torch.Tensor, job: DraftJob, drafted: list[int]) -> torch.Tensor:
+        """The distribution a draft token is drawn from, over the whole vocabulary (zero off
+        a cut head)."""
+        if job.shaper is None:
+            return self._full_vocab(token_probs(logits, job.params))
+        return token_probs(self._shaped(logits, job, drafted), job.params)
+
+    def _shaped(self, logits: torch.Tensor, job: DraftJob, drafted: list[int]) -> torch.Tensor:
+        """Logits over the whole vocabulary (-inf off a cut head) after the request's bias and
+        penalties, as if the tokens drafted so far were output."""
+        assert job.shaper is not None
+        full = logits.float()
+        vocab = self.runner.head_vocab
+        if vocab is not None:
+            full = full.new_full((full.shape[0], self.runner.vocab_size), float("-inf"))
+            full[:, vocab] = logits.float()
+        return job.shaper.shape(full, drafted, start=len(drafted))
 
     def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         vocab = self.runner.head_vocab

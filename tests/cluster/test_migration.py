@@ -50,6 +50,18 @@ def test_resumed_request_continues_from_delivered_tokens() -> None:
     assert original.prompt_token_ids == [1, 2, 3]
 
 
+def test_a_resume_keeps_count_of_the_output_it_turned_into_prompt() -> None:
+    """Penalties and stop strings count the delivered tokens as output; min_tokens, like
+    max_tokens, counts only what is left."""
+    params = SamplingParams(max_tokens=10, min_tokens=6, frequency_penalty=1.0)
+    original = Request("r", [1, 2, 3], params, tier=Tier.BEST_EFFORT)
+    once = resumed_request(original, [9, 8, 7, 6])
+    assert (once.resumed_output, once.sampling.min_tokens, once.sampling.max_tokens) == (4, 2, 6)
+    twice = resumed_request(once, [5, 4, 3])
+    assert (twice.resumed_output, twice.sampling.min_tokens, twice.sampling.max_tokens) == (7, 0, 3)
+    assert twice.prompt_token_ids[-twice.resumed_output :] == [9, 8, 7, 6, 5, 4, 3]
+
+
 def test_resumed_best_effort_request_has_no_slo() -> None:
     original = Request("b", [1], SamplingParams(max_tokens=3), tier=Tier.BEST_EFFORT)
     assert resumed_request(original, [5]).slo is None

@@ -86,6 +86,46 @@ def test_seed_is_a_64_bit_integer_and_stop_entries() -> None:
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("presence_penalty", 2.5, r"presence_penalty must be in \[-2, 2\]"),
+        ("frequency_penalty", -2.01, r"frequency_penalty must be in \[-2, 2\]"),
+        ("frequency_penalty", "1", "frequency_penalty must be a number"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+        ("repetition_penalty", math.inf, "repetition_penalty must be finite"),
+        ("logit_bias", ((5, 1.0), (5, 2.0)), "logit_bias names a token id twice"),
+        ("logit_bias", ((5, 101.0),), r"logit_bias value must be in \[-100, 100\]"),
+        ("logit_bias", ((-1, 1.0),), "logit_bias token id must be >= 0"),
+        ("logit_bias", ((5,),), "logit_bias entries must be"),
+        ("logit_bias", ((1, 0.0),) * 301, "at most 300 tokens"),
+        ("min_tokens", 17, "min_tokens must be <= 16"),
+        ("stop_token_ids", 3, "stop_token_ids must be a list"),
+        ("stop_token_ids", (3, True), "stop_token_ids"),
+    ],
+)
+def test_penalties_bias_and_stop_conditions_are_checked(
+    field: str, value: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_only_requests_that_shape_logits_say_so() -> None:
+    assert not SamplingParams(
+        repetition_penalty=1.0, logit_bias=(), stop_token_ids=(3,)
+    ).shapes_logits
+    for shaping in (
+        {"presence_penalty": 0.1},
+        {"frequency_penalty": -0.1},
+        {"repetition_penalty": 1.1},
+        {"logit_bias": ((3, 0.0),)},
+        {"min_tokens": 1},
+    ):
+        assert SamplingParams(**shaping).shapes_logits, shaping  # type: ignore[arg-type]
+    assert SamplingParams(logit_bias=[[3, 1]]).logit_bias == ((3, 1.0),)  # type: ignore[arg-type]
+
+
 def test_empty_prompt_and_bad_ids() -> None:
     with pytest.raises(ValueError, match="prompt must not be empty"):
         make(prompt_token_ids=[])
@@ -120,6 +160,19 @@ def test_check_fits_against_context(prompt_len: int, max_tokens: int) -> None:
 def test_check_fits_vocab() -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         make(prompt_token_ids=[1, 9000]).check_fits(2048, vocab_size=4096)
+    biased = make(sampling=SamplingParams(logit_bias=((4096, 1.0),)))
+    with pytest.raises(ValueError, match="logit_bias token id 4096 is outside"):
+        biased.check_fits(2048, vocab_size=4096)
+    stopped = make(sampling=SamplingParams(stop_token_ids=(3, 5000)))
+    with pytest.raises(ValueError, match="stop_token_ids token id 5000 is outside"):
+        stopped.check_fits(2048, vocab_size=4096)
+
+
+def test_resumed_output_lies_inside_the_prompt() -> None:
+    assert make(prompt_token_ids=[1, 2, 3], resumed_output=2).resumed_output == 2
+    for bad in (-1, 3, True):
+        with pytest.raises(ValueError, match="resumed_output"):
+            make(prompt_token_ids=[1, 2, 3], resumed_output=bad)
 
 
 def test_stage_deadlines_piecewise() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from replica.request import SamplingParams
-from replica.sampling import noisy_choice, position_noise, sample, token_probs
+from replica.sampling import LogitsShaper, noisy_choice, position_noise, sample, token_probs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
@@ -63,3 +63,49 @@ def test_seeded_draws_follow_the_distribution() -> None:
     assert shares[3] == shares[4] == 0.0
     for share, p in zip(shares, [0.5, 0.3, 0.2], strict=False):
         assert abs(share - p) < 0.03, shares
+
+
+def shaper(
+    params: SamplingParams, tokens: list[int], num_output: int, held_back: frozenset[int]
+) -> LogitsShaper:
+    return LogitsShaper(params, tokens, num_output, held_back, 5, torch.device("cpu"))
+
+
+def test_frequency_and_presence_penalties_count_the_output_only() -> None:
+    """Prompt [0], output [1, 1, 2]: OpenAI's logit - count * frequency - presence."""
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    shaped = shaper(params, [0, 1, 1, 2], 3, frozenset()).shape(LOGITS)
+    assert shaped.tolist() == [[2.0, 1.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 0.0, -1.0]]
+
+
+def test_repetition_penalty_shrinks_every_seen_token_toward_unlikely() -> None:
+    """Prompt [0], output [4]: positive logits divided, negative ones multiplied."""
+    shaped = shaper(SamplingParams(repetition_penalty=2.0), [0, 4], 1, frozenset()).shape(LOGITS)
+    assert torch.allclose(shaped, torch.tensor([[1.0, 1.0, 0.5, 0.0, -2.0]]))
+
+
+def test_logit_bias_adds_and_min_tokens_holds_back_eos_and_stop_ids() -> None:
+    """min_tokens counts the tokens appended since the shaper began (what a resume left)."""
+    params = SamplingParams(logit_bias=((3, 5.0), (0, -100.0)), min_tokens=2, stop_token_ids=(2,))
+    shaping = shaper(params, [0, 1], 1, frozenset({4, 2}))
+    inf = float("inf")
+    assert shaping.shape(LOGITS).tolist() == [[-98.0, 1.0, -inf, 5.0, -inf]]
+    assert shaping.shape(LOGITS, [3, 1], start=2).tolist() == [[-98.0, 1.0, 0.5, 5.0, -1.0]]
+    shaping.add([3])
+    assert shaping.shape(LOGITS).tolist() == [[-98.0, 1.0, -inf, 5.0, -inf]]
+    shaping.add([1])
+    assert shaping.shape(LOGITS).tolist() == [[-98.0, 1.0, 0.5, 5.0, -1.0]]
+
+
+def test_verify_rows_are_shaped_as_decoding_the_proposal_one_by_one() -> None:
+    """Row i of a verify step follows the output plus the first i proposed tokens: equal to
+    shaping each row alone after appending those tokens, or as a draft's row `start = i`."""
+    params = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5, min_tokens=2)
+    proposal = [2, 2]
+    rows = shaper(params, [0, 1], 1, frozenset({4})).shape(torch.cat([LOGITS] * 3), proposal)
+    for i in range(3):
+        grown = shaper(params, [0, 1], 1, frozenset({4}))
+        grown.add(proposal[:i])
+        assert torch.equal(rows[i : i + 1], grown.shape(LOGITS)), i
+        drafting = shaper(params, [0, 1], 1, frozenset({4}))
+        assert torch.equal(rows[i : i + 1], drafting.shape(LOGITS, proposal[:i], start=i)), i

@@ -341,6 +341,7 @@ def transformers_target(target_dir: Path) -> torch.nn.Module:
         ("draft", {"temperature": 0.9, "seed": 7}),
         ("draft", {"temperature": 0.9, "top_k": 5}),
         ("draft", {"stop": ("e",)}),
+        ("draft", {"frequency_penalty": 1.5, "logit_bias": ((25, 4.0),), "min_tokens": 4}),
     ],
 )
 def test_logprobs_come_from_the_target_at_any_speculation_length(
@@ -352,9 +353,9 @@ def test_logprobs_come_from_the_target_at_any_speculation_length(
     sampling: dict[str, object],
 ) -> None:
     """Each token's log-probability and its top alternatives are the target's raw ones (before
-    temperature and top-k), from the row that produced the token, whether it was drafted and
-    verified, cut short by a stop, or decoded alone: equal to a plain transformers forward
-    over prompt + output."""
+    temperature, top-k, bias and penalties), from the row that produced the token, whether it
+    was drafted and verified, cut short by a stop, or decoded alone: equal to a plain
+    transformers forward over prompt + output."""
     prompt = prompts[0]
     detok = load_detokenizer(target_dir)
     for k in (0, 4):

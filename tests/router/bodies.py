@@ -33,6 +33,12 @@ FIELD_NAMES = [
     "n",
     "logprobs",
     "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "stop_token_ids",
     "unknown_field",
 ]
 bodies = st.fixed_dictionaries(

@@ -111,6 +111,49 @@ def test_a_stop_string_inside_a_token_cuts_the_text_right_before_it(
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:at]
 
 
+def grpc_tokens(live: LocalFrontDoor, **options: Any) -> tuple[str, list[int]]:
+    with Client(live.grpc_target, api_key=API_KEY) as client:
+        chunks = [c for c in client.generate(PROMPT, **options) if isinstance(c, Chunk)]
+    return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
+
+
+def test_penalties_and_bias_reach_the_engine_through_either_door(
+    oai: openai.OpenAI, live: LocalFrontDoor
+) -> None:
+    body: dict[str, Any] = dict(model="demo", prompt=PROMPT, max_tokens=24, temperature=0)
+    plain = oai.completions.create(**body).choices[0].text
+    shaping: dict[str, Any] = dict(frequency_penalty=1.5, presence_penalty=0.5)
+    x = live.door.codec.encode("x")[0]
+    shaped = oai.completions.create(**body, **shaping, logit_bias={str(x): 4}).choices[0].text
+    assert shaped != plain
+    streamed = oai.completions.create(**body, **shaping, logit_bias={str(x): 4}, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == shaped
+    text, _ = grpc_tokens(live, max_tokens=24, temperature=0.0, logit_bias={x: 4.0}, **shaping)
+    assert text == shaped
+
+
+def test_a_stop_token_id_ends_the_text_before_its_own_after_min_tokens(
+    oai: openai.OpenAI, live: LocalFrontDoor
+) -> None:
+    """Like EOS: the token is counted and its text left out; min_tokens holds it back."""
+    _, ids = grpc_tokens(live, max_tokens=24, temperature=0.0, ignore_eos=True)
+    stop = next(t for t in ids[2:] if live.door.codec.decode([t]).strip())
+    at = ids.index(stop)
+    body: dict[str, Any] = dict(model="demo", prompt=PROMPT, max_tokens=24, temperature=0)
+    out = oai.completions.create(**body, extra_body={"stop_token_ids": [stop]})
+    assert out.choices[0].text == live.door.codec.decode(ids[:at])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage is not None and out.usage.completion_tokens == at + 1
+    held = oai.completions.create(
+        **body, extra_body={"stop_token_ids": [stop], "min_tokens": at + 2}
+    )
+    assert held.usage is not None and held.usage.completion_tokens >= at + 2
+    text, held_ids = grpc_tokens(
+        live, max_tokens=24, temperature=0.0, stop_token_ids=[stop], min_tokens=at + 2
+    )
+    assert text == held.choices[0].text and stop not in held_ids[: at + 1]
+
+
 def test_chat_stream_with_usage(oai: openai.OpenAI) -> None:
     stream = oai.chat.completions.create(
         model="demo",

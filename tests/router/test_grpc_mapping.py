@@ -35,6 +35,31 @@ def test_sdk_request_parses_like_the_http_body(codec: TextCodec) -> None:
     assert req.prompt_token_ids == codec.encode("Hello")
 
 
+def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None:
+    options = GenerateOptions(
+        max_tokens=8,
+        presence_penalty=-0.5,
+        frequency_penalty=1.0,
+        repetition_penalty=1.2,
+        logit_bias={7: -100.0, 12: 2.5},
+        min_tokens=3,
+        stop_token_ids=[9, 4],
+    )
+    endpoint, body = request_to_body(build_request("Hello", None, options), "demo")
+    req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).requests[0]
+    sampling = req.sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (-0.5, 1.0)
+    assert sampling.repetition_penalty == 1.2
+    assert sorted(sampling.logit_bias) == [(7, -100.0), (12, 2.5)]
+    assert (sampling.min_tokens, sampling.stop_token_ids) == (3, (9, 4))
+    _, unset = request_to_body(build_request("Hello", None, GenerateOptions()), "demo")
+    assert set(unset) == {"model", "prompt"}
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        build_request("x", None, GenerateOptions(stop_token_ids=[-1]))
+    with pytest.raises(ValueError, match="logit_bias"):
+        build_request("x", None, GenerateOptions(logit_bias={"a": 1.0}))  # type: ignore[dict-item]
+
+
 def test_chat_flex_and_tier_name(codec: TextCodec) -> None:
     messages = [("user", "Hi")]
     options = GenerateOptions(service_tier="flex")

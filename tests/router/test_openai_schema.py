@@ -247,7 +247,21 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo", "prompt": "x", "slo": "chat", "service_tier": "flex"}, "slo"),
         ({"model": "demo", "prompt": "x", "stream_options": {}}, "stream_options"),
         ({"model": "demo", "prompt": "x", "frobnicate": 1}, "frobnicate"),
-        ({"model": "demo", "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"model": "demo", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"model": "demo", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"model": "demo", "prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"model": "demo", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ({"model": "demo", "prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"model": "demo", "prompt": "x", "logit_bias": {"5": None}}, "logit_bias"),
+        ({"model": "demo", "prompt": "x", "logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
+        ({"model": "demo", "prompt": "x", "logit_bias": {"4096": 1}}, "logit_bias"),
+        ({"model": "demo", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias[5]"),
+        ({"model": "demo", "prompt": "x", "logit_bias": [5, 1]}, "logit_bias"),
+        ({"model": "demo", "prompt": "x", "min_tokens": 17}, "min_tokens"),
+        ({"model": "demo", "prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"model": "demo", "prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
+        ({"model": "demo", "prompt": "x", "stop_token_ids": [5, -1]}, "stop_token_ids"),
+        ({"model": "demo", "prompt": "x", "stop_token_ids": [4096]}, "stop_token_ids"),
         ({"model": "demo", "prompt": "x", "metadata": {"k": 1}}, "metadata"),
         ({"model": "demo", "prompt": "x", "tools": []}, "tools"),  # a chat field
         ({"model": "demo", "prompt": "x" * 2048 * 17}, "prompt"),
@@ -268,7 +282,14 @@ def test_openai_and_vllm_options_at_their_no_op_are_accepted(
     codec: TextCodec, ctx: SchemaContext
 ) -> None:
     """What SDKs send by default; any other value is refused by name (above)."""
-    common = {"store": False, "metadata": {"app": "x"}, "repetition_penalty": 1.0}
+    common = {
+        "store": False,
+        "metadata": {"app": "x"},
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+    }
     parse(codec, ctx, {"model": "demo", "prompt": "x", "suffix": "", **common})
     chat = {
         "model": "demo",
@@ -284,6 +305,29 @@ def test_openai_and_vllm_options_at_their_no_op_are_accepted(
         with pytest.raises(BadRequest, match="is not supported") as info:
             parse(codec, ctx, {**chat, name: value}, endpoint=Endpoint.CHAT)
         assert info.value.param == name
+
+
+def test_penalties_bias_and_stop_conditions_reach_the_sampling(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.3,
+        "logit_bias": {"7": -100, "12": 2.5},
+        "max_completion_tokens": 20,
+        "min_tokens": 20,
+        "stop_token_ids": [3, 9],
+    }
+    sampling = parse(codec, ctx, body, endpoint=Endpoint.CHAT).requests[0].sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    assert sampling.repetition_penalty == 1.3
+    assert sampling.logit_bias == ((7, -100.0), (12, 2.5))
+    assert (sampling.min_tokens, sampling.stop_token_ids) == (20, (3, 9))
+    with pytest.raises(BadRequest, match="min_tokens=21 exceeds max_completion_tokens=20"):
+        parse(codec, ctx, {**body, "min_tokens": 21}, endpoint=Endpoint.CHAT)
 
 
 def test_bad_header_is_named(codec: TextCodec, ctx: SchemaContext) -> None:

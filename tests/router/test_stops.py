@@ -37,3 +37,16 @@ def test_text_without_a_stop_is_all_sent(stops: tuple[str, ...]) -> None:
     sent, tail = stream(stops, ["ab", "c", "z"])
     assert "".join(sent) + tail == "abcz"
     assert all(len(piece) <= 3 for piece in sent)
+
+
+def test_no_stop_may_end_in_unchecked_text_but_one_may_begin_there() -> None:
+    """min_tokens: the engine checks no stop string before its min_tokens-th token."""
+    text = StopText(("ab",))
+    assert text.push("xab", checked=False) + text.push("yab") == "xaby"
+    assert text.stopped
+    text = StopText(("ab",))
+    assert text.push("xaba", checked=False) + text.push("b") == "xab"
+    assert text.stopped
+    text = StopText(("ab",))
+    sent = text.push("abab", checked=False) + text.push("cd")
+    assert sent + text.flush() == "ababcd" and not text.stopped

@@ -45,6 +45,9 @@ HEALTH_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 2.0
 PLAN_RESEND_S = 0.25
 """A plan sent without a report back this long ago is considered lost."""
+RESUME_WAIT_S = 120.0
+"""How long a request that lost its replica waits for one to be up again (a restart reloads
+the model: seconds here, longer for a large checkpoint) before the client is told."""
 
 
 def load_profile(config: ClusterConfig) -> PerfModel:
@@ -136,6 +139,10 @@ class ClusterController:
         self._ready: asyncio.Event | None = None
         self._arrived: asyncio.Event | None = None
         """Set by a request that waits for a verdict: the tick loop plans without waiting."""
+        self._revived: asyncio.Event | None = None
+        """Set (and replaced) when a replica comes back up: resumes waiting for one wake."""
+        self._resuming: dict[str, bool] = {}
+        """Requests whose resume waits (a replica checked or restarting): aborted or not."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self.leases = Leases(
             config.door_lease_s,
@@ -182,7 +189,7 @@ class ClusterController:
     def _end_orphans(self) -> None:
         if not self.leases.owners:
             return
-        known = self.plane.request_ids() | set(self._waiters)
+        known = self.plane.request_ids() | set(self._waiters) | set(self._resuming)
         known.update(rid for binding in self._binding.values() for rid in binding)
         for rid in self.leases.orphans(known):
             self._spawn(self.abort(rid))
@@ -223,16 +230,38 @@ class ClusterController:
         from_replica: int,
         door: str | None = None,
     ) -> Binding:
-        """Continue a request whose replica failed mid-stream, after `delivered` tokens."""
+        """Continue a request whose replica failed mid-stream, after `delivered` tokens. When
+        every replica is down (Ray is restarting them), wait up to RESUME_WAIT_S for one
+        rather than give the stream up; the failed replica is checked first when it is the
+        only one up, since the health loop may not have seen it fail yet."""
         await self.ready()
         if door is not None:
             self.leases.own(original.request_id, door, time.monotonic())
-        self._binding[from_replica].pop(original.request_id, None)
+        rid = original.request_id
+        self._resuming[rid] = False
+        try:
+            if not any(up for i, up in enumerate(self.plane.alive()) if i != from_replica):
+                await self._check(from_replica)
+            await self._until_a_replica_is_up(time.monotonic() + RESUME_WAIT_S)
+        finally:
+            aborted = self._resuming.pop(rid)
+        if aborted:
+            return Binding(rid, None, None, 0, "aborted while waiting for a replica")
+        self._binding[from_replica].pop(rid, None)
         decision = self.plane.resume(original, list(delivered), from_replica, time.time())
         return await self._decide(original, decision)
 
+    async def _until_a_replica_is_up(self, deadline: float) -> None:
+        while not any(self.plane.alive()) and time.monotonic() < deadline:
+            if self._revived is None:
+                self._revived = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._revived.wait(), deadline - time.monotonic())
+
     async def abort(self, request_id: str) -> None:
         await self.ready()
+        if request_id in self._resuming:
+            self._resuming[request_id] = True
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None and not waiter.done():
             waiter.cancel()
@@ -391,6 +420,9 @@ class ClusterController:
         try:
             snapshot = await _within(self.replicas[replica].snapshot.remote(), HEALTH_TIMEOUT_S)
             self.plane.restore(replica, snapshot, time.time())
+            if self._revived is not None:
+                self._revived.set()
+                self._revived = None
             for request, admitted in list(self._binding[replica].values()):
                 self._keep_bound(replica, request, admitted)
             self._send_plan(replica, time.time())

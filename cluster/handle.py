@@ -60,9 +60,6 @@ CONTROLLER_RETRIES = 20
 """Controller calls retried while Ray restarts it (each after RETRY_DELAY_S)."""
 RETRY_DELAY_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
-RESUME_WAIT_S = 120.0
-"""How long a request that lost its replica waits for one to be up again (a restart reloads
-the model: seconds here, longer for a large checkpoint) before the client is told."""
 
 
 @dataclass
@@ -223,16 +220,10 @@ class ClusterHandle:
             yield await ref
 
     async def _resume(self, request: Request, binding: Binding, progress: _Progress) -> Binding:
-        """Continue elsewhere after the delivered tokens. When every replica is down (Ray is
-        restarting them), wait up to RESUME_WAIT_S for one rather than give the stream up."""
+        """Continue elsewhere after the delivered tokens (the controller waits for a replica
+        when none is up)."""
         progress.migrations += 1
         assert binding.replica is not None
-        deadline = time.monotonic() + RESUME_WAIT_S
-        while True:
-            status: ClusterStatus = await self._call("status")
-            if any(r.alive for r in status.replicas) or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(RETRY_DELAY_S)
         result: Binding = await self._call(
             "resume", request, list(progress.tokens), binding.replica, self.door_id
         )

@@ -43,7 +43,7 @@ SHAPING = {
     "repetition_penalty": 1.1,
     "logit_bias": tuple((token, 1.0) for token in range(64)),
 }
-"""A request with every kind of logits shaping (replica.sampling.LogitsContext)."""
+"""A request with every kind of logits shaping (replica.sampling.LogitsShaper)."""
 SHAPING_K = 3
 
 

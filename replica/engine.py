@@ -445,13 +445,12 @@ class Engine:
         )
 
     def _append(self, seq: _Seq, new: list[int]) -> list[int]:
-        """Append tokens one by one until a stop condition; returns those appended. As in
-        vLLM, none but max_tokens ends the output before min_tokens tokens."""
+        """Append tokens one by one until a stop condition; returns those appended."""
         params = seq.request.sampling
         before = len(seq.output)
         for token in new:
             seq.output.append(token)
-            if len(seq.output) >= params.min_tokens and self._stops_at(seq, token):
+            if self._stops_at(seq, token):
                 seq.finish_reason = FinishReason.STOP
                 break
             if len(seq.output) >= params.max_tokens:
@@ -463,10 +462,19 @@ class Engine:
         return appended
 
     def _stops_at(self, seq: _Seq, token: int) -> bool:
+        """Whether the token just appended ends the output: EOS, a stop token id, or a stop
+        string ending in its text; as vLLM v1, no stop string ends in the first min_tokens
+        tokens (EOS and stop ids cannot be drawn there)."""
         params = seq.request.sampling
         if token in self.eos_token_ids and not params.ignore_eos:
             return True
-        return token in params.stop_token_ids or bool(params.stop and self._completes_a_stop(seq))
+        if token in params.stop_token_ids:
+            return True
+        return (
+            bool(params.stop)
+            and len(seq.output) > params.min_tokens
+            and self._completes_a_stop(seq)
+        )
 
     def _completes_a_stop(self, seq: _Seq) -> bool:
         """Whether the token just appended completes a stop string in the output text: only
@@ -475,19 +483,36 @@ class Engine:
         as in vLLM; the text the client sees is cut before the stop string by the front door
         (router.stops).
 
-        Every earlier token was checked, so a match must end in this one, unless the window
-        reaches back to tokens min_tokens kept from being checked: a match must then end in
-        this token's text, which costs a second decode."""
+        When every earlier token in the window was checked here, any match ends in this token.
+        Otherwise (tokens min_tokens exempted, or output from before a resume, which may have
+        been exempt there) a match must end in this token's text, which costs a second
+        decode."""
         assert self.detokenize is not None
         params = seq.request.sampling
-        stops = params.stop
-        window = 4 * max(len(s) for s in stops) + 8
-        recent = seq.generated[-window:]
-        text = self.detokenize(recent)
-        if not params.min_tokens or len(seq.output) - window >= params.min_tokens:
-            return any(s in text for s in stops)
-        before = len(self.detokenize(recent[:-1]))
-        return any(text.find(s, max(0, before - len(s) + 1)) >= 0 for s in stops)
+        window = 4 * max(len(s) for s in params.stop) + 8
+        all_checked = not params.min_tokens and not seq.request.resumed_output
+        only_last = not all_checked and len(seq.output) - window < params.min_tokens
+        return ends_a_stop(self.detokenize, seq.generated[-window:], params.stop, only_last)
+
+
+def ends_a_stop(
+    detokenize: Detokenize, recent: list[int], stops: tuple[str, ...], only_last: bool
+) -> bool:
+    """Whether the text of `recent` holds a stop string (`only_last`: one that ends in its
+    last token's text, past the longest common prefix with the text without that token,
+    since a character the token completes decoded as U+FFFD there)."""
+    text = detokenize(recent)
+    if not only_last:
+        return any(s in text for s in stops)
+    before = _common_prefix(detokenize(recent[:-1]), text)
+    return any(text.find(s, max(0, before - len(s) + 1)) >= 0 for s in stops)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int | None) -> list[TokenLogprob]:

@@ -52,6 +52,10 @@ def _check_int(name: str, value: int, *, low: int, high: int | None = None) -> N
         raise ValueError(f"{name} must be <= {high}, got {value}")
 
 
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class Tier(StrEnum):
     """Service tier: SLO requests are admitted only when guaranteed; best-effort use leftovers."""
 
@@ -123,8 +127,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids")
-        for token in self.stop_token_ids:
-            _check_int("stop_token_ids[]", token, low=0)
+        if not all(_is_token_id(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must hold non-negative integers, got {ids!r}")
 
     def _check_logit_bias(self) -> None:
         pairs = self.logit_bias
@@ -135,7 +139,10 @@ class SamplingParams:
         for pair in pairs:
             if not isinstance(pair, Sequence) or len(pair) != 2:
                 raise ValueError(f"logit_bias entries must be (token id, bias), got {pair!r}")
-            _check_int("logit_bias token id", pair[0], low=0)
+            if not _is_token_id(pair[0]):
+                raise ValueError(
+                    f"logit_bias token ids must be non-negative integers, got {pair[0]!r}"
+                )
             _check_between("logit_bias value", pair[1], -100.0, 100.0)
         object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in pairs))
         if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):
@@ -148,7 +155,7 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Whether a bias, a penalty or min_tokens changes the logits before sampling
-        (`replica.sampling.LogitsContext`); most requests skip that work."""
+        (`replica.sampling.LogitsShaper`); most requests skip that work."""
         return bool(
             self.logit_bias
             or self.presence_penalty

@@ -28,8 +28,8 @@ from router.auth import ApiKeys
 from router.errors import BadRequest, ModelNotFound, Rejected, Unauthorized, Unavailable
 from router.metrics import FrontDoorMetrics
 from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body
-from router.stops import StopText
-from router.tokenizer import IncrementalDetokenizer, TextCodec
+from router.stops import OutputText
+from router.tokenizer import TextCodec
 
 
 class ClusterLike(Protocol):
@@ -97,9 +97,7 @@ class Generation:
         self.tenant = tenant
         self.first = first
         self.rest = rest
-        self.detokenizer: IncrementalDetokenizer = door.codec.detokenizer()
-        self.stop_text = StopText(request.sampling.stop)
-        self.num_tokens = 0
+        self.text = OutputText(door.codec.detokenizer(), request.sampling)
         self.finished = False
         self.last_token_time: float | None = None
 
@@ -122,7 +120,7 @@ class Generation:
         item: TokenChunk | FinalRecord | None = self.first
         while item is not None:
             if isinstance(item, FinalRecord):
-                tail = self.stop_text.push(self.detokenizer.flush()) + self.stop_text.flush()
+                tail = self.text.flush()
                 if tail:
                     yield TextDelta(tail, ())
                 self.finished = True
@@ -132,29 +130,13 @@ class Generation:
             self.last_token_time = self.door.metrics.record_tokens(
                 self.slo_label, self.last_token_time, item.times
             )
-            yield TextDelta(self._text(item.token_ids), item.token_ids, item.logprobs)
+            yield TextDelta(self.text.push(item.token_ids), item.token_ids, item.logprobs)
             try:
                 item = await anext(self.rest, None)
             except ClusterUnavailable as exc:
                 self.finished = True
                 raise Unavailable(str(exc) or "the request's replica was lost") from exc
         raise RuntimeError(f"cluster stream of {self.request_id} ended without a FinalRecord")
-
-    def _text(self, token_ids: tuple[int, ...]) -> str:
-        """The text of newly generated tokens that is safe to send, as the engine stops: no
-        stop string ends in the first min_tokens - 1 tokens (the engine checks none there),
-        and a stop token id, like EOS, ends the output without text of its own."""
-        params = self.request.sampling
-        done = self.num_tokens
-        self.num_tokens += len(token_ids)
-        ids = list(token_ids)
-        if ids and ids[-1] in params.stop_token_ids and self.num_tokens >= params.min_tokens:
-            ids.pop()
-        unchecked = max(0, min(len(ids), params.min_tokens - 1 - done))
-        text = ""
-        if unchecked:
-            text = self.stop_text.push(self.detokenizer.push(ids[:unchecked]), checked=False)
-        return text + self.stop_text.push(self.detokenizer.push(ids[unchecked:]))
 
     async def collect(self) -> Output:
         """The whole output (for non-streamed responses)."""

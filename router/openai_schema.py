@@ -430,8 +430,10 @@ def _sampling(
 def _min_tokens(body: dict[str, Any], max_tokens: int, max_tokens_name: str) -> int:
     min_tokens = _int(body, "min_tokens", 0, low=0, high=MAX_SEED)
     if min_tokens > max_tokens:
+        default = "" if body.get(max_tokens_name) is not None else " (the default)"
         raise BadRequest(
-            f"min_tokens={min_tokens} exceeds {max_tokens_name}={max_tokens}", "min_tokens"
+            f"min_tokens={min_tokens} exceeds {max_tokens_name}={max_tokens}{default}",
+            "min_tokens",
         )
     return min_tokens
 
@@ -466,9 +468,11 @@ def _stop_token_ids(raw: object) -> tuple[int, ...]:
             f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
             "stop_token_ids",
         )
-    if not all(_is_int(t) and t >= 0 for t in raw):
+    ids = [_integral(t) for t in raw]
+    valid = [t for t in ids if t is not None and t >= 0]
+    if len(valid) < len(ids):
         raise BadRequest("stop_token_ids must hold non-negative integers", "stop_token_ids")
-    return tuple(raw)
+    return tuple(valid)
 
 
 def _logprobs(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
@@ -622,6 +626,15 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _integral(value: object) -> int | None:
+    """An integer, or an integral JSON float (5.0), as an int; None for anything else."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
+
+
 def _int(
     body: Mapping[str, Any],
     key: str,
@@ -635,13 +648,12 @@ def _int(
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        value = int(value)
-    if not _is_int(value):
+    number = _integral(value)
+    if number is None:
         raise BadRequest(f"{name} must be an integer, got {_short(value)}", name)
-    if not low <= value <= high:
+    if not low <= number <= high:
         raise BadRequest(f"{name} must be in [{low}, {high}], got {_short(value)}", name)
-    return int(value)
+    return number
 
 
 def _number(

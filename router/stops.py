@@ -3,13 +3,16 @@ token, and never sent in part while streaming.
 
 The engine stops generating at the token that completes a stop string (and counts it, as
 vLLM does); only the text can end mid-token, so the cut is made here, on the detokenized text.
-With min_tokens, the engine checks no stop string before the request's min_tokens-th token, so
-a match here must end in text that came after the first min_tokens - 1 tokens.
+With min_tokens, as in vLLM v1, no stop string may end in the first min_tokens tokens' text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from replica.request import SamplingParams
+from router.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -56,3 +59,36 @@ class StopText:
         """At the end of the output: the held text, which no stop string completed."""
         out, self.held = self.held, ""
         return out
+
+
+@dataclass
+class OutputText:
+    """A request's text as the client sees it, ending where the engine stops: stop strings
+    cut it (none ending in the first min_tokens tokens, which the engine does not check), and
+    a stop token id, like EOS, ends it without text of its own."""
+
+    detokenizer: IncrementalDetokenizer
+    params: SamplingParams
+    num_tokens: int = 0
+    stop_text: StopText = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stop_text = StopText(self.params.stop)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The text newly generated tokens make safe to send."""
+        params = self.params
+        done = self.num_tokens
+        self.num_tokens += len(token_ids)
+        ids = list(token_ids)
+        if ids and ids[-1] in params.stop_token_ids and self.num_tokens >= params.min_tokens:
+            ids.pop()
+        unchecked = max(0, min(len(ids), params.min_tokens - done))
+        text = ""
+        if unchecked:
+            text = self.stop_text.push(self.detokenizer.push(ids[:unchecked]), checked=False)
+        return text + self.stop_text.push(self.detokenizer.push(ids[unchecked:]))
+
+    def flush(self) -> str:
+        """At the end of the output: what was held back."""
+        return self.stop_text.push(self.detokenizer.flush()) + self.stop_text.flush()

@@ -101,15 +101,27 @@ class DraftModel:
             self.runner.forward(seqs)
 
     def propose(self, jobs: list[DraftJob]) -> list[Proposal]:
-        """max(k) batched draft forwards; a request leaves the batch once it has k tokens.
-        All-greedy batches of decode-size rows run every step in one C call."""
+        """Greedy requests without logits shaping, in decode-size rows, run every draft step
+        in one C call; the others take max(k) batched draft forwards, a request leaving the
+        batch once it has k tokens."""
         pending: list[list[int]] = []
         for job in jobs:
             cached = self.cache.num_tokens(job.request_id)
             pending.append(job.tokens[cached:])
-        plain_greedy = all(j.params.greedy and j.shaper is None for j in jobs)
-        if plain_greedy and self.runner.can_chain([len(p) for p in pending]):
-            return self._propose_chain(jobs, pending)
+        chain = [i for i, j in enumerate(jobs) if j.params.greedy and j.shaper is None]
+        if not (chain and self.runner.can_chain([len(pending[i]) for i in chain])):
+            chain = []
+        chained = set(chain)
+        steps = [i for i in range(len(jobs)) if i not in chained]
+        proposals = [Proposal(tokens=[], probs=None) for _ in jobs]
+        for part, propose in ((chain, self._propose_chain), (steps, self._propose_steps)):
+            if part:
+                made = propose([jobs[i] for i in part], [pending[i] for i in part])
+                for i, proposal in zip(part, made, strict=True):
+                    proposals[i] = proposal
+        return proposals
+
+    def _propose_steps(self, jobs: list[DraftJob], pending: list[list[int]]) -> list[Proposal]:
         proposals = [Proposal(tokens=[], probs=None) for _ in jobs]
         prob_rows: list[list[torch.Tensor]] = [[] for _ in jobs]
         for step in range(max((j.k for j in jobs), default=0)):

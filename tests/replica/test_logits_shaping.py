@@ -9,7 +9,7 @@ import pytest
 
 from cluster.migration import resumed_request
 from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
-from replica.engine import Engine, ProposerKind, load_detokenizer
+from replica.engine import Detokenize, Engine, ProposerKind, ends_a_stop, load_detokenizer
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
 from replica.spec.draft import load_draft_vocab
@@ -122,22 +122,79 @@ def test_a_stop_token_id_ends_the_output_once_min_tokens_are_out(
     assert len(held) >= 8 and stop_id not in held[:8]
 
 
+def stop_ends(detok: Detokenize, tokens: list[int], stop: str) -> list[int]:
+    """The token counts at which a new match of `stop` ends in the text."""
+    counts = [detok(tokens[:n]).count(stop) for n in range(len(tokens) + 1)]
+    return [n for n in range(1, len(tokens) + 1) if counts[n] > counts[n - 1]]
+
+
 def test_stop_strings_wait_for_min_tokens(
     runners: dict[str, tuple[ModelRunner, ModelRunner]], prompt: list[int], target_dir: Path
 ) -> None:
-    """A stop string ending in the first min_tokens - 1 tokens' text does not count; the
-    first one ending later does, even with the earlier one still in the decoded window."""
+    """As vLLM v1: a stop string ending in the first min_tokens tokens' text does not count;
+    the first one ending later does, with the earlier one still in the decoded window."""
     detok = load_detokenizer(target_dir)
     assert detok is not None
     engine = Engine(*runners["whole"], proposer="draft", detokenize=detok)
     plain, _ = run(engine, best_effort(prompt, ignore_eos=True), [0])
     stop = "_"
-    ends = [
-        n
-        for n in range(1, len(plain) + 1)
-        if detok(plain[:n]).count(stop) > detok(plain[: n - 1]).count(stop)
-    ]
+    ends = stop_ends(detok, plain, stop)
     assert len(ends) >= 2, detok(plain)
-    for min_tokens, want in ((0, ends[0]), (ends[0] + 1, ends[1])):
+    for min_tokens, want in ((0, ends[0]), (ends[0] - 1, ends[0]), (ends[0], ends[1])):
         request = best_effort(prompt, stop=(stop,), min_tokens=min_tokens, ignore_eos=True)
         assert run(engine, request, [3]) == (plain[:want], FinishReason.STOP), min_tokens
+
+
+def test_a_resumed_request_stops_where_it_would_have(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]], prompt: list[int], target_dir: Path
+) -> None:
+    """The output a resume turned into prompt is checked for stop strings only where the
+    original was: a match min_tokens exempted there does not end the resumed request."""
+    detok = load_detokenizer(target_dir)
+    assert detok is not None
+    engine = Engine(*runners["whole"], proposer="draft", detokenize=detok)
+    plain, _ = run(engine, best_effort(prompt, ignore_eos=True), [0])
+    ends = stop_ends(detok, plain, "_")
+    original = best_effort(prompt, stop=("_",), min_tokens=ends[0], ignore_eos=True)
+    for cut in range(1, ends[1] - 1):
+        resumed = resumed_request(original, plain[:cut])
+        assert run(engine, resumed, [2]) == (plain[cut : ends[1]], FinishReason.STOP), cut
+
+
+@pytest.mark.parametrize(("text", "stop"), [("aé bb", "é"), ("xx 日本 yy", "本"), ("abc… d", "…")])
+def test_a_stop_string_ending_in_a_split_character_ends_in_the_token_completing_it(
+    target_dir: Path, text: str, stop: str
+) -> None:
+    """Byte-level tokens can split a character: the text without the completing token ends in
+    U+FFFD, which must not hide a match ending in that character."""
+    from tokenizers import Tokenizer
+
+    detok = load_detokenizer(target_dir)
+    assert detok is not None
+    tokens = Tokenizer.from_file(str(target_dir / "tokenizer.json")).encode(text).ids
+    want = next(n for n in range(1, len(tokens) + 1) if stop in detok(tokens[:n]))
+    assert detok(tokens[: want - 1]).endswith("\ufffd")
+    counts = range(1, len(tokens) + 1)
+    anywhere = [ends_a_stop(detok, tokens[:n], (stop,), only_last=False) for n in counts]
+    assert anywhere == [n >= want for n in counts]
+    in_last = [ends_a_stop(detok, tokens[:n], (stop,), only_last=True) for n in counts]
+    assert in_last == [n == want for n in counts]
+
+
+def test_shaped_and_plain_greedy_requests_share_a_draft_batch(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]], prompt: list[int]
+) -> None:
+    """Plain greedy drafts run in the fused chain, shaped ones step by step, in one batch."""
+    shaped = best_effort(prompt, **SHAPINGS["frequency"])
+    plain_alone, _ = run(Engine(*runners["whole"]), best_effort(prompt), [0])
+    shaped_alone, _ = run(Engine(*runners["whole"]), shaped, [0])
+    engine = Engine(*runners["whole"], proposer="draft")
+    requests = [Request("p", prompt, best_effort(prompt).sampling, tier=Tier.BEST_EFFORT)]
+    requests.append(Request("s", prompt, shaped.sampling, tier=Tier.BEST_EFFORT))
+    for request in requests:
+        engine.add_request(request)
+    engine.step(BatchPlan(tuple(PrefillChunk(r.request_id, r.prompt_len) for r in requests)))
+    while live := [r.request_id for r in requests if engine.finish_reason(r.request_id) is None]:
+        engine.step(BatchPlan(tuple(DecodeStep(rid, 3) for rid in live)))
+    assert engine.output_token_ids("p") == plain_alone
+    assert engine.output_token_ids("s") == shaped_alone

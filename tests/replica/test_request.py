@@ -96,7 +96,7 @@ def test_seed_is_a_64_bit_integer_and_stop_entries() -> None:
         ("repetition_penalty", math.inf, "repetition_penalty must be finite"),
         ("logit_bias", ((5, 1.0), (5, 2.0)), "logit_bias names a token id twice"),
         ("logit_bias", ((5, 101.0),), r"logit_bias value must be in \[-100, 100\]"),
-        ("logit_bias", ((-1, 1.0),), "logit_bias token id must be >= 0"),
+        ("logit_bias", ((-1, 1.0),), "logit_bias token ids must be non-negative integers"),
         ("logit_bias", ((5,),), "logit_bias entries must be"),
         ("logit_bias", ((1, 0.0),) * 301, "at most 300 tokens"),
         ("min_tokens", 17, "min_tokens must be <= 16"),

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from cluster.api import ClusterStatus, FinalRecord, ReplicaStatus, StageVerdict, Verdict
 from replica.request import SLO, Stage, Tier
-from router.client import GenerateOptions, build_request, result_from_proto, status_from_proto
+from router.client import (
+    OPTIONAL_SCALARS,
+    GenerateOptions,
+    build_request,
+    result_from_proto,
+    status_from_proto,
+)
 from router.errors import BadRequest
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.grpc_server import final_to_proto, request_to_body, status_to_proto
@@ -58,6 +65,12 @@ def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None
         build_request("x", None, GenerateOptions(stop_token_ids=[-1]))
     with pytest.raises(ValueError, match="logit_bias"):
         build_request("x", None, GenerateOptions(logit_bias={"a": 1.0}))  # type: ignore[dict-item]
+
+
+def test_every_optional_proto_scalar_is_an_sdk_option() -> None:
+    """The SDK and the server walk the proto's optional scalars by name."""
+    assert set(OPTIONAL_SCALARS) <= {f.name for f in dataclasses.fields(GenerateOptions)}
+    assert {"max_tokens", "seed", "repetition_penalty"} <= set(OPTIONAL_SCALARS)
 
 
 def test_chat_flex_and_tier_name(codec: TextCodec) -> None:

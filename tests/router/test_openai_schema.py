@@ -328,6 +328,13 @@ def test_penalties_bias_and_stop_conditions_reach_the_sampling(
     assert (sampling.min_tokens, sampling.stop_token_ids) == (20, (3, 9))
     with pytest.raises(BadRequest, match="min_tokens=21 exceeds max_completion_tokens=20"):
         parse(codec, ctx, {**body, "min_tokens": 21}, endpoint=Endpoint.CHAT)
+    with pytest.raises(BadRequest, match=r"min_tokens=17 exceeds max_tokens=16 \(the default\)"):
+        parse(codec, ctx, {"model": "demo", "prompt": "x", "min_tokens": 17})
+    integral = {"model": "demo", "prompt": "x", "stop_token_ids": [5.0, 7]}
+    assert parse(codec, ctx, integral).requests[0].sampling.stop_token_ids == (5, 7)
+    for bad in ([5.5], [None], [True]):
+        with pytest.raises(BadRequest, match="stop_token_ids must hold non-negative integers"):
+            parse(codec, ctx, {**integral, "stop_token_ids": bad})
 
 
 def test_bad_header_is_named(codec: TextCodec, ctx: SchemaContext) -> None:

@@ -3,9 +3,18 @@ part of one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from router.stops import StopText
+from replica.request import SamplingParams
+from router.stops import OutputText, StopText
+from router.tokenizer import TextCodec
+
+
+@pytest.fixture(scope="module")
+def codec(target_dir: Path) -> TextCodec:
+    return TextCodec.from_dir(target_dir)
 
 
 def stream(stops: tuple[str, ...], pieces: list[str]) -> tuple[list[str], str]:
@@ -50,3 +59,39 @@ def test_no_stop_may_end_in_unchecked_text_but_one_may_begin_there() -> None:
     text = StopText(("ab",))
     sent = text.push("abab", checked=False) + text.push("cd")
     assert sent + text.flush() == "ababcd" and not text.stopped
+
+
+def output_text(codec: TextCodec, tokens: list[int], chunks: int, **sampling: object) -> str:
+    """The text a client gets for `tokens` arriving in pieces of `chunks` tokens."""
+    params = SamplingParams(max_tokens=64, **sampling)  # type: ignore[arg-type]
+    text = OutputText(codec.detokenizer(), params)
+    sent = [text.push(tokens[i : i + chunks]) for i in range(0, len(tokens), chunks)]
+    return "".join(sent) + text.flush()
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 5])
+def test_a_stop_token_ends_the_text_without_its_own(codec: TextCodec, chunks: int) -> None:
+    tokens = codec.encode("def f(x):\n    return x")
+    stop = tokens[-1]
+    assert output_text(codec, tokens, chunks, stop_token_ids=(stop,)) == codec.decode(tokens[:-1])
+    early = output_text(codec, tokens, chunks, stop_token_ids=(stop,), min_tokens=len(tokens) + 1)
+    assert early == codec.decode(tokens), "before min_tokens a stop token id ends nothing"
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_no_stop_string_ends_in_the_first_min_tokens_tokens(codec: TextCodec, chunks: int) -> None:
+    """As the engine checks them: a match ending in token min_tokens or before is ignored."""
+    tokens = codec.encode("a_b_c_d_e")
+    text = codec.decode(tokens)
+    ends = [
+        n
+        for n in range(1, len(tokens) + 1)
+        if codec.decode(tokens[:n]).count("_") > codec.decode(tokens[: n - 1]).count("_")
+    ]
+    assert len(ends) >= 2
+    cut_at = [text.index("_"), text.index("_", text.index("_") + 1)]
+    assert output_text(codec, tokens, chunks, stop=("_",)) == text[: cut_at[0]]
+    assert (
+        output_text(codec, tokens, chunks, stop=("_",), min_tokens=ends[0] - 1) == text[: cut_at[0]]
+    )
+    assert output_text(codec, tokens, chunks, stop=("_",), min_tokens=ends[0]) == text[: cut_at[1]]

@@ -101,27 +101,17 @@ class DraftModel:
             self.runner.forward(seqs)
 
     def propose(self, jobs: list[DraftJob]) -> list[Proposal]:
-        """Greedy requests without logits shaping, in decode-size rows, run every draft step
-        in one C call; the others take max(k) batched draft forwards, a request leaving the
-        batch once it has k tokens."""
+        """max(k) batched draft forwards; a request leaves the batch once it has k tokens.
+        Batches of greedy requests without logits shaping, in decode-size rows, run every
+        step in one C call. (Splitting a mixed batch into the chain and the rest was tried:
+        no faster, since both parts read all the weights at every step.)"""
         pending: list[list[int]] = []
         for job in jobs:
             cached = self.cache.num_tokens(job.request_id)
             pending.append(job.tokens[cached:])
-        chain = [i for i, j in enumerate(jobs) if j.params.greedy and j.shaper is None]
-        if not (chain and self.runner.can_chain([len(pending[i]) for i in chain])):
-            chain = []
-        chained = set(chain)
-        steps = [i for i in range(len(jobs)) if i not in chained]
-        proposals = [Proposal(tokens=[], probs=None) for _ in jobs]
-        for part, propose in ((chain, self._propose_chain), (steps, self._propose_steps)):
-            if part:
-                made = propose([jobs[i] for i in part], [pending[i] for i in part])
-                for i, proposal in zip(part, made, strict=True):
-                    proposals[i] = proposal
-        return proposals
-
-    def _propose_steps(self, jobs: list[DraftJob], pending: list[list[int]]) -> list[Proposal]:
+        plain_greedy = all(j.params.greedy and j.shaper is None for j in jobs)
+        if plain_greedy and self.runner.can_chain([len(p) for p in pending]):
+            return self._propose_chain(jobs, pending)
         proposals = [Proposal(tokens=[], probs=None) for _ in jobs]
         prob_rows: list[list[torch.Tensor]] = [[] for _ in jobs]
         for step in range(max((j.k for j in jobs), default=0)):

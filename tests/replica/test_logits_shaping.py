@@ -184,7 +184,8 @@ def test_a_stop_string_ending_in_a_split_character_ends_in_the_token_completing_
 def test_shaped_and_plain_greedy_requests_share_a_draft_batch(
     runners: dict[str, tuple[ModelRunner, ModelRunner]], prompt: list[int]
 ) -> None:
-    """Plain greedy drafts run in the fused chain, shaped ones step by step, in one batch."""
+    """A shaped request takes its batch's drafts out of the fused chain; each request still
+    gets its own output."""
     shaped = best_effort(prompt, **SHAPINGS["frequency"])
     plain_alone, _ = run(Engine(*runners["whole"]), best_effort(prompt), [0])
     shaped_alone, _ = run(Engine(*runners["whole"]), shaped, [0])

@@ -98,6 +98,8 @@ class SamplingParams:
     cannot be drawn before then (vLLM)."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end the output, like EOS: counted and kept in the ids, not in the text."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string, or the stop token's text, at the end of the text (vLLM)."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -112,8 +114,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop entries must be non-empty strings, got {s!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         _check_between("presence_penalty", self.presence_penalty, -2.0, 2.0)

@@ -59,6 +59,8 @@ class Result:
     migrations: int
     ttft_s: float | None
     e2e_s: float | None
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the output (None: EOS, or not stopped)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class GenerateOptions:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
 
 
 OPTIONAL_SCALARS = tuple(
@@ -148,6 +151,7 @@ def build_request(
         model=options.model,
         stop=list(options.stop),
         ignore_eos=options.ignore_eos,
+        include_stop_str_in_output=options.include_stop_str_in_output,
         priority=options.priority,
         service_tier=pb.SERVICE_TIER_FLEX
         if options.service_tier == "flex"
@@ -200,6 +204,9 @@ def result_from_proto(final: pb.Final) -> Result:
         migrations=final.migrations,
         ttft_s=final.ttft_s if final.HasField("ttft_s") else None,
         e2e_s=final.e2e_s if final.HasField("e2e_s") else None,
+        stop_reason=final.stop_token_id
+        if final.HasField("stop_token_id")
+        else final.stop_string or None,
     )
 
 

@@ -63,6 +63,8 @@ class TextDelta:
 @dataclass(frozen=True)
 class Finished:
     record: FinalRecord
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the output (vLLM's stop_reason)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Output:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]
     record: FinalRecord
+    stop_reason: str | int | None = None
 
 
 class Generation:
@@ -125,7 +128,8 @@ class Generation:
                     yield TextDelta(tail, ())
                 self.finished = True
                 self.door.metrics.record_final(item, self.slo_label, self.tenant)
-                yield Finished(item)
+                stopped = item.finish_reason == "stop"
+                yield Finished(item, self.text.stop_reason if stopped else None)
                 return
             self.last_token_time = self.door.metrics.record_tokens(
                 self.slo_label, self.last_token_time, item.times
@@ -143,20 +147,22 @@ class Generation:
         parts: list[str] = []
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
-        record: FinalRecord | None = None
+        finished: Finished | None = None
         try:
             async for event in self.events():
                 if isinstance(event, Finished):
-                    record = event.record
+                    finished = event
                 else:
                     parts.append(event.text)
                     token_ids.extend(event.token_ids)
                     logprobs.extend(event.logprobs)
         finally:
             self.close()
-        if record is None:
+        if finished is None:
             raise RuntimeError(f"cluster stream of {self.request_id} ended without a FinalRecord")
-        return Output("".join(parts), tuple(token_ids), tuple(logprobs), record)
+        return Output(
+            "".join(parts), tuple(token_ids), tuple(logprobs), finished.record, finished.stop_reason
+        )
 
     def close(self) -> None:
         """Abort the request in the cluster unless it already finished."""

@@ -70,6 +70,8 @@ def request_to_body(
         body["stop"] = list(request.stop)
     if request.ignore_eos:
         body["ignore_eos"] = True
+    if request.include_stop_str_in_output:
+        body["include_stop_str_in_output"] = True
     if request.priority:
         body["priority"] = request.priority
     if request.service_tier == pb.SERVICE_TIER_FLEX:
@@ -101,7 +103,7 @@ def _stage_to_body(stage: pb.Stage) -> dict[str, Any]:
     return out
 
 
-def final_to_proto(record: FinalRecord) -> pb.Final:
+def final_to_proto(record: FinalRecord, stop_reason: str | int | None = None) -> pb.Final:
     final = pb.Final(
         request_id=record.request_id,
         verdict=record.verdict.value,
@@ -123,6 +125,10 @@ def final_to_proto(record: FinalRecord) -> pb.Final:
         final.ttft_s = record.first_token_time - record.arrival_time
     if record.finish_time is not None:
         final.e2e_s = record.finish_time - record.arrival_time
+    if isinstance(stop_reason, str):
+        final.stop_string = stop_reason
+    elif stop_reason is not None:
+        final.stop_token_id = stop_reason
     return final
 
 
@@ -180,7 +186,8 @@ class ServingServicer(pb_grpc.ServingServicer):
                 await context.send_initial_metadata(tuple(placement.items()))
             async for event in generation.events():
                 if isinstance(event, Finished):
-                    yield pb.GenerateResponse(final=final_to_proto(event.record))
+                    final = final_to_proto(event.record, event.stop_reason)
+                    yield pb.GenerateResponse(final=final)
                 elif event.text or event.token_ids:
                     chunk = pb.TextChunk(text=event.text, token_ids=event.token_ids)
                     yield pb.GenerateResponse(chunk=chunk)

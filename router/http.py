@@ -152,7 +152,7 @@ async def _sse(
             async for index, event in events:
                 if isinstance(event, Finished):
                     records[index] = event.record
-                    yield writer.finish(index, event.record)
+                    yield writer.finish(index, event)
                 elif event.text or event.logprobs:
                     yield writer.text(index, event.text, event.token_ids, event.logprobs)
         ordered = [records[i] for i in range(len(generations))]

@@ -14,7 +14,7 @@ from typing import Any
 from cluster.api import FinalRecord, Placement, Verdict
 from replica.batch import TokenLogprob
 from router.errors import ApiError
-from router.frontdoor import Output
+from router.frontdoor import Finished, Output
 from router.openai_schema import Endpoint
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -202,7 +202,11 @@ def full_response(
         else:
             choice["text"] = output.text
         logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)
-        choice |= {"logprobs": logprobs, "finish_reason": output.record.finish_reason}
+        choice |= {
+            "logprobs": logprobs,
+            "finish_reason": output.record.finish_reason,
+            "stop_reason": output.stop_reason,
+        }
         if len(outputs) > 1:
             choice["slos_serve"] = cluster_info(output.record)
         choices.append(choice)
@@ -289,10 +293,15 @@ class ChunkWriter:
         )
         return self._chunk([self._choice(index, text, None, payload)])
 
-    def finish(self, index: int, record: FinalRecord) -> bytes:
-        """Choice `index`'s last chunk: its finish reason, and what the cluster did with it."""
+    def finish(self, index: int, finished: Finished) -> bytes:
+        """Choice `index`'s last chunk: its finish and stop reasons, and what the cluster did
+        with it."""
+        record = finished.record
+        choice = self._choice(index, "", record.finish_reason) | {
+            "stop_reason": finished.stop_reason
+        }
         return self._chunk(
-            [self._choice(index, "", record.finish_reason)],
+            [choice],
             service_tier=service_tier([record]),
             slos_serve=cluster_info(record),
         )

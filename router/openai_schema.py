@@ -130,6 +130,7 @@ COMMON_FIELDS = {
     "repetition_penalty",
     "min_tokens",
     "stop_token_ids",
+    "include_stop_str_in_output",
     "store",
     "metadata",
 }
@@ -422,6 +423,7 @@ def _sampling(
             logit_bias=_logit_bias(body.get("logit_bias")),
             min_tokens=_min_tokens(body, max_tokens, max_tokens_name),
             stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
+            include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         ),
         "sampling",
     )

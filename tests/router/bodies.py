@@ -39,6 +39,7 @@ FIELD_NAMES = [
     "logit_bias",
     "min_tokens",
     "stop_token_ids",
+    "include_stop_str_in_output",
     "unknown_field",
 ]
 bodies = st.fixed_dictionaries(

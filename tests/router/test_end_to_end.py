@@ -107,14 +107,27 @@ def test_a_stop_string_inside_a_token_cuts_the_text_right_before_it(
     assert full.find(stop) == at
     out = oai.completions.create(**body, stop=stop)
     assert out.choices[0].text == full[:at] and out.choices[0].finish_reason == "stop"
-    streamed = oai.completions.create(**body, stop=[stop, "\u2603"], stream=True)
+    assert out.choices[0].model_extra["stop_reason"] == stop
+    streamed = list(oai.completions.create(**body, stop=[stop, "\u2603"], stream=True))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:at]
+    assert streamed[-1].choices[0].model_extra["stop_reason"] == stop
+    kept = oai.completions.create(
+        **body, stop=stop, extra_body={"include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].text == full[: at + len(stop)]
 
 
 def grpc_tokens(live: LocalFrontDoor, **options: Any) -> tuple[str, list[int]]:
+    text, ids, _ = grpc_generate(live, **options)
+    return text, ids
+
+
+def grpc_generate(live: LocalFrontDoor, **options: Any) -> tuple[str, list[int], Result]:
     with Client(live.grpc_target, api_key=API_KEY) as client:
-        chunks = [c for c in client.generate(PROMPT, **options) if isinstance(c, Chunk)]
-    return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
+        items = list(client.generate(PROMPT, **options))
+    chunks = [c for c in items if isinstance(c, Chunk)]
+    assert isinstance(items[-1], Result)
+    return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], items[-1]
 
 
 def test_penalties_and_bias_reach_the_engine_through_either_door(
@@ -143,15 +156,19 @@ def test_a_stop_token_id_ends_the_text_before_its_own_after_min_tokens(
     out = oai.completions.create(**body, extra_body={"stop_token_ids": [stop]})
     assert out.choices[0].text == live.door.codec.decode(ids[:at])
     assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == stop
     assert out.usage is not None and out.usage.completion_tokens == at + 1
     held = oai.completions.create(
         **body, extra_body={"stop_token_ids": [stop], "min_tokens": at + 2}
     )
     assert held.usage is not None and held.usage.completion_tokens >= at + 2
-    text, held_ids = grpc_tokens(
+    text, held_ids, result = grpc_generate(
         live, max_tokens=24, temperature=0.0, stop_token_ids=[stop], min_tokens=at + 2
     )
     assert text == held.choices[0].text and stop not in held_ids[: at + 1]
+    assert result.stop_reason == (stop if result.finish_reason == "stop" else None)
+    _, _, ended = grpc_generate(live, max_tokens=24, temperature=0.0, stop_token_ids=[stop])
+    assert (ended.finish_reason, ended.stop_reason) == ("stop", stop)
 
 
 def test_chat_stream_with_usage(oai: openai.OpenAI) -> None:

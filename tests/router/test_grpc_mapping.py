@@ -51,6 +51,7 @@ def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None
         logit_bias={7: -100.0, 12: 2.5},
         min_tokens=3,
         stop_token_ids=[9, 4],
+        include_stop_str_in_output=True,
     )
     endpoint, body = request_to_body(build_request("Hello", None, options), "demo")
     req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).requests[0]
@@ -59,6 +60,7 @@ def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None
     assert sampling.repetition_penalty == 1.2
     assert sorted(sampling.logit_bias) == [(7, -100.0), (12, 2.5)]
     assert (sampling.min_tokens, sampling.stop_token_ids) == (3, (9, 4))
+    assert sampling.include_stop_str_in_output
     _, unset = request_to_body(build_request("Hello", None, GenerateOptions()), "demo")
     assert set(unset) == {"model", "prompt"}
     with pytest.raises(ValueError, match="stop_token_ids"):
@@ -134,6 +136,9 @@ def test_final_and_status_round_trip() -> None:
     result = result_from_proto(final_to_proto(record))
     assert (result.verdict, result.replica, result.finish_reason) == ("admitted", 0, "stop")
     assert result.ttft_s == 0.25 and result.e2e_s == 1.0 and result.slo_attained is True
+    assert result.stop_reason is None
+    assert result_from_proto(final_to_proto(record, "\n")).stop_reason == "\n"
+    assert result_from_proto(final_to_proto(record, 0)).stop_reason == 0
     replica = ReplicaStatus(0, True, 1, 2, 1, 0, 0.5, {"decode": 1.25})
     status = ClusterStatus("demo", (replica,), {"admitted": 4}, scheduler="sarathi")
     assert status_from_proto(status_to_proto(status)) == status  # as HTTP reports it

@@ -9,7 +9,7 @@ from typing import Any
 from cluster.api import FinalRecord, Placement, StageVerdict, Verdict
 from replica.batch import TokenLogprob
 from router.errors import Rejected
-from router.frontdoor import Output
+from router.frontdoor import Finished, Output
 from router.openai_format import (
     ChunkWriter,
     cluster_headers,
@@ -60,7 +60,7 @@ def test_sse_event_is_one_line_even_with_newlines() -> None:
 
 def test_chat_stream_shape() -> None:
     w = ChunkWriter(Endpoint.CHAT, "id1", 5, "demo", TEXT_OF)
-    stream = w.text(0, "Hel") + w.text(0, "lo") + w.finish(0, RECORD)
+    stream = w.text(0, "Hel") + w.text(0, "lo") + w.finish(0, Finished(RECORD))
     stream += w.done([RECORD], 1, include_usage=True)
     data = events(stream)
     assert data[-1] == "[DONE]"
@@ -77,9 +77,19 @@ def test_chat_stream_shape() -> None:
 
 def test_completion_stream_without_usage() -> None:
     w = ChunkWriter(Endpoint.COMPLETIONS, "id2", 5, "demo", TEXT_OF)
-    data = events(w.text(0, "x") + w.finish(0, RECORD) + w.done([RECORD], 1, False))
+    data = events(w.text(0, "x") + w.finish(0, Finished(RECORD)) + w.done([RECORD], 1, False))
     assert [json.loads(d)["choices"][0]["text"] for d in data[:-1]] == ["x", ""]
     assert data[-1] == "[DONE]"
+
+
+def test_the_stop_string_or_token_that_ended_a_choice_is_its_stop_reason() -> None:
+    """vLLM's stop_reason, on the finish chunk and in the full response."""
+    w = ChunkWriter(Endpoint.COMPLETIONS, "id4", 5, "demo", TEXT_OF)
+    finish = json.loads(events(w.finish(0, Finished(RECORD, "\n\n")))[0])["choices"][0]
+    assert (finish["finish_reason"], finish["stop_reason"]) == ("stop", "\n\n")
+    output = Output("hi", (), (), RECORD, 13)
+    body = full_response(Endpoint.COMPLETIONS, "id5", 7, "demo", [output], 1, TEXT_OF)
+    assert body["choices"][0]["stop_reason"] == 13
 
 
 def test_full_response_and_headers() -> None:
@@ -90,6 +100,7 @@ def test_full_response_and_headers() -> None:
             "message": {"role": "assistant", "content": "hi"},
             "logprobs": None,
             "finish_reason": "stop",
+            "stop_reason": None,
         }
     ]
     assert body["slos_serve"]["slo_attained"] is False
@@ -162,8 +173,8 @@ def test_several_choices_each_say_what_the_cluster_did() -> None:
 def test_chat_stream_of_several_choices() -> None:
     """Each choice's first delta carries the role; each ends with its own finish chunk."""
     w = ChunkWriter(Endpoint.CHAT, "id7", 5, "demo", TEXT_OF)
-    stream = w.text(1, "b") + w.text(0, "a") + w.text(1, "c") + w.finish(1, RECORD)
-    stream += w.finish(0, ADMITTED) + w.done([ADMITTED, RECORD], 2, include_usage=True)
+    stream = w.text(1, "b") + w.text(0, "a") + w.text(1, "c") + w.finish(1, Finished(RECORD))
+    stream += w.finish(0, Finished(ADMITTED)) + w.done([ADMITTED, RECORD], 2, include_usage=True)
     chunks = [json.loads(d) for d in events(stream)[:-1]]
     choices = [c["choices"][0] for c in chunks[:-1]]
     assert [(c["index"], c["delta"].get("role")) for c in choices[:3]] == [

@@ -320,12 +320,14 @@ def test_penalties_bias_and_stop_conditions_reach_the_sampling(
         "max_completion_tokens": 20,
         "min_tokens": 20,
         "stop_token_ids": [3, 9],
+        "include_stop_str_in_output": True,
     }
     sampling = parse(codec, ctx, body, endpoint=Endpoint.CHAT).requests[0].sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
     assert sampling.repetition_penalty == 1.3
     assert sampling.logit_bias == ((7, -100.0), (12, 2.5))
     assert (sampling.min_tokens, sampling.stop_token_ids) == (20, (3, 9))
+    assert sampling.include_stop_str_in_output
     with pytest.raises(BadRequest, match="min_tokens=21 exceeds max_completion_tokens=20"):
         parse(codec, ctx, {**body, "min_tokens": 21}, endpoint=Endpoint.CHAT)
     with pytest.raises(BadRequest, match=r"min_tokens=17 exceeds max_tokens=16 \(the default\)"):

@@ -52,13 +52,13 @@ def test_no_stop_may_end_in_unchecked_text_but_one_may_begin_there() -> None:
     """min_tokens: the engine checks no stop string before its min_tokens-th token."""
     text = StopText(("ab",))
     assert text.push("xab", checked=False) + text.push("yab") == "xaby"
-    assert text.stopped
+    assert text.matched == "ab"
     text = StopText(("ab",))
     assert text.push("xaba", checked=False) + text.push("b") == "xab"
-    assert text.stopped
+    assert text.matched == "ab"
     text = StopText(("ab",))
     sent = text.push("abab", checked=False) + text.push("cd")
-    assert sent + text.flush() == "ababcd" and not text.stopped
+    assert sent + text.flush() == "ababcd" and text.matched is None
 
 
 def output_text(codec: TextCodec, tokens: list[int], chunks: int, **sampling: object) -> str:
@@ -95,3 +95,27 @@ def test_no_stop_string_ends_in_the_first_min_tokens_tokens(codec: TextCodec, ch
         output_text(codec, tokens, chunks, stop=("_",), min_tokens=ends[0] - 1) == text[: cut_at[0]]
     )
     assert output_text(codec, tokens, chunks, stop=("_",), min_tokens=ends[0]) == text[: cut_at[1]]
+
+
+def test_what_ended_the_text_is_its_stop_reason(codec: TextCodec) -> None:
+    tokens = codec.encode("a_b_c")
+    params = SamplingParams(max_tokens=64, stop=("c", "_b"))
+    text = OutputText(codec.detokenizer(), params)
+    assert text.push(tokens) + text.flush() == "a" and text.stop_reason == "_b"
+    ended = OutputText(codec.detokenizer(), SamplingParams(stop_token_ids=(tokens[-1],)))
+    ended.push(tokens)
+    assert ended.stop_reason == tokens[-1]
+    assert OutputText(codec.detokenizer(), SamplingParams()).stop_reason is None
+
+
+def test_stops_kept_in_the_text_when_asked(codec: TextCodec) -> None:
+    """vLLM's include_stop_str_in_output: the text ends after the stop string, or with the
+    stop token's own text."""
+    tokens = codec.encode("a_b_c")
+    text = codec.decode(tokens)
+    kept = output_text(codec, tokens, 2, stop=("_b",), include_stop_str_in_output=True)
+    assert kept == text[: text.index("_b") + 2]
+    by_token = output_text(
+        codec, tokens, 2, stop_token_ids=(tokens[-1],), include_stop_str_in_output=True
+    )
+    assert by_token == text

@@ -47,7 +47,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "slo", "service_tier", "priority", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "slo", "service_tier", "priority", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class GenerateRequest(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -95,7 +96,8 @@ class GenerateRequest(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     min_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., service_tier: _Optional[_Union[ServiceTier, str]] = ..., priority: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    include_stop_str_in_output: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., service_tier: _Optional[_Union[ServiceTier, str]] = ..., priority: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class TextChunk(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -116,7 +118,7 @@ class StageVerdict(_message.Message):
     def __init__(self, name: _Optional[str] = ..., attained: _Optional[bool] = ..., late_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("request_id", "verdict", "replica", "hops", "finish_reason", "prompt_tokens", "completion_tokens", "slo_attained", "stages", "migrations", "ttft_s", "e2e_s")
+    __slots__ = ("request_id", "verdict", "replica", "hops", "finish_reason", "prompt_tokens", "completion_tokens", "slo_attained", "stages", "migrations", "ttft_s", "e2e_s", "stop_string", "stop_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,8 @@ class Final(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     verdict: str
     replica: int
@@ -141,7 +145,9 @@ class Final(_message.Message):
     migrations: int
     ttft_s: float
     e2e_s: float
-    def __init__(self, request_id: _Optional[str] = ..., verdict: _Optional[str] = ..., replica: _Optional[int] = ..., hops: _Optional[int] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., slo_attained: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[StageVerdict, _Mapping]]] = ..., migrations: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    stop_string: str
+    stop_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., verdict: _Optional[str] = ..., replica: _Optional[int] = ..., hops: _Optional[int] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., slo_attained: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[StageVerdict, _Mapping]]] = ..., migrations: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "final")

@@ -31,7 +31,7 @@ from router.openai_format import (
     full_response,
     placement_headers,
 )
-from router.openai_schema import Endpoint, ParsedRequest
+from router.openai_schema import Endpoint, ParsedRequest, parse_detokenize, parse_tokenize
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -55,6 +55,19 @@ def create_app(door: FrontDoor) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _generate(door, request, Endpoint.CHAT)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        door.authenticate(request.headers.get("authorization"))
+        tokens = parse_tokenize(await _json(request), door.schema, door.codec)
+        limit = door.schema.max_model_len
+        return JSONResponse({"count": len(tokens), "max_model_len": limit, "tokens": tokens})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        door.authenticate(request.headers.get("authorization"))
+        tokens = parse_detokenize(await _json(request), door.schema)
+        return JSONResponse({"prompt": door.codec.decode(tokens)})
 
     def model_card() -> dict[str, object]:
         return {
@@ -97,20 +110,28 @@ def create_app(door: FrontDoor) -> FastAPI:
     return app
 
 
-async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Response:
-    tenant = door.authenticate(request.headers.get("authorization"))
+async def _json(request: Request) -> object:
+    """The body as JSON that holds only text a tokenizer takes."""
     try:
         body = json.loads(await request.body())
         # JSON may escape a lone UTF-16 surrogate ("\ud800"); no tokenizer takes one.
         json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError:
-        door.metrics.reject(tenant, "bad_request")
         raise BadRequest(
             "the request body holds a lone UTF-16 surrogate, which is not text"
         ) from None
     except (ValueError, RecursionError):
-        door.metrics.reject(tenant, "bad_request")
         raise BadRequest("the request body is not valid JSON") from None
+    return body
+
+
+async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Response:
+    tenant = door.authenticate(request.headers.get("authorization"))
+    try:
+        body = await _json(request)
+    except BadRequest:
+        door.metrics.reject(tenant, "bad_request")
+        raise
     parsed = door.parse(endpoint, body, request.headers, tenant)
     generations = await door.start(parsed, tenant)
     if parsed.stream:

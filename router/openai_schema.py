@@ -161,18 +161,8 @@ def parse_body(
     arrival_time: float,
 ) -> ParsedRequest:
     """Validate an OpenAI body and build the cluster request (prompt tokenized)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    unknown = sorted(str(k)[:64] for k in body if k not in FIELDS[endpoint])
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(unknown[:8])}", unknown[0])
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("model is required and must be a string", "model")
-    if model != ctx.model_name:
-        raise ModelNotFound(
-            f"model {_short(model)} does not exist; this server has {ctx.model_name!r}", "model"
-        )
+    body = _known_fields(body, FIELDS[endpoint], ctx)
+    model = body["model"]
     _check_unsupported(endpoint, body)
     prompts = _prompts(endpoint, body, ctx, codec)
     n = _choices_per_prompt(body, len(prompts))
@@ -212,6 +202,50 @@ def parse_body(
             raise BadRequest("stream_options may hold only include_usage", "stream_options")
         include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
     return ParsedRequest(endpoint, request_id, tuple(requests), n, stream, include_usage, slo_label)
+
+
+def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
+    """vLLM's /tokenize body: a completion `prompt` (a string) or chat `messages`, to the
+    token ids a completion or chat request would send the model."""
+    body = _known_fields(body, {"model", "prompt", "messages"}, ctx)
+    if ("prompt" in body) == ("messages" in body):
+        raise BadRequest("give prompt or messages, not both", "prompt")
+    if "messages" in body:
+        return _prompts(Endpoint.CHAT, body, ctx, codec)[0]
+    prompt = body["prompt"]
+    if not isinstance(prompt, str):
+        raise BadRequest("prompt must be a string", "prompt")
+    return _encode(prompt, "prompt", ctx, codec)
+
+
+def parse_detokenize(body: object, ctx: SchemaContext) -> list[int]:
+    """vLLM's /detokenize body: `tokens`, at most a context's worth of the model's ids."""
+    body = _known_fields(body, {"model", "tokens"}, ctx)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) > ctx.max_model_len:
+        raise BadRequest(f"tokens must be a list of at most {ctx.max_model_len} ids", "tokens")
+    ids = [_integral(t) for t in tokens]
+    valid = [t for t in ids if t is not None and 0 <= t < ctx.vocab_size]
+    if len(valid) < len(ids):
+        raise BadRequest(f"tokens must be ids in [0, {ctx.vocab_size})", "tokens")
+    return valid
+
+
+def _known_fields(body: object, fields: set[str], ctx: SchemaContext) -> dict[str, Any]:
+    """A JSON object holding only `fields`, for this server's model."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(str(k)[:64] for k in body if k not in fields)
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(unknown[:8])}", unknown[0])
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model is required and must be a string", "model")
+    if model != ctx.model_name:
+        raise ModelNotFound(
+            f"model {_short(model)} does not exist; this server has {ctx.model_name!r}", "model"
+        )
+    return body
 
 
 def _build(make: Callable[[], T], param: str, where: str = "") -> T:

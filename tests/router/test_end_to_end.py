@@ -389,6 +389,26 @@ def test_errors_have_the_right_status(oai: openai.OpenAI, live: LocalFrontDoor) 
         assert r.status_code == 400 and "lone UTF-16 surrogate" in r.json()["error"]["message"]
 
 
+def test_tokenize_and_detokenize(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
+    """vLLM's endpoints: the count a completion's usage reports, and the text back."""
+    with httpx.Client(base_url=live.http_url, headers=auth(), timeout=30) as http:
+        counted = http.post("/tokenize", json={"model": "demo", "prompt": PROMPT}).json()
+        messages = [{"role": "user", "content": "hi"}]
+        chat = http.post("/tokenize", json={"model": "demo", "messages": messages}).json()
+        back = http.post("/detokenize", json={"model": "demo", "tokens": counted["tokens"]})
+        refused = http.post("/tokenize", json={"model": "demo", "prompt": 3})
+        unknown = http.post("/detokenize", json={"model": "gpt-4", "tokens": [1]})
+        anonymous = httpx.post(live.http_url + "/tokenize", json={"model": "demo", "prompt": "x"})
+    out = oai.completions.create(model="demo", prompt=PROMPT, max_tokens=1)
+    assert out.usage is not None and counted["count"] == out.usage.prompt_tokens
+    assert counted["max_model_len"] == live.door.schema.max_model_len
+    reply = oai.chat.completions.create(model="demo", messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert reply.usage is not None and chat["count"] == reply.usage.prompt_tokens
+    assert back.json() == {"prompt": PROMPT}
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+    assert (unknown.status_code, anonymous.status_code) == (404, 401)
+
+
 def test_models_health_status_metrics(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
     assert [m.id for m in oai.models.list()] == ["demo"]
     assert oai.models.retrieve("demo").id == "demo"

@@ -20,9 +20,11 @@ from router.openai_schema import (
     ParsedRequest,
     SchemaContext,
     parse_body,
+    parse_detokenize,
+    parse_tokenize,
 )
 from router.tokenizer import TextCodec
-from tests.router.bodies import bodies, headers
+from tests.router.bodies import bodies, headers, json_values
 
 DEFAULT = SLO(ttft_ms=2000, tpot_ms=200)
 CHAT_TIER = SLO(ttft_ms=1000, tpot_ms=100)
@@ -415,3 +417,48 @@ def test_enormous_names_make_short_messages(codec: TextCodec, ctx: SchemaContext
         with pytest.raises(ApiError) as info:
             parse(codec, ctx, body)
         assert len(info.value.message) < 1000
+
+
+def test_tokenize_gives_the_ids_a_request_would_send(codec: TextCodec, ctx: SchemaContext) -> None:
+    prompt = {"model": "demo", "prompt": "def f(x):"}
+    assert (
+        parse_tokenize(prompt, ctx, codec) == parse(codec, ctx, prompt).requests[0].prompt_token_ids
+    )
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+    sent = parse(codec, ctx, chat, endpoint=Endpoint.CHAT).requests[0].prompt_token_ids
+    assert parse_tokenize(chat, ctx, codec) == sent
+    for body, param in [
+        ({"model": "demo"}, "prompt"),
+        ({**prompt, **chat}, "prompt"),
+        ({"model": "demo", "prompt": [1, 2]}, "prompt"),
+        ({**prompt, "add_special_tokens": False}, "add_special_tokens"),
+        ({"model": "demo", "messages": []}, "messages"),
+    ]:
+        with pytest.raises(BadRequest) as info:
+            parse_tokenize(body, ctx, codec)
+        assert info.value.param == param, body
+    with pytest.raises(ModelNotFound):
+        parse_tokenize({**prompt, "model": "other"}, ctx, codec)
+
+
+def test_detokenize_takes_the_models_ids(ctx: SchemaContext) -> None:
+    assert parse_detokenize({"model": "demo", "tokens": [5, 6.0, 4095]}, ctx) == [5, 6, 4095]
+    for tokens in ([4096], [-1], [1.5], ["1"], None, [1] * 2049):
+        with pytest.raises(BadRequest) as info:
+            parse_detokenize({"model": "demo", "tokens": tokens}, ctx)
+        assert info.value.param == "tokens", tokens
+
+
+@settings(deadline=None)
+@given(body=bodies, tokens=json_values)
+def test_any_tokenize_or_detokenize_body_parses_or_fails_cleanly(
+    codec: TextCodec, ctx: SchemaContext, body: dict[str, Any], tokens: object
+) -> None:
+    for parse_one in (
+        lambda: parse_tokenize(body, ctx, codec),
+        lambda: parse_detokenize({"model": "demo", "tokens": tokens}, ctx),
+    ):
+        try:
+            parse_one()
+        except ApiError as exc:
+            assert isinstance(exc, BadRequest | ModelNotFound) and len(exc.message) < 1000

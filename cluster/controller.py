@@ -187,11 +187,15 @@ class ClusterController:
             ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     def _end_orphans(self) -> None:
-        if not self.leases.owners:
+        if not (self.leases.owners or self.leases.settling):
             return
         known = self.plane.request_ids() | set(self._waiters) | set(self._resuming)
         known.update(rid for binding in self._binding.values() for rid in binding)
-        for rid in self.leases.orphans(known):
+        orphans = self.leases.orphans(known) if self.leases.owners else []
+        unclaimed = self.leases.unclaimed(known, time.monotonic())
+        if unclaimed:
+            log.warning("%d requests no front door claimed since the restart end", len(unclaimed))
+        for rid in orphans + unclaimed:
             self._spawn(self.abort(rid))
 
     async def ready(self) -> None:

@@ -29,6 +29,8 @@ class Leases:
     """Request id -> the door that streams it."""
     closing: bool = False
     last_renewal: float | None = None
+    claims_settled: bool = False
+    """A restarted controller has counted the requests no door claimed (`unclaimed`)."""
 
     def renew(self, door: str, requests: Iterable[str], now: float) -> bool:
         """Take or renew `door`'s lease, owning `requests` (a restarted controller learns its
@@ -74,6 +76,20 @@ class Leases:
         for rid in ended:
             del self.owners[rid]
         return orphaned
+
+    @property
+    def settling(self) -> bool:
+        """A restarted controller has not yet counted the requests no door claimed."""
+        return self.restarted and not self.claims_settled
+
+    def unclaimed(self, known: set[str], now: float) -> list[str]:
+        """Once, a lease after a restart, when every live door has renewed with this
+        controller and named its requests: the running requests (`known`) none claimed,
+        whose door died before it could; to be aborted. Empty at any other call."""
+        if not self.settling or now - self.booted <= self.lease_s:
+            return []
+        self.claims_settled = True
+        return sorted(known - self.owners.keys())
 
     def abandoned(self, now: float) -> bool:
         """No door has renewed for `abandoned_after_s`, since boot or the last renewal."""

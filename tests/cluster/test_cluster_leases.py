@@ -88,6 +88,33 @@ def test_a_lapsed_lease_ends_only_its_own_requests(
     runner.run(run())
 
 
+def test_a_door_that_dies_while_the_controller_restarts_has_its_requests_ended(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    """The restarted controller learns who reads each request from the doors' renewals; a
+    request no door names within a lease belonged to a door that died meanwhile."""
+    config = replace(demo, replicas=1, num_kv_blocks=256, door_lease_s=2.0)
+
+    async def run() -> None:
+        first = await launch(config, detached=True)
+        second = await launch(config, detached=True)
+        orphan = first.submit(long_request("unclaimed"))
+        kept = second.submit(long_request("claimed", 600))
+        for stream in (orphan, kept):
+            assert isinstance(await anext(stream), TokenChunk)
+        assert first._lease is not None
+        first._lease.cancel()  # the door dies with the controller, before it can renew
+        ray.kill(first._controller, no_restart=False)
+        orphaned, served = await asyncio.gather(_last(orphan), _last(kept))
+        assert orphaned.finish_reason == "abort" and orphaned.num_output_tokens < 1500
+        assert served.finish_reason == "length" and served.num_output_tokens == 600
+        await first.shutdown()
+        await second.shutdown()
+        assert _cluster_names() == []
+
+    runner.run(run())
+
+
 def test_a_detached_launch_replaces_a_cluster_of_another_config(
     ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
 ) -> None:

@@ -29,6 +29,17 @@ def test_a_renewal_names_the_requests_a_restarted_controller_forgot() -> None:
     assert sorted(leases.orphans(known={"r1", "r2"})) == ["r1", "r2"]
 
 
+def test_requests_no_door_claims_a_lease_after_a_restart_end_once() -> None:
+    """A door that died while the controller restarted never names its requests."""
+    leases = Leases(lease_s=10.0, booted=100.0, restarted=True)
+    leases.renew("a", ["r1"], now=102.0)
+    running = {"r1", "lost"}
+    assert leases.unclaimed(running, now=109.0) == []  # b may still renew
+    assert leases.unclaimed(running, now=110.5) == ["lost"]
+    assert leases.unclaimed(running | {"later"}, now=120.0) == []  # only once
+    assert Leases(lease_s=10.0, booted=0.0).unclaimed({"x"}, now=50.0) == []  # not restarted
+
+
 def test_the_last_door_out_closes_the_cluster_and_no_door_attaches_after() -> None:
     leases = Leases(lease_s=10.0, booted=0.0)
     leases.renew("a", [], now=0.0)

@@ -31,7 +31,9 @@ class Placement:
     """Where the controller bound a request: known with its first token, long before the end."""
 
     verdict: Verdict
-    replica: int
+    replica: int | None
+    """None only in a summary over several choices bound to different replicas (the SDK's
+    first chunk of an n > 1 stream)."""
     hops: int
     """Replicas tried, the bound one included."""
 

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from cluster.api import ClusterStatus, Placement, ReplicaStatus, Verdict
+from replica.batch import TokenLogprob
 from replica.request import SLO
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
@@ -32,7 +33,12 @@ class Chunk:
     token_ids: tuple[int, ...]
     placement: Placement | None = None
     """On the first chunk: where the cluster bound the request (verdict, replica, hops), from
-    the server's initial metadata, so a caller that stops reading early still knows it."""
+    the server's initial metadata, so a caller that stops reading early still knows it. With
+    n > 1 the choices may differ; each one's `Result` says where it ran."""
+    index: int = 0
+    """The choice (sample) the chunk belongs to: 0 .. n - 1."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token id when `logprobs` was asked for."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +67,15 @@ class Result:
     e2e_s: float | None
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the output (None: EOS, or not stopped)."""
+    index: int = 0
+    """The choice (sample) it ends: 0 .. n - 1."""
 
 
 @dataclass(frozen=True)
 class Completion:
     text: str
     result: Result
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,10 @@ class GenerateOptions:
     min_tokens: int = 0
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     include_stop_str_in_output: bool = False
+    n: int = 1
+    """Samples of the prompt, each its own request (`Chunk.index`, one `Result` each)."""
+    logprobs: int | None = None
+    """Each token's log-probability and its `logprobs` most likely alternatives (0..20)."""
 
 
 OPTIONAL_SCALARS = tuple(
@@ -174,8 +187,9 @@ def build_request(
         request.logit_bias.update(options.logit_bias)
         request.min_tokens = options.min_tokens
         request.stop_token_ids.extend(options.stop_token_ids)
+        request.n = options.n
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"logit_bias, min_tokens or stop_token_ids: {exc}") from None
+        raise ValueError(f"logit_bias, min_tokens, stop_token_ids or n: {exc}") from None
     if isinstance(options.slo, str):
         request.slo.tier = options.slo
     elif options.slo is not None:
@@ -207,6 +221,7 @@ def result_from_proto(final: pb.Final) -> Result:
         stop_reason=final.stop_token_id
         if final.HasField("stop_token_id")
         else final.stop_string or None,
+        index=final.index,
     )
 
 
@@ -234,12 +249,16 @@ def status_from_proto(status: pb.ClusterStatus) -> ClusterStatus:
 def placement_from_metadata(
     metadata: Iterable[tuple[str, str | bytes]] | None,
 ) -> Placement | None:
-    """The `x-slos-serve-*` initial metadata; None when the server sent none."""
+    """The `x-slos-serve-*` initial metadata; None when the server sent none. Choices bound
+    to different replicas name none: the weakest verdict and the most hops."""
     values = {k: v for k, v in metadata or () if isinstance(v, str)}
     if HEADER_VERDICT not in values:
         return None
+    replica = values.get(HEADER_REPLICA)
     return Placement(
-        Verdict(values[HEADER_VERDICT]), int(values[HEADER_REPLICA]), int(values[HEADER_HOPS])
+        Verdict(values[HEADER_VERDICT]),
+        None if replica is None else int(replica),
+        int(values[HEADER_HOPS]),
     )
 
 
@@ -249,8 +268,33 @@ def _item(
     """A response as SDK type; the initial `metadata` is passed with the first one only."""
     if response.HasField("final"):
         return result_from_proto(response.final)
+    chunk = response.chunk
+    logprobs = tuple(
+        TokenLogprob(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+        for lp in chunk.logprobs
+    )
     placement = placement_from_metadata(metadata)
-    return Chunk(response.chunk.text, tuple(response.chunk.token_ids), placement)
+    return Chunk(chunk.text, tuple(chunk.token_ids), placement, chunk.index, logprobs)
+
+
+def _one_choice(options: dict[str, Any]) -> None:
+    if options.get("n", 1) != 1:
+        raise ValueError("complete() returns one choice; read generate() for n > 1")
+
+
+@dataclass
+class _Collected:
+    """A one-choice stream gathered into its `Completion`."""
+
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, item: Chunk | Result) -> Completion | None:
+        if isinstance(item, Result):
+            return Completion("".join(self.parts), item, tuple(self.logprobs))
+        self.parts.append(item.text)
+        self.logprobs.extend(item.logprobs)
+        return None
 
 
 def _error(exc: grpc.RpcError) -> ClientError:
@@ -342,12 +386,12 @@ class Client(_Base):
             attempt += 1
 
     def complete(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
-        """The whole output at once."""
-        parts: list[str] = []
+        """The whole output at once (one choice: `generate` streams n > 1)."""
+        _one_choice(kwargs)
+        collected = _Collected()
         for item in self.generate(prompt, **kwargs):
-            if isinstance(item, Result):
-                return Completion("".join(parts), item)
-            parts.append(item.text)
+            if (done := collected.add(item)) is not None:
+                return done
         raise ClientError(grpc.StatusCode.INTERNAL, "stream ended without a result")
 
     def cluster_status(self, timeout_s: float | None = None) -> ClusterStatus:
@@ -422,11 +466,11 @@ class AsyncClient(_Base):
     async def complete(
         self, prompt: str | Sequence[int] | None = None, **kwargs: Any
     ) -> Completion:
-        parts: list[str] = []
+        _one_choice(kwargs)
+        collected = _Collected()
         async for item in self.generate(prompt, **kwargs):
-            if isinstance(item, Result):
-                return Completion("".join(parts), item)
-            parts.append(item.text)
+            if (done := collected.add(item)) is not None:
+                return done
         raise ClientError(grpc.StatusCode.INTERNAL, "stream ended without a result")
 
     async def cluster_status(self, timeout_s: float | None = None) -> ClusterStatus:

@@ -16,6 +16,7 @@ carries the HTTP door's `x-slos-serve-verdict`, `-replica` and `-hops` headers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,9 +27,10 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from cluster.api import ClusterStatus, FinalRecord
+from replica.batch import TokenLogprob
 from router.client import OPTIONAL_SCALARS
 from router.errors import ApiError, BadRequest, Rejected, Unavailable
-from router.frontdoor import Finished, FrontDoor
+from router.frontdoor import Finished, FrontDoor, interleaved
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 from router.openai_format import placement_headers
@@ -72,6 +74,13 @@ def request_to_body(
         body["ignore_eos"] = True
     if request.include_stop_str_in_output:
         body["include_stop_str_in_output"] = True
+    if request.n:
+        body["n"] = request.n
+    if request.HasField("logprobs"):
+        if endpoint is Endpoint.CHAT:
+            body |= {"logprobs": True, "top_logprobs": request.logprobs}
+        else:
+            body["logprobs"] = request.logprobs
     if request.priority:
         body["priority"] = request.priority
     if request.service_tier == pb.SERVICE_TIER_FLEX:
@@ -103,8 +112,11 @@ def _stage_to_body(stage: pb.Stage) -> dict[str, Any]:
     return out
 
 
-def final_to_proto(record: FinalRecord, stop_reason: str | int | None = None) -> pb.Final:
+def final_to_proto(
+    record: FinalRecord, stop_reason: str | int | None = None, index: int = 0
+) -> pb.Final:
     final = pb.Final(
+        index=index,
         request_id=record.request_id,
         verdict=record.verdict.value,
         hops=record.hops,
@@ -130,6 +142,11 @@ def final_to_proto(record: FinalRecord, stop_reason: str | int | None = None) ->
     elif stop_reason is not None:
         final.stop_token_id = stop_reason
     return final
+
+
+def _logprob_to_proto(logprob: TokenLogprob) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=token, logprob=value) for token, value in logprob.top]
+    return pb.TokenLogprob(logprob=logprob.logprob, top=top)
 
 
 def status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
@@ -176,25 +193,32 @@ class ServingServicer(pb_grpc.ServingServicer):
             tenant = self.door.authenticate(metadata.get("authorization"))
             endpoint, body = request_to_body(request, self.door.model_name)
             parsed = self.door.parse(endpoint, body, metadata, tenant)
-            (generation,) = await self.door.start(parsed, tenant)  # one prompt, n = 1
+            generations = await self.door.start(parsed, tenant)
         except ApiError as exc:
             await _abort(context, exc)
             return
         try:
-            placement = placement_headers([generation.placement])
+            placement = placement_headers([g.placement for g in generations])
             if placement:
                 await context.send_initial_metadata(tuple(placement.items()))
-            async for event in generation.events():
-                if isinstance(event, Finished):
-                    final = final_to_proto(event.record, event.stop_reason)
-                    yield pb.GenerateResponse(final=final)
-                elif event.text or event.token_ids:
-                    chunk = pb.TextChunk(text=event.text, token_ids=event.token_ids)
-                    yield pb.GenerateResponse(chunk=chunk)
+            async with contextlib.aclosing(interleaved(generations)) as events:
+                async for index, event in events:
+                    if isinstance(event, Finished):
+                        final = final_to_proto(event.record, event.stop_reason, index)
+                        yield pb.GenerateResponse(final=final)
+                    elif event.text or event.token_ids:
+                        chunk = pb.TextChunk(
+                            text=event.text,
+                            token_ids=event.token_ids,
+                            index=index,
+                            logprobs=[_logprob_to_proto(lp) for lp in event.logprobs],
+                        )
+                        yield pb.GenerateResponse(chunk=chunk)
         except ApiError as exc:
             await _abort(context, exc)
         finally:
-            generation.close()
+            for generation in generations:
+                generation.close()
 
     async def GetClusterStatus(
         self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext

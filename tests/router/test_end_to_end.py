@@ -259,6 +259,40 @@ def test_n_seeded_samples_differ_and_each_is_reproducible(oai: openai.OpenAI) ->
     assert roles == ["assistant", "assistant"] and joined == [first, second]
 
 
+def test_grpc_samples_with_logprobs_match_http(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
+    """n seeded samples through the SDK: chunks told apart by index, a Result per choice,
+    each token's log-probability; the same texts and values as the HTTP door gives."""
+    http = oai.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=12, temperature=0.9, n=2, seed=5, logprobs=2
+    )
+    with Client(live.grpc_target, api_key=API_KEY) as client:
+        items = list(
+            client.generate(PROMPT, max_tokens=12, temperature=0.9, n=2, seed=5, logprobs=2)
+        )
+        single = client.complete(PROMPT, max_tokens=12, temperature=0.9, seed=5, logprobs=0)
+    results = sorted((i for i in items if isinstance(i, Result)), key=lambda r: r.index)
+    assert [r.index for r in results] == [0, 1] and isinstance(items[-1], Result)
+    first = items[0]
+    assert isinstance(first, Chunk) and first.placement is not None
+    replicas = {r.replica for r in results}
+    assert first.placement.replica == (replicas.pop() if len(replicas) == 1 else None)
+    for choice in http.choices:
+        chunks = [c for c in items if isinstance(c, Chunk) and c.index == choice.index]
+        assert "".join(c.text for c in chunks) == choice.text
+        logprobs = [lp for c in chunks for lp in c.logprobs]
+        assert (
+            len(logprobs)
+            == sum(len(c.token_ids) for c in chunks)
+            == results[choice.index].completion_tokens
+        )
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        assert [lp.logprob for lp in logprobs] == pytest.approx(choice.logprobs.token_logprobs)
+        assert all(len(lp.top) == 2 for lp in logprobs)
+    assert single.text == http.choices[0].text
+    assert len(single.logprobs) == single.result.completion_tokens
+    assert all(lp.top == () for lp in single.logprobs)
+
+
 def test_a_refused_choice_stops_the_others(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
     """The test profile lets a replica hold one request of a 100 ms TPOT, not two: of three
     choices, two are admitted (one per replica) and the third is refused, so the request gets

@@ -7,12 +7,24 @@ from pathlib import Path
 
 import pytest
 
-from cluster.api import ClusterStatus, FinalRecord, ReplicaStatus, StageVerdict, Verdict
+from cluster.api import (
+    ClusterStatus,
+    FinalRecord,
+    Placement,
+    ReplicaStatus,
+    StageVerdict,
+    Verdict,
+)
+from replica.batch import TokenLogprob
 from replica.request import SLO, Stage, Tier
 from router.client import (
     OPTIONAL_SCALARS,
+    Chunk,
+    Client,
     GenerateOptions,
+    _item,
     build_request,
+    placement_from_metadata,
     result_from_proto,
     status_from_proto,
 )
@@ -62,7 +74,7 @@ def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None
     assert (sampling.min_tokens, sampling.stop_token_ids) == (3, (9, 4))
     assert sampling.include_stop_str_in_output
     _, unset = request_to_body(build_request("Hello", None, GenerateOptions()), "demo")
-    assert set(unset) == {"model", "prompt"}
+    assert set(unset) == {"model", "prompt", "n"}
     with pytest.raises(ValueError, match="stop_token_ids"):
         build_request("x", None, GenerateOptions(stop_token_ids=[-1]))
     with pytest.raises(ValueError, match="logit_bias"):
@@ -73,6 +85,39 @@ def test_every_optional_proto_scalar_is_an_sdk_option() -> None:
     """The SDK and the server walk the proto's optional scalars by name."""
     assert set(OPTIONAL_SCALARS) <= {f.name for f in dataclasses.fields(GenerateOptions)}
     assert {"max_tokens", "seed", "repetition_penalty"} <= set(OPTIONAL_SCALARS)
+
+
+def test_samples_and_logprobs_cross_grpc(codec: TextCodec) -> None:
+    """n and logprobs reach the same parsing as HTTP's, for a prompt and for chat."""
+    options = GenerateOptions(n=3, logprobs=2, seed=7, temperature=0.8)
+    endpoint, body = request_to_body(build_request("Hello", None, options), "demo")
+    parsed = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0)
+    assert parsed.n == 3 and [r.sampling.seed for r in parsed.requests] == [7, 8, 9]
+    assert all(r.sampling.logprobs == 2 for r in parsed.requests)
+    chat, body = request_to_body(build_request(None, [("user", "hi")], options), "demo")
+    assert chat is Endpoint.CHAT and (body["logprobs"], body["top_logprobs"]) == (True, 2)
+    _, plain = request_to_body(build_request("Hello", None, GenerateOptions()), "demo")
+    assert "logprobs" not in plain and plain["n"] == 1
+    with pytest.raises(ValueError, match="n: "):
+        build_request("x", None, GenerateOptions(n=-1))
+    with pytest.raises(ValueError, match="returns one choice"):
+        Client("127.0.0.1:9").complete("x", n=2)
+
+
+def test_placement_of_choices_on_different_replicas_names_none() -> None:
+    split = placement_from_metadata(
+        (("x-slos-serve-verdict", "best_effort"), ("x-slos-serve-hops", "2"))
+    )
+    assert split == Placement(Verdict.BEST_EFFORT, None, 2)
+    assert placement_from_metadata((("other", "x"),)) is None
+
+
+def test_chunks_carry_their_choice_and_logprobs() -> None:
+    logprob = pb.TokenLogprob(logprob=-0.5, top=[pb.TopLogprob(token_id=4, logprob=-0.25)])
+    chunk = pb.TextChunk(text="a", token_ids=[4], index=2, logprobs=[logprob])
+    item = _item(pb.GenerateResponse(chunk=chunk), None)
+    assert isinstance(item, Chunk) and item.index == 2
+    assert item.logprobs == (TokenLogprob(-0.5, ((4, -0.25),)),)
 
 
 def test_chat_flex_and_tier_name(codec: TextCodec) -> None:
@@ -139,6 +184,7 @@ def test_final_and_status_round_trip() -> None:
     assert result.stop_reason is None
     assert result_from_proto(final_to_proto(record, "\n")).stop_reason == "\n"
     assert result_from_proto(final_to_proto(record, 0)).stop_reason == 0
+    assert result_from_proto(final_to_proto(record, None, 3)).index == 3
     replica = ReplicaStatus(0, True, 1, 2, 1, 0, 0.5, {"decode": 1.25})
     status = ClusterStatus("demo", (replica,), {"admitted": 4}, scheduler="sarathi")
     assert status_from_proto(status_to_proto(status)) == status  # as HTTP reports it

@@ -51,6 +51,9 @@ class TokenChunk:
     the new one); None on the others."""
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per token, when the request's sampling asked for them (`logprobs`)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """With the first token, when the request's sampling asked for them (`prompt_logprobs`):
+    one per prompt token after the first."""
 
 
 @dataclass(frozen=True)

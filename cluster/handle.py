@@ -187,7 +187,12 @@ class ClusterHandle:
                             progress.tokens.extend(item.token_ids)
                             progress.times.extend(item.times)
                             yield TokenChunk(
-                                rid, item.token_ids, item.times, placement, item.logprobs
+                                rid,
+                                item.token_ids,
+                                item.times,
+                                placement,
+                                item.logprobs,
+                                item.prompt_logprobs,
                             )
                             placement = None
                         if item.lost:

@@ -61,3 +61,6 @@ class StreamItem:
     lost: bool = False
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per token, when the request asked for them."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """With the first token, when the request asked for them: one per prompt token after
+    the first."""

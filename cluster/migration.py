@@ -50,6 +50,7 @@ def resumed_request(original: Request, delivered: Sequence[int]) -> Request:
             original.sampling,
             max_tokens=original.sampling.max_tokens - count,
             min_tokens=max(0, original.sampling.min_tokens - count),
+            prompt_logprobs=None,  # the client has them
         ),
         slo=None if original.slo is None else shift_slo(original.slo, count),
         resumed_output=original.resumed_output + count,

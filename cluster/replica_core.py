@@ -189,7 +189,12 @@ class ReplicaCore:
             held.output.extend(result.new_token_ids)
             held.num_computed = result.num_computed_tokens
             tokens = tuple(result.new_token_ids)
-            item = StreamItem(tokens, (now,) * len(tokens), logprobs=tuple(result.logprobs))
+            item = StreamItem(
+                tokens,
+                (now,) * len(tokens),
+                logprobs=tuple(result.logprobs),
+                prompt_logprobs=tuple(result.prompt_logprobs),
+            )
             if result.finish_reason is not None:
                 self._end(result.request_id, result.finish_reason, item)
             elif item.token_ids:
@@ -245,6 +250,7 @@ class ReplicaCore:
 def _lean(outcome: BatchOutcome) -> BatchOutcome:
     """The outcome as the controller needs it: log-probabilities (up to 20 alternatives a
     token) go to the clients' streams only."""
-    if not any(o.logprobs for o in outcome.outcomes):
+    if not any(o.logprobs or o.prompt_logprobs for o in outcome.outcomes):
         return outcome
-    return replace(outcome, outcomes=[replace(o, logprobs=[]) for o in outcome.outcomes])
+    lean = [replace(o, logprobs=[], prompt_logprobs=[]) for o in outcome.outcomes]
+    return replace(outcome, outcomes=lean)

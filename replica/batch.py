@@ -92,6 +92,9 @@ class RequestOutcome:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One per new token, when the request's `logprobs` asks for them."""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """With the request's first token, when its `prompt_logprobs` asks for them: one per
+    prompt token after the first."""
 
     @property
     def finished(self) -> bool:

@@ -57,6 +57,9 @@ class _Seq:
     shaper: LogitsShaper | None = None
     """The request's bias, penalties and min_tokens; None when it has none (most requests)."""
     output: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Log-probabilities of prompt tokens 1, 2, ... computed so far (prompt_logprobs)."""
+    prompt_logprobs_sent: bool = False
     num_computed: int = 0
     finish_reason: FinishReason | None = None
 
@@ -378,6 +381,8 @@ class Engine:
         if isinstance(w.entry, PrefillChunk):
             feed = seq.tokens[cached : cached + w.num_feed]
             num_logits = 1 if cached + w.num_feed == seq.num_known else 0
+            if self._prompt_rows(seq, cached, w.num_feed) is not None:
+                num_logits = w.num_feed
         else:
             feed = [seq.last_token, *w.proposal.tokens]
             num_logits = len(feed)
@@ -389,6 +394,15 @@ class Engine:
         rid = seq.request.request_id
         params = seq.request.sampling
         proposal = w.proposal.tokens
+        rows = self._prompt_rows(seq, seq.num_computed, w.num_feed)
+        if isinstance(w.entry, PrefillChunk) and rows is not None:
+            first, last = rows
+            cached, prompt = seq.num_computed, seq.request.prompt_token_ids
+            values = logits[first - cached : last - cached + 1]
+            k = params.prompt_logprobs
+            seq.prompt_logprobs += token_logprobs(values, prompt[first + 1 : last + 2], k)
+            final = cached + w.num_feed == seq.num_known
+            logits, argmax = (logits[-1:], argmax[-1:]) if final else (logits[:0], [])
         if not argmax:
             seq.num_computed += w.num_feed
             return RequestOutcome(rid, num_computed_tokens=seq.num_computed)
@@ -426,7 +440,24 @@ class Engine:
             num_accepted_tokens=accepted,
             finish_reason=seq.finish_reason,
             logprobs=token_logprobs(raw, appended, params.logprobs),
+            prompt_logprobs=self._take_prompt_logprobs(seq),
         )
+
+    def _prompt_rows(self, seq: _Seq, cached: int, num_feed: int) -> tuple[int, int] | None:
+        """The positions (first, last) of a prefill chunk whose logits give prompt tokens'
+        log-probabilities not computed yet (position p gives token p + 1's), or None."""
+        if seq.request.sampling.prompt_logprobs is None or seq.prompt_logprobs_sent:
+            return None
+        first = max(cached, len(seq.prompt_logprobs))
+        last = min(cached + num_feed - 1, seq.request.prompt_len - 2)
+        return (first, last) if first <= last else None
+
+    def _take_prompt_logprobs(self, seq: _Seq) -> list[TokenLogprob]:
+        """The prompt's log-probabilities, once: with the request's first token."""
+        if seq.request.sampling.prompt_logprobs is None or seq.prompt_logprobs_sent:
+            return []
+        seq.prompt_logprobs_sent = True
+        return seq.prompt_logprobs
 
     def _shaper(self, request: Request) -> LogitsShaper | None:
         params = request.sampling

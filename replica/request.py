@@ -100,6 +100,10 @@ class SamplingParams:
     """Tokens that end the output, like EOS: counted and kept in the ids, not in the text."""
     include_stop_str_in_output: bool = False
     """Keep the stop string, or the stop token's text, at the end of the text (vLLM)."""
+    prompt_logprobs: int | None = None
+    """Report each prompt token's log-probability given the tokens before it (the first has
+    none) and those of the `prompt_logprobs` most likely tokens; None: none. Costs the LM
+    head over every prompt position, which the perf model does not charge."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -117,8 +121,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
         _check_between("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_between("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_finite("repetition_penalty", self.repetition_penalty, positive=True, upper=100.0)

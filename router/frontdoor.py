@@ -58,6 +58,8 @@ class TextDelta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """With the first tokens, when asked for: one per prompt token after the first."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Output:
     logprobs: tuple[TokenLogprob, ...]
     record: FinalRecord
     stop_reason: str | int | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Generation:
@@ -134,7 +137,8 @@ class Generation:
             self.last_token_time = self.door.metrics.record_tokens(
                 self.slo_label, self.last_token_time, item.times
             )
-            yield TextDelta(self.text.push(item.token_ids), item.token_ids, item.logprobs)
+            text = self.text.push(item.token_ids)
+            yield TextDelta(text, item.token_ids, item.logprobs, item.prompt_logprobs)
             try:
                 item = await anext(self.rest, None)
             except ClusterUnavailable as exc:
@@ -147,6 +151,7 @@ class Generation:
         parts: list[str] = []
         token_ids: list[int] = []
         logprobs: list[TokenLogprob] = []
+        prompt_logprobs: list[TokenLogprob] = []
         finished: Finished | None = None
         try:
             async for event in self.events():
@@ -156,12 +161,18 @@ class Generation:
                     parts.append(event.text)
                     token_ids.extend(event.token_ids)
                     logprobs.extend(event.logprobs)
+                    prompt_logprobs.extend(event.prompt_logprobs)
         finally:
             self.close()
         if finished is None:
             raise RuntimeError(f"cluster stream of {self.request_id} ended without a FinalRecord")
         return Output(
-            "".join(parts), tuple(token_ids), tuple(logprobs), finished.record, finished.stop_reason
+            "".join(parts),
+            tuple(token_ids),
+            tuple(logprobs),
+            finished.record,
+            finished.stop_reason,
+            tuple(prompt_logprobs),
         )
 
     def close(self) -> None:

@@ -22,8 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cluster.api import FinalRecord
+from replica.batch import TokenLogprob
 from router.errors import ApiError, BadRequest, ModelNotFound, Rejected, Unavailable
-from router.frontdoor import Finished, FrontDoor, Generation, interleaved
+from router.frontdoor import Finished, FrontDoor, Generation, TextDelta, interleaved
 from router.openai_format import (
     ChunkWriter,
     cluster_headers,
@@ -156,6 +157,7 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
         outputs,
         parsed.n,
         door.codec.token_text,
+        parsed.echo,
     )
     return JSONResponse(content, headers=cluster_headers(content["slos_serve"]))
 
@@ -168,9 +170,16 @@ async def _sse(
         parsed.endpoint, parsed.response_id, created, door.model_name, door.codec.token_text
     )
     records: dict[int, FinalRecord] = {}
+    echoes = dict(enumerate(parsed.echo))
     try:
         async with contextlib.aclosing(interleaved(generations)) as events:
             async for index, event in events:
+                if index in echoes:  # the prompt leads the choice's first chunk
+                    echo = echoes.pop(index)
+                    prompt: list[TokenLogprob | None] = []
+                    if isinstance(event, TextDelta) and event.logprobs:
+                        prompt = [None, *event.prompt_logprobs]
+                    yield writer.text(index, echo.text, echo.token_ids, prompt)
                 if isinstance(event, Finished):
                     records[index] = event.record
                     yield writer.finish(index, event)

@@ -15,7 +15,7 @@ from cluster.api import FinalRecord, Placement, Verdict
 from replica.batch import TokenLogprob
 from router.errors import ApiError
 from router.frontdoor import Finished, Output
-from router.openai_schema import Endpoint
+from router.openai_schema import Echo, Endpoint
 
 SSE_DONE = b"data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0
@@ -130,38 +130,60 @@ def usage(records: Sequence[FinalRecord], n: int) -> dict[str, int]:
 def logprobs_json(
     endpoint: Endpoint,
     token_ids: Sequence[int],
-    logprobs: Sequence[TokenLogprob],
+    logprobs: Sequence[TokenLogprob | None],
     token_text: Callable[[int], str],
     offset: int = 0,
 ) -> tuple[dict[str, Any] | None, int]:
     """A choice's (or a chunk's) `logprobs` in the endpoint's OpenAI form, or None when the
     request asked for none; and the text offset after its tokens (completions' `text_offset`
-    counts each token's text from `offset`)."""
+    counts each token's text from `offset`). A None entry is a token without one (an echoed
+    prompt's first)."""
     if not logprobs:
         return None, offset
     texts = [token_text(t) for t in token_ids]
-    logprobs = [_finite(lp) for lp in logprobs]
+    entries = [None if lp is None else _finite(lp) for lp in logprobs]
     if endpoint is Endpoint.CHAT:
         content = [
             {
                 **_token_entry(text, lp.logprob),
                 "top_logprobs": [_token_entry(token_text(t), v) for t, v in lp.top],
             }
-            for text, lp in zip(texts, logprobs, strict=True)
+            for text, lp in zip(texts, entries, strict=True)
+            if lp is not None
         ]
         return {"content": content, "refusal": None}, offset
     offsets = list(itertools.accumulate((len(t) for t in texts), initial=offset))
     top = [
-        _by_text([*((token_text(t), v) for t, v in lp.top), (text, lp.logprob)])
-        for text, lp in zip(texts, logprobs, strict=True)
+        None
+        if lp is None
+        else _by_text([*((token_text(t), v) for t, v in lp.top), (text, lp.logprob)])
+        for text, lp in zip(texts, entries, strict=True)
     ]
     completion = {
         "tokens": texts,
-        "token_logprobs": [lp.logprob for lp in logprobs],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in entries],
         "top_logprobs": top,
         "text_offset": offsets[:-1],
     }
     return completion, offsets[-1]
+
+
+def echoed(
+    echo: Echo | None, output: Output, token_text: Callable[[int], str]
+) -> tuple[str, dict[str, Any] | None]:
+    """A completion choice's text and `logprobs` with its prompt first when `echo` asks:
+    the prompt's tokens lead the log-probabilities, the first without one."""
+    endpoint = Endpoint.COMPLETIONS
+    if echo is None:
+        return output.text, logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)[
+            0
+        ]
+    if not output.logprobs:
+        return echo.text + output.text, None
+    prompt = [None, *output.prompt_logprobs]
+    token_ids = (*echo.token_ids, *output.token_ids)
+    logprobs = logprobs_json(endpoint, token_ids, [*prompt, *output.logprobs], token_text)[0]
+    return echo.text + output.text, logprobs
 
 
 def _finite(logprob: TokenLogprob) -> TokenLogprob:
@@ -191,17 +213,19 @@ def full_response(
     outputs: Sequence[Output],
     n: int,
     token_text: Callable[[int], str],
+    echo: Sequence[Echo] = (),
 ) -> dict[str, Any]:
-    """The non-streamed body of a finished request: one choice per output, in order."""
+    """The non-streamed body of a finished request: one choice per output, in order (each
+    led by its prompt when `echo` has one per choice)."""
     records = [o.record for o in outputs]
     choices = []
     for index, output in enumerate(outputs):
         choice: dict[str, Any] = {"index": index}
         if endpoint is Endpoint.CHAT:
             choice["message"] = {"role": "assistant", "content": output.text}
+            logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)
         else:
-            choice["text"] = output.text
-        logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)
+            choice["text"], logprobs = echoed(echo[index] if echo else None, output, token_text)
         choice |= {
             "logprobs": logprobs,
             "finish_reason": output.record.finish_reason,
@@ -284,7 +308,7 @@ class ChunkWriter:
         index: int,
         text: str,
         token_ids: Sequence[int] = (),
-        logprobs: Sequence[TokenLogprob] = (),
+        logprobs: Sequence[TokenLogprob | None] = (),
     ) -> bytes:
         """Choice `index`'s next text, with its tokens' log-probabilities when asked for."""
         offset = self.offsets.get(index, 0)

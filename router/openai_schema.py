@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 import reprlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import partial
@@ -68,6 +68,8 @@ class Codec(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
 
@@ -90,6 +92,15 @@ class SchemaContext:
 
 
 @dataclass(frozen=True)
+class Echo:
+    """A completion's prompt as `echo` repeats it before the output: its text (as given, or
+    decoded from the ids given) and its token ids."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ParsedRequest:
     endpoint: Endpoint
     response_id: str
@@ -101,6 +112,9 @@ class ParsedRequest:
     include_usage: bool
     slo_label: str
     """Where the SLO came from, for metrics: a tier name, custom, header, default or flex."""
+    echo: tuple[Echo, ...] = ()
+    """Per choice, the prompt its text and log-probabilities begin with (completions'
+    `echo`); empty without echo."""
 
     @property
     def arrival_time(self) -> float:
@@ -166,12 +180,15 @@ def parse_body(
     _check_unsupported(endpoint, body)
     prompts = _prompts(endpoint, body, ctx, codec)
     n = _choices_per_prompt(body, len(prompts))
+    echo = endpoint is Endpoint.COMPLETIONS and _bool(body, "echo", False)
     tier, slo, slo_label = _tier_and_slo(body, headers, ctx)
     value = _value(body)
     requests = []
     for i, prompt in enumerate(prompts):
         where = "" if len(prompts) == 1 else f"prompt[{i}]: "
         sampling = _sampling(endpoint, body, ctx, len(prompt))
+        if echo:  # the prompt's log-probabilities too, when the output's are asked for
+            sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
         for j in range(n):
             index = i * n + j
             request = _build(
@@ -201,7 +218,25 @@ def parse_body(
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise BadRequest("stream_options may hold only include_usage", "stream_options")
         include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
-    return ParsedRequest(endpoint, request_id, tuple(requests), n, stream, include_usage, slo_label)
+    echoes: tuple[Echo, ...] = ()
+    if echo:
+        texts = _prompt_texts(body.get("prompt"), prompts, codec)
+        echoes = tuple(
+            Echo(texts[i], tuple(prompts[i])) for i in range(len(prompts)) for _ in range(n)
+        )
+    return ParsedRequest(
+        endpoint, request_id, tuple(requests), n, stream, include_usage, slo_label, echoes
+    )
+
+
+def _prompt_texts(raw: object, prompts: list[list[int]], codec: Codec) -> list[str]:
+    """Each prompt's text as given, or decoded where ids were given."""
+    given = [raw] if isinstance(raw, str) or _is_token_list(raw) else raw
+    assert isinstance(given, list)
+    return [
+        p if isinstance(p, str) else codec.decode(ids)
+        for p, ids in zip(given, prompts, strict=True)
+    ]
 
 
 def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
@@ -265,7 +300,6 @@ def _build(make: Callable[[], T], param: str, where: str = "") -> T:
 def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
     """Refuse OpenAI options we would otherwise silently ignore, unless set to their no-op."""
     noop: dict[str, tuple[object, ...]] = {
-        "echo": (None, False),
         "suffix": (None, ""),
         "store": (None, False),
         "response_format": (None, {"type": "text"}),

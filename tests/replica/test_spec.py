@@ -377,3 +377,40 @@ def test_logprobs_come_from_the_target_at_any_speculation_length(
             assert got.logprob == pytest.approx(expected[i, token].item(), abs=1e-4)
             assert [t for t, _ in got.top] == expected[i].topk(3).indices.tolist()
             assert got.top[0][1] == pytest.approx(expected[i].max().item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_prompt_logprobs_come_once_from_every_prompt_position(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    transformers_target: torch.nn.Module,
+    chunk: int,
+) -> None:
+    """Prompt token i's log-probability given tokens < i (and its top alternatives), from
+    the prefill's own rows, whatever the chunking; a preemption before the first token
+    recomputes none twice; they come once, with the first token."""
+    prompt = prompts[2]
+    engine = Engine(*runners, proposer="draft")
+    params = SamplingParams(max_tokens=4, prompt_logprobs=2, ignore_eos=True)
+    engine.add_request(Request("p", prompt, params, tier=Tier.BEST_EFFORT))
+    reported = []
+    for start in range(0, len(prompt), chunk):
+        size = min(chunk, len(prompt) - start)
+        outcome = engine.step(BatchPlan((PrefillChunk("p", size),))).outcomes[0]
+        reported.append(outcome.prompt_logprobs)
+        if start == 0 and size < len(prompt):
+            engine.preempt("p")
+            engine.step(BatchPlan((PrefillChunk("p", size),)))
+    while engine.finish_reason("p") is None:
+        reported.append(engine.step(BatchPlan((DecodeStep("p", 2),))).outcomes[0].prompt_logprobs)
+    engine.abort("p")
+    first_token_step = -(-len(prompt) // chunk) - 1
+    assert all(not r for i, r in enumerate(reported) if i != first_token_step)
+    got = reported[first_token_step]
+    with torch.no_grad():
+        logits = transformers_target(torch.tensor([prompt])).logits[0]
+    expected = torch.log_softmax(logits[:-1], dim=-1)
+    assert len(got) == len(prompt) - 1
+    for i, lp in enumerate(got):
+        assert lp.logprob == pytest.approx(expected[i, prompt[i + 1]].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == expected[i].topk(2).indices.tolist()

@@ -40,6 +40,7 @@ FIELD_NAMES = [
     "min_tokens",
     "stop_token_ids",
     "include_stop_str_in_output",
+    "echo",
     "unknown_field",
 ]
 bodies = st.fixed_dictionaries(

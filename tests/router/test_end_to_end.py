@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx
 import openai
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
@@ -360,6 +362,39 @@ def test_logprobs_of_every_token_streamed_or_not(oai: openai.OpenAI) -> None:
     assert content and all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.logprob == c.top_logprobs[0].logprob for c in content)
     assert oai.completions.create(**body).choices[0].logprobs is None
+
+
+def test_echo_with_logprobs_scores_a_prompt_as_an_evaluation_harness_asks(
+    oai: openai.OpenAI, live: LocalFrontDoor, target_dir: Path
+) -> None:
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1): the
+    text and log-probabilities start with the prompt's, which are the model's own."""
+    from transformers import AutoModelForCausalLM
+
+    body: dict[str, Any] = dict(
+        model="demo", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    out = oai.completions.create(**body)
+    ids = live.door.codec.encode(PROMPT)
+    choice = out.choices[0]
+    assert choice.text.startswith(PROMPT) and choice.logprobs is not None
+    values = choice.logprobs.token_logprobs
+    assert values is not None and len(values) == len(ids) + 1 and values[0] is None
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    expected = torch.log_softmax(logits[:-1], dim=-1)
+    prompt_values = [expected[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    assert values[1 : len(ids)] == pytest.approx(prompt_values, abs=1e-3)
+    streamed = list(oai.completions.create(**body, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    stream_values = [
+        v
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for v in c.choices[0].logprobs.token_logprobs or ()
+    ]
+    assert stream_values == values
 
 
 def test_headers_say_what_the_cluster_did(live: LocalFrontDoor) -> None:

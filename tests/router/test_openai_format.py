@@ -18,7 +18,7 @@ from router.openai_format import (
     placement_headers,
     sse_event,
 )
-from router.openai_schema import Endpoint
+from router.openai_schema import Echo, Endpoint
 
 RECORD = FinalRecord(
     request_id="r",
@@ -244,3 +244,25 @@ def test_error_json_shape() -> None:
     w = ChunkWriter(Endpoint.CHAT, "id4", 5, "demo", TEXT_OF)
     data = events(w.error(Rejected("gone", None, 1.0)))
     assert json.loads(data[0])["error"]["message"] == "gone" and data[1] == "[DONE]"
+
+
+def test_echo_leads_a_completion_with_its_prompt_and_its_log_probabilities() -> None:
+    """lm-evaluation-harness reads a continuation's log-probability this way: the prompt's
+    tokens first (the first without one), then the output's."""
+    echo = Echo("He", (1,))
+    output = Output("llo", (2,), (TokenLogprob(-0.5, ((2, -0.5),)),), RECORD)
+    body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [output], 1, TEXT_OF, [echo])
+    choice = body["choices"][0]
+    assert choice["text"] == "Hello"
+    assert choice["logprobs"]["tokens"] == ["He", "llo"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -0.5]
+    assert choice["logprobs"]["top_logprobs"] == [None, {"llo": -0.5}]
+    assert choice["logprobs"]["text_offset"] == [0, 2]
+    two = Echo("HeHe", (1, 1))
+    both = replace(output, prompt_logprobs=(TokenLogprob(-3.0, ((2, -0.1),)),))
+    body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [both], 1, TEXT_OF, [two])
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, -3.0, -0.5]
+    bare = full_response(
+        Endpoint.COMPLETIONS, "id9", 7, "demo", [replace(output, logprobs=())], 1, TEXT_OF, [echo]
+    )
+    assert bare["choices"][0]["text"] == "Hello" and bare["choices"][0]["logprobs"] is None

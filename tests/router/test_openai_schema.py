@@ -239,7 +239,7 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo", "prompt": "x", "n": MAX_CHOICES + 1}, "n"),
         ({"model": "demo", "prompt": ["x", "y"], "n": MAX_CHOICES // 2 + 1}, "n"),
         ({"model": "demo", "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
-        ({"model": "demo", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "demo", "prompt": "x", "echo": 1}, "echo"),
         ({"model": "demo", "prompt": "x", "priority": MAX_PRIORITY + 1}, "priority"),
         ({"model": "demo", "prompt": "x", "service_tier": "scale"}, "service_tier"),
         ({"model": "demo", "prompt": "x", "slo": {"ttft_ms": -1}}, "slo.ttft_ms"),
@@ -462,3 +462,22 @@ def test_any_tokenize_or_detokenize_body_parses_or_fails_cleanly(
             parse_one()
         except ApiError as exc:
             assert isinstance(exc, BadRequest | ModelNotFound) and len(exc.message) < 1000
+
+
+def test_echo_repeats_each_prompt_before_its_choices(codec: TextCodec, ctx: SchemaContext) -> None:
+    body = {"model": "demo", "prompt": ["Hello", "Bye"], "n": 2, "echo": True, "logprobs": 1}
+    parsed = parse(codec, ctx, body)
+    assert [e.text for e in parsed.echo] == ["Hello", "Hello", "Bye", "Bye"]
+    assert parsed.echo[3].token_ids == tuple(codec.encode("Bye"))
+    ids = parse(codec, ctx, {**body, "prompt": [[5, 6], [7]]}).echo
+    assert [(e.text, e.token_ids) for e in ids[1:3]] == [
+        (codec.decode([5, 6]), (5, 6)),
+        (codec.decode([7]), (7,)),
+    ]
+    assert all(r.sampling.prompt_logprobs == 1 for r in parsed.requests)
+    plain = parse(codec, ctx, {**body, "logprobs": None})
+    assert all(r.sampling.prompt_logprobs is None for r in plain.requests)
+    assert parse(codec, ctx, {**body, "echo": False}).echo == ()
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "echo": True}
+    with pytest.raises(BadRequest, match="unknown field"):
+        parse(codec, ctx, chat, endpoint=Endpoint.CHAT)

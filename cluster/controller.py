@@ -48,6 +48,12 @@ PLAN_RESEND_S = 0.25
 RESUME_WAIT_S = 120.0
 """How long a request that lost its replica waits for one to be up again (a restart reloads
 the model: seconds here, longer for a large checkpoint) before the client is told."""
+MAX_CONCURRENCY = 20_000
+"""Concurrent calls the controller actor serves. Submits wait for their verdict and resumes
+for a replica inside their call, so calls that wait must never starve the quick ones (lease
+renewals, replica reports, aborts); Ray's default for an async actor is 1,000. (A separate
+concurrency group for resumes would run them on another event loop, away from the state
+they wait on.)"""
 
 
 def load_profile(config: ClusterConfig) -> PerfModel:
@@ -195,7 +201,7 @@ class ClusterController:
         unclaimed = self.leases.unclaimed(known, time.monotonic())
         if unclaimed:
             log.warning("%d requests no front door claimed since the restart end", len(unclaimed))
-        for rid in orphans + unclaimed:
+        for rid in dict.fromkeys(orphans + unclaimed):
             self._spawn(self.abort(rid))
 
     async def ready(self) -> None:
@@ -248,7 +254,7 @@ class ClusterController:
                 await self._check(from_replica)
             await self._until_a_replica_is_up(time.monotonic() + RESUME_WAIT_S)
         finally:
-            aborted = self._resuming.pop(rid)
+            aborted = self._resuming.pop(rid, False)
         if aborted:
             return Binding(rid, None, None, 0, "aborted while waiting for a replica")
         self._binding[from_replica].pop(rid, None)

@@ -40,7 +40,7 @@ from cluster.api import (
 )
 from cluster.config import ClusterConfig
 from cluster.control import Binding
-from cluster.controller import ClusterController, load_profile
+from cluster.controller import MAX_CONCURRENCY, ClusterController, load_profile
 from cluster.messages import StreamItem
 from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
 from cluster.replica_actor import (
@@ -402,6 +402,7 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
         namespace=namespace,
         max_restarts=-1,
         max_task_retries=-1,
+        max_concurrency=MAX_CONCURRENCY,
         num_cpus=0,
         **lifetime,
     )

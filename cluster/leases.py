@@ -31,6 +31,10 @@ class Leases:
     last_renewal: float | None = None
     claims_settled: bool = False
     """A restarted controller has counted the requests no door claimed (`unclaimed`)."""
+    claimed: set[str] = field(default_factory=set)
+    """Requests a door named since the restart (until `unclaimed` has counted): unlike
+    `owners`, never pruned meanwhile, so a request briefly unknown (its replica's mirror
+    rebuilt) still counts as claimed."""
 
     def renew(self, door: str, requests: Iterable[str], now: float) -> bool:
         """Take or renew `door`'s lease, owning `requests` (a restarted controller learns its
@@ -40,11 +44,15 @@ class Leases:
         self.doors[door] = self.last_renewal = now
         for request_id in requests:
             self.owners.setdefault(request_id, door)
+            if self.settling:
+                self.claimed.add(request_id)
         return True
 
     def own(self, request_id: str, door: str, now: float) -> None:
         """A door submits or resumes a request: a sign of life too."""
         self.owners[request_id] = door
+        if self.settling:
+            self.claimed.add(request_id)
         if not self.closing:
             self.doors[door] = self.last_renewal = now
 
@@ -89,7 +97,8 @@ class Leases:
         if not self.settling or now - self.booted <= self.lease_s:
             return []
         self.claims_settled = True
-        return sorted(known - self.owners.keys())
+        unclaimed, self.claimed = known - self.claimed, set()
+        return sorted(unclaimed)
 
     def abandoned(self, now: float) -> bool:
         """No door has renewed for `abandoned_after_s`, since boot or the last renewal."""

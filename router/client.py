@@ -1,11 +1,12 @@
 """Python SDK for the gRPC door: `Client` (blocking) and `AsyncClient` (asyncio).
 
-`generate` streams `Chunk`s and ends with one `Result` (verdict, replica, hops, usage, SLO
-attainment); the first `Chunk` already says where the request was bound (`placement`, from the
-initial metadata). Calls have a deadline (`timeout_s`, spanning retries). Only UNAVAILABLE is
-retried, with exponential backoff, and only before the first response arrived: a started
-stream is never replayed, so no token is ever delivered twice. Every other failure raises
-`ClientError` with the gRPC code (RESOURCE_EXHAUSTED carries the server's retry-after).
+`generate` streams `Chunk`s and ends each choice with its `Result` (verdict, replica, hops,
+usage, SLO attainment; one choice unless `n` > 1); the first `Chunk` already says where the
+request was bound (`placement`, from the initial metadata). Calls have a deadline
+(`timeout_s`, spanning retries). Only UNAVAILABLE is retried, with exponential backoff, and
+only before the first response arrived: a started stream is never replayed, so no token is
+ever delivered twice. Every other failure raises `ClientError` with the gRPC code
+(RESOURCE_EXHAUSTED carries the server's retry-after).
 """
 
 from __future__ import annotations
@@ -278,7 +279,7 @@ def _item(
 
 
 def _one_choice(options: dict[str, Any]) -> None:
-    if options.get("n", 1) != 1:
+    if options.get("n", 1) > 1:
         raise ValueError("complete() returns one choice; read generate() for n > 1")
 
 
@@ -361,7 +362,8 @@ class Client(_Base):
         timeout_s: float | None = None,
         **options: Any,
     ) -> Iterator[Chunk | Result]:
-        """Stream the output: `Chunk`s, then one `Result`."""
+        """Stream the output: `Chunk`s, and each choice's `Result` as it ends (one choice
+        unless `n` > 1)."""
         request = build_request(prompt, messages, GenerateOptions(**options))
         deadline = self._deadline(timeout_s)
         attempt = 1
@@ -437,7 +439,8 @@ class AsyncClient(_Base):
         timeout_s: float | None = None,
         **options: Any,
     ) -> AsyncIterator[Chunk | Result]:
-        """Stream the output: `Chunk`s, then one `Result`. To stop early, close the generator
+        """Stream the output: `Chunk`s, and each choice's `Result` as it ends (one choice
+        unless `n` > 1). To stop early, close the generator
         (`await stream.aclose()`, or iterate inside `contextlib.aclosing`): a loop left with
         `break` keeps the request running until the generator is collected."""
         request = build_request(prompt, messages, GenerateOptions(**options))

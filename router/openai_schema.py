@@ -242,9 +242,13 @@ def _prompt_texts(raw: object, prompts: list[list[int]], codec: Codec) -> list[s
 def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
     """vLLM's /tokenize body: a completion `prompt` (a string) or chat `messages`, to the
     token ids a completion or chat request would send the model."""
-    body = _known_fields(body, {"model", "prompt", "messages"}, ctx)
+    fields = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+    body = _known_fields(body, fields, ctx, model_required=False)
+    for name in ("add_special_tokens", "add_generation_prompt"):
+        if not _bool(body, name, True):
+            raise BadRequest(f"{name}=false is not supported", name)
     if ("prompt" in body) == ("messages" in body):
-        raise BadRequest("give prompt or messages, not both", "prompt")
+        raise BadRequest("give either prompt or messages", "prompt")
     if "messages" in body:
         return _prompts(Endpoint.CHAT, body, ctx, codec)[0]
     prompt = body["prompt"]
@@ -255,7 +259,7 @@ def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
 
 def parse_detokenize(body: object, ctx: SchemaContext) -> list[int]:
     """vLLM's /detokenize body: `tokens`, at most a context's worth of the model's ids."""
-    body = _known_fields(body, {"model", "tokens"}, ctx)
+    body = _known_fields(body, {"model", "tokens"}, ctx, model_required=False)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or len(tokens) > ctx.max_model_len:
         raise BadRequest(f"tokens must be a list of at most {ctx.max_model_len} ids", "tokens")
@@ -266,14 +270,19 @@ def parse_detokenize(body: object, ctx: SchemaContext) -> list[int]:
     return valid
 
 
-def _known_fields(body: object, fields: set[str], ctx: SchemaContext) -> dict[str, Any]:
-    """A JSON object holding only `fields`, for this server's model."""
+def _known_fields(
+    body: object, fields: set[str], ctx: SchemaContext, *, model_required: bool = True
+) -> dict[str, Any]:
+    """A JSON object holding only `fields`, for this server's model (which vLLM's tokenizer
+    endpoints need not name)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(str(k)[:64] for k in body if k not in fields)
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(unknown[:8])}", unknown[0])
     model = body.get("model")
+    if model is None and not model_required:
+        return body
     if not isinstance(model, str) or not model:
         raise BadRequest("model is required and must be a string", "model")
     if model != ctx.model_name:

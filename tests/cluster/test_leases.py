@@ -40,6 +40,15 @@ def test_requests_no_door_claims_a_lease_after_a_restart_end_once() -> None:
     assert Leases(lease_s=10.0, booted=0.0).unclaimed({"x"}, now=50.0) == []  # not restarted
 
 
+def test_a_request_briefly_unknown_after_a_restart_stays_claimed() -> None:
+    """Its replica's mirror was rebuilt between renewals: orphans() forgot its owner, but
+    its door did name it."""
+    leases = Leases(lease_s=10.0, booted=100.0, restarted=True)
+    leases.renew("b", ["r3"], now=108.0)
+    assert leases.orphans(known=set()) == []
+    assert leases.unclaimed({"r3"}, now=110.1) == []
+
+
 def test_the_last_door_out_closes_the_cluster_and_no_door_attaches_after() -> None:
     leases = Leases(lease_s=10.0, booted=0.0)
     leases.renew("a", [], now=0.0)

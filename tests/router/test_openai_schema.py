@@ -427,11 +427,18 @@ def test_tokenize_gives_the_ids_a_request_would_send(codec: TextCodec, ctx: Sche
     chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
     sent = parse(codec, ctx, chat, endpoint=Endpoint.CHAT).requests[0].prompt_token_ids
     assert parse_tokenize(chat, ctx, codec) == sent
+    defaults = {"add_special_tokens": True, "add_generation_prompt": True}
+    assert parse_tokenize({"prompt": "def f(x):", **defaults}, ctx, codec) == parse_tokenize(
+        prompt, ctx, codec
+    )
+    assert parse_detokenize({"tokens": [5]}, ctx) == [5]
     for body, param in [
         ({"model": "demo"}, "prompt"),
         ({**prompt, **chat}, "prompt"),
         ({"model": "demo", "prompt": [1, 2]}, "prompt"),
         ({**prompt, "add_special_tokens": False}, "add_special_tokens"),
+        ({**chat, "add_generation_prompt": False}, "add_generation_prompt"),
+        ({**prompt, "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
         ({"model": "demo", "messages": []}, "messages"),
     ]:
         with pytest.raises(BadRequest) as info:

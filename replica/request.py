@@ -98,6 +98,8 @@ class SamplingParams:
     cannot be drawn before then (vLLM)."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end the output, like EOS: counted and kept in the ids, not in the text."""
+    allowed_token_ids: tuple[int, ...] = ()
+    """Only these tokens may be drawn (vLLM); empty: any."""
     include_stop_str_in_output: bool = False
     """Keep the stop string, or the stop token's text, at the end of the text (vLLM)."""
     prompt_logprobs: int | None = None
@@ -137,6 +139,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids")
         if not all(_is_token_id(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must hold non-negative integers, got {ids!r}")
+        allowed = self.allowed_token_ids
+        if isinstance(allowed, str) or not isinstance(allowed, Sequence):
+            raise ValueError(f"allowed_token_ids must be a list of token ids, got {allowed!r}")
+        object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+        if not all(_is_token_id(t) for t in self.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids must hold non-negative integers, got {allowed!r}")
 
     def _check_logit_bias(self) -> None:
         pairs = self.logit_bias
@@ -166,6 +174,7 @@ class SamplingParams:
         (`replica.sampling.LogitsShaper`); most requests skip that work."""
         return bool(
             self.logit_bias
+            or self.allowed_token_ids
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
@@ -332,6 +341,7 @@ class Request:
         for name, ids in (
             ("logit_bias", [t for t, _ in params.logit_bias]),
             ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids),
         ):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:

@@ -89,6 +89,11 @@ class LogitsShaper:
         """1.0 where prompt or output holds the token, else 0.0."""
         if params.repetition_penalty != 1.0:
             self.seen = torch.bincount(self._ids(tokens), minlength=vocab).clamp_(max=1).float()
+        self.banned: torch.Tensor | None = None
+        """True for every token outside allowed_token_ids, when the request names them."""
+        if params.allowed_token_ids:
+            self.banned = torch.ones(vocab, dtype=torch.bool, device=device)
+            self.banned[self._ids(params.allowed_token_ids)] = False
         self.bias_ids = self._ids([t for t, _ in params.logit_bias])
         self.bias = torch.tensor([b for _, b in params.logit_bias], device=device)
         self.held_back = self._ids(sorted(held_back) if params.min_tokens else [])
@@ -111,10 +116,12 @@ class LogitsShaper:
         self, logits: torch.Tensor, proposal: Sequence[int] = (), start: int = 0
     ) -> torch.Tensor:
         """Shaped fp32 copy of logits [n, vocab] (rows follow proposal[: start + i]), in
-        vLLM's order: min_tokens and logit_bias, then the penalties."""
+        vLLM's order: allowed_token_ids, min_tokens and logit_bias, then the penalties."""
         params = self.params
         n = logits.shape[0]
         out = logits.float().clone()
+        if self.banned is not None:
+            out.masked_fill_(self.banned, float("-inf"))
         masked = max(0, min(n, params.min_tokens - self.num_fresh - start))
         if masked and len(self.held_back):
             out[:masked, self.held_back] = float("-inf")

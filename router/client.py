@@ -129,6 +129,7 @@ class GenerateOptions:
     min_tokens: int = 0
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     include_stop_str_in_output: bool = False
+    allowed_token_ids: Sequence[int] = field(default_factory=tuple)
     n: int = 1
     """Samples of the prompt, each its own request (`Chunk.index`, one `Result` each)."""
     logprobs: int | None = None
@@ -188,9 +189,12 @@ def build_request(
         request.logit_bias.update(options.logit_bias)
         request.min_tokens = options.min_tokens
         request.stop_token_ids.extend(options.stop_token_ids)
+        request.allowed_token_ids.extend(options.allowed_token_ids)
         request.n = options.n
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"logit_bias, min_tokens, stop_token_ids or n: {exc}") from None
+        raise ValueError(
+            f"logit_bias, min_tokens, stop_token_ids, allowed_token_ids or n: {exc}"
+        ) from None
     if isinstance(options.slo, str):
         request.slo.tier = options.slo
     elif options.slo is not None:

@@ -64,6 +64,8 @@ def request_to_body(
         body["min_tokens"] = request.min_tokens
     if request.stop_token_ids:
         body["stop_token_ids"] = list(request.stop_token_ids)
+    if request.allowed_token_ids:
+        body["allowed_token_ids"] = list(request.allowed_token_ids)
     if "seed" in body and body["seed"] >= 2**63:
         body["seed"] -= 2**64  # uint64 read as int64, as HTTP takes seeds: every value is one
     if request.service_tier not in (pb.SERVICE_TIER_DEFAULT, pb.SERVICE_TIER_FLEX):

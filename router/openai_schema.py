@@ -145,6 +145,7 @@ COMMON_FIELDS = {
     "min_tokens",
     "stop_token_ids",
     "include_stop_str_in_output",
+    "allowed_token_ids",
     "store",
     "metadata",
 }
@@ -499,7 +500,8 @@ def _sampling(
             ),
             logit_bias=_logit_bias(body.get("logit_bias")),
             min_tokens=_min_tokens(body, max_tokens, max_tokens_name),
-            stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
+            stop_token_ids=_token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
+            allowed_token_ids=_token_ids(body, "allowed_token_ids", ctx.vocab_size),
             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         ),
         "sampling",
@@ -539,18 +541,17 @@ def _logit_bias(raw: object) -> tuple[tuple[int, float], ...]:
     return tuple(pairs.items())
 
 
-def _stop_token_ids(raw: object) -> tuple[int, ...]:
+def _token_ids(body: dict[str, Any], name: str, most: int) -> tuple[int, ...]:
+    """A list of at most `most` token ids (the vocabulary is checked with the prompt's)."""
+    raw = body.get(name)
     if raw is None:
         return ()
-    if not isinstance(raw, list) or len(raw) > MAX_STOP_TOKEN_IDS:
-        raise BadRequest(
-            f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
-            "stop_token_ids",
-        )
+    if not isinstance(raw, list) or len(raw) > most:
+        raise BadRequest(f"{name} must be a list of at most {most} token ids", name)
     ids = [_integral(t) for t in raw]
     valid = [t for t in ids if t is not None and t >= 0]
     if len(valid) < len(ids):
-        raise BadRequest("stop_token_ids must hold non-negative integers", "stop_token_ids")
+        raise BadRequest(f"{name} must hold non-negative integers", name)
     return tuple(valid)
 
 

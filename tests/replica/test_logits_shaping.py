@@ -21,6 +21,7 @@ SHAPINGS = {
     "presence+repetition": {"presence_penalty": 1.0, "repetition_penalty": 1.3},
     "bias": {"logit_bias": ((67, -100.0), (92, 4.0))},  # "_" never, "x" more often
     "min_tokens": {"min_tokens": 12, "stop_token_ids": (203,)},  # no "\\n" before 12 tokens
+    "allowed": {"allowed_token_ids": (92, 203, 225, 12, 13, 16)},  # x \n space ( ) :
 }
 
 

@@ -102,6 +102,8 @@ def test_seed_is_a_64_bit_integer_and_stop_entries() -> None:
         ("min_tokens", 17, "min_tokens must be <= 16"),
         ("stop_token_ids", 3, "stop_token_ids must be a list"),
         ("stop_token_ids", (3, True), "stop_token_ids"),
+        ("allowed_token_ids", "12", "allowed_token_ids must be a list"),
+        ("allowed_token_ids", (3, -1), "allowed_token_ids must hold non-negative integers"),
     ],
 )
 def test_penalties_bias_and_stop_conditions_are_checked(
@@ -121,6 +123,7 @@ def test_only_requests_that_shape_logits_say_so() -> None:
         {"repetition_penalty": 1.1},
         {"logit_bias": ((3, 0.0),)},
         {"min_tokens": 1},
+        {"allowed_token_ids": (5,)},
     ):
         assert SamplingParams(**shaping).shapes_logits, shaping  # type: ignore[arg-type]
     assert SamplingParams(logit_bias=[[3, 1]]).logit_bias == ((3, 1.0),)  # type: ignore[arg-type]

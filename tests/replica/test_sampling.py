@@ -109,3 +109,9 @@ def test_verify_rows_are_shaped_as_decoding_the_proposal_one_by_one() -> None:
         assert torch.equal(rows[i : i + 1], grown.shape(LOGITS)), i
         drafting = shaper(params, [0, 1], 1, frozenset({4}))
         assert torch.equal(rows[i : i + 1], drafting.shape(LOGITS, proposal[:i], start=i)), i
+
+
+def test_allowed_token_ids_leave_every_other_token_out() -> None:
+    shaping = shaper(SamplingParams(allowed_token_ids=(1, 3)), [0], 0, frozenset())
+    inf = float("inf")
+    assert shaping.shape(LOGITS).tolist() == [[-inf, 1.0, -inf, 0.0, -inf]]

@@ -41,6 +41,7 @@ FIELD_NAMES = [
     "stop_token_ids",
     "include_stop_str_in_output",
     "echo",
+    "allowed_token_ids",
     "unknown_field",
 ]
 bodies = st.fixed_dictionaries(

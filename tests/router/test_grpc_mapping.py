@@ -64,6 +64,7 @@ def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None
         min_tokens=3,
         stop_token_ids=[9, 4],
         include_stop_str_in_output=True,
+        allowed_token_ids=[5, 6],
     )
     endpoint, body = request_to_body(build_request("Hello", None, options), "demo")
     req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).requests[0]
@@ -73,6 +74,7 @@ def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None
     assert sorted(sampling.logit_bias) == [(7, -100.0), (12, 2.5)]
     assert (sampling.min_tokens, sampling.stop_token_ids) == (3, (9, 4))
     assert sampling.include_stop_str_in_output
+    assert sampling.allowed_token_ids == (5, 6)
     _, unset = request_to_body(build_request("Hello", None, GenerateOptions()), "demo")
     assert set(unset) == {"model", "prompt", "n"}
     with pytest.raises(ValueError, match="stop_token_ids"):

@@ -264,6 +264,8 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo", "prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
         ({"model": "demo", "prompt": "x", "stop_token_ids": [5, -1]}, "stop_token_ids"),
         ({"model": "demo", "prompt": "x", "stop_token_ids": [4096]}, "stop_token_ids"),
+        ({"model": "demo", "prompt": "x", "allowed_token_ids": [4096]}, "allowed_token_ids"),
+        ({"model": "demo", "prompt": "x", "allowed_token_ids": ["a"]}, "allowed_token_ids"),
         ({"model": "demo", "prompt": "x", "metadata": {"k": 1}}, "metadata"),
         ({"model": "demo", "prompt": "x", "tools": []}, "tools"),  # a chat field
         ({"model": "demo", "prompt": "x" * 2048 * 17}, "prompt"),
@@ -323,6 +325,7 @@ def test_penalties_bias_and_stop_conditions_reach_the_sampling(
         "min_tokens": 20,
         "stop_token_ids": [3, 9],
         "include_stop_str_in_output": True,
+        "allowed_token_ids": [3, 4.0],
     }
     sampling = parse(codec, ctx, body, endpoint=Endpoint.CHAT).requests[0].sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
@@ -330,6 +333,7 @@ def test_penalties_bias_and_stop_conditions_reach_the_sampling(
     assert sampling.logit_bias == ((7, -100.0), (12, 2.5))
     assert (sampling.min_tokens, sampling.stop_token_ids) == (20, (3, 9))
     assert sampling.include_stop_str_in_output
+    assert sampling.allowed_token_ids == (3, 4)
     with pytest.raises(BadRequest, match="min_tokens=21 exceeds max_completion_tokens=20"):
         parse(codec, ctx, {**body, "min_tokens": 21}, endpoint=Endpoint.CHAT)
     with pytest.raises(BadRequest, match=r"min_tokens=17 exceeds max_tokens=16 \(the default\)"):

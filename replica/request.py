@@ -75,6 +75,8 @@ class SamplingParams:
     """Nucleus mass in (0, 1]."""
     top_k: int = 0
     """0 disables top-k."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one (vLLM); 0 disables it."""
     seed: int | None = None
     """Same seed, same output, whatever the batching or speculation (replica.sampling)."""
     stop: tuple[str, ...] = ()
@@ -112,6 +114,7 @@ class SamplingParams:
         _check_finite("temperature", self.temperature, positive=False, upper=100.0)
         _check_finite("top_p", self.top_p, positive=True, upper=1.0)
         _check_int("top_k", self.top_k, low=0)
+        _check_between("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=-MAX_SEED - 1, high=MAX_SEED)
         if isinstance(self.stop, str) or not isinstance(self.stop, Sequence):

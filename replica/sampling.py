@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p; seeded requests draw by position.
+"""Token sampling: greedy, temperature, top-k, min-p, top-p; seeded requests draw by position.
 
 `token_probs` is the single place a request's sampling parameters shape a distribution, so
 ordinary sampling, draft proposals and speculative verification all use the same one (the
@@ -171,6 +171,10 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0.0:
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs

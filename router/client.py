@@ -12,8 +12,9 @@ ever delivered twice. Every other failure raises `ClientError` with the gRPC cod
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -118,6 +119,7 @@ class GenerateOptions:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: Sequence[str] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -185,16 +187,19 @@ def build_request(
                 setattr(request, name, _wire_value(name, value))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{name}={value!r}: {exc}") from None
-    try:
-        request.logit_bias.update(options.logit_bias)
-        request.min_tokens = options.min_tokens
-        request.stop_token_ids.extend(options.stop_token_ids)
-        request.allowed_token_ids.extend(options.allowed_token_ids)
-        request.n = options.n
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"logit_bias, min_tokens, stop_token_ids, allowed_token_ids or n: {exc}"
-        ) from None
+    setters: dict[str, Callable[[Any], object]] = {
+        "logit_bias": request.logit_bias.update,
+        "stop_token_ids": request.stop_token_ids.extend,
+        "allowed_token_ids": request.allowed_token_ids.extend,
+        "min_tokens": functools.partial(setattr, request, "min_tokens"),
+        "n": functools.partial(setattr, request, "n"),
+    }
+    for name, put in setters.items():
+        value = getattr(options, name)
+        try:
+            put(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}={value!r}: {exc}") from None
     if isinstance(options.slo, str):
         request.slo.tier = options.slo
     elif options.slo is not None:

@@ -68,7 +68,7 @@ def create_app(door: FrontDoor) -> FastAPI:
     async def detokenize(request: Request) -> JSONResponse:
         door.authenticate(request.headers.get("authorization"))
         tokens = parse_detokenize(await _json(request), door.schema)
-        return JSONResponse({"prompt": door.codec.decode(tokens)})
+        return JSONResponse({"prompt": door.codec.decode(tokens, skip_special_tokens=False)})
 
     def model_card() -> dict[str, object]:
         return {

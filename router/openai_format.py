@@ -291,6 +291,7 @@ class ChunkWriter:
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
+                "stop_reason": None,
             }
         delta: dict[str, Any] = {"content": text}
         if index not in self.role_sent:
@@ -301,6 +302,7 @@ class ChunkWriter:
             "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
+            "stop_reason": None,
         }
 
     def text(

@@ -68,7 +68,7 @@ class Codec(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
@@ -121,6 +121,7 @@ class ParsedRequest:
         return self.requests[0].arrival_time
 
 
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 COMMON_FIELDS = {
     "model",
     "max_tokens",
@@ -146,11 +147,15 @@ COMMON_FIELDS = {
     "stop_token_ids",
     "include_stop_str_in_output",
     "allowed_token_ids",
+    "min_p",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "echo",
     "store",
     "metadata",
 }
 FIELDS = {
-    Endpoint.COMPLETIONS: COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"},
+    Endpoint.COMPLETIONS: COMMON_FIELDS | {"prompt", "best_of", "suffix"},
     Endpoint.CHAT: COMMON_FIELDS
     | {
         "messages",
@@ -177,7 +182,7 @@ def parse_body(
 ) -> ParsedRequest:
     """Validate an OpenAI body and build the cluster request (prompt tokenized)."""
     body = _known_fields(body, FIELDS[endpoint], ctx)
-    model = body["model"]
+    model = ctx.model_name
     _check_unsupported(endpoint, body)
     prompts = _prompts(endpoint, body, ctx, codec)
     n = _choices_per_prompt(body, len(prompts))
@@ -216,9 +221,17 @@ def parse_body(
         raise BadRequest("stream_options needs stream: true", "stream_options")
     include_usage = False  # as OpenAI: a stream's usage chunk (no choices) only when asked
     if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequest("stream_options may hold only include_usage", "stream_options")
+        if not isinstance(options, dict) or set(options) - STREAM_OPTIONS:
+            raise BadRequest(
+                "stream_options may hold only include_usage (and continuous_usage_stats: false)",
+                "stream_options",
+            )
         include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
+        if _bool(options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats"):
+            raise BadRequest(
+                "stream_options.continuous_usage_stats=true is not supported",
+                "stream_options.continuous_usage_stats",
+            )
     echoes: tuple[Echo, ...] = ()
     if echo:
         texts = _prompt_texts(body.get("prompt"), prompts, codec)
@@ -235,7 +248,7 @@ def _prompt_texts(raw: object, prompts: list[list[int]], codec: Codec) -> list[s
     given = [raw] if isinstance(raw, str) or _is_token_list(raw) else raw
     assert isinstance(given, list)
     return [
-        p if isinstance(p, str) else codec.decode(ids)
+        p if isinstance(p, str) else codec.decode(ids, skip_special_tokens=False)
         for p, ids in zip(given, prompts, strict=True)
     ]
 
@@ -244,7 +257,7 @@ def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
     """vLLM's /tokenize body: a completion `prompt` (a string) or chat `messages`, to the
     token ids a completion or chat request would send the model."""
     fields = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
-    body = _known_fields(body, fields, ctx, model_required=False)
+    body = _known_fields(body, fields, ctx)
     for name in ("add_special_tokens", "add_generation_prompt"):
         if not _bool(body, name, True):
             raise BadRequest(f"{name}=false is not supported", name)
@@ -260,7 +273,7 @@ def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
 
 def parse_detokenize(body: object, ctx: SchemaContext) -> list[int]:
     """vLLM's /detokenize body: `tokens`, at most a context's worth of the model's ids."""
-    body = _known_fields(body, {"model", "tokens"}, ctx, model_required=False)
+    body = _known_fields(body, {"model", "tokens"}, ctx)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or len(tokens) > ctx.max_model_len:
         raise BadRequest(f"tokens must be a list of at most {ctx.max_model_len} ids", "tokens")
@@ -271,21 +284,19 @@ def parse_detokenize(body: object, ctx: SchemaContext) -> list[int]:
     return valid
 
 
-def _known_fields(
-    body: object, fields: set[str], ctx: SchemaContext, *, model_required: bool = True
-) -> dict[str, Any]:
-    """A JSON object holding only `fields`, for this server's model (which vLLM's tokenizer
-    endpoints need not name)."""
+def _known_fields(body: object, fields: set[str], ctx: SchemaContext) -> dict[str, Any]:
+    """A JSON object holding only `fields`, for this server's model (none named means it,
+    as in vLLM)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(str(k)[:64] for k in body if k not in fields)
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(unknown[:8])}", unknown[0])
     model = body.get("model")
-    if model is None and not model_required:
+    if model is None or model == "":
         return body
-    if not isinstance(model, str) or not model:
-        raise BadRequest("model is required and must be a string", "model")
+    if not isinstance(model, str):
+        raise BadRequest("model must be a string", "model")
     if model != ctx.model_name:
         raise ModelNotFound(
             f"model {_short(model)} does not exist; this server has {ctx.model_name!r}", "model"
@@ -310,6 +321,9 @@ def _build(make: Callable[[], T], param: str, where: str = "") -> T:
 def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
     """Refuse OpenAI options we would otherwise silently ignore, unless set to their no-op."""
     noop: dict[str, tuple[object, ...]] = {
+        "echo": (None, False) if endpoint is Endpoint.CHAT else (None, False, True),
+        "skip_special_tokens": (None, True),
+        "spaces_between_special_tokens": (None, True),
         "suffix": (None, ""),
         "store": (None, False),
         "response_format": (None, {"type": "text"}),
@@ -489,6 +503,7 @@ def _sampling(
             temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
             top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, above_low=True),
             top_k=max(_int(body, "top_k", 0, low=-1, high=ctx.vocab_size), 0),  # vLLM's -1: off
+            min_p=_number(body, "min_p", 0.0, low=0.0, high=1.0),
             seed=seed,
             stop=_stop(body.get("stop")),
             ignore_eos=_bool(body, "ignore_eos", False),

@@ -55,8 +55,11 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text).ids)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Output text skips special tokens (as vLLM's default); a prompt given as ids keeps
+        them when echoed or detokenized, so its text matches its tokens."""
+        ids = list(token_ids)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """One token's text for log-probabilities (special tokens by name, as vLLM shows them;

@@ -26,6 +26,14 @@ def test_top_k_keeps_the_k_most_likely() -> None:
     assert torch.allclose(probs[0, :2], torch.softmax(LOGITS[0, :2], dim=-1))
 
 
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
+    full = torch.softmax(LOGITS, dim=-1)[0]
+    min_p = float(full[2] / full[0]) + 1e-3  # token 2 just below the floor, token 1 above
+    probs = token_probs(LOGITS, SamplingParams(temperature=1.0, min_p=min_p))
+    assert torch.count_nonzero(probs).item() == 2
+    assert torch.allclose(probs[0, :2], full[:2] / full[:2].sum())
+
+
 def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     full = torch.softmax(LOGITS, dim=-1)[0]
     top_two = float(full[0] + full[1])

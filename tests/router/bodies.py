@@ -42,6 +42,8 @@ FIELD_NAMES = [
     "include_stop_str_in_output",
     "echo",
     "allowed_token_ids",
+    "min_p",
+    "skip_special_tokens",
     "unknown_field",
 ]
 bodies = st.fixed_dictionaries(

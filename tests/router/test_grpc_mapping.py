@@ -100,8 +100,10 @@ def test_samples_and_logprobs_cross_grpc(codec: TextCodec) -> None:
     assert chat is Endpoint.CHAT and (body["logprobs"], body["top_logprobs"]) == (True, 2)
     _, plain = request_to_body(build_request("Hello", None, GenerateOptions()), "demo")
     assert "logprobs" not in plain and plain["n"] == 1
-    with pytest.raises(ValueError, match="n: "):
+    with pytest.raises(ValueError, match="n=-1: "):
         build_request("x", None, GenerateOptions(n=-1))
+    with pytest.raises(ValueError, match=r"stop_token_ids=\[-1\]: "):
+        build_request("x", None, GenerateOptions(stop_token_ids=[-1]))
     with pytest.raises(ValueError, match="returns one choice"):
         Client("127.0.0.1:9").complete("x", n=2)
 

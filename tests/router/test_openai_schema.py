@@ -58,6 +58,34 @@ def parse(
     )
 
 
+def test_a_request_naming_no_model_is_for_the_served_one(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    """As vLLM: a missing or empty model means the one model served."""
+    for body in ({"prompt": "x"}, {"model": "", "prompt": "x"}):
+        assert parse(codec, ctx, body).requests[0].model == "demo"
+
+
+def test_vllm_options_at_their_defaults_are_taken(codec: TextCodec, ctx: SchemaContext) -> None:
+    body = {
+        "model": "demo",
+        "prompt": "x",
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+        "min_p": 0.1,
+    }
+    assert parse(codec, ctx, body).requests[0].sampling.min_p == 0.1
+    for name, value in [("skip_special_tokens", False), ("min_p", 1.5)]:
+        with pytest.raises(BadRequest) as info:
+            parse(codec, ctx, {**body, name: value})
+        assert info.value.param == name
+    options = {"continuous_usage_stats": True}
+    with pytest.raises(BadRequest, match="continuous_usage_stats=true is not supported"):
+        parse(codec, ctx, {**body, "stream_options": options})
+
+
 def test_completion_defaults(codec: TextCodec, ctx: SchemaContext) -> None:
     parsed = parse(codec, ctx, {"model": "demo", "prompt": "Hello world"})
     req = parsed.requests[0]
@@ -222,7 +250,7 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo", "prompt": ["a"] * (MAX_CHOICES + 1)}, "prompt"),
         ({"model": "demo", "prompt": ["x" * 2048 * 16] * 9}, "prompt"),
         ({"model": "demo", "prompt": [1, 99999]}, "prompt"),
-        ({"prompt": "x"}, "model"),
+        ({"model": 3, "prompt": "x"}, "model"),
         ({"model": "demo", "prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"model": "demo", "prompt": "x", "max_tokens": 2048}, "max_tokens"),
         ({"model": "demo", "prompt": "x", "max_tokens": True}, "max_tokens"),
@@ -486,9 +514,12 @@ def test_echo_repeats_each_prompt_before_its_choices(codec: TextCodec, ctx: Sche
         (codec.decode([7]), (7,)),
     ]
     assert all(r.sampling.prompt_logprobs == 1 for r in parsed.requests)
+    special = parse(codec, ctx, {**body, "prompt": [0, 319]}).echo[0]
+    assert special.text == codec.decode([0, 319], skip_special_tokens=False) != codec.decode([319])
     plain = parse(codec, ctx, {**body, "logprobs": None})
     assert all(r.sampling.prompt_logprobs is None for r in plain.requests)
     assert parse(codec, ctx, {**body, "echo": False}).echo == ()
     chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "echo": True}
-    with pytest.raises(BadRequest, match="unknown field"):
+    with pytest.raises(BadRequest, match="echo=True is not supported"):
         parse(codec, ctx, chat, endpoint=Endpoint.CHAT)
+    assert parse(codec, ctx, {**chat, "echo": False}, endpoint=Endpoint.CHAT).echo == ()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from cluster.api import FinalRecord, Placement, Verdict
@@ -172,18 +173,30 @@ def echoed(
     echo: Echo | None, output: Output, token_text: Callable[[int], str]
 ) -> tuple[str, dict[str, Any] | None]:
     """A completion choice's text and `logprobs` with its prompt first when `echo` asks:
-    the prompt's tokens lead the log-probabilities, the first without one."""
+    the prompt's tokens lead the log-probabilities, the first without one. (A prompt-only
+    choice's output is already empty: `prompt_only`.)"""
     endpoint = Endpoint.COMPLETIONS
     if echo is None:
         return output.text, logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)[
             0
         ]
-    if not output.logprobs:
+    if not echo.logprobs:
         return echo.text + output.text, None
     prompt = [None, *output.prompt_logprobs]
     token_ids = (*echo.token_ids, *output.token_ids)
     logprobs = logprobs_json(endpoint, token_ids, [*prompt, *output.logprobs], token_text)[0]
     return echo.text + output.text, logprobs
+
+
+def prompt_only(output: Output) -> Output:
+    """A choice that asked for its prompt alone (echo with max_tokens 0): the token drawn to
+    score the prompt is dropped, as if the output had ended before it."""
+    record = prompt_only_record(output.record)
+    return replace(output, text="", token_ids=(), logprobs=(), record=record, stop_reason=None)
+
+
+def prompt_only_record(record: FinalRecord) -> FinalRecord:
+    return replace(record, num_output_tokens=0, finish_reason="length")
 
 
 def _finite(logprob: TokenLogprob) -> TokenLogprob:

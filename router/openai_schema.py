@@ -98,6 +98,11 @@ class Echo:
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: bool = False
+    """The request asked for log-probabilities: the prompt's lead them."""
+    prompt_only: bool = False
+    """max_tokens 0: the prompt alone. The cluster draws one token to score the prompt (its
+    prefill computes the prompt's log-probabilities); that token is not returned."""
 
 
 @dataclass(frozen=True)
@@ -192,7 +197,7 @@ def parse_body(
     requests = []
     for i, prompt in enumerate(prompts):
         where = "" if len(prompts) == 1 else f"prompt[{i}]: "
-        sampling = _sampling(endpoint, body, ctx, len(prompt))
+        sampling = _sampling(endpoint, body, ctx, len(prompt), echo)
         if echo:  # the prompt's log-probabilities too, when the output's are asked for
             sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
         for j in range(n):
@@ -235,8 +240,12 @@ def parse_body(
     echoes: tuple[Echo, ...] = ()
     if echo:
         texts = _prompt_texts(body.get("prompt"), prompts, codec)
+        logprobs = requests[0].sampling.logprobs is not None
+        only = _integral(body.get("max_tokens")) == 0
         echoes = tuple(
-            Echo(texts[i], tuple(prompts[i])) for i in range(len(prompts)) for _ in range(n)
+            Echo(texts[i], tuple(prompts[i]), logprobs, only)
+            for i in range(len(prompts))
+            for _ in range(n)
         )
     return ParsedRequest(
         endpoint, request_id, tuple(requests), n, stream, include_usage, slo_label, echoes
@@ -484,8 +493,10 @@ def _content(raw: object, where: str) -> str:
 
 
 def _sampling(
-    endpoint: Endpoint, body: dict[str, Any], ctx: SchemaContext, prompt_len: int
+    endpoint: Endpoint, body: dict[str, Any], ctx: SchemaContext, prompt_len: int, echo: bool
 ) -> SamplingParams:
+    """The request's sampling; with echo, max_tokens may be 0 (the prompt alone, scored with
+    one token drawn and dropped: `Echo.prompt_only`)."""
     room = max(1, ctx.max_model_len - prompt_len)
     max_tokens_name = "max_tokens"
     if endpoint is Endpoint.CHAT and body.get("max_completion_tokens") is not None:
@@ -493,7 +504,10 @@ def _sampling(
             raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_tokens")
         max_tokens_name = "max_completion_tokens"
     default = 16 if endpoint is Endpoint.COMPLETIONS else min(ctx.default_chat_max_tokens, room)
-    max_tokens = _int(body, max_tokens_name, default, low=1, high=ctx.max_model_len)
+    max_tokens = _int(body, max_tokens_name, default, low=0 if echo else 1, high=ctx.max_model_len)
+    if max_tokens == 0 and _int(body, "min_tokens", 0, low=0, high=MAX_SEED):
+        raise BadRequest("min_tokens needs max_tokens > 0", "min_tokens")
+    max_tokens = max(max_tokens, 1)
     seed = body.get("seed")
     if seed is not None:
         seed = _int(body, "seed", 0, low=-MAX_SEED - 1, high=MAX_SEED)

@@ -395,6 +395,13 @@ def test_echo_with_logprobs_scores_a_prompt_as_an_evaluation_harness_asks(
         for v in c.choices[0].logprobs.token_logprobs or ()
     ]
     assert stream_values == values
+    alone = oai.completions.create(**{**body, "max_tokens": 0})
+    assert alone.choices[0].text == PROMPT and alone.choices[0].finish_reason == "length"
+    assert alone.choices[0].logprobs is not None
+    assert alone.choices[0].logprobs.token_logprobs == values[: len(ids)]
+    assert alone.usage is not None and alone.usage.completion_tokens == 0
+    streamed_alone = list(oai.completions.create(**{**body, "max_tokens": 0}, stream=True))
+    assert "".join(c.choices[0].text for c in streamed_alone if c.choices) == PROMPT
 
 
 def test_headers_say_what_the_cluster_did(live: LocalFrontDoor) -> None:

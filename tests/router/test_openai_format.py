@@ -16,6 +16,7 @@ from router.openai_format import (
     error_body,
     full_response,
     placement_headers,
+    prompt_only,
     sse_event,
 )
 from router.openai_schema import Echo, Endpoint
@@ -249,7 +250,7 @@ def test_error_json_shape() -> None:
 def test_echo_leads_a_completion_with_its_prompt_and_its_log_probabilities() -> None:
     """lm-evaluation-harness reads a continuation's log-probability this way: the prompt's
     tokens first (the first without one), then the output's."""
-    echo = Echo("He", (1,))
+    echo = Echo("He", (1,), logprobs=True)
     output = Output("llo", (2,), (TokenLogprob(-0.5, ((2, -0.5),)),), RECORD)
     body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [output], 1, TEXT_OF, [echo])
     choice = body["choices"][0]
@@ -258,11 +259,30 @@ def test_echo_leads_a_completion_with_its_prompt_and_its_log_probabilities() -> 
     assert choice["logprobs"]["token_logprobs"] == [None, -0.5]
     assert choice["logprobs"]["top_logprobs"] == [None, {"llo": -0.5}]
     assert choice["logprobs"]["text_offset"] == [0, 2]
-    two = Echo("HeHe", (1, 1))
+    two = Echo("HeHe", (1, 1), logprobs=True)
     both = replace(output, prompt_logprobs=(TokenLogprob(-3.0, ((2, -0.1),)),))
     body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [both], 1, TEXT_OF, [two])
     assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, -3.0, -0.5]
     bare = full_response(
-        Endpoint.COMPLETIONS, "id9", 7, "demo", [replace(output, logprobs=())], 1, TEXT_OF, [echo]
+        Endpoint.COMPLETIONS,
+        "id9",
+        7,
+        "demo",
+        [replace(output, logprobs=())],
+        1,
+        TEXT_OF,
+        [Echo("He", (1,))],
     )
     assert bare["choices"][0]["text"] == "Hello" and bare["choices"][0]["logprobs"] is None
+
+
+def test_a_prompt_only_choice_drops_the_token_that_scored_it() -> None:
+    echo = Echo("HeHe", (1, 1), logprobs=True, prompt_only=True)
+    drawn = Output("llo", (2,), (TokenLogprob(-0.5),), RECORD, None, (TokenLogprob(-3.0),))
+    body = full_response(
+        Endpoint.COMPLETIONS, "id9", 7, "demo", [prompt_only(drawn)], 1, TEXT_OF, [echo]
+    )
+    choice = body["choices"][0]
+    assert choice["text"] == "HeHe" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == [None, -3.0]
+    assert body["usage"]["completion_tokens"] == 0

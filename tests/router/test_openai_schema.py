@@ -523,3 +523,15 @@ def test_echo_repeats_each_prompt_before_its_choices(codec: TextCodec, ctx: Sche
     with pytest.raises(BadRequest, match="echo=True is not supported"):
         parse(codec, ctx, chat, endpoint=Endpoint.CHAT)
     assert parse(codec, ctx, {**chat, "echo": False}, endpoint=Endpoint.CHAT).echo == ()
+
+
+def test_echo_may_ask_for_the_prompt_alone(codec: TextCodec, ctx: SchemaContext) -> None:
+    """max_tokens 0 with echo: the cluster draws one token to score the prompt, then drops it."""
+    body = {"model": "demo", "prompt": "def f(x):", "echo": True, "logprobs": 1, "max_tokens": 0}
+    parsed = parse(codec, ctx, body)
+    assert parsed.echo[0].prompt_only and parsed.echo[0].logprobs
+    assert parsed.requests[0].sampling.max_tokens == 1
+    assert not parse(codec, ctx, {**body, "max_tokens": 1}).echo[0].prompt_only
+    for bad in ({**body, "echo": False}, {**body, "min_tokens": 1}):
+        with pytest.raises(BadRequest):
+            parse(codec, ctx, bad)

@@ -185,19 +185,15 @@ class ClusterController:
             log.warning(
                 "no front door for %.0f s: stopping the cluster", self.leases.abandoned_after_s
             )
-            for replica in self.replicas:
-                ray.kill(replica, no_restart=True)
-            for group in self.groups:
-                if group is not None:
-                    remove_placement_group(group)
-            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+            me = ray.get_runtime_context().current_actor
+            kill_for_good([*self.replicas, me], self.groups)
 
     def _end_orphans(self) -> None:
         if not (self.leases.owners or self.leases.settling):
             return
         known = self.plane.request_ids() | set(self._waiters) | set(self._resuming)
         known.update(rid for binding in self._binding.values() for rid in binding)
-        orphans = self.leases.orphans(known) if self.leases.owners else []
+        orphans = self.leases.orphans(known)
         unclaimed = self.leases.unclaimed(known, time.monotonic())
         if unclaimed:
             log.warning("%d requests no front door claimed since the restart end", len(unclaimed))
@@ -456,6 +452,15 @@ class ClusterController:
 
     async def metrics(self) -> dict[str, object]:
         return self.plane.metrics.snapshot()
+
+
+def kill_for_good(actors: Sequence[ActorHandle], groups: Sequence[PlacementGroup | None]) -> None:
+    """Kill a cluster's actors without restart and free its placement groups (GPU replicas')."""
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    for group in groups:
+        if group is not None:
+            remove_placement_group(group)
 
 
 async def _within(awaitable: Awaitable[Any], timeout_s: float) -> Any:

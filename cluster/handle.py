@@ -40,7 +40,7 @@ from cluster.api import (
 )
 from cluster.config import ClusterConfig
 from cluster.control import Binding
-from cluster.controller import MAX_CONCURRENCY, ClusterController, load_profile
+from cluster.controller import MAX_CONCURRENCY, ClusterController, kill_for_good, load_profile
 from cluster.messages import StreamItem
 from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
 from cluster.replica_actor import (
@@ -331,11 +331,7 @@ async def _stop(
 ) -> None:
     """Kill these named actors for good and free their placement groups; returns once no
     name is held by one of them any more (or after a timeout)."""
-    for actor in actors.values():
-        ray.kill(actor, no_restart=True)
-    for group in groups:
-        if group is not None:
-            remove_placement_group(group)
+    kill_for_good(list(actors.values()), groups)
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
     while time.monotonic() < deadline and any(
         _holds(name, actor, namespace) for name, actor in actors.items()

@@ -29,12 +29,14 @@ class Leases:
     """Request id -> the door that streams it."""
     closing: bool = False
     last_renewal: float | None = None
-    claims_settled: bool = False
-    """A restarted controller has counted the requests no door claimed (`unclaimed`)."""
-    claimed: set[str] = field(default_factory=set)
-    """Requests a door named since the restart (until `unclaimed` has counted): unlike
-    `owners`, never pruned meanwhile, so a request briefly unknown (its replica's mirror
-    rebuilt) still counts as claimed."""
+    claimed: set[str] | None = None
+    """After a restart, until `unclaimed` has counted: the requests a door named since.
+    Unlike `owners`, never pruned meanwhile, so a request briefly unknown (its replica's
+    mirror rebuilt) still counts as claimed. None otherwise."""
+
+    def __post_init__(self) -> None:
+        if self.restarted:
+            self.claimed = set()
 
     def renew(self, door: str, requests: Iterable[str], now: float) -> bool:
         """Take or renew `door`'s lease, owning `requests` (a restarted controller learns its
@@ -44,14 +46,14 @@ class Leases:
         self.doors[door] = self.last_renewal = now
         for request_id in requests:
             self.owners.setdefault(request_id, door)
-            if self.settling:
+            if self.claimed is not None:
                 self.claimed.add(request_id)
         return True
 
     def own(self, request_id: str, door: str, now: float) -> None:
         """A door submits or resumes a request: a sign of life too."""
         self.owners[request_id] = door
-        if self.settling:
+        if self.claimed is not None:
             self.claimed.add(request_id)
         if not self.closing:
             self.doors[door] = self.last_renewal = now
@@ -88,16 +90,15 @@ class Leases:
     @property
     def settling(self) -> bool:
         """A restarted controller has not yet counted the requests no door claimed."""
-        return self.restarted and not self.claims_settled
+        return self.claimed is not None
 
     def unclaimed(self, known: set[str], now: float) -> list[str]:
         """Once, a lease after a restart, when every live door has renewed with this
         controller and named its requests: the running requests (`known`) none claimed,
         whose door died before it could; to be aborted. Empty at any other call."""
-        if not self.settling or now - self.booted <= self.lease_s:
+        if self.claimed is None or now - self.booted <= self.lease_s:
             return []
-        self.claims_settled = True
-        unclaimed, self.claimed = known - self.claimed, set()
+        unclaimed, self.claimed = known - self.claimed, None
         return sorted(unclaimed)
 
     def abandoned(self, now: float) -> bool:

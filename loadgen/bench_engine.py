@@ -284,11 +284,13 @@ def run(args: argparse.Namespace) -> int:
     results["ratios"] = _ratios(results["throughput"], results["hf"])
     spec_dtype = _fastest_dtype(results["throughput"], 1)
     spec_prompts = prompts[: settings.spec_prompts]
+    drafts = {name: _draft_runner(engines[name].target, args.draft) for name in dtypes}
     for name in dtypes:
-        for row in spec_cases(engines[name].target, args.draft, spec_prompts, settings, bar, args):
+        target = engines[name].target
+        for row in spec_cases(target, drafts[name], spec_prompts, settings, bar, args):
             results["spec"].append({"dtype": name, **row})
     results["shaping"] = shaping_cases(
-        engines[spec_dtype].target, args.draft, spec_prompts, settings, bar, args
+        engines[spec_dtype].target, drafts[spec_dtype], spec_prompts, settings, bar, args
     )
     bar.close()
     results["config"] = {
@@ -314,14 +316,13 @@ def run(args: argparse.Namespace) -> int:
 
 def spec_cases(
     target: ModelRunner,
-    draft_dir: Path,
+    draft: ModelRunner,
     prompts: list[list[int]],
     settings: Settings,
     bar: tqdm,
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     """Every speculation case on `target`'s dtype: k = 0, then each proposer and k."""
-    draft = _draft_runner(target, draft_dir)
     proposers: list[ProposerKind] = ["draft", "ngram"]
     spec_ks = [k for k in settings.spec_ks if k > 0]
     rows = []
@@ -351,7 +352,8 @@ def spec_cases(
 
 
 def _draft_runner(target: ModelRunner, draft_dir: Path) -> ModelRunner:
-    """The draft as the engine loads it, beside `target` (its dtype and cache size)."""
+    """The draft as the engine loads it, beside `target` (its dtype and cache size): loaded
+    once per dtype, for the speculation and the shaping cases."""
     return ModelRunner(
         draft_dir,
         num_blocks=target.num_blocks,
@@ -362,14 +364,13 @@ def _draft_runner(target: ModelRunner, draft_dir: Path) -> ModelRunner:
 
 def shaping_cases(
     target: ModelRunner,
-    draft_dir: Path,
+    draft: ModelRunner,
     prompts: list[list[int]],
     settings: Settings,
     bar: tqdm,
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     """Decode rate with and without `SHAPING`, measured in turn per case, and their ratio."""
-    draft = _draft_runner(target, draft_dir)
     rows = []
     for b in settings.spec_batches:
         for proposer, k in (("none", 0), ("draft", SHAPING_K)):

@@ -58,8 +58,8 @@ class _Seq:
     """The request's bias, penalties and min_tokens; None when it has none (most requests)."""
     output: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    """Log-probabilities of prompt tokens 1, 2, ... computed so far (prompt_logprobs)."""
-    prompt_logprobs_sent: bool = False
+    """Log-probabilities of prompt tokens 1, 2, ... computed so far (prompt_logprobs); they
+    go out with the first token."""
     num_computed: int = 0
     finish_reason: FinishReason | None = None
 
@@ -98,6 +98,9 @@ class _Work:
     noise: torch.Tensor | None = None
     """A seeded request's noise for the positions this step may sample, when the draft made
     it; verification reuses it rather than drawing it again."""
+    prompt_rows: tuple[int, int] | None = None
+    """A prefill chunk's positions (first, last) whose logits give prompt log-probabilities
+    not computed yet."""
 
 
 class Engine:
@@ -381,7 +384,8 @@ class Engine:
         if isinstance(w.entry, PrefillChunk):
             feed = seq.tokens[cached : cached + w.num_feed]
             num_logits = 1 if cached + w.num_feed == seq.num_known else 0
-            if self._prompt_rows(seq, cached, w.num_feed) is not None:
+            w.prompt_rows = self._prompt_rows(seq, cached, w.num_feed)
+            if w.prompt_rows is not None:
                 num_logits = w.num_feed
         else:
             feed = [seq.last_token, *w.proposal.tokens]
@@ -394,9 +398,8 @@ class Engine:
         rid = seq.request.request_id
         params = seq.request.sampling
         proposal = w.proposal.tokens
-        rows = self._prompt_rows(seq, seq.num_computed, w.num_feed)
-        if isinstance(w.entry, PrefillChunk) and rows is not None:
-            first, last = rows
+        if w.prompt_rows is not None:
+            first, last = w.prompt_rows
             cached, prompt = seq.num_computed, seq.request.prompt_token_ids
             values = logits[first - cached : last - cached + 1]
             k = params.prompt_logprobs
@@ -440,24 +443,18 @@ class Engine:
             num_accepted_tokens=accepted,
             finish_reason=seq.finish_reason,
             logprobs=token_logprobs(raw, appended, params.logprobs),
-            prompt_logprobs=self._take_prompt_logprobs(seq),
+            prompt_logprobs=seq.prompt_logprobs if len(seq.output) == len(appended) else [],
         )
 
     def _prompt_rows(self, seq: _Seq, cached: int, num_feed: int) -> tuple[int, int] | None:
         """The positions (first, last) of a prefill chunk whose logits give prompt tokens'
-        log-probabilities not computed yet (position p gives token p + 1's), or None."""
-        if seq.request.sampling.prompt_logprobs is None or seq.prompt_logprobs_sent:
+        log-probabilities not computed yet (position p gives token p + 1's), or None: none
+        asked, or already sent with the first token (a prefill after a preemption)."""
+        if seq.request.sampling.prompt_logprobs is None or seq.output:
             return None
         first = max(cached, len(seq.prompt_logprobs))
         last = min(cached + num_feed - 1, seq.request.prompt_len - 2)
         return (first, last) if first <= last else None
-
-    def _take_prompt_logprobs(self, seq: _Seq) -> list[TokenLogprob]:
-        """The prompt's log-probabilities, once: with the request's first token."""
-        if seq.request.sampling.prompt_logprobs is None or seq.prompt_logprobs_sent:
-            return []
-        seq.prompt_logprobs_sent = True
-        return seq.prompt_logprobs
 
     def _shaper(self, request: Request) -> LogitsShaper | None:
         params = request.sampling

@@ -134,20 +134,20 @@ class SamplingParams:
         _check_finite("repetition_penalty", self.repetition_penalty, positive=True, upper=100.0)
         self._check_logit_bias()
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
-        ids = self.stop_token_ids
+        self._check_token_ids("stop_token_ids", MAX_STOP_TOKEN_IDS)
+        self._check_token_ids("allowed_token_ids", None)
+
+    def _check_token_ids(self, name: str, most: int | None) -> None:
+        """A list field of token ids, stored as a tuple (the vocabulary is checked with the
+        prompt's, `Request.check_fits`)."""
+        ids = getattr(self, name)
         if isinstance(ids, str) or not isinstance(ids, Sequence):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids")
-        if not all(_is_token_id(t) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must hold non-negative integers, got {ids!r}")
-        allowed = self.allowed_token_ids
-        if isinstance(allowed, str) or not isinstance(allowed, Sequence):
-            raise ValueError(f"allowed_token_ids must be a list of token ids, got {allowed!r}")
-        object.__setattr__(self, "allowed_token_ids", tuple(allowed))
-        if not all(_is_token_id(t) for t in self.allowed_token_ids):
-            raise ValueError(f"allowed_token_ids must hold non-negative integers, got {allowed!r}")
+            raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
+        object.__setattr__(self, name, tuple(ids))
+        if most is not None and len(ids) > most:
+            raise ValueError(f"{name} may hold at most {most} ids")
+        if not all(_is_token_id(t) for t in ids):
+            raise ValueError(f"{name} must hold non-negative integers, got {ids!r}")
 
     def _check_logit_bias(self) -> None:
         pairs = self.logit_bias

@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from cluster.api import (
@@ -86,6 +86,9 @@ class Generation:
     """One accepted request's output: `TextDelta`s, then exactly one `Finished`.
 
     Closing it before the end (client gone, deadline) aborts the request in the cluster.
+    A `prompt_only` choice (echo with max_tokens 0) yields its prompt's log-probabilities
+    and no output: the token the cluster drew to score the prompt is dropped, and the output
+    ends before it (no tokens, finish reason length).
     """
 
     def __init__(
@@ -96,7 +99,9 @@ class Generation:
         tenant: str,
         first: TokenChunk | FinalRecord,
         rest: AsyncIterator[TokenChunk | FinalRecord],
+        prompt_only: bool = False,
     ) -> None:
+        self.prompt_only = prompt_only
         self.door = door
         self.request = request
         self.slo_label = slo_label
@@ -126,19 +131,25 @@ class Generation:
         item: TokenChunk | FinalRecord | None = self.first
         while item is not None:
             if isinstance(item, FinalRecord):
-                tail = self.text.flush()
+                tail = "" if self.prompt_only else self.text.flush()
                 if tail:
                     yield TextDelta(tail, ())
                 self.finished = True
                 self.door.metrics.record_final(item, self.slo_label, self.tenant)
-                stopped = item.finish_reason == "stop"
-                yield Finished(item, self.text.stop_reason if stopped else None)
+                if self.prompt_only:
+                    yield Finished(replace(item, num_output_tokens=0, finish_reason="length"))
+                else:
+                    stopped = item.finish_reason == "stop"
+                    yield Finished(item, self.text.stop_reason if stopped else None)
                 return
             self.last_token_time = self.door.metrics.record_tokens(
                 self.slo_label, self.last_token_time, item.times
             )
-            text = self.text.push(item.token_ids)
-            yield TextDelta(text, item.token_ids, item.logprobs, item.prompt_logprobs)
+            if self.prompt_only:
+                yield TextDelta("", (), (), item.prompt_logprobs)
+            else:
+                text = self.text.push(item.token_ids)
+                yield TextDelta(text, item.token_ids, item.logprobs, item.prompt_logprobs)
             try:
                 item = await anext(self.rest, None)
             except ClusterUnavailable as exc:
@@ -269,11 +280,12 @@ class FrontDoor:
         All or nothing: if one choice is rejected or cannot be placed, the others are
         aborted once they have answered (an admitted choice's first token comes within its
         TTFT) and the request fails as that choice did."""
+        only = [echo.prompt_only for echo in parsed.echo] or [False] * len(parsed.requests)
         if len(parsed.requests) == 1:
-            return (await self._start_one(parsed.requests[0], parsed.slo_label, tenant),)
+            return (await self._start_one(parsed.requests[0], parsed.slo_label, tenant, only[0]),)
         tasks = [
-            asyncio.create_task(self._start_one(r, parsed.slo_label, tenant))
-            for r in parsed.requests
+            asyncio.create_task(self._start_one(r, parsed.slo_label, tenant, prompt_only))
+            for r, prompt_only in zip(parsed.requests, only, strict=True)
         ]
         try:  # every choice's first answer, so that each one's verdict is counted
             outcomes = await asyncio.gather(*tasks, return_exceptions=True)
@@ -291,7 +303,9 @@ class FrontDoor:
             raise failure
         return started
 
-    async def _start_one(self, request: Request, slo_label: str, tenant: str) -> Generation:
+    async def _start_one(
+        self, request: Request, slo_label: str, tenant: str, prompt_only: bool
+    ) -> Generation:
         stream = self.cluster.submit(request)
         try:
             first = await anext(stream)
@@ -311,7 +325,7 @@ class FrontDoor:
             raise Rejected(
                 first.reason or "rejected by the backup policy", None, first.retry_after_s
             )
-        return Generation(self, request, slo_label, tenant, first, stream)
+        return Generation(self, request, slo_label, tenant, first, stream, prompt_only)
 
     async def status(self) -> ClusterStatus:
         try:

@@ -31,8 +31,6 @@ from router.openai_format import (
     error_body,
     full_response,
     placement_headers,
-    prompt_only,
-    prompt_only_record,
 )
 from router.openai_schema import Endpoint, ParsedRequest, parse_detokenize, parse_tokenize
 
@@ -150,10 +148,6 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
     finally:  # one choice failed: the others stop too (a cancelled collect aborts its request)
         for task in collecting:
             task.cancel()
-    outputs = [
-        prompt_only(o) if i < len(parsed.echo) and parsed.echo[i].prompt_only else o
-        for i, o in enumerate(outputs)
-    ]
     created = int(parsed.arrival_time)
     content = full_response(
         endpoint,
@@ -177,7 +171,6 @@ async def _sse(
     )
     records: dict[int, FinalRecord] = {}
     echoes = dict(enumerate(parsed.echo))
-    only = {i for i, echo in echoes.items() if echo.prompt_only}
     try:
         async with contextlib.aclosing(interleaved(generations)) as events:
             async for index, event in events:
@@ -188,12 +181,8 @@ async def _sse(
                         prompt = [None, *event.prompt_logprobs]
                     yield writer.text(index, echo.text, echo.token_ids, prompt)
                 if isinstance(event, Finished):
-                    if index in only:  # the token drawn to score the prompt is dropped
-                        event = Finished(prompt_only_record(event.record))
                     records[index] = event.record
                     yield writer.finish(index, event)
-                elif index in only:
-                    continue
                 elif event.text or event.logprobs:
                     yield writer.text(index, event.text, event.token_ids, event.logprobs)
         ordered = [records[i] for i in range(len(generations))]

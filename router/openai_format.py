@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from cluster.api import FinalRecord, Placement, Verdict
@@ -172,31 +171,17 @@ def logprobs_json(
 def echoed(
     echo: Echo | None, output: Output, token_text: Callable[[int], str]
 ) -> tuple[str, dict[str, Any] | None]:
-    """A completion choice's text and `logprobs` with its prompt first when `echo` asks:
-    the prompt's tokens lead the log-probabilities, the first without one. (A prompt-only
-    choice's output is already empty: `prompt_only`.)"""
-    endpoint = Endpoint.COMPLETIONS
-    if echo is None:
-        return output.text, logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)[
-            0
-        ]
-    if not echo.logprobs:
-        return echo.text + output.text, None
-    prompt = [None, *output.prompt_logprobs]
-    token_ids = (*echo.token_ids, *output.token_ids)
-    logprobs = logprobs_json(endpoint, token_ids, [*prompt, *output.logprobs], token_text)[0]
-    return echo.text + output.text, logprobs
-
-
-def prompt_only(output: Output) -> Output:
-    """A choice that asked for its prompt alone (echo with max_tokens 0): the token drawn to
-    score the prompt is dropped, as if the output had ended before it."""
-    record = prompt_only_record(output.record)
-    return replace(output, text="", token_ids=(), logprobs=(), record=record, stop_reason=None)
-
-
-def prompt_only_record(record: FinalRecord) -> FinalRecord:
-    return replace(record, num_output_tokens=0, finish_reason="length")
+    """A completion choice's text and `logprobs`, led by its prompt when `echo` asks: with
+    log-probabilities, the prompt's tokens come first, the first without one."""
+    text, token_ids = output.text, output.token_ids
+    logprobs: list[TokenLogprob | None] = []
+    if echo is not None:
+        text = echo.text + text
+        if echo.logprobs:
+            token_ids = (*echo.token_ids, *token_ids)
+            logprobs = [None, *output.prompt_logprobs]
+    logprobs += output.logprobs
+    return text, logprobs_json(Endpoint.COMPLETIONS, token_ids, logprobs, token_text)[0]
 
 
 def _finite(logprob: TokenLogprob) -> TokenLogprob:
@@ -297,25 +282,20 @@ class ChunkWriter:
         text: str,
         finish_reason: str | None,
         logprobs: dict[str, Any] | None = None,
+        stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self.endpoint is Endpoint.COMPLETIONS:
-            return {
-                "index": index,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
-        delta: dict[str, Any] = {"content": text}
-        if index not in self.role_sent:
-            delta["role"] = "assistant"
-            self.role_sent.add(index)
-        return {
-            "index": index,
-            "delta": delta,
+            choice["text"] = text
+        else:
+            choice["delta"] = {"content": text}
+            if index not in self.role_sent:
+                choice["delta"]["role"] = "assistant"
+                self.role_sent.add(index)
+        return choice | {
             "logprobs": logprobs,
             "finish_reason": finish_reason,
-            "stop_reason": None,
+            "stop_reason": stop_reason,
         }
 
     def text(
@@ -336,11 +316,8 @@ class ChunkWriter:
         """Choice `index`'s last chunk: its finish and stop reasons, and what the cluster did
         with it."""
         record = finished.record
-        choice = self._choice(index, "", record.finish_reason) | {
-            "stop_reason": finished.stop_reason
-        }
         return self._chunk(
-            [choice],
+            [self._choice(index, "", record.finish_reason, None, finished.stop_reason)],
             service_tier=service_tier([record]),
             slos_serve=cluster_info(record),
         )

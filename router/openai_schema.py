@@ -194,12 +194,10 @@ def parse_body(
     echo = endpoint is Endpoint.COMPLETIONS and _bool(body, "echo", False)
     tier, slo, slo_label = _tier_and_slo(body, headers, ctx)
     value = _value(body)
+    sampling = _sampling(endpoint, body, ctx, len(prompts[0]), echo)
     requests = []
     for i, prompt in enumerate(prompts):
         where = "" if len(prompts) == 1 else f"prompt[{i}]: "
-        sampling = _sampling(endpoint, body, ctx, len(prompt), echo)
-        if echo:  # the prompt's log-probabilities too, when the output's are asked for
-            sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
         for j in range(n):
             index = i * n + j
             request = _build(
@@ -240,7 +238,7 @@ def parse_body(
     echoes: tuple[Echo, ...] = ()
     if echo:
         texts = _prompt_texts(body.get("prompt"), prompts, codec)
-        logprobs = requests[0].sampling.logprobs is not None
+        logprobs = sampling.logprobs is not None
         only = _integral(body.get("max_tokens")) == 0
         echoes = tuple(
             Echo(texts[i], tuple(prompts[i]), logprobs, only)
@@ -283,14 +281,12 @@ def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
 def parse_detokenize(body: object, ctx: SchemaContext) -> list[int]:
     """vLLM's /detokenize body: `tokens`, at most a context's worth of the model's ids."""
     body = _known_fields(body, {"model", "tokens"}, ctx)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or len(tokens) > ctx.max_model_len:
-        raise BadRequest(f"tokens must be a list of at most {ctx.max_model_len} ids", "tokens")
-    ids = [_integral(t) for t in tokens]
-    valid = [t for t in ids if t is not None and 0 <= t < ctx.vocab_size]
-    if len(valid) < len(ids):
+    if body.get("tokens") is None:
+        raise BadRequest("tokens is required", "tokens")
+    ids = _token_ids(body, "tokens", ctx.max_model_len)
+    if any(t >= ctx.vocab_size for t in ids):
         raise BadRequest(f"tokens must be ids in [0, {ctx.vocab_size})", "tokens")
-    return valid
+    return list(ids)
 
 
 def _known_fields(body: object, fields: set[str], ctx: SchemaContext) -> dict[str, Any]:
@@ -495,8 +491,10 @@ def _content(raw: object, where: str) -> str:
 def _sampling(
     endpoint: Endpoint, body: dict[str, Any], ctx: SchemaContext, prompt_len: int, echo: bool
 ) -> SamplingParams:
-    """The request's sampling; with echo, max_tokens may be 0 (the prompt alone, scored with
-    one token drawn and dropped: `Echo.prompt_only`)."""
+    """The sampling every choice shares (`prompt_len`: the chat prompt's, whose default
+    max_tokens fills the context). With echo, max_tokens may be 0 (the prompt alone, scored
+    with one token drawn and dropped: `Echo.prompt_only`), and the prompt's
+    log-probabilities come with the output's."""
     room = max(1, ctx.max_model_len - prompt_len)
     max_tokens_name = "max_tokens"
     if endpoint is Endpoint.CHAT and body.get("max_completion_tokens") is not None:
@@ -511,6 +509,7 @@ def _sampling(
     seed = body.get("seed")
     if seed is not None:
         seed = _int(body, "seed", 0, low=-MAX_SEED - 1, high=MAX_SEED)
+    logprobs = _logprobs(endpoint, body)
     return _build(
         lambda: SamplingParams(
             max_tokens=max_tokens,
@@ -521,7 +520,8 @@ def _sampling(
             seed=seed,
             stop=_stop(body.get("stop")),
             ignore_eos=_bool(body, "ignore_eos", False),
-            logprobs=_logprobs(endpoint, body),
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None,
             presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
             repetition_penalty=_number(

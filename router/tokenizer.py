@@ -64,7 +64,7 @@ class TextCodec:
     def token_text(self, token_id: int) -> str:
         """One token's text for log-probabilities (special tokens by name, as vLLM shows them;
         a piece of a multi-byte character decodes to U+FFFD)."""
-        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+        return self.decode([token_id], skip_special_tokens=False)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The prompt text for chat messages, ending with the assistant's turn opener."""

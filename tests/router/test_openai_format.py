@@ -16,7 +16,6 @@ from router.openai_format import (
     error_body,
     full_response,
     placement_headers,
-    prompt_only,
     sse_event,
 )
 from router.openai_schema import Echo, Endpoint
@@ -276,12 +275,11 @@ def test_echo_leads_a_completion_with_its_prompt_and_its_log_probabilities() -> 
     assert bare["choices"][0]["text"] == "Hello" and bare["choices"][0]["logprobs"] is None
 
 
-def test_a_prompt_only_choice_drops_the_token_that_scored_it() -> None:
+def test_a_prompt_only_choice_is_its_prompt_alone() -> None:
     echo = Echo("HeHe", (1, 1), logprobs=True, prompt_only=True)
-    drawn = Output("llo", (2,), (TokenLogprob(-0.5),), RECORD, None, (TokenLogprob(-3.0),))
-    body = full_response(
-        Endpoint.COMPLETIONS, "id9", 7, "demo", [prompt_only(drawn)], 1, TEXT_OF, [echo]
-    )
+    scored = replace(RECORD, num_output_tokens=0, finish_reason="length")  # as Generation ends it
+    drawn = Output("", (), (), scored, None, (TokenLogprob(-3.0),))
+    body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [drawn], 1, TEXT_OF, [echo])
     choice = body["choices"][0]
     assert choice["text"] == "HeHe" and choice["finish_reason"] == "length"
     assert choice["logprobs"]["token_logprobs"] == [None, -3.0]

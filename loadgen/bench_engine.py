@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import llguidance
 import torch
 from tqdm import tqdm
 
@@ -44,6 +45,9 @@ SHAPING = {
     "logit_bias": tuple((token, 1.0) for token in range(64)),
 }
 """A request with every kind of logits shaping (replica.sampling.LogitsShaper)."""
+STRUCTURED = {"grammar": llguidance.LLMatcher.grammar_from_regex(r"[\n\t -~]*")}
+"""Structured output that printable text, the demo pair's usual output, follows: what a
+token mask costs per sampled row, with an output that stays (nearly) the plain one."""
 SHAPING_K = 3
 
 
@@ -248,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     cases += (
         len(dtypes) * len(settings.spec_batches) * (1 + 2 * sum(k > 0 for k in settings.spec_ks))
     )
-    cases += 4 * len(settings.spec_batches)
+    cases += 8 * len(settings.spec_batches)
     bar = tqdm(total=cases, desc="bench engine", unit="case")
     results: dict[str, Any] = {"throughput": [], "hf": [], "spec": []}
 
@@ -289,9 +293,10 @@ def run(args: argparse.Namespace) -> int:
         target = engines[name].target
         for row in spec_cases(target, drafts[name], spec_prompts, settings, bar, args):
             results["spec"].append({"dtype": name, **row})
-    results["shaping"] = shaping_cases(
-        engines[spec_dtype].target, drafts[spec_dtype], spec_prompts, settings, bar, args
-    )
+    for section, sampling in (("shaping", SHAPING), ("structured", STRUCTURED)):
+        results[section] = shaping_cases(
+            engines[spec_dtype], drafts[spec_dtype], spec_prompts, sampling, settings, bar, args
+        )
     bar.close()
     results["config"] = {
         "target": str(args.target),
@@ -363,21 +368,29 @@ def _draft_runner(target: ModelRunner, draft_dir: Path) -> ModelRunner:
 
 
 def shaping_cases(
-    target: ModelRunner,
+    loaded: Engine,
     draft: ModelRunner,
     prompts: list[list[int]],
+    sampling: dict[str, Any],
     settings: Settings,
     bar: tqdm,
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
-    """Decode rate with and without `SHAPING`, measured in turn per case, and their ratio."""
+    """Decode rate with and without `sampling` (`SHAPING` or `STRUCTURED`) on `loaded`'s
+    target, measured in turn per case, and their ratio."""
     rows = []
     for b in settings.spec_batches:
         for proposer, k in (("none", 0), ("draft", SHAPING_K)):
-            engine = Engine(target, draft, proposer=None if k == 0 else "draft")
+            engine = Engine(
+                loaded.target,
+                draft,
+                proposer=None if k == 0 else "draft",
+                grammar_vocab=loaded.grammar_vocab,
+            )
             rates = {}
             for shaped in (False, True):
-                bar.set_postfix_str(f"shaping {proposer} batch {b} {'on' if shaped else 'off'}")
+                on = "on" if shaped else "off"
+                bar.set_postfix_str(f"{sorted(sampling)[0]} {proposer} batch {b} {on}")
                 measure = functools.partial(
                     spec_run,
                     engine,
@@ -385,7 +398,7 @@ def shaping_cases(
                     b,
                     k,
                     settings.spec_new_tokens,
-                    SHAPING if shaped else None,
+                    sampling if shaped else None,
                 )
                 rates[shaped] = best_of(args.repeats, measure, "tok_s")
                 bar.update()
@@ -468,6 +481,9 @@ def _summary(
         "spec_dtype_b1": spec_dtype,
         "shaped_over_plain": {
             f"{r['proposer']}_b{r['batch']}": r["shaped_over_plain"] for r in results["shaping"]
+        },
+        "structured_over_plain": {
+            f"{r['proposer']}_b{r['batch']}": r["shaped_over_plain"] for r in results["structured"]
         },
         "spec_b1_by_dtype": {
             d: {

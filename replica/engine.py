@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import llguidance
 import torch
+from tokenizers import Tokenizer
 
 from replica.batch import (
     BatchOutcome,
@@ -27,6 +29,7 @@ from replica.batch import (
     RequestOutcome,
     TokenLogprob,
 )
+from replica.grammar import Grammar, grammar_tokenizer
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.model_source import load_tokenizer, model_dir
@@ -55,7 +58,8 @@ class _Seq:
     request: Request
     generator: torch.Generator
     shaper: LogitsShaper | None = None
-    """The request's bias, penalties and min_tokens; None when it has none (most requests)."""
+    """The request's grammar, bias, penalties and min_tokens; None when it has none (most
+    requests)."""
     output: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     """Log-probabilities of prompt tokens 1, 2, ... computed so far (prompt_logprobs); they
@@ -78,6 +82,10 @@ class _Seq:
     @property
     def is_decoding(self) -> bool:
         return bool(self.output) and self.num_known - self.num_computed == 1
+
+    @property
+    def grammar(self) -> Grammar | None:
+        return None if self.shaper is None else self.shaper.grammar
 
     @property
     def generated(self) -> list[int]:
@@ -114,7 +122,10 @@ class Engine:
         proposer: ProposerKind | None = None,
         detokenize: Detokenize | None = None,
         ngram: NgramProposer | None = None,
+        grammar_vocab: llguidance.LLTokenizer | None = None,
     ) -> None:
+        """`grammar_vocab`: the model's vocabulary for structured output
+        (`replica.grammar.grammar_tokenizer`); None refuses requests with a grammar."""
         if proposer == "draft" and draft is None:
             raise ValueError("proposer 'draft' needs a draft model")
         if proposer not in (None, "draft", "ngram"):
@@ -129,6 +140,7 @@ class Engine:
         self.draft = DraftModel(draft) if draft is not None and proposer == "draft" else None
         self.ngram = (ngram or NgramProposer()) if proposer == "ngram" else None
         self.detokenize = detokenize
+        self.grammar_vocab = grammar_vocab
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
         self._seqs: dict[str, _Seq] = {}
 
@@ -171,7 +183,17 @@ class Engine:
             )
         if proposer is None and draft is not None:
             proposer = "draft"
-        return cls(target, draft, proposer=proposer, detokenize=load_detokenizer(target_dir))
+        tokenizer = load_tokenizer(target_dir)
+        if tokenizer is None:
+            return cls(target, draft, proposer=proposer)
+        eos = target.config.eos_token_ids
+        return cls(
+            target,
+            draft,
+            proposer=proposer,
+            detokenize=detokenizer(tokenizer),
+            grammar_vocab=grammar_tokenizer(tokenizer, target.vocab_size, eos),
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -191,6 +213,8 @@ class Engine:
         request.check_fits(self.max_model_len, self.target.vocab_size)
         if request.sampling.stop and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
+        if request.sampling.grammar is not None and self.grammar_vocab is None:
+            raise ValueError("structured output needs a tokenizer; this engine has none")
         self._seqs[request.request_id] = _Seq(request, make_generator(), self._shaper(request))
 
     def abort(self, request_id: str) -> None:
@@ -463,13 +487,20 @@ class Engine:
         held_back = set(params.stop_token_ids)
         if not params.ignore_eos:
             held_back |= self.eos_token_ids
+        prompt, resumed = request.prompt_token_ids, request.resumed_output
+        grammar = None
+        if params.grammar is not None:
+            assert self.grammar_vocab is not None
+            grammar = Grammar(self.grammar_vocab, params.grammar, prompt[len(prompt) - resumed :])
         return LogitsShaper(
             params,
-            request.prompt_token_ids,
-            request.resumed_output,
+            prompt,
+            resumed,
             held_back,
             self.target.vocab_size,
             self.target.device,
+            grammar,
+            min(self.eos_token_ids, default=0),
         )
 
     def _append(self, seq: _Seq, new: list[int]) -> list[int]:
@@ -478,6 +509,8 @@ class Engine:
         before = len(seq.output)
         for token in new:
             seq.output.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             if self._stops_at(seq, token):
                 seq.finish_reason = FinishReason.STOP
                 break
@@ -490,11 +523,14 @@ class Engine:
         return appended
 
     def _stops_at(self, seq: _Seq, token: int) -> bool:
-        """Whether the token just appended ends the output: EOS, a stop token id, or a stop
-        string ending in its text; as vLLM v1, no stop string ends in the first min_tokens
-        tokens (EOS and stop ids cannot be drawn there)."""
+        """Whether the token just appended ends the output: EOS, a stop token id, a complete
+        grammar, or a stop string ending in its text; as vLLM v1, no stop string ends in the
+        first min_tokens tokens (EOS and stop ids cannot be drawn there; a complete grammar
+        allows nothing else)."""
         params = seq.request.sampling
         if token in self.eos_token_ids and not params.ignore_eos:
+            return True
+        if seq.grammar is not None and seq.grammar.done:
             return True
         if token in params.stop_token_ids:
             return True
@@ -572,8 +608,11 @@ def _draft_tokens(w: _Work) -> int:
 def load_detokenizer(folder: str | Path) -> Detokenize | None:
     """The tokenizer of an HF folder as a decode function, or None when it has none."""
     tokenizer = load_tokenizer(Path(folder))
-    if tokenizer is None:
-        return None
+    return None if tokenizer is None else detokenizer(tokenizer)
+
+
+def detokenizer(tokenizer: Tokenizer) -> Detokenize:
+    """A tokenizer's decode function, as stop strings read the output."""
 
     def detokenize(ids: list[int]) -> str:
         return str(tokenizer.decode(ids, skip_special_tokens=True))

@@ -17,6 +17,9 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 """Most tokens one request may bias (OpenAI's cap)."""
 MAX_STOP_TOKEN_IDS = 256
+MAX_GRAMMAR_CHARS = 65536
+"""Longest structured-output grammar a request may carry (a JSON schema, regex, choice list
+or grammar as llguidance text): the door compiles it on its event loop to check it."""
 MAX_LATENCY_MS = 24 * 3600 * 1000.0
 
 
@@ -108,6 +111,11 @@ class SamplingParams:
     """Report each prompt token's log-probability given the tokens before it (the first has
     none) and those of the `prompt_logprobs` most likely tokens; None: none. Costs the LM
     head over every prompt position, which the perf model does not charge."""
+    grammar: str | None = None
+    """Structured output: an llguidance grammar (the door builds it from a JSON schema, a
+    regex, a choice list or a Lark/GBNF grammar) every output token must follow; the output
+    ends when the grammar is complete. Checking it costs a token mask per sampled row, which
+    the perf model does not charge."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -136,6 +144,10 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         self._check_token_ids("stop_token_ids", MAX_STOP_TOKEN_IDS)
         self._check_token_ids("allowed_token_ids", None)
+        if self.grammar is not None and not (
+            isinstance(self.grammar, str) and 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS
+        ):
+            raise ValueError(f"grammar must be a string of 1..{MAX_GRAMMAR_CHARS} characters")
 
     def _check_token_ids(self, name: str, most: int | None) -> None:
         """A list field of token ids, stored as a tuple (the vocabulary is checked with the
@@ -173,10 +185,11 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether a bias, a penalty or min_tokens changes the logits before sampling
-        (`replica.sampling.LogitsShaper`); most requests skip that work."""
+        """Whether a grammar, a bias, a penalty or min_tokens changes the logits before
+        sampling (`replica.sampling.LogitsShaper`); most requests skip that work."""
         return bool(
-            self.logit_bias
+            self.grammar
+            or self.logit_bias
             or self.allowed_token_ids
             or self.presence_penalty
             or self.frequency_penalty

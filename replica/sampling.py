@@ -20,6 +20,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from replica.grammar import Grammar
 from replica.request import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -54,10 +55,14 @@ def noisy_choice(probs: torch.Tensor, noise: torch.Tensor) -> list[int]:
 
 
 class LogitsShaper:
-    """One request's logit bias, penalties and min_tokens, with what they count (the output's
-    token counts, the tokens seen in prompt and output) kept as dense vocabulary tensors and
-    updated as tokens are appended, so shaping a step costs a few tensor operations whatever
-    the request's length.
+    """One request's grammar, logit bias, penalties and min_tokens, with what they count (the
+    output's token counts, the tokens seen in prompt and output) kept as dense vocabulary
+    tensors and updated as tokens are appended, so shaping a step costs a few tensor operations
+    whatever the request's length.
+
+    A row these leave without any token (say allowed_token_ids all held back by min_tokens,
+    or outside the grammar) allows `end_token` alone: the output ends rather than the step
+    failing on a distribution with nothing in it.
 
     Row i of the logits a call shapes follows the request's tokens plus the first
     `start + i` proposed ones: a verify step's rows are shaped as decoding its proposal one by
@@ -72,13 +77,18 @@ class LogitsShaper:
         held_back: Collection[int],
         vocab: int,
         device: torch.device,
+        grammar: Grammar | None = None,
+        end_token: int = 0,
     ) -> None:
         """`tokens`: prompt then output, whose last `num_output` are output (a resumed
         request's earlier output included: penalties count it). `held_back`: the tokens
-        min_tokens keeps from being drawn (stop_token_ids, and EOS unless ignored)."""
+        min_tokens keeps from being drawn (stop_token_ids, and EOS unless ignored). `grammar`:
+        the request's structured output, kept in step with the output by the engine."""
         self.params = params
         self.vocab = vocab
         self.device = device
+        self.grammar = grammar
+        self.end_token = end_token
         self.num_fresh = 0
         """Output tokens appended here: min_tokens counts these (a resume lowers it)."""
         self.counts: torch.Tensor | None = None
@@ -116,10 +126,21 @@ class LogitsShaper:
         self, logits: torch.Tensor, proposal: Sequence[int] = (), start: int = 0
     ) -> torch.Tensor:
         """Shaped fp32 copy of logits [n, vocab] (rows follow proposal[: start + i]), in
-        vLLM's order: allowed_token_ids, min_tokens and logit_bias, then the penalties."""
+        vLLM's order: the grammar, allowed_token_ids, min_tokens and logit_bias, then the
+        penalties."""
+        out = self._shape(logits, proposal, start)
+        dead = torch.isneginf(out).all(dim=-1)
+        if bool(dead.any()):
+            out[dead] = float("-inf")
+            out[dead, self.end_token] = 0.0
+        return out
+
+    def _shape(self, logits: torch.Tensor, proposal: Sequence[int], start: int) -> torch.Tensor:
         params = self.params
         n = logits.shape[0]
         out = logits.float().clone()
+        if self.grammar is not None:
+            out.masked_fill_(self.grammar.banned(proposal, start, n).to(out.device), float("-inf"))
         if self.banned is not None:
             out.masked_fill_(self.banned, float("-inf"))
         masked = max(0, min(n, params.min_tokens - self.num_fresh - start))

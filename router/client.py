@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -107,6 +108,19 @@ class ClientError(Exception):
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """Structured output (vLLM's `structured_outputs`): set exactly one field."""
+
+    json: str | Mapping[str, Any] | None = None
+    """A JSON schema, as an object or its text."""
+    regex: str | None = None
+    choice: Sequence[str] = field(default_factory=tuple)
+    grammar: str | None = None
+    """Lark or GBNF."""
+    json_object: bool = False
+
+
+@dataclass(frozen=True)
 class GenerateOptions:
     """Everything `generate` sends besides the input; see the proto for each field."""
 
@@ -136,6 +150,8 @@ class GenerateOptions:
     """Samples of the prompt, each its own request (`Chunk.index`, one `Result` each)."""
     logprobs: int | None = None
     """Each token's log-probability and its `logprobs` most likely alternatives (0..20)."""
+    structured_outputs: StructuredOutputs | None = None
+    """Every token follows it; the output ends once it is complete."""
 
 
 OPTIONAL_SCALARS = tuple(
@@ -155,6 +171,20 @@ def _wire_value(name: str, value: float) -> float:
     if name == "seed" and -(2**63) <= value < 0:
         return value + 2**64
     return value
+
+
+def _structured(wanted: StructuredOutputs) -> pb.StructuredOutputs:
+    schema = wanted.json
+    try:
+        return pb.StructuredOutputs(
+            json=schema if schema is None or isinstance(schema, str) else json.dumps(schema),
+            regex=wanted.regex,
+            choice=list(wanted.choice),
+            grammar=wanted.grammar,
+            json_object=wanted.json_object,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"structured_outputs={wanted!r}: {exc}") from None
 
 
 def build_request(
@@ -200,6 +230,8 @@ def build_request(
             put(value)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{name}={value!r}: {exc}") from None
+    if options.structured_outputs is not None:
+        request.structured_outputs.CopyFrom(_structured(options.structured_outputs))
     if isinstance(options.slo, str):
         request.slo.tier = options.slo
     elif options.slo is not None:

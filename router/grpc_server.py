@@ -66,6 +66,8 @@ def request_to_body(
         body["stop_token_ids"] = list(request.stop_token_ids)
     if request.allowed_token_ids:
         body["allowed_token_ids"] = list(request.allowed_token_ids)
+    if request.HasField("structured_outputs"):
+        body["structured_outputs"] = _structured_to_body(request.structured_outputs)
     if "seed" in body and body["seed"] >= 2**63:
         body["seed"] -= 2**64  # uint64 read as int64, as HTTP takes seeds: every value is one
     if request.service_tier not in (pb.SERVICE_TIER_DEFAULT, pb.SERVICE_TIER_FLEX):
@@ -90,6 +92,18 @@ def request_to_body(
     if request.HasField("slo"):
         body["slo"] = _slo_to_body(request.slo)
     return endpoint, body
+
+
+def _structured_to_body(wanted: pb.StructuredOutputs) -> dict[str, Any]:
+    """The fields it sets, as the HTTP door's `structured_outputs` (which wants exactly one)."""
+    fields = {
+        "json": wanted.json,
+        "regex": wanted.regex,
+        "choice": list(wanted.choice),
+        "grammar": wanted.grammar,
+        "json_object": wanted.json_object,
+    }
+    return {name: value for name, value in fields.items() if value}
 
 
 def _slo_to_body(slo: pb.SLO) -> str | dict[str, Any]:

@@ -27,6 +27,8 @@ from enum import StrEnum
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+import llguidance
+
 from replica.request import (
     MAX_LATENCY_MS,
     MAX_LOGIT_BIAS,
@@ -40,6 +42,8 @@ from replica.request import (
     Tier,
 )
 from router.errors import BadRequest, ModelNotFound
+from router.structured import FIELDS as STRUCTURED_FIELDS
+from router.structured import structured_grammar
 
 MAX_PRIORITY = 19
 MAX_STOP_STRINGS = 16
@@ -71,6 +75,11 @@ class Codec(Protocol):
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+
+    @property
+    def grammar_vocab(self) -> llguidance.LLTokenizer:
+        """The vocabulary structured-output grammars are checked against."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,7 @@ COMMON_FIELDS = {
     "echo",
     "store",
     "metadata",
+    *STRUCTURED_FIELDS,
 }
 FIELDS = {
     Endpoint.COMPLETIONS: COMMON_FIELDS | {"prompt", "best_of", "suffix"},
@@ -166,7 +176,6 @@ FIELDS = {
         "messages",
         "max_completion_tokens",
         "top_logprobs",
-        "response_format",
         "tools",
         "tool_choice",
         "parallel_tool_calls",
@@ -194,7 +203,7 @@ def parse_body(
     echo = endpoint is Endpoint.COMPLETIONS and _bool(body, "echo", False)
     tier, slo, slo_label = _tier_and_slo(body, headers, ctx)
     value = _value(body)
-    sampling = _sampling(endpoint, body, ctx, len(prompts[0]), echo)
+    sampling = _sampling(endpoint, body, ctx, codec, len(prompts[0]), echo)
     requests = []
     for i, prompt in enumerate(prompts):
         where = "" if len(prompts) == 1 else f"prompt[{i}]: "
@@ -331,7 +340,6 @@ def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
         "spaces_between_special_tokens": (None, True),
         "suffix": (None, ""),
         "store": (None, False),
-        "response_format": (None, {"type": "text"}),
         "tools": (None, []),
         "tool_choice": (None, "none"),
         "parallel_tool_calls": (None, True, False),
@@ -489,7 +497,12 @@ def _content(raw: object, where: str) -> str:
 
 
 def _sampling(
-    endpoint: Endpoint, body: dict[str, Any], ctx: SchemaContext, prompt_len: int, echo: bool
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    ctx: SchemaContext,
+    codec: Codec,
+    prompt_len: int,
+    echo: bool,
 ) -> SamplingParams:
     """The sampling every choice shares (`prompt_len`: the chat prompt's, whose default
     max_tokens fills the context). With echo, max_tokens may be 0 (the prompt alone, scored
@@ -532,6 +545,7 @@ def _sampling(
             stop_token_ids=_token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
             allowed_token_ids=_token_ids(body, "allowed_token_ids", ctx.vocab_size),
             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+            grammar=structured_grammar(body, codec.grammar_vocab),
         ),
         "sampling",
     )

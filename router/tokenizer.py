@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
+import llguidance
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -60,6 +62,12 @@ class TextCodec:
         them when echoed or detokenized, so its text matches its tokens."""
         ids = list(token_ids)
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    @cached_property
+    def grammar_vocab(self) -> llguidance.LLTokenizer:
+        """The vocabulary structured-output grammars are checked against, built on first use
+        (about a second at a 128k vocabulary)."""
+        return llguidance.LLTokenizer(self.tokenizer.to_str())
 
     def token_text(self, token_id: int) -> str:
         """One token's text for log-probabilities (special tokens by name, as vLLM shows them;

@@ -34,6 +34,7 @@ def test_quick_bench_writes_summary_and_tables(
     by_dtype = summary["spec_b1_by_dtype"]["float32"]
     assert set(by_dtype) == {"none", "draft", "ngram"}
     assert by_dtype["none"]["k"] == 0 and by_dtype["none"]["speedup"] == 1.0
-    assert set(summary["shaped_over_plain"]) == {"none_b1", "draft_b1"}
-    for row in data["shaping"]:
-        assert row["plain_tok_s"] > 0 and row["shaped_tok_s"] > 0
+    for section, key in (("shaping", "shaped_over_plain"), ("structured", "structured_over_plain")):
+        assert set(summary[key]) == {"none_b1", "draft_b1"}
+        for row in data[section]:
+            assert row["plain_tok_s"] > 0 and row["shaped_tok_s"] > 0

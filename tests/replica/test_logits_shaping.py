@@ -13,6 +13,7 @@ from replica.engine import Detokenize, Engine, ProposerKind, ends_a_stop, load_d
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
 from replica.spec.draft import load_draft_vocab
+from tests.replica.engine_runs import run
 
 MAX_TOKENS = 24
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n"
@@ -37,20 +38,6 @@ def runners(target_dir: Path, draft_dir: Path) -> dict[str, tuple[ModelRunner, M
     target = ModelRunner(target_dir, num_blocks=64)
     cut = ModelRunner(draft_dir, num_blocks=64, head_vocab=load_draft_vocab(draft_dir))
     return {"whole": (target, ModelRunner(draft_dir, num_blocks=64)), "cut": (target, cut)}
-
-
-def run(engine: Engine, request: Request, ks: list[int]) -> tuple[list[int], FinishReason | None]:
-    rid = request.request_id
-    engine.add_request(request)
-    engine.step(BatchPlan((PrefillChunk(rid, request.prompt_len),)))
-    step = 0
-    while engine.finish_reason(rid) is None:
-        engine.step(BatchPlan((DecodeStep(rid, ks[step % len(ks)]),)))
-        step += 1
-    out, reason = engine.output_token_ids(rid), engine.finish_reason(rid)
-    engine.abort(rid)
-    assert engine.num_free_blocks == engine.cache.num_blocks
-    return out, reason
 
 
 def best_effort(prompt: list[int], **sampling: object) -> Request:

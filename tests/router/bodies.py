@@ -44,6 +44,12 @@ FIELD_NAMES = [
     "allowed_token_ids",
     "min_p",
     "skip_special_tokens",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
     "unknown_field",
 ]
 bodies = st.fixed_dictionaries(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from replica.request import SLO
-from router.client import AsyncClient, Chunk, Client, ClientError, Result
+from router.client import AsyncClient, Chunk, Client, ClientError, Result, StructuredOutputs
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 from router.local import LocalFrontDoor
@@ -145,6 +146,45 @@ def test_penalties_and_bias_reach_the_engine_through_either_door(
     assert "".join(c.choices[0].text for c in streamed if c.choices) == shaped
     text, _ = grpc_tokens(live, max_tokens=24, temperature=0.0, logit_bias={x: 4.0}, **shaping)
     assert text == shaped
+
+
+def test_structured_output_through_either_door(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
+    """A JSON schema over chat (OpenAI's response_format, streamed or not), a choice list
+    (vLLM's structured_outputs) sampled, and a regex over gRPC: each output follows it and
+    ends with it."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    body: dict[str, Any] = dict(
+        model="demo",
+        messages=[{"role": "user", "content": "Describe a function as JSON."}],
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "item", "schema": schema}},
+    )
+    out = oai.chat.completions.create(**body)
+    content = out.choices[0].message.content
+    assert content is not None and out.choices[0].finish_reason == "stop"
+    value = json.loads(content)
+    assert set(value) == {"name", "n"} and isinstance(value["n"], int)
+    streamed = oai.chat.completions.create(**body, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == content
+    choices = ["return a", "pass", "yield b"]
+    picked = oai.completions.create(
+        model="demo",
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=1.5,
+        n=4,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
+    assert all(c.text in choices and c.finish_reason == "stop" for c in picked.choices)
+    regex = StructuredOutputs(regex=r"[a-c]{2,5}!")
+    text, _, result = grpc_generate(live, max_tokens=16, structured_outputs=regex)
+    assert re.fullmatch(r"[a-c]{2,5}!", text) and result.finish_reason == "stop"
 
 
 def test_a_stop_token_id_ends_the_text_before_its_own_after_min_tokens(
@@ -679,6 +719,10 @@ grpc_requests = st.builds(
     ),
     service_tier=st.integers(min_value=0, max_value=5),
     priority=st.integers(min_value=-(2**31), max_value=2**31 - 1),
+    structured_outputs=st.builds(pb.StructuredOutputs, regex=st.text(max_size=8))
+    | st.builds(pb.StructuredOutputs, choice=st.lists(st.text(max_size=4), max_size=2))
+    | st.builds(pb.StructuredOutputs, json=st.text(max_size=20))
+    | st.builds(pb.StructuredOutputs, grammar=st.text(max_size=12)),
 )
 CLEAN_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT,

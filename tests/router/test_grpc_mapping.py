@@ -22,6 +22,7 @@ from router.client import (
     Chunk,
     Client,
     GenerateOptions,
+    StructuredOutputs,
     _item,
     build_request,
     placement_from_metadata,
@@ -81,6 +82,44 @@ def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None
         build_request("x", None, GenerateOptions(stop_token_ids=[-1]))
     with pytest.raises(ValueError, match="logit_bias"):
         build_request("x", None, GenerateOptions(logit_bias={"a": 1.0}))  # type: ignore[dict-item]
+
+
+def test_structured_outputs_cross_grpc(codec: TextCodec) -> None:
+    """Each kind reaches the HTTP door's parsing as `structured_outputs` and makes the grammar
+    HTTP's would; none or two set are the door's 400."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    kinds: list[tuple[StructuredOutputs, dict[str, object]]] = [
+        (StructuredOutputs(json=schema), {"json": schema}),
+        (StructuredOutputs(json='{"type": "array"}'), {"json": {"type": "array"}}),
+        (StructuredOutputs(regex="[ab]+"), {"regex": "[ab]+"}),
+        (StructuredOutputs(choice=["x", "y"]), {"choice": ["x", "y"]}),
+        (StructuredOutputs(grammar='root ::= "a"'), {"grammar": 'root ::= "a"'}),
+        (StructuredOutputs(json_object=True), {"json_object": True}),
+    ]
+    for wanted, http in kinds:
+        endpoint, body = request_to_body(
+            build_request("Hello", None, GenerateOptions(structured_outputs=wanted)), "demo"
+        )
+        grpc_grammar = (
+            parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0)
+            .requests[0]
+            .sampling.grammar
+        )
+        http_body = {"prompt": "Hello", "structured_outputs": http}
+        http_grammar = (
+            parse_body(endpoint, http_body, {}, CTX, codec, request_id="h", arrival_time=1.0)
+            .requests[0]
+            .sampling.grammar
+        )
+        assert grpc_grammar == http_grammar and grpc_grammar is not None, wanted
+    for wrong in (StructuredOutputs(), StructuredOutputs(regex="a", choice=["a"])):
+        endpoint, body = request_to_body(
+            build_request("x", None, GenerateOptions(structured_outputs=wrong)), "demo"
+        )
+        with pytest.raises(BadRequest, match="exactly one"):
+            parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0)
+    with pytest.raises(ValueError, match="structured_outputs="):
+        build_request("x", None, GenerateOptions(structured_outputs=StructuredOutputs(choice=[3])))  # type: ignore[list-item]
 
 
 def test_every_optional_proto_scalar_is_an_sdk_option() -> None:

@@ -47,7 +47,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "slo", "service_tier", "priority", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "n", "logprobs", "allowed_token_ids", "min_p")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "slo", "service_tier", "priority", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "n", "logprobs", "allowed_token_ids", "min_p", "structured_outputs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -105,7 +106,22 @@ class GenerateRequest(_message.Message):
     logprobs: int
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     min_p: float
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., service_tier: _Optional[_Union[ServiceTier, str]] = ..., priority: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ...) -> None: ...
+    structured_outputs: StructuredOutputs
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., slo: _Optional[_Union[SLO, _Mapping]] = ..., service_tier: _Optional[_Union[ServiceTier, str]] = ..., priority: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ...) -> None: ...
+
+class StructuredOutputs(_message.Message):
+    __slots__ = ("json", "regex", "choice", "grammar", "json_object")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    regex: str
+    choice: _containers.RepeatedScalarFieldContainer[str]
+    grammar: str
+    json_object: bool
+    def __init__(self, json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

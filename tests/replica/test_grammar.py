@@ -1,0 +1,204 @@
+"""Structured output in the engine: the output follows its grammar and ends when the grammar is
+complete; speculation and resumes leave it exactly as plain decoding gives it; constraints
+that leave no token end the output instead of failing the step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+import pytest
+from tokenizers import Tokenizer
+
+from cluster.migration import resumed_request
+from replica.batch import FinishReason
+from replica.engine import Engine, ProposerKind
+from replica.grammar import Grammar, grammar_tokenizer
+from replica.model_runner import ModelRunner
+from replica.request import Request, SamplingParams, Tier
+from replica.spec.draft import load_draft_vocab
+from tests.replica.engine_runs import run
+
+PROMPT_TEXT = "def add(a, b):\n    return a + b\n"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "size", "tags"],
+    "additionalProperties": False,
+}
+JSON_GRAMMAR = llguidance.LLMatcher.grammar_from_json_schema(
+    SCHEMA, {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer: Tokenizer) -> list[int]:
+    return list(tokenizer.encode(PROMPT_TEXT).ids)
+
+
+@pytest.fixture(scope="module")
+def runners(target_dir: Path, draft_dir: Path) -> dict[str, tuple[ModelRunner, ModelRunner]]:
+    target = ModelRunner(target_dir, num_blocks=64)
+    cut = ModelRunner(draft_dir, num_blocks=64, head_vocab=load_draft_vocab(draft_dir))
+    return {"whole": (target, ModelRunner(draft_dir, num_blocks=64)), "cut": (target, cut)}
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer: Tokenizer, runners: dict[str, tuple[ModelRunner, ModelRunner]]) -> object:
+    target = runners["whole"][0]
+    return grammar_tokenizer(tokenizer, target.vocab_size, target.config.eos_token_ids)
+
+
+def engine(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]],
+    vocab: llguidance.LLTokenizer,
+    pair: str = "whole",
+    proposer: ProposerKind | None = None,
+) -> Engine:
+    return Engine(*runners[pair], proposer=proposer, grammar_vocab=vocab)
+
+
+def best_effort(prompt: list[int], **sampling: object) -> Request:
+    params = SamplingParams(**{"max_tokens": 96, **sampling})  # type: ignore[arg-type]
+    return Request("q", prompt, params, tier=Tier.BEST_EFFORT)
+
+
+def test_masks_follow_the_proposal_and_leave_the_state_as_it_was(
+    vocab: llguidance.LLTokenizer, tokenizer: Tokenizer
+) -> None:
+    """Row i is the mask after the first i proposed tokens; a refused token leaves the rows
+    after it unmasked; the matcher is where it was after every call."""
+    valid = tokenizer.encode('{"name": "ab", "size": 7').ids
+    grammar = Grammar(vocab, JSON_GRAMMAR)
+    rows = grammar.banned(valid, 0, len(valid) + 1)
+    for i in range(len(valid) + 1):
+        alone = Grammar(vocab, JSON_GRAMMAR, valid[:i])
+        assert bool((alone.banned((), 0, 1)[0] == rows[i]).all()), i
+        assert not bool(rows[i][valid[i]]) if i < len(valid) else True
+    assert bool(grammar.banned(valid, 2, 1)[0].equal(rows[2]))
+    refused = tokenizer.encode("x").ids[0]
+    assert bool(rows[0][refused])
+    broken = grammar.banned([valid[0], refused, valid[1]], 0, 4)
+    assert bool(broken[1][refused]) and not bool(broken[2].any()) and not bool(broken[3].any())
+    assert bool(grammar.banned((), 0, 1)[0].equal(rows[0]))
+    assert not grammar.done
+
+
+def test_greedy_and_sampled_outputs_follow_the_schema_and_end_with_it(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]],
+    vocab: llguidance.LLTokenizer,
+    tokenizer: Tokenizer,
+    prompt: list[int],
+) -> None:
+    for sampled in ({}, {"temperature": 1.0, "seed": 3}, {"temperature": 1.0}):
+        out, reason = run(
+            engine(runners, vocab), best_effort(prompt, grammar=JSON_GRAMMAR, **sampled), [0]
+        )
+        value = json.loads(tokenizer.decode(out))
+        assert set(value) == {"name", "size", "tags"}, sampled
+        assert isinstance(value["size"], int) and 0 <= value["size"] <= 999
+        assert set(value["tags"]) <= {"a", "b"} and len(value["name"]) <= 12
+        assert reason is FinishReason.STOP and tokenizer.decode(out).endswith("}")
+    plain, _ = run(engine(runners, vocab), best_effort(prompt), [0])
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(tokenizer.decode(plain))
+
+
+@pytest.mark.parametrize("sampled", [{}, {"temperature": 0.8, "seed": 5}], ids=["greedy", "seeded"])
+def test_speculation_keeps_structured_output_exactly(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]],
+    vocab: llguidance.LLTokenizer,
+    prompt: list[int],
+    sampled: dict[str, object],
+) -> None:
+    """Verify rows follow their proposals through the grammar, drafts propose inside it, and
+    n-gram proposals it refuses are rejected: any k gives the plain output."""
+    request = best_effort(prompt, grammar=JSON_GRAMMAR, **sampled)
+    plain, _ = run(engine(runners, vocab), request, [0])
+    cases: list[tuple[str, ProposerKind]] = [
+        ("whole", "draft"),
+        ("cut", "draft"),
+        ("whole", "ngram"),
+    ]
+    for pair, proposer in cases:
+        assert run(engine(runners, vocab, pair, proposer), request, [3, 1, 5])[0] == plain, (
+            pair,
+            proposer,
+        )
+
+
+def test_a_resumed_request_goes_on_inside_its_grammar(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]],
+    vocab: llguidance.LLTokenizer,
+    prompt: list[int],
+) -> None:
+    """The output a resume turned into prompt advances the grammar first; without that the
+    continuation starts the grammar over."""
+    original = best_effort(prompt, grammar=JSON_GRAMMAR)
+    plain, _ = run(engine(runners, vocab), original, [0])
+    resumed = resumed_request(original, plain[:6])
+    assert run(engine(runners, vocab, proposer="draft"), resumed, [2])[0] == plain[6:]
+    forgetful = Request("f", resumed.prompt_token_ids, resumed.sampling, tier=Tier.BEST_EFFORT)
+    assert run(engine(runners, vocab), forgetful, [0])[0] != plain[6:]
+
+
+def test_a_choice_ends_as_soon_as_it_is_complete(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]],
+    vocab: llguidance.LLTokenizer,
+    tokenizer: Tokenizer,
+    prompt: list[int],
+) -> None:
+    grammar = llguidance.grammar_from("choice", json.dumps(["return a", "pass", "yield b"]))
+    for seed in range(4):
+        out, reason = run(
+            engine(runners, vocab, proposer="draft"),
+            best_effort(prompt, grammar=grammar, temperature=1.5, seed=seed, ignore_eos=True),
+            [3],
+        )
+        assert tokenizer.decode(out) in ("return a", "pass", "yield b")
+        assert reason is FinishReason.STOP
+
+
+@pytest.mark.parametrize("sampled", [{}, {"temperature": 1.0}], ids=["greedy", "sampled"])
+def test_constraints_that_leave_no_token_end_the_output(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]],
+    vocab: llguidance.LLTokenizer,
+    tokenizer: Tokenizer,
+    prompt: list[int],
+    sampled: dict[str, object],
+) -> None:
+    """allowed_token_ids that min_tokens holds back, or that the grammar refuses, leave a row
+    with nothing in it: the row allows EOS alone (a sampled step used to fail on it)."""
+    eng = engine(runners, vocab, proposer="draft")
+    eos = min(eng.eos_token_ids)
+    held = best_effort(prompt, allowed_token_ids=(eos,), min_tokens=3, **sampled)
+    assert run(eng, held, [2]) == ([eos], FinishReason.STOP)
+    digit = tokenizer.encode("7").ids[0]
+    refused = best_effort(prompt, grammar=JSON_GRAMMAR, allowed_token_ids=(digit,), **sampled)
+    assert run(eng, refused, [2]) == ([eos], FinishReason.STOP)
+
+
+def test_grammars_are_refused_without_a_tokenizer_or_when_invalid(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]],
+    vocab: llguidance.LLTokenizer,
+    prompt: list[int],
+) -> None:
+    request = best_effort(prompt, grammar=JSON_GRAMMAR)
+    with pytest.raises(ValueError, match="structured output needs a tokenizer"):
+        Engine(*runners["whole"]).add_request(request)
+    eng = engine(runners, vocab)
+    bad = llguidance.LLMatcher.grammar_from_regex("a(b")
+    with pytest.raises(ValueError, match=r"(?s)grammar: .*unclosed group"):
+        eng.add_request(best_effort(prompt, grammar=bad))
+    assert not eng.has_request("q")
+    assert run(eng, request, [0])[1] is FinishReason.STOP

@@ -55,7 +55,7 @@ class Grammar:
         whose proposed tokens the grammar refuses is never reached (verification rejects the
         token that breaks it) and bans nothing."""
         rows = torch.zeros(n, self.vocab, dtype=torch.bool)
-        consumed = self.matcher.try_consume_tokens(list(proposal[:start]))
+        consumed = self.matcher.try_consume_tokens(list(proposal[:start])) if start else 0
         for i in range(n):
             if consumed < start + i:
                 break
@@ -63,5 +63,6 @@ class Grammar:
             rows[i] = torch.frombuffer(allowed, dtype=torch.uint8) == 0
             if start + i < len(proposal) and i < n - 1:
                 consumed += self.matcher.try_consume_tokens([proposal[start + i]])
-        self.matcher.rollback(consumed)
+        if consumed:
+            self.matcher.rollback(consumed)
         return rows

@@ -129,6 +129,8 @@ class LogitsShaper:
         vLLM's order: the grammar, allowed_token_ids, min_tokens and logit_bias, then the
         penalties."""
         out = self._shape(logits, proposal, start)
+        if self.grammar is None and self.banned is None:
+            return out  # bias and penalties keep logits finite; min_tokens holds back a few
         dead = torch.isneginf(out).all(dim=-1)
         if bool(dead.any()):
             out[dead] = float("-inf")

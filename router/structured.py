@@ -9,9 +9,9 @@ Three spellings are taken, at most one per request:
   `choice` (a list of strings), `grammar` (Lark or GBNF), `json_object: true`;
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`.
 
-JSON comes out with fixed separators (", " and ": ") and no other whitespace, as OpenAI's
-structured outputs do: with any whitespace allowed, a small model can fill its output with
-newlines. A schema may choose otherwise through llguidance's `x-guidance` options.
+JSON comes out with fixed separators (", " and ": ") and no other whitespace: with any
+whitespace allowed (vLLM's default), the demo model wrote newlines until max_tokens. A schema
+may choose otherwise through llguidance's `x-guidance` options.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ roll both KV caches back to the accepted length and apply stop conditions.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from replica.tensor_parallel import TensorParallel
 
 ProposerKind = Literal["draft", "ngram"]
 Detokenize = Callable[[list[int]], str]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -186,13 +189,19 @@ class Engine:
         tokenizer = load_tokenizer(target_dir)
         if tokenizer is None:
             return cls(target, draft, proposer=proposer)
-        eos = target.config.eos_token_ids
+        grammar_vocab = None
+        try:
+            grammar_vocab = grammar_tokenizer(
+                tokenizer, target.vocab_size, target.config.eos_token_ids
+            )
+        except ValueError as exc:  # no EOS, a vocabulary below the tokenizer's, WordPiece...
+            log.warning("structured output is off: llguidance cannot use this model (%s)", exc)
         return cls(
             target,
             draft,
             proposer=proposer,
             detokenize=detokenizer(tokenizer),
-            grammar_vocab=grammar_tokenizer(tokenizer, target.vocab_size, eos),
+            grammar_vocab=grammar_vocab,
         )
 
     @property
@@ -214,7 +223,9 @@ class Engine:
         if request.sampling.stop and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         if request.sampling.grammar is not None and self.grammar_vocab is None:
-            raise ValueError("structured output needs a tokenizer; this engine has none")
+            raise ValueError(
+                "structured output needs a tokenizer llguidance can use; this engine has none"
+            )
         self._seqs[request.request_id] = _Seq(request, make_generator(), self._shaper(request))
 
     def abort(self, request_id: str) -> None:

@@ -61,8 +61,8 @@ class LogitsShaper:
     whatever the request's length.
 
     A row these leave without any token (say allowed_token_ids all held back by min_tokens,
-    or outside the grammar) allows `end_token` alone: the output ends rather than the step
-    failing on a distribution with nothing in it.
+    or outside the grammar) allows `end_token` (EOS) alone rather than failing the step on a
+    distribution with nothing in it: the output ends there, unless it ignores EOS.
 
     Row i of the logits a call shapes follows the request's tokens plus the first
     `start + i` proposed ones: a verify step's rows are shaped as decoding its proposal one by

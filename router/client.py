@@ -175,6 +175,10 @@ def _wire_value(name: str, value: float) -> float:
 
 def _structured(wanted: StructuredOutputs) -> pb.StructuredOutputs:
     schema = wanted.json
+    if isinstance(wanted.choice, str):
+        raise ValueError(
+            f"structured_outputs choice must be a list of strings, got {wanted.choice!r}"
+        )
     try:
         return pb.StructuredOutputs(
             json=schema if schema is None or isinstance(schema, str) else json.dumps(schema),

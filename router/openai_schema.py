@@ -545,7 +545,7 @@ def _sampling(
             stop_token_ids=_token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
             allowed_token_ids=_token_ids(body, "allowed_token_ids", ctx.vocab_size),
             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
-            grammar=structured_grammar(body, codec.grammar_vocab),
+            grammar=structured_grammar(body, lambda: codec.grammar_vocab),
         ),
         "sampling",
     )

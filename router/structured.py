@@ -17,7 +17,7 @@ may choose otherwise through llguidance's `x-guidance` options.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -41,14 +41,14 @@ FIELDS = ("response_format", "structured_outputs", *GUIDED)
 """The request fields that ask for structured output."""
 
 
-def structured_grammar(body: Mapping[str, Any], vocab: llguidance.LLTokenizer) -> str | None:
+def structured_grammar(
+    body: Mapping[str, Any], vocab: Callable[[], llguidance.LLTokenizer]
+) -> str | None:
     """The llguidance grammar a body's structured-output field asks for (None: plain text),
-    checked against the model's vocabulary."""
-    asked = [
-        name
-        for name in FIELDS
-        if body.get(name) is not None and body[name] != {"type": "text"}  # plain text
-    ]
+    checked against the model's vocabulary (`vocab`, only built when a body asks)."""
+    asked = [name for name in FIELDS if body.get(name) is not None]
+    if body.get("response_format") == {"type": "text"}:
+        asked.remove("response_format")
     if len(asked) > 1:
         raise BadRequest(
             f"ask for structured output once; this request sets {' and '.join(asked)}", asked[1]
@@ -69,7 +69,13 @@ def structured_grammar(body: Mapping[str, Any], vocab: llguidance.LLTokenizer) -
             f"{MAX_GRAMMAR_CHARS}",
             where,
         )
-    error = llguidance.LLMatcher.validate_grammar(grammar, vocab)
+    try:
+        model_vocab = vocab()
+    except ValueError as exc:
+        raise BadRequest(
+            f"{where}: this model's tokenizer cannot drive structured output ({exc})", where
+        ) from exc
+    error = llguidance.LLMatcher.validate_grammar(grammar, model_vocab)
     if error:
         raise BadRequest(f"{where}: {_trimmed(error)}", where)
     return grammar
@@ -123,7 +129,10 @@ def _compile(kind: str, value: object, where: str) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
     if kind == "json":
         schema = _schema(value, where)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
+        except ValueError as exc:  # values JSON cannot carry: huge numbers, lone surrogates
+            raise BadRequest(f"{where}: {_trimmed(str(exc))}", where) from exc
     if kind == "choice":
         if (
             not isinstance(value, list)
@@ -153,11 +162,13 @@ def _schema(value: object, where: str) -> dict[str, Any]:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise BadRequest(f"{where} is not valid JSON: {exc}", where) from exc
+        except RecursionError as exc:
+            raise BadRequest(f"{where} is nested too deeply", where) from exc
     if not isinstance(value, dict):
         raise BadRequest(f"{where} must be a JSON schema object", where)
     return value
 
 
-def _trimmed(message: str, most: int = 400) -> str:
+def _trimmed(message: str, most: int = 300) -> str:
     """llguidance's error (with the grammar line it points at), at a readable length."""
     return message.strip()[:most]

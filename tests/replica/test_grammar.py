@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from cluster.migration import resumed_request
-from replica.batch import FinishReason
+from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.engine import Engine, ProposerKind
 from replica.grammar import Grammar, grammar_tokenizer
 from replica.model_runner import ModelRunner
@@ -202,3 +202,43 @@ def test_grammars_are_refused_without_a_tokenizer_or_when_invalid(
         eng.add_request(best_effort(prompt, grammar=bad))
     assert not eng.has_request("q")
     assert run(eng, request, [0])[1] is FinishReason.STOP
+
+
+def test_a_model_llguidance_cannot_use_serves_plain_requests(
+    target_dir: Path, prompt: list[int], tmp_path: Path
+) -> None:
+    """A model without EOS loads and serves as before; only structured output is refused."""
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).symlink_to(target_dir / name)
+    config = json.loads((target_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
+    eng = Engine.from_dirs(tmp_path, num_blocks=16)
+    assert eng.grammar_vocab is None and eng.detokenize is not None
+    assert run(eng, best_effort(prompt, max_tokens=4), [0])[1] is FinishReason.LENGTH
+    with pytest.raises(ValueError, match="tokenizer llguidance can use"):
+        eng.add_request(best_effort(prompt, grammar=JSON_GRAMMAR))
+
+
+def test_a_preempted_request_and_one_ignoring_eos_end_where_the_grammar_does(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]],
+    vocab: llguidance.LLTokenizer,
+    prompt: list[int],
+) -> None:
+    """The matcher lives with the request, not its KV: a preemption mid-output recomputes the
+    KV and goes on inside the grammar; a complete grammar ends the output even when EOS would
+    not."""
+    plain, reason = run(engine(runners, vocab), best_effort(prompt, grammar=JSON_GRAMMAR), [0])
+    assert reason is FinishReason.STOP
+    ignoring = best_effort(prompt, grammar=JSON_GRAMMAR, ignore_eos=True)
+    assert run(engine(runners, vocab), ignoring, [0]) == (plain, FinishReason.STOP)
+    eng = engine(runners, vocab, proposer="draft")
+    eng.add_request(best_effort(prompt, grammar=JSON_GRAMMAR))
+    eng.step(BatchPlan((PrefillChunk("q", len(prompt)),)))
+    for _ in range(4):
+        eng.step(BatchPlan((DecodeStep("q", 2),)))
+    eng.preempt("q")
+    known = len(prompt) + len(eng.output_token_ids("q"))
+    eng.step(BatchPlan((PrefillChunk("q", known),)))
+    while eng.finish_reason("q") is None:
+        eng.step(BatchPlan((DecodeStep("q", 3),)))
+    assert eng.output_token_ids("q") == plain

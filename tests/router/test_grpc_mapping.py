@@ -118,6 +118,10 @@ def test_structured_outputs_cross_grpc(codec: TextCodec) -> None:
         )
         with pytest.raises(BadRequest, match="exactly one"):
             parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0)
+    with pytest.raises(ValueError, match="choice must be a list"):
+        build_request(
+            "x", None, GenerateOptions(structured_outputs=StructuredOutputs(choice="yes"))
+        )
     with pytest.raises(ValueError, match="structured_outputs="):
         build_request("x", None, GenerateOptions(structured_outputs=StructuredOutputs(choice=[3])))  # type: ignore[list-item]
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import llguidance
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from replica.request import MAX_GRAMMAR_CHARS, SLO
 from router.errors import BadRequest
@@ -147,6 +148,14 @@ def test_json_object_regex_choice_and_grammars(codec: TextCodec, ctx: SchemaCont
             "once",
         ),
         ({"guided_regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, "guided_regex", "longer than"),
+        ({"guided_json": "[" * 60000}, "guided_json", "nested too deeply"),
+        (
+            {"guided_json": {"type": "integer", "minimum": 10**400}},
+            "guided_json",
+            "not JSON serializable",
+        ),
+        ({"guided_json": '{"enum": ["\\ud800"]}'}, "guided_json", "not JSON serializable"),
+        ({"structured_outputs": {"type": "text"}}, "structured_outputs", "type is not"),
     ],
 )
 def test_bad_structured_outputs_are_named(
@@ -155,3 +164,16 @@ def test_bad_structured_outputs_are_named(
     with pytest.raises(BadRequest, match=message) as info:
         grammar(codec, ctx, **fields)
     assert info.value.param == param
+
+
+def test_plain_requests_never_build_the_grammar_vocabulary(ctx: SchemaContext) -> None:
+    """A tokenizer llguidance cannot read (WordPiece) costs plain requests nothing; a
+    structured one is a 400 saying so."""
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "x": 2}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.decoder = decoders.WordPiece()
+    codec = TextCodec(wordpiece)
+    assert grammar(codec, ctx) is None
+    with pytest.raises(BadRequest, match="cannot drive structured output") as info:
+        grammar(codec, ctx, guided_regex="x+")
+    assert info.value.param == "guided_regex"

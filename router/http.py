@@ -158,6 +158,7 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
         parsed.n,
         door.codec.token_text,
         parsed.echo,
+        parsed.tools,
     )
     return JSONResponse(content, headers=cluster_headers(content["slos_serve"]))
 
@@ -167,7 +168,12 @@ async def _sse(
 ) -> AsyncIterator[bytes]:
     created = int(parsed.arrival_time)
     writer = ChunkWriter(
-        parsed.endpoint, parsed.response_id, created, door.model_name, door.codec.token_text
+        parsed.endpoint,
+        parsed.response_id,
+        created,
+        door.model_name,
+        door.codec.token_text,
+        parsed.tools,
     )
     records: dict[int, FinalRecord] = {}
     echoes = dict(enumerate(parsed.echo))

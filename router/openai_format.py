@@ -16,6 +16,7 @@ from replica.batch import TokenLogprob
 from router.errors import ApiError
 from router.frontdoor import Finished, Output
 from router.openai_schema import Echo, Endpoint
+from router.tools import ToolCalling
 
 SSE_DONE = b"data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0
@@ -212,21 +213,27 @@ def full_response(
     n: int,
     token_text: Callable[[int], str],
     echo: Sequence[Echo] = (),
+    tools: ToolCalling | None = None,
 ) -> dict[str, Any]:
     """The non-streamed body of a finished request: one choice per output, in order (each
-    led by its prompt when `echo` has one per choice)."""
+    led by its prompt when `echo` has one per choice, made tool calls when `tools` says)."""
     records = [o.record for o in outputs]
     choices = []
     for index, output in enumerate(outputs):
         choice: dict[str, Any] = {"index": index}
+        finish_reason = output.record.finish_reason
         if endpoint is Endpoint.CHAT:
             choice["message"] = {"role": "assistant", "content": output.text}
+            calls = None if tools is None else tools.calls(output.text)
+            if calls is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                finish_reason = _tool_finish(finish_reason)
             logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)
         else:
             choice["text"], logprobs = echoed(echo[index] if echo else None, output, token_text)
         choice |= {
             "logprobs": logprobs,
-            "finish_reason": output.record.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": output.stop_reason,
         }
         if len(outputs) > 1:
@@ -244,8 +251,17 @@ def full_response(
     }
 
 
+def _tool_finish(finish_reason: str | None) -> str | None:
+    """A choice that made its calls whole ends with OpenAI's "tool_calls"."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 class ChunkWriter:
-    """Builds the SSE events of one streamed response, in OpenAI's chunk format."""
+    """Builds the SSE events of one streamed response, in OpenAI's chunk format.
+
+    Tool calls stream as OpenAI's deltas: a named function's arguments as they come (its id
+    and name in the first); the array `tool_choice: "required"` makes, once it is whole (its
+    text cannot be split into calls before), each call in one delta."""
 
     def __init__(
         self,
@@ -254,15 +270,19 @@ class ChunkWriter:
         created: int,
         model: str,
         token_text: Callable[[int], str],
+        tools: ToolCalling | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.response_id = response_id
         self.created = created
         self.model = model
         self.token_text = token_text
+        self.tools = tools
         self.role_sent: set[int] = set()
         self.offsets: dict[int, int] = {}
         """Per choice: the text offset its next token's log-probability starts at."""
+        self.held: dict[int, str] = {}
+        """Per choice: the text of the calls "required" makes, until they are whole."""
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = "chat.completion.chunk" if self.endpoint is Endpoint.CHAT else "text_completion"
@@ -288,7 +308,7 @@ class ChunkWriter:
         if self.endpoint is Endpoint.COMPLETIONS:
             choice["text"] = text
         else:
-            choice["delta"] = {"content": text}
+            choice["delta"] = self._delta(index, text)
             if index not in self.role_sent:
                 choice["delta"]["role"] = "assistant"
                 self.role_sent.add(index)
@@ -298,6 +318,17 @@ class ChunkWriter:
             "stop_reason": stop_reason,
         }
 
+    def _delta(self, index: int, text: str) -> dict[str, Any]:
+        """A chat chunk's delta: its text, or what it adds to the tool calls."""
+        if self.tools is None:
+            return {"content": text}
+        if self.tools.named is None:
+            self.held[index] = self.held.get(index, "") + text
+            return {}
+        if index not in self.role_sent:  # the call's id and name, with its first arguments
+            return {"tool_calls": [{"index": 0, **self.tools.named_call(text)}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+
     def text(
         self,
         index: int,
@@ -305,22 +336,50 @@ class ChunkWriter:
         token_ids: Sequence[int] = (),
         logprobs: Sequence[TokenLogprob | None] = (),
     ) -> bytes:
-        """Choice `index`'s next text, with its tokens' log-probabilities when asked for."""
+        """Choice `index`'s next text, with its tokens' log-probabilities when asked for
+        (nothing while it only adds to calls held until whole)."""
         offset = self.offsets.get(index, 0)
         payload, self.offsets[index] = logprobs_json(
             self.endpoint, token_ids, logprobs, self.token_text, offset
         )
-        return self._chunk([self._choice(index, text, None, payload)])
+        choice = self._choice(index, text, None, payload)
+        if choice.get("delta") == {} and payload is None:
+            return b""
+        return self._chunk([choice])
 
     def finish(self, index: int, finished: Finished) -> bytes:
         """Choice `index`'s last chunk: its finish and stop reasons, and what the cluster did
-        with it."""
+        with it (after the calls "required" made, now whole)."""
         record = finished.record
-        return self._chunk(
-            [self._choice(index, "", record.finish_reason, None, finished.stop_reason)],
+        reason = record.finish_reason
+        calls = b""
+        if self.tools is not None and self.tools.named is not None:
+            reason = _tool_finish(reason)
+        elif self.tools is not None:
+            text = self.held.pop(index, "")
+            made = self.tools.calls(text)
+            delta: dict[str, Any] = {"content": text}
+            if made is not None:
+                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(made)]}
+                reason = _tool_finish(reason)
+            calls = self._chunk([self._made(index, delta)])
+        return calls + self._chunk(
+            [self._choice(index, "", reason, None, finished.stop_reason)],
             service_tier=service_tier([record]),
             slos_serve=cluster_info(record),
         )
+
+    def _made(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+        if index not in self.role_sent:
+            delta["role"] = "assistant"
+            self.role_sent.add(index)
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+        }
 
     def done(self, records: Sequence[FinalRecord], n: int, include_usage: bool) -> bytes:
         """After every choice finished: the usage chunk if asked for, then [DONE]."""

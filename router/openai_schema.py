@@ -18,6 +18,7 @@ the request when the DP cannot admit everyone. Allowed range: -19..19.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import reprlib
@@ -43,7 +44,8 @@ from replica.request import (
 )
 from router.errors import BadRequest, ModelNotFound
 from router.structured import FIELDS as STRUCTURED_FIELDS
-from router.structured import structured_grammar
+from router.structured import json_schema_grammar, structured_grammar
+from router.tools import ToolCalling, tool_calling
 
 MAX_PRIORITY = 19
 MAX_STOP_STRINGS = 16
@@ -74,7 +76,9 @@ class Codec(Protocol):
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str: ...
 
     @property
     def grammar_vocab(self) -> llguidance.LLTokenizer:
@@ -129,6 +133,8 @@ class ParsedRequest:
     echo: tuple[Echo, ...] = ()
     """Per choice, the prompt its text and log-probabilities begin with (completions'
     `echo`); empty without echo."""
+    tools: ToolCalling | None = None
+    """Chat's `tool_choice` when it makes the output tool calls."""
 
     @property
     def arrival_time(self) -> float:
@@ -181,7 +187,8 @@ FIELDS = {
         "parallel_tool_calls",
     },
 }
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 
 def parse_body(
@@ -198,12 +205,13 @@ def parse_body(
     body = _known_fields(body, FIELDS[endpoint], ctx)
     model = ctx.model_name
     _check_unsupported(endpoint, body)
-    prompts = _prompts(endpoint, body, ctx, codec)
+    calling, tools = tool_calling(body) if endpoint is Endpoint.CHAT else (None, [])
+    prompts = _prompts(endpoint, body, ctx, codec, tools)
     n = _choices_per_prompt(body, len(prompts))
     echo = endpoint is Endpoint.COMPLETIONS and _bool(body, "echo", False)
     tier, slo, slo_label = _tier_and_slo(body, headers, ctx)
     value = _value(body)
-    sampling = _sampling(endpoint, body, ctx, codec, len(prompts[0]), echo)
+    sampling = _sampling(endpoint, body, ctx, codec, len(prompts[0]), echo, calling)
     requests = []
     for i, prompt in enumerate(prompts):
         where = "" if len(prompts) == 1 else f"prompt[{i}]: "
@@ -255,7 +263,7 @@ def parse_body(
             for _ in range(n)
         )
     return ParsedRequest(
-        endpoint, request_id, tuple(requests), n, stream, include_usage, slo_label, echoes
+        endpoint, request_id, tuple(requests), n, stream, include_usage, slo_label, echoes, calling
     )
 
 
@@ -340,8 +348,6 @@ def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
         "spaces_between_special_tokens": (None, True),
         "suffix": (None, ""),
         "store": (None, False),
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
         "parallel_tool_calls": (None, True, False),
     }
     for name, allowed in noop.items():
@@ -385,14 +391,18 @@ def _sample(sampling: SamplingParams, j: int) -> SamplingParams:
 
 
 def _prompts(
-    endpoint: Endpoint, body: dict[str, Any], ctx: SchemaContext, codec: Codec
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    ctx: SchemaContext,
+    codec: Codec,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[list[int]]:
-    """The prompts' token ids: chat has one; a completion's `prompt` is a string or a list of
-    token ids (one prompt), or a list of either (one choice per prompt and sample)."""
+    """The prompts' token ids: chat has one (its template shows `tools`); a completion's
+    `prompt` is a string or a list of token ids (one prompt), or a list of either (one choice
+    per prompt and sample)."""
     if endpoint is Endpoint.CHAT:
-        return [
-            _encode(codec.render_chat(_messages(body.get("messages"), ctx)), "prompt", ctx, codec)
-        ]
+        text = codec.render_chat(_messages(body.get("messages"), ctx), tools)
+        return [_encode(text, "prompt", ctx, codec)]
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_token_list(prompt):
         return [_prompt_ids(prompt, "prompt", ctx, codec)]
@@ -450,16 +460,19 @@ def _encode(text: str, where: str, ctx: SchemaContext, codec: Codec) -> list[int
     return ids
 
 
-def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, str]]:
+def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: an assistant's tool calls with their
+    arguments as objects (as HF templates read them), a tool message with the call it
+    answers."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty list", "messages")
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     total = 0
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"{where} must be an object", where)
-        extra = sorted(str(k)[:64] for k in m if k not in ("role", "content", "name"))
+        extra = sorted(str(k)[:64] for k in m if k not in MESSAGE_FIELDS)
         if extra:
             raise BadRequest(f"{where} has unsupported field(s): {', '.join(extra[:8])}", where)
         role = m.get("role")
@@ -467,18 +480,68 @@ def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, str]]:
             raise BadRequest(
                 f"{where}.role must be one of {', '.join(CHAT_ROLES)}", f"{where}.role"
             )
-        content = _content(m.get("content"), f"{where}.content")
-        total += len(content)
+        calls = m.get("tool_calls")
+        if calls is not None and role != "assistant":
+            raise BadRequest(f"{where}: only assistant messages make tool_calls", where)
+        raw_content = m.get("content")
+        if calls is not None and raw_content is None:
+            raw_content = ""
+        message: dict[str, Any] = {
+            "role": "system" if role == "developer" else str(role),
+            "content": _content(raw_content, f"{where}.content"),
+        }
+        if calls is not None:
+            message["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise BadRequest(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+            message["tool_call_id"] = m["tool_call_id"]
+        elif m.get("tool_call_id") is not None:
+            raise BadRequest(f"{where}: only tool messages take a tool_call_id", where)
+        total += len(message["content"]) + sum(len(str(c)) for c in calls or ())
         if total > ctx.max_prompt_chars:
             raise BadRequest(
                 f"messages exceed {ctx.max_prompt_chars} characters; they cannot fit the "
                 f"{ctx.max_model_len}-token context",
                 "messages",
             )
-        messages.append(
-            {"role": "system" if role == "developer" else str(role), "content": content}
-        )
+        messages.append(message)
     return messages
+
+
+def _tool_calls(raw: object, where: str) -> list[dict[str, Any]]:
+    """An assistant's earlier calls, their arguments (JSON text) parsed."""
+    if not isinstance(raw, list):
+        raise BadRequest(f"{where} must be a list", where)
+    calls = []
+    for j, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or set(call) - {"id", "type", "function"}
+            or call.get("type", "function") != "function"
+            or not isinstance(call.get("id", ""), str)
+            or not isinstance(function, dict)
+            or set(function) != {"name", "arguments"}
+            or not isinstance(function["name"], str)
+            or not isinstance(function["arguments"], str)
+        ):
+            raise BadRequest(
+                f"{where}[{j}] must be {{id, type: function, function: {{name, arguments}}}}",
+                where,
+            )
+        try:
+            arguments = json.loads(function["arguments"])
+        except (ValueError, RecursionError) as exc:
+            raise BadRequest(f"{where}[{j}].function.arguments is not JSON", where) from exc
+        calls.append(
+            {
+                "id": call.get("id", ""),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return calls
 
 
 def _content(raw: object, where: str) -> str:
@@ -503,6 +566,7 @@ def _sampling(
     codec: Codec,
     prompt_len: int,
     echo: bool,
+    calling: ToolCalling | None,
 ) -> SamplingParams:
     """The sampling every choice shares (`prompt_len`: the chat prompt's, whose default
     max_tokens fills the context). With echo, max_tokens may be 0 (the prompt alone, scored
@@ -523,6 +587,14 @@ def _sampling(
     if seed is not None:
         seed = _int(body, "seed", 0, low=-MAX_SEED - 1, high=MAX_SEED)
     logprobs = _logprobs(endpoint, body)
+    grammar = structured_grammar(body, lambda: codec.grammar_vocab)
+    if calling is not None:
+        if grammar is not None:
+            raise BadRequest(
+                "tool_choice makes the output tool calls; it cannot go with structured output",
+                "tool_choice",
+            )
+        grammar = json_schema_grammar(calling.schema, "tools", lambda: codec.grammar_vocab)
     return _build(
         lambda: SamplingParams(
             max_tokens=max_tokens,
@@ -545,7 +617,7 @@ def _sampling(
             stop_token_ids=_token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
             allowed_token_ids=_token_ids(body, "allowed_token_ids", ctx.vocab_size),
             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
-            grammar=structured_grammar(body, lambda: codec.grammar_vocab),
+            grammar=grammar,
         ),
         "sampling",
     )

@@ -62,7 +62,18 @@ def structured_grammar(
         kind, value, where = _structured_outputs(body[name])
     else:
         kind, value, where = name.removeprefix("guided_"), body[name], name
-    grammar = _compile(kind, value, where)
+    return _checked(_compile(kind, value, where), where, vocab)
+
+
+def json_schema_grammar(
+    schema: dict[str, Any], where: str, vocab: Callable[[], llguidance.LLTokenizer]
+) -> str:
+    """The checked grammar of a JSON schema the door made (tool calls), errors naming `where`."""
+    return _checked(_compile("json", schema, where), where, vocab)
+
+
+def _checked(grammar: str, where: str, vocab: Callable[[], llguidance.LLTokenizer]) -> str:
+    """`grammar`, once it fits and llguidance takes it with the model's vocabulary."""
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise BadRequest(
             f"{where} is too long: {len(grammar)} characters as a grammar, at most "

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import llguidance
 from jinja2.exceptions import TemplateError
@@ -74,15 +75,21 @@ class TextCodec:
         a piece of a multi-byte character decodes to U+FFFD)."""
         return self.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text for chat messages, ending with the assistant's turn opener."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt text for chat messages (and the tools offered, for templates that show
+        them), ending with the assistant's turn opener."""
         if not self.chat_template:
             raise BadRequest("this model has no chat template; use /v1/completions", "messages")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
             template = env.from_string(self.chat_template)
             return template.render(
-                messages=messages, add_generation_prompt=True, eos_token=self.eos_token or ""
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=True,
+                eos_token=self.eos_token or "",
             )
         except TemplateError as exc:
             raise BadRequest(f"chat template failed on these messages: {exc}", "messages") from exc

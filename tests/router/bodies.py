@@ -50,6 +50,8 @@ FIELD_NAMES = [
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "tools",
+    "tool_choice",
     "unknown_field",
 ]
 bodies = st.fixed_dictionaries(

@@ -187,6 +187,84 @@ def test_structured_output_through_either_door(oai: openai.OpenAI, live: LocalFr
     assert re.fullmatch(r"[a-c]{2,5}!", text) and result.finish_reason == "stop"
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Find a name.",
+            "parameters": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 8}},
+                "required": ["name"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now"}},
+]
+
+
+def streamed_calls(stream: Any) -> tuple[list[dict[str, str]], str | None]:
+    """Tool calls put together from a chat stream's deltas, as OpenAI clients do."""
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        assert not choice.delta.content
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += delta.id or ""
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_tool_calls_named_or_required_streamed_or_not(oai: openai.OpenAI) -> None:
+    """A named function's arguments follow its schema; "required" makes one or more calls of
+    the tools; a conversation carrying calls and their results goes on."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Who wrote this?"}]
+    named = {"type": "function", "function": {"name": "lookup"}}
+    body: dict[str, Any] = dict(model="demo", messages=messages, max_tokens=48, temperature=0)
+    out = oai.chat.completions.create(**body, tools=TOOLS, tool_choice=named)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "lookup" and call.id.startswith("chatcmpl-tool-")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"name"} and len(arguments["name"]) <= 8
+    stream = oai.chat.completions.create(**body, tools=TOOLS, tool_choice=named, stream=True)
+    calls, finish = streamed_calls(stream)
+    assert finish == "tool_calls" and len(calls) == 1
+    assert (calls[0]["name"], calls[0]["arguments"]) == ("lookup", call.function.arguments)
+    required = oai.chat.completions.create(**body, tools=TOOLS, tool_choice="required")
+    made = required.choices[0].message.tool_calls or []
+    assert required.choices[0].finish_reason == "tool_calls" and made
+    assert all(c.function.name in ("lookup", "now") for c in made)
+    for c in made:
+        json.loads(c.function.arguments)
+    stream = oai.chat.completions.create(**body, tools=TOOLS, tool_choice="required", stream=True)
+    calls, finish = streamed_calls(stream)
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in made
+    ]
+    history = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Guido"},
+    ]
+    answer = oai.chat.completions.create(
+        model="demo", messages=history, max_tokens=4, temperature=0, tools=TOOLS, tool_choice="none"
+    )
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="auto"):
+        oai.chat.completions.create(**body, tools=TOOLS)
+
+
 def test_a_stop_token_id_ends_the_text_before_its_own_after_min_tokens(
     oai: openai.OpenAI, live: LocalFrontDoor
 ) -> None:

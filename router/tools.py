@@ -1,0 +1,166 @@
+"""Tool calls (OpenAI's `tools` and `tool_choice` on chat) made by structured output.
+
+A named function or `tool_choice: "required"` constrains the output to what a call needs, as
+vLLM does without a model-specific parser: the named function's arguments (its `parameters`
+schema), or a JSON array of one or more `{"name", "parameters"}` objects, one of the tools
+each (one only with `parallel_tool_calls: false`). The door turns that text into the message's
+`tool_calls`. `"auto"` needs a parser that knows how this model writes calls among its text,
+which this server has none of: it is refused (vLLM refuses it unless started with one).
+
+The tools go to the chat template, and so do the assistant's earlier calls (their arguments
+as objects, as HF templates take them) and the tool messages answering them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from router.errors import BadRequest
+
+MAX_TOOLS = 128
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A function name as OpenAI allows it."""
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """How a chat request's output becomes tool calls."""
+
+    schema: dict[str, Any]
+    """What the output must be: the named function's arguments, or the array of calls."""
+    named: str | None
+    """The function `tool_choice` names; None: "required" (the output is the array)."""
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The calls a finished output holds, in OpenAI's form (fresh ids); None when the text
+        is not one (cut short by max_tokens)."""
+        if self.named is not None:
+            return [self.named_call(text)]
+        try:
+            made = json.loads(text)
+        except ValueError:
+            return None
+        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in made]
+
+    def named_call(self, arguments: str) -> dict[str, Any]:
+        """The named function's call with these arguments (a fresh id)."""
+        assert self.named is not None
+        return _call(self.named, arguments)
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def tool_calling(body: dict[str, Any]) -> tuple[ToolCalling | None, list[dict[str, Any]]]:
+    """What the body's `tool_choice` asks of the output (None: plain text), and its tools as
+    the chat template gets them."""
+    tools = _tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise BadRequest("tool_choice needs tools", "tool_choice")
+        return None, []
+    if choice == "none":
+        return None, tools
+    if choice in (None, "auto"):
+        raise BadRequest(
+            'tool_choice "auto" (the default with tools) needs a parser for how this model '
+            'writes tool calls, which this server has not; send "required", a named function '
+            'or "none"',
+            "tool_choice",
+        )
+    functions = {t["function"]["name"]: t["function"] for t in tools}
+    if choice == "required":
+        one_call = body.get("parallel_tool_calls") is False
+        return ToolCalling(_calls_schema(list(functions.values()), one_call), None), tools
+    name = _named(choice)
+    if name not in functions:
+        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    return ToolCalling(_parameters(functions[name]), name), tools
+
+
+def _named(choice: object) -> str:
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if (
+        not isinstance(choice, dict)
+        or set(choice) != {"type", "function"}
+        or choice["type"] != "function"
+        or not isinstance(function, dict)
+        or set(function) != {"name"}
+        or not isinstance(function["name"], str)
+    ):
+        raise BadRequest(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    return str(function["name"])
+
+
+def _tools(raw: object) -> list[dict[str, Any]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} functions", "tools")
+    names: set[str] = set()
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or set(tool) != {"type", "function"}
+            or tool["type"] != "function"
+            or not isinstance(function, dict)
+        ):
+            raise BadRequest(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
+        unknown = sorted(str(k)[:64] for k in function if k not in _FUNCTION_FIELDS)
+        if unknown:
+            raise BadRequest(f"{where}.function.{unknown[0]} is not a field", where)
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise BadRequest(
+                f"{where}.function.name must be 1-64 letters, digits, _ or -", f"{where}.function"
+            )
+        if name in names:
+            raise BadRequest(f"{where}: two tools are named {name!r}", where)
+        names.add(name)
+        if not isinstance(function.get("description", ""), str):
+            raise BadRequest(f"{where}.function.description must be a string", where)
+        if not isinstance(function.get("parameters", {}), dict):
+            raise BadRequest(f"{where}.function.parameters must be a JSON schema object", where)
+    return raw
+
+
+_FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's arguments schema (OpenAI: none given means no arguments)."""
+    params = function.get("parameters")
+    return params if params else {"type": "object", "properties": {}}
+
+
+def _calls_schema(functions: list[dict[str, Any]], one_call: bool) -> dict[str, Any]:
+    """A JSON array of calls, each naming one of the functions with its arguments."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "parameters": _parameters(f)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if one_call:
+        schema["maxItems"] = 1
+    return schema

@@ -225,9 +225,9 @@ def full_response(
         if endpoint is Endpoint.CHAT:
             choice["message"] = {"role": "assistant", "content": output.text}
             calls = None if tools is None else tools.calls(output.text)
-            if calls is not None:
+            if tools is not None and calls is not None:
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-                finish_reason = _tool_finish(finish_reason)
+                finish_reason = _tool_finish(finish_reason, tools)
             logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)
         else:
             choice["text"], logprobs = echoed(echo[index] if echo else None, output, token_text)
@@ -251,9 +251,9 @@ def full_response(
     }
 
 
-def _tool_finish(finish_reason: str | None) -> str | None:
-    """A choice that made its calls whole ends with OpenAI's "tool_calls"."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def _tool_finish(finish_reason: str | None, tools: ToolCalling) -> str | None:
+    """A choice that made its calls whole ends as `tools` says; one cut short, as it ended."""
+    return tools.finish_reason if finish_reason == "stop" else finish_reason
 
 
 class ChunkWriter:
@@ -354,20 +354,22 @@ class ChunkWriter:
         reason = record.finish_reason
         calls = b""
         if self.tools is not None and self.tools.named is not None:
-            reason = _tool_finish(reason)
+            reason = _tool_finish(reason, self.tools)
         elif self.tools is not None:
-            text = self.held.pop(index, "")
+            text = self.held.get(index, "")
             made = self.tools.calls(text)
             delta: dict[str, Any] = {"content": text}
             if made is not None:
                 delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(made)]}
-                reason = _tool_finish(reason)
+                reason = _tool_finish(reason, self.tools)
             calls = self._chunk([self._made(index, delta)])
-        return calls + self._chunk(
+        last = self._chunk(
             [self._choice(index, "", reason, None, finished.stop_reason)],
             service_tier=service_tier([record]),
             slos_serve=cluster_info(record),
         )
+        self.held.pop(index, None)
+        return calls + last
 
     def _made(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
         if index not in self.role_sent:

@@ -45,7 +45,7 @@ from replica.request import (
 from router.errors import BadRequest, ModelNotFound
 from router.structured import FIELDS as STRUCTURED_FIELDS
 from router.structured import json_schema_grammar, structured_grammar
-from router.tools import ToolCalling, tool_calling
+from router.tools import ToolCalling, tool_calling, tools_of
 
 MAX_PRIORITY = 19
 MAX_STOP_STRINGS = 16
@@ -189,6 +189,8 @@ FIELDS = {
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
+NULL_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
+"""What an OpenAI client's dump of a returned message holds besides, null here."""
 
 
 def parse_body(
@@ -280,7 +282,7 @@ def _prompt_texts(raw: object, prompts: list[list[int]], codec: Codec) -> list[s
 def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
     """vLLM's /tokenize body: a completion `prompt` (a string) or chat `messages`, to the
     token ids a completion or chat request would send the model."""
-    fields = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+    fields = {"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt"}
     body = _known_fields(body, fields, ctx)
     for name in ("add_special_tokens", "add_generation_prompt"):
         if not _bool(body, name, True):
@@ -288,7 +290,7 @@ def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
     if ("prompt" in body) == ("messages" in body):
         raise BadRequest("give either prompt or messages", "prompt")
     if "messages" in body:
-        return _prompts(Endpoint.CHAT, body, ctx, codec)[0]
+        return _prompts(Endpoint.CHAT, body, ctx, codec, tools_of(body.get("tools")))[0]
     prompt = body["prompt"]
     if not isinstance(prompt, str):
         raise BadRequest("prompt must be a string", "prompt")
@@ -472,7 +474,11 @@ def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"{where} must be an object", where)
-        extra = sorted(str(k)[:64] for k in m if k not in MESSAGE_FIELDS)
+        extra = sorted(
+            str(k)[:64]
+            for k in m
+            if k not in MESSAGE_FIELDS and not (k in NULL_MESSAGE_FIELDS and m[k] is None)
+        )
         if extra:
             raise BadRequest(f"{where} has unsupported field(s): {', '.join(extra[:8])}", where)
         role = m.get("role")
@@ -490,6 +496,8 @@ def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, Any]]:
             "role": "system" if role == "developer" else str(role),
             "content": _content(raw_content, f"{where}.content"),
         }
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
         if calls is not None:
             message["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
         if role == "tool":
@@ -528,12 +536,15 @@ def _tool_calls(raw: object, where: str) -> list[dict[str, Any]]:
         ):
             raise BadRequest(
                 f"{where}[{j}] must be {{id, type: function, function: {{name, arguments}}}}",
-                where,
+                f"{where}[{j}]",
             )
+        named = f"{where}[{j}].function.arguments"
         try:
             arguments = json.loads(function["arguments"])
         except (ValueError, RecursionError) as exc:
-            raise BadRequest(f"{where}[{j}].function.arguments is not JSON", where) from exc
+            raise BadRequest(f"{named} is not JSON", named) from exc
+        if not isinstance(arguments, dict):
+            raise BadRequest(f"{named} must be a JSON object", named)
         calls.append(
             {
                 "id": call.get("id", ""),
@@ -594,7 +605,7 @@ def _sampling(
                 "tool_choice makes the output tool calls; it cannot go with structured output",
                 "tool_choice",
             )
-        grammar = json_schema_grammar(calling.schema, "tools", lambda: codec.grammar_vocab)
+        grammar = json_schema_grammar(calling.schema, calling.where, lambda: codec.grammar_vocab)
     return _build(
         lambda: SamplingParams(
             max_tokens=max_tokens,

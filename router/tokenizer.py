@@ -91,7 +91,8 @@ class TextCodec:
                 add_generation_prompt=True,
                 eos_token=self.eos_token or "",
             )
-        except TemplateError as exc:
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            # The template's own checks (raise_exception) and its filters on the messages.
             raise BadRequest(f"chat template failed on these messages: {exc}", "messages") from exc
 
     def detokenizer(self) -> IncrementalDetokenizer:

@@ -34,17 +34,29 @@ class ToolCalling:
     """What the output must be: the named function's arguments, or the array of calls."""
     named: str | None
     """The function `tool_choice` names; None: "required" (the output is the array)."""
+    where: str = "tools"
+    """The field a bad schema is blamed on."""
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The calls a finished output holds, in OpenAI's form (fresh ids); None when the text
-        is not one (cut short by max_tokens)."""
+        is not one (cut short by max_tokens or a stop string). "required"'s arguments are
+        written again from the parsed array, as vLLM does."""
         if self.named is not None:
             return [self.named_call(text)]
         try:
             made = json.loads(text)
-        except ValueError:
+            return [
+                _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, allow_nan=False))
+                for c in made
+            ]
+        except (ValueError, TypeError, KeyError):  # a number JSON cannot hold (1e999) too
             return None
-        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in made]
+
+    @property
+    def finish_reason(self) -> str:
+        """What a choice whose calls are whole ends with: OpenAI's "tool_calls", or "stop"
+        for a named function (OpenAI and vLLM report a forced call so)."""
+        return "stop" if self.named is not None else "tool_calls"
 
     def named_call(self, arguments: str) -> dict[str, Any]:
         """The named function's call with these arguments (a fresh id)."""
@@ -63,7 +75,7 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 def tool_calling(body: dict[str, Any]) -> tuple[ToolCalling | None, list[dict[str, Any]]]:
     """What the body's `tool_choice` asks of the output (None: plain text), and its tools as
     the chat template gets them."""
-    tools = _tools(body.get("tools"))
+    tools = tools_of(body.get("tools"))
     choice = body.get("tool_choice")
     if not tools:
         if choice not in (None, "none"):
@@ -78,14 +90,16 @@ def tool_calling(body: dict[str, Any]) -> tuple[ToolCalling | None, list[dict[st
             'or "none"',
             "tool_choice",
         )
-    functions = {t["function"]["name"]: t["function"] for t in tools}
+    functions = [t["function"] for t in tools]
     if choice == "required":
         one_call = body.get("parallel_tool_calls") is False
-        return ToolCalling(_calls_schema(list(functions.values()), one_call), None), tools
+        return ToolCalling(_calls_schema(functions, one_call), None), tools
     name = _named(choice)
-    if name not in functions:
+    index = next((i for i, f in enumerate(functions) if f["name"] == name), None)
+    if index is None:
         raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-    return ToolCalling(_parameters(functions[name]), name), tools
+    where = f"tools[{index}].function.parameters"
+    return ToolCalling(_parameters(functions[index]), name, where), tools
 
 
 def _named(choice: object) -> str:
@@ -106,7 +120,8 @@ def _named(choice: object) -> str:
     return str(function["name"])
 
 
-def _tools(raw: object) -> list[dict[str, Any]]:
+def tools_of(raw: object) -> list[dict[str, Any]]:
+    """A body's `tools`, checked (OpenAI's function tools; none: an empty list)."""
     if raw is None:
         return []
     if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
@@ -135,8 +150,12 @@ def _tools(raw: object) -> list[dict[str, Any]]:
         names.add(name)
         if not isinstance(function.get("description", ""), str):
             raise BadRequest(f"{where}.function.description must be a string", where)
-        if not isinstance(function.get("parameters", {}), dict):
-            raise BadRequest(f"{where}.function.parameters must be a JSON schema object", where)
+        parameters = function.get("parameters", {})
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise BadRequest(
+                f"{where}.function.parameters must be a JSON schema of an object",
+                f"{where}.function.parameters",
+            )
     return raw
 
 
@@ -146,21 +165,41 @@ _FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     """A function's arguments schema (OpenAI: none given means no arguments)."""
     params = function.get("parameters")
-    return params if params else {"type": "object", "properties": {}}
+    return params if params else {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _calls_schema(functions: list[dict[str, Any]], one_call: bool) -> dict[str, Any]:
-    """A JSON array of calls, each naming one of the functions with its arguments."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "parameters": _parameters(f)},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
+    """A JSON array of calls, each naming one of the functions with its arguments. The
+    functions' `$defs` move to the array's root, where their `#/$defs/...` references point
+    now that each schema sits inside the array (one name defined two ways is refused)."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, f in enumerate(functions):
+        params = dict(_parameters(f))
+        found = params.pop("$defs", {})
+        if not isinstance(found, dict):
+            raise BadRequest(
+                f"tools[{i}].function.parameters.$defs must be an object",
+                f"tools[{i}].function.parameters",
+            )
+        for name, definition in found.items():
+            if defs.setdefault(name, definition) != definition:
+                raise BadRequest(
+                    f"tools[{i}].function.parameters defines $defs/{name} unlike another tool; "
+                    'tool_choice "required" puts every tool\'s $defs together',
+                    f"tools[{i}].function.parameters",
+                )
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "parameters": params},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if defs:
+        schema["$defs"] = defs
     if one_call:
         schema["maxItems"] = 1
     return schema

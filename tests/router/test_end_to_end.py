@@ -231,14 +231,14 @@ def test_tool_calls_named_or_required_streamed_or_not(oai: openai.OpenAI) -> Non
     body: dict[str, Any] = dict(model="demo", messages=messages, max_tokens=48, temperature=0)
     out = oai.chat.completions.create(**body, tools=TOOLS, tool_choice=named)
     choice = out.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.finish_reason == "stop" and choice.message.content is None
     (call,) = choice.message.tool_calls or []
     assert call.function.name == "lookup" and call.id.startswith("chatcmpl-tool-")
     arguments = json.loads(call.function.arguments)
     assert set(arguments) == {"name"} and len(arguments["name"]) <= 8
     stream = oai.chat.completions.create(**body, tools=TOOLS, tool_choice=named, stream=True)
     calls, finish = streamed_calls(stream)
-    assert finish == "tool_calls" and len(calls) == 1
+    assert finish == "stop" and len(calls) == 1
     assert (calls[0]["name"], calls[0]["arguments"]) == ("lookup", call.function.arguments)
     required = oai.chat.completions.create(**body, tools=TOOLS, tool_choice="required")
     made = required.choices[0].message.tool_calls or []

@@ -6,6 +6,8 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
 from cluster.api import FinalRecord, Placement, StageVerdict, Verdict
 from replica.batch import TokenLogprob
 from router.errors import Rejected
@@ -19,6 +21,7 @@ from router.openai_format import (
     sse_event,
 )
 from router.openai_schema import Echo, Endpoint
+from router.tools import ToolCalling
 
 RECORD = FinalRecord(
     request_id="r",
@@ -284,3 +287,72 @@ def test_a_prompt_only_choice_is_its_prompt_alone() -> None:
     assert choice["text"] == "HeHe" and choice["finish_reason"] == "length"
     assert choice["logprobs"]["token_logprobs"] == [None, -3.0]
     assert body["usage"]["completion_tokens"] == 0
+
+
+NAMED = ToolCalling({"type": "object"}, "lookup")
+REQUIRED = ToolCalling({"type": "array"}, None)
+CALLS = '[{"name": "lookup", "parameters": {"q": "a"}}, {"name": "now", "parameters": {}}]'
+LENGTH = replace(RECORD, finish_reason="length")
+
+
+def test_tool_calls_in_full_responses_validate_as_openai_clients_read_them() -> None:
+    """A named call ends with stop (as OpenAI reports a forced call), "required"'s with
+    tool_calls; a "required" output cut short stays text."""
+    named = full_response(
+        Endpoint.CHAT, "t1", 7, "demo", outputs(['{"q": 1}'], [RECORD]), 1, TEXT_OF, (), NAMED
+    )
+    ChatCompletion.model_validate(named)
+    choice = named["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "lookup", "arguments": '{"q": 1}'}
+    texts = [CALLS, CALLS[:20]]
+    body = full_response(
+        Endpoint.CHAT, "t2", 7, "demo", outputs(texts, [RECORD, LENGTH]), 2, TEXT_OF, (), REQUIRED
+    )
+    ChatCompletion.model_validate(body)
+    made, cut = body["choices"]
+    assert made["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in made["message"]["tool_calls"]] == ["lookup", "now"]
+    assert cut["finish_reason"] == "length" and cut["message"] == {
+        "role": "assistant",
+        "content": CALLS[:20],
+    }
+
+
+def test_streamed_tool_calls_add_up_to_the_full_ones() -> None:
+    """A named call streams its arguments (id and name first); "required"'s calls come whole
+    at the end, each choice numbering its own from 0; logprobs still stream meanwhile."""
+    w = ChunkWriter(Endpoint.CHAT, "t3", 5, "demo", TEXT_OF, NAMED)
+    stream = w.text(0, '{"q"') + w.text(0, ": 1}") + w.finish(0, Finished(RECORD))
+    chunks = [ChatCompletionChunk.model_validate_json(d) for d in events(stream)]
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.tool_calls and first.tool_calls[0].id
+    assert first.tool_calls[0].function and first.tool_calls[0].function.name == "lookup"
+    arguments = "".join(
+        c.choices[0].delta.tool_calls[0].function.arguments or ""
+        for c in chunks
+        if c.choices[0].delta.tool_calls and c.choices[0].delta.tool_calls[0].function
+    )
+    assert arguments == '{"q": 1}' and chunks[-1].choices[0].finish_reason == "stop"
+    w = ChunkWriter(Endpoint.CHAT, "t4", 5, "demo", TEXT_OF, REQUIRED)
+    stream = w.text(1, CALLS[:10]) + w.text(0, CALLS[:30], (1,), LOGPROBS[:1])
+    stream += w.text(0, CALLS[30:]) + w.text(1, CALLS[10:]) + w.finish(0, Finished(RECORD))
+    stream += w.finish(1, Finished(RECORD)) + w.done([RECORD, RECORD], 2, include_usage=False)
+    data = events(stream)
+    chunks = [ChatCompletionChunk.model_validate_json(d) for d in data[:-1]]
+    assert all(not c.choices[0].delta.content for c in chunks)
+    assert any(c.choices[0].logprobs for c in chunks)
+    for index in (0, 1):
+        deltas = [
+            t
+            for c in chunks
+            if c.choices[0].index == index
+            for t in c.choices[0].delta.tool_calls or ()
+        ]
+        assert [(t.index, t.function.name if t.function else None) for t in deltas] == [
+            (0, "lookup"),
+            (1, "now"),
+        ]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].index == index]
+        assert finish[-1] == "tool_calls" and w.held == {}

@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import llguidance
 import pytest
 
 from replica.request import SLO
 from router.errors import BadRequest
-from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body
+from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body, parse_tokenize
 from router.structured import json_schema_grammar
 from router.tokenizer import TextCodec
 from router.tools import ToolCalling
@@ -49,7 +50,7 @@ def parse(codec: TextCodec, **fields: Any) -> ParsedRequest:
 
 def test_a_named_function_constrains_the_output_to_its_arguments(codec: TextCodec) -> None:
     parsed = parse(codec, tools=TOOLS, tool_choice=NAMED)
-    assert parsed.tools == ToolCalling(LOOKUP, "lookup")
+    assert parsed.tools == ToolCalling(LOOKUP, "lookup", "tools[0].function.parameters")
     vocab = lambda: codec.grammar_vocab  # noqa: E731
     assert parsed.requests[0].sampling.grammar == json_schema_grammar(LOOKUP, "tools", vocab)
     prompt = codec.decode(parsed.requests[0].prompt_token_ids)
@@ -57,7 +58,8 @@ def test_a_named_function_constrains_the_output_to_its_arguments(codec: TextCode
     no_arguments = parse(
         codec, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "now"}}
     )
-    assert no_arguments.tools == ToolCalling({"type": "object", "properties": {}}, "now")
+    closed = {"type": "object", "properties": {}, "additionalProperties": False}
+    assert no_arguments.tools == ToolCalling(closed, "now", "tools[1].function.parameters")
 
 
 def test_required_makes_an_array_of_calls_of_the_tools(codec: TextCodec) -> None:
@@ -78,6 +80,40 @@ def test_required_makes_an_array_of_calls_of_the_tools(codec: TextCodec) -> None
     ]
     assert len({c["id"] for c in made}) == 2 and all(c["type"] == "function" for c in made)
     assert calling.calls('[{"name": "lookup", "param') is None
+    assert calling.calls('[{"name": "lookup", "parameters": {"x": 1e999}}]') is None
+    assert calling.calls('{"name": "lookup"}') is None
+
+
+def test_required_takes_the_tools_defs_to_the_root(codec: TextCodec) -> None:
+    """Pydantic's nested models come as $defs referenced from the parameters: inside the
+    array of calls they must sit at the root for the references to resolve."""
+    nested = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/Point"}},
+        "required": ["p"],
+        "$defs": {
+            "Point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+        },
+    }
+    tools = [{"type": "function", "function": {"name": "move", "parameters": nested}}, *TOOLS]
+    parsed = parse(codec, tools=tools, tool_choice="required")
+    grammar = parsed.requests[0].sampling.grammar
+    assert grammar is not None
+    matcher = llguidance.LLMatcher(codec.grammar_vocab, grammar, log_level=0)
+    text = '[{"name": "move", "parameters": {"p": {"x": 3}}}, {"name": "now", "parameters": {}}]'
+    assert matcher.consume_tokens(codec.encode(text)) and matcher.is_accepting()
+    for wrong in (
+        '[{"name": "move", "parameters": {"p": {"x": "3"}}}]',
+        '[{"name": "now", "parameters": {"a": 1}}]',
+        "[]",
+    ):
+        matcher = llguidance.LLMatcher(codec.grammar_vocab, grammar, log_level=0)
+        assert not (matcher.consume_tokens(codec.encode(wrong)) and matcher.is_accepting()), wrong
+    other = {**nested, "$defs": {"Point": {"type": "string"}}}
+    clash = [*tools, {"type": "function", "function": {"name": "jump", "parameters": other}}]
+    with pytest.raises(BadRequest, match="Point") as info:
+        parse(codec, tools=clash, tool_choice="required")
+    assert info.value.param == "tools[3].function.parameters"
 
 
 def test_none_shows_the_tools_and_asks_for_text(codec: TextCodec) -> None:
@@ -135,13 +171,59 @@ def test_a_conversation_carries_calls_and_their_results(codec: TextCodec) -> Non
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1]", "two tools"),
         (
             {"tools": [{"type": "function", "function": {"name": "a", "parameters": 3}}]},
-            "tools[0]",
-            "schema",
+            "tools[0].function.parameters",
+            "object",
         ),
         (
             {
                 "tools": [
-                    {"type": "function", "function": {"name": "a", "parameters": {"type": "bad"}}}
+                    {
+                        "type": "function",
+                        "function": {"name": "a", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+            "object",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "a",
+                            "parameters": {"properties": {"x": {"type": "bad"}}},
+                        },
+                    }
+                ],
+                "tool_choice": {"type": "function", "function": {"name": "a"}},
+            },
+            "tools[0].function.parameters",
+            "Invalid type",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "a", "arguments": "[1]"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+            "JSON object",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "a",
+                            "parameters": {"properties": {"x": {"type": "bad"}}},
+                        },
+                    }
                 ],
                 "tool_choice": "required",
             },
@@ -173,13 +255,18 @@ def test_a_conversation_carries_calls_and_their_results(codec: TextCodec) -> Non
                     }
                 ]
             },
-            "messages[0].tool_calls",
+            "messages[0].tool_calls[0].function.arguments",
             "not JSON",
         ),
         (
             {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "a"}}]}]},
-            "messages[0].tool_calls",
+            "messages[0].tool_calls[0]",
             "must be",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]},
+            "messages[0]",
+            "refusal",
         ),
     ],
 )
@@ -189,6 +276,24 @@ def test_bad_tools_are_named(
     with pytest.raises(BadRequest, match=message) as info:
         parse(codec, **fields)
     assert info.value.param == param
+
+
+def test_a_returned_message_goes_back_as_the_client_dumps_it(codec: TextCodec) -> None:
+    """The openai package's dump of a message holds null fields of its own; /tokenize counts
+    the tools the template shows."""
+    dumped = {
+        "role": "assistant",
+        "content": "ok",
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": None,
+    }
+    parsed = parse(codec, messages=[{"role": "user", "content": "hi"}, dumped])
+    assert codec.decode(parsed.requests[0].prompt_token_ids) == "<user>hi<assistant>ok<assistant>"
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    assert codec.decode(parse_tokenize(body, CTX, codec)).startswith("[lookup][now]<user>hi")
 
 
 def test_completions_take_no_tools(codec: TextCodec) -> None:

@@ -17,6 +17,10 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 """Most tokens one request may bias (OpenAI's cap)."""
 MAX_STOP_TOKEN_IDS = 256
+MAX_BAD_WORDS = 128
+"""Most token sequences `bad_words` may ban (each word counts twice: with and without a
+leading space)."""
+MAX_BAD_WORD_TOKENS = 64
 MAX_GRAMMAR_CHARS = 65536
 """Longest structured-output grammar a request may carry (a JSON schema, regex, choice list
 or grammar as llguidance text): the door compiles it on its event loop to check it."""
@@ -105,6 +109,9 @@ class SamplingParams:
     """Tokens that end the output, like EOS: counted and kept in the ids, not in the text."""
     allowed_token_ids: tuple[int, ...] = ()
     """Only these tokens may be drawn (vLLM); empty: any."""
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    """Token sequences the output may not contain (vLLM's bad_words, tokenized at the door):
+    a sequence's last token cannot be drawn where the output ends with the rest of it."""
     include_stop_str_in_output: bool = False
     """Keep the stop string, or the stop token's text, at the end of the text (vLLM)."""
     prompt_logprobs: int | None = None
@@ -144,6 +151,7 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         self._check_token_ids("stop_token_ids", MAX_STOP_TOKEN_IDS)
         self._check_token_ids("allowed_token_ids", None)
+        self._check_bad_words()
         if self.grammar is not None and not (
             isinstance(self.grammar, str) and 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS
         ):
@@ -160,6 +168,24 @@ class SamplingParams:
             raise ValueError(f"{name} may hold at most {most} ids")
         if not all(_is_token_id(t) for t in ids):
             raise ValueError(f"{name} must hold non-negative integers, got {ids!r}")
+
+    def _check_bad_words(self) -> None:
+        words = self.bad_words
+        if isinstance(words, str) or not isinstance(words, Sequence):
+            raise ValueError(f"bad_words must be token id sequences, got {words!r}")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} token sequences")
+        for word in words:
+            if (
+                isinstance(word, str)
+                or not isinstance(word, Sequence)
+                or not 0 < len(word) <= MAX_BAD_WORD_TOKENS
+                or not all(_is_token_id(t) for t in word)
+            ):
+                raise ValueError(
+                    f"bad_words entries must be 1..{MAX_BAD_WORD_TOKENS} token ids, got {word!r}"
+                )
+        object.__setattr__(self, "bad_words", tuple(tuple(word) for word in words))
 
     def _check_logit_bias(self) -> None:
         pairs = self.logit_bias
@@ -189,6 +215,7 @@ class SamplingParams:
         sampling (`replica.sampling.LogitsShaper`); most requests skip that work."""
         return bool(
             self.grammar
+            or self.bad_words
             or self.logit_bias
             or self.allowed_token_ids
             or self.presence_penalty
@@ -358,6 +385,7 @@ class Request:
             ("logit_bias", [t for t, _ in params.logit_bias]),
             ("stop_token_ids", params.stop_token_ids),
             ("allowed_token_ids", params.allowed_token_ids),
+            ("bad_words", [t for word in params.bad_words for t in word]),
         ):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:

@@ -21,7 +21,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from replica.grammar import Grammar
-from replica.request import SamplingParams
+from replica.request import MAX_BAD_WORD_TOKENS, SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _POSITION_MIX = 0xBF58476D1CE4E5B9
@@ -104,6 +104,8 @@ class LogitsShaper:
         if params.allowed_token_ids:
             self.banned = torch.ones(vocab, dtype=torch.bool, device=device)
             self.banned[self._ids(params.allowed_token_ids)] = False
+        self.output = list(tokens[len(tokens) - num_output :]) if params.bad_words else []
+        """The output so far, which bad words end in (kept only when the request has some)."""
         self.bias_ids = self._ids([t for t, _ in params.logit_bias])
         self.bias = torch.tensor([b for _, b in params.logit_bias], device=device)
         self.held_back = self._ids(sorted(held_back) if params.min_tokens else [])
@@ -116,6 +118,8 @@ class LogitsShaper:
         self.num_fresh += len(tokens)
         if not tokens:
             return
+        if self.params.bad_words:
+            self.output = (self.output + list(tokens))[-MAX_BAD_WORD_TOKENS:]
         ids = self._ids(tokens)
         if self.counts is not None:
             self.counts.index_add_(0, ids, torch.ones(len(tokens), device=self.device))
@@ -145,6 +149,8 @@ class LogitsShaper:
             out.masked_fill_(self.grammar.banned(proposal, start, n).to(out.device), float("-inf"))
         if self.banned is not None:
             out.masked_fill_(self.banned, float("-inf"))
+        for i, row in enumerate(self._bad_words(proposal, start, n)):
+            out[i, row] = float("-inf")
         masked = max(0, min(n, params.min_tokens - self.num_fresh - start))
         if masked and len(self.held_back):
             out[:masked, self.held_back] = float("-inf")
@@ -165,6 +171,25 @@ class LogitsShaper:
                 max=1.0
             )
         return out
+
+    def _bad_words(self, proposal: Sequence[int], start: int, n: int) -> list[list[int]]:
+        """Per row, the tokens that would end a bad word there: a one-token word's always, a
+        longer one's last where the output (and the proposed tokens the row follows) ends
+        with the rest of it."""
+        words = self.params.bad_words
+        if not words:
+            return []
+        rows = []
+        for i in range(n):
+            tail = self.output[-MAX_BAD_WORD_TOKENS:] + list(proposal[: start + i])
+            rows.append(
+                [
+                    w[-1]
+                    for w in words
+                    if len(w) == 1 or tail[len(tail) - len(w) + 1 :] == list(w[:-1])
+                ]
+            )
+        return rows
 
     def _drafted(self, drafted: Sequence[int], start: int, n: int) -> torch.Tensor | None:
         """Counts [n, vocab] of the proposed tokens row i follows (the first start + i), or

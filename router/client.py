@@ -146,6 +146,7 @@ class GenerateOptions:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     include_stop_str_in_output: bool = False
     allowed_token_ids: Sequence[int] = field(default_factory=tuple)
+    bad_words: Sequence[str] = field(default_factory=tuple)
     n: int = 1
     """Samples of the prompt, each its own request (`Chunk.index`, one `Result` each)."""
     logprobs: int | None = None
@@ -198,6 +199,9 @@ def build_request(
 ) -> pb.GenerateRequest:
     if options.service_tier not in ("default", "flex"):
         raise ValueError(f"service_tier must be default or flex, got {options.service_tier!r}")
+    for name in ("stop", "bad_words"):
+        if isinstance(getattr(options, name), str):
+            raise ValueError(f"{name} must be a list of strings, got {getattr(options, name)!r}")
     request = pb.GenerateRequest(
         model=options.model,
         stop=list(options.stop),
@@ -225,6 +229,7 @@ def build_request(
         "logit_bias": request.logit_bias.update,
         "stop_token_ids": request.stop_token_ids.extend,
         "allowed_token_ids": request.allowed_token_ids.extend,
+        "bad_words": request.bad_words.extend,
         "min_tokens": functools.partial(setattr, request, "min_tokens"),
         "n": functools.partial(setattr, request, "n"),
     }

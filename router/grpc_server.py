@@ -66,6 +66,8 @@ def request_to_body(
         body["stop_token_ids"] = list(request.stop_token_ids)
     if request.allowed_token_ids:
         body["allowed_token_ids"] = list(request.allowed_token_ids)
+    if request.bad_words:
+        body["bad_words"] = list(request.bad_words)
     if request.HasField("structured_outputs"):
         body["structured_outputs"] = _structured_to_body(request.structured_outputs)
     if "seed" in body and body["seed"] >= 2**63:

@@ -31,6 +31,8 @@ from typing import Any, Protocol, TypeVar
 import llguidance
 
 from replica.request import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
     MAX_LATENCY_MS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -72,7 +74,7 @@ class Endpoint(StrEnum):
 class Codec(Protocol):
     """What parsing needs from a tokenizer."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
@@ -167,6 +169,7 @@ COMMON_FIELDS = {
     "stop_token_ids",
     "include_stop_str_in_output",
     "allowed_token_ids",
+    "bad_words",
     "min_p",
     "skip_special_tokens",
     "spaces_between_special_tokens",
@@ -627,6 +630,7 @@ def _sampling(
             min_tokens=_min_tokens(body, max_tokens, max_tokens_name),
             stop_token_ids=_token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
             allowed_token_ids=_token_ids(body, "allowed_token_ids", ctx.vocab_size),
+            bad_words=_bad_words(body.get("bad_words"), codec),
             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
             grammar=grammar,
         ),
@@ -643,6 +647,36 @@ def _min_tokens(body: dict[str, Any], max_tokens: int, max_tokens_name: str) -> 
             "min_tokens",
         )
     return min_tokens
+
+
+def _bad_words(raw: object, codec: Codec) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words: each word's tokens as written, and with a leading space when that
+    tokenizes to as many tokens, starting differently (the word inside a sentence)."""
+    if raw is None:
+        return ()
+    most = MAX_BAD_WORDS // 2
+    if (
+        not isinstance(raw, list)
+        or len(raw) > most
+        or not all(isinstance(w, str) and 0 < len(w.strip()) <= MAX_STOP_CHARS for w in raw)
+    ):
+        raise BadRequest(
+            f"bad_words must be a list of at most {most} words of 1..{MAX_STOP_CHARS} characters",
+            "bad_words",
+        )
+    sequences: list[tuple[int, ...]] = []
+    for word in raw:
+        bare = tuple(codec.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(codec.encode(" " + word.lstrip(), add_special_tokens=False))
+        if len(bare) > MAX_BAD_WORD_TOKENS or len(spaced) > MAX_BAD_WORD_TOKENS:
+            raise BadRequest(
+                f"bad_words: {_short(word)} is longer than {MAX_BAD_WORD_TOKENS} tokens",
+                "bad_words",
+            )
+        sequences.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 def _logit_bias(raw: object) -> tuple[tuple[int, float], ...]:

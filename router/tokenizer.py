@@ -55,8 +55,8 @@ class TextCodec:
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size())
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Output text skips special tokens (as vLLM's default); a prompt given as ids keeps

@@ -187,3 +187,22 @@ def test_shaped_and_plain_greedy_requests_share_a_draft_batch(
         engine.step(BatchPlan(tuple(DecodeStep(rid, 3) for rid in live)))
     assert engine.output_token_ids("p") == plain_alone
     assert engine.output_token_ids("s") == shaped_alone
+
+
+def test_bad_words_never_appear_and_speculation_keeps_the_output(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]], prompt: list[int]
+) -> None:
+    """A word's last token is banned where the output (and the proposals a row follows) ends
+    with the rest of it; a one-token word is banned everywhere. Resumed output counts."""
+    plain, _ = run(Engine(*runners["whole"]), best_effort(prompt), [0])
+    pair, single = tuple(plain[3:5]), (plain[0],)
+    request = best_effort(prompt, bad_words=(pair, single))
+    shaped, _ = run(Engine(*runners["whole"]), request, [0])
+    assert shaped != plain and single[0] not in shaped
+    assert all(tuple(shaped[i : i + 2]) != pair for i in range(len(shaped) - 1))
+    for name, proposer in (("whole", "draft"), ("cut", "draft"), ("whole", "ngram")):
+        engine = Engine(*runners[name], proposer=proposer)
+        assert run(engine, request, [3, 1, 5])[0] == shaped, (name, proposer)
+    cut = next((i for i in range(1, len(shaped)) if shaped[i - 1] == pair[0]), 4)
+    resumed = resumed_request(request, shaped[:cut])
+    assert run(Engine(*runners["whole"], proposer="draft"), resumed, [2])[0] == shaped[cut:]

@@ -42,6 +42,7 @@ FIELD_NAMES = [
     "include_stop_str_in_output",
     "echo",
     "allowed_token_ids",
+    "bad_words",
     "min_p",
     "skip_special_tokens",
     "response_format",

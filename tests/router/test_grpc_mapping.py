@@ -66,6 +66,7 @@ def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None
         stop_token_ids=[9, 4],
         include_stop_str_in_output=True,
         allowed_token_ids=[5, 6],
+        bad_words=["return"],
     )
     endpoint, body = request_to_body(build_request("Hello", None, options), "demo")
     req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).requests[0]
@@ -76,6 +77,11 @@ def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None
     assert (sampling.min_tokens, sampling.stop_token_ids) == (3, (9, 4))
     assert sampling.include_stop_str_in_output
     assert sampling.allowed_token_ids == (5, 6)
+    assert sampling.bad_words and sampling.bad_words[0] == tuple(codec.encode("return"))
+    with pytest.raises(ValueError, match="bad_words must be a list"):
+        build_request("x", None, GenerateOptions(bad_words="return"))
+    with pytest.raises(ValueError, match="stop must be a list"):
+        build_request("x", None, GenerateOptions(stop="END"))
     _, unset = request_to_body(build_request("Hello", None, GenerateOptions()), "demo")
     assert set(unset) == {"model", "prompt", "n"}
     with pytest.raises(ValueError, match="stop_token_ids"):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bslos_serve/v1/serving.proto\x12\rslos_serve.v1\"p\n\x05Stage\x12\x0f\n\x07tpot_ms\x18\x01 \x01(\x01\x12\x17\n\nnum_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07ttft_ms\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04name\x18\x04 \x01(\tB\r\n\x0b_num_tokensB\n\n\x08_ttft_ms\"}\n\x03SLO\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12$\n\x06stages\x18\x03 \x03(\x0b\x32\x14.slos_serve.v1.Stage\x12\x0c\n\x04tier\x18\x04 \x01(\tB\n\n\x08_ttft_msB\n\n\x08_tpot_ms\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb6\x07\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.slos_serve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x1f\n\x03slo\x18\x0c \x01(\x0b\x32\x12.slos_serve.v1.SLO\x12\x30\n\x0cservice_tier\x18\r \x01(\x0e\x32\x1a.slos_serve.v1.ServiceTier\x12\x10\n\x08priority\x18\x0e \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x01H\x07\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x12 \x03(\x0b\x32-.slos_serve.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x13 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x14 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12\t\n\x01n\x18\x16 \x01(\r\x12\x15\n\x08logprobs\x18\x17 \x01(\rH\x08\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\r\x12\x12\n\x05min_p\x18\x19 \x01(\x01H\t\x88\x01\x01\x12<\n\x12structured_outputs\x18\x1a \x01(\x0b\x32 .slos_serve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x08\n\x06_min_p\"f\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\r\n\x05regex\x18\x02 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"G\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.slos_serve.v1.TopLogprob\"j\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.slos_serve.v1.TokenLogprob\"C\n\x0cStageVerdict\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x61ttained\x18\x02 \x01(\x08\x12\x13\n\x0blate_tokens\x18\x03 \x01(\r\"\xa2\x03\n\x05\x46inal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07verdict\x18\x02 \x01(\t\x12\x14\n\x07replica\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04hops\x18\x04 \x01(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x19\n\x0cslo_attained\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12+\n\x06stages\x18\t \x03(\x0b\x32\x1b.slos_serve.v1.StageVerdict\x12\x12\n\nmigrations\x18\n \x01(\r\x12\x13\n\x06ttft_s\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12\x13\n\x0bstop_string\x18\r \x01(\t\x12\x1a\n\rstop_token_id\x18\x0e \x01(\rH\x04\x88\x01\x01\x12\r\n\x05index\x18\x0f \x01(\rB\n\n\x08_replicaB\x0f\n\r_slo_attainedB\t\n\x07_ttft_sB\x08\n\x06_e2e_sB\x10\n\x0e_stop_token_id\"l\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.slos_serve.v1.TextChunkH\x00\x12%\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x14.slos_serve.v1.FinalH\x00\x42\x06\n\x04item\"\x19\n\x17GetClusterStatusRequest\"\x82\x02\n\rReplicaStatus\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64mitted\x18\x05 \x01(\r\x12\x13\n\x0b\x62\x65st_effort\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x42\n\x0b\x63\x61libration\x18\x08 \x03(\x0b\x32-.slos_serve.v1.ReplicaStatus.CalibrationEntry\x1a\x32\n\x10\x43\x61librationEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd0\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12.\n\x08replicas\x18\x02 \x03(\x0b\x32\x1c.slos_serve.v1.ReplicaStatus\x12<\n\x08\x63ounters\x18\x03 \x03(\x0b\x32*.slos_serve.v1.ClusterStatus.CountersEntry\x12\x11\n\tscheduler\x18\x04 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*>\n\x0bServiceTier\x12\x18\n\x14SERVICE_TIER_DEFAULT\x10\x00\x12\x15\n\x11SERVICE_TIER_FLEX\x10\x01\x32\xb2\x01\n\x07Serving\x12M\n\x08Generate\x12\x1e.slos_serve.v1.GenerateRequest\x1a\x1f.slos_serve.v1.GenerateResponse0\x01\x12X\n\x10GetClusterStatus\x12&.slos_serve.v1.GetClusterStatusRequest\x1a\x1c.slos_serve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bslos_serve/v1/serving.proto\x12\rslos_serve.v1\"p\n\x05Stage\x12\x0f\n\x07tpot_ms\x18\x01 \x01(\x01\x12\x17\n\nnum_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07ttft_ms\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04name\x18\x04 \x01(\tB\r\n\x0b_num_tokensB\n\n\x08_ttft_ms\"}\n\x03SLO\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12$\n\x06stages\x18\x03 \x03(\x0b\x32\x14.slos_serve.v1.Stage\x12\x0c\n\x04tier\x18\x04 \x01(\tB\n\n\x08_ttft_msB\n\n\x08_tpot_ms\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc9\x07\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.slos_serve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x1f\n\x03slo\x18\x0c \x01(\x0b\x32\x12.slos_serve.v1.SLO\x12\x30\n\x0cservice_tier\x18\r \x01(\x0e\x32\x1a.slos_serve.v1.ServiceTier\x12\x10\n\x08priority\x18\x0e \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x01H\x07\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x12 \x03(\x0b\x32-.slos_serve.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x13 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x14 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12\t\n\x01n\x18\x16 \x01(\r\x12\x15\n\x08logprobs\x18\x17 \x01(\rH\x08\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\r\x12\x12\n\x05min_p\x18\x19 \x01(\x01H\t\x88\x01\x01\x12<\n\x12structured_outputs\x18\x1a \x01(\x0b\x32 .slos_serve.v1.StructuredOutputs\x12\x11\n\tbad_words\x18\x1b \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x08\n\x06_min_p\"f\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\r\n\x05regex\x18\x02 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"G\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.slos_serve.v1.TopLogprob\"j\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.slos_serve.v1.TokenLogprob\"C\n\x0cStageVerdict\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x61ttained\x18\x02 \x01(\x08\x12\x13\n\x0blate_tokens\x18\x03 \x01(\r\"\xa2\x03\n\x05\x46inal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07verdict\x18\x02 \x01(\t\x12\x14\n\x07replica\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04hops\x18\x04 \x01(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x19\n\x0cslo_attained\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12+\n\x06stages\x18\t \x03(\x0b\x32\x1b.slos_serve.v1.StageVerdict\x12\x12\n\nmigrations\x18\n \x01(\r\x12\x13\n\x06ttft_s\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12\x13\n\x0bstop_string\x18\r \x01(\t\x12\x1a\n\rstop_token_id\x18\x0e \x01(\rH\x04\x88\x01\x01\x12\r\n\x05index\x18\x0f \x01(\rB\n\n\x08_replicaB\x0f\n\r_slo_attainedB\t\n\x07_ttft_sB\x08\n\x06_e2e_sB\x10\n\x0e_stop_token_id\"l\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.slos_serve.v1.TextChunkH\x00\x12%\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x14.slos_serve.v1.FinalH\x00\x42\x06\n\x04item\"\x19\n\x17GetClusterStatusRequest\"\x82\x02\n\rReplicaStatus\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64mitted\x18\x05 \x01(\r\x12\x13\n\x0b\x62\x65st_effort\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x42\n\x0b\x63\x61libration\x18\x08 \x03(\x0b\x32-.slos_serve.v1.ReplicaStatus.CalibrationEntry\x1a\x32\n\x10\x43\x61librationEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd0\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12.\n\x08replicas\x18\x02 \x03(\x0b\x32\x1c.slos_serve.v1.ReplicaStatus\x12<\n\x08\x63ounters\x18\x03 \x03(\x0b\x32*.slos_serve.v1.ClusterStatus.CountersEntry\x12\x11\n\tscheduler\x18\x04 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*>\n\x0bServiceTier\x12\x18\n\x14SERVICE_TIER_DEFAULT\x10\x00\x12\x15\n\x11SERVICE_TIER_FLEX\x10\x01\x32\xb2\x01\n\x07Serving\x12M\n\x08Generate\x12\x1e.slos_serve.v1.GenerateRequest\x1a\x1f.slos_serve.v1.GenerateResponse0\x01\x12X\n\x10GetClusterStatus\x12&.slos_serve.v1.GetClusterStatusRequest\x1a\x1c.slos_serve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICASTATUS_CALIBRATIONENTRY']._serialized_options = b'8\001'
   _globals['_CLUSTERSTATUS_COUNTERSENTRY']._loaded_options = None
   _globals['_CLUSTERSTATUS_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_SERVICETIER']._serialized_start=2719
-  _globals['_SERVICETIER']._serialized_end=2781
+  _globals['_SERVICETIER']._serialized_start=2738
+  _globals['_SERVICETIER']._serialized_end=2800
   _globals['_STAGE']._serialized_start=46
   _globals['_STAGE']._serialized_end=158
   _globals['_SLO']._serialized_start=160
@@ -46,33 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=287
   _globals['_CHATMESSAGE']._serialized_end=331
   _globals['_GENERATEREQUEST']._serialized_start=334
-  _globals['_GENERATEREQUEST']._serialized_end=1284
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1087
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1135
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1286
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1388
-  _globals['_TOPLOGPROB']._serialized_start=1390
-  _globals['_TOPLOGPROB']._serialized_end=1437
-  _globals['_TOKENLOGPROB']._serialized_start=1439
-  _globals['_TOKENLOGPROB']._serialized_end=1510
-  _globals['_TEXTCHUNK']._serialized_start=1512
-  _globals['_TEXTCHUNK']._serialized_end=1618
-  _globals['_STAGEVERDICT']._serialized_start=1620
-  _globals['_STAGEVERDICT']._serialized_end=1687
-  _globals['_FINAL']._serialized_start=1690
-  _globals['_FINAL']._serialized_end=2108
-  _globals['_GENERATERESPONSE']._serialized_start=2110
-  _globals['_GENERATERESPONSE']._serialized_end=2218
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=2220
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=2245
-  _globals['_REPLICASTATUS']._serialized_start=2248
-  _globals['_REPLICASTATUS']._serialized_end=2506
-  _globals['_REPLICASTATUS_CALIBRATIONENTRY']._serialized_start=2456
-  _globals['_REPLICASTATUS_CALIBRATIONENTRY']._serialized_end=2506
-  _globals['_CLUSTERSTATUS']._serialized_start=2509
-  _globals['_CLUSTERSTATUS']._serialized_end=2717
-  _globals['_CLUSTERSTATUS_COUNTERSENTRY']._serialized_start=2670
-  _globals['_CLUSTERSTATUS_COUNTERSENTRY']._serialized_end=2717
-  _globals['_SERVING']._serialized_start=2784
-  _globals['_SERVING']._serialized_end=2962
+  _globals['_GENERATEREQUEST']._serialized_end=1303
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1106
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1154
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1305
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1407
+  _globals['_TOPLOGPROB']._serialized_start=1409
+  _globals['_TOPLOGPROB']._serialized_end=1456
+  _globals['_TOKENLOGPROB']._serialized_start=1458
+  _globals['_TOKENLOGPROB']._serialized_end=1529
+  _globals['_TEXTCHUNK']._serialized_start=1531
+  _globals['_TEXTCHUNK']._serialized_end=1637
+  _globals['_STAGEVERDICT']._serialized_start=1639
+  _globals['_STAGEVERDICT']._serialized_end=1706
+  _globals['_FINAL']._serialized_start=1709
+  _globals['_FINAL']._serialized_end=2127
+  _globals['_GENERATERESPONSE']._serialized_start=2129
+  _globals['_GENERATERESPONSE']._serialized_end=2237
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=2239
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=2264
+  _globals['_REPLICASTATUS']._serialized_start=2267
+  _globals['_REPLICASTATUS']._serialized_end=2525
+  _globals['_REPLICASTATUS_CALIBRATIONENTRY']._serialized_start=2475
+  _globals['_REPLICASTATUS_CALIBRATIONENTRY']._serialized_end=2525
+  _globals['_CLUSTERSTATUS']._serialized_start=2528
+  _globals['_CLUSTERSTATUS']._serialized_end=2736
+  _globals['_CLUSTERSTATUS_COUNTERSENTRY']._serialized_start=2689
+  _globals['_CLUSTERSTATUS_COUNTERSENTRY']._serialized_end=2736
+  _globals['_SERVING']._serialized_start=2803
+  _globals['_SERVING']._serialized_end=2981
 # @@protoc_insertion_point(module_scope)

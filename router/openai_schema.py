@@ -47,6 +47,7 @@ from replica.request import (
 from router.errors import BadRequest, ModelNotFound
 from router.structured import FIELDS as STRUCTURED_FIELDS
 from router.structured import json_schema_grammar, structured_grammar
+from router.tokenizer import ChatOptions
 from router.tools import ToolCalling, tool_calling, tools_of
 
 MAX_PRIORITY = 19
@@ -79,7 +80,10 @@ class Codec(Protocol):
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions | None = None,
     ) -> str: ...
 
     @property
@@ -143,6 +147,10 @@ class ParsedRequest:
         return self.requests[0].arrival_time
 
 
+CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+"""vLLM's chat fields on how the template renders the conversation."""
+TEMPLATE_NAMES = {"messages", "tools", "add_generation_prompt", "eos_token"}
+"""What the template gets from the server, which chat_template_kwargs may not replace."""
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 COMMON_FIELDS = {
     "model",
@@ -185,6 +193,7 @@ FIELDS = {
         "messages",
         "max_completion_tokens",
         "top_logprobs",
+        *CHAT_TEMPLATE_FIELDS,
         "tools",
         "tool_choice",
         "parallel_tool_calls",
@@ -285,11 +294,10 @@ def _prompt_texts(raw: object, prompts: list[list[int]], codec: Codec) -> list[s
 def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
     """vLLM's /tokenize body: a completion `prompt` (a string) or chat `messages`, to the
     token ids a completion or chat request would send the model."""
-    fields = {"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt"}
+    fields = {"model", "prompt", "messages", "tools", "add_special_tokens", *CHAT_TEMPLATE_FIELDS}
     body = _known_fields(body, fields, ctx)
-    for name in ("add_special_tokens", "add_generation_prompt"):
-        if not _bool(body, name, True):
-            raise BadRequest(f"{name}=false is not supported", name)
+    if not _bool(body, "add_special_tokens", True):
+        raise BadRequest("add_special_tokens=false is not supported", "add_special_tokens")
     if ("prompt" in body) == ("messages" in body):
         raise BadRequest("give either prompt or messages", "prompt")
     if "messages" in body:
@@ -406,8 +414,7 @@ def _prompts(
     `prompt` is a string or a list of token ids (one prompt), or a list of either (one choice
     per prompt and sample)."""
     if endpoint is Endpoint.CHAT:
-        text = codec.render_chat(_messages(body.get("messages"), ctx), tools)
-        return [_encode(text, "prompt", ctx, codec)]
+        return [_encode(_chat_text(body, ctx, codec, tools), "prompt", ctx, codec)]
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_token_list(prompt):
         return [_prompt_ids(prompt, "prompt", ctx, codec)]
@@ -463,6 +470,31 @@ def _encode(text: str, where: str, ctx: SchemaContext, codec: Codec) -> list[int
     if not ids:
         raise BadRequest(f"{where} encodes to no tokens", "prompt")
     return ids
+
+
+def _chat_text(
+    body: dict[str, Any], ctx: SchemaContext, codec: Codec, tools: list[dict[str, Any]] | None
+) -> str:
+    """The conversation as the chat template renders it, with vLLM's options: no generation
+    prompt, the final message continued, and the template's own keyword arguments (say a
+    reasoning model's enable_thinking)."""
+    add = _bool(body, "add_generation_prompt", True)
+    continued = _bool(body, "continue_final_message", False)
+    if add and continued:
+        raise BadRequest(
+            "continue_final_message needs add_generation_prompt: false", "continue_final_message"
+        )
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs must be an object", "chat_template_kwargs")
+    taken = sorted(TEMPLATE_NAMES & set(kwargs or ()))
+    if taken:
+        raise BadRequest(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do",
+            "chat_template_kwargs",
+        )
+    options = ChatOptions(add, continued, kwargs or {})
+    return codec.render_chat(_messages(body.get("messages"), ctx), tools, options)
 
 
 def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, Any]]:

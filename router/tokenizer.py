@@ -8,7 +8,7 @@ tokenizer of a model that ships no tokenizer.json).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -23,6 +23,16 @@ from replica.model_source import load_tokenizer, model_dir
 from router.errors import BadRequest
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """vLLM's chat fields on how the template renders a conversation."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """The template's own switches (say a reasoning model's enable_thinking)."""
 
 
 @dataclass
@@ -76,27 +86,50 @@ class TextCodec:
         return self.decode([token_id], skip_special_tokens=False)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        options: ChatOptions | None = None,
     ) -> str:
         """The prompt text for chat messages (and the tools offered, for templates that show
-        them), ending with the assistant's turn opener."""
+        them), ending with the assistant's turn opener, or, to continue the final message,
+        right after its text (whatever the template puts after a message is cut)."""
         if not self.chat_template:
             raise BadRequest("this model has no chat template; use /v1/completions", "messages")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
             template = env.from_string(self.chat_template)
-            return template.render(
+            options = options or ChatOptions()
+            text = template.render(
+                **options.template_kwargs,
                 messages=messages,
                 tools=tools or None,
-                add_generation_prompt=True,
+                add_generation_prompt=options.add_generation_prompt,
                 eos_token=self.eos_token or "",
             )
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             # The template's own checks (raise_exception) and its filters on the messages.
             raise BadRequest(f"chat template failed on these messages: {exc}", "messages") from exc
+        if options.continue_final_message:
+            return _ending_with(text, messages[-1]["content"])
+        return text
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)
+
+
+def _ending_with(text: str, final: str) -> str:
+    """The rendered chat cut right after the final message's text (its spacing kept where the
+    template kept it), so the model continues that message."""
+    core = final.strip()
+    at = text.rfind(core) if core else -1
+    if at < 0:
+        raise BadRequest(
+            "continue_final_message: the final message's text is not in the rendered chat",
+            "messages",
+        )
+    kept = final.lstrip()
+    return text[: at + (len(kept) if text[at : at + len(kept)] == kept else len(core))]
 
 
 @dataclass

@@ -468,7 +468,7 @@ def test_tokenize_gives_the_ids_a_request_would_send(codec: TextCodec, ctx: Sche
         ({**prompt, **chat}, "prompt"),
         ({"model": "demo", "prompt": [1, 2]}, "prompt"),
         ({**prompt, "add_special_tokens": False}, "add_special_tokens"),
-        ({**chat, "add_generation_prompt": False}, "add_generation_prompt"),
+        ({**chat, "continue_final_message": True}, "continue_final_message"),
         ({**prompt, "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
         ({"model": "demo", "messages": []}, "messages"),
     ]:
@@ -555,3 +555,34 @@ def test_bad_words_are_tokenized_as_vllm_does(codec: TextCodec, ctx: SchemaConte
         with pytest.raises(BadRequest, match="bad_words") as info:
             parse(codec, ctx, {"prompt": "x", "bad_words": bad})
         assert info.value.param == "bad_words"
+
+
+def test_the_chat_template_options_vllm_takes(codec: TextCodec, ctx: SchemaContext) -> None:
+    """No generation prompt; the final message continued (the template's end of turn cut);
+    the template's own keyword arguments, which may not replace what the server passes."""
+    flavored = TextCodec(
+        codec.tokenizer, "{{ flavor }}" + str(codec.chat_template), codec.eos_token
+    )
+    user = {"role": "user", "content": "hi"}
+    started = {"role": "assistant", "content": "def f("}
+
+    def text(body: dict[str, Any], on: TextCodec = codec) -> str:
+        ids = parse(on, ctx, {"messages": [user], **body}, endpoint=Endpoint.CHAT).requests[0]
+        return on.decode(ids.prompt_token_ids, skip_special_tokens=False)
+
+    assert text({}) == "<|user|>\nhi\n<|assistant|>\n"
+    assert text({"add_generation_prompt": False}) == "<|user|>\nhi\n"
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    assert text({**continued, "messages": [user, started]}) == "<|user|>\nhi\n<|assistant|>\ndef f("
+    assert text({"chat_template_kwargs": {"flavor": "T:"}}, flavored).startswith("T:<|user|>")
+    tokenized = parse_tokenize({"messages": [user, started], **continued}, ctx, codec)
+    assert codec.decode(tokenized, skip_special_tokens=False).endswith("<|assistant|>\ndef f(")
+    for body, param in [
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"chat_template_kwargs": ["flavor"]}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+    ]:
+        with pytest.raises(BadRequest) as info:
+            text(body)
+        assert info.value.param == param, body

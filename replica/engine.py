@@ -522,6 +522,14 @@ class Engine:
             seq.output.append(token)
             if seq.grammar is not None:
                 seq.grammar.accept(token)
+                if seq.grammar.broken:
+                    log.warning(
+                        "request %s: its grammar cannot go on (%s); ending it as aborted",
+                        seq.request.request_id,
+                        seq.grammar.broken.splitlines()[0][:300],
+                    )
+                    seq.finish_reason = FinishReason.ABORT
+                    break
             if self._stops_at(seq, token):
                 seq.finish_reason = FinishReason.STOP
                 break

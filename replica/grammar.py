@@ -45,6 +45,12 @@ class Grammar:
     def done(self) -> bool:
         return bool(self.matcher.is_stopped())
 
+    @property
+    def broken(self) -> str:
+        """Why the grammar cannot go on ("" while it can): a token it refused was forced on it
+        (constraints left it none), or llguidance hit one of its limits."""
+        return str(self.matcher.get_error())
+
     def accept(self, token: int) -> None:
         """Advance over a token the request output (one the grammar refuses breaks it)."""
         self.matcher.consume_token(token)

@@ -191,7 +191,8 @@ def status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
 async def _abort(context: grpc.aio.ServicerContext, error: ApiError) -> None:
     if isinstance(error, Rejected):
         context.set_trailing_metadata((("retry-after-ms", str(int(error.retry_after_s * 1000))),))
-    details = f"{error.param}: {error.message}" if error.param else error.message
+    named = not error.param or error.message.startswith(error.param)
+    details = error.message if named else f"{error.param}: {error.message}"
     await context.abort(error.code, details)
 
 

@@ -111,10 +111,15 @@ def create_app(door: FrontDoor) -> FastAPI:
     return app
 
 
+def _not_json(constant: str) -> object:
+    """NaN and Infinity, which Python's parser takes but JSON has not."""
+    raise ValueError(f"{constant} is not JSON")
+
+
 async def _json(request: Request) -> object:
     """The body as JSON that holds only text a tokenizer takes."""
     try:
-        body = json.loads(await request.body())
+        body = json.loads(await request.body(), parse_constant=_not_json)
         # JSON may escape a lone UTF-16 surrogate ("\ud800"); no tokenizer takes one.
         json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError:

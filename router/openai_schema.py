@@ -201,8 +201,9 @@ FIELDS = {
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
-NULL_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
-"""What an OpenAI client's dump of a returned message holds besides, null here."""
+ECHOED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call", "parsed")
+"""What the openai package's message objects hold besides, sent back with the conversation
+and ignored (as vLLM ignores them)."""
 
 
 def parse_body(
@@ -510,9 +511,7 @@ def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise BadRequest(f"{where} must be an object", where)
         extra = sorted(
-            str(k)[:64]
-            for k in m
-            if k not in MESSAGE_FIELDS and not (k in NULL_MESSAGE_FIELDS and m[k] is None)
+            str(k)[:64] for k in m if k not in MESSAGE_FIELDS and k not in ECHOED_MESSAGE_FIELDS
         )
         if extra:
             raise BadRequest(f"{where} has unsupported field(s): {', '.join(extra[:8])}", where)
@@ -561,11 +560,11 @@ def _tool_calls(raw: object, where: str) -> list[dict[str, Any]]:
         function = call.get("function") if isinstance(call, dict) else None
         if (
             not isinstance(call, dict)
-            or set(call) - {"id", "type", "function"}
+            or set(call) - {"id", "type", "function", "index"}  # index: the SDK's stream helper
             or call.get("type", "function") != "function"
             or not isinstance(call.get("id", ""), str)
             or not isinstance(function, dict)
-            or set(function) != {"name", "arguments"}
+            or set(function) - {"parsed_arguments"} != {"name", "arguments"}
             or not isinstance(function["name"], str)
             or not isinstance(function["arguments"], str)
         ):

@@ -24,6 +24,7 @@ import llguidance
 
 from replica.request import MAX_GRAMMAR_CHARS
 from router.errors import BadRequest
+from router.tools import NAME
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub alone
@@ -107,6 +108,10 @@ def _response_format(raw: object) -> tuple[str, object, str]:
     where = "response_format.json_schema"
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise BadRequest(f"{where} must be an object with a name and a schema", where)
+    if not NAME.fullmatch(spec["name"]) or not isinstance(spec.get("strict", False), bool):
+        raise BadRequest(
+            f"{where}: name must be 1-64 letters, digits, _ or -, and strict a boolean", where
+        )
     unknown = set(spec) - {"name", "schema", "strict", "description"}
     if unknown:
         raise BadRequest(f"{where}.{sorted(unknown)[0]} is not a field", where)

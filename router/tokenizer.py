@@ -122,7 +122,7 @@ def _ending_with(text: str, final: str) -> str:
     """The rendered chat cut right after the final message's text (its spacing kept where the
     template kept it), so the model continues that message."""
     core = final.strip()
-    at = text.rfind(core) if core else -1
+    at = text.rfind(core)  # an empty message: the whole text, as HF renders it
     if at < 0:
         raise BadRequest(
             "continue_final_message: the final message's text is not in the rendered chat",

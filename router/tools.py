@@ -150,6 +150,8 @@ def tools_of(raw: object) -> list[dict[str, Any]]:
         names.add(name)
         if not isinstance(function.get("description", ""), str):
             raise BadRequest(f"{where}.function.description must be a string", where)
+        if not isinstance(function.get("strict", False), bool):
+            raise BadRequest(f"{where}.function.strict must be a boolean", where)
         parameters = function.get("parameters", {})
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise BadRequest(
@@ -165,30 +167,39 @@ _FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     """A function's arguments schema (OpenAI: none given means no arguments)."""
     params = function.get("parameters")
-    return params if params else {"type": "object", "properties": {}, "additionalProperties": False}
+    if not params:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return params if "type" in params else {**params, "type": "object"}
 
 
 def _calls_schema(functions: list[dict[str, Any]], one_call: bool) -> dict[str, Any]:
     """A JSON array of calls, each naming one of the functions with its arguments. The
-    functions' `$defs` move to the array's root, where their `#/$defs/...` references point
-    now that each schema sits inside the array (one name defined two ways is refused)."""
-    defs: dict[str, Any] = {}
+    functions' `$defs` and `definitions` move to the array's root, where their references
+    point now that each schema sits inside the array (one name defined two ways is refused,
+    and so is a reference to anything else of the schema, which no longer holds)."""
+    shared: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
     calls = []
     for i, f in enumerate(functions):
+        where = f"tools[{i}].function.parameters"
         params = dict(_parameters(f))
-        found = params.pop("$defs", {})
-        if not isinstance(found, dict):
+        for key, defs in shared.items():
+            found = params.pop(key, {})
+            if not isinstance(found, dict):
+                raise BadRequest(f"{where}.{key} must be an object", where)
+            for name, definition in found.items():
+                if defs.setdefault(name, definition) != definition:
+                    raise BadRequest(
+                        f"{where} defines {key}/{name} unlike another tool; "
+                        'tool_choice "required" puts every tool\'s definitions together',
+                        where,
+                    )
+        outside = next((r for r in _refs(_parameters(f)) if not r.startswith(_LIFTED)), None)
+        if outside is not None:
             raise BadRequest(
-                f"tools[{i}].function.parameters.$defs must be an object",
-                f"tools[{i}].function.parameters",
+                f'{where} refers to {outside!r}, which tool_choice "required" cannot keep '
+                "(only #/$defs/ and #/definitions/ references); name the function instead",
+                where,
             )
-        for name, definition in found.items():
-            if defs.setdefault(name, definition) != definition:
-                raise BadRequest(
-                    f"tools[{i}].function.parameters defines $defs/{name} unlike another tool; "
-                    'tool_choice "required" puts every tool\'s $defs together',
-                    f"tools[{i}].function.parameters",
-                )
         calls.append(
             {
                 "type": "object",
@@ -198,8 +209,20 @@ def _calls_schema(functions: list[dict[str, Any]], one_call: bool) -> dict[str, 
             }
         )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if defs:
-        schema["$defs"] = defs
+    schema |= {key: defs for key, defs in shared.items() if defs}
     if one_call:
         schema["maxItems"] = 1
     return schema
+
+
+_LIFTED = ("#/$defs/", "#/definitions/")
+
+
+def _refs(schema: object) -> list[str]:
+    """Every `$ref` in a schema, its definitions' included."""
+    if isinstance(schema, list):
+        return [r for item in schema for r in _refs(item)]
+    if not isinstance(schema, dict):
+        return []
+    own = [schema["$ref"]] if isinstance(schema.get("$ref"), str) else []
+    return own + [r for key, value in schema.items() if key != "$ref" for r in _refs(value)]

@@ -178,14 +178,28 @@ def test_constraints_that_leave_no_token_end_the_output(
     sampled: dict[str, object],
 ) -> None:
     """allowed_token_ids that min_tokens holds back, or that the grammar refuses, leave a row
-    with nothing in it: the row allows EOS alone (a sampled step used to fail on it)."""
+    with nothing in it: the row allows EOS alone (a sampled step used to fail on it), which
+    ends the output; the grammar that refuses it ends as aborted."""
     eng = engine(runners, vocab, proposer="draft")
     eos = min(eng.eos_token_ids)
     held = best_effort(prompt, allowed_token_ids=(eos,), min_tokens=3, **sampled)
     assert run(eng, held, [2]) == ([eos], FinishReason.STOP)
     digit = tokenizer.encode("7").ids[0]
     refused = best_effort(prompt, grammar=JSON_GRAMMAR, allowed_token_ids=(digit,), **sampled)
-    assert run(eng, refused, [2]) == ([eos], FinishReason.STOP)
+    assert run(eng, refused, [2]) == ([eos], FinishReason.ABORT)
+
+
+def test_a_grammar_that_cannot_go_on_ends_as_aborted(
+    runners: dict[str, tuple[ModelRunner, ModelRunner]],
+    vocab: llguidance.LLTokenizer,
+    prompt: list[int],
+) -> None:
+    """llguidance's limits can stop a grammar the door found valid after a token or two: the
+    output ends as aborted, not as a complete grammar's stop."""
+    grammar = llguidance.LLMatcher.grammar_from_regex("a{1000000}")
+    assert llguidance.LLMatcher.validate_grammar(grammar, vocab) == ""
+    out, reason = run(engine(runners, vocab), best_effort(prompt, grammar=grammar), [0])
+    assert reason is FinishReason.ABORT and len(out) < 4
 
 
 def test_grammars_are_refused_without_a_tokenizer_or_when_invalid(

@@ -570,6 +570,13 @@ def test_errors_have_the_right_status(oai: openai.OpenAI, live: LocalFrontDoor) 
         live.http_url + "/v1/completions", content=b"[[[[" * 5000, headers=auth(), timeout=30
     )
     assert r.status_code == 400
+    r = httpx.post(
+        live.http_url + "/v1/completions",
+        content=b'{"model": "demo", "prompt": "x", "guided_json": {"const": NaN}}',
+        headers=auth(),
+        timeout=30,
+    )
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     lone_surrogates = [
         ("/v1/completions", b'{"model": "demo", "prompt": "\\ud800"}'),
         ("/v1/completions", b'{"model": "demo", "prompt": "x", "\\udfff": 1}'),
@@ -653,6 +660,9 @@ def test_grpc_status_codes(live: LocalFrontDoor) -> None:
         with pytest.raises(ClientError) as info:
             client.complete(PROMPT, max_tokens=2, top_p=7.0)
         assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT and "top_p" in info.value.details
+        with pytest.raises(ClientError) as info:
+            client.complete(PROMPT, structured_outputs=StructuredOutputs(regex="a(b"))
+        assert info.value.details.startswith("structured_outputs.regex: at")  # named once
         with pytest.raises(ClientError) as info:
             client.complete(PROMPT, max_tokens=2, model="gpt-4")
         assert info.value.code is grpc.StatusCode.NOT_FOUND

@@ -119,6 +119,26 @@ def test_json_object_regex_choice_and_grammars(codec: TextCodec, ctx: SchemaCont
             "response_format.json_schema.schema",
             "schema object",
         ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a b", "schema": {}},
+                }
+            },
+            "response_format.json_schema",
+            "name must be",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {}, "strict": "yes"},
+                }
+            },
+            "response_format.json_schema",
+            "strict a boolean",
+        ),
         ({"structured_outputs": []}, "structured_outputs", "an object"),
         ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
         (

@@ -170,6 +170,11 @@ def test_a_conversation_carries_calls_and_their_results(codec: TextCodec) -> Non
         ),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1]", "two tools"),
         (
+            {"tools": [{"type": "function", "function": {"name": "a", "strict": "yes"}}]},
+            "tools[0]",
+            "strict must be a boolean",
+        ),
+        (
             {"tools": [{"type": "function", "function": {"name": "a", "parameters": 3}}]},
             "tools[0].function.parameters",
             "object",
@@ -263,11 +268,6 @@ def test_a_conversation_carries_calls_and_their_results(codec: TextCodec) -> Non
             "messages[0].tool_calls[0]",
             "must be",
         ),
-        (
-            {"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]},
-            "messages[0]",
-            "refusal",
-        ),
     ],
 )
 def test_bad_tools_are_named(
@@ -294,6 +294,53 @@ def test_a_returned_message_goes_back_as_the_client_dumps_it(codec: TextCodec) -
     assert codec.decode(parsed.requests[0].prompt_token_ids) == "<user>hi<assistant>ok<assistant>"
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
     assert codec.decode(parse_tokenize(body, CTX, codec)).startswith("[lookup][now]<user>hi")
+
+
+def test_the_sdk_s_own_message_objects_go_back_as_they_are(codec: TextCodec) -> None:
+    """`parsed`, a call's `index` (the stream helper) and `parsed_arguments` (`.parse()`) are
+    the openai package's additions: ignored, as vLLM ignores them."""
+    call = {
+        "id": "c1",
+        "index": 0,
+        "type": "function",
+        "function": {"name": "lookup", "arguments": '{"name": "ann"}', "parsed_arguments": {}},
+    }
+    message = {"role": "assistant", "content": None, "tool_calls": [call], "parsed": None}
+    parsed = parse(codec, messages=[{"role": "user", "content": "who?"}, message])
+    assert codec.decode(parsed.requests[0].prompt_token_ids).endswith("lookup=ann<assistant>")
+
+
+def test_parameters_without_a_type_describe_an_object(codec: TextCodec) -> None:
+    untyped = {"properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "g", "parameters": untyped}}]
+    named = {"type": "function", "function": {"name": "g"}}
+    calling = parse(codec, tools=tools, tool_choice=named).tools
+    assert calling is not None and calling.schema == {**untyped, "type": "object"}
+
+
+def test_required_keeps_definitions_and_refuses_references_it_would_break(
+    codec: TextCodec,
+) -> None:
+    """draft-07's `definitions` move to the root like `$defs`; a reference to the tool's own
+    root or properties cannot survive inside the array of calls, so it is a 400 (a named
+    function keeps it)."""
+    old = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/definitions/P"}},
+        "definitions": {"P": {"type": "integer"}},
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": old}}]
+    calling = parse(codec, tools=tools, tool_choice="required").tools
+    assert calling is not None and calling.schema["definitions"] == {"P": {"type": "integer"}}
+    for ref in ("#", "#/properties/v"):
+        tree = {"type": "object", "properties": {"v": {"type": "integer"}, "child": {"$ref": ref}}}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": tree}}]
+        with pytest.raises(BadRequest, match="name the function instead") as info:
+            parse(codec, tools=tools, tool_choice="required")
+        assert info.value.param == "tools[0].function.parameters"
+        assert parse(
+            codec, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}
+        )
 
 
 def test_completions_take_no_tools(codec: TextCodec) -> None:

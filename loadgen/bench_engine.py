@@ -295,7 +295,14 @@ def run(args: argparse.Namespace) -> int:
             results["spec"].append({"dtype": name, **row})
     for section, sampling in (("shaping", SHAPING), ("structured", STRUCTURED)):
         results[section] = shaping_cases(
-            engines[spec_dtype], drafts[spec_dtype], spec_prompts, sampling, settings, bar, args
+            engines[spec_dtype],
+            drafts[spec_dtype],
+            spec_prompts,
+            section,
+            sampling,
+            settings,
+            bar,
+            args,
         )
     bar.close()
     results["config"] = {
@@ -371,6 +378,7 @@ def shaping_cases(
     loaded: Engine,
     draft: ModelRunner,
     prompts: list[list[int]],
+    section: str,
     sampling: dict[str, Any],
     settings: Settings,
     bar: tqdm,
@@ -390,7 +398,7 @@ def shaping_cases(
             rates = {}
             for shaped in (False, True):
                 on = "on" if shaped else "off"
-                bar.set_postfix_str(f"{sorted(sampling)[0]} {proposer} batch {b} {on}")
+                bar.set_postfix_str(f"{section} {proposer} batch {b} {on}")
                 measure = functools.partial(
                     spec_run,
                     engine,

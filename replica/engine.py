@@ -510,8 +510,8 @@ class Engine:
             held_back,
             self.target.vocab_size,
             self.target.device,
+            min(self.eos_token_ids, default=0),  # a model without EOS: token 0
             grammar,
-            min(self.eos_token_ids, default=0),
         )
 
     def _append(self, seq: _Seq, new: list[int]) -> list[int]:
@@ -622,12 +622,6 @@ def _draft_tokens(w: _Work) -> int:
     if isinstance(w.entry, PrefillChunk):
         return w.seq.num_computed + w.num_feed
     return w.seq.num_known + w.num_spec - 1
-
-
-def load_detokenizer(folder: str | Path) -> Detokenize | None:
-    """The tokenizer of an HF folder as a decode function, or None when it has none."""
-    tokenizer = load_tokenizer(Path(folder))
-    return None if tokenizer is None else detokenizer(tokenizer)
 
 
 def detokenizer(tokenizer: Tokenizer) -> Detokenize:

@@ -62,7 +62,8 @@ class LogitsShaper:
 
     A row these leave without any token (say allowed_token_ids all held back by min_tokens,
     or outside the grammar) allows `end_token` (EOS) alone rather than failing the step on a
-    distribution with nothing in it: the output ends there, unless it ignores EOS.
+    distribution with nothing in it: the output ends there (unless it ignores EOS; a grammar
+    that refuses EOS ends it as aborted, `replica.engine`).
 
     Row i of the logits a call shapes follows the request's tokens plus the first
     `start + i` proposed ones: a verify step's rows are shaped as decoding its proposal one by
@@ -77,8 +78,8 @@ class LogitsShaper:
         held_back: Collection[int],
         vocab: int,
         device: torch.device,
+        end_token: int,
         grammar: Grammar | None = None,
-        end_token: int = 0,
     ) -> None:
         """`tokens`: prompt then output, whose last `num_output` are output (a resumed
         request's earlier output included: penalties count it). `held_back`: the tokens
@@ -134,7 +135,7 @@ class LogitsShaper:
         penalties."""
         out = self._shape(logits, proposal, start)
         if self.grammar is None and self.banned is None:
-            return out  # bias and penalties keep logits finite; min_tokens holds back a few
+            return out  # bias, penalties and bad_words keep logits finite; min_tokens a few
         dead = torch.isneginf(out).all(dim=-1)
         if bool(dead.any()):
             out[dead] = float("-inf")

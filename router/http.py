@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from cluster.api import FinalRecord
 from replica.batch import TokenLogprob
+from router import json_text
 from router.errors import ApiError, BadRequest, ModelNotFound, Rejected, Unavailable
 from router.frontdoor import Finished, FrontDoor, Generation, TextDelta, interleaved
 from router.openai_format import (
@@ -111,15 +112,10 @@ def create_app(door: FrontDoor) -> FastAPI:
     return app
 
 
-def _not_json(constant: str) -> object:
-    """NaN and Infinity, which Python's parser takes but JSON has not."""
-    raise ValueError(f"{constant} is not JSON")
-
-
 async def _json(request: Request) -> object:
     """The body as JSON that holds only text a tokenizer takes."""
     try:
-        body = json.loads(await request.body(), parse_constant=_not_json)
+        body = json_text.loads(await request.body())
         # JSON may escape a lone UTF-16 surrogate ("\ud800"); no tokenizer takes one.
         json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError:

@@ -18,7 +18,6 @@ the request when the DP cannot admit everyone. Allowed range: -19..19.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import reprlib
@@ -44,6 +43,7 @@ from replica.request import (
     Stage,
     Tier,
 )
+from router import json_text
 from router.errors import BadRequest, ModelNotFound
 from router.structured import FIELDS as STRUCTURED_FIELDS
 from router.structured import json_schema_grammar, structured_grammar
@@ -574,7 +574,7 @@ def _tool_calls(raw: object, where: str) -> list[dict[str, Any]]:
             )
         named = f"{where}[{j}].function.arguments"
         try:
-            arguments = json.loads(function["arguments"])
+            arguments = json_text.loads(function["arguments"])
         except (ValueError, RecursionError) as exc:
             raise BadRequest(f"{named} is not JSON", named) from exc
         if not isinstance(arguments, dict):
@@ -699,9 +699,9 @@ def _bad_words(raw: object, codec: Codec) -> tuple[tuple[int, ...], ...]:
     for word in raw:
         bare = tuple(codec.encode(word.lstrip(), add_special_tokens=False))
         spaced = tuple(codec.encode(" " + word.lstrip(), add_special_tokens=False))
-        if len(bare) > MAX_BAD_WORD_TOKENS or len(spaced) > MAX_BAD_WORD_TOKENS:
+        if not 0 < len(bare) <= MAX_BAD_WORD_TOKENS or len(spaced) > MAX_BAD_WORD_TOKENS:
             raise BadRequest(
-                f"bad_words: {_short(word)} is longer than {MAX_BAD_WORD_TOKENS} tokens",
+                f"bad_words: {_short(word)} must be 1..{MAX_BAD_WORD_TOKENS} tokens",
                 "bad_words",
             )
         sequences.append(bare)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 
 from replica.request import MAX_GRAMMAR_CHARS
+from router import json_text
 from router.errors import BadRequest
 from router.tools import NAME
 
@@ -108,10 +109,10 @@ def _response_format(raw: object) -> tuple[str, object, str]:
     where = "response_format.json_schema"
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise BadRequest(f"{where} must be an object with a name and a schema", where)
-    if not NAME.fullmatch(spec["name"]) or not isinstance(spec.get("strict", False), bool):
-        raise BadRequest(
-            f"{where}: name must be 1-64 letters, digits, _ or -, and strict a boolean", where
-        )
+    if not NAME.fullmatch(spec["name"]):
+        raise BadRequest(f"{where}.name must be 1-64 letters, digits, _ or -", f"{where}.name")
+    if not isinstance(spec.get("strict", False), bool):
+        raise BadRequest(f"{where}.strict must be a boolean", f"{where}.strict")
     unknown = set(spec) - {"name", "schema", "strict", "description"}
     if unknown:
         raise BadRequest(f"{where}.{sorted(unknown)[0]} is not a field", where)
@@ -129,7 +130,7 @@ def _structured_outputs(raw: object) -> tuple[str, object, str]:
             f"structured_outputs.{unknown[0]} is not supported; give one of {', '.join(KINDS)}",
             "structured_outputs",
         )
-    kinds = [k for k in KINDS if raw.get(k) not in (None, False)]
+    kinds = [k for k in KINDS if raw.get(k) is not None and raw.get(k) is not False]
     if len(kinds) != 1:
         raise BadRequest(
             f"structured_outputs must set exactly one of {', '.join(KINDS)}", "structured_outputs"
@@ -175,8 +176,8 @@ def _schema(value: object, where: str) -> dict[str, Any]:
         if len(value) > MAX_GRAMMAR_CHARS:
             raise BadRequest(f"{where} is longer than {MAX_GRAMMAR_CHARS} characters", where)
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
+            value = json_text.loads(value)
+        except ValueError as exc:  # JSONDecodeError, NaN and Infinity
             raise BadRequest(f"{where} is not valid JSON: {exc}", where) from exc
         except RecursionError as exc:
             raise BadRequest(f"{where} is nested too deeply", where) from exc

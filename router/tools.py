@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from router import json_text
 from router.errors import BadRequest
 
 MAX_TOOLS = 128
@@ -38,13 +39,13 @@ class ToolCalling:
     """The field a bad schema is blamed on."""
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The calls a finished output holds, in OpenAI's form (fresh ids); None when the text
-        is not one (cut short by max_tokens or a stop string). "required"'s arguments are
-        written again from the parsed array, as vLLM does."""
+        """The calls an output holds, in OpenAI's form (fresh ids): a named function's call
+        with the text as its arguments, whole or not; "required"'s array parsed (its arguments
+        written again, as vLLM does), or None when the text is not one (cut short)."""
         if self.named is not None:
             return [self.named_call(text)]
         try:
-            made = json.loads(text)
+            made = json_text.loads(text)
             return [
                 _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, allow_nan=False))
                 for c in made
@@ -181,7 +182,8 @@ def _calls_schema(functions: list[dict[str, Any]], one_call: bool) -> dict[str, 
     calls = []
     for i, f in enumerate(functions):
         where = f"tools[{i}].function.parameters"
-        params = dict(_parameters(f))
+        whole = _parameters(f)
+        params = dict(whole)
         for key, defs in shared.items():
             found = params.pop(key, {})
             if not isinstance(found, dict):
@@ -193,7 +195,10 @@ def _calls_schema(functions: list[dict[str, Any]], one_call: bool) -> dict[str, 
                         'tool_choice "required" puts every tool\'s definitions together',
                         where,
                     )
-        outside = next((r for r in _refs(_parameters(f)) if not r.startswith(_LIFTED)), None)
+        try:
+            outside = next((r for r in _refs(whole) if not r.startswith(_LIFTED)), None)
+        except RecursionError:
+            raise BadRequest(f"{where} is nested too deeply", where) from None
         if outside is not None:
             raise BadRequest(
                 f'{where} refers to {outside!r}, which tool_choice "required" cannot keep '

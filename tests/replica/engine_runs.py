@@ -1,10 +1,21 @@
-"""Running one request through an engine to its end, as the engine tests compare outputs."""
+"""Running one request through an engine to its end, as the engine tests compare outputs,
+and the decode function stop strings read."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
-from replica.engine import Engine
+from replica.engine import Detokenize, Engine, detokenizer
+from replica.model_source import load_tokenizer
 from replica.request import Request
+
+
+def load_detokenizer(folder: Path) -> Detokenize:
+    """A model folder's decode function, as `Engine.from_dirs` makes it."""
+    tokenizer = load_tokenizer(folder)
+    assert tokenizer is not None
+    return detokenizer(tokenizer)
 
 
 def run(engine: Engine, request: Request, ks: list[int]) -> tuple[list[int], FinishReason | None]:

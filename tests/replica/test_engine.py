@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from replica.batch import BatchPlan, DecodeStep, FinishReason, PlanEntry, PrefillChunk
-from replica.engine import Engine, load_detokenizer
+from replica.engine import Engine
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
+from tests.replica.engine_runs import load_detokenizer
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

@@ -9,11 +9,11 @@ import pytest
 
 from cluster.migration import resumed_request
 from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
-from replica.engine import Detokenize, Engine, ProposerKind, ends_a_stop, load_detokenizer
+from replica.engine import Detokenize, Engine, ProposerKind, ends_a_stop
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
 from replica.spec.draft import load_draft_vocab
-from tests.replica.engine_runs import run
+from tests.replica.engine_runs import load_detokenizer, run
 
 MAX_TOKENS = 24
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n"

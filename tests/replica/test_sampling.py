@@ -76,7 +76,7 @@ def test_seeded_draws_follow_the_distribution() -> None:
 def shaper(
     params: SamplingParams, tokens: list[int], num_output: int, held_back: frozenset[int]
 ) -> LogitsShaper:
-    return LogitsShaper(params, tokens, num_output, held_back, 5, torch.device("cpu"))
+    return LogitsShaper(params, tokens, num_output, held_back, 5, torch.device("cpu"), 0)
 
 
 def test_frequency_and_presence_penalties_count_the_output_only() -> None:

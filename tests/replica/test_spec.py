@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
-from replica.engine import Engine, ProposerKind, load_detokenizer
+from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
 from replica.sampling import position_noise
 from replica.spec.draft import DRAFT_VOCAB_FILE, DraftJob, DraftModel, load_draft_vocab
 from replica.spec.ngram import NgramProposer
 from replica.spec.verify import verify_choices, verify_stochastic
+from tests.replica.engine_runs import load_detokenizer
 
 # Chi-square critical value for 5 degrees of freedom at p = 0.001.
 CHI2_CRITICAL_DF5 = 20.52

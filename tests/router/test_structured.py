@@ -74,12 +74,14 @@ def test_every_spelling_of_a_json_schema_asks_for_the_same_grammar(
     assert not matches(codec, JSON_GRAMMAR, '{"a": "12"}')
 
 
-def test_plain_text_asks_for_nothing(codec: TextCodec, ctx: SchemaContext) -> None:
+def test_plain_text_asks_for_nothing_and_leaves_another_field_alone(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
     assert grammar(codec, ctx) is None
     assert grammar(codec, ctx, Endpoint.CHAT, response_format={"type": "text"}) is None
-    assert grammar(
-        codec, ctx, structured_outputs={"json_object": True}, response_format={"type": "text"}
-    )
+    alone = grammar(codec, ctx, structured_outputs={"json_object": True})
+    with_text = {"structured_outputs": {"json_object": True}, "response_format": {"type": "text"}}
+    assert alone is not None and grammar(codec, ctx, **with_text) == alone
 
 
 def test_json_object_regex_choice_and_grammars(codec: TextCodec, ctx: SchemaContext) -> None:
@@ -126,7 +128,7 @@ def test_json_object_regex_choice_and_grammars(codec: TextCodec, ctx: SchemaCont
                     "json_schema": {"name": "a b", "schema": {}},
                 }
             },
-            "response_format.json_schema",
+            "response_format.json_schema.name",
             "name must be",
         ),
         (
@@ -136,8 +138,8 @@ def test_json_object_regex_choice_and_grammars(codec: TextCodec, ctx: SchemaCont
                     "json_schema": {"name": "n", "schema": {}, "strict": "yes"},
                 }
             },
-            "response_format.json_schema",
-            "strict a boolean",
+            "response_format.json_schema.strict",
+            "strict must be a boolean",
         ),
         ({"structured_outputs": []}, "structured_outputs", "an object"),
         ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
@@ -146,6 +148,13 @@ def test_json_object_regex_choice_and_grammars(codec: TextCodec, ctx: SchemaCont
             "structured_outputs",
             "exactly one",
         ),
+        (
+            {"structured_outputs": {"regex": "a", "json_object": 0}},
+            "structured_outputs",
+            "exactly one",
+        ),
+        ({"structured_outputs": {"regex": 0}}, "structured_outputs.regex", "non-empty string"),
+        ({"guided_json": '{"const": NaN}'}, "guided_json", "not valid JSON"),
         ({"structured_outputs": {"structural_tag": "a"}}, "structured_outputs", "structural_tag"),
         ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object", "true"),
         ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json", "not valid JSON"),

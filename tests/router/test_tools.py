@@ -338,9 +338,24 @@ def test_required_keeps_definitions_and_refuses_references_it_would_break(
         with pytest.raises(BadRequest, match="name the function instead") as info:
             parse(codec, tools=tools, tool_choice="required")
         assert info.value.param == "tools[0].function.parameters"
-        assert parse(
-            codec, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}
-        )
+        named = {"type": "function", "function": {"name": "f"}}
+        calling = parse(codec, tools=tools, tool_choice=named).tools
+        assert calling is not None and calling.schema == tree
+
+
+def test_parameters_nested_too_deeply_for_required_are_a_400(codec: TextCodec) -> None:
+    deep: dict[str, object] = {"type": "integer"}
+    for _ in range(1200):
+        deep = {"type": "array", "items": deep}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"d": deep}}},
+        }
+    ]
+    with pytest.raises(BadRequest, match="nested too deeply") as info:
+        parse(codec, tools=tools, tool_choice="required")
+    assert info.value.param == "tools[0].function.parameters"
 
 
 def test_completions_take_no_tools(codec: TextCodec) -> None:

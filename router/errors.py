@@ -6,6 +6,7 @@ over HTTP (OpenAI's error JSON) and gRPC (status code + details).
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -62,3 +63,13 @@ class Unavailable(ApiError):
     status = 503
     code = grpc.StatusCode.UNAVAILABLE
     type = "service_unavailable"
+
+
+def refuse_unknown(
+    fields: Iterable[object], allowed: Collection[str], where: str, hint: str = ""
+) -> None:
+    """A 400 naming the first of an object's fields that is not `allowed` (where it sits in
+    the body: `where`)."""
+    unknown = sorted(str(k)[:64] for k in fields if k not in allowed)
+    if unknown:
+        raise BadRequest(f"{where}.{unknown[0]} is not a field{hint}", where)

@@ -24,7 +24,7 @@ import llguidance
 
 from replica.request import MAX_GRAMMAR_CHARS
 from router import json_text
-from router.errors import BadRequest
+from router.errors import BadRequest, refuse_unknown
 from router.tools import NAME
 
 if TYPE_CHECKING:
@@ -100,9 +100,9 @@ def _response_format(raw: object) -> tuple[str, object, str]:
             "response_format must be {type: text | json_object | json_schema}", "response_format"
         )
     kind = raw["type"]
-    extra = set(raw) - {"type", "json_schema"} if kind == "json_schema" else set(raw) - {"type"}
-    if extra:
-        raise BadRequest(f"response_format.{sorted(extra)[0]} is not a field", "response_format")
+    refuse_unknown(
+        raw, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format"
+    )
     if kind == "json_object":
         return "json_object", True, "response_format"
     spec = raw.get("json_schema")
@@ -113,9 +113,7 @@ def _response_format(raw: object) -> tuple[str, object, str]:
         raise BadRequest(f"{where}.name must be 1-64 letters, digits, _ or -", f"{where}.name")
     if not isinstance(spec.get("strict", False), bool):
         raise BadRequest(f"{where}.strict must be a boolean", f"{where}.strict")
-    unknown = set(spec) - {"name", "schema", "strict", "description"}
-    if unknown:
-        raise BadRequest(f"{where}.{sorted(unknown)[0]} is not a field", where)
+    refuse_unknown(spec, ("name", "schema", "strict", "description"), where)
     if spec.get("schema") is None:
         raise BadRequest(f"{where}.schema is required", f"{where}.schema")
     return "json", spec["schema"], f"{where}.schema"
@@ -124,12 +122,7 @@ def _response_format(raw: object) -> tuple[str, object, str]:
 def _structured_outputs(raw: object) -> tuple[str, object, str]:
     if not isinstance(raw, dict):
         raise BadRequest("structured_outputs must be an object", "structured_outputs")
-    unknown = sorted(str(k)[:64] for k in raw if k not in KINDS)
-    if unknown:
-        raise BadRequest(
-            f"structured_outputs.{unknown[0]} is not supported; give one of {', '.join(KINDS)}",
-            "structured_outputs",
-        )
+    refuse_unknown(raw, KINDS, "structured_outputs", f"; give one of {', '.join(KINDS)}")
     kinds = [k for k in KINDS if raw.get(k) is not None and raw.get(k) is not False]
     if len(kinds) != 1:
         raise BadRequest(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router import json_text
-from router.errors import BadRequest
+from router.errors import BadRequest, refuse_unknown
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -138,9 +138,7 @@ def tools_of(raw: object) -> list[dict[str, Any]]:
             or not isinstance(function, dict)
         ):
             raise BadRequest(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
-        unknown = sorted(str(k)[:64] for k in function if k not in _FUNCTION_FIELDS)
-        if unknown:
-            raise BadRequest(f"{where}.function.{unknown[0]} is not a field", where)
+        refuse_unknown(function, _FUNCTION_FIELDS, f"{where}.function")
         name = function.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise BadRequest(

@@ -165,7 +165,7 @@ def test_a_conversation_carries_calls_and_their_results(codec: TextCodec) -> Non
         ),
         (
             {"tools": [{"type": "function", "function": {"name": "a", "x": 1}}]},
-            "tools[0]",
+            "tools[0].function",
             "x is not",
         ),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1]", "two tools"),

@@ -50,7 +50,8 @@ def resumed_request(original: Request, delivered: Sequence[int]) -> Request:
             original.sampling,
             max_tokens=original.sampling.max_tokens - count,
             min_tokens=max(0, original.sampling.min_tokens - count),
-            prompt_logprobs=None,  # the client has them
+            # The client has them once a token came (they come with the first).
+            prompt_logprobs=original.sampling.prompt_logprobs if count == 0 else None,
         ),
         slo=None if original.slo is None else shift_slo(original.slo, count),
         resumed_output=original.resumed_output + count,

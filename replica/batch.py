@@ -77,6 +77,8 @@ class TokenLogprob:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
+    """1 + how many tokens were likelier (vLLM's rank); reported for prompt tokens."""
 
 
 @dataclass

@@ -438,7 +438,9 @@ class Engine:
             cached, prompt = seq.num_computed, seq.request.prompt_token_ids
             values = logits[first - cached : last - cached + 1]
             k = params.prompt_logprobs
-            seq.prompt_logprobs += token_logprobs(values, prompt[first + 1 : last + 2], k)
+            seq.prompt_logprobs += token_logprobs(
+                values, prompt[first + 1 : last + 2], k, ranked=True
+            )
             final = cached + w.num_feed == seq.num_known
             logits, argmax = (logits[-1:], argmax[-1:]) if final else (logits[:0], [])
         if not argmax:
@@ -598,21 +600,28 @@ def _common_prefix(a: str, b: str) -> int:
     )
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int | None) -> list[TokenLogprob]:
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], k: int | None, *, ranked: bool = False
+) -> list[TokenLogprob]:
     """Token i came from row i of its entry's logits (the verified positions, in order). Only
-    the chosen and top-k values leave the device, never a vocabulary-wide row."""
+    the chosen and top-k values (and with `ranked`, the chosen token's rank) leave the device,
+    never a vocabulary-wide row."""
     if k is None or not tokens:
         return []
     logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
     index = torch.tensor(tokens, device=logprobs.device).unsqueeze(1)
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    chosen_rows = logprobs.gather(1, index)
+    chosen = chosen_rows.squeeze(1).tolist()
+    ranks: list[int | None] = [None] * len(tokens)
+    if ranked:
+        ranks = ((logprobs > chosen_rows).sum(dim=1) + 1).tolist()
     if k == 0:
-        return [TokenLogprob(lp) for lp in chosen]
+        return [TokenLogprob(lp, (), rank) for lp, rank in zip(chosen, ranks, strict=True)]
     values, ids = logprobs.topk(k, dim=-1)
-    tops = zip(ids.tolist(), values.tolist(), strict=True)
+    tops = zip(ids.tolist(), values.tolist(), ranks, strict=True)
     return [
-        TokenLogprob(lp, tuple(zip(top_ids, top_values, strict=True)))
-        for lp, (top_ids, top_values) in zip(chosen, tops, strict=True)
+        TokenLogprob(lp, tuple(zip(top_ids, top_values, strict=True)), rank)
+        for lp, (top_ids, top_values, rank) in zip(chosen, tops, strict=True)
     ]
 
 

@@ -160,6 +160,7 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
         door.codec.token_text,
         parsed.echo,
         parsed.tools,
+        [r.prompt_token_ids for r in parsed.requests] if parsed.prompt_logprobs else [],
     )
     return JSONResponse(content, headers=cluster_headers(content["slos_serve"]))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from cluster.api import FinalRecord, Placement, Verdict
@@ -188,7 +189,26 @@ def echoed(
 def _finite(logprob: TokenLogprob) -> TokenLogprob:
     """JSON has no -inf (a masked or underflowed token): floored as vLLM does."""
     top = tuple((t, max(v, LOGPROB_FLOOR)) for t, v in logprob.top)
-    return TokenLogprob(max(logprob.logprob, LOGPROB_FLOOR), top)
+    return replace(logprob, logprob=max(logprob.logprob, LOGPROB_FLOOR), top=top)
+
+
+def prompt_logprobs_json(
+    prompt: Sequence[int], values: Sequence[TokenLogprob], token_text: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first has none), the token's own value
+    and rank, then its likeliest alternatives by rank, keyed by token id."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for token, value in zip(prompt[1:], values, strict=True):
+        value = _finite(value)
+        entry = {str(token): _ranked(value.logprob, value.rank, token_text(token))}
+        for rank, (alternative, logprob) in enumerate(value.top, 1):
+            entry.setdefault(str(alternative), _ranked(logprob, rank, token_text(alternative)))
+        out.append(entry)
+    return out
+
+
+def _ranked(logprob: float, rank: int | None, text: str) -> dict[str, Any]:
+    return {"logprob": logprob, "rank": rank, "decoded_token": text}
 
 
 def _by_text(entries: Sequence[tuple[str, float]]) -> dict[str, float]:
@@ -214,9 +234,12 @@ def full_response(
     token_text: Callable[[int], str],
     echo: Sequence[Echo] = (),
     tools: ToolCalling | None = None,
+    prompts: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:
     """The non-streamed body of a finished request: one choice per output, in order (each
-    led by its prompt when `echo` has one per choice, made tool calls when `tools` says)."""
+    led by its prompt when `echo` has one per choice, made tool calls when `tools` says, with
+    vLLM's `prompt_logprobs` of its prompt when `prompts` has one per choice: per choice for
+    completions, once for chat's one prompt)."""
     records = [o.record for o in outputs]
     choices = []
     for index, output in enumerate(outputs):
@@ -236,9 +259,18 @@ def full_response(
             "finish_reason": finish_reason,
             "stop_reason": output.stop_reason,
         }
+        if prompts and endpoint is Endpoint.COMPLETIONS:
+            choice["prompt_logprobs"] = prompt_logprobs_json(
+                prompts[index], output.prompt_logprobs, token_text
+            )
         if len(outputs) > 1:
             choice["slos_serve"] = cluster_info(output.record)
         choices.append(choice)
+    chat_prompt: dict[str, Any] = {}
+    if prompts and endpoint is Endpoint.CHAT:
+        chat_prompt["prompt_logprobs"] = prompt_logprobs_json(
+            prompts[0], outputs[0].prompt_logprobs, token_text
+        )
     return {
         "id": response_id,
         "object": "chat.completion" if endpoint is Endpoint.CHAT else "text_completion",
@@ -248,6 +280,7 @@ def full_response(
         "usage": usage(records, n),
         "service_tier": service_tier(records),
         "slos_serve": cluster_summary(records),
+        **chat_prompt,
     }
 
 

@@ -141,6 +141,8 @@ class ParsedRequest:
     `echo`); empty without echo."""
     tools: ToolCalling | None = None
     """Chat's `tool_choice` when it makes the output tool calls."""
+    prompt_logprobs: bool = False
+    """vLLM's `prompt_logprobs` was asked for: the response reports the prompt's."""
 
     @property
     def arrival_time(self) -> float:
@@ -182,6 +184,7 @@ COMMON_FIELDS = {
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "echo",
+    "prompt_logprobs",
     "store",
     "metadata",
     *STRUCTURED_FIELDS,
@@ -267,6 +270,9 @@ def parse_body(
                 "stream_options.continuous_usage_stats=true is not supported",
                 "stream_options.continuous_usage_stats",
             )
+    prompt_logprobs = body.get("prompt_logprobs") is not None
+    if prompt_logprobs and stream:
+        raise BadRequest("prompt_logprobs cannot be streamed (vLLM's rule)", "prompt_logprobs")
     echoes: tuple[Echo, ...] = ()
     if echo:
         texts = _prompt_texts(body.get("prompt"), prompts, codec)
@@ -278,7 +284,16 @@ def parse_body(
             for _ in range(n)
         )
     return ParsedRequest(
-        endpoint, request_id, tuple(requests), n, stream, include_usage, slo_label, echoes, calling
+        endpoint,
+        request_id,
+        tuple(requests),
+        n,
+        stream,
+        include_usage,
+        slo_label,
+        echoes,
+        calling,
+        prompt_logprobs,
     )
 
 
@@ -632,6 +647,14 @@ def _sampling(
     if seed is not None:
         seed = _int(body, "seed", 0, low=-MAX_SEED - 1, high=MAX_SEED)
     logprobs = _logprobs(endpoint, body)
+    prompt_logprobs = logprobs if echo else None
+    if body.get("prompt_logprobs") is not None:
+        if prompt_logprobs is not None:
+            raise BadRequest(
+                "prompt_logprobs and echo with logprobs both report the prompt's; use one",
+                "prompt_logprobs",
+            )
+        prompt_logprobs = _int(body, "prompt_logprobs", 0, low=0, high=MAX_LOGPROBS)
     grammar = structured_grammar(body, lambda: codec.grammar_vocab)
     if calling is not None:
         if grammar is not None:
@@ -651,7 +674,7 @@ def _sampling(
             stop=_stop(body.get("stop")),
             ignore_eos=_bool(body, "ignore_eos", False),
             logprobs=logprobs,
-            prompt_logprobs=logprobs if echo else None,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
             repetition_penalty=_number(

@@ -62,6 +62,14 @@ def test_a_resume_keeps_count_of_the_output_it_turned_into_prompt() -> None:
     assert twice.prompt_token_ids[-twice.resumed_output :] == [9, 8, 7, 6, 5, 4, 3]
 
 
+def test_prompt_log_probabilities_are_asked_again_until_the_first_token_came() -> None:
+    """They go out with the first token: a replica lost before it owes them still."""
+    params = SamplingParams(max_tokens=10, prompt_logprobs=2)
+    original = Request("r", [1, 2, 3], params, tier=Tier.BEST_EFFORT)
+    assert resumed_request(original, []).sampling.prompt_logprobs == 2
+    assert resumed_request(original, [9]).sampling.prompt_logprobs is None
+
+
 def test_resumed_best_effort_request_has_no_slo() -> None:
     original = Request("b", [1], SamplingParams(max_tokens=3), tier=Tier.BEST_EFFORT)
     assert resumed_request(original, [5]).slo is None

@@ -387,7 +387,7 @@ def test_prompt_logprobs_come_once_from_every_prompt_position(
     transformers_target: torch.nn.Module,
     chunk: int,
 ) -> None:
-    """Prompt token i's log-probability given tokens < i (and its top alternatives), from
+    """Prompt token i's log-probability given tokens < i (its rank and top alternatives), from
     the prefill's own rows, whatever the chunking; a preemption before the first token
     recomputes none twice; they come once, with the first token."""
     prompt = prompts[2]
@@ -415,3 +415,9 @@ def test_prompt_logprobs_come_once_from_every_prompt_position(
     for i, lp in enumerate(got):
         assert lp.logprob == pytest.approx(expected[i, prompt[i + 1]].item(), abs=1e-4)
         assert [t for t, _ in lp.top] == expected[i].topk(2).indices.tolist()
+        likelier = (expected[i] > expected[i, prompt[i + 1]] + 1e-4).sum().item()
+        assert (
+            likelier + 1
+            <= lp.rank
+            <= (expected[i] > expected[i, prompt[i + 1]] - 1e-4).sum().item() + 1
+        )

@@ -41,6 +41,7 @@ FIELD_NAMES = [
     "stop_token_ids",
     "include_stop_str_in_output",
     "echo",
+    "prompt_logprobs",
     "allowed_token_ids",
     "bad_words",
     "min_p",

@@ -522,6 +522,42 @@ def test_echo_with_logprobs_scores_a_prompt_as_an_evaluation_harness_asks(
     assert "".join(c.choices[0].text for c in streamed_alone if c.choices) == PROMPT
 
 
+def test_prompt_logprobs_as_vllm_reports_them(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
+    """Per prompt token after the first: its own value and rank, then its likeliest
+    alternatives by rank, keyed by token id; the values are echo's. Chat reports them once
+    for its prompt; a stream cannot carry them."""
+    body: dict[str, Any] = dict(model="demo", prompt=PROMPT, max_tokens=2, temperature=0)
+    out = oai.completions.create(**body, extra_body={"prompt_logprobs": 2})
+    listed = out.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    prompt = live.door.codec.encode(PROMPT)
+    assert listed[0] is None and len(listed) == len(prompt)
+    echoed = oai.completions.create(**body, echo=True, logprobs=0).choices[0].logprobs
+    assert echoed is not None and echoed.token_logprobs is not None
+    values = echoed.token_logprobs[1 : len(prompt)]
+    for token, entry, value in zip(prompt[1:], listed[1:], values, strict=True):
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(value) and own["rank"] >= 1
+        assert own["decoded_token"] == live.door.codec.token_text(token)
+        assert {1, 2} <= {v["rank"] for v in entry.values()} and len(entry) in (2, 3)
+    chat = httpx.post(
+        live.http_url + "/v1/chat/completions",
+        json={
+            "model": "demo",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+        },
+        headers=auth(),
+        timeout=60,
+    ).json()
+    assert chat["prompt_logprobs"][0] is None and all(
+        len(e) == 1 for e in chat["prompt_logprobs"][1:]
+    )
+    for refused in ({"stream": True}, {"echo": True, "logprobs": 1}):
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+            oai.completions.create(**body, **refused, extra_body={"prompt_logprobs": 1})
+
+
 def test_headers_say_what_the_cluster_did(live: LocalFrontDoor) -> None:
     body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2}
     headers = {**auth(), "x-slo-ttft-ms": "5000", "x-slo-tpot-ms": "1000"}

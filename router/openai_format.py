@@ -246,7 +246,8 @@ def full_response(
         choice: dict[str, Any] = {"index": index}
         finish_reason = output.record.finish_reason
         if endpoint is Endpoint.CHAT:
-            choice["message"] = {"role": "assistant", "content": output.text}
+            lead = echo[index].text if echo else ""
+            choice["message"] = {"role": "assistant", "content": lead + output.text}
             calls = None if tools is None else tools.calls(output.text)
             if tools is not None and calls is not None:
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}

@@ -112,8 +112,9 @@ class SchemaContext:
 
 @dataclass(frozen=True)
 class Echo:
-    """A completion's prompt as `echo` repeats it before the output: its text (as given, or
-    decoded from the ids given) and its token ids."""
+    """What `echo` puts before a choice's output: a completion's prompt (its text, as given or
+    decoded from the ids given, and its token ids), or chat's final assistant message (its
+    text alone, as vLLM's chat echo)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -274,6 +275,8 @@ def parse_body(
     if prompt_logprobs and stream:
         raise BadRequest("prompt_logprobs cannot be streamed (vLLM's rule)", "prompt_logprobs")
     echoes: tuple[Echo, ...] = ()
+    if endpoint is Endpoint.CHAT and _bool(body, "echo", False):
+        echoes = _chat_echo(body, calling, n)
     if echo:
         texts = _prompt_texts(body.get("prompt"), prompts, codec)
         logprobs = sampling.logprobs is not None
@@ -295,6 +298,17 @@ def parse_body(
         calling,
         prompt_logprobs,
     )
+
+
+def _chat_echo(body: dict[str, Any], calling: ToolCalling | None, n: int) -> tuple[Echo, ...]:
+    """vLLM's chat `echo`: a final assistant message (say one the model continues) leads each
+    choice's content; any other final message, nothing."""
+    if calling is not None:
+        raise BadRequest("echo cannot go with tool_choice: the output is the calls", "echo")
+    last = body["messages"][-1]  # checked with the prompt
+    if last.get("role") != "assistant" or last.get("content") is None:
+        return ()
+    return (Echo(_content(last["content"], "messages"), ()),) * n
 
 
 def _prompt_texts(raw: object, prompts: list[list[int]], codec: Codec) -> list[str]:
@@ -372,7 +386,7 @@ def _build(make: Callable[[], T], param: str, where: str = "") -> T:
 def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
     """Refuse OpenAI options we would otherwise silently ignore, unless set to their no-op."""
     noop: dict[str, tuple[object, ...]] = {
-        "echo": (None, False) if endpoint is Endpoint.CHAT else (None, False, True),
+        "echo": (None, False, True),
         "skip_special_tokens": (None, True),
         "spaces_between_special_tokens": (None, True),
         "suffix": (None, ""),

@@ -558,6 +558,33 @@ def test_prompt_logprobs_as_vllm_reports_them(oai: openai.OpenAI, live: LocalFro
             oai.completions.create(**body, **refused, extra_body={"prompt_logprobs": 1})
 
 
+def test_a_continued_assistant_message_is_echoed_before_its_continuation(
+    oai: openai.OpenAI,
+) -> None:
+    """vLLM's chat echo with continue_final_message: the content is the whole message,
+    streamed or not; echo on a conversation ending with the user's turn adds nothing."""
+    started = [
+        {"role": "user", "content": "Write a function."},
+        {"role": "assistant", "content": "def f("},
+    ]
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    body: dict[str, Any] = dict(model="demo", messages=started, max_tokens=6, temperature=0)
+    alone = oai.chat.completions.create(**body, extra_body=continued).choices[0].message.content
+    whole = oai.chat.completions.create(**body, extra_body={**continued, "echo": True})
+    assert alone is not None and whole.choices[0].message.content == "def f(" + alone
+    stream = oai.chat.completions.create(
+        **body, stream=True, extra_body={**continued, "echo": True}
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "def f(" + alone
+    )
+    plain = dict(model="demo", messages=started[:1], max_tokens=4, temperature=0)
+    assert (
+        oai.chat.completions.create(**plain, extra_body={"echo": True}).choices[0].message.content
+        == oai.chat.completions.create(**plain).choices[0].message.content
+    )
+
+
 def test_headers_say_what_the_cluster_did(live: LocalFrontDoor) -> None:
     body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2}
     headers = {**auth(), "x-slo-ttft-ms": "5000", "x-slo-tpot-ms": "1000"}

@@ -16,6 +16,7 @@ from router.errors import ApiError, BadRequest, ModelNotFound
 from router.openai_schema import (
     MAX_CHOICES,
     MAX_PRIORITY,
+    Echo,
     Endpoint,
     ParsedRequest,
     SchemaContext,
@@ -519,9 +520,11 @@ def test_echo_repeats_each_prompt_before_its_choices(codec: TextCodec, ctx: Sche
     assert all(r.sampling.prompt_logprobs is None for r in plain.requests)
     assert parse(codec, ctx, {**body, "echo": False}).echo == ()
     chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "echo": True}
-    with pytest.raises(BadRequest, match="echo=True is not supported"):
-        parse(codec, ctx, chat, endpoint=Endpoint.CHAT)
+    assert parse(codec, ctx, chat, endpoint=Endpoint.CHAT).echo == ()  # the user's turn: nothing
     assert parse(codec, ctx, {**chat, "echo": False}, endpoint=Endpoint.CHAT).echo == ()
+    started = [*chat["messages"], {"role": "assistant", "content": "def f("}]  # type: ignore[misc]
+    continued = {**chat, "messages": started, "n": 2}
+    assert parse(codec, ctx, continued, endpoint=Endpoint.CHAT).echo == (Echo("def f(", ()),) * 2
 
 
 def test_echo_may_ask_for_the_prompt_alone(codec: TextCodec, ctx: SchemaContext) -> None:

@@ -240,6 +240,7 @@ def test_a_conversation_carries_calls_and_their_results(codec: TextCodec) -> Non
             "tool_choice",
             "cannot go",
         ),
+        ({"tools": TOOLS, "tool_choice": NAMED, "echo": True}, "echo", "cannot go"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "string"),
         (
             {"messages": [{"role": "user", "content": "x", "tool_call_id": "a"}]},

@@ -30,7 +30,8 @@ from replica.batch import (
     RequestOutcome,
     TokenLogprob,
 )
-from replica.grammar import Grammar, grammar_tokenizer
+from replica.grammar import Grammar
+from replica.grammar_vocab import grammar_tokenizer
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.model_source import load_tokenizer, model_dir

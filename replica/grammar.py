@@ -13,17 +13,6 @@ from collections.abc import Sequence
 
 import llguidance
 import torch
-from tokenizers import Tokenizer
-
-
-def grammar_tokenizer(
-    tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]
-) -> llguidance.LLTokenizer:
-    """The model's vocabulary as llguidance matches it (the model's size, which may exceed the
-    tokenizer's). Built once per engine: about a second at a 128k vocabulary."""
-    return llguidance.LLTokenizer(
-        tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
-    )
 
 
 class Grammar:

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from replica import cpu_kernels
+from replica.model_source import eos_token_ids
 from replica.tensor_parallel import TensorParallel
 
 BLOCK_SIZE = 16
@@ -136,7 +137,7 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or raw.get("attention_bias", False),
-            eos_token_ids=_eos_ids(Path(model_dir), raw),
+            eos_token_ids=eos_token_ids(Path(model_dir), raw),
         )
 
     @classmethod
@@ -175,7 +176,7 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", True),
             qkv_bias=True,
-            eos_token_ids=_eos_ids(Path(model_dir), raw),
+            eos_token_ids=eos_token_ids(Path(model_dir), raw),
         )
 
     def sharded(self, size: int) -> ModelConfig:
@@ -197,21 +198,6 @@ class ModelConfig:
     def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return self.num_layers * 2 * BLOCK_SIZE * self.num_kv_heads * self.head_dim * elem
-
-
-def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
-    """EOS ids from config.json and generation_config.json (either may list several)."""
-    ids: list[int] = []
-    sources = [raw]
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        sources.append(json.loads(gen.read_text()))
-    for src in sources:
-        value = src.get("eos_token_id")
-        for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) and v not in ids:
-                ids.append(v)
-    return tuple(ids)
 
 
 @dataclass

@@ -9,8 +9,11 @@ the tokenizer files and the weights, safetensors when the repo has them, else it
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -67,3 +70,19 @@ def load_tokenizer(folder: Path) -> Tokenizer | None:
     if not isinstance(backend, Tokenizer):
         raise ValueError(f"transformers built no fast tokenizer from the files in {folder}")
     return backend
+
+
+def eos_token_ids(folder: Path, config: Mapping[str, Any]) -> tuple[int, ...]:
+    """EOS ids from config.json (`config`) and generation_config.json (either may list
+    several)."""
+    ids: list[int] = []
+    sources = [config]
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()))
+    for src in sources:
+        value = src.get("eos_token_id")
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return tuple(ids)

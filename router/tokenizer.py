@@ -19,7 +19,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from replica.model_source import load_tokenizer, model_dir
+from replica.grammar_vocab import grammar_tokenizer
+from replica.model_source import eos_token_ids, load_tokenizer, model_dir
 from router.errors import BadRequest
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -42,6 +43,10 @@ class TextCodec:
     tokenizer: Tokenizer
     chat_template: str | None = None
     eos_token: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    """The model's EOS ids (its config's), which structured output needs, as on a replica."""
+    model_vocab_size: int | None = None
+    """The model's vocabulary size (its config's) when it differs from the tokenizer's."""
 
     @classmethod
     def from_dir(cls, model: str | Path) -> TextCodec:
@@ -59,7 +64,16 @@ class TextCodec:
         template = template or config.get("chat_template")
         eos = config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
-        return cls(tokenizer, template, eos)
+        model_path = root / "config.json"
+        model_config = json.loads(model_path.read_text()) if model_path.is_file() else {}
+        vocab = model_config.get("vocab_size")
+        return cls(
+            tokenizer,
+            template,
+            eos,
+            eos_token_ids(root, model_config),
+            vocab if isinstance(vocab, int) else None,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -76,9 +90,10 @@ class TextCodec:
 
     @cached_property
     def grammar_vocab(self) -> llguidance.LLTokenizer:
-        """The vocabulary structured-output grammars are checked against, built on first use
-        (about a second at a 128k vocabulary)."""
-        return llguidance.LLTokenizer(self.tokenizer.to_str())
+        """The vocabulary structured-output grammars are checked against, as a replica builds
+        it (a model without EOS cannot drive them there either); built on first use."""
+        vocab = self.model_vocab_size or self.vocab_size
+        return grammar_tokenizer(self.tokenizer, vocab, self.eos_token_ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's text for log-probabilities (special tokens by name, as vLLM shows them;

@@ -14,7 +14,8 @@ from tokenizers import Tokenizer
 from cluster.migration import resumed_request
 from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.engine import Engine, ProposerKind
-from replica.grammar import Grammar, grammar_tokenizer
+from replica.grammar import Grammar
+from replica.grammar_vocab import grammar_tokenizer
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
 from replica.spec.draft import load_draft_vocab

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -558,9 +559,7 @@ def test_bad_words_are_tokenized_as_vllm_does(codec: TextCodec, ctx: SchemaConte
 def test_the_chat_template_options_vllm_takes(codec: TextCodec, ctx: SchemaContext) -> None:
     """No generation prompt; the final message continued (the template's end of turn cut);
     the template's own keyword arguments, which may not replace what the server passes."""
-    flavored = TextCodec(
-        codec.tokenizer, "{{ flavor }}" + str(codec.chat_template), codec.eos_token
-    )
+    flavored = replace(codec, chat_template="{{ flavor }}" + str(codec.chat_template))
     user = {"role": "user", "content": "hi"}
     started = {"role": "assistant", "content": "def f("}
 

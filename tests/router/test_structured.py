@@ -4,6 +4,7 @@ replica follows, and every bad one is a 400 naming its field."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,19 @@ def test_bad_structured_outputs_are_named(
     with pytest.raises(BadRequest, match=message) as info:
         grammar(codec, ctx, **fields)
     assert info.value.param == param
+
+
+def test_a_model_without_eos_is_refused_at_the_door_as_its_replicas_would(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    """The door builds the grammar vocabulary from the model's config, as a replica does: a
+    model naming no EOS cannot drive structured output there, so the door says so."""
+    assert codec.eos_token_ids == (0,) and codec.model_vocab_size == 4096
+    no_eos = replace(codec, eos_token_ids=())
+    assert grammar(no_eos, ctx) is None
+    with pytest.raises(BadRequest, match="cannot drive structured output") as info:
+        grammar(no_eos, ctx, guided_regex="x+")
+    assert info.value.param == "guided_regex"
 
 
 def test_plain_requests_never_build_the_grammar_vocabulary(ctx: SchemaContext) -> None:

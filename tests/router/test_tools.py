@@ -3,6 +3,7 @@ conversation's earlier calls reach the chat template, and the output text become
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,7 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def codec(target_dir: Path) -> TextCodec:
-    demo = TextCodec.from_dir(target_dir)
-    return TextCodec(demo.tokenizer, TEMPLATE, demo.eos_token)
+    return replace(TextCodec.from_dir(target_dir), chat_template=TEMPLATE)
 
 
 CTX = SchemaContext("demo", 2048, 4096, SLO(ttft_ms=2000, tpot_ms=200))

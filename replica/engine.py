@@ -129,7 +129,7 @@ class Engine:
         grammar_vocab: llguidance.LLTokenizer | None = None,
     ) -> None:
         """`grammar_vocab`: the model's vocabulary for structured output
-        (`replica.grammar.grammar_tokenizer`); None refuses requests with a grammar."""
+        (`replica.grammar_vocab.grammar_tokenizer`); None refuses requests with a grammar."""
         if proposer == "draft" and draft is None:
             raise ValueError("proposer 'draft' needs a draft model")
         if proposer not in (None, "draft", "ngram"):

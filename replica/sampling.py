@@ -105,8 +105,9 @@ class LogitsShaper:
         if params.allowed_token_ids:
             self.banned = torch.ones(vocab, dtype=torch.bool, device=device)
             self.banned[self._ids(params.allowed_token_ids)] = False
-        self.output = list(tokens[len(tokens) - num_output :]) if params.bad_words else []
-        """The output so far, which bad words end in (kept only when the request has some)."""
+        recent = tokens[max(len(tokens) - num_output, len(tokens) - MAX_BAD_WORD_TOKENS) :]
+        self.output = list(recent) if params.bad_words else []
+        """The output's last tokens, which bad words end in (kept when the request has some)."""
         self.bias_ids = self._ids([t for t, _ in params.logit_bias])
         self.bias = torch.tensor([b for _, b in params.logit_bias], device=device)
         self.held_back = self._ids(sorted(held_back) if params.min_tokens else [])
@@ -182,14 +183,8 @@ class LogitsShaper:
             return []
         rows = []
         for i in range(n):
-            tail = self.output[-MAX_BAD_WORD_TOKENS:] + list(proposal[: start + i])
-            rows.append(
-                [
-                    w[-1]
-                    for w in words
-                    if len(w) == 1 or tail[len(tail) - len(w) + 1 :] == list(w[:-1])
-                ]
-            )
+            tail = self.output + list(proposal[: start + i])
+            rows.append([w[-1] for w in words if tail[len(tail) - len(w) + 1 :] == list(w[:-1])])
         return rows
 
     def _drafted(self, drafted: Sequence[int], start: int, n: int) -> torch.Tensor | None:

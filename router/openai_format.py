@@ -286,8 +286,9 @@ def full_response(
 
 
 def _tool_finish(finish_reason: str | None, tools: ToolCalling) -> str | None:
-    """A choice that made its calls whole ends as `tools` says; one cut short, as it ended."""
-    return tools.finish_reason if finish_reason == "stop" else finish_reason
+    """ "required"'s calls, made whole, end with OpenAI's "tool_calls"; a named function's
+    call ends as it did ("stop", as OpenAI and vLLM report a forced call)."""
+    return "tool_calls" if tools.named is None and finish_reason == "stop" else finish_reason
 
 
 class ChunkWriter:
@@ -337,12 +338,14 @@ class ChunkWriter:
         finish_reason: str | None,
         logprobs: dict[str, Any] | None = None,
         stop_reason: str | int | None = None,
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """`delta`: a chat chunk's own, instead of what `text` makes."""
         choice: dict[str, Any] = {"index": index}
         if self.endpoint is Endpoint.COMPLETIONS:
             choice["text"] = text
         else:
-            choice["delta"] = self._delta(index, text)
+            choice["delta"] = self._delta(index, text) if delta is None else delta
             if index not in self.role_sent:
                 choice["delta"]["role"] = "assistant"
                 self.role_sent.add(index)
@@ -387,16 +390,14 @@ class ChunkWriter:
         record = finished.record
         reason = record.finish_reason
         calls = b""
-        if self.tools is not None and self.tools.named is not None:
-            reason = _tool_finish(reason, self.tools)
-        elif self.tools is not None:
+        if self.tools is not None and self.tools.named is None:
             text = self.held.get(index, "")
             made = self.tools.calls(text)
             delta: dict[str, Any] = {"content": text}
             if made is not None:
                 delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(made)]}
                 reason = _tool_finish(reason, self.tools)
-            calls = self._chunk([self._made(index, delta)])
+            calls = self._chunk([self._choice(index, "", None, delta=delta)])
         last = self._chunk(
             [self._choice(index, "", reason, None, finished.stop_reason)],
             service_tier=service_tier([record]),
@@ -404,18 +405,6 @@ class ChunkWriter:
         )
         self.held.pop(index, None)
         return calls + last
-
-    def _made(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
-        if index not in self.role_sent:
-            delta["role"] = "assistant"
-            self.role_sent.add(index)
-        return {
-            "index": index,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": None,
-            "stop_reason": None,
-        }
 
     def done(self, records: Sequence[FinalRecord], n: int, include_usage: bool) -> bytes:
         """After every choice finished: the usage chunk if asked for, then [DONE]."""

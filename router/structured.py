@@ -38,7 +38,7 @@ JSON_OPTIONS: JsonCompileOptions = {
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """What `structured_outputs` may hold (vLLM's names); `guided_<kind>` are the older fields."""
 GUIDED = tuple(f"guided_{kind}" for kind in KINDS if kind != "json_object")
-MAX_CHOICES = 1024
+MAX_CHOICE_STRINGS = 1024
 FIELDS = ("response_format", "structured_outputs", *GUIDED)
 """The request fields that ask for structured output."""
 
@@ -133,6 +133,8 @@ def _structured_outputs(raw: object) -> tuple[str, object, str]:
 
 def _compile(kind: str, value: object, where: str) -> str:
     """The grammar text for one kind of structured output."""
+    if isinstance(value, str) and len(value) > MAX_GRAMMAR_CHARS:
+        raise BadRequest(f"{where} is longer than {MAX_GRAMMAR_CHARS} characters", where)
     if kind == "json_object":
         if value is not True:
             raise BadRequest(f"{where} must be true", where)
@@ -146,15 +148,15 @@ def _compile(kind: str, value: object, where: str) -> str:
     if kind == "choice":
         if (
             not isinstance(value, list)
-            or not 0 < len(value) <= MAX_CHOICES
+            or not 0 < len(value) <= MAX_CHOICE_STRINGS
             or not all(isinstance(c, str) and c for c in value)
         ):
-            raise BadRequest(f"{where} must be a list of 1..{MAX_CHOICES} non-empty strings", where)
+            raise BadRequest(
+                f"{where} must be a list of 1..{MAX_CHOICE_STRINGS} non-empty strings", where
+            )
         return llguidance.grammar_from("choice", json.dumps(value))
     if not isinstance(value, str) or not value:
         raise BadRequest(f"{where} must be a non-empty string", where)
-    if len(value) > MAX_GRAMMAR_CHARS:
-        raise BadRequest(f"{where} is longer than {MAX_GRAMMAR_CHARS} characters", where)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     try:
@@ -166,8 +168,6 @@ def _compile(kind: str, value: object, where: str) -> str:
 def _schema(value: object, where: str) -> dict[str, Any]:
     """A JSON schema given as an object or as its text."""
     if isinstance(value, str):
-        if len(value) > MAX_GRAMMAR_CHARS:
-            raise BadRequest(f"{where} is longer than {MAX_GRAMMAR_CHARS} characters", where)
         try:
             value = json_text.loads(value)
         except ValueError as exc:  # JSONDecodeError, NaN and Infinity

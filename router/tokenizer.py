@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -111,11 +112,9 @@ class TextCodec:
         right after its text (whatever the template puts after a message is cut)."""
         if not self.chat_template:
             raise BadRequest("this model has no chat template; use /v1/completions", "messages")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        options = options or ChatOptions()
         try:
-            template = env.from_string(self.chat_template)
-            options = options or ChatOptions()
-            text = template.render(
+            text = self._template.render(
                 **options.template_kwargs,
                 messages=messages,
                 tools=tools or None,
@@ -128,6 +127,13 @@ class TextCodec:
         if options.continue_final_message:
             return _ending_with(text, messages[-1]["content"])
         return text
+
+    @cached_property
+    def _template(self) -> Template:
+        """The chat template, compiled once: every chat request used to compile it on the
+        door's event loop (0.6 ms for the demo's, 13 ms for a 3.6 kB test template)."""
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template or "")
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)

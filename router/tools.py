@@ -53,12 +53,6 @@ class ToolCalling:
         except (ValueError, TypeError, KeyError):  # a number JSON cannot hold (1e999) too
             return None
 
-    @property
-    def finish_reason(self) -> str:
-        """What a choice whose calls are whole ends with: OpenAI's "tool_calls", or "stop"
-        for a named function (OpenAI and vLLM report a forced call so)."""
-        return "stop" if self.named is not None else "tool_calls"
-
     def named_call(self, arguments: str) -> dict[str, Any]:
         """The named function's call with these arguments (a fresh id)."""
         assert self.named is not None
@@ -103,16 +97,18 @@ def tool_calling(body: dict[str, Any]) -> tuple[ToolCalling | None, list[dict[st
     return ToolCalling(_parameters(functions[index]), name, where), tools
 
 
+def _function_of(value: object) -> dict[str, Any] | None:
+    """The function of `{"type": "function", "function": {...}}` (OpenAI's shape for a tool
+    and a named tool_choice alike), or None for anything else."""
+    if not isinstance(value, dict) or set(value) != {"type", "function"}:
+        return None
+    function = value["function"]
+    return function if value["type"] == "function" and isinstance(function, dict) else None
+
+
 def _named(choice: object) -> str:
-    function = choice.get("function") if isinstance(choice, dict) else None
-    if (
-        not isinstance(choice, dict)
-        or set(choice) != {"type", "function"}
-        or choice["type"] != "function"
-        or not isinstance(function, dict)
-        or set(function) != {"name"}
-        or not isinstance(function["name"], str)
-    ):
+    function = _function_of(choice)
+    if function is None or set(function) != {"name"} or not isinstance(function["name"], str):
         raise BadRequest(
             'tool_choice must be "none", "auto", "required" or '
             '{"type": "function", "function": {"name": ...}}',
@@ -130,13 +126,8 @@ def tools_of(raw: object) -> list[dict[str, Any]]:
     names: set[str] = set()
     for i, tool in enumerate(raw):
         where = f"tools[{i}]"
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or set(tool) != {"type", "function"}
-            or tool["type"] != "function"
-            or not isinstance(function, dict)
-        ):
+        function = _function_of(tool)
+        if function is None:
             raise BadRequest(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
         refuse_unknown(function, _FUNCTION_FIELDS, f"{where}.function")
         name = function.get("name")

@@ -57,8 +57,8 @@ class DraftJob:
     """A seeded request's noise [k, vocab] of the positions it proposes (replica.sampling):
     its draft tokens are drawn with the noise the target's own draws will use."""
     shaper: LogitsShaper | None = None
-    """The request's bias, penalties and min_tokens: the draft proposes from logits shaped as
-    the target's will be, which keeps its proposals acceptable."""
+    """The request's grammar, bias, penalties, bad words and min_tokens: the draft proposes
+    from logits shaped as the target's will be, which keeps its proposals acceptable."""
 
 
 @dataclass
@@ -166,8 +166,8 @@ class DraftModel:
         return token_probs(self._shaped(logits, job, drafted), job.params)
 
     def _shaped(self, logits: torch.Tensor, job: DraftJob, drafted: list[int]) -> torch.Tensor:
-        """Logits over the whole vocabulary (-inf off a cut head) after the request's bias and
-        penalties, as if the tokens drafted so far were output."""
+        """Logits over the whole vocabulary (-inf off a cut head) shaped as the request's are,
+        as if the tokens drafted so far were output."""
         assert job.shaper is not None
         full = logits.float()
         vocab = self.runner.head_vocab

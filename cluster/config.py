@@ -18,7 +18,7 @@ import yaml
 from cluster.routing import BackupPolicy, FirstHop
 from replica.device import DTYPES
 
-SPEC_POLICY = re.compile(r"^(none|slos|ngram|fixed:[1-9][0-9]?)$")
+SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|ngram|fixed:[1-9][0-9]?)$")
 
 
 class SchedulerKind(StrEnum):
@@ -31,6 +31,17 @@ class SchedulerKind(StrEnum):
     SARATHI = "sarathi"
     """Baseline: every request admitted round-robin; decode-first chunked prefill with the
     token budget that fits the tightest tier's TPOT."""
+
+
+class BestEffortOrder(StrEnum):
+    """How the best-effort requests that cannot meet their next deadline (or have none) are
+    served, after those that still can (slos only)."""
+
+    FCFS = "fcfs"
+    """Oldest first."""
+    LAPS = "laps"
+    """LAPS-SD: least attained service first, shortest predicted time first once predictable
+    (replica.planner.laps); a lower mean latency where short and long outputs mix."""
 
 
 @dataclass(frozen=True)
@@ -68,11 +79,14 @@ class ClusterConfig:
     """slos | vllm | sarathi. The baselines need spec_policy none and round_robin first hops;
     route_limit and backup_policy do not apply to them."""
     spec_policy: str = "slos"
-    """none | slos (SLO-adaptive lengths) | ngram | fixed:k."""
+    """none | slos (SLO-adaptive lengths) | goodspeed (slos's drafts re-split across each
+    step's requests by GOODSPEED, replica.planner.goodspeed) | ngram | fixed:k."""
     tiers: tuple[TierConfig, ...] = ()
     route_limit: int = 2
     first_hop: FirstHop = FirstHop.ROUND_ROBIN
     backup_policy: BackupPolicy = BackupPolicy.BEST_EFFORT
+    best_effort_order: BestEffortOrder = BestEffortOrder.FCFS
+    """fcfs | laps (BestEffortOrder); slos only."""
     retry_after_s: float = 1.0
     tick_interval_ms: float = 10.0
     """Planning period of the controller."""
@@ -110,15 +124,25 @@ class ClusterConfig:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if not isinstance(self.spec_policy, str) or not SPEC_POLICY.match(self.spec_policy):
             raise ValueError(
-                f"spec_policy must be none, slos, ngram or fixed:k (1-99), got {self.spec_policy!r}"
+                "spec_policy must be none, slos, goodspeed, ngram or fixed:k (1-99), "
+                f"got {self.spec_policy!r}"
             )
-        needs_draft = self.spec_policy == "slos" or self.spec_policy.startswith("fixed:")
+        needs_draft = self.spec_policy in ("slos", "goodspeed") or self.spec_policy.startswith(
+            "fixed:"
+        )
         if needs_draft and self.draft is None:
             raise ValueError(f"spec_policy={self.spec_policy!r} needs a draft model")
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
         object.__setattr__(self, "first_hop", FirstHop(self.first_hop))
         object.__setattr__(self, "backup_policy", BackupPolicy(self.backup_policy))
+        try:
+            object.__setattr__(self, "best_effort_order", BestEffortOrder(self.best_effort_order))
+        except ValueError:
+            known = ", ".join(o.value for o in BestEffortOrder)
+            raise ValueError(
+                f"best_effort_order must be one of {known}, got {self.best_effort_order!r}"
+            ) from None
         object.__setattr__(
             self,
             "tiers",
@@ -155,6 +179,11 @@ class ClusterConfig:
             raise ValueError(
                 f"scheduler={self.scheduler.value} runs without speculation: set spec_policy "
                 f"to none, got {self.spec_policy!r}"
+            )
+        if self.best_effort_order is not BestEffortOrder.FCFS:
+            raise ValueError(
+                f"scheduler={self.scheduler.value} has no best-effort tier: set "
+                f"best_effort_order to fcfs, got {self.best_effort_order.value!r}"
             )
         if self.first_hop is not FirstHop.ROUND_ROBIN:
             raise ValueError(

@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from cluster.api import ClusterStatus, Verdict
-from cluster.config import ClusterConfig, SchedulerKind
+from cluster.config import BestEffortOrder, ClusterConfig, SchedulerKind
 from cluster.control import Binding, ControlPlane, Decision
 from cluster.leases import Leases
 from cluster.messages import StepReport
@@ -34,7 +34,13 @@ from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.baseline_sizing import sarathi_token_budget, vllm_config
-from replica.planner.config import OutputEstimateConfig, PlannerConfig, SpecConfig
+from replica.planner.config import (
+    GoodspeedConfig,
+    LapsConfig,
+    OutputEstimateConfig,
+    PlannerConfig,
+    SpecConfig,
+)
 from replica.planner.sarathi import SarathiConfig
 from replica.request import Request
 
@@ -75,13 +81,16 @@ def load_profile(config: ClusterConfig) -> PerfModel:
 
 
 def planner_config(config: ClusterConfig) -> PlannerConfig:
-    """Speculation as the planner sees it (fixed:k caps lengths at k, none disables them),
-    and KV reserved from observed output lengths, as the simulator plans."""
+    """Speculation as the planner sees it (fixed:k caps lengths at k, none disables them,
+    goodspeed re-splits them), KV reserved from observed output lengths, as the simulator
+    plans, and the best-effort tier's order."""
     estimate = OutputEstimateConfig()
+    laps = LapsConfig() if config.best_effort_order is BestEffortOrder.LAPS else None
     if config.spec_policy == "none":
-        return PlannerConfig(output_estimate=estimate)
+        return PlannerConfig(output_estimate=estimate, laps=laps)
     spec = SpecConfig(max_spec_tokens=config.spec_k) if config.spec_k else SpecConfig()
-    return PlannerConfig(spec=spec, output_estimate=estimate)
+    goodspeed = GoodspeedConfig() if config.spec_policy == "goodspeed" else None
+    return PlannerConfig(spec=spec, output_estimate=estimate, goodspeed=goodspeed, laps=laps)
 
 
 def scheduler_config(config: ClusterConfig, perf: PerfModel, cache: CacheBudget) -> SchedulerConfig:

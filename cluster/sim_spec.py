@@ -1,10 +1,11 @@
 """The simulated draft model's acceptance: what a verify of k drafts keeps.
 
 Each drafted token is accepted with probability `alpha` until the first rejection (the i.i.d.
-model behind E(s) = (1 - a^(s+1)) / (1 - a), the planner's budget formula). Every request
-draws from its own generator seeded by (seed, request id), so the outcome of a request's
-verifies does not depend on how the cluster interleaved it with other requests, and a run is
-reproducible for a seed.
+model behind E(s) = (1 - a^(s+1)) / (1 - a), the planner's budget formula). With a `spread`,
+each request has its own alpha, drawn uniformly within `spread` of it: a draft model predicts
+some texts far better than others. Every request draws from its own generator seeded by
+(seed, request id), so the outcome of a request's verifies does not depend on how the cluster
+interleaved it with other requests, and a run is reproducible for a seed.
 """
 
 from __future__ import annotations
@@ -21,25 +22,43 @@ papers give no measured figure for this pair), equal to the planner's prior
 class SeededAcceptance:
     """`PerfExecutor`'s accept hook: accepted drafts of one verify, per-request streams."""
 
-    def __init__(self, alpha: float, seed: int) -> None:
-        number = isinstance(alpha, int | float) and not isinstance(alpha, bool)
-        if not number or not math.isfinite(alpha):
-            raise ValueError(f"acceptance must be a finite number, got {alpha!r}")
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"acceptance must be in [0, 1], got {alpha!r}")
+    def __init__(self, alpha: float, seed: int, spread: float = 0.0) -> None:
+        _check_fraction("acceptance", alpha)
+        _check_fraction("acceptance_spread", spread)
         self.alpha = float(alpha)
+        self.spread = float(spread)
         self.seed = seed
-        self._streams: dict[str, random.Random] = {}
+        self._streams: dict[str, tuple[random.Random, float]] = {}
 
     def __call__(self, request_id: str, drafted: int) -> int:
-        rng = self._streams.get(request_id)
-        if rng is None:
-            rng = self._streams[request_id] = random.Random(f"{self.seed}:{request_id}")
+        rng, alpha = self._stream(request_id)
         accepted = 0
-        while accepted < drafted and rng.random() < self.alpha:
+        while accepted < drafted and rng.random() < alpha:
             accepted += 1
         return accepted
+
+    def alpha_of(self, request_id: str) -> float:
+        """The request's own acceptance."""
+        return self._stream(request_id)[1]
+
+    def _stream(self, request_id: str) -> tuple[random.Random, float]:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            rng = random.Random(f"{self.seed}:{request_id}")
+            alpha = self.alpha
+            if self.spread > 0:
+                alpha = min(1.0, max(0.0, alpha + self.spread * (2 * rng.random() - 1)))
+            stream = self._streams[request_id] = (rng, alpha)
+        return stream
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's stream (a long run keeps only live ones)."""
         self._streams.pop(request_id, None)
+
+
+def _check_fraction(name: str, value: float) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")

@@ -9,6 +9,11 @@ It speculates with the profile's draft model; the engine accepts drafts per `See
 Its ablations switch one part off: `slos-noroute` (route limit 1: a declined request goes
 straight to the backup policy), `slos-nospec` (no speculation), `slos-noadmit` (no admission
 control: every request is admitted, in arrival order, as soon as its KV reservation fits).
+`slos+laps` is slos with the best-effort tier's late requests in LAPS-SD's order
+(`PlannerConfig.laps`, replica.planner.laps) rather than oldest first; `slos+goodspeed` re-splits
+each step's drafts across its requests by GOODSPEED (`PlannerConfig.goodspeed`,
+replica.planner.goodspeed), which pays off where requests accept drafts unequally
+(`SimConfig.acceptance_spread`).
 Policies `vllm` and `sarathi` have no admission: round-robin first hop, the baseline
 scheduler per replica. `distserve` splits the replicas into a prefill pool (FCFS, prefill-first,
 each request leaves after its first token) and a decode pool (the prompt's KV arrives over a
@@ -43,7 +48,13 @@ from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.baseline_sizing import sarathi_token_budget, vllm_config
-from replica.planner.config import OutputEstimateConfig, PlannerConfig, SpecConfig
+from replica.planner.config import (
+    GoodspeedConfig,
+    LapsConfig,
+    OutputEstimateConfig,
+    PlannerConfig,
+    SpecConfig,
+)
 from replica.planner.executor import PerfExecutor, token_id
 from replica.planner.queues import peak_tokens
 from replica.planner.sarathi import SarathiConfig, SarathiScheduler
@@ -56,19 +67,30 @@ _LATE_S = 1e-6
 above the judge's round-off slack (loadgen.metrics.EPS_S), so every such miss is one there."""
 
 
+ABLATION_PREFIX = "slos-"
+"""Policies named slos-<part> are slos with <part> switched off (slos+<policy> adds one)."""
+
+
 class Policy(StrEnum):
     SLOS = "slos"
     SLOS_NOROUTE = "slos-noroute"
     SLOS_NOSPEC = "slos-nospec"
     SLOS_NOADMIT = "slos-noadmit"
+    SLOS_LAPS = "slos+laps"
+    SLOS_GOODSPEED = "slos+goodspeed"
     VLLM = "vllm"
     SARATHI = "sarathi"
     DISTSERVE = "distserve"
 
     @property
     def is_slos(self) -> bool:
-        """The controller and SlosScheduler drive it (slos and its ablations)."""
+        """The controller and SlosScheduler drive it (slos, its ablations and policies)."""
         return self.value.startswith("slos")
+
+    @property
+    def is_ablation(self) -> bool:
+        """slos with one of its parts switched off."""
+        return self.value.startswith(ABLATION_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -118,6 +140,9 @@ class SimConfig:
     output lengths; see `planner_config` for what the policy overrides."""
     acceptance: float = DEFAULT_ACCEPTANCE
     """The draft's true per-token acceptance (the engine's truth; see cluster.sim_spec)."""
+    acceptance_spread: float = 0.0
+    """Each request's own acceptance is drawn uniformly within this of `acceptance` (clipped
+    to [0, 1]): requests the draft predicts better or worse than others."""
     seed: int = 0
     """Seeds the draft acceptance streams."""
     prefill_replicas: int = 1
@@ -148,7 +173,7 @@ class SimConfig:
             raise ValueError(f"tick_interval_s must be > 0, got {self.tick_interval_s}")
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
-        SeededAcceptance(self.acceptance, self.seed)
+        SeededAcceptance(self.acceptance, self.seed, self.acceptance_spread)
         if self.stop_below is not None and not 0 < self.stop_below <= 1:
             raise ValueError(f"stop_below must be in (0, 1], got {self.stop_below!r}")
         if not isinstance(self.replica_slowdown, Slowdown):
@@ -169,11 +194,18 @@ class SimConfig:
 
     def planner_config(self) -> PlannerConfig:
         """The SlosScheduler's config: no speculation for slos-nospec; otherwise the planner's
-        prior acceptance is the engine's alpha (it then follows observed verifies)."""
-        spec = self.planner.spec
+        prior acceptance is the engine's alpha (it then follows observed verifies). slos+laps
+        orders the best-effort tier by LAPS-SD and slos+goodspeed re-splits drafts by
+        GOODSPEED (the planner's own settings when it has them)."""
+        planner = self.planner
+        if self.policy is Policy.SLOS_LAPS and planner.laps is None:
+            planner = replace(planner, laps=LapsConfig())
+        if self.policy is Policy.SLOS_GOODSPEED and planner.goodspeed is None:
+            planner = replace(planner, goodspeed=GoodspeedConfig())
+        spec = planner.spec
         if spec is None or self.policy is Policy.SLOS_NOSPEC:
-            return replace(self.planner, spec=None)
-        return replace(self.planner, spec=replace(spec, initial_acceptance=self.acceptance))
+            return replace(planner, spec=None, goodspeed=None)
+        return replace(planner, spec=replace(spec, initial_acceptance=self.acceptance))
 
 
 @dataclass(frozen=True)
@@ -316,7 +348,7 @@ class Simulator:
             route_limit=config.effective_route_limit,
             backup_policy=config.backup_policy,
         )
-        self.accept = SeededAcceptance(config.acceptance, config.seed)
+        self.accept = SeededAcceptance(config.acceptance, config.seed, config.acceptance_spread)
         self.plane: ControlPlane | None = None
         self._unadmitted: list[deque[tuple[int, Request]]] = []
         """Policy slos-noadmit: per replica, arrivals waiting for their KV reservation."""

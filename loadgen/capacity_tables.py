@@ -19,6 +19,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from cluster.simulator import ABLATION_PREFIX
+
 Capacity = Mapping[str, Mapping[str, Mapping[str, float]]]
 Ratios = dict[str, dict[str, float | None]]
 """scenario -> replicas -> ratio."""
@@ -26,8 +28,6 @@ Ratios = dict[str, dict[str, float | None]]
 FULL = "slos"
 BASELINES = ("vllm", "sarathi")
 DISTSERVE = "distserve"
-ABLATION_PREFIX = "slos-"
-"""Policies named slos-<part> are slos with <part> switched off."""
 
 
 def geomean(values: Iterable[float | None]) -> float | None:

@@ -38,6 +38,13 @@ def ttft_s(record: RequestRecord) -> float | None:
     return None if first is None else first - record.arrival_s
 
 
+def e2e_s(record: RequestRecord) -> float | None:
+    """Arrival to the last token, for a request that delivered all of its output."""
+    if not record.complete:
+        return None
+    return record.token_times_s[-1] - record.arrival_s
+
+
 def ttft_slowdown(record: RequestRecord) -> float | None:
     ttft = ttft_s(record)
     return None if ttft is None else ttft / record.zero_load_ttft_s
@@ -119,15 +126,17 @@ class Percentiles:
     p50: float | None
     p99: float | None
     count: int
+    mean: float | None = None
 
 
 def percentiles(values: Iterable[float | None]) -> Percentiles:
-    """p50 and p99 (linear interpolation) of the values that exist."""
+    """p50 and p99 (linear interpolation) and the mean of the values that exist."""
     data = [v for v in values if v is not None]
     if not data:
         return Percentiles(None, None, 0)
-    p50, p99 = np.percentile(np.asarray(data), [50, 99])
-    return Percentiles(float(p50), float(p99), len(data))
+    array = np.asarray(data)
+    p50, p99 = np.percentile(array, [50, 99])
+    return Percentiles(float(p50), float(p99), len(data), float(array.mean()))
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,9 @@ class GroupReport:
     ttft_slowdown: Percentiles
     mean_tpot_s: Percentiles
     max_windowed_tpot_s: Percentiles
+    e2e_s: Percentiles
+    """Arrival to last token of the completed requests (mean latency: what the best-effort
+    tier's order, FCFS or LAPS-SD, is judged by)."""
 
     @property
     def attainment(self) -> float:
@@ -176,6 +188,7 @@ class Judgment:
     ttft_slowdown: float | None
     mean_tpot_s: float | None
     max_windowed_tpot_s: float | None
+    e2e_s: float | None
 
 
 def judge(record: RequestRecord) -> Judgment:
@@ -187,6 +200,7 @@ def judge(record: RequestRecord) -> Judgment:
         ttft_slowdown=ttft_slowdown(record),
         mean_tpot_s=mean_tpot_s(record),
         max_windowed_tpot_s=max_windowed_tpot_s(record),
+        e2e_s=e2e_s(record),
     )
 
 
@@ -207,6 +221,7 @@ def group_report(judged: Sequence[Judgment]) -> GroupReport:
         ttft_slowdown=percentiles(j.ttft_slowdown for j in judged),
         mean_tpot_s=percentiles(j.mean_tpot_s for j in judged),
         max_windowed_tpot_s=percentiles(j.max_windowed_tpot_s for j in judged),
+        e2e_s=percentiles(j.e2e_s for j in judged),
     )
 
 
@@ -227,6 +242,8 @@ class RunReport:
     overall: GroupReport
     by_slo_class: dict[str, GroupReport]
     by_scenario: dict[str, GroupReport]
+    by_verdict: dict[str, GroupReport]
+    """Admitted, best-effort, rejected: how each tier fared."""
     goodput_rps: float
     """Requests attained (deadline semantics) per second."""
     goodput_tokens_per_s: float
@@ -240,6 +257,7 @@ class RunReport:
             "overall": self.overall.to_dict(),
             "by_slo_class": {k: v.to_dict() for k, v in self.by_slo_class.items()},
             "by_scenario": {k: v.to_dict() for k, v in self.by_scenario.items()},
+            "by_verdict": {k: v.to_dict() for k, v in self.by_verdict.items()},
         }
 
 
@@ -264,6 +282,7 @@ def report(records: Sequence[RequestRecord], duration_s: float | None = None) ->
         overall=group_report(judged),
         by_slo_class=_grouped(judged, lambda r: r.slo_class),
         by_scenario=_grouped(judged, lambda r: r.scenario),
+        by_verdict=_grouped(judged, lambda r: r.verdict.value),
         goodput_rps=len(attained) / duration,
         goodput_tokens_per_s=sum(r.output_len for r in attained) / duration,
     )

@@ -103,6 +103,7 @@ from replica.arguments import (
     output_file,
     positive_float,
     positive_int,
+    unit_interval,
 )
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
@@ -210,6 +211,8 @@ class Setup:
     route_limit: int
     acceptance: float = DEFAULT_ACCEPTANCE
     """The draft's per-token acceptance in the simulated engine (slos and its ablations)."""
+    acceptance_spread: float = 0.0
+    """Each request's own acceptance lies uniformly within this of `acceptance`."""
     kv_link_gb_s: float = DEFAULT_LINK_GB_S
     """distserve's KV link bandwidth."""
     window_replicas: int | None = None
@@ -307,6 +310,7 @@ class Setup:
             tick_interval_s=self.tick_interval_s,
             route_limit=self.route_limit,
             acceptance=self.acceptance,
+            acceptance_spread=self.acceptance_spread,
             seed=self.seed,
             prefill_replicas=max(1, replicas // 2),
             kv_link_gb_s=self.kv_link_gb_s,
@@ -483,6 +487,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tick-ms", type=positive_float, default=10.0)
     parser.add_argument("--route-limit", type=positive_int, default=2)
+    parser.add_argument(
+        "--acceptance",
+        type=unit_interval,
+        default=DEFAULT_ACCEPTANCE,
+        help="the draft's per-token acceptance in the simulated engine (default "
+        f"{DEFAULT_ACCEPTANCE})",
+    )
+    parser.add_argument(
+        "--acceptance-spread",
+        type=unit_interval,
+        default=0.0,
+        help="each request's own acceptance is drawn uniformly within this of --acceptance "
+        "(default 0: every request alike); where requests differ, slos+goodspeed re-splits "
+        "the drafts toward the ones that accept",
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", type=output_file, help="write results here")
     parser.add_argument(
@@ -661,7 +680,7 @@ def plan(args: argparse.Namespace) -> Plan:
     if paper:
         policies = list(PAPER_POLICIES)
     elif args.ablation:
-        policies = [p for p in Policy if p.is_slos]
+        policies = [Policy.SLOS, *(p for p in Policy if p.is_ablation)]
     else:
         policies = _parse_list(
             "--policies",
@@ -796,6 +815,8 @@ def run(args: argparse.Namespace) -> int:
             kv_blocks(perf, args.kv_blocks),
             args.tick_ms / 1e3,
             args.route_limit,
+            acceptance=args.acceptance,
+            acceptance_spread=args.acceptance_spread,
             window_replicas=window,
             baseline_perf=baseline_perf,
             slowdown=p.slowdown,
@@ -819,6 +840,8 @@ def run(args: argparse.Namespace) -> int:
         **_mixes(p.scenarios),
         "rel_tol": p.rel_tol,
         "seed": args.seed,
+        "acceptance": args.acceptance,
+        "acceptance_spread": args.acceptance_spread,
         "same_window": p.same_window,
         "stop_below": p.stop_below,
         "compiled_planner": compiled.active(),
@@ -958,7 +981,7 @@ def _by_scenario_and_rate(values: Mapping[tuple[Workload, float], T]) -> dict[st
 
 def _print_run_header() -> None:
     print(
-        f"{'scenario':<11}{'policy':<13}{'replicas':>8}{'rate/rep':>10}{'attain':>8}{'wall s':>8}"
+        f"{'scenario':<11}{'policy':<15}{'replicas':>8}{'rate/rep':>10}{'attain':>8}{'wall s':>8}"
     )
 
 
@@ -1159,7 +1182,7 @@ def _evaluate(
     value = attainment(run_report, result)
     shown = f"{value:.3f}" if run_report is not None else f"<{value:.3f}"
     tqdm.write(
-        f"{setup.scenario.value:<11}{policy.value:<13}{replicas:>8}{rate:>10.3f}"
+        f"{setup.scenario.value:<11}{policy.value:<15}{replicas:>8}{rate:>10.3f}"
         f"{shown:>8}{result.wall_s:>8.1f}"
     )
     sys.stdout.flush()

@@ -52,6 +52,13 @@ def fraction(text: str) -> float:
     return value
 
 
+def unit_interval(text: str) -> float:
+    value = _number(text, float)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return value
+
+
 def output_file(text: str) -> Path:
     """A file the command will write: its folder exists and it can be opened for writing
     (tried now; a file that did not exist is removed again)."""

@@ -51,6 +51,8 @@ MODULES = (
     "replica.planner.budget",
     "replica.planner.deadlines",
     "replica.planner.executor",
+    "replica.planner.goodspeed",
+    "replica.planner.laps",
     "replica.planner.queues",
     "replica.planner.slos",
 )

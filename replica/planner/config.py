@@ -128,6 +128,54 @@ class InvocationConfig:
 
 
 @dataclass(frozen=True)
+class LapsConfig:
+    """LAPS-SD's order inside the best-effort tier (replica.planner.laps). The paper gives no
+    values for K, M, S_1, gamma or delta; these are chosen for steps of tens of milliseconds
+    and outputs of hundreds of tokens."""
+
+    num_levels: int = 4
+    """K: the queues by attained service."""
+    first_level_s: float = 0.5
+    """S_1: attained service (seconds of steps) that ends the first level."""
+    growth: float = 4.0
+    """M: each level ends at M times the service of the one before."""
+    window: int = 4
+    """gamma: served steps over which the acceptance rate must be stable."""
+    stable_spread: float = 0.1
+    """delta: the largest max - min of the cumulative acceptance rate over the window for a
+    request to count as predictable ("perceptible")."""
+    aging_s: float = 10.0
+    """Waiting this long since its last step lifts a request one level, so no request
+    starves behind a stream of newer ones."""
+
+    def __post_init__(self) -> None:
+        check_int("laps.num_levels", self.num_levels)
+        check_int("laps.window", self.window)
+        _check_seconds("laps.first_level_s", self.first_level_s)
+        _check_seconds("laps.aging_s", self.aging_s)
+        _check_fraction("laps.stable_spread", self.stable_spread, low=1e-9, high=1.0)
+        _check_fraction("laps.growth", self.growth, low=1.0 + 1e-9, high=1e6)
+
+
+@dataclass(frozen=True)
+class GoodspeedConfig:
+    """GOODSPEED's re-split of a step's drafts (replica.planner.goodspeed)."""
+
+    acceptance_weight: float = 0.2
+    """eta: weight of a verify's acceptance rate in the request's EMA (the paper leaves it
+    open)."""
+    goodput_weight: float = 0.5
+    """beta: weight of a step's tokens in the request's EMA goodput (the paper's 0.5)."""
+    eps: float = 0.01
+    """Acceptance estimates stay within [eps, 1 - eps]."""
+
+    def __post_init__(self) -> None:
+        _check_fraction("goodspeed.acceptance_weight", self.acceptance_weight, low=0.0, high=1.0)
+        _check_fraction("goodspeed.goodput_weight", self.goodput_weight, low=1e-9, high=1.0)
+        _check_fraction("goodspeed.eps", self.eps, low=1e-9, high=0.5)
+
+
+@dataclass(frozen=True)
 class PlannerConfig:
     """The DP's resolution and the batch shapes it may plan."""
 
@@ -151,6 +199,12 @@ class PlannerConfig:
     output_estimate: OutputEstimateConfig | None = None
     """Reserve KV for an estimated output length; None reserves prompt + max_tokens."""
     invocation: InvocationConfig = field(default_factory=InvocationConfig)
+    goodspeed: GoodspeedConfig | None = None
+    """Re-split each step's drafts across its requests by GOODSPEED (needs `spec`); None: each
+    speculates its tier's length."""
+    laps: LapsConfig | None = None
+    """Order the best-effort requests that cannot meet their next deadline (or have none) by
+    LAPS-SD (replica.planner.laps); None: oldest first."""
 
     def __post_init__(self) -> None:
         check_int("memory_units", self.memory_units)
@@ -167,5 +221,14 @@ class PlannerConfig:
                 f"output_estimate must be an OutputEstimateConfig or None, "
                 f"got {self.output_estimate!r}"
             )
+        if self.goodspeed is not None:
+            if not isinstance(self.goodspeed, GoodspeedConfig):
+                raise ValueError(
+                    f"goodspeed must be a GoodspeedConfig or None, got {self.goodspeed!r}"
+                )
+            if self.spec is None:
+                raise ValueError("goodspeed re-splits drafts: it needs spec (speculation)")
+        if self.laps is not None and not isinstance(self.laps, LapsConfig):
+            raise ValueError(f"laps must be a LapsConfig or None, got {self.laps!r}")
         if not isinstance(self.invocation, InvocationConfig):
             raise ValueError(f"invocation must be an InvocationConfig, got {self.invocation!r}")

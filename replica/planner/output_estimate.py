@@ -17,6 +17,7 @@ Only finished outputs are observed, never a request's true length in advance.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 import numpy as np
@@ -33,12 +34,15 @@ class OutputLengthEstimate:
         self.config = config
         self._seen: dict[int, deque[int]] = {}
         self._quantiles: dict[int, int] = {}
+        self._sorted: dict[int, tuple[list[int], list[int]]] = {}
+        """Per cap: the seen lengths sorted, and their suffix sums (`expected_remaining`)."""
 
     def observe(self, request: Request, output_len: int) -> None:
         cap = request.sampling.max_tokens
         seen = self._seen.setdefault(cap, deque(maxlen=self.config.window))
         seen.append(output_len)
         self._quantiles.pop(cap, None)
+        self._sorted.pop(cap, None)
 
     def expected_output(self, request: Request) -> int:
         """The output length to reserve for (at most max_tokens)."""
@@ -51,6 +55,28 @@ class OutputLengthEstimate:
             value = float(np.quantile(np.fromiter(seen, dtype=float), self.config.quantile))
             quantile = self._quantiles[cap] = min(cap, max(1, int(np.ceil(value))))
         return quantile
+
+    def expected_remaining(self, request: Request, produced: int) -> int:
+        """Mean output tokens still to come after `produced`, over the finished outputs (of
+        the same max_tokens) that were longer: what is left of a request whose own length is
+        unknown. Up to max_tokens when no finished output was longer, or too few finished."""
+        cap = request.sampling.max_tokens
+        seen = self._seen.get(cap)
+        if seen is None or len(seen) < self.config.min_samples:
+            return max(1, min(cap, self.config.prior_tokens) - produced)
+        ordered = self._sorted.get(cap)
+        if ordered is None:
+            lengths = sorted(seen)
+            suffix = [0] * (len(lengths) + 1)
+            for i in range(len(lengths) - 1, -1, -1):
+                suffix[i] = suffix[i + 1] + lengths[i]
+            ordered = self._sorted[cap] = (lengths, suffix)
+        lengths, suffix = ordered
+        first = bisect.bisect_right(lengths, produced)
+        longer = len(lengths) - first
+        if not longer:
+            return max(1, cap - produced)
+        return max(1, round(suffix[first] / longer) - produced)
 
     def initial_tokens(self, request: Request) -> int:
         """KV slots to reserve at admission: the prompt plus the expected output."""

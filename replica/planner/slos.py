@@ -53,7 +53,9 @@ from replica.planner.deadlines import (
     token_deadline,
     upcoming_deadlines,
 )
+from replica.planner.goodspeed import GoodspeedSplit
 from replica.planner.invocation import InvocationPolicy, lags
+from replica.planner.laps import LapsOrder
 from replica.planner.output_estimate import OutputLengthEstimate
 from replica.planner.queues import RequestQueues, peak_tokens
 from replica.request import Request, Tier
@@ -78,9 +80,17 @@ class SlosScheduler(Scheduler):
         self.best_effort: list[str] = []
         spec = self.config.spec
         self.acceptance = AcceptanceEstimate(spec) if spec is not None else None
+        goodspeed = self.config.goodspeed
+        self.goodspeed = (
+            GoodspeedSplit(goodspeed, self.acceptance)
+            if goodspeed is not None and self.acceptance is not None
+            else None
+        )
         self.invocation = InvocationPolicy(self.config.invocation)
         estimate = self.config.output_estimate
         self.lengths = OutputLengthEstimate(estimate) if estimate is not None else None
+        laps = self.config.laps
+        self.laps = LapsOrder(laps) if laps is not None else None
         self._busy_until = 0.0
         """When the batch this scheduler last planned is predicted to end."""
         self.demoted: deque[str] = deque(maxlen=HISTORY)
@@ -138,6 +148,15 @@ class SlosScheduler(Scheduler):
     def abort_request(self, request_id: str) -> None:
         self.queues.abort(request_id)
         self._forget(request_id)
+        self._forget_estimates(request_id)
+
+    def _forget_estimates(self, request_id: str) -> None:
+        """An ended request leaves the per-request estimates of LAPS-SD and GOODSPEED
+        (`_forget` does not: a demoted request keeps its history)."""
+        if self.laps is not None:
+            self.laps.forget(request_id)
+        if self.goodspeed is not None:
+            self.goodspeed.forget(request_id)
 
     def _admit(self, request_id: str, now: float) -> None:
         state = self.queues.states[request_id]
@@ -435,25 +454,42 @@ class SlosScheduler(Scheduler):
             self.config.best_effort_stretch,
             self._ride_spec_tokens(),
         )
+        if plan is not None and self.goodspeed is not None:
+            states = self.queues.states
+            remaining = {e.request_id: states[e.request_id].remaining_output for e in plan.entries}
+            plan = self.goodspeed.split(plan, remaining)
         if plan is not None:
             self._busy_until = now + self.perf.predict(self.shape(plan))
         return plan
 
     def _best_effort_order(self, now: float) -> list[RequestState]:
         """Best-effort requests that can still meet their next deadline first, earliest
-        deadline first; the ones already late after them, oldest first."""
-        states = [self.queues.states[rid] for rid in self.best_effort]
-
-        def key(item: tuple[int, RequestState]) -> tuple[int, float]:
-            i, state = item
+        deadline first; the ones already late (or without an SLO) after them, oldest first
+        or in LAPS-SD's order (`PlannerConfig.laps`)."""
+        timely: list[tuple[float, RequestState]] = []
+        rest: list[RequestState] = []
+        for rid in self.best_effort:
+            state = self.queues.states[rid]
             request = state.request
             if request.slo is not None:
                 due = token_deadline(request, len(state.output_token_ids))
                 if due >= now:
-                    return (0, due)
-            return (1, float(i))
+                    timely.append((due, state))
+                    continue
+            rest.append(state)
+        timely.sort(key=lambda item: item[0])
+        if self.laps is not None:
+            rest = self.laps.order(rest, self._remaining_estimate, now)
+        return [state for _, state in timely] + rest
 
-        return [state for _, state in sorted(enumerate(states), key=key)]
+    def _remaining_estimate(self, state: RequestState) -> int:
+        """Output tokens a request is expected still to produce (the scheduler never sees
+        the true length): the mean residual of the observed output lengths, else up to
+        max_tokens."""
+        produced = len(state.output_token_ids)
+        if self.lengths is None:
+            return max(1, state.request.sampling.max_tokens - produced)
+        return self.lengths.expected_remaining(state.request, produced)
 
     def shape(self, plan: BatchPlan) -> BatchShape:
         """The plan as the perf model sees it."""
@@ -465,8 +501,13 @@ class SlosScheduler(Scheduler):
     def update_from_outcome(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None:
         self._busy_until = now
         finished = self.queues.apply(plan, outcome, now)
+        if self.laps is not None:
+            self.laps.observe(plan, outcome, now)
+        if self.goodspeed is not None:
+            self.goodspeed.observe(plan, outcome)
         for state in finished:
             self._forget(state.request_id)
+            self._forget_estimates(state.request_id)
             if self.lengths is not None:
                 self.lengths.observe(state.request, len(state.output_token_ids))
         self.invocation.note_finished(len(finished))

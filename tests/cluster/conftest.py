@@ -57,6 +57,11 @@ def cluster(
     config = ClusterConfig(
         model=str(target_dir), draft=str(draft_dir), profile=str(profile_path), num_kv_blocks=256
     )
+    yield from launched(runner, config)
+
+
+def launched(runner: asyncio.Runner, config: ClusterConfig) -> Iterator[ClusterHandle]:
+    """A module fixture's cluster: launched on the module's event loop, shut down after it."""
     handle = runner.run(launch(config))
     yield handle
     runner.run(handle.shutdown())

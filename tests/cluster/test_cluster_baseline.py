@@ -12,11 +12,11 @@ import ray
 
 from cluster.api import ClusterStatus, FinalRecord, TokenChunk, Verdict
 from cluster.config import ClusterConfig, SchedulerKind, TierConfig
-from cluster.handle import ClusterHandle, launch
+from cluster.handle import ClusterHandle
 from cluster.messages import ReplicaSnapshot
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams
-from tests.cluster.conftest import all_alive, greedy_reference, status_until
+from tests.cluster.conftest import all_alive, greedy_reference, launched, status_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,9 +39,7 @@ def sarathi(
         profile=str(profile_path),
         num_kv_blocks=256,
     )
-    handle = runner.run(launch(config))
-    yield handle
-    runner.run(handle.shutdown())
+    yield from launched(runner, config)
 
 
 def prompt(i: int) -> list[int]:

@@ -15,10 +15,10 @@ import ray
 
 from cluster.api import ClusterUnavailable, FinalRecord, TokenChunk, Verdict
 from cluster.config import ClusterConfig
-from cluster.handle import ClusterHandle, launch
+from cluster.handle import ClusterHandle
 from cluster.routing import BackupPolicy
 from replica.request import SLO, Request, SamplingParams
-from tests.cluster.conftest import status_until
+from tests.cluster.conftest import launched, status_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -41,9 +41,7 @@ def cluster(
         num_kv_blocks=128,
         tick_interval_ms=TICK_MS,
     )
-    handle = runner.run(launch(config))
-    yield handle
-    runner.run(handle.shutdown())
+    yield from launched(runner, config)
 
 
 def tight(rid: str, max_tokens: int) -> Request:

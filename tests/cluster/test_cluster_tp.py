@@ -12,10 +12,16 @@ import pytest
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.handle import ClusterHandle, launch
+from cluster.handle import ClusterHandle
 from cluster.replica_actor import worker_name
 from replica.engine import Engine
-from tests.cluster.conftest import all_alive, greedy_reference, status_until, write_profile
+from tests.cluster.conftest import (
+    all_alive,
+    greedy_reference,
+    launched,
+    status_until,
+    write_profile,
+)
 from tests.cluster.test_cluster_faults import holder, prompts, stream_with_hook
 
 pytestmark = pytest.mark.timeout(240)
@@ -41,9 +47,7 @@ def tp_cluster(
         tensor_parallel_size=2,
         num_cpus_per_replica=1.0,
     )
-    handle = runner.run(launch(config))
-    yield handle
-    runner.run(handle.shutdown())
+    yield from launched(runner, config)
 
 
 def test_a_split_replica_serves_the_whole_models_tokens_and_survives_a_lost_rank(

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ClusterConfig, SchedulerKind, TierConfig
+from cluster.config import BestEffortOrder, ClusterConfig, SchedulerKind, TierConfig
+from cluster.controller import planner_config
 from cluster.routing import BackupPolicy
+from replica.planner.config import LapsConfig
 
 
 def test_yaml_round_trip(tmp_path: Path) -> None:
@@ -40,6 +42,7 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
         ("spec_policy", "magic", "spec_policy"),
         ("route_limit", 0, "route_limit"),
         ("backup_policy", "drop", "drop"),
+        ("best_effort_order", "sjf", "best_effort_order must be one of fcfs, laps, got 'sjf'"),
         ("tick_interval_ms", 0, "tick_interval_ms"),
         ("door_lease_s", 1.0, r"door_lease_s must be in \[2, 600\], got 1.0"),
         ("door_lease_s", True, "door_lease_s"),
@@ -75,6 +78,10 @@ def test_unknown_field_and_missing_draft() -> None:
             "scheduler=vllm routes round-robin",
         ),
         ({"scheduler": "sarathi", "spec_policy": "none"}, "configure tiers"),
+        (
+            {"scheduler": "vllm", "spec_policy": "none", "best_effort_order": "laps"},
+            "scheduler=vllm has no best-effort tier",
+        ),
     ],
 )
 def test_bad_scheduler_settings_are_named(overrides: dict[str, object], message: str) -> None:
@@ -113,3 +120,12 @@ def test_a_replica_computes_on_the_device_it_asked_for() -> None:
     else:
         with pytest.raises(RuntimeError, match=r"num_gpus_per_replica=1, but torch .* no CUDA"):
             engine_device(gpu)
+
+
+def test_best_effort_order_reaches_the_planner() -> None:
+    laps = ClusterConfig(model="m", draft="d", best_effort_order="laps")
+    assert laps.best_effort_order is BestEffortOrder.LAPS
+    assert planner_config(laps).laps == LapsConfig()
+    assert planner_config(ClusterConfig(model="m", draft="d")).laps is None
+    none = ClusterConfig(model="m", spec_policy="none", best_effort_order="laps")
+    assert planner_config(none).laps == LapsConfig() and planner_config(none).spec is None

@@ -184,7 +184,9 @@ def test_baseline_replicas_are_sized_from_the_config(tmp_path: Path) -> None:
     assert not any(vr.plans_admission for vr in [*sarathi.replicas, *vllm.replicas])
 
 
-@pytest.mark.parametrize(("spec_policy", "max_spec"), [("slos", 4), ("fixed:2", 2), ("none", None)])
+@pytest.mark.parametrize(
+    ("spec_policy", "max_spec"), [("slos", 4), ("goodspeed", 4), ("fixed:2", 2), ("none", None)]
+)
 def test_live_planner_reserves_kv_from_output_estimates_as_the_simulator_does(
     tmp_path: Path, spec_policy: str, max_spec: int | None
 ) -> None:
@@ -193,6 +195,7 @@ def test_live_planner_reserves_kv_from_output_estimates_as_the_simulator_does(
     assert isinstance(config, PlannerConfig)
     assert config.output_estimate == SimConfig().planner.output_estimate == OutputEstimateConfig()
     assert (config.spec.max_spec_tokens if config.spec else None) == max_spec
+    assert (config.goodspeed is not None) == (spec_policy == "goodspeed")
     # A new request reserves its prompt and one estimate chunk, not prompt + max_tokens.
     request = Request("r", [1] * 8, SamplingParams(max_tokens=1000), slo=TIGHT, arrival_time=0.0)
     scheduler = p.replicas[0].scheduler

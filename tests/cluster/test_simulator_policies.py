@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -14,7 +15,12 @@ from loadgen import simulate
 from loadgen.arrivals import poisson_arrivals
 from loadgen.workloads import WorkloadConfig, generate_workload, zero_load_ttft_from
 from replica.perf_model import PerfModel
-from replica.planner.config import OutputEstimateConfig, PlannerConfig
+from replica.planner.config import (
+    GoodspeedConfig,
+    LapsConfig,
+    OutputEstimateConfig,
+    PlannerConfig,
+)
 from replica.planner.slos import SlosScheduler
 from replica.request import SLO, Request, SamplingParams
 
@@ -101,6 +107,38 @@ def test_acceptance_streams_are_per_request() -> None:
     assert first == interleaved and 0 < sum(first) < 80
     with pytest.raises(ValueError, match="acceptance"):
         SeededAcceptance(1.5, 0)
+    with pytest.raises(ValueError, match="acceptance_spread"):
+        SeededAcceptance(0.5, 0, -0.1)
+
+
+def test_a_spread_gives_each_request_its_own_acceptance() -> None:
+    spread = SeededAcceptance(0.5, 3, 0.3)
+    alphas = [spread.alpha_of(f"r{i}") for i in range(200)]
+    assert all(0.2 <= a <= 0.8 for a in alphas) and min(alphas) < 0.3 and max(alphas) > 0.7
+    assert spread.alpha_of("r7") == SeededAcceptance(0.5, 3, 0.3).alpha_of("r7")
+    # A request's verifies follow its own alpha: the most and least likely accept differently.
+    best, worst = max(range(200), key=alphas.__getitem__), min(range(200), key=alphas.__getitem__)
+    assert sum(spread(f"r{best}", 1) for _ in range(400)) > sum(
+        spread(f"r{worst}", 1) for _ in range(400)
+    )
+    # No spread: every request at alpha, with the streams runs had before spreads existed.
+    plain = SeededAcceptance(0.5, 3)
+    assert plain.alpha_of("a") == 0.5
+    rng = random.Random("3:a")
+    assert [plain("a", 1) for _ in range(30)] == [int(rng.random() < 0.5) for _ in range(30)]
+
+
+def test_goodspeed_policy_plans_with_goodspeed_and_serves_every_token() -> None:
+    config = SimConfig(policy=Policy.SLOS_GOODSPEED, acceptance_spread=0.3)
+    assert config.planner_config().goodspeed == GoodspeedConfig()
+    assert SimConfig().planner_config().goodspeed is None
+    nospec = SimConfig(policy=Policy.SLOS_NOSPEC, planner=config.planner_config())
+    assert nospec.planner_config().goodspeed is None and nospec.planner_config().spec is None
+    requests = chatbot(40, 4.0, 0)
+    got = times(run(requests, config, A100))
+    assert [len(got[r.request.request_id]) for r in requests] == [r.output_len for r in requests]
+    plain = times(run(requests, replace(config, policy=Policy.SLOS), A100))
+    assert got != plain, "the drafts moved, so some tokens came out at other times"
 
 
 def test_distserve_reproduces_a_hand_computed_schedule_with_a_queued_kv_link() -> None:
@@ -171,6 +209,30 @@ def test_nospec_never_drafts() -> None:
     ran = run(chatbot(20, 4.0, 0), SimConfig(policy=Policy.SLOS_NOSPEC), A100)
     assert ran.sim.config.planner_config().spec is None
     assert not any(ran.sim.replicas[0].executor.drafted)
+
+
+def test_laps_serves_short_best_effort_requests_before_a_long_one() -> None:
+    # Every request is declined and served best-effort, one per batch, and is late for
+    # every token (so none goes first as still on time): oldest first the long one finishes
+    # before the short ones that arrive just after it; slos+laps moves it down a level once
+    # it has had 20 ms of service.
+    hopeless = SLO(ttft_ms=1.0, tpot_ms=0.01)
+    requests = [sim_request("long", 10, 0.0, 40, hopeless)] + [
+        sim_request(f"s{i}", 10, 0.001, 3, hopeless) for i in range(3)
+    ]
+    planner = PlannerConfig(max_best_effort_requests=1)
+    fcfs = times(run(requests, SimConfig(policy=Policy.SLOS, planner=planner)))
+    laps = LapsConfig(first_level_s=0.02, window=1000)
+    config = SimConfig(
+        policy=Policy.SLOS_LAPS, planner=PlannerConfig(max_best_effort_requests=1, laps=laps)
+    )
+    assert config.planner_config().laps == laps
+    assert SimConfig(policy=Policy.SLOS_LAPS).planner_config().laps == LapsConfig()
+    assert SimConfig().planner_config().laps is None
+    got = times(run(requests, config))
+    assert all(fcfs[f"s{i}"][-1] > fcfs["long"][-1] for i in range(3))
+    assert all(got[f"s{i}"][-1] < got["long"][-1] for i in range(3))
+    assert sum(t[-1] for t in got.values()) < sum(t[-1] for t in fcfs.values())
 
 
 def two_growing(warm_output: int, output: int, blocks: int) -> tuple[Ran, SlosScheduler]:

@@ -120,9 +120,10 @@ def test_windows_cover_every_gap_with_a_short_last_window() -> None:
 
 def test_percentiles_interpolate_and_skip_missing() -> None:
     p = percentiles([1.0, None, 2.0, 3.0, 4.0])
-    assert (p.p50, p.count) == (2.5, 4)
+    assert (p.p50, p.count, p.mean) == (2.5, 4, 2.5)
     assert p.p99 == pytest.approx(3.97)
     assert percentiles([None]).p50 is None
+    assert percentiles([1.0, 1.0, 7.0]).mean == 3.0
 
 
 def test_report_counts_groups_goodput_and_latencies() -> None:
@@ -150,8 +151,15 @@ def test_report_counts_groups_goodput_and_latencies() -> None:
     assert set(out.by_slo_class) == {"loose/loose", "tight/tight"}
     assert out.by_slo_class["loose/loose"].attainment == pytest.approx(1 / 3)
     assert out.by_scenario["coder"].attainment == 1.0
+    # End to end: arrival to last token, complete requests only.
+    assert o.e2e_s.count == 3
+    assert o.e2e_s.mean == pytest.approx((0.15 + 0.35 + 0.2) / 3)
+    assert set(out.by_verdict) == {"admitted", "best_effort", "rejected"}
+    assert out.by_verdict["best_effort"].e2e_s.mean == pytest.approx(0.2)
+    assert out.by_verdict["rejected"].e2e_s.count == 0
     as_dict = out.to_dict()
     assert as_dict["overall"]["attainment"] == 0.5
+    assert as_dict["by_verdict"]["admitted"]["e2e_s"]["p50"] == pytest.approx(0.25)
     assert as_dict["by_slo_class"]["tight/tight"]["mean_tpot_s"]["p50"] == pytest.approx(0.05)
 
 

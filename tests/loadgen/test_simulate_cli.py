@@ -449,3 +449,38 @@ def test_trace_arrivals_replay_a_trace_of_your_own(tmp_path: Path) -> None:
 def test_bad_trace_options_are_named(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         simulate.plan(parse("--rate", "1", *argv))
+
+
+def test_acceptance_options_and_the_seed_policies_reach_the_runs(tmp_path: Path) -> None:
+    out = tmp_path / "seed.json"
+    args = parse(
+        *("--rate", "1", "--duration", "4", "--scenario", "chatbot"),
+        *("--policies", "slos,slos+goodspeed,slos+laps"),
+        *("--acceptance", "0.8", "--acceptance-spread", "0.2", "--json", str(out)),
+    )
+    assert simulate.run(args) == 0
+    data = json.loads(out.read_text())
+    assert (data["acceptance"], data["acceptance_spread"]) == (0.8, 0.2)
+    assert [r["policy"] for r in data["runs"]] == ["slos", "slos+goodspeed", "slos+laps"]
+    for run in data["runs"]:
+        verdicts = run["report"]["by_verdict"]
+        assert verdicts and all("mean" in v["e2e_s"] for v in verdicts.values())
+    setup = simulate.Setup(
+        PerfModel.load(simulate.resolve_profile("a100-opt7b")), Scenario.CHATBOT, "poisson", 4,
+        0, 1024, 0.01, 2, acceptance=0.8, acceptance_spread=0.2,
+    )  # fmt: skip
+    config = setup.config(Policy.SLOS_GOODSPEED, 1)
+    assert (config.acceptance, config.acceptance_spread) == (0.8, 0.2)
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [("1.5", "must be in [0, 1]"), ("-0.1", "must be in [0, 1]"), ("nan", "must be finite")],
+)
+def test_acceptance_options_outside_zero_to_one_are_refused(
+    value: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for option in ("--acceptance", "--acceptance-spread"):
+        with pytest.raises(SystemExit):
+            cli.main(["simulate", "--rate", "1", option, value])
+        assert f"argument {option}: {why}, got '{value}'" in capsys.readouterr().err

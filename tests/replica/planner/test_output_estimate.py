@@ -87,3 +87,18 @@ def test_config_names_the_bad_field(kwargs: dict, field: str) -> None:
         OutputEstimateConfig(**kwargs)
     with pytest.raises(ValueError, match="output_estimate"):
         PlannerConfig(output_estimate=0.9)  # type: ignore[arg-type]
+
+
+def test_expected_remaining_is_the_mean_residual_of_longer_finished_outputs() -> None:
+    estimate = OutputLengthEstimate(OutputEstimateConfig(min_samples=3, prior_tokens=300))
+    chat = request(100, 400)
+    assert estimate.expected_remaining(chat, 100) == 200, "the prior until enough finished"
+    assert estimate.expected_remaining(chat, 350) == 1
+    for length in (10, 50, 90, 200):
+        estimate.observe(chat, length)
+    assert estimate.expected_remaining(chat, 0) == round((10 + 50 + 90 + 200) / 4)
+    assert estimate.expected_remaining(chat, 50) == round((90 + 200) / 2) - 50
+    assert estimate.expected_remaining(chat, 199) == 1
+    assert estimate.expected_remaining(chat, 200) == 200, "none longer: up to max_tokens"
+    estimate.observe(chat, 390)
+    assert estimate.expected_remaining(chat, 200) == 190

@@ -40,8 +40,8 @@ class BestEffortOrder(StrEnum):
     FCFS = "fcfs"
     """Oldest first."""
     LAPS = "laps"
-    """LAPS-SD: least attained service first, shortest predicted time first once predictable
-    (replica.planner.laps); a lower mean latency where short and long outputs mix."""
+    """LAPS-SD: predictable requests holding KV by shortest predicted time, then the rest by
+    attained service (replica.planner.laps)."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ class ClusterConfig:
     """slos | vllm | sarathi. The baselines need spec_policy none and round_robin first hops;
     route_limit and backup_policy do not apply to them."""
     spec_policy: str = "slos"
-    """none | slos (SLO-adaptive lengths) | goodspeed (slos's drafts re-split across each
-    step's requests by GOODSPEED, replica.planner.goodspeed) | ngram | fixed:k."""
+    """none | slos (SLO-adaptive lengths) | goodspeed (slos's drafts re-split between each
+    step's requests of one tier by GOODSPEED, replica.planner.goodspeed) | ngram | fixed:k."""
     tiers: tuple[TierConfig, ...] = ()
     route_limit: int = 2
     first_hop: FirstHop = FirstHop.ROUND_ROBIN

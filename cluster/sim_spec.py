@@ -10,8 +10,9 @@ interleaved it with other requests, and a run is reproducible for a seed.
 
 from __future__ import annotations
 
-import math
 import random
+
+from replica.planner.config import check_fraction
 
 DEFAULT_ACCEPTANCE = 0.6
 """Per-token acceptance assumed for OPT-125m drafting for OPT-7B: an assumption (the seed
@@ -23,8 +24,8 @@ class SeededAcceptance:
     """`PerfExecutor`'s accept hook: accepted drafts of one verify, per-request streams."""
 
     def __init__(self, alpha: float, seed: int, spread: float = 0.0) -> None:
-        _check_fraction("acceptance", alpha)
-        _check_fraction("acceptance_spread", spread)
+        check_fraction("acceptance", alpha, low=0.0, high=1.0)
+        check_fraction("acceptance_spread", spread, low=0.0, high=1.0)
         self.alpha = float(alpha)
         self.spread = float(spread)
         self.seed = seed
@@ -54,11 +55,3 @@ class SeededAcceptance:
     def forget(self, request_id: str) -> None:
         """Drop a finished request's stream (a long run keeps only live ones)."""
         self._streams.pop(request_id, None)
-
-
-def _check_fraction(name: str, value: float) -> None:
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}")

@@ -200,7 +200,11 @@ class SimConfig:
         planner = self.planner
         if self.policy is Policy.SLOS_LAPS and planner.laps is None:
             planner = replace(planner, laps=LapsConfig())
-        if self.policy is Policy.SLOS_GOODSPEED and planner.goodspeed is None:
+        if (
+            self.policy is Policy.SLOS_GOODSPEED
+            and planner.goodspeed is None
+            and planner.spec is not None
+        ):
             planner = replace(planner, goodspeed=GoodspeedConfig())
         spec = planner.spec
         if spec is None or self.policy is Policy.SLOS_NOSPEC:

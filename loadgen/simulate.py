@@ -408,7 +408,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ablation",
         action="store_true",
         help="policies = slos and its variants with one part off: "
-        + ",".join(p for p in Policy if p.is_slos),
+        + ",".join([Policy.SLOS, *(p for p in Policy if p.is_ablation)]),
     )
     parser.add_argument(
         "--duration",

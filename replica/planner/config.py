@@ -14,7 +14,8 @@ def check_int(name: str, value: int, low: int = 1) -> None:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
-def _check_fraction(name: str, value: float, *, low: float, high: float) -> None:
+def check_fraction(name: str, value: float, *, low: float, high: float) -> None:
+    """A finite number in [low, high], named when it is not."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if not low <= value <= high:
@@ -58,10 +59,10 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         check_int("max_spec_tokens", self.max_spec_tokens, low=0)
-        _check_fraction("initial_acceptance", self.initial_acceptance, low=0.0, high=1.0)
-        _check_fraction("ema_weight", self.ema_weight, low=0.0, high=1.0)
-        _check_fraction("max_acceptance", self.max_acceptance, low=0.0, high=0.999)
-        _check_fraction("stretch_kv_fraction", self.stretch_kv_fraction, low=0.0, high=1.0)
+        check_fraction("initial_acceptance", self.initial_acceptance, low=0.0, high=1.0)
+        check_fraction("ema_weight", self.ema_weight, low=0.0, high=1.0)
+        check_fraction("max_acceptance", self.max_acceptance, low=0.0, high=0.999)
+        check_fraction("stretch_kv_fraction", self.stretch_kv_fraction, low=0.0, high=1.0)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class OutputEstimateConfig:
     guarantees per 900 chatbot requests (loadgen/RESULTS.md)."""
 
     def __post_init__(self) -> None:
-        _check_fraction("quantile", self.quantile, low=0.0, high=1.0)
+        check_fraction("quantile", self.quantile, low=0.0, high=1.0)
         check_int("min_samples", self.min_samples)
         check_int("prior_tokens", self.prior_tokens)
         check_int("window", self.window)
@@ -123,8 +124,8 @@ class InvocationConfig:
         _check_seconds("interval_s", self.interval_s)
         check_int("new_requests", self.new_requests)
         check_int("finished_requests", self.finished_requests)
-        _check_fraction("drift_fraction", self.drift_fraction, low=0.0, high=10.0)
-        _check_fraction("behind_tpot_factor", self.behind_tpot_factor, low=0.05, high=1.0)
+        check_fraction("drift_fraction", self.drift_fraction, low=0.0, high=10.0)
+        check_fraction("behind_tpot_factor", self.behind_tpot_factor, low=0.05, high=1.0)
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,14 @@ class LapsConfig:
         check_int("laps.window", self.window)
         _check_seconds("laps.first_level_s", self.first_level_s)
         _check_seconds("laps.aging_s", self.aging_s)
-        _check_fraction("laps.stable_spread", self.stable_spread, low=1e-9, high=1.0)
-        _check_fraction("laps.growth", self.growth, low=1.0 + 1e-9, high=1e6)
+        check_fraction("laps.stable_spread", self.stable_spread, low=1e-9, high=1.0)
+        check_fraction("laps.growth", self.growth, low=1.0 + 1e-9, high=1e6)
+        top = math.log10(self.first_level_s) + (self.num_levels - 1) * math.log10(self.growth)
+        if top > 300:
+            raise ValueError(
+                f"laps.num_levels={self.num_levels} with laps.growth={self.growth!r} puts the "
+                "last level beyond 1e300 s of service"
+            )
 
 
 @dataclass(frozen=True)
@@ -170,9 +177,9 @@ class GoodspeedConfig:
     """Acceptance estimates stay within [eps, 1 - eps]."""
 
     def __post_init__(self) -> None:
-        _check_fraction("goodspeed.acceptance_weight", self.acceptance_weight, low=0.0, high=1.0)
-        _check_fraction("goodspeed.goodput_weight", self.goodput_weight, low=1e-9, high=1.0)
-        _check_fraction("goodspeed.eps", self.eps, low=1e-9, high=0.5)
+        check_fraction("goodspeed.acceptance_weight", self.acceptance_weight, low=0.0, high=1.0)
+        check_fraction("goodspeed.goodput_weight", self.goodput_weight, low=1e-9, high=1.0)
+        check_fraction("goodspeed.eps", self.eps, low=1e-9, high=0.5)
 
 
 @dataclass(frozen=True)
@@ -211,7 +218,7 @@ class PlannerConfig:
         check_int("max_dp_candidates", self.max_dp_candidates)
         _check_seconds("idle_period_s", self.idle_period_s)
         check_int("max_best_effort_requests", self.max_best_effort_requests, low=0)
-        _check_fraction("best_effort_stretch", self.best_effort_stretch, low=0.0, high=10.0)
+        check_fraction("best_effort_stretch", self.best_effort_stretch, low=0.0, high=10.0)
         if self.spec is not None and not isinstance(self.spec, SpecConfig):
             raise ValueError(f"spec must be a SpecConfig or None, got {self.spec!r}")
         if self.output_estimate is not None and not isinstance(

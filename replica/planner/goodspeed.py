@@ -1,14 +1,16 @@
 """GOODSPEED's split of a step's draft tokens across its requests (seed paper 003).
 
-The SLOs-Serve planner sizes a step: which requests decode and how many drafts it can afford
-in all (per-tier lengths from one acceptance rate). Requests do not accept alike, though: a
+The SLOs-Serve planner sizes a step: which requests decode and how many drafts each tier's
+TPOT needs (per-tier lengths from one acceptance rate). Requests do not accept alike, though: a
 draft proposed for a request the draft model predicts badly is mostly thrown away. GOODSPEED
-re-splits the same drafts to maximize sum_i log(goodput_i) (proportional fairness): with
-acceptance a_i, S drafts are worth x(S) = (1 - a^(S+1)) / (1 - a) tokens, so the (S+1)-th draft
-adds a_i^(S+1), weighed by 1 / X_i (X_i: the request's recent tokens per step). The gains
-shrink as S grows, so handing the drafts out one at a time to the largest gain is exactly
-optimal. Each request keeps at most the longest speculation the plan gave any request, so the
-step's draft forwards and its query tokens, hence its predicted time, stay the planner's.
+re-splits the drafts to maximize sum_i log(goodput_i) (proportional fairness): with acceptance
+a_i, S drafts are worth x(S) = (1 - a^(S+1)) / (1 - a) tokens, so the (S+1)-th draft adds
+a_i^(S+1), weighed by 1 / X_i (X_i: the request's recent tokens per step). The gains shrink as
+S grows, so handing the drafts out one at a time to the largest gain is exactly optimal.
+
+Drafts move only between requests of one tier (the same TPOT), so each tier keeps the drafts
+its deadlines were planned with, and a request takes at most the longest length the plan gave
+any request, so the step keeps the planner's draft forwards and query tokens.
 """
 
 from __future__ import annotations
@@ -48,22 +50,44 @@ class GoodspeedSplit:
             source = self._sources[request_id] = _Source(self._clipped(self.prior.value))
         return source
 
-    def split(self, plan: BatchPlan, remaining: dict[str, int]) -> BatchPlan:
-        """`plan` with its decodes' drafts re-split; `remaining`: each decoding request's
-        output tokens to go (it drafts at most one fewer). Decodes the planner gave no drafts
-        keep none."""
-        drafting = [
-            (i, e)
-            for i, e in enumerate(plan.entries)
-            if isinstance(e, DecodeStep) and e.num_spec_tokens > 0
-        ]
-        if len(drafting) < 2:
-            return plan
-        budget = sum(e.num_spec_tokens for _, e in drafting)
-        longest = max(e.num_spec_tokens for _, e in drafting)
-        caps = [min(longest, remaining[e.request_id] - 1) for _, e in drafting]
-        sources = [self._source(e.request_id) for _, e in drafting]
-        given = [0] * len(drafting)
+    def _estimate(self, request_id: str) -> _Source:
+        """A request's estimates, or the prior's for one never observed (not stored: a
+        split only reads)."""
+        source = self._sources.get(request_id)
+        return source if source is not None else _Source(self._clipped(self.prior.value))
+
+    def split(
+        self, plan: BatchPlan, remaining: dict[str, int], tiers: dict[str, float]
+    ) -> BatchPlan:
+        """`plan` with its decodes' drafts re-split within each tier; `remaining`: each
+        decoding request's output tokens to go (it drafts at most one fewer); `tiers`: the
+        TPOT each is held to (decodes without one, and those the planner gave no drafts, keep
+        theirs)."""
+        groups: dict[float, list[tuple[int, DecodeStep]]] = {}
+        longest = 0
+        for i, entry in enumerate(plan.entries):
+            if isinstance(entry, DecodeStep) and entry.num_spec_tokens > 0:
+                longest = max(longest, entry.num_spec_tokens)
+                tier = tiers.get(entry.request_id)
+                if tier is not None:
+                    groups.setdefault(tier, []).append((i, entry))
+        entries = list(plan.entries)
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            drafts = self._drafts(group, remaining, longest)
+            for (i, entry), k in zip(group, drafts, strict=True):
+                entries[i] = DecodeStep(entry.request_id, k)
+        return replace(plan, entries=tuple(entries))
+
+    def _drafts(
+        self, group: list[tuple[int, DecodeStep]], remaining: dict[str, int], longest: int
+    ) -> list[int]:
+        """The group's drafts handed out one at a time to the largest marginal gain."""
+        budget = sum(e.num_spec_tokens for _, e in group)
+        caps = [min(longest, remaining[e.request_id] - 1) for _, e in group]
+        sources = [self._estimate(e.request_id) for _, e in group]
+        given = [0] * len(group)
         heap = [(-s.acceptance / s.goodput, j) for j, s in enumerate(sources) if caps[j] > 0]
         heapq.heapify(heap)
         while budget > 0 and heap:
@@ -74,10 +98,7 @@ class GoodspeedSplit:
                 source = sources[j]
                 gain = source.acceptance ** (given[j] + 1) / source.goodput
                 heapq.heappush(heap, (-gain, j))
-        entries = list(plan.entries)
-        for (i, entry), k in zip(drafting, given, strict=True):
-            entries[i] = DecodeStep(entry.request_id, k)
-        return replace(plan, entries=tuple(entries))
+        return given
 
     def observe(self, plan: BatchPlan, outcome: BatchOutcome) -> None:
         """Fold each decode of `plan` into its request's estimates: tokens per step always

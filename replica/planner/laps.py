@@ -1,12 +1,16 @@
-"""LAPS-SD's order inside the best-effort tier: least attained service first, and within a
-level the shortest predicted remaining time once a request's acceptance has settled.
+"""LAPS-SD's order inside the best-effort tier: least attained service first, and the
+shortest predicted remaining time once a request's acceptance has settled.
 
 Best-effort work has no deadline, so what is worth minimizing there is mean latency. LAPS-SD
 (seed paper 004) is semi-clairvoyant: a request's remaining time is predictable only once its
 speculative acceptance rate has stopped moving, so until then it is served least-attained-
 service first (which favours short jobs without knowing them), and after it shortest predicted
-time first. Strict priority between levels would starve a long request under steady short
-arrivals, so waiting without service lifts a request one level per `aging_s`.
+time first; a predictable request holding KV runs to completion (preempting it would drop its
+KV and compute it again). Strict priority between levels would starve a long request under
+steady short arrivals, so waiting without service lifts a request one level per `aging_s`.
+A request that never drafts (the planner gives best-effort decodes no drafts) has a constant
+rate and is predictable after `window` steps, so here the levels order mostly the requests not
+yet started or preempted.
 """
 
 from __future__ import annotations
@@ -84,8 +88,11 @@ class LapsOrder:
         lifted = int((now - service.last_served) // self.config.aging_s)
         return max(0, level - lifted)
 
-    def predicted_s(self, state: RequestState, remaining_tokens: int) -> float | None:
-        """T = L (n T_ssm + T_llm) / (n A + 1) once the acceptance rate is stable, else None."""
+    def predicted_s(
+        self, state: RequestState, remaining_tokens: Callable[[RequestState], int]
+    ) -> float | None:
+        """T = L (n T_ssm + T_llm) / (n A + 1) once the acceptance rate is stable, else None
+        (L, `remaining_tokens`, is asked only then)."""
         service = self._service.get(state.request_id)
         if service is None or len(service.rates) < self.config.window:
             return None
@@ -95,7 +102,7 @@ class LapsOrder:
         acceptance = sum(rates) / len(rates)
         n = service.draft_len
         per_step = n * self.draft_step_s + self.target_step_s
-        return remaining_tokens * per_step / (n * acceptance + 1)
+        return remaining_tokens(state) * per_step / (n * acceptance + 1)
 
     def order(
         self,
@@ -110,7 +117,7 @@ class LapsOrder:
 
         def key(item: tuple[int, RequestState]) -> tuple[int, int, float]:
             i, state = item
-            predicted = self.predicted_s(state, remaining_tokens(state))
+            predicted = self.predicted_s(state, remaining_tokens)
             if predicted is None:
                 return (1 + self.level(state, now), 1, float(i))
             if state.num_computed_tokens > 0:

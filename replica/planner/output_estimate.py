@@ -59,11 +59,13 @@ class OutputLengthEstimate:
     def expected_remaining(self, request: Request, produced: int) -> int:
         """Mean output tokens still to come after `produced`, over the finished outputs (of
         the same max_tokens) that were longer: what is left of a request whose own length is
-        unknown. Up to max_tokens when no finished output was longer, or too few finished."""
+        unknown. Until enough finished, up to `prior_tokens` (while short of it); with none
+        longer, up to max_tokens."""
         cap = request.sampling.max_tokens
         seen = self._seen.get(cap)
         if seen is None or len(seen) < self.config.min_samples:
-            return max(1, min(cap, self.config.prior_tokens) - produced)
+            prior = min(cap, self.config.prior_tokens)
+            return max(1, (prior if produced < prior else cap) - produced)
         ordered = self._sorted.get(cap)
         if ordered is None:
             lengths = sorted(seen)

@@ -152,7 +152,8 @@ class SlosScheduler(Scheduler):
 
     def _forget_estimates(self, request_id: str) -> None:
         """An ended request leaves the per-request estimates of LAPS-SD and GOODSPEED
-        (`_forget` does not: a demoted request keeps its history)."""
+        (`_forget` does not: a demoted request keeps its history), also one aborted while
+        its step ran, whose outcome they have just folded in."""
         if self.laps is not None:
             self.laps.forget(request_id)
         if self.goodspeed is not None:
@@ -457,7 +458,8 @@ class SlosScheduler(Scheduler):
         if plan is not None and self.goodspeed is not None:
             states = self.queues.states
             remaining = {e.request_id: states[e.request_id].remaining_output for e in plan.entries}
-            plan = self.goodspeed.split(plan, remaining)
+            tiers = {rid: work.tpot_s for rid, work in self._work.items()}
+            plan = self.goodspeed.split(plan, remaining, tiers)
         if plan is not None:
             self._busy_until = now + self.perf.predict(self.shape(plan))
         return plan
@@ -505,9 +507,11 @@ class SlosScheduler(Scheduler):
             self.laps.observe(plan, outcome, now)
         if self.goodspeed is not None:
             self.goodspeed.observe(plan, outcome)
+        for entry in plan.entries:
+            if entry.request_id not in self.queues.states:  # finished, or aborted meanwhile
+                self._forget_estimates(entry.request_id)
         for state in finished:
             self._forget(state.request_id)
-            self._forget_estimates(state.request_id)
             if self.lengths is not None:
                 self.lengths.observe(state.request, len(state.output_token_ids))
         self.invocation.note_finished(len(finished))

@@ -8,13 +8,14 @@ from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, Req
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.budget import AcceptanceEstimate
-from replica.planner.config import GoodspeedConfig, PlannerConfig, SpecConfig
+from replica.planner.config import GoodspeedConfig, LapsConfig, PlannerConfig, SpecConfig
 from replica.planner.executor import PerfExecutor
 from replica.planner.goodspeed import GoodspeedSplit
 from replica.planner.slos import SlosScheduler
 from replica.request import SLO, Request, SamplingParams
 
 PLENTY = {"a": 100, "b": 100, "c": 100}
+ONE_TIER = {"a": 0.05, "b": 0.05, "c": 0.05}
 
 
 def splitter(prior: float = 0.6, **config: float) -> GoodspeedSplit:
@@ -54,7 +55,7 @@ def test_drafts_go_one_at_a_time_to_the_largest_marginal_gain() -> None:
     set_sources(split, {"a": (0.9, 1.0), "b": (0.5, 1.0), "c": (0.1, 1.0)})
     # Gains a^(S+1): a 0.9, 0.81, 0.729; b 0.5, 0.25; c 0.1. Five drafts, at most three each
     # (the plan's longest): a three, b two, c none.
-    plan = split.split(decodes(("a", 3), ("b", 1), ("c", 1)), PLENTY)
+    plan = split.split(decodes(("a", 3), ("b", 1), ("c", 1)), PLENTY, ONE_TIER)
     assert drafts_of(plan) == {"a": 3, "b": 2, "c": 0}
 
 
@@ -62,31 +63,45 @@ def test_low_goodput_raises_a_requests_share() -> None:
     split = splitter()
     set_sources(split, {"a": (0.6, 1.0), "b": (0.6, 3.0)})
     # a: 0.6, 0.36, 0.216; b: 0.2, 0.12, 0.072: a takes three of the four (its cap).
-    plan = split.split(decodes(("a", 1), ("b", 3)), PLENTY)
+    plan = split.split(decodes(("a", 1), ("b", 3)), PLENTY, ONE_TIER)
     assert drafts_of(plan) == {"a": 3, "b": 1}
 
 
-def test_equal_requests_keep_the_planners_split() -> None:
-    plan = decodes(("a", 2), ("b", 2), ("c", 2))
-    assert drafts_of(splitter().split(plan, PLENTY)) == {"a": 2, "b": 2, "c": 2}
+def test_requests_alike_keep_the_planners_split() -> None:
+    # A tight tier's 3 and a loose tier's 1 and 1, nothing observed yet: nothing moves (one
+    # split over all three would hand the drafts out round-robin: 2, 2, 1).
+    tiers = {"a": 0.05, "b": 0.1, "c": 0.1}
+    plan = splitter().split(decodes(("a", 3), ("b", 1), ("c", 1)), PLENTY, tiers)
+    assert drafts_of(plan) == {"a": 3, "b": 1, "c": 1}
+
+
+def test_drafts_stay_within_their_tier_up_to_the_plans_longest() -> None:
+    split = splitter()
+    set_sources(split, {"a": (0.1, 1.0), "b": (0.9, 1.0), "c": (0.2, 1.0)})
+    tiers = {"a": 0.05, "b": 0.1, "c": 0.1}
+    plan = split.split(decodes(("a", 3), ("b", 1), ("c", 1)), PLENTY, tiers)
+    assert drafts_of(plan) == {"a": 3, "b": 2, "c": 0}, "b takes c's draft, never a's"
 
 
 def test_a_request_drafts_at_most_one_token_fewer_than_it_has_left() -> None:
     split = splitter()
     set_sources(split, {"a": (0.9, 1.0), "b": (0.2, 1.0)})
-    plan = split.split(decodes(("a", 2), ("b", 2)), {"a": 2, "b": 100})
+    plan = split.split(decodes(("a", 2), ("b", 2)), {"a": 2, "b": 100}, ONE_TIER)
     assert drafts_of(plan) == {"a": 1, "b": 2}, "a's cap is 1; b's is the plan's longest"
 
 
-def test_prefills_decodes_without_drafts_and_lone_drafters_are_left_alone() -> None:
+def test_prefills_decodes_without_drafts_or_a_tier_and_lone_drafters_are_left_alone() -> None:
     split = splitter()
-    set_sources(split, {"a": (0.9, 1.0), "b": (0.1, 1.0)})
+    set_sources(split, {"a": (0.9, 1.0), "b": (0.1, 1.0), "c": (0.9, 1.0)})
     plan = BatchPlan((PrefillChunk("p", 16), DecodeStep("a", 0), DecodeStep("b", 3)))
-    assert split.split(plan, PLENTY) is plan
+    assert split.split(plan, PLENTY, ONE_TIER) == plan
+    untiered = decodes(("b", 3), ("c", 1))
+    assert split.split(untiered, PLENTY, {"b": 0.05}) == untiered
     mixed = BatchPlan((PrefillChunk("p", 16), DecodeStep("a", 1), DecodeStep("b", 3)))
-    out = split.split(mixed, PLENTY)
+    out = split.split(mixed, PLENTY, ONE_TIER)
     assert out.entries[0] == PrefillChunk("p", 16)
     assert drafts_of(out) == {"a": 3, "b": 1}
+    assert "p" not in split._sources, "a split reads the estimates, never adds to them"
 
 
 def test_estimates_follow_verifies_with_their_ema_weights() -> None:
@@ -148,6 +163,40 @@ def test_the_scheduler_resplits_its_own_plans_within_their_drafts_and_length() -
         twin.update_from_outcome(plan, outcome, now)
     assert compared > 10
     assert sched.goodspeed is not None and not sched.goodspeed._sources
+
+
+def test_a_request_aborted_while_its_step_runs_leaves_no_estimates() -> None:
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4, "draft_steps": 1e-3})
+    cache = CacheBudget(num_blocks=256)
+    config = PlannerConfig(
+        spec=SpecConfig(),
+        goodspeed=GoodspeedConfig(),
+        laps=LapsConfig(),
+        max_best_effort_requests=4,
+    )
+    sched = SlosScheduler(perf, cache, config)
+    executor = PerfExecutor(perf, cache)
+    for rid in ("a", "b"):
+        request = Request(
+            rid, [1] * 8, SamplingParams(max_tokens=40, ignore_eos=True), SLO(1000.0, 50.0)
+        )
+        executor.add(request)
+        sched.add_request(request, 0.0)
+    now = 0.0
+    for _ in range(3):
+        plan = sched.schedule(now)
+        assert plan is not None
+        outcome, duration = executor.execute(plan, now)
+        now += duration
+        sched.update_from_outcome(plan, outcome, now)
+    assert sched.goodspeed is not None and sched.laps is not None
+    assert set(sched.goodspeed._sources) == set(sched.laps._service) == {"a", "b"}
+    plan = sched.schedule(now)
+    assert plan is not None and {e.request_id for e in plan.entries} == {"a", "b"}
+    outcome, duration = executor.execute(plan, now)
+    sched.abort_request("a")
+    sched.update_from_outcome(plan, outcome, now + duration)
+    assert set(sched.goodspeed._sources) == set(sched.laps._service) == {"b"}
 
 
 @pytest.mark.parametrize(

@@ -69,24 +69,24 @@ def test_a_prediction_waits_for_a_stable_acceptance_rate() -> None:
     # Cumulative rates 0.25, 0.5, 0.58: spread 0.33, not yet stable.
     for now, drafted in ((1.0, (4, 1)), (2.0, (4, 3)), (3.0, (4, 3))):
         step(order, now, 0.02, {"a": drafted}, draft_s=0.004)
-        assert order.predicted_s(a, 100) is None
+        assert order.predicted_s(a, lambda _: 100) is None
     # Then 0.625, 0.65: the window holds 0.583, 0.625, 0.65 (spread 0.067).
     step(order, 4.0, 0.02, {"a": (4, 3)}, draft_s=0.004)
-    assert order.predicted_s(a, 100) is None
+    assert order.predicted_s(a, lambda _: 100) is None
     step(order, 5.0, 0.02, {"a": (4, 3)}, draft_s=0.004)
     acceptance = (7 / 12 + 10 / 16 + 13 / 20) / 3
     # T = L (n T_ssm + T_llm) / (n A + 1) with n = 4, T_ssm = 4 ms / 4 drafts, T_llm = 20 ms.
     expected = 100 * (4 * 0.001 + 0.02) / (4 * acceptance + 1)
-    assert order.predicted_s(a, 100) == pytest.approx(expected)
+    assert order.predicted_s(a, lambda _: 100) == pytest.approx(expected)
 
 
 def test_a_request_that_never_drafts_is_predicted_from_its_steps_alone() -> None:
     order = LapsOrder(LapsConfig(window=2))
     a = state("a")
     step(order, 1.0, 0.05, {"a": (0, 0)})
-    assert order.predicted_s(a, 10) is None
+    assert order.predicted_s(a, lambda _: 10) is None
     step(order, 2.0, 0.05, {"a": (0, 0)})
-    assert order.predicted_s(a, 10) == pytest.approx(0.5)
+    assert order.predicted_s(a, lambda _: 10) == pytest.approx(0.5)
 
 
 def test_order_runs_predictable_holders_to_completion_then_levels_then_arrival() -> None:
@@ -174,6 +174,7 @@ def test_the_scheduler_forgets_finished_and_aborted_requests() -> None:
         ({"aging_s": float("inf")}, "laps.aging_s"),
         ({"stable_spread": 0.0}, "laps.stable_spread"),
         ({"growth": 1.0}, "laps.growth"),
+        ({"num_levels": 100, "growth": 1e6}, "laps.num_levels=100 with laps.growth"),
     ],
 )
 def test_config_names_the_bad_field(kwargs: dict, field: str) -> None:

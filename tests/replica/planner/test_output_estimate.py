@@ -93,7 +93,8 @@ def test_expected_remaining_is_the_mean_residual_of_longer_finished_outputs() ->
     estimate = OutputLengthEstimate(OutputEstimateConfig(min_samples=3, prior_tokens=300))
     chat = request(100, 400)
     assert estimate.expected_remaining(chat, 100) == 200, "the prior until enough finished"
-    assert estimate.expected_remaining(chat, 350) == 1
+    assert estimate.expected_remaining(chat, 350) == 50, "past the prior: up to max_tokens"
+    assert estimate.expected_remaining(chat, 400) == 1
     for length in (10, 50, 90, 200):
         estimate.observe(chat, length)
     assert estimate.expected_remaining(chat, 0) == round((10 + 50 + 90 + 200) / 4)

@@ -45,6 +45,7 @@ async def build_front_door(
         default_slo=config.default_slo,
         tiers=config.tiers,
         default_chat_max_tokens=config.default_chat_max_tokens,
+        tool_parser=config.tool_parser,
     )
     keys = ApiKeys.load(config.api_keys_file)
     door = FrontDoor(handle, codec, schema, keys, FrontDoorMetrics(handle.model_name))

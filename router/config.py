@@ -2,7 +2,7 @@
 
 Args shape (deploy/serve-*.yaml): {"cluster": {ClusterConfig fields}, "http": {"host", "port"},
 "grpc": {"host", "port"}, "api_keys_file": path | null, "default_slo": tier name |
-{"ttft_ms", "tpot_ms"} | null, "default_chat_max_tokens": int}.
+{"ttft_ms", "tpot_ms"} | null, "default_chat_max_tokens": int, "tool_call_parser": name | null}.
 """
 
 from __future__ import annotations
@@ -13,10 +13,19 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from replica.request import SLO
+from router.tool_parsers import PARSERS, ToolParser
 
 FALLBACK_SLO = SLO(ttft_ms=5000.0, tpot_ms=500.0)
 """The default SLO when the config names none and defines no tiers: loose enough for CPU."""
-TOP_LEVEL = {"cluster", "http", "grpc", "api_keys_file", "default_slo", "default_chat_max_tokens"}
+TOP_LEVEL = {
+    "cluster",
+    "http",
+    "grpc",
+    "api_keys_file",
+    "default_slo",
+    "default_chat_max_tokens",
+    "tool_call_parser",
+}
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,9 @@ class FrontDoorConfig:
     default_slo: SLO = FALLBACK_SLO
     """Used when a request names no SLO (body, headers) and is not flex."""
     default_chat_max_tokens: int = 256
+    tool_call_parser: str | None = None
+    """How the served model writes tool calls (router.tool_parsers.PARSERS: hermes), which
+    `tool_choice: "auto"` needs; None refuses "auto"."""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -42,6 +54,15 @@ class FrontDoorConfig:
             raise ValueError(
                 f"default_chat_max_tokens must be >= 1, got {self.default_chat_max_tokens}"
             )
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(PARSERS)} or null, "
+                f"got {self.tool_call_parser!r}"
+            )
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        return None if self.tool_call_parser is None else PARSERS[self.tool_call_parser]
 
     @property
     def tiers(self) -> dict[str, SLO]:
@@ -64,6 +85,7 @@ class FrontDoorConfig:
             api_keys_file=args.get("api_keys_file"),
             default_slo=_default_slo(args.get("default_slo"), cluster),
             default_chat_max_tokens=args.get("default_chat_max_tokens", 256),
+            tool_call_parser=args.get("tool_call_parser"),
         )
 
 

@@ -248,9 +248,10 @@ def full_response(
         if endpoint is Endpoint.CHAT:
             lead = echo[index].text if echo else ""
             choice["message"] = {"role": "assistant", "content": lead + output.text}
-            calls = None if tools is None else tools.calls(output.text)
-            if tools is not None and calls is not None:
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            made = None if tools is None else tools.message(output.text)
+            if tools is not None and made is not None:
+                content, calls = made
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish_reason = _tool_finish(finish_reason, tools)
             logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)
         else:
@@ -286,8 +287,8 @@ def full_response(
 
 
 def _tool_finish(finish_reason: str | None, tools: ToolCalling) -> str | None:
-    """ "required"'s calls, made whole, end with OpenAI's "tool_calls"; a named function's
-    call ends as it did ("stop", as OpenAI and vLLM report a forced call)."""
+    """ "required"'s or "auto"'s calls, made whole, end with OpenAI's "tool_calls"; a named
+    function's call ends as it did ("stop", as OpenAI and vLLM report a forced call)."""
     return "tool_calls" if tools.named is None and finish_reason == "stop" else finish_reason
 
 
@@ -296,7 +297,9 @@ class ChunkWriter:
 
     Tool calls stream as OpenAI's deltas: a named function's arguments as they come (its id
     and name in the first); the array `tool_choice: "required"` makes, once it is whole (its
-    text cannot be split into calls before), each call in one delta."""
+    text cannot be split into calls before), each call in one delta; with "auto", the text as
+    content until a call may start, then the calls, each in one delta, at the end (or the
+    rest as content when it made none)."""
 
     def __init__(
         self,
@@ -317,7 +320,10 @@ class ChunkWriter:
         self.offsets: dict[int, int] = {}
         """Per choice: the text offset its next token's log-probability starts at."""
         self.held: dict[int, str] = {}
-        """Per choice: the text of the calls "required" makes, until they are whole."""
+        """Per choice: the text of the calls "required" or "auto" makes, until they are
+        whole ("auto": the whole text)."""
+        self.sent: dict[int, int] = {}
+        """Per choice, "auto": how much of its text went out as content."""
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = "chat.completion.chunk" if self.endpoint is Endpoint.CHAT else "text_completion"
@@ -360,8 +366,16 @@ class ChunkWriter:
         if self.tools is None:
             return {"content": text}
         if self.tools.named is None:
-            self.held[index] = self.held.get(index, "") + text
-            return {}
+            parser = self.tools.parser
+            if parser is None or not text:
+                self.held[index] = self.held.get(index, "") + text
+                return {}
+            held = self.held[index] = self.held.get(index, "") + text
+            sent, end = self.sent.get(index, 0), parser.content_end(held)
+            if end <= sent:
+                return {}
+            self.sent[index] = end
+            return {"content": held[sent:end]}
         if index not in self.role_sent:  # the call's id and name, with its first arguments
             return {"tool_calls": [{"index": 0, **self.tools.named_call(text)}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
@@ -392,12 +406,16 @@ class ChunkWriter:
         calls = b""
         if self.tools is not None and self.tools.named is None:
             text = self.held.get(index, "")
-            made = self.tools.calls(text)
-            delta: dict[str, Any] = {"content": text}
-            if made is not None:
-                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(made)]}
+            sent = self.sent.pop(index, 0)
+            made = self.tools.message(text)
+            if made is None:
+                calls = self._rest(index, text[sent:])
+            else:
+                content, tool_calls = made
+                calls = self._rest(index, (content or "")[sent:])
+                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
+                calls += self._chunk([self._choice(index, "", None, delta=delta)])
                 reason = _tool_finish(reason, self.tools)
-            calls = self._chunk([self._choice(index, "", None, delta=delta)])
         last = self._chunk(
             [self._choice(index, "", reason, None, finished.stop_reason)],
             service_tier=service_tier([record]),
@@ -405,6 +423,13 @@ class ChunkWriter:
         )
         self.held.pop(index, None)
         return calls + last
+
+    def _rest(self, index: int, content: str) -> bytes:
+        """A chunk of the content not sent yet (nothing when there is none and the role went
+        out)."""
+        if not content and index in self.role_sent:
+            return b""
+        return self._chunk([self._choice(index, "", None, delta={"content": content})])
 
     def done(self, records: Sequence[FinalRecord], n: int, include_usage: bool) -> bytes:
         """After every choice finished: the usage chunk if asked for, then [DONE]."""

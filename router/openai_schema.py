@@ -48,6 +48,7 @@ from router.errors import BadRequest, ModelNotFound
 from router.structured import FIELDS as STRUCTURED_FIELDS
 from router.structured import json_schema_grammar, structured_grammar
 from router.tokenizer import ChatOptions
+from router.tool_parsers import ToolParser
 from router.tools import ToolCalling, tool_calling, tools_of
 
 MAX_PRIORITY = 19
@@ -104,6 +105,8 @@ class SchemaContext:
     """Named SLO tiers a body may ask for with `"slo": "<name>"`."""
     default_chat_max_tokens: int = 256
     """Chat's `max_tokens` when absent (capped by the context left after the prompt)."""
+    tool_parser: ToolParser | None = None
+    """How the model writes tool calls among its text: what `tool_choice: "auto"` needs."""
 
     @property
     def max_prompt_chars(self) -> int:
@@ -141,7 +144,7 @@ class ParsedRequest:
     """Per choice, the prompt its text and log-probabilities begin with (completions'
     `echo`); empty without echo."""
     tools: ToolCalling | None = None
-    """Chat's `tool_choice` when it makes the output tool calls."""
+    """Chat's `tool_choice` when it makes (or, "auto", may make) the output tool calls."""
     prompt_logprobs: bool = False
     """vLLM's `prompt_logprobs` was asked for: the response reports the prompt's."""
 
@@ -224,7 +227,9 @@ def parse_body(
     body = _known_fields(body, FIELDS[endpoint], ctx)
     model = ctx.model_name
     _check_unsupported(endpoint, body)
-    calling, tools = tool_calling(body) if endpoint is Endpoint.CHAT else (None, [])
+    calling, tools = (
+        tool_calling(body, ctx.tool_parser) if endpoint is Endpoint.CHAT else (None, [])
+    )
     prompts = _prompts(endpoint, body, ctx, codec, tools)
     n = _choices_per_prompt(body, len(prompts))
     echo = endpoint is Endpoint.COMPLETIONS and _bool(body, "echo", False)
@@ -304,7 +309,7 @@ def _chat_echo(body: dict[str, Any], calling: ToolCalling | None, n: int) -> tup
     """vLLM's chat `echo`: a final assistant message (say one the model continues) leads each
     choice's content; any other final message, nothing."""
     if calling is not None:
-        raise BadRequest("echo cannot go with tool_choice: the output is the calls", "echo")
+        raise BadRequest("echo cannot go with a tool_choice that makes calls", "echo")
     last = body["messages"][-1]  # checked with the prompt
     if last.get("role") != "assistant" or last.get("content") is None:
         return ()
@@ -670,7 +675,7 @@ def _sampling(
             )
         prompt_logprobs = _int(body, "prompt_logprobs", 0, low=0, high=MAX_LOGPROBS)
     grammar = structured_grammar(body, lambda: codec.grammar_vocab)
-    if calling is not None:
+    if calling is not None and calling.schema is not None:
         if grammar is not None:
             raise BadRequest(
                 "tool_choice makes the output tool calls; it cannot go with structured output",

@@ -1,11 +1,13 @@
-"""Tool calls (OpenAI's `tools` and `tool_choice` on chat) made by structured output.
+"""Tool calls (OpenAI's `tools` and `tool_choice` on chat): forced by structured output, or read
+out of free text ("auto").
 
 A named function or `tool_choice: "required"` constrains the output to what a call needs, as
 vLLM does without a model-specific parser: the named function's arguments (its `parameters`
 schema), or a JSON array of one or more `{"name", "parameters"}` objects, one of the tools
 each (one only with `parallel_tool_calls: false`). The door turns that text into the message's
-`tool_calls`. `"auto"` needs a parser that knows how this model writes calls among its text,
-which this server has none of: it is refused (vLLM refuses it unless started with one).
+`tool_calls`. `"auto"` leaves the output free and reads the calls out of it with the parser the
+deployment names for its model family (`tool_call_parser`, router.tool_parsers); without one
+it is refused, as vLLM refuses it unless started with one.
 
 The tools go to the chat template, and so do the assistant's earlier calls (their arguments
 as objects, as HF templates take them) and the tool messages answering them.
@@ -21,6 +23,7 @@ from typing import Any
 
 from router import json_text
 from router.errors import BadRequest, refuse_unknown
+from router.tool_parsers import ToolParser
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -31,12 +34,26 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 class ToolCalling:
     """How a chat request's output becomes tool calls."""
 
-    schema: dict[str, Any]
-    """What the output must be: the named function's arguments, or the array of calls."""
+    schema: dict[str, Any] | None
+    """What the output must be: the named function's arguments, or the array of calls; None
+    for "auto" (the output is free)."""
     named: str | None
-    """The function `tool_choice` names; None: "required" (the output is the array)."""
+    """The function `tool_choice` names; None: "required" or "auto"."""
     where: str = "tools"
     """The field a bad schema is blamed on."""
+    parser: ToolParser | None = None
+    """"auto": how the model writes its calls among its text."""
+
+    def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """The content and calls of an output that made calls, or None when it made none
+        (plain text, or cut short)."""
+        if self.parser is not None:
+            parsed = self.parser.parse(text)
+            if parsed is None:
+                return None
+            return parsed.content, [_call(name, arguments) for name, arguments in parsed.calls]
+        calls = self.calls(text)
+        return None if calls is None else (None, calls)
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The calls an output holds, in OpenAI's form (fresh ids): a named function's call
@@ -67,9 +84,11 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
     }
 
 
-def tool_calling(body: dict[str, Any]) -> tuple[ToolCalling | None, list[dict[str, Any]]]:
+def tool_calling(
+    body: dict[str, Any], parser: ToolParser | None = None
+) -> tuple[ToolCalling | None, list[dict[str, Any]]]:
     """What the body's `tool_choice` asks of the output (None: plain text), and its tools as
-    the chat template gets them."""
+    the chat template gets them; `parser`: the deployment's, which "auto" needs."""
     tools = tools_of(body.get("tools"))
     choice = body.get("tool_choice")
     if not tools:
@@ -79,12 +98,14 @@ def tool_calling(body: dict[str, Any]) -> tuple[ToolCalling | None, list[dict[st
     if choice == "none":
         return None, tools
     if choice in (None, "auto"):
-        raise BadRequest(
-            'tool_choice "auto" (the default with tools) needs a parser for how this model '
-            'writes tool calls, which this server has not; send "required", a named function '
-            'or "none"',
-            "tool_choice",
-        )
+        if parser is None:
+            raise BadRequest(
+                'tool_choice "auto" (the default with tools) needs a parser for how this '
+                "model writes tool calls, which this deployment does not name "
+                '(tool_call_parser); send "required", a named function or "none"',
+                "tool_choice",
+            )
+        return ToolCalling(None, None, parser=parser), tools
     functions = [t["function"] for t in tools]
     if choice == "required":
         one_call = body.get("parallel_tool_calls") is False

@@ -19,6 +19,8 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import ClusterConfig
+from router.config import FrontDoorConfig
+from router.tool_parsers import PARSERS
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "slos-serve"
@@ -252,6 +254,12 @@ def test_api_keys_secret_is_mounted_where_the_app_reads_it(render: Render) -> No
 def test_no_api_keys_by_default(render: Render) -> None:
     (app,) = serve_config(one(render(), "RayService"))["applications"]
     assert app["args"]["api_keys_file"] is None
+    assert app["args"]["tool_call_parser"] is None
+
+
+def test_a_tool_call_parser_reaches_the_front_door(render: Render) -> None:
+    (app,) = serve_config(one(render({"toolCallParser": "hermes"}), "RayService"))["applications"]
+    assert FrontDoorConfig.from_args(app["args"]).tool_parser is PARSERS["hermes"]
 
 
 def gpu_group(gpus: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import ClusterConfig, SchedulerKind
+from router.config import FrontDoorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -58,8 +59,8 @@ def test_config_passes_ray_schema_and_cluster_config(name: str) -> None:
     assert app.import_path == "router.app:build_app"
     assert app.route_prefix == "/"
     args = app_args(config)
-    assert set(args) == {"cluster", "http", "grpc", "api_keys_file"}
-    ClusterConfig.from_dict(args["cluster"])
+    assert set(args) == {"cluster", "http", "grpc", "api_keys_file", "tool_call_parser"}
+    FrontDoorConfig.from_args(args)
 
 
 @pytest.mark.parametrize("name", ALL_CONFIGS)

@@ -22,6 +22,7 @@ def demo_door(
     tmp: Path,
     cluster: dict[str, object],
     api_keys_file: Path | None = None,
+    tool_call_parser: str | None = None,
 ) -> FrontDoorConfig:
     """Both doors on free loopback ports over the demo pair on the synthetic profile;
     `cluster` sets the rest of the cluster config."""
@@ -34,6 +35,7 @@ def demo_door(
             "http": {"port": 0},
             "grpc": {"port": 0},
             "api_keys_file": keys,
+            "tool_call_parser": tool_call_parser,
         }
     )
 
@@ -51,5 +53,6 @@ def live(
         "backup_policy": "reject",
         "tiers": [{"name": "chat", "ttft_ms": 3000, "tpot_ms": 500}],
     }
-    with LocalFrontDoor(demo_door(target_dir, draft_dir, tmp, cluster, keys)) as front:
+    door = demo_door(target_dir, draft_dir, tmp, cluster, keys, tool_call_parser="hermes")
+    with LocalFrontDoor(door) as front:
         yield front

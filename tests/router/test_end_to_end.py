@@ -205,22 +205,24 @@ TOOLS = [
 ]
 
 
-def streamed_calls(stream: Any) -> tuple[list[dict[str, str]], str | None]:
-    """Tool calls put together from a chat stream's deltas, as OpenAI clients do."""
+def streamed_calls(stream: Any) -> tuple[list[dict[str, str]], str | None, str]:
+    """Tool calls put together from a chat stream's deltas, as OpenAI clients do, its finish
+    reason and its content."""
     calls: dict[int, dict[str, str]] = {}
     finish = None
+    content = ""
     for chunk in stream:
         if not chunk.choices:
             continue
         choice = chunk.choices[0]
         finish = choice.finish_reason or finish
-        assert not choice.delta.content
+        content += choice.delta.content or ""
         for delta in choice.delta.tool_calls or ():
             call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
             call["id"] += delta.id or ""
             call["name"] += delta.function.name or ""
             call["arguments"] += delta.function.arguments or ""
-    return [calls[i] for i in sorted(calls)], finish
+    return [calls[i] for i in sorted(calls)], finish, content
 
 
 def test_tool_calls_named_or_required_streamed_or_not(oai: openai.OpenAI) -> None:
@@ -237,8 +239,8 @@ def test_tool_calls_named_or_required_streamed_or_not(oai: openai.OpenAI) -> Non
     arguments = json.loads(call.function.arguments)
     assert set(arguments) == {"name"} and len(arguments["name"]) <= 8
     stream = oai.chat.completions.create(**body, tools=TOOLS, tool_choice=named, stream=True)
-    calls, finish = streamed_calls(stream)
-    assert finish == "stop" and len(calls) == 1
+    calls, finish, content = streamed_calls(stream)
+    assert finish == "stop" and len(calls) == 1 and not content
     assert (calls[0]["name"], calls[0]["arguments"]) == ("lookup", call.function.arguments)
     required = oai.chat.completions.create(**body, tools=TOOLS, tool_choice="required")
     made = required.choices[0].message.tool_calls or []
@@ -247,8 +249,8 @@ def test_tool_calls_named_or_required_streamed_or_not(oai: openai.OpenAI) -> Non
     for c in made:
         json.loads(c.function.arguments)
     stream = oai.chat.completions.create(**body, tools=TOOLS, tool_choice="required", stream=True)
-    calls, finish = streamed_calls(stream)
-    assert finish == "tool_calls"
+    calls, finish, content = streamed_calls(stream)
+    assert finish == "tool_calls" and not content
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in made
     ]
@@ -261,8 +263,29 @@ def test_tool_calls_named_or_required_streamed_or_not(oai: openai.OpenAI) -> Non
         model="demo", messages=history, max_tokens=4, temperature=0, tools=TOOLS, tool_choice="none"
     )
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
-    with pytest.raises(openai.BadRequestError, match="auto"):
-        oai.chat.completions.create(**body, tools=TOOLS)
+
+
+def test_auto_tool_calls_are_read_out_of_the_text(oai: openai.OpenAI) -> None:
+    """With the deployment's hermes parser, "auto" (the default with tools) leaves the output
+    free: the demo model writes text, which stays content; an output that writes a call (here
+    forced by the request's own regex) comes back as the call, streamed or not."""
+    messages = [{"role": "user", "content": "Who wrote this?"}]
+    body: dict[str, Any] = dict(model="demo", messages=messages, max_tokens=24, temperature=0)
+    plain = oai.chat.completions.create(**body, tools=TOOLS)
+    assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+    regex = (
+        r'Sure\.<tool_call>\{"name": "lookup", "arguments": \{"name": "[a-z]{1,6}"\}\}</tool_call>'
+    )
+    forced = dict(**body, tools=TOOLS, extra_body={"structured_outputs": {"regex": regex}})
+    forced["max_tokens"] = 64
+    out = oai.chat.completions.create(**forced)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "lookup" and set(json.loads(call.function.arguments)) == {"name"}
+    calls, finish, content = streamed_calls(oai.chat.completions.create(**forced, stream=True))
+    assert finish == "tool_calls" and content == "Sure."
+    assert [(c["name"], c["arguments"]) for c in calls] == [("lookup", call.function.arguments)]
 
 
 def test_a_stop_token_id_ends_the_text_before_its_own_after_min_tokens(

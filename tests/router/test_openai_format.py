@@ -21,6 +21,7 @@ from router.openai_format import (
     sse_event,
 )
 from router.openai_schema import Echo, Endpoint
+from router.tool_parsers import PARSERS
 from router.tools import ToolCalling
 
 RECORD = FinalRecord(
@@ -356,3 +357,43 @@ def test_streamed_tool_calls_add_up_to_the_full_ones() -> None:
         ]
         finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].index == index]
         assert finish[-1] == "tool_calls" and w.held == {}
+
+
+AUTO = ToolCalling(None, None, parser=PARSERS["hermes"])
+HERMES_CALL = 'Checking.<tool_call>{"name": "lookup", "arguments": {"q": "a"}}</tool_call>'
+
+
+def test_auto_calls_come_with_their_content_and_plain_text_stays_text() -> None:
+    texts = [HERMES_CALL, "No tool is needed < here."]
+    body = full_response(
+        Endpoint.CHAT, "t5", 7, "demo", outputs(texts, [RECORD, RECORD]), 2, TEXT_OF, (), AUTO
+    )
+    ChatCompletion.model_validate(body)
+    made, plain = body["choices"]
+    assert made["finish_reason"] == "tool_calls" and made["message"]["content"] == "Checking."
+    (call,) = made["message"]["tool_calls"]
+    assert call["function"] == {"name": "lookup", "arguments": '{"q": "a"}'}
+    assert plain["finish_reason"] == "stop"
+    assert plain["message"] == {"role": "assistant", "content": "No tool is needed < here."}
+
+
+def test_auto_streams_content_until_a_call_may_start_then_the_calls_at_the_end() -> None:
+    w = ChunkWriter(Endpoint.CHAT, "t6", 5, "demo", TEXT_OF, AUTO)
+    pieces = ["Check", "ing.<to", "ol_call>", HERMES_CALL[len("Checking.<tool_call>") :]]
+    stream = b"".join(w.text(0, p) for p in pieces) + w.finish(0, Finished(RECORD))
+    pieces = ["Maybe <", "tool", "s later."]
+    stream += b"".join(w.text(1, p) for p in pieces) + w.finish(1, Finished(RECORD))
+    chunks = [ChatCompletionChunk.model_validate_json(d) for d in events(stream)]
+    for index, content, names, reason in (
+        (0, "Checking.", ["lookup"], "tool_calls"),
+        (1, "Maybe <tools later.", [], "stop"),
+    ):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == content
+        calls = [t for c in mine for t in c.delta.tool_calls or ()]
+        assert [t.function.name for t in calls if t.function] == names
+        assert all(t.id and t.index == 0 for t in calls)
+        assert mine[-1].finish_reason == reason
+    # Nothing past "Checking." went out as content before the call was whole.
+    assert chunks[1].choices[0].delta.content == "ing."
+    assert w.held == {} and w.sent == {}

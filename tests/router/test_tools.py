@@ -15,6 +15,7 @@ from router.errors import BadRequest
 from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body, parse_tokenize
 from router.structured import json_schema_grammar
 from router.tokenizer import TextCodec
+from router.tool_parsers import PARSERS
 from router.tools import ToolCalling
 
 LOOKUP = {
@@ -371,3 +372,33 @@ def test_completions_take_no_tools(codec: TextCodec) -> None:
             arrival_time=0.0,
         )
     assert info.value.param == "tools"
+
+
+def test_auto_with_a_parser_leaves_the_output_free_and_reads_the_calls(codec: TextCodec) -> None:
+    hermes = PARSERS["hermes"]
+    ctx = replace(CTX, tool_parser=hermes)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    for choice in ({}, {"tool_choice": "auto"}):
+        parsed = parse_body(
+            Endpoint.CHAT, body | choice, {}, ctx, codec, request_id="r", arrival_time=0.0
+        )
+        assert parsed.tools == ToolCalling(None, None, parser=hermes)
+        assert parsed.requests[0].sampling.grammar is None
+        prompt = codec.decode(parsed.requests[0].prompt_token_ids)
+        assert prompt.startswith("[lookup][now]<user>hi")
+    # The output may still be constrained by the request's own structured output.
+    forced = {"structured_outputs": {"regex": "<tool_call>.*</tool_call>"}}
+    parsed = parse_body(
+        Endpoint.CHAT, body | forced, {}, ctx, codec, request_id="r", arrival_time=0.0
+    )
+    assert parsed.requests[0].sampling.grammar is not None
+    assert parsed.tools is not None
+    made = parsed.tools.message('<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+    assert made is not None and made[0] is None
+    (call,) = made[1]
+    assert call["function"] == {"name": "now", "arguments": "{}"}
+    assert call["id"].startswith("chatcmpl-tool-")
+    with pytest.raises(BadRequest, match="echo cannot go with a tool_choice that makes calls"):
+        parse_body(
+            Endpoint.CHAT, body | {"echo": True}, {}, ctx, codec, request_id="r", arrival_time=0.0
+        )

@@ -1,0 +1,65 @@
+"""Reading the calls a model wrote among its text (tool_choice "auto")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.tool_parsers import PARSERS, ParsedCalls, parse_hermes
+
+HERMES = PARSERS["hermes"]
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+
+
+def test_text_without_calls_is_content() -> None:
+    assert parse_hermes("The weather is fine.") is None
+    assert parse_hermes("") is None
+
+
+def test_calls_after_content_and_between_blocks() -> None:
+    now = '<tool_call>{"name": "now"}</tool_call>\n'
+    text = f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n{now}"
+    parsed = parse_hermes(text)
+    assert parsed == ParsedCalls(
+        "Let me check.\n",
+        [("get_weather", '{"city": "Paris", "days": 2}'), ("now", "{}")],
+    )
+    assert json.loads(parsed.calls[0][1]) == {"city": "Paris", "days": 2}
+
+
+def test_a_blank_lead_is_no_content_and_an_unclosed_last_call_counts() -> None:
+    parsed = parse_hermes(f"  \n<tool_call>\n{WEATHER}")
+    assert parsed is not None and parsed.content is None
+    assert [name for name, _ in parsed.calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Par',  # cut short
+        '{"arguments": {}}',  # no name
+        '{"name": 3, "arguments": {}}',
+        '{"name": "f", "arguments": "city=Paris"}',  # arguments not an object
+        '["get_weather"]',
+        '{"name": "f", "arguments": {"x": NaN}}',  # not JSON
+    ],
+)
+def test_an_output_whose_calls_do_not_all_parse_is_content(block: str) -> None:
+    assert parse_hermes(f"<tool_call>{WEATHER}</tool_call><tool_call>{block}</tool_call>") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "end"),
+    [
+        ("Hello", 5),
+        ("Hello <tool", 6),
+        ("Hello <", 6),
+        ("Hello <tool_call>{", 6),
+        ("<tool_call", 0),
+        ("a < b", 5),
+        ("", 0),
+    ],
+)
+def test_a_stream_sends_as_content_only_what_cannot_start_a_call(text: str, end: int) -> None:
+    assert HERMES.content_end(text) == end

@@ -54,7 +54,8 @@ class FrontDoorConfig:
             raise ValueError(
                 f"default_chat_max_tokens must be >= 1, got {self.default_chat_max_tokens}"
             )
-        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+        parser = self.tool_call_parser
+        if parser is not None and (not isinstance(parser, str) or parser not in PARSERS):
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(PARSERS)} or null, "
                 f"got {self.tool_call_parser!r}"

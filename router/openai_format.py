@@ -287,8 +287,12 @@ def full_response(
 
 
 def _tool_finish(finish_reason: str | None, tools: ToolCalling) -> str | None:
-    """ "required"'s or "auto"'s calls, made whole, end with OpenAI's "tool_calls"; a named
-    function's call ends as it did ("stop", as OpenAI and vLLM report a forced call)."""
+    """ "required"'s calls, made whole, end with OpenAI's "tool_calls", and so do "auto"'s
+    whatever ended the output (as vLLM reports them: a last call may lack its closing tag);
+    a named function's call ends as it did ("stop", as OpenAI and vLLM report a forced
+    call)."""
+    if tools.parser is not None:
+        return "tool_calls"
     return "tool_calls" if tools.named is None and finish_reason == "stop" else finish_reason
 
 
@@ -371,7 +375,8 @@ class ChunkWriter:
                 self.held[index] = self.held.get(index, "") + text
                 return {}
             held = self.held[index] = self.held.get(index, "") + text
-            sent, end = self.sent.get(index, 0), parser.content_end(held)
+            sent = self.sent.get(index, 0)
+            end = parser.content_end(held, sent)
             if end <= sent:
                 return {}
             self.sent[index] = end

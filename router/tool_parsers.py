@@ -7,8 +7,9 @@ name), since nothing in a checkpoint says it reliably.
 
 `hermes` (NousResearch's Hermes format, which Qwen2.5/Qwen3 and many fine-tunes write): each
 call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; text before the first call
-is the message's content. As in vLLM, a last call the model ended without its closing tag
-counts, and an output whose calls do not all parse is content only.
+is the message's content, text between and after the calls is dropped. As in vLLM, a last
+call the model ended without its closing tag counts, and an output whose calls do not all
+parse is content only.
 """
 
 from __future__ import annotations
@@ -42,25 +43,24 @@ def parse_hermes(text: str) -> ParsedCalls | None:
         return None
     calls = []
     for block in _BLOCK.findall(text, first):
-        call = _call(block)
+        call = _parse_call(block)
         if call is None:
             return None
         calls.append(call)
-    content = text[:first]
-    return ParsedCalls(content if content.strip() else None, calls)
+    return ParsedCalls(text[:first] or None, calls)
 
 
-def _call(block: str) -> tuple[str, str] | None:
+def _parse_call(block: str) -> tuple[str, str] | None:
     try:
         made: Any = json_text.loads(block.strip())
-    except ValueError:
+        if not isinstance(made, dict) or not isinstance(made.get("name"), str):
+            return None
+        arguments = made.get("arguments", {})
+        if not isinstance(arguments, dict):
+            return None
+        return made["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # not JSON, or a number JSON cannot write back (1e999)
         return None
-    if not isinstance(made, dict) or not isinstance(made.get("name"), str):
-        return None
-    arguments = made.get("arguments", {})
-    if not isinstance(arguments, dict):
-        return None
-    return made["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,11 @@ class ToolParser:
     """What a call starts with: a stream sends text as content only up to it."""
     parse: Callable[[str], ParsedCalls | None]
 
-    def content_end(self, text: str) -> int:
+    def content_end(self, text: str, since: int = 0) -> int:
         """How much of a streamed output is surely content: up to its first call, and short
-        of a tail that may be the start of one."""
-        first = text.find(self.start)
+        of a tail that may be the start of one; `since`: what an earlier call returned (the
+        search resumes there, so a stream is scanned once)."""
+        first = text.find(self.start, max(0, since - len(self.start) + 1))
         if first >= 0:
             return first
         for cut in range(min(len(self.start) - 1, len(text)), 0, -1):

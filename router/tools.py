@@ -43,6 +43,8 @@ class ToolCalling:
     """The field a bad schema is blamed on."""
     parser: ToolParser | None = None
     """"auto": how the model writes its calls among its text."""
+    one_call: bool = False
+    """"auto" with `parallel_tool_calls: false`: the first call only (as vLLM keeps it)."""
 
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
         """The content and calls of an output that made calls, or None when it made none
@@ -51,7 +53,8 @@ class ToolCalling:
             parsed = self.parser.parse(text)
             if parsed is None:
                 return None
-            return parsed.content, [_call(name, arguments) for name, arguments in parsed.calls]
+            written = parsed.calls[:1] if self.one_call else parsed.calls
+            return parsed.content, [_call(name, arguments) for name, arguments in written]
         calls = self.calls(text)
         return None if calls is None else (None, calls)
 
@@ -97,6 +100,7 @@ def tool_calling(
         return None, []
     if choice == "none":
         return None, tools
+    one_call = body.get("parallel_tool_calls") is False
     if choice in (None, "auto"):
         if parser is None:
             raise BadRequest(
@@ -105,10 +109,9 @@ def tool_calling(
                 '(tool_call_parser); send "required", a named function or "none"',
                 "tool_choice",
             )
-        return ToolCalling(None, None, parser=parser), tools
+        return ToolCalling(None, None, parser=parser, one_call=one_call), tools
     functions = [t["function"] for t in tools]
     if choice == "required":
-        one_call = body.get("parallel_tool_calls") is False
         return ToolCalling(_calls_schema(functions, one_call), None), tools
     name = _named(choice)
     index = next((i for i, f in enumerate(functions) if f["name"] == name), None)

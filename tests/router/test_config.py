@@ -40,6 +40,14 @@ def test_defaults_and_default_slo() -> None:
         ({"cluster": CLUSTER, "default_slo": "gold"}, "gold"),
         ({"cluster": CLUSTER, "default_slo": {"ttft_ms": 1}}, "default_slo"),
         ({"cluster": CLUSTER, "default_chat_max_tokens": 0}, "default_chat_max_tokens"),
+        (
+            {"cluster": CLUSTER, "tool_call_parser": "qwen"},
+            "tool_call_parser must be one of hermes or null, got 'qwen'",
+        ),
+        (
+            {"cluster": CLUSTER, "tool_call_parser": ["hermes"]},
+            r"tool_call_parser must be one of hermes or null, got \['hermes'\]",
+        ),
     ],
 )
 def test_bad_args_fail_before_start(args: dict[str, Any], match: str) -> None:

@@ -375,6 +375,13 @@ def test_auto_calls_come_with_their_content_and_plain_text_stays_text() -> None:
     assert call["function"] == {"name": "lookup", "arguments": '{"q": "a"}'}
     assert plain["finish_reason"] == "stop"
     assert plain["message"] == {"role": "assistant", "content": "No tool is needed < here."}
+    # A call the length cut before its closing tag is still one, as vLLM reads it.
+    unclosed = HERMES_CALL.removesuffix("</tool_call>")
+    body = full_response(
+        Endpoint.CHAT, "t7", 7, "demo", outputs([unclosed], [LENGTH]), 1, TEXT_OF, (), AUTO
+    )
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    assert len(body["choices"][0]["message"]["tool_calls"]) == 1
 
 
 def test_auto_streams_content_until_a_call_may_start_then_the_calls_at_the_end() -> None:

@@ -28,10 +28,13 @@ def test_calls_after_content_and_between_blocks() -> None:
     assert json.loads(parsed.calls[0][1]) == {"city": "Paris", "days": 2}
 
 
-def test_a_blank_lead_is_no_content_and_an_unclosed_last_call_counts() -> None:
-    parsed = parse_hermes(f"  \n<tool_call>\n{WEATHER}")
+def test_no_lead_is_no_content_and_an_unclosed_last_call_counts() -> None:
+    parsed = parse_hermes(f"<tool_call>\n{WEATHER}")
     assert parsed is not None and parsed.content is None
     assert [name for name, _ in parsed.calls] == ["get_weather"]
+    spaced = parse_hermes(f"  \n<tool_call>{WEATHER}</tool_call> and after")
+    assert spaced is not None and spaced.content == "  \n", "as vLLM: what a stream sent"
+    assert len(spaced.calls) == 1
 
 
 @pytest.mark.parametrize(
@@ -43,6 +46,7 @@ def test_a_blank_lead_is_no_content_and_an_unclosed_last_call_counts() -> None:
         '{"name": "f", "arguments": "city=Paris"}',  # arguments not an object
         '["get_weather"]',
         '{"name": "f", "arguments": {"x": NaN}}',  # not JSON
+        '{"name": "f", "arguments": {"x": 1e999}}',  # not writable back as JSON
     ],
 )
 def test_an_output_whose_calls_do_not_all_parse_is_content(block: str) -> None:
@@ -63,3 +67,5 @@ def test_an_output_whose_calls_do_not_all_parse_is_content(block: str) -> None:
 )
 def test_a_stream_sends_as_content_only_what_cannot_start_a_call(text: str, end: int) -> None:
     assert HERMES.content_end(text) == end
+    # Resuming from any earlier answer gives the same one.
+    assert all(HERMES.content_end(text, since) == end for since in range(end + 1))

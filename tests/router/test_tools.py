@@ -398,6 +398,14 @@ def test_auto_with_a_parser_leaves_the_output_free_and_reads_the_calls(codec: Te
     (call,) = made[1]
     assert call["function"] == {"name": "now", "arguments": "{}"}
     assert call["id"].startswith("chatcmpl-tool-")
+    two = '<tool_call>{"name": "now"}</tool_call><tool_call>{"name": "lookup"}</tool_call>'
+    made = parsed.tools.message(two)
+    assert made is not None and [c["function"]["name"] for c in made[1]] == ["now", "lookup"]
+    single = body | {"parallel_tool_calls": False}
+    parsed = parse_body(Endpoint.CHAT, single, {}, ctx, codec, request_id="r", arrival_time=0.0)
+    assert parsed.tools is not None
+    made = parsed.tools.message(two)
+    assert made is not None and [c["function"]["name"] for c in made[1]] == ["now"]
     with pytest.raises(BadRequest, match="echo cannot go with a tool_choice that makes calls"):
         parse_body(
             Endpoint.CHAT, body | {"echo": True}, {}, ctx, codec, request_id="r", arrival_time=0.0

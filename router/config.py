@@ -42,8 +42,8 @@ class FrontDoorConfig:
     """Used when a request names no SLO (body, headers) and is not flex."""
     default_chat_max_tokens: int = 256
     tool_call_parser: str | None = None
-    """How the served model writes tool calls (router.tool_parsers.PARSERS: hermes), which
-    `tool_choice: "auto"` needs; None refuses "auto"."""
+    """How the served model writes tool calls (router.tool_parsers.PARSERS: hermes,
+    llama3_json), which `tool_choice: "auto"` needs; None refuses "auto"."""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):

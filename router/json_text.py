@@ -9,8 +9,9 @@ from typing import Any
 
 def loads(text: str | bytes) -> Any:
     """`json.loads` without NaN and Infinity (a ValueError, as for any other bad JSON)."""
-    return json.loads(text, parse_constant=_refuse)
+    return json.loads(text, parse_constant=refuse_constant)
 
 
-def _refuse(constant: str) -> object:
+def refuse_constant(constant: str) -> object:
+    """`parse_constant` for Python's JSON readers: NaN and Infinity are a ValueError."""
     raise ValueError(f"{constant} is not JSON")

@@ -404,3 +404,27 @@ def test_auto_streams_content_until_a_call_may_start_then_the_calls_at_the_end()
     # Nothing past "Checking." went out as content before the call was whole.
     assert chunks[1].choices[0].delta.content == "ing."
     assert w.held == {} and w.sent == {}
+
+
+def test_llama3_streams_hold_an_output_that_may_be_calls_until_it_ends() -> None:
+    llama = ToolCalling(None, None, parser=PARSERS["llama3_json"])
+    w = ChunkWriter(Endpoint.CHAT, "t8", 5, "demo", TEXT_OF, llama)
+    calls = ['{"name": "lookup", ', '"parameters": {"q": "a"}}']
+    stream = b"".join(w.text(0, p) for p in calls) + w.finish(0, Finished(RECORD))
+    stream += b"".join(w.text(1, p) for p in ["{not", " json"]) + w.finish(1, Finished(RECORD))
+    stream += b"".join(w.text(2, p) for p in ["Hi", " {there}"]) + w.finish(2, Finished(RECORD))
+    chunks = [ChatCompletionChunk.model_validate_json(d) for d in events(stream)]
+    for index, content, names, reason in (
+        (0, "", ["lookup"], "tool_calls"),
+        (1, "{not json", [], "stop"),
+        (2, "Hi {there}", [], "stop"),
+    ):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == content
+        assert [t.function.name for c in mine for t in c.delta.tool_calls or () if t.function] == (
+            names
+        )
+        assert mine[-1].finish_reason == reason
+    # Plain text goes out as it comes once it cannot be a call.
+    hi = [c.choices[0].delta.content for c in chunks if c.choices[0].index == 2]
+    assert hi[:2] == ["Hi", " {there}"]

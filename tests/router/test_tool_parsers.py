@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from router.tool_parsers import PARSERS, ParsedCalls, parse_hermes
+from router.tool_parsers import PARSERS, ParsedCalls, parse_hermes, parse_llama3_json
 
 HERMES = PARSERS["hermes"]
+LLAMA = PARSERS["llama3_json"]
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
 
 
@@ -66,6 +67,51 @@ def test_an_output_whose_calls_do_not_all_parse_is_content(block: str) -> None:
     ],
 )
 def test_a_stream_sends_as_content_only_what_cannot_start_a_call(text: str, end: int) -> None:
-    assert HERMES.content_end(text) == end
+    assert HERMES.content_end(text, 0) == end
     # Resuming from any earlier answer gives the same one.
     assert all(HERMES.content_end(text, since) == end for since in range(end + 1))
+
+
+def test_llama3_calls_are_the_whole_output() -> None:
+    one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert parse_llama3_json(one) == ParsedCalls(None, [("get_weather", '{"city": "Paris"}')])
+    tagged = f'<|python_tag|>{one}; {{"name": "now", "arguments": {{}}}}\n'
+    parsed = parse_llama3_json(tagged)
+    assert parsed is not None and [name for name, _ in parsed.calls] == ["get_weather", "now"]
+    assert parse_llama3_json('  {"name": "now"}') == ParsedCalls(None, [("now", "{}")])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather is fine.",
+        'Sure: {"name": "now", "parameters": {}}',  # text first: content
+        '{"name": "now", "parameters": {}} and then some text',
+        '{"name": "now", "parameters": [1]}',
+        '{"parameters": {}}',
+        '{"name": "now", "parameters": {"x": 1e999}}',
+        '{"name": "now", "parameters": {"x": NaN}}',
+        '{"name": "now", "parameters": {',
+        "",
+    ],
+)
+def test_llama3_output_that_is_not_all_calls_is_content(text: str) -> None:
+    assert parse_llama3_json(text) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "since", "end"),
+    [
+        ("Hello", 0, 5),
+        ("  ", 0, 0),
+        ('{"name"', 0, 0),
+        ("<|python", 0, 0),
+        ("<|python_tag|>{", 0, 0),
+        ("<b>", 0, 3),
+        ("Hello {", 5, 7),
+    ],
+)
+def test_a_llama3_stream_holds_back_an_output_that_may_be_calls(
+    text: str, since: int, end: int
+) -> None:
+    assert LLAMA.content_end(text, since) == end

@@ -11,13 +11,14 @@ import re
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from cluster.routing import BackupPolicy, FirstHop
 from replica.device import DTYPES
 
+E = TypeVar("E", bound=StrEnum)
 SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|ngram|fixed:[1-9][0-9]?)$")
 
 
@@ -42,6 +43,15 @@ class BestEffortOrder(StrEnum):
     LAPS = "laps"
     """LAPS-SD: predictable requests holding KV by shortest predicted time, then the rest by
     attained service (replica.planner.laps)."""
+
+
+def _member(kind: type[E], name: str, value: Any) -> E:
+    """`value` as a member of `kind`, or a ValueError naming the field and the members."""
+    try:
+        return kind(value)
+    except ValueError:
+        known = ", ".join(member.value for member in kind)
+        raise ValueError(f"{name} must be one of {known}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -134,15 +144,12 @@ class ClusterConfig:
             raise ValueError(f"spec_policy={self.spec_policy!r} needs a draft model")
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
-        object.__setattr__(self, "first_hop", FirstHop(self.first_hop))
-        object.__setattr__(self, "backup_policy", BackupPolicy(self.backup_policy))
-        try:
-            object.__setattr__(self, "best_effort_order", BestEffortOrder(self.best_effort_order))
-        except ValueError:
-            known = ", ".join(o.value for o in BestEffortOrder)
-            raise ValueError(
-                f"best_effort_order must be one of {known}, got {self.best_effort_order!r}"
-            ) from None
+        for name, kind in (
+            ("first_hop", FirstHop),
+            ("backup_policy", BackupPolicy),
+            ("best_effort_order", BestEffortOrder),
+        ):
+            object.__setattr__(self, name, _member(kind, name, getattr(self, name)))
         object.__setattr__(
             self,
             "tiers",
@@ -168,11 +175,7 @@ class ClusterConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     def _check_scheduler(self) -> None:
-        try:
-            object.__setattr__(self, "scheduler", SchedulerKind(self.scheduler))
-        except ValueError:
-            known = ", ".join(k.value for k in SchedulerKind)
-            raise ValueError(f"scheduler must be one of {known}, got {self.scheduler!r}") from None
+        object.__setattr__(self, "scheduler", _member(SchedulerKind, "scheduler", self.scheduler))
         if self.scheduler is SchedulerKind.SLOS:
             return
         if self.spec_policy != "none":

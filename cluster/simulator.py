@@ -67,10 +67,6 @@ _LATE_S = 1e-6
 above the judge's round-off slack (loadgen.metrics.EPS_S), so every such miss is one there."""
 
 
-ABLATION_PREFIX = "slos-"
-"""Policies named slos-<part> are slos with <part> switched off (slos+<policy> adds one)."""
-
-
 class Policy(StrEnum):
     SLOS = "slos"
     SLOS_NOROUTE = "slos-noroute"
@@ -86,11 +82,6 @@ class Policy(StrEnum):
     def is_slos(self) -> bool:
         """The controller and SlosScheduler drive it (slos, its ablations and policies)."""
         return self.value.startswith("slos")
-
-    @property
-    def is_ablation(self) -> bool:
-        """slos with one of its parts switched off."""
-        return self.value.startswith(ABLATION_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -198,18 +189,16 @@ class SimConfig:
         orders the best-effort tier by LAPS-SD and slos+goodspeed re-splits drafts by
         GOODSPEED (the planner's own settings when it has them)."""
         planner = self.planner
-        if self.policy is Policy.SLOS_LAPS and planner.laps is None:
-            planner = replace(planner, laps=LapsConfig())
-        if (
-            self.policy is Policy.SLOS_GOODSPEED
-            and planner.goodspeed is None
-            and planner.spec is not None
-        ):
-            planner = replace(planner, goodspeed=GoodspeedConfig())
         spec = planner.spec
-        if spec is None or self.policy is Policy.SLOS_NOSPEC:
-            return replace(planner, spec=None, goodspeed=None)
-        return replace(planner, spec=replace(spec, initial_acceptance=self.acceptance))
+        if spec is not None and self.policy is not Policy.SLOS_NOSPEC:
+            spec = replace(spec, initial_acceptance=self.acceptance)
+        else:
+            spec = None
+        laps = planner.laps or (LapsConfig() if self.policy is Policy.SLOS_LAPS else None)
+        goodspeed = planner.goodspeed or (
+            GoodspeedConfig() if self.policy is Policy.SLOS_GOODSPEED else None
+        )
+        return replace(planner, spec=spec, laps=laps, goodspeed=goodspeed if spec else None)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,6 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cluster.simulator import ABLATION_PREFIX
-
 Capacity = Mapping[str, Mapping[str, Mapping[str, float]]]
 Ratios = dict[str, dict[str, float | None]]
 """scenario -> replicas -> ratio."""
@@ -28,6 +26,8 @@ Ratios = dict[str, dict[str, float | None]]
 FULL = "slos"
 BASELINES = ("vllm", "sarathi")
 DISTSERVE = "distserve"
+ABLATION_PREFIX = "slos-"
+"""Policies named slos-<part> are slos with <part> switched off (slos+<policy> adds one)."""
 
 
 def geomean(values: Iterable[float | None]) -> float | None:

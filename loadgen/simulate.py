@@ -66,7 +66,7 @@ from cluster.simulator import (
 )
 from loadgen.arrivals import poisson_arrivals, trace_arrivals
 from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
-from loadgen.capacity_tables import markdown_tables, summarize
+from loadgen.capacity_tables import ABLATION_PREFIX, markdown_tables, summarize
 from loadgen.metrics import RunReport, report
 from loadgen.mixes import parse_workload
 from loadgen.plots import (
@@ -335,6 +335,8 @@ def attainment(run_report: RunReport | None, result: SimResult) -> float:
 
 DEFAULT_PROFILE = "a100-40gb-opt-7b-tp1"
 PAPER_POLICIES = (Policy.SLOS, Policy.VLLM, Policy.SARATHI, Policy.DISTSERVE)
+ABLATION_POLICIES = (Policy.SLOS, *(p for p in Policy if p.startswith(ABLATION_PREFIX)))
+"""--ablation's: slos and its variants with one part switched off."""
 PAPER_DURATION_S = 300.0
 PAPER_REL_TOL = 0.1
 START_RATES: dict[Scenario, float] = {
@@ -407,8 +409,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ablation",
         action="store_true",
-        help="policies = slos and its variants with one part off: "
-        + ",".join([Policy.SLOS, *(p for p in Policy if p.is_ablation)]),
+        help="policies = slos and its variants with one part off: " + ",".join(ABLATION_POLICIES),
     )
     parser.add_argument(
         "--duration",
@@ -680,7 +681,7 @@ def plan(args: argparse.Namespace) -> Plan:
     if paper:
         policies = list(PAPER_POLICIES)
     elif args.ablation:
-        policies = [Policy.SLOS, *(p for p in Policy if p.is_ablation)]
+        policies = list(ABLATION_POLICIES)
     else:
         policies = _parse_list(
             "--policies",

@@ -105,8 +105,8 @@ class LogitsShaper:
         if params.allowed_token_ids:
             self.banned = torch.ones(vocab, dtype=torch.bool, device=device)
             self.banned[self._ids(params.allowed_token_ids)] = False
-        recent = tokens[max(len(tokens) - num_output, len(tokens) - MAX_BAD_WORD_TOKENS) :]
-        self.output = list(recent) if params.bad_words else []
+        recent = max(len(tokens) - num_output, len(tokens) - MAX_BAD_WORD_TOKENS)
+        self.output = list(tokens[recent:]) if params.bad_words else []
         """The output's last tokens, which bad words end in (kept when the request has some)."""
         self.bias_ids = self._ids([t for t, _ in params.logit_bias])
         self.bias = torch.tensor([b for _, b in params.logit_bias], device=device)

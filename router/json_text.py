@@ -9,9 +9,12 @@ from typing import Any
 
 def loads(text: str | bytes) -> Any:
     """`json.loads` without NaN and Infinity (a ValueError, as for any other bad JSON)."""
-    return json.loads(text, parse_constant=refuse_constant)
+    return json.loads(text, parse_constant=_refuse)
 
 
-def refuse_constant(constant: str) -> object:
-    """`parse_constant` for Python's JSON readers: NaN and Infinity are a ValueError."""
+def _refuse(constant: str) -> object:
     raise ValueError(f"{constant} is not JSON")
+
+
+DECODER = json.JSONDecoder(parse_constant=_refuse)
+"""For `raw_decode`: reading one value after another out of a text, with `loads`'s rules."""

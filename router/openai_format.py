@@ -246,13 +246,15 @@ def full_response(
         choice: dict[str, Any] = {"index": index}
         finish_reason = output.record.finish_reason
         if endpoint is Endpoint.CHAT:
-            lead = echo[index].text if echo else ""
-            choice["message"] = {"role": "assistant", "content": lead + output.text}
             made = None if tools is None else tools.message(output.text)
-            if tools is not None and made is not None:
+            if made is None:
+                lead = echo[index].text if echo else ""
+                choice["message"] = {"role": "assistant", "content": lead + output.text}
+            else:
+                assert tools is not None
                 content, calls = made
                 choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                finish_reason = _tool_finish(finish_reason, tools)
+                finish_reason = tools.finish_reason(finish_reason)
             logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)
         else:
             choice["text"], logprobs = echoed(echo[index] if echo else None, output, token_text)
@@ -284,16 +286,6 @@ def full_response(
         "slos_serve": cluster_summary(records),
         **chat_prompt,
     }
-
-
-def _tool_finish(finish_reason: str | None, tools: ToolCalling) -> str | None:
-    """ "required"'s calls, made whole, end with OpenAI's "tool_calls", and so do "auto"'s
-    whatever ended the output (as vLLM reports them: a last call may lack its closing tag);
-    a named function's call ends as it did ("stop", as OpenAI and vLLM report a forced
-    call)."""
-    if tools.parser is not None:
-        return "tool_calls"
-    return "tool_calls" if tools.named is None and finish_reason == "stop" else finish_reason
 
 
 class ChunkWriter:
@@ -369,12 +361,11 @@ class ChunkWriter:
         """A chat chunk's delta: its text, or what it adds to the tool calls."""
         if self.tools is None:
             return {"content": text}
-        if self.tools.named is None:
+        if self.tools.held_to_end:
+            held = self.held[index] = self.held.get(index, "") + text
             parser = self.tools.parser
             if parser is None or not text:
-                self.held[index] = self.held.get(index, "") + text
                 return {}
-            held = self.held[index] = self.held.get(index, "") + text
             sent = self.sent.get(index, 0)
             end = parser.content_end(held, sent)
             if end <= sent:
@@ -409,18 +400,16 @@ class ChunkWriter:
         record = finished.record
         reason = record.finish_reason
         calls = b""
-        if self.tools is not None and self.tools.named is None:
+        if self.tools is not None and self.tools.held_to_end:
             text = self.held.get(index, "")
-            sent = self.sent.pop(index, 0)
             made = self.tools.message(text)
-            if made is None:
-                calls = self._rest(index, text[sent:])
-            else:
-                content, tool_calls = made
-                calls = self._rest(index, (content or "")[sent:])
-                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
+            rest = (text if made is None else made[0] or "")[self.sent.pop(index, 0) :]
+            if rest or index not in self.role_sent:  # the content not sent yet
+                calls = self._chunk([self._choice(index, "", None, delta={"content": rest})])
+            if made is not None:
+                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(made[1])]}
                 calls += self._chunk([self._choice(index, "", None, delta=delta)])
-                reason = _tool_finish(reason, self.tools)
+                reason = self.tools.finish_reason(reason)
         last = self._chunk(
             [self._choice(index, "", reason, None, finished.stop_reason)],
             service_tier=service_tier([record]),
@@ -428,13 +417,6 @@ class ChunkWriter:
         )
         self.held.pop(index, None)
         return calls + last
-
-    def _rest(self, index: int, content: str) -> bytes:
-        """A chunk of the content not sent yet (nothing when there is none and the role went
-        out)."""
-        if not content and index in self.role_sent:
-            return b""
-        return self._chunk([self._choice(index, "", None, delta={"content": content})])
 
     def done(self, records: Sequence[FinalRecord], n: int, include_usage: bool) -> bytes:
         """After every choice finished: the usage chunk if asked for, then [DONE]."""

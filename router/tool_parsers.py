@@ -59,12 +59,12 @@ def parse_hermes(text: str) -> ParsedCalls | None:
 
 def _parse_call(block: str) -> tuple[str, str] | None:
     try:
-        return _call_of(json_text.loads(block.strip()), "arguments")
+        return call_of(json_text.loads(block.strip()), "arguments")
     except ValueError:  # not JSON, or a number JSON cannot write back (1e999)
         return None
 
 
-def _call_of(made: Any, *argument_keys: str) -> tuple[str, str] | None:
+def call_of(made: Any, *argument_keys: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a decoded call; its arguments under the first of
     `argument_keys` it has (none: no arguments). Raises ValueError for numbers JSON cannot
     write (1e999 read as infinity)."""
@@ -83,13 +83,12 @@ def parse_llama3_json(text: str) -> ParsedCalls | None:
     body = body.removeprefix(PYTHON_TAG).lstrip()
     if not body.startswith("{"):
         return None
-    decoder = json.JSONDecoder(parse_constant=json_text.refuse_constant)
     calls = []
     at = 0
     try:
         while at < len(body):
-            made, at = decoder.raw_decode(body, at)
-            call = _call_of(made, "parameters", "arguments")
+            made, at = json_text.DECODER.raw_decode(body, at)
+            call = call_of(made, "parameters", "arguments")
             if call is None:
                 return None
             calls.append(call)

@@ -15,7 +15,6 @@ as objects, as HF templates take them) and the tool messages answering them.
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from typing import Any
 
 from router import json_text
 from router.errors import BadRequest, refuse_unknown
-from router.tool_parsers import ToolParser
+from router.tool_parsers import ToolParser, call_of
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -46,6 +45,21 @@ class ToolCalling:
     one_call: bool = False
     """"auto" with `parallel_tool_calls: false`: the first call only (as vLLM keeps it)."""
 
+    @property
+    def held_to_end(self) -> bool:
+        """Its calls are known only once the output is whole ("required", "auto"); a named
+        function's arguments are the output itself, sent as they come."""
+        return self.named is None
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The finish reason of an output that made calls: "required"'s, made whole, and
+        "auto"'s whatever ended the output (as vLLM reports them: a last call may lack its
+        closing tag) end with OpenAI's "tool_calls"; a named function's call ends as it did
+        ("stop", as OpenAI and vLLM report a forced call)."""
+        if self.parser is not None or (self.named is None and reason == "stop"):
+            return "tool_calls"
+        return reason
+
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
         """The content and calls of an output that made calls, or None when it made none
         (plain text, or cut short)."""
@@ -66,12 +80,11 @@ class ToolCalling:
             return [self.named_call(text)]
         try:
             made = json_text.loads(text)
-            return [
-                _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, allow_nan=False))
-                for c in made
-            ]
-        except (ValueError, TypeError, KeyError):  # a number JSON cannot hold (1e999) too
+            decoded = [call_of(c, "parameters") for c in made] if isinstance(made, list) else [None]
+        except ValueError:  # not JSON, or a number JSON cannot write back (1e999)
             return None
+        calls = [_call(*c) for c in decoded if c is not None]
+        return calls if len(calls) == len(decoded) else None
 
     def named_call(self, arguments: str) -> dict[str, Any]:
         """The named function's call with these arguments (a fresh id)."""

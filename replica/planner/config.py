@@ -22,6 +22,12 @@ def check_fraction(name: str, value: float, *, low: float, high: float) -> None:
         raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
 
 
+def _check_optional(name: str, value: object, kind: type) -> None:
+    if value is not None and not isinstance(value, kind):
+        article = "an" if kind.__name__[0] in "AEIOU" else "a"
+        raise ValueError(f"{name} must be {article} {kind.__name__} or None, got {value!r}")
+
+
 def _check_seconds(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
@@ -219,23 +225,11 @@ class PlannerConfig:
         _check_seconds("idle_period_s", self.idle_period_s)
         check_int("max_best_effort_requests", self.max_best_effort_requests, low=0)
         check_fraction("best_effort_stretch", self.best_effort_stretch, low=0.0, high=10.0)
-        if self.spec is not None and not isinstance(self.spec, SpecConfig):
-            raise ValueError(f"spec must be a SpecConfig or None, got {self.spec!r}")
-        if self.output_estimate is not None and not isinstance(
-            self.output_estimate, OutputEstimateConfig
-        ):
-            raise ValueError(
-                f"output_estimate must be an OutputEstimateConfig or None, "
-                f"got {self.output_estimate!r}"
-            )
-        if self.goodspeed is not None:
-            if not isinstance(self.goodspeed, GoodspeedConfig):
-                raise ValueError(
-                    f"goodspeed must be a GoodspeedConfig or None, got {self.goodspeed!r}"
-                )
-            if self.spec is None:
-                raise ValueError("goodspeed re-splits drafts: it needs spec (speculation)")
-        if self.laps is not None and not isinstance(self.laps, LapsConfig):
-            raise ValueError(f"laps must be a LapsConfig or None, got {self.laps!r}")
+        _check_optional("spec", self.spec, SpecConfig)
+        _check_optional("output_estimate", self.output_estimate, OutputEstimateConfig)
+        _check_optional("goodspeed", self.goodspeed, GoodspeedConfig)
+        _check_optional("laps", self.laps, LapsConfig)
+        if self.goodspeed is not None and self.spec is None:
+            raise ValueError("goodspeed re-splits drafts: it needs spec (speculation)")
         if not isinstance(self.invocation, InvocationConfig):
             raise ValueError(f"invocation must be an InvocationConfig, got {self.invocation!r}")

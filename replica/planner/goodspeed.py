@@ -53,8 +53,7 @@ class GoodspeedSplit:
     def _estimate(self, request_id: str) -> _Source:
         """A request's estimates, or the prior's for one never observed (not stored: a
         split only reads)."""
-        source = self._sources.get(request_id)
-        return source if source is not None else _Source(self._clipped(self.prior.value))
+        return self._sources.get(request_id) or _Source(self._clipped(self.prior.value))
 
     def split(
         self, plan: BatchPlan, remaining: dict[str, int], tiers: dict[str, float]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from replica.batch import BatchOutcome, BatchPlan
 from replica.planner.base import RequestState
@@ -29,13 +29,13 @@ class _Service:
     """What LAPS-SD knows of one request."""
 
     last_served: float
+    rates: deque[float]
+    """The cumulative acceptance rate after each of its latest `window` steps."""
     seconds: float = 0.0
     drafted: int = 0
     accepted: int = 0
     draft_len: int = 0
     """Drafts of its latest step (n in the time estimate)."""
-    rates: deque[float] = field(default_factory=deque)
-    """The cumulative acceptance rate after each of its latest `window` steps."""
 
 
 class LapsOrder:
@@ -59,10 +59,12 @@ class LapsOrder:
         if drafts > 0:
             self.draft_step_s = outcome.draft_s / drafts
         results = {r.request_id: r for r in outcome.outcomes}
-        window = self.config.window
         for entry in plan.entries:
             rid = entry.request_id
-            service = self._service.setdefault(rid, _Service(last_served=now))
+            service = self._service.get(rid)
+            if service is None:
+                window: deque[float] = deque(maxlen=self.config.window)
+                service = self._service[rid] = _Service(last_served=now, rates=window)
             service.seconds += outcome.total_s
             service.last_served = now
             result = results.get(rid)
@@ -73,8 +75,6 @@ class LapsOrder:
             service.accepted += result.num_accepted_tokens
             rate = service.accepted / service.drafted if service.drafted else 0.0
             service.rates.append(rate)
-            if len(service.rates) > window:
-                service.rates.popleft()
 
     def forget(self, request_id: str) -> None:
         self._service.pop(request_id, None)

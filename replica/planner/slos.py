@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from replica.batch import BatchOutcome, BatchPlan, RequestOutcome
+from replica.batch import BatchOutcome, BatchPlan, DecodeStep, RequestOutcome
 from replica.perf_model import BatchShape, BatchTimeModel, attention_pairs
 from replica.planner.admission import (
     AdmissionProblem,
@@ -457,9 +457,12 @@ class SlosScheduler(Scheduler):
         )
         if plan is not None and self.goodspeed is not None:
             states = self.queues.states
-            remaining = {e.request_id: states[e.request_id].remaining_output for e in plan.entries}
-            tiers = {rid: work.tpot_s for rid, work in self._work.items()}
-            plan = self.goodspeed.split(plan, remaining, tiers)
+            remaining = {
+                e.request_id: states[e.request_id].remaining_output
+                for e in plan.entries
+                if isinstance(e, DecodeStep) and e.num_spec_tokens
+            }
+            plan = self.goodspeed.split(plan, remaining, self.admitted)
         if plan is not None:
             self._busy_until = now + self.perf.predict(self.shape(plan))
         return plan

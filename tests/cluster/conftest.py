@@ -4,12 +4,12 @@ module on the session's Ray instance (tests/conftest.py)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from cluster.api import ClusterStatus
+from cluster.api import ClusterStatus, FinalRecord, TokenChunk
 from cluster.config import ClusterConfig
 from cluster.handle import ClusterHandle, launch
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
@@ -58,6 +58,22 @@ def cluster(
         model=str(target_dir), draft=str(draft_dir), profile=str(profile_path), num_kv_blocks=256
     )
     yield from launched(runner, config)
+
+
+async def collect(
+    stream: AsyncIterator[TokenChunk | FinalRecord], started: asyncio.Event | None = None
+) -> tuple[list[int], FinalRecord]:
+    """A request's tokens and its FinalRecord, as a client reads its stream; `started` is set
+    once a few tokens arrived."""
+    tokens: list[int] = []
+    async for item in stream:
+        if isinstance(item, TokenChunk):
+            tokens.extend(item.token_ids)
+            if started is not None and len(tokens) >= 3:
+                started.set()
+        else:
+            return tokens, item
+    raise AssertionError("the stream ended without a FinalRecord")
 
 
 def launched(runner: asyncio.Runner, config: ClusterConfig) -> Iterator[ClusterHandle]:

@@ -4,7 +4,6 @@ bad input."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -12,7 +11,7 @@ from cluster.api import ClusterStatus, FinalRecord, TokenChunk, Verdict
 from cluster.handle import ClusterHandle
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams, Tier
-from tests.cluster.conftest import greedy_reference, status_until
+from tests.cluster.conftest import collect, greedy_reference, status_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -20,16 +19,6 @@ TIGHT = SLO(ttft_ms=1500, tpot_ms=100)
 """The synthetic profile fits one such request per replica, not two."""
 CHAT = SLO(ttft_ms=3000, tpot_ms=500)
 BATCH = SLO(ttft_ms=6000, tpot_ms=1000)
-
-
-async def collect(stream: AsyncIterator[TokenChunk | FinalRecord]) -> tuple[list[int], FinalRecord]:
-    tokens: list[int] = []
-    async for item in stream:
-        if isinstance(item, TokenChunk):
-            tokens.extend(item.token_ids)
-        else:
-            return tokens, item
-    raise AssertionError("the stream ended without a FinalRecord")
 
 
 def empty(status: ClusterStatus) -> bool:

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster.api import ClusterStatus, FinalRecord, TokenChunk, Verdict
+from cluster.api import ClusterStatus, FinalRecord, Verdict
 from cluster.config import ClusterConfig, SchedulerKind, TierConfig
 from cluster.handle import ClusterHandle
 from cluster.messages import ReplicaSnapshot
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams
-from tests.cluster.conftest import all_alive, greedy_reference, launched, status_until
+from tests.cluster.conftest import all_alive, collect, greedy_reference, launched, status_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,20 +50,12 @@ def index(rid: str) -> int:
     return int(rid.split("-")[1])
 
 
-async def collect(
+async def stream_tight(
     cluster: ClusterHandle, rid: str, tokens_seen: asyncio.Event | None = None
 ) -> tuple[list[int], FinalRecord]:
     """Stream one tight request; set `tokens_seen` once a few tokens arrived."""
     req = Request(rid, prompt(index(rid)), SamplingParams(max_tokens=MAX_TOKENS), slo=TIGHT)
-    tokens: list[int] = []
-    async for item in cluster.submit(req):
-        if isinstance(item, TokenChunk):
-            tokens.extend(item.token_ids)
-            if tokens_seen is not None and len(tokens) >= 3:
-                tokens_seen.set()
-        else:
-            return tokens, item
-    raise AssertionError("the stream ended without a FinalRecord")
+    return await collect(cluster.submit(req), tokens_seen)
 
 
 def test_every_request_is_admitted_round_robin_with_the_engine_text(
@@ -72,7 +64,7 @@ def test_every_request_is_admitted_round_robin_with_the_engine_text(
     rids = [f"s-{i}" for i in range(4)]
 
     async def run() -> list[tuple[list[int], FinalRecord]]:
-        return list(await asyncio.gather(*(collect(sarathi, rid) for rid in rids)))
+        return list(await asyncio.gather(*(stream_tight(sarathi, rid) for rid in rids)))
 
     results = runner.run(run())
     for rid, (tokens, final) in zip(rids, results, strict=True):
@@ -93,8 +85,8 @@ def test_killed_replica_streams_resume_elsewhere(
 
     async def run() -> list[tuple[list[int], FinalRecord]]:
         seen = asyncio.Event()
-        tasks = [asyncio.ensure_future(collect(sarathi, rids[0], seen))]
-        tasks.append(asyncio.ensure_future(collect(sarathi, rids[1])))
+        tasks = [asyncio.ensure_future(stream_tight(sarathi, rids[0], seen))]
+        tasks.append(asyncio.ensure_future(stream_tight(sarathi, rids[1])))
         await asyncio.wait_for(seen.wait(), 60)
         snaps: list[ReplicaSnapshot] = await asyncio.gather(
             *(r.snapshot.remote() for r in sarathi.replicas)

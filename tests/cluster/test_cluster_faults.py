@@ -12,7 +12,7 @@ from cluster.api import FinalRecord, TokenChunk
 from cluster.handle import ClusterHandle
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams
-from tests.cluster.conftest import all_alive, greedy_reference, status_until
+from tests.cluster.conftest import all_alive, collect, greedy_reference, status_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,15 +29,7 @@ async def stream_with_hook(
 ) -> tuple[list[int], FinalRecord]:
     """Collect a stream; set `started` once it has delivered a few tokens."""
     req = Request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS), slo=LOOSE)
-    tokens: list[int] = []
-    async for item in cluster.submit(req):
-        if isinstance(item, TokenChunk):
-            tokens.extend(item.token_ids)
-            if len(tokens) >= 3:
-                started.set()
-        else:
-            return tokens, item
-    raise AssertionError("no FinalRecord")
+    return await collect(cluster.submit(req), started)
 
 
 async def holder(cluster: ClusterHandle, rid: str) -> int:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.api import FinalRecord, TokenChunk, Verdict
+from cluster.api import FinalRecord, Verdict
 from cluster.config import ClusterConfig
 from cluster.handle import ClusterHandle
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams, Tier
-from tests.cluster.conftest import greedy_reference, launched, write_profile
+from tests.cluster.conftest import collect, greedy_reference, launched, write_profile
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,20 +47,6 @@ def cluster(
     yield from launched(runner, config)
 
 
-async def tokens_and_final(
-    cluster: ClusterHandle, request: Request
-) -> tuple[list[int], FinalRecord]:
-    tokens: list[int] = []
-    final = None
-    async for item in cluster.submit(request):
-        if isinstance(item, TokenChunk):
-            tokens.extend(item.token_ids)
-        else:
-            final = item
-    assert final is not None
-    return tokens, final
-
-
 def test_goodspeed_and_laps_serve_the_models_own_text(
     cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
 ) -> None:
@@ -80,7 +66,7 @@ def test_goodspeed_and_laps_serve_the_models_own_text(
     ]
 
     async def run(batch: list[Request]) -> list[tuple[list[int], FinalRecord]]:
-        return await asyncio.gather(*(tokens_and_final(cluster, r) for r in batch))
+        return await asyncio.gather(*(collect(cluster.submit(r)) for r in batch))
 
     served = runner.run(run(requests[:4])) + runner.run(run(requests[4:]))
     for request, (tokens, final) in zip(requests, served, strict=True):

@@ -19,7 +19,7 @@ from cluster.routing import BackupPolicy, FirstHop
 from replica.device import DTYPES
 
 E = TypeVar("E", bound=StrEnum)
-SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|ngram|fixed:[1-9][0-9]?)$")
+SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|specserve|ngram|fixed:[1-9][0-9]?)$")
 
 
 class SchedulerKind(StrEnum):
@@ -90,7 +90,9 @@ class ClusterConfig:
     route_limit and backup_policy do not apply to them."""
     spec_policy: str = "slos"
     """none | slos (SLO-adaptive lengths) | goodspeed (slos's drafts re-split between each
-    step's requests of one tier by GOODSPEED, replica.planner.goodspeed) | ngram | fixed:k."""
+    step's requests of one tier by GOODSPEED, replica.planner.goodspeed) | specserve (slos's
+    drafts cut short by the draft's confidences, SpecServe: replica.planner.specserve) | ngram
+    | fixed:k."""
     tiers: tuple[TierConfig, ...] = ()
     route_limit: int = 2
     first_hop: FirstHop = FirstHop.ROUND_ROBIN
@@ -134,12 +136,14 @@ class ClusterConfig:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if not isinstance(self.spec_policy, str) or not SPEC_POLICY.match(self.spec_policy):
             raise ValueError(
-                "spec_policy must be none, slos, goodspeed, ngram or fixed:k (1-99), "
+                "spec_policy must be none, slos, goodspeed, specserve, ngram or fixed:k (1-99), "
                 f"got {self.spec_policy!r}"
             )
-        needs_draft = self.spec_policy in ("slos", "goodspeed") or self.spec_policy.startswith(
-            "fixed:"
-        )
+        needs_draft = self.spec_policy in (
+            "slos",
+            "goodspeed",
+            "specserve",
+        ) or self.spec_policy.startswith("fixed:")
         if needs_draft and self.draft is None:
             raise ValueError(f"spec_policy={self.spec_policy!r} needs a draft model")
         if self.route_limit < 1:

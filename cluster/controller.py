@@ -82,8 +82,9 @@ def load_profile(config: ClusterConfig) -> PerfModel:
 
 def planner_config(config: ClusterConfig) -> PlannerConfig:
     """Speculation as the planner sees it (fixed:k caps lengths at k, none disables them,
-    goodspeed re-splits them), KV reserved from observed output lengths, as the simulator
-    plans, and the best-effort tier's order."""
+    goodspeed re-splits them; specserve plans as slos, its replicas cut drafts short), KV
+    reserved from observed output lengths, as the simulator plans, and the best-effort tier's
+    order."""
     estimate = OutputEstimateConfig()
     laps = LapsConfig() if config.best_effort_order is BestEffortOrder.LAPS else None
     if config.spec_policy == "none":

@@ -24,6 +24,7 @@ import ray
 import torch
 
 from cluster.config import ClusterConfig
+from cluster.controller import load_profile
 from cluster.messages import ReplicaSnapshot, StepReport, StreamItem
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchPlan
@@ -31,6 +32,7 @@ from replica.device import compute_device
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
 from replica.model_source import model_dir
+from replica.planner.specserve import SpecServeLengths
 from replica.request import Request
 from replica.tensor_parallel import TensorParallel, join
 
@@ -122,8 +124,9 @@ def start_group(index: int, config: ClusterConfig) -> tuple[TensorParallel, list
 
 
 def build_engine(config: ClusterConfig, tp: TensorParallel | None = None) -> Engine:
-    """The engine `config.spec_policy` asks for (a draft model only when it drafts), on the
-    replica's device; with `tp`, rank 0's share of the target."""
+    """The engine `config.spec_policy` asks for (a draft model only when it drafts; SpecServe's
+    lengths priced by the profile the controller plans with), on the replica's device; with
+    `tp`, rank 0's share of the target."""
     device, dtype = engine_device(config)
     draft: str | None = None
     proposer: ProposerKind | None = None
@@ -139,6 +142,9 @@ def build_engine(config: ClusterConfig, tp: TensorParallel | None = None) -> Eng
         device=device,
         proposer=proposer,
         tp=tp,
+        specserve=SpecServeLengths(load_profile(config))
+        if config.spec_policy == "specserve"
+        else None,
     )
 
 

@@ -6,6 +6,13 @@ each request has its own alpha, drawn uniformly within `spread` of it: a draft m
 some texts far better than others. Every request draws from its own generator seeded by
 (seed, request id), so the outcome of a request's verifies does not depend on how the cluster
 interleaved it with other requests, and a run is reproducible for a seed.
+
+With a `concentration` the draft model also says how sure it is (SpecServe's premise): each
+drafted token gets a confidence c ~ Beta(alpha k, (1 - alpha) k), of mean alpha, and the target
+accepts it with probability c (calibrated confidences). Each token is still accepted with
+probability alpha, independently, so a policy that ignores confidences sees the same acceptance
+as without them; the smaller k, the more the confidences tell apart tokens the target will
+keep from those it will refuse.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import random
 
 from replica.planner.config import check_fraction
+from replica.planner.executor import leading_accepted
 
 DEFAULT_ACCEPTANCE = 0.6
 """Per-token acceptance assumed for OPT-125m drafting for OPT-7B: an assumption (the seed
@@ -20,23 +28,50 @@ papers give no measured figure for this pair), equal to the planner's prior
 (`SpecConfig.initial_acceptance`), so planner and engine start from the same value."""
 
 
+_EDGE = 1e-3
+"""A request's alpha is kept this far inside (0, 1) for its confidences' Beta law."""
+
+
 class SeededAcceptance:
     """`PerfExecutor`'s accept hook: accepted drafts of one verify, per-request streams."""
 
-    def __init__(self, alpha: float, seed: int, spread: float = 0.0) -> None:
+    def __init__(
+        self, alpha: float, seed: int, spread: float = 0.0, concentration: float | None = None
+    ) -> None:
         check_fraction("acceptance", alpha, low=0.0, high=1.0)
         check_fraction("acceptance_spread", spread, low=0.0, high=1.0)
+        if concentration is not None:
+            check_fraction("confidence_concentration", concentration, low=1e-3, high=1e6)
         self.alpha = float(alpha)
         self.spread = float(spread)
+        self.concentration = None if concentration is None else float(concentration)
         self.seed = seed
         self._streams: dict[str, tuple[random.Random, float]] = {}
 
     def __call__(self, request_id: str, drafted: int) -> int:
+        if self.concentration is not None:
+            _, accepted_each = self.draws(request_id, drafted)
+            return leading_accepted(accepted_each)
         rng, alpha = self._stream(request_id)
         accepted = 0
         while accepted < drafted and rng.random() < alpha:
             accepted += 1
         return accepted
+
+    def draws(self, request_id: str, drafted: int) -> tuple[list[float], list[bool]]:
+        """Each of `drafted` tokens' confidence and whether the target accepts it (needs a
+        `concentration`)."""
+        if self.concentration is None:
+            raise ValueError("draft confidences need a confidence_concentration")
+        rng, alpha = self._stream(request_id)
+        mean = min(1.0 - _EDGE, max(_EDGE, alpha))
+        a, b = mean * self.concentration, (1.0 - mean) * self.concentration
+        confidences, accepted = [], []
+        for _ in range(drafted):
+            c = rng.betavariate(a, b)
+            confidences.append(c)
+            accepted.append(rng.random() < c)
+        return confidences, accepted
 
     def alpha_of(self, request_id: str) -> float:
         """The request's own acceptance."""

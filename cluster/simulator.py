@@ -13,7 +13,9 @@ control: every request is admitted, in arrival order, as soon as its KV reservat
 (`PlannerConfig.laps`, replica.planner.laps) rather than oldest first; `slos+goodspeed` re-splits
 each step's drafts across its requests by GOODSPEED (`PlannerConfig.goodspeed`,
 replica.planner.goodspeed), which pays off where requests accept drafts unequally
-(`SimConfig.acceptance_spread`).
+(`SimConfig.acceptance_spread`); `slos+specserve` drafts and verifies only the drafts SpecServe
+finds worth their time from the draft's confidences (replica.planner.specserve), which the
+simulated draft gives with `SimConfig.confidence_concentration`.
 Policies `vllm` and `sarathi` have no admission: round-robin first hop, the baseline
 scheduler per replica. `distserve` splits the replicas into a prefill pool (FCFS, prefill-first,
 each request leaves after its first token) and a decode pool (the prompt's KV arrives over a
@@ -59,6 +61,7 @@ from replica.planner.executor import PerfExecutor, token_id
 from replica.planner.queues import peak_tokens
 from replica.planner.sarathi import SarathiConfig, SarathiScheduler
 from replica.planner.slos import SlosScheduler
+from replica.planner.specserve import SpecServeLengths
 from replica.planner.vllm import VllmScheduler
 from replica.request import Request, Tier
 
@@ -74,6 +77,7 @@ class Policy(StrEnum):
     SLOS_NOADMIT = "slos-noadmit"
     SLOS_LAPS = "slos+laps"
     SLOS_GOODSPEED = "slos+goodspeed"
+    SLOS_SPECSERVE = "slos+specserve"
     VLLM = "vllm"
     SARATHI = "sarathi"
     DISTSERVE = "distserve"
@@ -134,6 +138,11 @@ class SimConfig:
     acceptance_spread: float = 0.0
     """Each request's own acceptance is drawn uniformly within this of `acceptance` (clipped
     to [0, 1]): requests the draft predicts better or worse than others."""
+    confidence_concentration: float | None = None
+    """The simulated draft's confidences (cluster.sim_spec): each token's is drawn from a Beta
+    law of mean its request's acceptance and this concentration, and it is accepted with that
+    probability. None: no confidences (each token accepted with the request's acceptance);
+    slos+specserve needs them."""
     seed: int = 0
     """Seeds the draft acceptance streams."""
     prefill_replicas: int = 1
@@ -164,7 +173,13 @@ class SimConfig:
             raise ValueError(f"tick_interval_s must be > 0, got {self.tick_interval_s}")
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
-        SeededAcceptance(self.acceptance, self.seed, self.acceptance_spread)
+        SeededAcceptance(
+            self.acceptance, self.seed, self.acceptance_spread, self.confidence_concentration
+        )
+        if self.policy is Policy.SLOS_SPECSERVE and self.confidence_concentration is None:
+            raise ValueError(
+                "slos+specserve drafts by the draft's confidences: set confidence_concentration"
+            )
         if self.stop_below is not None and not 0 < self.stop_below <= 1:
             raise ValueError(f"stop_below must be in (0, 1], got {self.stop_below!r}")
         if not isinstance(self.replica_slowdown, Slowdown):
@@ -243,6 +258,12 @@ class SimResult:
     preemptions: int = 0
     preempted_tokens: int = 0
     """KV tokens the preemptions dropped, summed over replicas: work computed twice."""
+    decode_steps: int = 0
+    """Decodes executed (a request's share of a step), summed over replicas."""
+    verified_drafts: int = 0
+    """Draft tokens those decodes verified."""
+    accepted_drafts: int = 0
+    """Of those, the ones accepted."""
 
 
 def tightest_tpot_s(requests: Sequence[Request]) -> float:
@@ -341,7 +362,12 @@ class Simulator:
             route_limit=config.effective_route_limit,
             backup_policy=config.backup_policy,
         )
-        self.accept = SeededAcceptance(config.acceptance, config.seed, config.acceptance_spread)
+        self.accept = SeededAcceptance(
+            config.acceptance,
+            config.seed,
+            config.acceptance_spread,
+            config.confidence_concentration,
+        )
         self.plane: ControlPlane | None = None
         self._unadmitted: list[deque[tuple[int, Request]]] = []
         """Policy slos-noadmit: per replica, arrivals waiting for their KV reservation."""
@@ -351,10 +377,21 @@ class Simulator:
         if config.policy.is_slos:
             planner = config.planner_config()
             accept = self.accept if planner.spec is not None else None
+            specserve = config.policy is Policy.SLOS_SPECSERVE and accept is not None
             mirrors = [VirtualReplica(i, perf, cache, planner) for i in range(config.replicas)]
             self.plane = ControlPlane(mirrors, self.router)
             self.replicas = [
-                _Replica(i, PerfExecutor(truth, cache, accept), m.scheduler, m)
+                _Replica(
+                    i,
+                    PerfExecutor(
+                        truth,
+                        cache,
+                        accept,
+                        (SpecServeLengths(perf), self.accept.draws) if specserve else None,
+                    ),
+                    m.scheduler,
+                    m,
+                )
                 for i, m in enumerate(mirrors)
             ]
             self._unadmitted = [deque() for _ in mirrors]
@@ -408,6 +445,9 @@ class Simulator:
             self._busy_s,
             preemptions=sum(len(e.preemptions) for e in executors),
             preempted_tokens=sum(e.preempted_tokens for e in executors),
+            decode_steps=sum(len(e.drafted) for e in executors),
+            verified_drafts=sum(sum(e.drafted) for e in executors),
+            accepted_drafts=sum(e.accepted_drafts for e in executors),
         )
         if self._stopped:
             return replace(result, stopped=EarlyStop(len(self._missed), len(self.requests)))

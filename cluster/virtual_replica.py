@@ -22,7 +22,7 @@ from enum import StrEnum
 
 from cluster.api import ReplicaStatus
 from cluster.messages import ReplicaSnapshot, StepReport
-from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
+from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, RequestOutcome
 from replica.perf_calibration import CalibratedPerfModel, Calibration
 from replica.perf_model import PerfModel
 from replica.planner.admission import AdmissionResult
@@ -155,8 +155,11 @@ class VirtualReplica:
         return ReportFit.APPLIED
 
     def _calibrate(self, report: StepReport) -> None:
-        """Fold the step's measured seconds in, before the outcome moves the requests on
-        (the shape is the one planned). Steps without work (abort reports) say nothing."""
+        """Fold the step's measured seconds in, before the outcome moves the requests on (the
+        shape is the one executed: the plan with each decode's drafts as verified, fewer where
+        the engine cut them, spec_policy specserve; the draft work of drafts it cut after
+        making them is then not in the shape, which errs toward a slower replica). Steps
+        without work (abort reports) say nothing."""
         measured = report.outcome.total_s
         if self.perf is None or not isinstance(self.scheduler, SlosScheduler):
             return
@@ -165,7 +168,7 @@ class VirtualReplica:
         states = self.scheduler.queues.states
         if any(e.request_id not in states for e in report.plan.entries):
             return
-        self.perf.observe(self.scheduler.shape(report.plan).features(), measured)
+        self.perf.observe(self.scheduler.shape(executed(report)).features(), measured)
 
     @property
     def calibration(self) -> dict[str, float]:
@@ -228,3 +231,15 @@ class VirtualReplica:
                 BatchOutcome(outcomes=outcomes, free_blocks=snapshot.free_blocks),
                 now,
             )
+
+
+def executed(report: StepReport) -> BatchPlan:
+    """The step's plan with each decode's drafts as the engine verified them."""
+    verified = {o.request_id: o.num_draft_tokens for o in report.outcome.outcomes}
+    entries = tuple(
+        DecodeStep(e.request_id, verified.get(e.request_id, e.num_spec_tokens))
+        if isinstance(e, DecodeStep)
+        else e
+        for e in report.plan.entries
+    )
+    return BatchPlan(entries, report.plan.preempt)

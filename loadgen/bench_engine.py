@@ -217,6 +217,7 @@ def spec_run(
         "prefill_tok_s": sum(len(p) for p in prompts) / prefill_s,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_len": produced / verify_steps,
+        "drafts_per_verify": drafted / verify_steps,
         "time_split": {
             "draft": draft_s / total,
             "target": target_s / total,

@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "planner": ("loadgen.bench_planner", "planning latency over randomized calls"),
     "controller": ("loadgen.bench_controller", "routing/admission decisions per second"),
     "frontend": ("loadgen.bench_frontend", "added latency and max req/s of HTTP and gRPC"),
+    "specserve": ("loadgen.bench_specserve", "SpecServe's lengths vs slos's, draft calibration"),
 }
 
 

@@ -22,7 +22,8 @@ gap a loaded live machine opens (loadgen/RESULTS.md: the CPU cluster runs ~5x it
 
 Each run reports its replicas' busy time (`utilization`, `busy_ms_per_request`), its
 preemptions and the KV they dropped (`preemptions`, `preempted_tokens`: prefill the replicas do
-again when those requests resume), and the header a `work_bound` per scenario: the least
+again when those requests resume), its speculation (`drafts_per_decode` verified, the
+`draft_acceptance` of those), and the header a `work_bound` per scenario: the least
 replica time a request costs without speculation on the simulated replicas, whose inverse caps
 the rate any such policy sustains (a finite run can pass above it by finishing its backlog
 after the last arrival). A policy near full utilization at its capacity is out of hardware,
@@ -213,6 +214,8 @@ class Setup:
     """The draft's per-token acceptance in the simulated engine (slos and its ablations)."""
     acceptance_spread: float = 0.0
     """Each request's own acceptance lies uniformly within this of `acceptance`."""
+    confidence_concentration: float | None = None
+    """The simulated draft's confidences (SimConfig.confidence_concentration)."""
     kv_link_gb_s: float = DEFAULT_LINK_GB_S
     """distserve's KV link bandwidth."""
     window_replicas: int | None = None
@@ -311,6 +314,7 @@ class Setup:
             route_limit=self.route_limit,
             acceptance=self.acceptance,
             acceptance_spread=self.acceptance_spread,
+            confidence_concentration=self.confidence_concentration,
             seed=self.seed,
             prefill_replicas=max(1, replicas // 2),
             kv_link_gb_s=self.kv_link_gb_s,
@@ -503,6 +507,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 0: every request alike); where requests differ, slos+goodspeed re-splits "
         "the drafts toward the ones that accept",
     )
+    parser.add_argument(
+        "--draft-confidence",
+        type=positive_float,
+        metavar="CONCENTRATION",
+        help="the simulated draft says how sure it is of each token: a confidence drawn from "
+        "a Beta law of mean the request's acceptance and this concentration (smaller: more "
+        "telling), accepted with that probability, for every policy; slos+specserve needs "
+        "it (default: no confidences)",
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", type=output_file, help="write results here")
     parser.add_argument(
@@ -689,6 +702,10 @@ def plan(args: argparse.Namespace) -> Plan:
             Policy,
             f"a policy ({', '.join(policy.value for policy in Policy)})",
         )
+    if Policy.SLOS_SPECSERVE in policies and args.draft_confidence is None:
+        raise OptionError(
+            "--policies slos+specserve drafts by the draft's confidences: give --draft-confidence"
+        )
     replica_counts = _parse_list(
         "--replicas",
         "1" if args.replicas is None else args.replicas,
@@ -818,6 +835,7 @@ def run(args: argparse.Namespace) -> int:
             args.route_limit,
             acceptance=args.acceptance,
             acceptance_spread=args.acceptance_spread,
+            confidence_concentration=args.draft_confidence,
             window_replicas=window,
             baseline_perf=baseline_perf,
             slowdown=p.slowdown,
@@ -843,6 +861,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "acceptance": args.acceptance,
         "acceptance_spread": args.acceptance_spread,
+        "draft_confidence": args.draft_confidence,
         "same_window": p.same_window,
         "stop_below": p.stop_below,
         "compiled_planner": compiled.active(),
@@ -1206,6 +1225,12 @@ def _evaluate(
             else 1e3 * result.busy_s / len(result.outcomes),
             "preemptions": result.preemptions,
             "preempted_tokens": result.preempted_tokens,
+            "drafts_per_decode": result.verified_drafts / result.decode_steps
+            if result.decode_steps
+            else 0.0,
+            "draft_acceptance": result.accepted_drafts / result.verified_drafts
+            if result.verified_drafts
+            else None,
             "report": None if run_report is None else run_report.to_dict(),
         }
     )

@@ -55,6 +55,7 @@ MODULES = (
     "replica.planner.laps",
     "replica.planner.queues",
     "replica.planner.slos",
+    "replica.planner.specserve",
 )
 GROUP = "replica.planner_c"
 """mypyc's group name: the code of all of `MODULES` is one library, `replica.planner_c__mypyc`,

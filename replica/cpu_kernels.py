@@ -161,7 +161,18 @@ class CpuKernels:
             forward.restype = ctypes.c_int
             self._forward[dtype] = forward
             chain = getattr(lib, f"greedy_chain_{suffix}")
-            chain.argtypes = [ctypes.POINTER(ModelArgs), ptr, ptr, ptr, ptr, i64]
+            chain.argtypes = [
+                ctypes.POINTER(ModelArgs),
+                ptr,
+                ptr,
+                ptr,
+                ptr,
+                ptr,
+                i64,
+                ptr,
+                ptr,
+                i64,
+            ]
             chain.restype = ctypes.c_int
             self._chain[dtype] = chain
 
@@ -185,25 +196,41 @@ class CpuKernels:
         batch: array.array[int],
         steps: list[int],
         vocab: torch.Tensor | None,
-    ) -> list[list[int]]:
-        """`steps[r]` greedy tokens for request r of a `pack_batch` array whose logit rows are
-        each request's last row, every step in one C call (greedy_chain in the kernel); `vocab`
-        (int64) maps a cut head's columns to token ids. The block tables must already hold the
-        tokens the steps write."""
+        floors: list[float] | None = None,
+        table: list[float] | None = None,
+    ) -> list[tuple[list[int], list[float]]]:
+        """Up to `steps[r]` greedy tokens for request r of a `pack_batch` array whose logit rows
+        are each request's last row, with each token's softmax confidence, every step in one C
+        call (greedy_chain in the kernel); `vocab` (int64) maps a cut head's columns to token
+        ids; with `floors`, request r stops once its next token's predicted acceptance falls
+        below floors[r], from each token's chance of acceptance: its bin's in `table` (equal
+        bins of confidence), or its confidence. The block tables must already hold the tokens
+        the steps write."""
         most = max(steps)
         counts = array.array("q", steps)
-        out = array.array("q", bytes(8 * len(steps) * most))
+        out = array.array("q", [-1]) * (len(steps) * most)
+        conf = array.array("f", bytes(4 * len(steps) * most))
+        bars = None if floors is None else array.array("f", floors)
+        chances = None if table is None else array.array("f", table)
         failed = self._chain[dtype](
             model,
             batch.buffer_info()[0],
             counts.buffer_info()[0],
             None if vocab is None else vocab.data_ptr(),
+            None if bars is None else bars.buffer_info()[0],
+            None if chances is None else chances.buffer_info()[0],
+            0 if chances is None else len(chances),
             out.buffer_info()[0],
+            conf.buffer_info()[0],
             torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("greedy chain could not allocate its scratch buffers")
-        return [out[r * most : r * most + n].tolist() for r, n in enumerate(steps)]
+        chains = []
+        for r, n in enumerate(steps):
+            tokens = [t for t in out[r * most : r * most + n] if t >= 0]
+            chains.append((tokens, conf[r * most : r * most + len(tokens)].tolist()))
+        return chains
 
     def attention(
         self,

@@ -3,7 +3,8 @@
 A step is: validate the whole plan (nothing changes if any part is wrong), drop the KV of
 preempted requests, let the proposer draft tokens for speculative decodes (a draft model also
 prefills the step's prefill chunks, so its cost lands in the step the perf model charges for
-the prompt, not in a later decode), run ONE target
+the prompt, not in a later decode; with SpecServe, drafting stops and verification keeps only
+the drafts the draft's confidences make worth their time), run ONE target
 forward over the ragged batch (prefill chunks, decode tokens, verify tokens), sample or verify,
 roll both KV caches back to the accepted length and apply stop conditions.
 """
@@ -35,6 +36,8 @@ from replica.grammar_vocab import grammar_tokenizer
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.model_source import load_tokenizer, model_dir
+from replica.perf_model import BatchShape
+from replica.planner.specserve import SpecServeLengths
 from replica.request import Request
 from replica.sampling import (
     LogitsShaper,
@@ -127,11 +130,16 @@ class Engine:
         detokenize: Detokenize | None = None,
         ngram: NgramProposer | None = None,
         grammar_vocab: llguidance.LLTokenizer | None = None,
+        specserve: SpecServeLengths | None = None,
     ) -> None:
         """`grammar_vocab`: the model's vocabulary for structured output
-        (`replica.grammar_vocab.grammar_tokenizer`); None refuses requests with a grammar."""
+        (`replica.grammar_vocab.grammar_tokenizer`); None refuses requests with a grammar.
+        `specserve`: draft and verify only the drafts SpecServe's confidences find worth their
+        time (replica.planner.specserve); None: every planned draft."""
         if proposer == "draft" and draft is None:
             raise ValueError("proposer 'draft' needs a draft model")
+        if specserve is not None and proposer != "draft":
+            raise ValueError("specserve needs the draft model's confidences: proposer 'draft'")
         if proposer not in (None, "draft", "ngram"):
             raise ValueError(f"proposer must be 'draft', 'ngram' or None, got {proposer!r}")
         if draft is not None and draft.vocab_size != target.vocab_size:
@@ -145,6 +153,7 @@ class Engine:
         self.ngram = (ngram or NgramProposer()) if proposer == "ngram" else None
         self.detokenize = detokenize
         self.grammar_vocab = grammar_vocab
+        self.specserve = specserve
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
         self._seqs: dict[str, _Seq] = {}
 
@@ -160,6 +169,7 @@ class Engine:
         device: str | torch.device = "cpu",
         proposer: ProposerKind | None = None,
         tp: TensorParallel | None = None,
+        specserve: SpecServeLengths | None = None,
     ) -> Engine:
         """Load the pair from HF folders or hub repo ids (`model_source`); the target's
         tokenizer (if any) detokenizes. With `tp` this process is rank 0 of the target's
@@ -189,7 +199,7 @@ class Engine:
             proposer = "draft"
         tokenizer = load_tokenizer(target_dir)
         if tokenizer is None:
-            return cls(target, draft, proposer=proposer)
+            return cls(target, draft, proposer=proposer, specserve=specserve)
         grammar_vocab = None
         try:
             grammar_vocab = grammar_tokenizer(
@@ -203,6 +213,7 @@ class Engine:
             proposer=proposer,
             detokenize=detokenizer(tokenizer),
             grammar_vocab=grammar_vocab,
+            specserve=specserve,
         )
 
     @property
@@ -375,6 +386,7 @@ class Engine:
                     w.noise = position_noise(
                         params.seed, len(w.seq.tokens), w.num_spec + 1, self.target.vocab_size
                     )
+            floors = self._draft_floors(works, spec)
             jobs = [
                 DraftJob(
                     w.seq.request.request_id,
@@ -384,12 +396,58 @@ class Engine:
                     w.seq.generator,
                     None if w.noise is None else w.noise[: w.num_spec],
                     w.seq.shaper,
+                    floor,
                 )
-                for w in spec
+                for w, floor in zip(spec, floors, strict=True)
             ]
-            for w, proposal in zip(spec, self.draft.propose(jobs), strict=True):
+            calibration = None if self.specserve is None else self.specserve.calibration
+            for w, proposal in zip(spec, self.draft.propose(jobs, calibration), strict=True):
                 w.proposal = proposal
+            self._trim_proposals(works)
+            for w in spec:
+                if w.noise is not None:
+                    w.noise = w.noise[: len(w.proposal.tokens) + 1]
         return time.perf_counter() - start
+
+    def _shape(self, works: list[_Work], drafts: list[int]) -> BatchShape:
+        """The step as the perf model sees it, each work drafting `drafts[i]` tokens."""
+        assert self.specserve is not None
+        new_tokens = [
+            w.num_feed if isinstance(w.entry, PrefillChunk) else 1 + d
+            for w, d in zip(works, drafts, strict=True)
+        ]
+        context = [w.seq.num_computed for w in works]
+        drafting = [d for d in drafts if d > 0]
+        return BatchShape(
+            tuple(new_tokens),
+            tuple(context),
+            max(drafting, default=0),
+            len(drafting),
+            self.specserve.perf.tp,
+        )
+
+    def _draft_floors(self, works: list[_Work], spec: list[_Work]) -> list[float]:
+        """Each drafting work's SpecServe floor (0: draft all it may)."""
+        if self.specserve is None:
+            return [0.0] * len(spec)
+        shape = self._shape(works, [w.num_spec for w in works])
+        index = {id(w): i for i, w in enumerate(works)}
+        return self.specserve.draft_floors(shape, [index[id(w)] for w in spec])
+
+    def _trim_proposals(self, works: list[_Work]) -> None:
+        """Send to verification only the drafts SpecServe keeps."""
+        if self.specserve is None:
+            return
+        drafted = [len(w.proposal.tokens) for w in works]
+        drafts = {
+            i: w.proposal.confidences
+            for i, w in enumerate(works)
+            if w.proposal.tokens and w.proposal.confidences is not None
+        }
+        decodes = sum(1 for w in works if not isinstance(w.entry, PrefillChunk))
+        kept = self.specserve.verify_lengths(self._shape(works, drafted), drafts, decodes)
+        for i, n in kept.items():
+            works[i].proposal = works[i].proposal.trimmed(n)
 
     def _draft_prefill(self, works: list[_Work]) -> float:
         """Feed the draft model this step's prefill chunks; returns the seconds it took."""
@@ -465,10 +523,13 @@ class Engine:
         else:
             new = sample(token_probs(logits, params), seq.generator)
         accepted = len(new) - 1
+        if self.specserve is not None and w.proposal.confidences:
+            self.specserve.calibration.observe(w.proposal.confidences, accepted)
         # KV now holds every fed token; keep the context plus the accepted proposals.
         seq.num_computed = seq.num_computed + (w.num_feed if not proposal else 1 + accepted)
         self.cache.truncate(rid, seq.num_computed)
-        if self.draft is not None and proposal:
+        if self.draft is not None and w.num_spec > 0:
+            # Also when SpecServe kept none of the drafts: the draft cached them all.
             self.draft.rollback(rid, seq.num_computed)
         appended = self._append(seq, new)
         if seq.finish_reason is not None:

@@ -256,6 +256,17 @@ def _load_state(model_dir: Path, tp: TensorParallel | None = None) -> dict[str, 
     return state
 
 
+def _placed(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`t` on `device` in `dtype`, contiguous and 64-byte aligned. A tensor mapped from a file
+    starts wherever the file put it (safetensors 0.8 aligns to 8 bytes), and torch's CPU kernels
+    split a row differently at another alignment: the same weights then gave logits differing
+    in the 8th digit depending on the file format they were read from."""
+    placed = t.to(device=device, dtype=dtype).contiguous()
+    if placed.device.type == "cpu" and placed.data_ptr() % 64:
+        return placed.clone()
+    return placed
+
+
 def _tensor(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in state:
         raise ValueError(f"checkpoint is missing weight {name!r}")
@@ -269,7 +280,7 @@ def _build_layers(
         return _tensor(state, name).to(torch.float32)
 
     def put(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype).contiguous()
+        return _placed(t, device, dtype)
 
     if cfg.is_opt:
         return [_opt_layer(get, put, f"model.decoder.layers.{i}.") for i in range(cfg.num_layers)]
@@ -490,12 +501,12 @@ class ModelRunner:
         state = _load_state(self.model_dir, tp)
         prefix = "model.decoder." if cfg.is_opt else "model."
         embed = _tensor(state, f"{prefix}embed_tokens.weight")
-        self.embed = embed.to(device=self.device, dtype=dtype).contiguous()
+        self.embed = _placed(embed, self.device, dtype)
         self.pos_embed: torch.Tensor | None = None
         """OPT's learned position table; None for rotary models."""
         if cfg.is_opt:
             table = _tensor(state, "model.decoder.embed_positions.weight")
-            self.pos_embed = table.to(device=self.device, dtype=dtype).contiguous()
+            self.pos_embed = _placed(table, self.device, dtype)
         head = self.embed if cfg.tie_word_embeddings else state.get("lm_head.weight")
         if head is None:
             raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
@@ -511,13 +522,11 @@ class ModelRunner:
                 raise ValueError(f"head_vocab ids must be in [0, {cfg.vocab_size})")
             head = head.index_select(0, ids)
             self.head_vocab = ids.to(self.device)
-        self.lm_head = head.to(device=self.device, dtype=dtype).contiguous()
+        self.lm_head = _placed(head, self.device, dtype)
         final = "model.decoder.final_layer_norm" if cfg.is_opt else "model.norm"
-        self.final_norm = _tensor(state, f"{final}.weight").to(device=self.device, dtype=dtype)
+        self.final_norm = _placed(_tensor(state, f"{final}.weight"), self.device, dtype)
         self.final_norm_bias = (
-            _tensor(state, f"{final}.bias").to(device=self.device, dtype=dtype)
-            if cfg.is_opt
-            else None
+            _placed(_tensor(state, f"{final}.bias"), self.device, dtype) if cfg.is_opt else None
         )
         self.layers = _build_layers(state, cfg, dtype, self.device)
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -828,10 +837,20 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def greedy_chain(self, seqs: list[ForwardSeq], steps: Sequence[int]) -> list[list[int]]:
-        """`steps[i]` greedy tokens for sequence i, each fed back as the next step's input, all
-        in one C call (a draft's proposal loop). Each sequence takes default positions, no mask
-        and one logit row, and its block table already covers the tokens every step writes."""
+    def greedy_chain(
+        self,
+        seqs: list[ForwardSeq],
+        steps: Sequence[int],
+        floors: Sequence[float] | None = None,
+        table: Sequence[float] | None = None,
+    ) -> list[tuple[list[int], list[float]]]:
+        """Up to `steps[i]` greedy tokens for sequence i with their softmax confidences, each
+        fed back as the next step's input, all in one C call (a draft's proposal loop); with
+        `floors`, sequence i stops early once its next token's predicted acceptance (the
+        product of its tokens' chances so far times the last) falls below floors[i], a token's
+        chance being its confidence bin's value in `table` (equal bins over [0, 1]) or, without
+        one, its confidence. Each sequence takes default positions, no mask and one logit row,
+        and its block table already covers the tokens every step writes."""
         if not self.can_chain([len(s.token_ids) for s in seqs]):
             raise ValueError(
                 "greedy_chain needs the fused CPU forward and rows of at most "
@@ -839,6 +858,8 @@ class ModelRunner:
             )
         if len(steps) != len(seqs) or any(n < 1 for n in steps):
             raise ValueError(f"need one step count >= 1 per sequence, got {list(steps)}")
+        if floors is not None and len(floors) != len(seqs):
+            raise ValueError(f"need one floor per sequence, got {len(floors)} for {len(seqs)}")
         for s, n in zip(seqs, steps, strict=True):
             if s.num_logits != 1 or s.positions is not None or s.attn_mask is not None:
                 raise ValueError("greedy_chain sequences take default positions, no mask, 1 logit")
@@ -853,7 +874,13 @@ class ModelRunner:
         flat = self._flatten(seqs)
         assert self._fused is not None and self._paged is not None
         return self._paged.greedy_chain(
-            self.dtype, self._fused, self._pack(seqs, flat), list(steps), self.head_vocab
+            self.dtype,
+            self._fused,
+            self._pack(seqs, flat),
+            list(steps),
+            self.head_vocab,
+            None if floors is None else list(floors),
+            None if table is None else list(table),
         )
 
     def _pack(self, seqs: list[ForwardSeq], flat: _Flat) -> array.array[int]:

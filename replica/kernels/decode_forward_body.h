@@ -286,14 +286,21 @@ int FN(decode_forward)(const struct model_args *a, const int64_t *batch, float *
     return FN(run)(a, &b, logits, threads);
 }
 
-/* A draft's greedy proposals, steps[r] tokens for request r, in one call: returning to Python
- * between draft steps cost more than a small draft's forward. Step 0 runs `batch` (whose logit
- * rows are each request's last row, in request order); every later step feeds each request
- * still short of its count its previous argmax (through `vocab` when the head is cut) at the
- * next position. Block tables must already cover every token the steps write. Writes
- * out[r * max(steps) + s]; returns 1 if a buffer could not be allocated. */
+/* A draft's greedy proposals, up to steps[r] tokens for request r, in one call: returning to
+ * Python between draft steps cost more than a small draft's forward. Step 0 runs `batch` (whose
+ * logit rows are each request's last row, in request order); every later step feeds each
+ * request still short of its count its previous argmax (through `vocab` when the head is cut)
+ * at the next position. Each token's confidence is its softmax probability over the head. With
+ * `floors`, request r stops early once the predicted acceptance of its next token (the product
+ * of its tokens' chances so far times the last one, SpecServe's drafter) falls below floors[r];
+ * a token's chance is its confidence, or with `table` the acceptance table[b] of its bin b of
+ * `bins` equal bins of confidence.
+ * Block tables must already cover every token the steps write. Writes out[r * max(steps) + s]
+ * and conf[r * max(steps) + s] for the tokens made; returns 1 if a buffer could not be
+ * allocated. */
 int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int64_t *steps,
-                     const int64_t *vocab, int64_t *out, int64_t threads) {
+                     const int64_t *vocab, const float *floors, const float *table,
+                     int64_t bins, int64_t *out, float *conf, int64_t threads) {
     const struct batch first = read_batch(batch);
     const int64_t R = first.R, W = first.W, V = a->head_rows, bs = a->block_size;
     int64_t most = 0;
@@ -302,15 +309,20 @@ int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int
     /* per request: its row in the current step, then ids, positions, slots, logit rows,
      * q_start, q_len, num_cached and tables of the next step's batch */
     int64_t *next = malloc(sizeof(int64_t) * (size_t)(R * (8 + W)));
-    if (logits == NULL || next == NULL) {
+    float *accept = malloc(sizeof(float) * (size_t)R);
+    if (logits == NULL || next == NULL || accept == NULL) {
         free(logits);
         free(next);
+        free(accept);
         return 1;
     }
     int64_t *req = next, *ids = req + R, *pos = ids + R, *slots = pos + R, *rows = slots + R;
     int64_t *q_start = rows + R, *q_len = q_start + R, *cached = q_len + R, *tables = cached + R;
     int64_t active = R;
-    for (int64_t r = 0; r < R; r++) req[r] = r;
+    for (int64_t r = 0; r < R; r++) {
+        req[r] = r;
+        accept[r] = 1.0f;
+    }
     int failed = FN(run)(a, &first, logits, threads);
     for (int64_t s = 0; !failed && active > 0; s++) {
         int64_t kept = 0;
@@ -319,9 +331,17 @@ int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int
             const float *row = logits + i * V;
             int64_t best = 0;
             for (int64_t v = 1; v < V; v++) best = row[v] > row[best] ? v : best;
+            float total = 0.0f;
+            for (int64_t v = 0; v < V; v++) total += expf(row[v] - row[best]);
+            const float c = 1.0f / total;
             const int64_t token = vocab ? vocab[best] : best;
             out[r * most + s] = token;
-            if (s + 1 >= steps[r]) continue;
+            conf[r * most + s] = c;
+            int64_t bin = (int64_t)(c * (float)bins);
+            bin = bin < 0 ? 0 : (bin >= bins ? bins - 1 : bin);
+            const float chance = table ? table[bin] : c;
+            accept[r] *= chance;
+            if (s + 1 >= steps[r] || (floors && accept[r] * chance < floors[r])) continue;
             /* token s + 1 of request r: cache index (its context after step 0) + s */
             const int64_t last = first.q_start[r] + first.q_len[r] - 1;
             const int64_t at = first.num_cached[r] + first.q_len[r] + s;
@@ -344,6 +364,7 @@ int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int
     }
     free(next);
     free(logits);
+    free(accept);
     return failed;
 }
 

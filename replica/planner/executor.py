@@ -25,10 +25,13 @@ from replica.batch import (
 )
 from replica.perf_model import BatchShape, BatchTimeModel
 from replica.planner.base import CacheBudget, Scheduler
+from replica.planner.specserve import SpecServeLengths, keeps_drafting
 from replica.request import Request
 
 AcceptFn = Callable[[str, int], int]
 """(request id, drafted tokens) -> accepted drafts."""
+ConfideFn = Callable[[str, int], tuple[list[float], list[bool]]]
+"""(request id, drafted tokens) -> each draft's confidence and whether the target accepts it."""
 
 
 def token_id(request_id: str, position: int) -> int:
@@ -57,13 +60,32 @@ class _Sequence:
     stop_after: int | None = None
 
 
+def leading_accepted(accepted_each: Sequence[bool]) -> int:
+    """Drafts accepted in one verify: those before the first refusal."""
+    count = 0
+    for ok in accepted_each:
+        if not ok:
+            break
+        count += 1
+    return count
+
+
 class PerfExecutor:
     """Executes plans against a perf model; records when every token came out."""
 
-    def __init__(self, perf: BatchTimeModel, cache: CacheBudget, accept: AcceptFn | None = None):
+    def __init__(
+        self,
+        perf: BatchTimeModel,
+        cache: CacheBudget,
+        accept: AcceptFn | None = None,
+        specserve: tuple[SpecServeLengths, ConfideFn] | None = None,
+    ):
+        """`specserve`: draft and verify only the drafts SpecServe keeps, from the
+        confidences and verdicts the hook draws (it then decides acceptance, not `accept`)."""
         self.perf = perf
         self.cache = cache
         self.accept = accept
+        self.specserve = specserve
         self.sequences: dict[str, _Sequence] = {}
         self.token_times: dict[str, list[float]] = {}
         self.peak_blocks = 0
@@ -71,7 +93,9 @@ class PerfExecutor:
         self.preempted_tokens = 0
         """KV tokens preemption dropped: work a resumed request computes again."""
         self.drafted: list[int] = []
-        """Speculative tokens of every decode step executed, in order."""
+        """Speculative tokens verified by every decode step executed, in order."""
+        self.accepted_drafts = 0
+        """Of those, the ones accepted."""
 
     def add(
         self,
@@ -117,13 +141,65 @@ class PerfExecutor:
             self.sequences[rid].computed = 0
             self.preemptions.append(rid)
         self._check_memory(plan)
-        duration = self.perf.predict(self.shape(plan))
+        shape = self.shape(plan)
+        verified: dict[int, tuple[int, int]] = {}
+        if self.specserve is not None:
+            shape, verified = self._specserve(plan, shape, *self.specserve)
+        duration = self.perf.predict(shape)
         end = now + duration
-        outcomes = [self._run_entry(entry, end) for entry in plan.entries]
+        outcomes = [
+            self._run_entry(entry, end, verified.get(i)) for i, entry in enumerate(plan.entries)
+        ]
         free = self.cache.num_blocks - self._held_blocks()
         return BatchOutcome(outcomes=outcomes, target_s=duration, free_blocks=free), duration
 
-    def _run_entry(self, entry: DecodeStep | PrefillChunk, end: float) -> RequestOutcome:
+    def _specserve(
+        self, plan: BatchPlan, shape: BatchShape, lengths: SpecServeLengths, confide: ConfideFn
+    ) -> tuple[BatchShape, dict[int, tuple[int, int]]]:
+        """The step as SpecServe runs it, and each drafting entry's (drafts verified, drafts
+        accepted): the drafter stops a request below its floor, the verifier trims the rest."""
+        spec = [
+            i
+            for i, e in enumerate(plan.entries)
+            if isinstance(e, DecodeStep) and e.num_spec_tokens > 0
+        ]
+        floors = lengths.draft_floors(shape, spec)
+        draws: dict[int, tuple[list[float], list[bool]]] = {}
+        for i, floor in zip(spec, floors, strict=True):
+            entry = plan.entries[i]
+            confidences, accepted = confide(entry.request_id, shape.new_tokens[i] - 1)
+            n = 1
+            chances = lengths.calibration.chances(confidences)
+            while n < len(confidences) and keeps_drafting(chances[:n], floor):
+                n += 1
+            draws[i] = (confidences[:n], accepted[:n])
+        new_tokens = list(shape.new_tokens)
+        for i, (confidences, _) in draws.items():
+            new_tokens[i] = 1 + len(confidences)
+        drafting = [len(c) for c, _ in draws.values()]
+        drafted = BatchShape(
+            tuple(new_tokens), shape.context, max(drafting, default=0), len(drafting), shape.tp
+        )
+        decodes = sum(1 for e in plan.entries if isinstance(e, DecodeStep))
+        kept = lengths.verify_lengths(drafted, {i: c for i, (c, _) in draws.items()}, decodes)
+        verified = {}
+        for i, n in kept.items():
+            new_tokens[i] = 1 + n
+            confidences, accepted = draws[i]
+            verified[i] = (n, leading_accepted(accepted[:n]))
+            lengths.calibration.observe(confidences[:n], verified[i][1])
+        final = BatchShape(
+            tuple(new_tokens), shape.context, drafted.draft_steps, drafted.draft_batch, shape.tp
+        )
+        return final, verified
+
+    def _run_entry(
+        self,
+        entry: DecodeStep | PrefillChunk,
+        end: float,
+        verified: tuple[int, int] | None = None,
+    ) -> RequestOutcome:
+        """`verified`: SpecServe's (drafts verified, accepted) for a drafting decode."""
         rid = entry.request_id
         seq = self.sequences[rid]
         if seq.finished:
@@ -149,12 +225,12 @@ class PerfExecutor:
             remaining = seq.request.sampling.max_tokens - produced
             if drafted > remaining - 1:
                 raise ValueError(f"{rid!r} speculates {drafted} tokens with {remaining} to go")
+            if verified is not None:
+                drafted, accepted = verified
+            elif self.accept is not None and drafted > 0:
+                accepted = min(max(0, self.accept(rid, drafted)), drafted)
             self.drafted.append(drafted)
-            accepted = (
-                min(max(0, self.accept(rid, drafted)), drafted)
-                if (self.accept is not None and drafted > 0)
-                else 0
-            )
+            self.accepted_drafts += accepted
             count = accepted + 1
             if seq.stop_after is not None:
                 count = min(count, seq.stop_after - produced)

@@ -5,7 +5,10 @@ proposal's first forward feeds every known token the draft has not seen yet (the
 accepted or corrected since its last proposal), then k - 1 one-token steps; for greedy
 requests in decode-size rows all k steps run in one C call (`ModelRunner.greedy_chain`). After
 verification the engine rolls the draft cache back to the tokens that were accepted, so the
-draft never holds a rejected token.
+draft never holds a rejected token. Each proposed token carries the draft's confidence in it
+(its probability under the distribution it was chosen from), and a job with a floor stops
+early once its next token would likely be refused (SpecServe's drafter,
+replica.planner.specserve), in the C chain as in the Python loop.
 
 A draft checkpoint may ship `draft_vocab.json`: its LM head is then cut to those tokens (the
 corpus's most frequent ones, as FR-Spec does), since at batch 1 the head is a large share of
@@ -24,6 +27,7 @@ import torch
 
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
+from replica.planner.specserve import ConfidenceCalibration, keeps_drafting
 from replica.request import SamplingParams
 from replica.sampling import LogitsShaper, noisy_choice, sample, token_probs
 
@@ -59,6 +63,9 @@ class DraftJob:
     shaper: LogitsShaper | None = None
     """The request's grammar, bias, penalties, bad words and min_tokens: the draft proposes
     from logits shaped as the target's will be, which keeps its proposals acceptable."""
+    floor: float = 0.0
+    """Stop before k once the next token's predicted acceptance (the product of the
+    confidences so far times the last one) falls below this (replica.planner.specserve)."""
 
 
 @dataclass
@@ -67,6 +74,14 @@ class Proposal:
     probs: torch.Tensor | None
     """Draft distributions [k, vocab] the tokens were sampled from; None where verification
     needs none (greedy and seeded requests: they keep what the target itself chooses)."""
+    confidences: list[float] | None = None
+    """The draft's probability of each token it proposed (None: a proposer without one)."""
+
+    def trimmed(self, kept: int) -> Proposal:
+        """The proposal's first `kept` tokens."""
+        probs = None if self.probs is None else self.probs[:kept]
+        confidences = None if self.confidences is None else self.confidences[:kept]
+        return Proposal(self.tokens[:kept], probs, confidences)
 
 
 class DraftModel:
@@ -100,22 +115,35 @@ class DraftModel:
         if seqs:
             self.runner.forward(seqs)
 
-    def propose(self, jobs: list[DraftJob]) -> list[Proposal]:
-        """max(k) batched draft forwards; a request leaves the batch once it has k tokens.
-        Batches of greedy requests without logits shaping, in decode-size rows, run every
-        step in one C call. (Splitting a mixed batch into the chain and the rest was tried:
-        no faster, since both parts read all the weights at every step.)"""
+    def propose(
+        self, jobs: list[DraftJob], calibration: ConfidenceCalibration | None = None
+    ) -> list[Proposal]:
+        """At most max(k) batched draft forwards; a request leaves the batch once it has k
+        tokens or its next one falls below its floor (the chances of acceptance its tokens'
+        confidences give by `calibration`, or the confidences themselves). Batches of greedy
+        requests without logits shaping, in decode-size rows, run every step in one C call.
+        (Splitting a mixed batch into the chain and the rest was tried: no faster, since both
+        parts read all the weights at every step.)"""
         pending: list[list[int]] = []
         for job in jobs:
             cached = self.cache.num_tokens(job.request_id)
             pending.append(job.tokens[cached:])
         plain_greedy = all(j.params.greedy and j.shaper is None for j in jobs)
         if plain_greedy and self.runner.can_chain([len(p) for p in pending]):
-            return self._propose_chain(jobs, pending)
-        proposals = [Proposal(tokens=[], probs=None) for _ in jobs]
+            return self._propose_chain(jobs, pending, calibration)
+        confidences: list[list[float]] = [[] for _ in jobs]
+        proposals = [Proposal([], None, c) for c in confidences]
         prob_rows: list[list[torch.Tensor]] = [[] for _ in jobs]
         for step in range(max((j.k for j in jobs), default=0)):
-            active = [i for i, j in enumerate(jobs) if j.k > step]
+            active = [
+                i
+                for i, j in enumerate(jobs)
+                if j.k > step
+                and len(proposals[i].tokens) == step
+                and keeps_drafting(_chances(confidences[i], calibration), j.floor)
+            ]
+            if not active:
+                break
             seqs = []
             for i in active:
                 rid = jobs[i].request_id
@@ -126,15 +154,16 @@ class DraftModel:
                 )
             logits = self.runner.forward(seqs)
             greedy_choice = self._token_ids(logits.argmax(dim=-1)).tolist()
+            greedy_confidence = logits.float().softmax(dim=-1).amax(dim=-1).tolist()
             for row, i in enumerate(active):
                 job = jobs[i]
                 params = job.params
                 if params.greedy and job.shaper is None:
-                    token = greedy_choice[row]
+                    token, confidence = greedy_choice[row], greedy_confidence[row]
                 elif params.greedy:
-                    token = int(
-                        self._shaped(logits[row : row + 1], job, proposals[i].tokens).argmax()
-                    )
+                    shaped = self._shaped(logits[row : row + 1], job, proposals[i].tokens)
+                    token = int(shaped.argmax())
+                    confidence = float(shaped.float().softmax(dim=-1)[0, token])
                 else:
                     probs = self._probs(logits[row : row + 1], job, proposals[i].tokens)
                     if job.noise is not None:
@@ -142,21 +171,36 @@ class DraftModel:
                     else:
                         token = sample(probs, job.generator)[0]
                         prob_rows[i].append(probs[0])
+                    confidence = float(probs[0, token])
                 proposals[i].tokens.append(token)
+                confidences[i].append(confidence)
                 pending[i] = [token]
         for i, rows in enumerate(prob_rows):
             if rows:
                 proposals[i].probs = torch.stack(rows)
         return proposals
 
-    def _propose_chain(self, jobs: list[DraftJob], pending: list[list[int]]) -> list[Proposal]:
+    def _propose_chain(
+        self,
+        jobs: list[DraftJob],
+        pending: list[list[int]],
+        calibration: ConfidenceCalibration | None,
+    ) -> list[Proposal]:
         seqs = []
         for job, feed in zip(jobs, pending, strict=True):
             cached = self.cache.num_tokens(job.request_id)
             self.cache.append(job.request_id, len(feed) + job.k - 1)
             seqs.append(ForwardSeq(feed, self.cache.block_table(job.request_id), cached, 1))
-        chains = self.runner.greedy_chain(seqs, [j.k for j in jobs])
-        return [Proposal(tokens=chain, probs=None) for chain in chains]
+        floors = [j.floor for j in jobs] if any(j.floor > 0 for j in jobs) else None
+        table = None if floors is None or calibration is None else calibration.table()
+        chains = self.runner.greedy_chain(seqs, [j.k for j in jobs], floors, table)
+        proposals = []
+        for job, seq, (tokens, confidences) in zip(jobs, seqs, chains, strict=True):
+            # A chain stopped early wrote fewer tokens than were reserved.
+            written = seq.num_cached + len(seq.token_ids) + len(tokens) - 1
+            self.cache.truncate(job.request_id, written)
+            proposals.append(Proposal(tokens, None, confidences))
+        return proposals
 
     def _probs(self, logits: torch.Tensor, job: DraftJob, drafted: list[int]) -> torch.Tensor:
         """The distribution a draft token is drawn from, over the whole vocabulary (zero off
@@ -194,3 +238,7 @@ class DraftModel:
 
     def free(self, request_id: str) -> None:
         self.cache.free(request_id)
+
+
+def _chances(confidences: list[float], calibration: ConfidenceCalibration | None) -> list[float]:
+    return confidences if calibration is None else calibration.chances(confidences)

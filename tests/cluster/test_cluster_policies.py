@@ -1,6 +1,7 @@
-"""The seed papers' policies on a live cluster: GOODSPEED's draft split and LAPS-SD's
-best-effort order plan the real engine's steps (tests/cluster/test_control.py checks the
-planner they configure), and the text stays the model's own."""
+"""The seed papers' policies on a live cluster: GOODSPEED's draft split (or SpecServe's
+confidence-cut drafts on the replica) and LAPS-SD's best-effort order run the real engine's
+steps (tests/cluster/test_control.py checks the planner they configure), and the text stays
+the model's own."""
 
 from __future__ import annotations
 
@@ -23,15 +24,17 @@ CHAT = SLO(ttft_ms=3000, tpot_ms=250)
 LOOSE = SLO(ttft_ms=3000, tpot_ms=500)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["goodspeed", "specserve"])
 def cluster(
+    request: pytest.FixtureRequest,
     ray_session: None,
     runner: asyncio.Runner,
     target_dir: Path,
     draft_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ClusterHandle]:
-    """One replica whose profile makes drafts and tokens cheap, so its steps speculate."""
+    """One replica whose profile makes drafts and tokens cheap, so its steps speculate (a
+    verify token still costs 4 ms, enough for SpecServe to cut unlikely drafts)."""
     profile = write_profile(
         tmp_path_factory.mktemp("cheap-drafts") / "p.json", tokens=0.004, draft_steps=1e-3
     )
@@ -41,13 +44,13 @@ def cluster(
         profile=str(profile),
         num_kv_blocks=256,
         replicas=1,
-        spec_policy="goodspeed",
+        spec_policy=request.param,
         best_effort_order="laps",
     )
     yield from launched(runner, config)
 
 
-def test_goodspeed_and_laps_serve_the_models_own_text(
+def test_seed_policies_serve_the_models_own_text(
     cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
 ) -> None:
     # Admitted requests of two tiers speculate (different lengths GOODSPEED may re-split),

@@ -149,9 +149,16 @@ def chatbot(n: int, rate: float, seed: int) -> list[SimRequest]:
     return simulate.sim_requests(workload)
 
 
+def confident(policy: Policy) -> float | None:
+    """The draft confidences a policy needs (slos+specserve drafts by them)."""
+    return 2.0 if policy is Policy.SLOS_SPECSERVE else None
+
+
 @pytest.mark.parametrize("policy", list(Policy))
 def test_runs_are_deterministic(policy: Policy) -> None:
-    config = SimConfig(policy=policy, replicas=2, num_kv_blocks=2048)
+    config = SimConfig(
+        policy=policy, replicas=2, num_kv_blocks=2048, confidence_concentration=confident(policy)
+    )
     first = Simulator(A100, chatbot(40, 6.0, 1), config).run()
     second = Simulator(A100, chatbot(40, 6.0, 1), config).run()
     assert first.outcomes == second.outcomes and first.steps == second.steps
@@ -168,7 +175,12 @@ def test_the_schedule_does_not_depend_on_output_len_until_a_request_ends(policy:
     def run(a_len: int) -> dict:
         requests = [sim_request("a", 30, 0.0, a_len), sim_request("b", 40, 0.005, 20)]
         replicas = 2 if policy is Policy.DISTSERVE else 1
-        config = SimConfig(policy=policy, replicas=replicas, kv_bytes_per_token=1e6)
+        config = SimConfig(
+            policy=policy,
+            replicas=replicas,
+            kv_bytes_per_token=1e6,
+            confidence_concentration=confident(policy),
+        )
         return times(requests, config)
 
     short, long = run(5), run(40)

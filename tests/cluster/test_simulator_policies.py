@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, replace
 
@@ -139,6 +140,48 @@ def test_goodspeed_policy_plans_with_goodspeed_and_serves_every_token() -> None:
     assert [len(got[r.request.request_id]) for r in requests] == [r.output_len for r in requests]
     plain = times(run(requests, replace(config, policy=Policy.SLOS), A100))
     assert got != plain, "the drafts moved, so some tokens came out at other times"
+
+
+def test_confidences_keep_each_requests_acceptance_and_its_stream() -> None:
+    """Drawn confidences average the request's alpha and are accepted at their own value, so
+    each draft is still accepted with probability alpha; a policy that ignores them verifies
+    from the same per-request streams."""
+    sure = SeededAcceptance(0.6, 3, concentration=2.0)
+    draws = [sure.draws(f"r{i}", 8) for i in range(300)]
+    confidences = [c for cs, _ in draws for c in cs]
+    assert 0.57 < sum(confidences) / len(confidences) < 0.63
+    accepted = [ok for _, oks in draws for ok in oks]
+    assert 0.57 < sum(accepted) / len(accepted) < 0.63
+    low = [ok for cs, oks in draws for c, ok in zip(cs, oks, strict=True) if c < 0.3]
+    high = [ok for cs, oks in draws for c, ok in zip(cs, oks, strict=True) if c > 0.9]
+    assert sum(low) / len(low) < 0.2 < 0.9 < sum(high) / len(high)
+    again = SeededAcceptance(0.6, 3, concentration=2.0)
+    _, first = again.draws("r0", 8)
+    assert SeededAcceptance(0.6, 3, concentration=2.0)("r0", 8) == sum(
+        1 for _ in itertools.takewhile(bool, first)
+    )
+    with pytest.raises(ValueError, match="need a confidence_concentration"):
+        SeededAcceptance(0.6, 3).draws("r0", 2)
+    with pytest.raises(ValueError, match="confidence_concentration"):
+        SeededAcceptance(0.6, 3, concentration=0.0)
+
+
+def test_specserve_policy_needs_confidences_and_verifies_fewer_drafts() -> None:
+    with pytest.raises(ValueError, match="set confidence_concentration"):
+        SimConfig(policy=Policy.SLOS_SPECSERVE)
+    config = SimConfig(policy=Policy.SLOS_SPECSERVE, confidence_concentration=1.0)
+    assert config.planner_config() == replace(config, policy=Policy.SLOS).planner_config()
+    requests = chatbot(40, 4.0, 0)
+    specserve = run(requests, config, A100)
+    got = times(specserve)
+    assert [len(got[r.request.request_id]) for r in requests] == [r.output_len for r in requests]
+    assert times(run(requests, config, A100)) == got, "deterministic for a seed"
+    plain = run(requests, replace(config, policy=Policy.SLOS), A100)
+    runs = {"specserve": specserve.result, "slos": plain.result}
+    verified = {name: r.verified_drafts / r.decode_steps for name, r in runs.items()}
+    assert verified["specserve"] < verified["slos"]
+    accepted = {name: r.accepted_drafts / r.verified_drafts for name, r in runs.items()}
+    assert accepted["specserve"] > accepted["slos"], "the drafts dropped were the unlikely ones"
 
 
 def test_distserve_reproduces_a_hand_computed_schedule_with_a_queued_kv_link() -> None:

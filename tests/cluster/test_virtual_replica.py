@@ -12,8 +12,10 @@ from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep
 from replica.perf_model import BatchShape, PerfModel
 from replica.planner.base import CacheBudget
+from replica.planner.config import PlannerConfig, SpecConfig
 from replica.planner.executor import PerfExecutor
 from replica.planner.sarathi import SarathiConfig
+from replica.planner.specserve import SpecServeLengths
 from replica.planner.vllm import VllmConfig
 from replica.request import SLO, Request, SamplingParams, Tier
 from tests.cluster.conftest import write_profile
@@ -224,6 +226,34 @@ def test_steps_as_predicted_keep_every_factor_at_one(perf: PerfModel) -> None:
         vr.admit(request, 0.0)
         executor.add(request)
     run_steps(vr, executor, 0.0, 500)
+    assert vr.calibration and set(vr.calibration.values()) == {1.0}
+
+
+def test_calibration_prices_the_drafts_the_engine_verified(tmp_path: Path) -> None:
+    """A SpecServe replica verifies fewer drafts than planned: timed exactly by the profile,
+    its steps keep every factor at 1 (priced as planned they would look faster)."""
+    perf = PerfModel.load(
+        write_profile(tmp_path / "p.json", const=0.01, tokens=0.01, draft_steps=0)
+    )
+    planner = PlannerConfig(spec=SpecConfig())
+    vr = VirtualReplica(0, perf, CACHE, planner, calibrate=True)
+
+    def unsure(_rid: str, k: int) -> tuple[list[float], list[bool]]:
+        return [0.95] + [0.05] * (k - 1), [True] * k
+
+    executor = PerfExecutor(perf, CACHE, specserve=(SpecServeLengths(perf), unsure))
+    for request in requests(3):
+        # Tighter than a plain step: the planner speculates to keep up.
+        request = replace(request, slo=SLO(ttft_ms=2000, tpot_ms=10))
+        vr.admit(request, 0.0)
+        executor.add(request)
+    now, planned = 0.0, []
+    while (plan := vr.next_plan(now)) is not None:
+        planned += [e.num_spec_tokens for e in plan.entries if isinstance(e, DecodeStep)]
+        outcome, duration = executor.execute(plan, now)
+        now += duration
+        vr.apply(StepReport(0, vr.incarnation, vr.seq + 1, plan, outcome, now))
+    assert max(planned) > 1 and max(executor.drafted) == 1, "planned several, verified one"
     assert vr.calibration and set(vr.calibration.values()) == {1.0}
 
 

@@ -33,7 +33,7 @@ CPU_BASELINES = {
 }
 """Baseline config: (the slos config it is compared with, its scheduler, its profile when it
 differs: the CPU profile measured without a draft; the analytic GPU profile has none to drop)."""
-ALL_CONFIGS = ["serve-cpu.yaml", *CPU_BASELINES, *GPU_CONFIGS]
+ALL_CONFIGS = ["serve-cpu.yaml", "serve-cpu-specserve.yaml", *CPU_BASELINES, *GPU_CONFIGS]
 
 
 def load(name: str) -> dict[str, Any]:
@@ -91,6 +91,19 @@ def test_cpu_default_serves_the_demo_pair_locally() -> None:
     assert cfg.draft is not None
     assert (ROOT / cfg.model / "config.json").exists()
     assert (ROOT / cfg.draft / "config.json").exists()
+
+
+def test_specserve_config_differs_from_the_default_in_its_spec_policy_only() -> None:
+    config, default = load("serve-cpu-specserve.yaml"), load("serve-cpu.yaml")
+    cfg = ClusterConfig.from_dict(app_args(config)["cluster"])
+    slos = ClusterConfig.from_dict(app_args(default)["cluster"])
+    assert cfg == dataclasses.replace(slos, spec_policy="specserve")
+    assert {k: v for k, v in config.items() if k != "applications"} == {
+        k: v for k, v in default.items() if k != "applications"
+    }
+    assert {k: v for k, v in app_args(config).items() if k != "cluster"} == {
+        k: v for k, v in app_args(default).items() if k != "cluster"
+    }
 
 
 @pytest.mark.parametrize(("name", "compared"), {**CPU_BASELINES, **GPU_BASELINES}.items())

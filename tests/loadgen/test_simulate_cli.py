@@ -484,3 +484,22 @@ def test_acceptance_options_outside_zero_to_one_are_refused(
         with pytest.raises(SystemExit):
             cli.main(["simulate", "--rate", "1", option, value])
         assert f"argument {option}: {why}, got '{value}'" in capsys.readouterr().err
+
+
+def test_specserve_needs_draft_confidences_and_reports_its_speculation(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"slos\+specserve .* give --draft-confidence"):
+        simulate.plan(parse("--rate", "1", "--policies", "slos,slos+specserve"))
+    out = tmp_path / "specserve.json"
+    args = parse(
+        *("--rate", "2", "--duration", "6", "--scenario", "chatbot"),
+        *("--policies", "slos,slos+specserve,vllm", "--draft-confidence", "2"),
+        *("--json", str(out)),
+    )
+    assert simulate.run(args) == 0
+    data = json.loads(out.read_text())
+    assert data["draft_confidence"] == 2.0
+    runs = {r["policy"]: r for r in data["runs"]}
+    assert runs["vllm"]["drafts_per_decode"] == 0.0 and runs["vllm"]["draft_acceptance"] is None
+    for policy in ("slos", "slos+specserve"):
+        assert runs[policy]["drafts_per_decode"] > 0
+        assert 0 < runs[policy]["draft_acceptance"] <= 1

@@ -21,6 +21,7 @@ from replica.model_runner import (
     _fits_fused,
     _Flat,
 )
+from replica.planner.specserve import acceptance_products, keeps_drafting
 from replica.spec.draft import load_draft_vocab
 
 kernel = cpu_kernels.load()
@@ -227,7 +228,8 @@ def test_greedy_chain_equals_stepping_the_fused_forward(
     dtype: torch.dtype, draft_dir: Path
 ) -> None:
     """Every step of the C loop (cut head, rows of 1-3 catch-up tokens, a different step count
-    per request) gives the argmax one fused forward per step gives, and writes the same KV."""
+    per request) gives the argmax one fused forward per step gives, with its softmax
+    probability as the confidence, and writes the same KV."""
     vocab = load_draft_vocab(draft_dir)
     runners = [ModelRunner(draft_dir, num_blocks=32, dtype=dtype, head_vocab=vocab) for _ in "ab"]
     prompts = {
@@ -245,6 +247,7 @@ def test_greedy_chain_equals_stepping_the_fused_forward(
     seqs = [ForwardSeq(feeds[rid], cache.block_table(rid), len(prompts[rid]), 1) for rid in "xyz"]
     got = chained.greedy_chain(seqs, [steps[rid] for rid in "xyz"])
     want: dict[str, list[int]] = {rid: [] for rid in "xyz"}
+    sure: dict[str, list[float]] = {rid: [] for rid in "xyz"}
     pending = dict(feeds)
     cached = {rid: len(p) for rid, p in prompts.items()}
     for step in range(max(steps.values())):
@@ -253,14 +256,63 @@ def test_greedy_chain_equals_stepping_the_fused_forward(
             ForwardSeq(pending[rid], caches[1].block_table(rid), cached[rid], 1) for rid in live
         ]
         assert vocab is not None
-        tokens = [vocab[c] for c in stepped.forward(batch).argmax(-1).tolist()]
-        for rid, token in zip(live, tokens, strict=True):
+        logits = stepped.forward(batch)
+        tokens = [vocab[c] for c in logits.argmax(-1).tolist()]
+        for rid, token, p in zip(live, tokens, logits.softmax(-1).amax(-1).tolist(), strict=True):
             want[rid].append(token)
+            sure[rid].append(p)
             cached[rid] += len(pending[rid])
             pending[rid] = [token]
-    assert got == [want[rid] for rid in "xyz"]
-    assert all(len(g) == steps[rid] for g, rid in zip(got, "xyz", strict=True))
+    assert [tokens for tokens, _ in got] == [want[rid] for rid in "xyz"]
+    assert all(len(g) == steps[rid] for (g, _), rid in zip(got, "xyz", strict=True))
+    for (_, confidences), rid in zip(got, "xyz", strict=True):
+        assert confidences == pytest.approx(sure[rid], rel=1e-4)
     assert torch.equal(chained.kv, stepped.kv)
+
+
+@needs_kernel
+@pytest.mark.parametrize("calibrated", [False, True], ids=["confidences", "calibrated"])
+def test_greedy_chain_stops_a_request_below_its_floor(draft_dir: Path, calibrated: bool) -> None:
+    """With floors, each request's chain ends where SpecServe's drafter rule (the Python
+    `keeps_drafting`, on the tokens' confidences or on their bins' chances in a calibration
+    table) says, and its tokens are the first ones of the full chain."""
+    runner = ModelRunner(draft_dir, num_blocks=32, head_vocab=load_draft_vocab(draft_dir))
+    cache = KVCacheManager(runner.num_blocks)
+    prompts = {
+        rid: [(i * 13 + n) % 3000 + 5 for i in range(20 + 5 * n)] for n, rid in enumerate("xy")
+    }
+    for rid, prompt in prompts.items():
+        cache.append(rid, len(prompt) - 1)
+        runner.forward([ForwardSeq(prompt[:-1], cache.block_table(rid), 0)])
+        cache.append(rid, 8)
+    table = [0.3 + 0.07 * b for b in range(10)] if calibrated else None
+
+    def chain(floors: list[float] | None) -> list[tuple[list[int], list[float]]]:
+        seqs = [
+            ForwardSeq([p[-1]], cache.block_table(rid), len(p) - 1, 1) for rid, p in prompts.items()
+        ]
+        return runner.greedy_chain(seqs, [8, 8], floors, table)
+
+    def chances(confidences: list[float]) -> list[float]:
+        return confidences if table is None else [table[min(9, int(c * 10))] for c in confidences]
+
+    full = chain(None)
+    # Floors between the requests' predicted acceptances, so each stops somewhere inside.
+    floors = []
+    for _, confidences in full:
+        odds = chances(confidences)
+        products = acceptance_products(odds)
+        predicted = sorted(p * c for p, c in zip(products, odds, strict=True))
+        floors.append((predicted[3] + predicted[4]) / 2)
+    stopped = chain(floors)
+    for (tokens, confidences), (short, short_conf), floor in zip(
+        full, stopped, floors, strict=True
+    ):
+        n = 1
+        while n < len(confidences) and keeps_drafting(chances(confidences)[:n], floor):
+            n += 1
+        assert short == tokens[:n] and short_conf == pytest.approx(confidences[:n])
+        assert 1 <= n < 8
 
 
 @needs_kernel

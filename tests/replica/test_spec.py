@@ -7,15 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
+from replica.batch import BatchOutcome, BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
+from replica.perf_model import PerfModel
+from replica.planner.specserve import SpecServeLengths
 from replica.request import Request, SamplingParams, Tier
 from replica.sampling import position_noise
 from replica.spec.draft import DRAFT_VOCAB_FILE, DraftJob, DraftModel, load_draft_vocab
 from replica.spec.ngram import NgramProposer
 from replica.spec.verify import verify_choices, verify_stochastic
-from tests.replica.engine_runs import load_detokenizer
+from tests.replica.engine_runs import load_detokenizer, run
 
 # Chi-square critical value for 5 degrees of freedom at p = 0.001.
 CHI2_CRITICAL_DF5 = 20.52
@@ -421,3 +423,60 @@ def test_prompt_logprobs_come_once_from_every_prompt_position(
             <= lp.rank
             <= (expected[i] > expected[i, prompt[i + 1]] - 1e-4).sum().item() + 1
         )
+
+
+COSTLY_VERIFY = PerfModel.synthetic({"const": 0.001, "tokens": 0.01})
+"""A verify token costs ten steps' overhead: SpecServe keeps only drafts the draft is sure of."""
+
+
+def _specserve_engine(runners: tuple[ModelRunner, ModelRunner]) -> Engine:
+    target, draft = runners
+    return Engine(target, draft, proposer="draft", specserve=SpecServeLengths(COSTLY_VERIFY))
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["c-chain", "python-loop"])
+def test_specserve_keeps_greedy_output_and_verifies_fewer_drafts(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    chained: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Drafts cut short by the drafter's floor and the verifier's trim change no greedy token,
+    on the fused C chain and on the Python loop (which a shaped request takes)."""
+    engine = _specserve_engine(runners)
+    if not chained:
+        monkeypatch.setattr(runners[1], "can_chain", lambda _q: False)
+    verified: list[int] = []
+    step = engine.step
+
+    def counting(plan: BatchPlan) -> BatchOutcome:
+        outcome = step(plan)
+        verified.extend(o.num_draft_tokens for o in outcome.outcomes if o.num_draft_tokens)
+        return outcome
+
+    monkeypatch.setattr(engine, "step", counting)
+    assert _generate(engine, prompts, [6] * len(prompts)) == baseline
+    assert verified and min(verified) < 6, "nothing was trimmed"
+
+
+def test_specserve_keeps_a_seeds_tokens(
+    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]
+) -> None:
+    """A seeded request's verify reuses the drafter's noise rows, cut to the drafts kept; an
+    unseeded one verifies against the draft distributions of the drafts kept."""
+    outputs = []
+    for engine, ks in ((_engine(runners, None), [0]), (_specserve_engine(runners), [5])):
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5, ignore_eos=True)
+        outputs.append(run(engine, Request("s", prompts[2], params, tier=Tier.BEST_EFFORT), ks)[0])
+    assert outputs[0] == outputs[1]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True)
+    request = Request("u", prompts[2], params, tier=Tier.BEST_EFFORT)
+    assert len(run(_specserve_engine(runners), request, [5])[0]) == MAX_TOKENS
+
+
+def test_specserve_needs_the_draft_models_confidences(
+    runners: tuple[ModelRunner, ModelRunner],
+) -> None:
+    with pytest.raises(ValueError, match="specserve needs the draft model's confidences"):
+        Engine(runners[0], proposer="ngram", specserve=SpecServeLengths(COSTLY_VERIFY))

@@ -1,0 +1,160 @@
+"""SpecServe's confidence-driven speculation lengths (seed paper 001).
+
+The SLOs-Serve planner sizes each decode's drafts from one acceptance rate for all tokens. The
+draft model knows more once it has drafted: with c_j the chance the target accepts draft j
+given its confidence in it, the j-th draft of a request is accepted with probability
+AR_j = c_1 ... c_j, and a step yields NAT = B + sum_j AR_j tokens (B decodes, each with its
+bonus token). SpecServe keeps, of the planned drafts, those that raise the step's estimated
+goodput NAT / T, with T the perf model's step time:
+
+- the verifier drops the draft with the smallest AR (always a request's last: ARs only shrink
+  along a request) while NAT / T grows, down to one per request: a draft the target will
+  likely refuse still costs a verify slot, and where the step is compute-bound that slot
+  slows every request in it;
+- the drafter stops a request early, before its planned length, once the predicted AR of its
+  next draft (AR_last x c_last, the product form, since the paper's raw c_last overestimates)
+  falls below that draft's marginal worth: the last verified step's goodput times what one
+  more verify token costs this step.
+
+SpecServe takes the draft's softmax probability as c_j, calibrated (its Fig. 7). A small draft's
+is not: the demo draft's greedy drafts of confidence below 0.1 were accepted 3 times in 4
+(`slos-serve bench specserve`), since a flat distribution can still have the target's argmax on
+top. So c_j is learned per confidence bin from the verifies (`ConfidenceCalibration`), and a
+calibrated draft keeps its own values.
+
+Dropping a draft never adds time, and it only forgoes a token the model expects to lose; the
+planner, which charged the whole plan, sees the progress actually made and plans the next step
+from it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+
+from replica.perf_model import BatchShape, BatchTimeModel
+
+
+def acceptance_products(chances: Sequence[float]) -> list[float]:
+    """AR_j = c_1 ... c_j: the chance the target accepts draft j (and so all before it)."""
+    products = []
+    running = 1.0
+    for c in chances:
+        running *= c
+        products.append(running)
+    return products
+
+
+def keeps_drafting(chances: Sequence[float], floor: float) -> bool:
+    """Whether the drafter proposes one more token after drafts accepted with `chances`: the
+    first always, a later one while its predicted acceptance (their product times the last)
+    clears `floor` (the kernel's greedy_chain applies the same rule in C)."""
+    if floor <= 0.0 or not chances:
+        return True
+    return acceptance_products(chances)[-1] * chances[-1] >= floor
+
+
+class ConfidenceCalibration:
+    """The chance the target accepts a draft, per bin of the draft's confidence, from the
+    verifies seen: judged drafts (up to the first refusal) count, each bin starting from its
+    own confidence as a prior and forgetting by halving once it has seen `window` drafts."""
+
+    def __init__(self, bins: int = 10, prior_weight: float = 4.0, window: int = 4000) -> None:
+        self.bins = bins
+        self.window = window
+        self.judged = [prior_weight] * bins
+        self.accepted = [prior_weight * (b + 0.5) / bins for b in range(bins)]
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.bins - 1, max(0, int(confidence * self.bins)))
+
+    def table(self) -> list[float]:
+        """Each bin's acceptance, lowest confidences first (what the C drafter looks up)."""
+        return [a / j for a, j in zip(self.accepted, self.judged, strict=True)]
+
+    def chances(self, confidences: Sequence[float]) -> list[float]:
+        table = self.table()
+        return [table[self._bin(c)] for c in confidences]
+
+    def observe(self, confidences: Sequence[float], accepted: int) -> None:
+        """One verify of drafts made with `confidences`, `accepted` of them accepted."""
+        judged = min(len(confidences), accepted + 1)
+        for j in range(judged):
+            b = self._bin(confidences[j])
+            self.judged[b] += 1.0
+            if j < accepted:
+                self.accepted[b] += 1.0
+            if self.judged[b] > self.window:
+                self.judged[b] /= 2.0
+                self.accepted[b] /= 2.0
+
+
+class SpecServeLengths:
+    """The verifier's and the drafter's lengths over one perf model; keeps the last verified
+    step's goodput estimate as the drafter's bar, and the calibration of confidences."""
+
+    def __init__(self, perf: BatchTimeModel, calibration: ConfidenceCalibration | None = None):
+        self.perf = perf
+        self.calibration = calibration if calibration is not None else ConfidenceCalibration()
+        self.rate = 0.0
+        """Estimated tokens per second of the last verified step (0: none yet, draft all)."""
+
+    def draft_floors(self, shape: BatchShape, decodes: Sequence[int]) -> list[float]:
+        """For each entry index in `decodes` (as planned, with all its drafts), the least
+        predicted acceptance its next draft needs to be worth drafting: the last step's goodput
+        times the verify time that draft adds."""
+        if self.rate <= 0.0:
+            return [0.0] * len(decodes)
+        full = self.perf.predict(shape)
+        floors = []
+        for i in decodes:
+            n = shape.new_tokens[i]
+            if n <= 1:
+                floors.append(0.0)
+                continue
+            saved = full - self.perf.predict(_with_tokens(shape, i, n - 1))
+            floors.append(self.rate * max(0.0, saved))
+        return floors
+
+    def verify_lengths(
+        self, shape: BatchShape, drafts: Mapping[int, Sequence[float]], decodes: int
+    ) -> dict[int, int]:
+        """How many of its drafts each entry in `drafts` (entry index -> the draft's confidence
+        in each) sends to verification: at least its first, so every confidence keeps being
+        judged (a calibration that thought a bin hopeless would otherwise never learn it was
+        wrong). `shape` is the step as drafted; `decodes`: the step's decodes, each worth its
+        bonus token. Records the kept step's goodput for the drafter (a step of prefills alone
+        says nothing of it)."""
+        kept = {i: len(c) for i, c in drafts.items()}
+        products = {i: acceptance_products(self.calibration.chances(c)) for i, c in drafts.items()}
+        nat = float(decodes)
+        for p in products.values():
+            nat += math.fsum(p)
+        seconds = self.perf.predict(shape)
+        heap = [(p[-1], i) for i, p in products.items() if len(p) > 1]
+        heapq.heapify(heap)
+        while heap:
+            ar, i = heap[0]
+            trimmed = _with_tokens(shape, i, shape.new_tokens[i] - 1)
+            trimmed_s = self.perf.predict(trimmed)
+            if (nat - ar) * seconds <= nat * trimmed_s:
+                break
+            heapq.heappop(heap)
+            shape, seconds, nat = trimmed, trimmed_s, nat - ar
+            kept[i] -= 1
+            if kept[i] > 1:
+                heapq.heappush(heap, (products[i][kept[i] - 1], i))
+        if decodes > 0 and seconds > 0:
+            self.rate = nat / seconds
+        return kept
+
+
+def _with_tokens(shape: BatchShape, index: int, tokens: int) -> BatchShape:
+    """`shape` with entry `index` feeding `tokens` query tokens (the draft work stays: it is
+    done by the time the verifier decides)."""
+    new_tokens = list(shape.new_tokens)
+    new_tokens[index] = tokens
+    return BatchShape(
+        tuple(new_tokens), shape.context, shape.draft_steps, shape.draft_batch, shape.tp
+    )

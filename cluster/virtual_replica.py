@@ -157,9 +157,9 @@ class VirtualReplica:
     def _calibrate(self, report: StepReport) -> None:
         """Fold the step's measured seconds in, before the outcome moves the requests on (the
         shape is the one executed: the plan with each decode's drafts as verified, fewer where
-        the engine cut them, spec_policy specserve; the draft work of drafts it cut after
-        making them is then not in the shape, which errs toward a slower replica). Steps
-        without work (abort reports) say nothing."""
+        the engine made or kept fewer: near max_tokens, a short n-gram match, SpecServe's cuts;
+        the draft work of drafts cut after they were made is then not in the shape, which errs
+        toward a slower replica). Steps without work (abort reports) say nothing."""
         measured = report.outcome.total_s
         if self.perf is None or not isinstance(self.scheduler, SlosScheduler):
             return

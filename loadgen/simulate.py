@@ -706,6 +706,10 @@ def plan(args: argparse.Namespace) -> Plan:
         raise OptionError(
             "--policies slos+specserve drafts by the draft's confidences: give --draft-confidence"
         )
+    if args.draft_confidence is not None and not 1e-3 <= args.draft_confidence <= 1e6:
+        raise OptionError(
+            f"--draft-confidence must be in [0.001, 1e6], got {args.draft_confidence}"
+        )
     replica_counts = _parse_list(
         "--replicas",
         "1" if args.replicas is None else args.replicas,

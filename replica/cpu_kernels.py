@@ -196,20 +196,23 @@ class CpuKernels:
         batch: array.array[int],
         steps: list[int],
         vocab: torch.Tensor | None,
+        confident: bool = False,
         floors: list[float] | None = None,
         table: list[float] | None = None,
-    ) -> list[tuple[list[int], list[float]]]:
+    ) -> list[tuple[list[int], list[float] | None]]:
         """Up to `steps[r]` greedy tokens for request r of a `pack_batch` array whose logit rows
-        are each request's last row, with each token's softmax confidence, every step in one C
-        call (greedy_chain in the kernel); `vocab` (int64) maps a cut head's columns to token
-        ids; with `floors`, request r stops once its next token's predicted acceptance falls
-        below floors[r], from each token's chance of acceptance: its bin's in `table` (equal
-        bins of confidence), or its confidence. The block tables must already hold the tokens
-        the steps write."""
+        are each request's last row, every step in one C call (greedy_chain in the kernel);
+        `vocab` (int64) maps a cut head's columns to token ids. `confident`: with each token's
+        softmax confidence (else None), and with `floors` request r stops once its next
+        token's predicted acceptance falls below floors[r], from each token's chance of
+        acceptance: its bin's in `table` (equal bins of confidence), or its confidence. The
+        block tables must already hold the tokens the steps write."""
+        if not confident and (floors is not None or table is not None):
+            raise ValueError("floors and a calibration table act on confidences: confident")
         most = max(steps)
         counts = array.array("q", steps)
         out = array.array("q", [-1]) * (len(steps) * most)
-        conf = array.array("f", bytes(4 * len(steps) * most))
+        conf = array.array("f", bytes(4 * len(steps) * most)) if confident else None
         bars = None if floors is None else array.array("f", floors)
         chances = None if table is None else array.array("f", table)
         failed = self._chain[dtype](
@@ -221,15 +224,16 @@ class CpuKernels:
             None if chances is None else chances.buffer_info()[0],
             0 if chances is None else len(chances),
             out.buffer_info()[0],
-            conf.buffer_info()[0],
+            None if conf is None else conf.buffer_info()[0],
             torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("greedy chain could not allocate its scratch buffers")
-        chains = []
+        chains: list[tuple[list[int], list[float] | None]] = []
         for r, n in enumerate(steps):
             tokens = [t for t in out[r * most : r * most + n] if t >= 0]
-            chains.append((tokens, conf[r * most : r * most + len(tokens)].tolist()))
+            sure = None if conf is None else conf[r * most : r * most + len(tokens)].tolist()
+            chains.append((tokens, sure))
         return chains
 
     def attention(

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from replica.batch import (
     BatchOutcome,
     BatchPlan,
+    DecodeStep,
     FinishReason,
     PlanEntry,
     PrefillChunk,
@@ -401,7 +402,8 @@ class Engine:
                 for w, floor in zip(spec, floors, strict=True)
             ]
             calibration = None if self.specserve is None else self.specserve.calibration
-            for w, proposal in zip(spec, self.draft.propose(jobs, calibration), strict=True):
+            proposals = self.draft.propose(jobs, calibration)
+            for w, proposal in zip(spec, proposals, strict=True):
                 w.proposal = proposal
             self._trim_proposals(works)
             for w in spec:
@@ -412,30 +414,29 @@ class Engine:
     def _shape(self, works: list[_Work], drafts: list[int]) -> BatchShape:
         """The step as the perf model sees it, each work drafting `drafts[i]` tokens."""
         assert self.specserve is not None
-        new_tokens = [
-            w.num_feed if isinstance(w.entry, PrefillChunk) else 1 + d
-            for w, d in zip(works, drafts, strict=True)
-        ]
-        context = [w.seq.num_computed for w in works]
-        drafting = [d for d in drafts if d > 0]
-        return BatchShape(
-            tuple(new_tokens),
-            tuple(context),
-            max(drafting, default=0),
-            len(drafting),
-            self.specserve.perf.tp,
+        plan = BatchPlan(
+            tuple(
+                w.entry if isinstance(w.entry, PrefillChunk) else DecodeStep(w.entry.request_id, d)
+                for w, d in zip(works, drafts, strict=True)
+            )
         )
+        seqs = self._seqs
+        return BatchShape.of_plan(plan, lambda rid: seqs[rid].num_computed, self.specserve.perf.tp)
 
     def _draft_floors(self, works: list[_Work], spec: list[_Work]) -> list[float]:
         """Each drafting work's SpecServe floor (0: draft all it may)."""
         if self.specserve is None:
             return [0.0] * len(spec)
         shape = self._shape(works, [w.num_spec for w in works])
-        index = {id(w): i for i, w in enumerate(works)}
-        return self.specserve.draft_floors(shape, [index[id(w)] for w in spec])
+        return self.specserve.draft_floors(
+            shape, [i for i, w in enumerate(works) if w.num_spec > 0]
+        )
 
     def _trim_proposals(self, works: list[_Work]) -> None:
-        """Send to verification only the drafts SpecServe keeps."""
+        """Send to verification only the drafts SpecServe keeps. An unseeded sampled request
+        keeps all of its own: its drafts are judged against the draft's probability of the
+        very token drawn, so dropping a draft for being unlikely would skew what it samples
+        (greedy and seeded requests keep what the target itself chooses, whatever is cut)."""
         if self.specserve is None:
             return
         drafted = [len(w.proposal.tokens) for w in works]
@@ -444,8 +445,9 @@ class Engine:
             for i, w in enumerate(works)
             if w.proposal.tokens and w.proposal.confidences is not None
         }
+        whole = {i for i in drafts if works[i].proposal.probs is not None}
         decodes = sum(1 for w in works if not isinstance(w.entry, PrefillChunk))
-        kept = self.specserve.verify_lengths(self._shape(works, drafted), drafts, decodes)
+        kept = self.specserve.verify_lengths(self._shape(works, drafted), drafts, decodes, whole)
         for i, n in kept.items():
             works[i].proposal = works[i].proposal.trimmed(n)
 
@@ -528,8 +530,7 @@ class Engine:
         # KV now holds every fed token; keep the context plus the accepted proposals.
         seq.num_computed = seq.num_computed + (w.num_feed if not proposal else 1 + accepted)
         self.cache.truncate(rid, seq.num_computed)
-        if self.draft is not None and w.num_spec > 0:
-            # Also when SpecServe kept none of the drafts: the draft cached them all.
+        if self.draft is not None and proposal:
             self.draft.rollback(rid, seq.num_computed)
         appended = self._append(seq, new)
         if seq.finish_reason is not None:

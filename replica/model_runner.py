@@ -841,16 +841,18 @@ class ModelRunner:
         self,
         seqs: list[ForwardSeq],
         steps: Sequence[int],
+        confident: bool = False,
         floors: Sequence[float] | None = None,
         table: Sequence[float] | None = None,
-    ) -> list[tuple[list[int], list[float]]]:
-        """Up to `steps[i]` greedy tokens for sequence i with their softmax confidences, each
-        fed back as the next step's input, all in one C call (a draft's proposal loop); with
-        `floors`, sequence i stops early once its next token's predicted acceptance (the
-        product of its tokens' chances so far times the last) falls below floors[i], a token's
-        chance being its confidence bin's value in `table` (equal bins over [0, 1]) or, without
-        one, its confidence. Each sequence takes default positions, no mask and one logit row,
-        and its block table already covers the tokens every step writes."""
+    ) -> list[tuple[list[int], list[float] | None]]:
+        """Up to `steps[i]` greedy tokens for sequence i, each fed back as the next step's
+        input, all in one C call (a draft's proposal loop). `confident`: with their softmax
+        confidences (else None), and with `floors` sequence i stops early once its next
+        token's predicted acceptance (the product of its tokens' chances so far times the last)
+        falls below floors[i], a token's chance being its confidence bin's value in `table`
+        (equal bins over [0, 1]) or, without one, its confidence. Each sequence takes default
+        positions, no mask and one logit row, and its block table already covers the tokens
+        every step writes."""
         if not self.can_chain([len(s.token_ids) for s in seqs]):
             raise ValueError(
                 "greedy_chain needs the fused CPU forward and rows of at most "
@@ -879,6 +881,7 @@ class ModelRunner:
             self._pack(seqs, flat),
             list(steps),
             self.head_vocab,
+            confident,
             None if floors is None else list(floors),
             None if table is None else list(table),
         )

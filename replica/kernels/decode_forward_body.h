@@ -290,16 +290,17 @@ int FN(decode_forward)(const struct model_args *a, const int64_t *batch, float *
  * Python between draft steps cost more than a small draft's forward. Step 0 runs `batch` (whose
  * logit rows are each request's last row, in request order); every later step feeds each
  * request still short of its count its previous argmax (through `vocab` when the head is cut)
- * at the next position. Each token's confidence is its softmax probability over the head. With
- * `floors`, request r stops early once the predicted acceptance of its next token (the product
- * of its tokens' chances so far times the last one, SpecServe's drafter) falls below floors[r];
- * a token's chance is its confidence, or with `table` the acceptance table[b] of its bin b of
- * `bins` equal bins of confidence.
+ * at the next position. With `conf`, each token's confidence (its softmax probability over the
+ * head) is written there, and with `floors` too, request r stops early once the predicted
+ * acceptance of its next token (the product of its tokens' chances so far times the last one,
+ * SpecServe's drafter) falls below floors[r]; a token's chance is its confidence, or with
+ * `chances` the acceptance chances[b] of its bin b of `bins` equal bins of confidence (a
+ * softmax maximum lies in (0, 1]).
  * Block tables must already cover every token the steps write. Writes out[r * max(steps) + s]
- * and conf[r * max(steps) + s] for the tokens made; returns 1 if a buffer could not be
- * allocated. */
+ * and (with `conf`) conf[r * max(steps) + s] for the tokens made; returns 1 if a buffer could
+ * not be allocated. */
 int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int64_t *steps,
-                     const int64_t *vocab, const float *floors, const float *table,
+                     const int64_t *vocab, const float *floors, const float *chances,
                      int64_t bins, int64_t *out, float *conf, int64_t threads) {
     const struct batch first = read_batch(batch);
     const int64_t R = first.R, W = first.W, V = a->head_rows, bs = a->block_size;
@@ -331,17 +332,23 @@ int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int
             const float *row = logits + i * V;
             int64_t best = 0;
             for (int64_t v = 1; v < V; v++) best = row[v] > row[best] ? v : best;
-            float total = 0.0f;
-            for (int64_t v = 0; v < V; v++) total += expf(row[v] - row[best]);
-            const float c = 1.0f / total;
             const int64_t token = vocab ? vocab[best] : best;
             out[r * most + s] = token;
-            conf[r * most + s] = c;
-            int64_t bin = (int64_t)(c * (float)bins);
-            bin = bin < 0 ? 0 : (bin >= bins ? bins - 1 : bin);
-            const float chance = table ? table[bin] : c;
-            accept[r] *= chance;
-            if (s + 1 >= steps[r] || (floors && accept[r] * chance < floors[r])) continue;
+            int stop = 0;
+            if (conf) {
+                float total = 0.0f;
+                for (int64_t v = 0; v < V; v++) total += expf(row[v] - row[best]);
+                const float c = 1.0f / total;
+                conf[r * most + s] = c;
+                float chance = c;
+                if (chances) {
+                    const int64_t bin = (int64_t)(c * (float)bins);
+                    chance = chances[bin < bins ? bin : bins - 1];
+                }
+                accept[r] *= chance;
+                stop = floors && accept[r] * chance < floors[r];
+            }
+            if (s + 1 >= steps[r] || stop) continue;
             /* token s + 1 of request r: cache index (its context after step 0) + s */
             const int64_t last = first.q_start[r] + first.q_len[r] - 1;
             const int64_t at = first.num_cached[r] + first.q_len[r] + s;

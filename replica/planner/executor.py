@@ -25,7 +25,7 @@ from replica.batch import (
 )
 from replica.perf_model import BatchShape, BatchTimeModel
 from replica.planner.base import CacheBudget, Scheduler
-from replica.planner.specserve import SpecServeLengths, keeps_drafting
+from replica.planner.specserve import SpecServeLengths, drafted_length
 from replica.request import Request
 
 AcceptFn = Callable[[str, int], int]
@@ -168,10 +168,7 @@ class PerfExecutor:
         for i, floor in zip(spec, floors, strict=True):
             entry = plan.entries[i]
             confidences, accepted = confide(entry.request_id, shape.new_tokens[i] - 1)
-            n = 1
-            chances = lengths.calibration.chances(confidences)
-            while n < len(confidences) and keeps_drafting(chances[:n], floor):
-                n += 1
+            n = drafted_length(lengths.calibration.chances(confidences), floor)
             draws[i] = (confidences[:n], accepted[:n])
         new_tokens = list(shape.new_tokens)
         for i, (confidences, _) in draws.items():

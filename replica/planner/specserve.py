@@ -14,24 +14,26 @@ goodput NAT / T, with T the perf model's step time:
 - the drafter stops a request early, before its planned length, once the predicted AR of its
   next draft (AR_last x c_last, the product form, since the paper's raw c_last overestimates)
   falls below that draft's marginal worth: the last verified step's goodput times what one
-  more verify token costs this step.
+  more verify token costs this step (not counting the draft's own forward, which the profile
+  charges per draft step of the batch: the floor errs toward drafting).
 
 SpecServe takes the draft's softmax probability as c_j, calibrated (its Fig. 7). A small draft's
-is not: the demo draft's greedy drafts of confidence below 0.1 were accepted 3 times in 4
+is not: the demo draft's greedy drafts of confidence 0.1-0.2 were accepted 62% of the time
 (`slos-serve bench specserve`), since a flat distribution can still have the target's argmax on
 top. So c_j is learned per confidence bin from the verifies (`ConfidenceCalibration`), and a
 calibrated draft keeps its own values.
 
 Dropping a draft never adds time, and it only forgoes a token the model expects to lose; the
 planner, which charged the whole plan, sees the progress actually made and plans the next step
-from it.
+from it. Its acceptance estimate then sees only the drafts kept, the likelier ones, so it plans
+somewhat longer drafts than it would without SpecServe, which SpecServe cuts back.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from replica.perf_model import BatchShape, BatchTimeModel
 
@@ -55,19 +57,34 @@ def keeps_drafting(chances: Sequence[float], floor: float) -> bool:
     return acceptance_products(chances)[-1] * chances[-1] >= floor
 
 
+def drafted_length(chances: Sequence[float], floor: float) -> int:
+    """How many of the drafts with `chances` the drafter makes (the first always)."""
+    n = min(1, len(chances))
+    while n < len(chances) and keeps_drafting(chances[:n], floor):
+        n += 1
+    return n
+
+
 class ConfidenceCalibration:
     """The chance the target accepts a draft, per bin of the draft's confidence, from the
     verifies seen: judged drafts (up to the first refusal) count, each bin starting from its
     own confidence as a prior and forgetting by halving once it has seen `window` drafts."""
 
     def __init__(self, bins: int = 10, prior_weight: float = 4.0, window: int = 4000) -> None:
+        if bins < 1 or not prior_weight > 0 or window < 1:
+            raise ValueError(
+                f"calibration needs bins >= 1, prior_weight > 0 and window >= 1, got "
+                f"{bins}, {prior_weight}, {window}"
+            )
         self.bins = bins
         self.window = window
         self.judged = [prior_weight] * bins
         self.accepted = [prior_weight * (b + 0.5) / bins for b in range(bins)]
 
     def _bin(self, confidence: float) -> int:
-        return min(self.bins - 1, max(0, int(confidence * self.bins)))
+        if not confidence > 0.0:  # also NaN (a row shaped to nothing)
+            return 0
+        return min(self.bins - 1, int(confidence * self.bins))
 
     def table(self) -> list[float]:
         """Each bin's acceptance, lowest confidences first (what the C drafter looks up)."""
@@ -118,21 +135,25 @@ class SpecServeLengths:
         return floors
 
     def verify_lengths(
-        self, shape: BatchShape, drafts: Mapping[int, Sequence[float]], decodes: int
+        self,
+        shape: BatchShape,
+        drafts: Mapping[int, Sequence[float]],
+        decodes: int,
+        whole: Collection[int] = (),
     ) -> dict[int, int]:
         """How many of its drafts each entry in `drafts` (entry index -> the draft's confidence
         in each) sends to verification: at least its first, so every confidence keeps being
         judged (a calibration that thought a bin hopeless would otherwise never learn it was
-        wrong). `shape` is the step as drafted; `decodes`: the step's decodes, each worth its
-        bonus token. Records the kept step's goodput for the drafter (a step of prefills alone
-        says nothing of it)."""
+        wrong); the entries in `whole` count but keep all theirs. `shape` is the step as
+        drafted; `decodes`: the step's decodes, each worth its bonus token. Records the kept
+        step's goodput for the drafter (a step of prefills alone says nothing of it)."""
         kept = {i: len(c) for i, c in drafts.items()}
         products = {i: acceptance_products(self.calibration.chances(c)) for i, c in drafts.items()}
         nat = float(decodes)
         for p in products.values():
             nat += math.fsum(p)
         seconds = self.perf.predict(shape)
-        heap = [(p[-1], i) for i, p in products.items() if len(p) > 1]
+        heap = [(p[-1], i) for i, p in products.items() if len(p) > 1 and i not in whole]
         heapq.heapify(heap)
         while heap:
             ar, i = heap[0]

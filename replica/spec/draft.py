@@ -5,10 +5,10 @@ proposal's first forward feeds every known token the draft has not seen yet (the
 accepted or corrected since its last proposal), then k - 1 one-token steps; for greedy
 requests in decode-size rows all k steps run in one C call (`ModelRunner.greedy_chain`). After
 verification the engine rolls the draft cache back to the tokens that were accepted, so the
-draft never holds a rejected token. Each proposed token carries the draft's confidence in it
-(its probability under the distribution it was chosen from), and a job with a floor stops
-early once its next token would likely be refused (SpecServe's drafter,
-replica.planner.specserve), in the C chain as in the Python loop.
+draft never holds a rejected token. For SpecServe (replica.planner.specserve) each proposed
+token carries the draft's confidence in it (its probability under the distribution it was
+chosen from), and a job with a floor stops early once its next token would likely be refused,
+in the C chain as in the Python loop.
 
 A draft checkpoint may ship `draft_vocab.json`: its LM head is then cut to those tokens (the
 corpus's most frequent ones, as FR-Spec does), since at batch 1 the head is a large share of
@@ -64,8 +64,9 @@ class DraftJob:
     """The request's grammar, bias, penalties, bad words and min_tokens: the draft proposes
     from logits shaped as the target's will be, which keeps its proposals acceptable."""
     floor: float = 0.0
-    """Stop before k once the next token's predicted acceptance (the product of the
-    confidences so far times the last one) falls below this (replica.planner.specserve)."""
+    """With a calibration (SpecServe's, replica.planner.specserve), stop before k once the next
+    token's predicted acceptance (the product of the tokens' chances so far times the last
+    one) falls below this."""
 
 
 @dataclass
@@ -119,11 +120,12 @@ class DraftModel:
         self, jobs: list[DraftJob], calibration: ConfidenceCalibration | None = None
     ) -> list[Proposal]:
         """At most max(k) batched draft forwards; a request leaves the batch once it has k
-        tokens or its next one falls below its floor (the chances of acceptance its tokens'
-        confidences give by `calibration`, or the confidences themselves). Batches of greedy
-        requests without logits shaping, in decode-size rows, run every step in one C call.
-        (Splitting a mixed batch into the chain and the rest was tried: no faster, since both
-        parts read all the weights at every step.)"""
+        tokens. With `calibration` (SpecServe's), each token carries the draft's confidence in
+        it, and a request also leaves once its next token's predicted acceptance, from the
+        chances `calibration` gives its tokens' confidences, falls below its floor. Batches of
+        greedy requests without logits shaping, in decode-size rows, run every step in one C
+        call. (Splitting a mixed batch into the chain and the rest was tried: no faster, since
+        both parts read all the weights at every step.)"""
         pending: list[list[int]] = []
         for job in jobs:
             cached = self.cache.num_tokens(job.request_id)
@@ -132,7 +134,7 @@ class DraftModel:
         if plain_greedy and self.runner.can_chain([len(p) for p in pending]):
             return self._propose_chain(jobs, pending, calibration)
         confidences: list[list[float]] = [[] for _ in jobs]
-        proposals = [Proposal([], None, c) for c in confidences]
+        proposals = [Proposal([], None, c if calibration else None) for c in confidences]
         prob_rows: list[list[torch.Tensor]] = [[] for _ in jobs]
         for step in range(max((j.k for j in jobs), default=0)):
             active = [
@@ -140,7 +142,10 @@ class DraftModel:
                 for i, j in enumerate(jobs)
                 if j.k > step
                 and len(proposals[i].tokens) == step
-                and keeps_drafting(_chances(confidences[i], calibration), j.floor)
+                and (
+                    calibration is None
+                    or keeps_drafting(calibration.chances(confidences[i]), j.floor)
+                )
             ]
             if not active:
                 break
@@ -154,16 +159,21 @@ class DraftModel:
                 )
             logits = self.runner.forward(seqs)
             greedy_choice = self._token_ids(logits.argmax(dim=-1)).tolist()
-            greedy_confidence = logits.float().softmax(dim=-1).amax(dim=-1).tolist()
+            greedy_top = (
+                [] if calibration is None else logits.float().softmax(dim=-1).amax(dim=-1).tolist()
+            )
             for row, i in enumerate(active):
                 job = jobs[i]
                 params = job.params
                 if params.greedy and job.shaper is None:
-                    token, confidence = greedy_choice[row], greedy_confidence[row]
+                    token = greedy_choice[row]
+                    if calibration is not None:
+                        confidences[i].append(greedy_top[row])
                 elif params.greedy:
                     shaped = self._shaped(logits[row : row + 1], job, proposals[i].tokens)
                     token = int(shaped.argmax())
-                    confidence = float(shaped.float().softmax(dim=-1)[0, token])
+                    if calibration is not None:
+                        confidences[i].append(float(shaped.float().softmax(dim=-1)[0, token]))
                 else:
                     probs = self._probs(logits[row : row + 1], job, proposals[i].tokens)
                     if job.noise is not None:
@@ -171,9 +181,9 @@ class DraftModel:
                     else:
                         token = sample(probs, job.generator)[0]
                         prob_rows[i].append(probs[0])
-                    confidence = float(probs[0, token])
+                    if calibration is not None:
+                        confidences[i].append(float(probs[0, token]))
                 proposals[i].tokens.append(token)
-                confidences[i].append(confidence)
                 pending[i] = [token]
         for i, rows in enumerate(prob_rows):
             if rows:
@@ -191,9 +201,10 @@ class DraftModel:
             cached = self.cache.num_tokens(job.request_id)
             self.cache.append(job.request_id, len(feed) + job.k - 1)
             seqs.append(ForwardSeq(feed, self.cache.block_table(job.request_id), cached, 1))
-        floors = [j.floor for j in jobs] if any(j.floor > 0 for j in jobs) else None
-        table = None if floors is None or calibration is None else calibration.table()
-        chains = self.runner.greedy_chain(seqs, [j.k for j in jobs], floors, table)
+        confident = calibration is not None
+        floors = [j.floor for j in jobs] if confident else None
+        table = None if calibration is None else calibration.table()
+        chains = self.runner.greedy_chain(seqs, [j.k for j in jobs], confident, floors, table)
         proposals = []
         for job, seq, (tokens, confidences) in zip(jobs, seqs, chains, strict=True):
             # A chain stopped early wrote fewer tokens than were reserved.
@@ -238,7 +249,3 @@ class DraftModel:
 
     def free(self, request_id: str) -> None:
         self.cache.free(request_id)
-
-
-def _chances(confidences: list[float], calibration: ConfidenceCalibration | None) -> list[float]:
-    return confidences if calibration is None else calibration.chances(confidences)

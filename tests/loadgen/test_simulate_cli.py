@@ -489,6 +489,10 @@ def test_acceptance_options_outside_zero_to_one_are_refused(
 def test_specserve_needs_draft_confidences_and_reports_its_speculation(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"slos\+specserve .* give --draft-confidence"):
         simulate.plan(parse("--rate", "1", "--policies", "slos,slos+specserve"))
+    with pytest.raises(
+        ValueError, match=r"--draft-confidence must be in \[0.001, 1e6\], got 2000000.0"
+    ):
+        simulate.plan(parse("--rate", "1", "--draft-confidence", "2e6"))
     out = tmp_path / "specserve.json"
     args = parse(
         *("--rate", "2", "--duration", "6", "--scenario", "chatbot"),

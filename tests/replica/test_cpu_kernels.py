@@ -21,7 +21,7 @@ from replica.model_runner import (
     _fits_fused,
     _Flat,
 )
-from replica.planner.specserve import acceptance_products, keeps_drafting
+from replica.planner.specserve import acceptance_products, drafted_length
 from replica.spec.draft import load_draft_vocab
 
 kernel = cpu_kernels.load()
@@ -245,7 +245,7 @@ def test_greedy_chain_equals_stepping_the_fused_forward(
     chained, stepped = runners
     cache = caches[0]
     seqs = [ForwardSeq(feeds[rid], cache.block_table(rid), len(prompts[rid]), 1) for rid in "xyz"]
-    got = chained.greedy_chain(seqs, [steps[rid] for rid in "xyz"])
+    got = chained.greedy_chain(seqs, [steps[rid] for rid in "xyz"], confident=True)
     want: dict[str, list[int]] = {rid: [] for rid in "xyz"}
     sure: dict[str, list[float]] = {rid: [] for rid in "xyz"}
     pending = dict(feeds)
@@ -268,13 +268,15 @@ def test_greedy_chain_equals_stepping_the_fused_forward(
     for (_, confidences), rid in zip(got, "xyz", strict=True):
         assert confidences == pytest.approx(sure[rid], rel=1e-4)
     assert torch.equal(chained.kv, stepped.kv)
+    plain = chained.greedy_chain(seqs, [steps[rid] for rid in "xyz"])
+    assert plain == [(tokens, None) for tokens, _ in got], "no confidences unless asked"
 
 
 @needs_kernel
 @pytest.mark.parametrize("calibrated", [False, True], ids=["confidences", "calibrated"])
 def test_greedy_chain_stops_a_request_below_its_floor(draft_dir: Path, calibrated: bool) -> None:
     """With floors, each request's chain ends where SpecServe's drafter rule (the Python
-    `keeps_drafting`, on the tokens' confidences or on their bins' chances in a calibration
+    `drafted_length`, on the tokens' confidences or on their bins' chances in a calibration
     table) says, and its tokens are the first ones of the full chain."""
     runner = ModelRunner(draft_dir, num_blocks=32, head_vocab=load_draft_vocab(draft_dir))
     cache = KVCacheManager(runner.num_blocks)
@@ -291,7 +293,8 @@ def test_greedy_chain_stops_a_request_below_its_floor(draft_dir: Path, calibrate
         seqs = [
             ForwardSeq([p[-1]], cache.block_table(rid), len(p) - 1, 1) for rid, p in prompts.items()
         ]
-        return runner.greedy_chain(seqs, [8, 8], floors, table)
+        made = runner.greedy_chain(seqs, [8, 8], True, floors, table)
+        return [(tokens, confidences or []) for tokens, confidences in made]
 
     def chances(confidences: list[float]) -> list[float]:
         return confidences if table is None else [table[min(9, int(c * 10))] for c in confidences]
@@ -308,9 +311,7 @@ def test_greedy_chain_stops_a_request_below_its_floor(draft_dir: Path, calibrate
     for (tokens, confidences), (short, short_conf), floor in zip(
         full, stopped, floors, strict=True
     ):
-        n = 1
-        while n < len(confidences) and keeps_drafting(chances(confidences)[:n], floor):
-            n += 1
+        n = drafted_length(chances(confidences), floor)
         assert short == tokens[:n] and short_conf == pytest.approx(confidences[:n])
         assert 1 <= n < 8
 
@@ -326,5 +327,7 @@ def test_greedy_chain_refuses_what_it_cannot_run(draft_dir: Path) -> None:
         runner.greedy_chain([ForwardSeq(prompt, [0, 1], 0, 1)], [2])
     with pytest.raises(ValueError, match="one step count >= 1"):
         runner.greedy_chain([short], [0])
+    with pytest.raises(ValueError, match="act on confidences"):
+        runner.greedy_chain([short], [2], floors=[0.5])
     assert not runner.can_chain([SMALL_QUERY + 1])
     assert runner.can_chain([SMALL_QUERY, 1])

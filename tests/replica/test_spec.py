@@ -11,7 +11,7 @@ from replica.batch import BatchOutcome, BatchPlan, DecodeStep, FinishReason, Pre
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
 from replica.perf_model import PerfModel
-from replica.planner.specserve import SpecServeLengths
+from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
 from replica.request import Request, SamplingParams, Tier
 from replica.sampling import position_noise
 from replica.spec.draft import DRAFT_VOCAB_FILE, DraftJob, DraftModel, load_draft_vocab
@@ -434,6 +434,20 @@ def _specserve_engine(runners: tuple[ModelRunner, ModelRunner]) -> Engine:
     return Engine(target, draft, proposer="draft", specserve=SpecServeLengths(COSTLY_VERIFY))
 
 
+def _verified(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The drafts each of the engine's later steps verifies (appended as they run)."""
+    verified: list[int] = []
+    step = engine.step
+
+    def counting(plan: BatchPlan) -> BatchOutcome:
+        outcome = step(plan)
+        verified.extend(o.num_draft_tokens for o in outcome.outcomes)
+        return outcome
+
+    monkeypatch.setattr(engine, "step", counting)
+    return verified
+
+
 @pytest.mark.parametrize("chained", [True, False], ids=["c-chain", "python-loop"])
 def test_specserve_keeps_greedy_output_and_verifies_fewer_drafts(
     runners: tuple[ModelRunner, ModelRunner],
@@ -444,35 +458,75 @@ def test_specserve_keeps_greedy_output_and_verifies_fewer_drafts(
 ) -> None:
     """Drafts cut short by the drafter's floor and the verifier's trim change no greedy token,
     on the fused C chain and on the Python loop (which a shaped request takes)."""
-    engine = _specserve_engine(runners)
     if not chained:
         monkeypatch.setattr(runners[1], "can_chain", lambda _q: False)
-    verified: list[int] = []
-    step = engine.step
-
-    def counting(plan: BatchPlan) -> BatchOutcome:
-        outcome = step(plan)
-        verified.extend(o.num_draft_tokens for o in outcome.outcomes if o.num_draft_tokens)
-        return outcome
-
-    monkeypatch.setattr(engine, "step", counting)
-    assert _generate(engine, prompts, [6] * len(prompts)) == baseline
-    assert verified and min(verified) < 6, "nothing was trimmed"
+    plain, specserve = _engine(runners, "draft"), _specserve_engine(runners)
+    counts = {
+        name: _verified(e, monkeypatch) for name, e in (("plain", plain), ("spec", specserve))
+    }
+    assert _generate(plain, prompts, [6] * len(prompts)) == baseline
+    assert _generate(specserve, prompts, [6] * len(prompts)) == baseline
+    assert sum(counts["spec"]) < sum(counts["plain"]), "nothing was cut"
 
 
 def test_specserve_keeps_a_seeds_tokens(
     runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]
 ) -> None:
-    """A seeded request's verify reuses the drafter's noise rows, cut to the drafts kept; an
-    unseeded one verifies against the draft distributions of the drafts kept."""
+    """A seeded request's verify reuses the drafter's noise rows, cut to the drafts kept."""
     outputs = []
     for engine, ks in ((_engine(runners, None), [0]), (_specserve_engine(runners), [5])):
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5, ignore_eos=True)
         outputs.append(run(engine, Request("s", prompts[2], params, tier=Tier.BEST_EFFORT), ks)[0])
     assert outputs[0] == outputs[1]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True)
-    request = Request("u", prompts[2], params, tier=Tier.BEST_EFFORT)
-    assert len(run(_specserve_engine(runners), request, [5])[0]) == MAX_TOKENS
+
+
+def test_specserve_verifies_every_draft_of_an_unseeded_sampled_request(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its drafts are judged against the draft's probability of the token drawn: dropping the
+    unlikely ones would skew its samples, so the verifier keeps what the drafter made (the
+    greedy request beside it is cut)."""
+    engine = _specserve_engine(runners)
+    assert engine.draft is not None
+    made: dict[str, list[int]] = {"u": [], "g": []}
+    propose = engine.draft.propose
+
+    def recording(jobs: list[DraftJob], calibration: ConfidenceCalibration | None) -> list:
+        proposals = propose(jobs, calibration)
+        for job, proposal in zip(jobs, proposals, strict=True):
+            made[job.request_id].append(len(proposal.tokens))
+        return proposals
+
+    monkeypatch.setattr(engine.draft, "propose", recording)
+    verified: dict[str, list[int]] = {"u": [], "g": []}
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    for rid, params in (("u", sampled), ("g", greedy)):
+        engine.add_request(Request(rid, prompts[2], params, tier=Tier.BEST_EFFORT))
+        engine.step(BatchPlan((PrefillChunk(rid, len(prompts[2])),)))
+    while live := [rid for rid in "ug" if engine.finish_reason(rid) is None]:
+        outcome = engine.step(BatchPlan(tuple(DecodeStep(rid, 5) for rid in live)))
+        for o in outcome.outcomes:
+            if o.num_draft_tokens:
+                verified[o.request_id].append(o.num_draft_tokens)
+    assert verified["u"] == made["u"] and len(engine.output_token_ids("u")) == MAX_TOKENS
+    assert sum(verified["g"]) < sum(made["g"])
+
+
+def test_a_chain_stopped_early_caches_only_what_it_wrote(
+    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]
+) -> None:
+    """The C chain reserves k - 1 draft slots; stopped at its floor it wrote fewer, and the
+    draft cache must not claim the rest (the next proposal would skip a token's KV)."""
+    draft = DraftModel(runners[1])
+    prompt = prompts[0]
+    draft.prefill([("a", prompt[:-1])])
+    job = DraftJob("a", prompt, 8, SamplingParams(max_tokens=20), torch.Generator(), floor=0.99)
+    (proposal,) = draft.propose([job], ConfidenceCalibration())
+    assert 1 <= len(proposal.tokens) < 8
+    assert draft.cache.num_tokens("a") == len(prompt) + len(proposal.tokens) - 1
 
 
 def test_specserve_needs_the_draft_models_confidences(

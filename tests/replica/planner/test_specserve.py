@@ -13,6 +13,7 @@ from replica.planner.specserve import (
     ConfidenceCalibration,
     SpecServeLengths,
     acceptance_products,
+    drafted_length,
     keeps_drafting,
 )
 from replica.request import SLO, Request, SamplingParams
@@ -37,6 +38,8 @@ def test_acceptance_products_and_the_drafters_rule() -> None:
     # Predicted acceptance of the next draft: 0.8 * 0.8 = 0.64, then 0.8 * 0.5 * 0.5 = 0.2.
     assert keeps_drafting([0.8], 0.6)
     assert not keeps_drafting([0.8, 0.5], 0.25)
+    assert drafted_length([0.8, 0.5, 0.9, 0.9], 0.25) == 2
+    assert drafted_length([0.8, 0.5], 0.0) == 2 and drafted_length([], 0.5) == 0
 
 
 # Confidences at bin centres, whose chances the calibration's prior leaves as they are.
@@ -51,6 +54,13 @@ def test_the_verifier_drops_the_least_likely_drafts_while_goodput_grows() -> Non
     kept = lengths.verify_lengths(shape(4, 3), SURE, 2)
     assert kept == {0: 2, 1: 1}
     assert lengths.rate == pytest.approx(4.4025 / 0.015)
+
+
+def test_entries_kept_whole_count_but_keep_their_drafts() -> None:
+    lengths = SpecServeLengths(LINEAR)
+    # Entry 0 may not be cut: its 0.135 stays, so the verifier cuts b's 0.1375 and then finds
+    # nothing else worth cutting (b's first draft always stays).
+    assert lengths.verify_lengths(shape(4, 3), SURE, 2, whole={0}) == {0: 3, 1: 1}
 
 
 def test_the_verifier_keeps_every_draft_where_verify_slots_are_free() -> None:
@@ -141,3 +151,11 @@ def test_the_calibration_learns_each_bins_acceptance_from_judged_drafts() -> Non
     # The 97th judged draft takes the bin past 100: halved to 50.5, then 11 more.
     assert short.judged[0] == pytest.approx((4 + 97) / 2 + 11)
     assert 0.6 < short.table()[0] < 2 / 3
+
+
+def test_a_calibration_refuses_what_it_cannot_count_and_bins_nan_low() -> None:
+    for bad in ({"bins": 0}, {"prior_weight": 0.0}, {"window": 0}):
+        with pytest.raises(ValueError, match="calibration needs"):
+            ConfidenceCalibration(**bad)
+    calibration = ConfidenceCalibration()
+    assert calibration.chances([float("nan"), -0.1, 1.0]) == pytest.approx([0.05, 0.05, 0.95])

@@ -71,7 +71,9 @@ def calibration(
     target judged and accepted."""
     counts = ConfidenceCalibration(prior_weight=1e-9, window=2**62)
     free = PerfModel.synthetic({"const": 1.0}, {"tokens": 1e-9}, note="every step alike")
-    engine = Engine(target, draft, proposer="draft", specserve=SpecServeLengths(free, counts))
+    engine = Engine(
+        target, draft, proposer="draft", specserve=SpecServeLengths(free, greedy=counts)
+    )
     spec_run(engine, prompts, len(prompts), k, new_tokens)
     bins: list[dict[str, Any]] = []
     judged_total = mean = 0.0
@@ -130,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                     engine = Engine(target, draft, proposer="draft", specserve=specserve)
                     runs[name].append(spec_run(engine, prompts, batch, k, new_tokens))
                     if specserve is not None:
-                        learned = specserve.calibration.table()
+                        learned = specserve.greedy.table()
                 bar.update()
             best = {name: max(r, key=lambda row: row["tok_s"]) for name, r in runs.items()}
             rows.append(

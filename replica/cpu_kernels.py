@@ -209,6 +209,8 @@ class CpuKernels:
         block tables must already hold the tokens the steps write."""
         if not confident and (floors is not None or table is not None):
             raise ValueError("floors and a calibration table act on confidences: confident")
+        if table is not None and not table:
+            raise ValueError("a calibration table needs at least one bin")
         most = max(steps)
         counts = array.array("q", steps)
         out = array.array("q", [-1]) * (len(steps) * most)

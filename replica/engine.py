@@ -38,7 +38,7 @@ from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.model_source import load_tokenizer, model_dir
 from replica.perf_model import BatchShape
-from replica.planner.specserve import SpecServeLengths
+from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
 from replica.request import Request
 from replica.sampling import (
     LogitsShaper,
@@ -397,13 +397,12 @@ class Engine:
                     w.seq.generator,
                     None if w.noise is None else w.noise[: w.num_spec],
                     w.seq.shaper,
+                    self._calibration(w),
                     floor,
                 )
                 for w, floor in zip(spec, floors, strict=True)
             ]
-            calibration = None if self.specserve is None else self.specserve.calibration
-            proposals = self.draft.propose(jobs, calibration)
-            for w, proposal in zip(spec, proposals, strict=True):
+            for w, proposal in zip(spec, self.draft.propose(jobs), strict=True):
                 w.proposal = proposal
             self._trim_proposals(works)
             for w in spec:
@@ -432,6 +431,13 @@ class Engine:
             shape, [i for i, w in enumerate(works) if w.num_spec > 0]
         )
 
+    def _calibration(self, w: _Work) -> ConfidenceCalibration | None:
+        """SpecServe's calibration for the kind of drafts `w` makes (None without SpecServe)."""
+        if self.specserve is None:
+            return None
+        greedy = w.seq.request.sampling.greedy
+        return self.specserve.greedy if greedy else self.specserve.sampled
+
     def _trim_proposals(self, works: list[_Work]) -> None:
         """Send to verification only the drafts SpecServe keeps. An unseeded sampled request
         keeps all of its own: its drafts are judged against the draft's probability of the
@@ -440,14 +446,14 @@ class Engine:
         if self.specserve is None:
             return
         drafted = [len(w.proposal.tokens) for w in works]
-        drafts = {
-            i: w.proposal.confidences
-            for i, w in enumerate(works)
-            if w.proposal.tokens and w.proposal.confidences is not None
-        }
-        whole = {i for i in drafts if works[i].proposal.probs is not None}
+        chances = {}
+        for i, w in enumerate(works):
+            calibration = self._calibration(w)
+            if w.proposal.tokens and w.proposal.confidences and calibration is not None:
+                chances[i] = calibration.chances(w.proposal.confidences)
+        whole = {i for i in chances if works[i].proposal.probs is not None}
         decodes = sum(1 for w in works if not isinstance(w.entry, PrefillChunk))
-        kept = self.specserve.verify_lengths(self._shape(works, drafted), drafts, decodes, whole)
+        kept = self.specserve.verify_lengths(self._shape(works, drafted), chances, decodes, whole)
         for i, n in kept.items():
             works[i].proposal = works[i].proposal.trimmed(n)
 
@@ -525,8 +531,9 @@ class Engine:
         else:
             new = sample(token_probs(logits, params), seq.generator)
         accepted = len(new) - 1
-        if self.specserve is not None and w.proposal.confidences:
-            self.specserve.calibration.observe(w.proposal.confidences, accepted)
+        calibration = self._calibration(w)
+        if calibration is not None and w.proposal.confidences:
+            calibration.observe(w.proposal.confidences, accepted)
         # KV now holds every fed token; keep the context plus the accepted proposals.
         seq.num_computed = seq.num_computed + (w.num_feed if not proposal else 1 + accepted)
         self.cache.truncate(rid, seq.num_computed)

@@ -342,7 +342,8 @@ int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int
                 conf[r * most + s] = c;
                 float chance = c;
                 if (chances) {
-                    const int64_t bin = (int64_t)(c * (float)bins);
+                    /* in double, as Python bins the same float confidence */
+                    const int64_t bin = c > 0.0f ? (int64_t)((double)c * (double)bins) : 0;
                     chance = chances[bin < bins ? bin : bins - 1];
                 }
                 accept[r] *= chance;

@@ -157,7 +157,9 @@ class PerfExecutor:
         self, plan: BatchPlan, shape: BatchShape, lengths: SpecServeLengths, confide: ConfideFn
     ) -> tuple[BatchShape, dict[int, tuple[int, int]]]:
         """The step as SpecServe runs it, and each drafting entry's (drafts verified, drafts
-        accepted): the drafter stops a request below its floor, the verifier trims the rest."""
+        accepted): the drafter stops a request below its floor, the verifier trims the rest.
+        Simulated drafts are judged as greedy ones are (whatever is cut, the target keeps its
+        own choice), with the greedy calibration."""
         spec = [
             i
             for i, e in enumerate(plan.entries)
@@ -168,7 +170,7 @@ class PerfExecutor:
         for i, floor in zip(spec, floors, strict=True):
             entry = plan.entries[i]
             confidences, accepted = confide(entry.request_id, shape.new_tokens[i] - 1)
-            n = drafted_length(lengths.calibration.chances(confidences), floor)
+            n = drafted_length(lengths.greedy.chances(confidences), floor)
             draws[i] = (confidences[:n], accepted[:n])
         new_tokens = list(shape.new_tokens)
         for i, (confidences, _) in draws.items():
@@ -178,13 +180,14 @@ class PerfExecutor:
             tuple(new_tokens), shape.context, max(drafting, default=0), len(drafting), shape.tp
         )
         decodes = sum(1 for e in plan.entries if isinstance(e, DecodeStep))
-        kept = lengths.verify_lengths(drafted, {i: c for i, (c, _) in draws.items()}, decodes)
+        chances = {i: lengths.greedy.chances(c) for i, (c, _) in draws.items()}
+        kept = lengths.verify_lengths(drafted, chances, decodes)
         verified = {}
         for i, n in kept.items():
             new_tokens[i] = 1 + n
             confidences, accepted = draws[i]
             verified[i] = (n, leading_accepted(accepted[:n]))
-            lengths.calibration.observe(confidences[:n], verified[i][1])
+            lengths.greedy.observe(confidences[:n], verified[i][1])
         final = BatchShape(
             tuple(new_tokens), shape.context, drafted.draft_steps, drafted.draft_batch, shape.tp
         )

@@ -20,8 +20,11 @@ goodput NAT / T, with T the perf model's step time:
 SpecServe takes the draft's softmax probability as c_j, calibrated (its Fig. 7). A small draft's
 is not: the demo draft's greedy drafts of confidence 0.1-0.2 were accepted 62% of the time
 (`slos-serve bench specserve`), since a flat distribution can still have the target's argmax on
-top. So c_j is learned per confidence bin from the verifies (`ConfidenceCalibration`), and a
-calibrated draft keeps its own values.
+top. So c_j is learned per confidence bin from the verifies (`ConfidenceCalibration`), for
+greedy and sampled drafts apart, and a calibrated draft keeps its own values. A sampled request
+that draws without a seed keeps every draft the drafter made: its drafts are judged against
+the draft's probability of the very token drawn, so dropping the unlikely ones would skew its
+samples; only the drafter's early stop, decided from the tokens before, applies to it.
 
 Dropping a draft never adds time, and it only forgoes a token the model expects to lose; the
 planner, which charged the whole plan, sees the progress actually made and plans the next step
@@ -109,11 +112,20 @@ class ConfidenceCalibration:
 
 class SpecServeLengths:
     """The verifier's and the drafter's lengths over one perf model; keeps the last verified
-    step's goodput estimate as the drafter's bar, and the calibration of confidences."""
+    step's goodput estimate as the drafter's bar, and the calibrations of confidences: one for
+    greedy drafts (the draft's top probability, accepted when it is the target's top token)
+    and one for sampled drafts (the probability of the token drawn, accepted by the sampling
+    rule), which measure different things."""
 
-    def __init__(self, perf: BatchTimeModel, calibration: ConfidenceCalibration | None = None):
+    def __init__(
+        self,
+        perf: BatchTimeModel,
+        greedy: ConfidenceCalibration | None = None,
+        sampled: ConfidenceCalibration | None = None,
+    ):
         self.perf = perf
-        self.calibration = calibration if calibration is not None else ConfidenceCalibration()
+        self.greedy = greedy if greedy is not None else ConfidenceCalibration()
+        self.sampled = sampled if sampled is not None else ConfidenceCalibration()
         self.rate = 0.0
         """Estimated tokens per second of the last verified step (0: none yet, draft all)."""
 
@@ -137,18 +149,19 @@ class SpecServeLengths:
     def verify_lengths(
         self,
         shape: BatchShape,
-        drafts: Mapping[int, Sequence[float]],
+        chances: Mapping[int, Sequence[float]],
         decodes: int,
         whole: Collection[int] = (),
     ) -> dict[int, int]:
-        """How many of its drafts each entry in `drafts` (entry index -> the draft's confidence
-        in each) sends to verification: at least its first, so every confidence keeps being
-        judged (a calibration that thought a bin hopeless would otherwise never learn it was
-        wrong); the entries in `whole` count but keep all theirs. `shape` is the step as
-        drafted; `decodes`: the step's decodes, each worth its bonus token. Records the kept
-        step's goodput for the drafter (a step of prefills alone says nothing of it)."""
-        kept = {i: len(c) for i, c in drafts.items()}
-        products = {i: acceptance_products(self.calibration.chances(c)) for i, c in drafts.items()}
+        """How many of its drafts each entry in `chances` (entry index -> each draft's chance
+        of acceptance, by its calibration) sends to verification: at least its first, so every
+        confidence keeps being judged (a calibration that thought a bin hopeless would
+        otherwise never learn it was wrong); the entries in `whole` count but keep all theirs.
+        `shape` is the step as drafted; `decodes`: the step's decodes, each worth its bonus
+        token. Records the kept step's goodput for the drafter (a step of prefills alone says
+        nothing of it)."""
+        kept = {i: len(c) for i, c in chances.items()}
+        products = {i: acceptance_products(c) for i, c in chances.items()}
         nat = float(decodes)
         for p in products.values():
             nat += math.fsum(p)

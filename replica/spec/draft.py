@@ -63,10 +63,12 @@ class DraftJob:
     shaper: LogitsShaper | None = None
     """The request's grammar, bias, penalties, bad words and min_tokens: the draft proposes
     from logits shaped as the target's will be, which keeps its proposals acceptable."""
+    calibration: ConfidenceCalibration | None = None
+    """SpecServe's (replica.planner.specserve) for this kind of draft: each token then carries
+    the draft's confidence in it, and the job stops before k once its next token's predicted
+    acceptance (the product of the chances this gives its tokens so far times the last one)
+    falls below `floor`. None: no confidences, all k tokens."""
     floor: float = 0.0
-    """With a calibration (SpecServe's, replica.planner.specserve), stop before k once the next
-    token's predicted acceptance (the product of the tokens' chances so far times the last
-    one) falls below this."""
 
 
 @dataclass
@@ -116,13 +118,9 @@ class DraftModel:
         if seqs:
             self.runner.forward(seqs)
 
-    def propose(
-        self, jobs: list[DraftJob], calibration: ConfidenceCalibration | None = None
-    ) -> list[Proposal]:
+    def propose(self, jobs: list[DraftJob]) -> list[Proposal]:
         """At most max(k) batched draft forwards; a request leaves the batch once it has k
-        tokens. With `calibration` (SpecServe's), each token carries the draft's confidence in
-        it, and a request also leaves once its next token's predicted acceptance, from the
-        chances `calibration` gives its tokens' confidences, falls below its floor. Batches of
+        tokens, or with a calibration once its next one falls below its floor. Batches of
         greedy requests without logits shaping, in decode-size rows, run every step in one C
         call. (Splitting a mixed batch into the chain and the rest was tried: no faster, since
         both parts read all the weights at every step.)"""
@@ -132,9 +130,12 @@ class DraftModel:
             pending.append(job.tokens[cached:])
         plain_greedy = all(j.params.greedy and j.shaper is None for j in jobs)
         if plain_greedy and self.runner.can_chain([len(p) for p in pending]):
-            return self._propose_chain(jobs, pending, calibration)
+            return self._propose_chain(jobs, pending)
         confidences: list[list[float]] = [[] for _ in jobs]
-        proposals = [Proposal([], None, c if calibration else None) for c in confidences]
+        proposals = [
+            Proposal([], None, c if j.calibration else None)
+            for j, c in zip(jobs, confidences, strict=True)
+        ]
         prob_rows: list[list[torch.Tensor]] = [[] for _ in jobs]
         for step in range(max((j.k for j in jobs), default=0)):
             active = [
@@ -143,8 +144,8 @@ class DraftModel:
                 if j.k > step
                 and len(proposals[i].tokens) == step
                 and (
-                    calibration is None
-                    or keeps_drafting(calibration.chances(confidences[i]), j.floor)
+                    j.calibration is None
+                    or keeps_drafting(j.calibration.chances(confidences[i]), j.floor)
                 )
             ]
             if not active:
@@ -159,20 +160,18 @@ class DraftModel:
                 )
             logits = self.runner.forward(seqs)
             greedy_choice = self._token_ids(logits.argmax(dim=-1)).tolist()
-            greedy_top = (
-                [] if calibration is None else logits.float().softmax(dim=-1).amax(dim=-1).tolist()
-            )
             for row, i in enumerate(active):
                 job = jobs[i]
                 params = job.params
+                confident = job.calibration is not None
                 if params.greedy and job.shaper is None:
                     token = greedy_choice[row]
-                    if calibration is not None:
-                        confidences[i].append(greedy_top[row])
+                    if confident:
+                        confidences[i].append(float(logits[row].float().softmax(dim=-1).max()))
                 elif params.greedy:
                     shaped = self._shaped(logits[row : row + 1], job, proposals[i].tokens)
                     token = int(shaped.argmax())
-                    if calibration is not None:
+                    if confident:
                         confidences[i].append(float(shaped.float().softmax(dim=-1)[0, token]))
                 else:
                     probs = self._probs(logits[row : row + 1], job, proposals[i].tokens)
@@ -181,7 +180,7 @@ class DraftModel:
                     else:
                         token = sample(probs, job.generator)[0]
                         prob_rows[i].append(probs[0])
-                    if calibration is not None:
+                    if confident:
                         confidences[i].append(float(probs[0, token]))
                 proposals[i].tokens.append(token)
                 pending[i] = [token]
@@ -190,17 +189,14 @@ class DraftModel:
                 proposals[i].probs = torch.stack(rows)
         return proposals
 
-    def _propose_chain(
-        self,
-        jobs: list[DraftJob],
-        pending: list[list[int]],
-        calibration: ConfidenceCalibration | None,
-    ) -> list[Proposal]:
+    def _propose_chain(self, jobs: list[DraftJob], pending: list[list[int]]) -> list[Proposal]:
+        """Every job is greedy: they share one calibration, or all have none."""
         seqs = []
         for job, feed in zip(jobs, pending, strict=True):
             cached = self.cache.num_tokens(job.request_id)
             self.cache.append(job.request_id, len(feed) + job.k - 1)
             seqs.append(ForwardSeq(feed, self.cache.block_table(job.request_id), cached, 1))
+        calibration = jobs[0].calibration
         confident = calibration is not None
         floors = [j.floor for j in jobs] if confident else None
         table = None if calibration is None else calibration.table()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from replica import cpu_kernels
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
@@ -14,7 +15,13 @@ from replica.perf_model import PerfModel
 from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
 from replica.request import Request, SamplingParams, Tier
 from replica.sampling import position_noise
-from replica.spec.draft import DRAFT_VOCAB_FILE, DraftJob, DraftModel, load_draft_vocab
+from replica.spec.draft import (
+    DRAFT_VOCAB_FILE,
+    DraftJob,
+    DraftModel,
+    Proposal,
+    load_draft_vocab,
+)
 from replica.spec.ngram import NgramProposer
 from replica.spec.verify import verify_choices, verify_stochastic
 from tests.replica.engine_runs import load_detokenizer, run
@@ -487,14 +494,14 @@ def test_specserve_verifies_every_draft_of_an_unseeded_sampled_request(
 ) -> None:
     """Its drafts are judged against the draft's probability of the token drawn: dropping the
     unlikely ones would skew its samples, so the verifier keeps what the drafter made (the
-    greedy request beside it is cut)."""
+    greedy request beside it is cut), and they calibrate apart from greedy drafts."""
     engine = _specserve_engine(runners)
     assert engine.draft is not None
     made: dict[str, list[int]] = {"u": [], "g": []}
     propose = engine.draft.propose
 
-    def recording(jobs: list[DraftJob], calibration: ConfidenceCalibration | None) -> list:
-        proposals = propose(jobs, calibration)
+    def recording(jobs: list[DraftJob]) -> list[Proposal]:
+        proposals = propose(jobs)
         for job, proposal in zip(jobs, proposals, strict=True):
             made[job.request_id].append(len(proposal.tokens))
         return proposals
@@ -513,6 +520,10 @@ def test_specserve_verifies_every_draft_of_an_unseeded_sampled_request(
                 verified[o.request_id].append(o.num_draft_tokens)
     assert verified["u"] == made["u"] and len(engine.output_token_ids("u")) == MAX_TOKENS
     assert sum(verified["g"]) < sum(made["g"])
+    # Each kind of draft teaches its own calibration (10 bins of prior weight 4 each).
+    assert engine.specserve is not None
+    for calibration in (engine.specserve.greedy, engine.specserve.sampled):
+        assert sum(calibration.judged) > 40
 
 
 def test_a_chain_stopped_early_caches_only_what_it_wrote(
@@ -520,11 +531,15 @@ def test_a_chain_stopped_early_caches_only_what_it_wrote(
 ) -> None:
     """The C chain reserves k - 1 draft slots; stopped at its floor it wrote fewer, and the
     draft cache must not claim the rest (the next proposal would skip a token's KV)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler: the draft proposes in the Python loop")
     draft = DraftModel(runners[1])
     prompt = prompts[0]
     draft.prefill([("a", prompt[:-1])])
-    job = DraftJob("a", prompt, 8, SamplingParams(max_tokens=20), torch.Generator(), floor=0.99)
-    (proposal,) = draft.propose([job], ConfidenceCalibration())
+    assert runners[1].can_chain([1]), "the C chain drafts this job"
+    params, rng = SamplingParams(max_tokens=20), torch.Generator()
+    job = DraftJob("a", prompt, 8, params, rng, calibration=ConfidenceCalibration(), floor=0.99)
+    (proposal,) = draft.propose([job])
     assert 1 <= len(proposal.tokens) < 8
     assert draft.cache.num_tokens("a") == len(prompt) + len(proposal.tokens) - 1
 

@@ -70,7 +70,7 @@ class Settings:
         return cls(224, 32, (1, 8, 32), (1, 8), (0, 2, 3, 4, 6), 64, 8)
 
 
-def _default_models_dir() -> Path:
+def default_models_dir() -> Path:
     override = os.environ.get("SLOS_DEMO_DIR")
     if override:
         return Path(override)
@@ -78,7 +78,7 @@ def _default_models_dir() -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    models = _default_models_dir()
+    models = default_models_dir()
     parser.add_argument("--target", type=Path, default=models / "demo-target")
     parser.add_argument("--draft", type=Path, default=models / "demo-draft")
     parser.add_argument("--json", type=output_file, help="write the results here")
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
     max_batch = max(settings.batches)
     prompts = stdlib_prompts(lambda text: tokenizer.encode(text).ids, max_batch, settings.context)
-    num_blocks = max_batch * (-(-(settings.context + settings.spec_new_tokens + 16) // 16)) + 8
+    num_blocks = kv_blocks_for(max_batch, settings.context + settings.spec_new_tokens)
     cases = 2 * len(dtypes) * len(settings.batches)
     cases += (
         len(dtypes) * len(settings.spec_batches) * (1 + 2 * sum(k > 0 for k in settings.spec_ks))
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     results["ratios"] = _ratios(results["throughput"], results["hf"])
     spec_dtype = _fastest_dtype(results["throughput"], 1)
     spec_prompts = prompts[: settings.spec_prompts]
-    drafts = {name: _draft_runner(engines[name].target, args.draft) for name in dtypes}
+    drafts = {name: draft_runner(engines[name].target, args.draft) for name in dtypes}
     for name in dtypes:
         target = engines[name].target
         for row in spec_cases(target, drafts[name], spec_prompts, settings, bar, args):
@@ -364,7 +364,13 @@ def spec_cases(
     return rows
 
 
-def _draft_runner(target: ModelRunner, draft_dir: Path) -> ModelRunner:
+def kv_blocks_for(requests: int, tokens: int) -> int:
+    """KV blocks for `requests` of `tokens` each, with a block of slack per request (drafts
+    past the end) and a few spare."""
+    return requests * -(-(tokens + 16) // 16) + 8
+
+
+def draft_runner(target: ModelRunner, draft_dir: Path) -> ModelRunner:
     """The draft as the engine loads it, beside `target` (its dtype and cache size): loaded
     once per dtype, for the speculation and the shaping cases."""
     return ModelRunner(

@@ -32,8 +32,9 @@ from tqdm import tqdm
 from cluster.controller import DEFAULT_PROFILE
 from loadgen.bench_engine import (
     DTYPES,
-    _default_models_dir,
-    _draft_runner,
+    default_models_dir,
+    draft_runner,
+    kv_blocks_for,
     spec_run,
     stdlib_prompts,
 )
@@ -43,9 +44,12 @@ from replica.model_runner import ModelRunner
 from replica.perf_model import PerfModel
 from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
 
+PROMPT_TOKENS = 224
+"""Each prompt's length, bench engine's full-run context."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    models = _default_models_dir()
+    models = default_models_dir()
     parser.add_argument("--target", type=Path, default=models / "demo-target")
     parser.add_argument("--draft", type=Path, default=models / "demo-draft")
     parser.add_argument(
@@ -111,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
         ((1, 4), (4,), 8, 4) if args.quick else ((1, 8), (2, 4, 6), 64, 8)
     )
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
-    prompts = stdlib_prompts(lambda text: tokenizer.encode(text).ids, count, 224)
-    num_blocks = count * (-(-(224 + new_tokens + 16) // 16)) + 8
+    prompts = stdlib_prompts(lambda text: tokenizer.encode(text).ids, count, PROMPT_TOKENS)
+    num_blocks = kv_blocks_for(count, PROMPT_TOKENS + new_tokens)
     target = ModelRunner(args.target, num_blocks=num_blocks, dtype=DTYPES[args.dtype])
-    draft = _draft_runner(target, args.draft)
+    draft = draft_runner(target, args.draft)
     perf = PerfModel.load(args.profile)
     bar = tqdm(total=1 + len(batches) * len(ks) * args.repeats, desc="bench specserve")
     results: dict[str, Any] = {

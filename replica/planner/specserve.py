@@ -133,18 +133,16 @@ class SpecServeLengths:
         """For each entry index in `decodes` (as planned, with all its drafts), the least
         predicted acceptance its next draft needs to be worth drafting: the last step's goodput
         times the verify time that draft adds."""
-        if self.rate <= 0.0:
+        if self.rate <= 0.0 or not decodes:
             return [0.0] * len(decodes)
-        full = self.perf.predict(shape)
-        floors = []
-        for i in decodes:
-            n = shape.new_tokens[i]
-            if n <= 1:
-                floors.append(0.0)
-                continue
-            saved = full - self.perf.predict(_with_tokens(shape, i, n - 1))
-            floors.append(self.rate * max(0.0, saved))
-        return floors
+        step = _Step(shape)
+        full = step.seconds(self.perf)
+        return [
+            self.rate * max(0.0, full - step.seconds(self.perf, less=i))
+            if shape.new_tokens[i] > 1
+            else 0.0
+            for i in decodes
+        ]
 
     def verify_lengths(
         self,
@@ -165,17 +163,18 @@ class SpecServeLengths:
         nat = float(decodes)
         for p in products.values():
             nat += math.fsum(p)
-        seconds = self.perf.predict(shape)
+        step = _Step(shape)
+        seconds = step.seconds(self.perf)
         heap = [(p[-1], i) for i, p in products.items() if len(p) > 1 and i not in whole]
         heapq.heapify(heap)
         while heap:
             ar, i = heap[0]
-            trimmed = _with_tokens(shape, i, shape.new_tokens[i] - 1)
-            trimmed_s = self.perf.predict(trimmed)
+            trimmed_s = step.seconds(self.perf, less=i)
             if (nat - ar) * seconds <= nat * trimmed_s:
                 break
             heapq.heappop(heap)
-            shape, seconds, nat = trimmed, trimmed_s, nat - ar
+            step.drop_token(i)
+            seconds, nat = trimmed_s, nat - ar
             kept[i] -= 1
             if kept[i] > 1:
                 heapq.heappush(heap, (products[i][kept[i] - 1], i))
@@ -184,11 +183,54 @@ class SpecServeLengths:
         return kept
 
 
-def _with_tokens(shape: BatchShape, index: int, tokens: int) -> BatchShape:
-    """`shape` with entry `index` feeding `tokens` query tokens (the draft work stays: it is
-    done by the time the verifier decides)."""
-    new_tokens = list(shape.new_tokens)
-    new_tokens[index] = tokens
-    return BatchShape(
-        tuple(new_tokens), shape.context, shape.draft_steps, shape.draft_batch, shape.tp
-    )
+class _Step:
+    """A step's aggregate features, kept as its entries' query tokens drop one at a time: the
+    price of one token fewer is then a few subtractions (the attention pairs of n tokens over
+    context c fall by c + n), not the whole batch summed again for every candidate. The draft
+    work stays: it is done by the time the verifier decides."""
+
+    def __init__(self, shape: BatchShape) -> None:
+        features = shape.features()
+        self.new_tokens = list(shape.new_tokens)
+        self.context = shape.context
+        self.num_tokens = features.num_tokens
+        self.attn_tokens = features.attn_tokens
+        self.kv_tokens = features.kv_tokens
+        self.draft_steps = shape.draft_steps
+        self.draft_batch = shape.draft_batch
+        self._longest()
+
+    def _longest(self) -> None:
+        """The two largest query lengths and KV lengths, for the padded slots' maxima."""
+        kvs = [n + c for n, c in zip(self.new_tokens, self.context, strict=True)]
+        self.top_q, self.next_q = [*heapq.nlargest(2, self.new_tokens), 0, 0][:2]
+        self.top_kv, self.next_kv = [*heapq.nlargest(2, kvs), 0, 0][:2]
+
+    def seconds(self, perf: BatchTimeModel, less: int = -1) -> float:
+        """The step's time, with entry `less` feeding one token fewer (-1: as it is)."""
+        tokens, attn, kv = self.num_tokens, self.attn_tokens, self.kv_tokens
+        top_q, top_kv = self.top_q, self.top_kv
+        if less >= 0:
+            n, c = self.new_tokens[less], self.context[less]
+            tokens, attn, kv = tokens - 1, attn - (c + n), kv - 1
+            if n == top_q:
+                top_q = max(n - 1, self.next_q)
+            if n + c == top_kv:
+                top_kv = max(n + c - 1, self.next_kv)
+        return perf.predict_aggregate(
+            num_tokens=tokens,
+            num_requests=len(self.new_tokens),
+            attn_tokens=attn,
+            draft_steps=self.draft_steps,
+            draft_batch=self.draft_batch,
+            kv_tokens=kv,
+            padded_attn_tokens=len(self.new_tokens) * top_q * top_kv,
+        )
+
+    def drop_token(self, index: int) -> None:
+        n, c = self.new_tokens[index], self.context[index]
+        self.num_tokens -= 1
+        self.attn_tokens -= c + n
+        self.kv_tokens -= 1
+        self.new_tokens[index] = n - 1
+        self._longest()

@@ -148,6 +148,10 @@ class ClusterController:
             i: {} for i in range(config.replicas)
         }
         """Requests being handed to each replica (request, admitted)."""
+        self._synced_binds: dict[int, dict[str, tuple[Request, bool]]] = {}
+        """Per replica whose mirror is being rebuilt: every hand-off in flight since its
+        snapshot was asked for (one may end before the rebuild, its request still missing
+        from the snapshot)."""
         self._aborted: set[str] = set()
         """Requests aborted while being handed to a replica: released once the hand-off ends."""
         self._plan_sent: dict[int, float] = {}
@@ -311,8 +315,12 @@ class ClusterController:
         rid = request.request_id
         admitted = binding.verdict is Verdict.ADMITTED
         self._binding[replica][rid] = (request, admitted)
+        if replica in self._synced_binds:
+            self._synced_binds[replica][rid] = (request, admitted)
+        added = False
         try:
             await self.replicas[replica].add_request.remote(request, admitted)
+            added = True
         except RayActorError:
             self.plane.abort(rid)
             self.plane.mark_dead(replica)
@@ -324,16 +332,20 @@ class ClusterController:
             return Binding(rid, Verdict.REJECTED, None, binding.hops, str(exc.cause))
         finally:
             self._binding[replica].pop(rid, None)
+            if not added:
+                self._synced_binds.get(replica, {}).pop(rid, None)
         if rid in self._aborted:
             self._aborted.discard(rid)
             self.replicas[replica].abort.remote(rid)
             return binding
-        self._keep_bound(replica, request, admitted)
+        # The mirror has the request since the plane accepted it, or since a rebuild during
+        # the hand-off put it back (_sync); one missing now ended already, and stays out.
         self._send_plan(replica, time.time())
         return binding
 
     def _keep_bound(self, replica: int, request: Request, admitted: bool) -> None:
-        """A mirror rebuilt while the request was being bound may not have it: re-add it."""
+        """Put a request being bound back in a mirror just rebuilt without it: the snapshot
+        was taken before its hand-off reached the replica."""
         vr = self.plane.replicas[replica]
         if not vr.alive or request.request_id in vr.held:
             return
@@ -433,19 +445,23 @@ class ClusterController:
         if replica in self._syncing:
             return
         self._syncing.add(replica)
+        binds = self._synced_binds[replica] = dict(self._binding[replica])
         try:
             snapshot = await _within(self.replicas[replica].snapshot.remote(), HEALTH_TIMEOUT_S)
             self.plane.restore(replica, snapshot, time.time())
             if self._revived is not None:
                 self._revived.set()
                 self._revived = None
-            for request, admitted in list(self._binding[replica].values()):
-                self._keep_bound(replica, request, admitted)
+            ended = set(snapshot.ended)
+            for request, admitted in binds.values():
+                if request.request_id not in ended:
+                    self._keep_bound(replica, request, admitted)
             self._send_plan(replica, time.time())
         except (RayActorError, TimeoutError):
             self.plane.mark_dead(replica)
         finally:
             self._syncing.discard(replica)
+            del self._synced_binds[replica]
 
     # -- status ---------------------------------------------------------------------------------
 

@@ -48,6 +48,11 @@ class ReplicaSnapshot:
     requests: tuple[HeldRequest, ...]
     free_blocks: int
     num_blocks: int
+    ended: tuple[str, ...] = ()
+    """Requests this incarnation ended lately (replica_core.ENDED_MEMORY of them): a request
+    being bound when the snapshot was taken is missing from it either because its hand-off
+    had not reached the replica yet or because it already ended, and only the first is put
+    back in the mirror."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 Report = Callable[[StepReport], None]
 Clock = Callable[[], float]
 
+ENDED_MEMORY = 1024
+"""Ended request ids a replica remembers for its snapshots: enough to cover the requests that
+end while the controller binds one (milliseconds), bounded so a long-lived replica stays small."""
+
 
 @dataclass
 class _Held:
@@ -64,6 +68,8 @@ class ReplicaCore:
         self._held: dict[str, _Held] = {}
         self._streams: dict[str, _Stream] = {}
         self._aborts: list[str] = []
+        self._ended: dict[str, None] = {}
+        """The last ENDED_MEMORY ids this incarnation ended, oldest first."""
         self._inbox: BatchPlan | None = None
         self._last: BatchPlan | None = None
         self._wake = asyncio.Event()
@@ -120,6 +126,7 @@ class ReplicaCore:
                 for rid, h in self._held.items()
                 if rid not in self._aborts
             ),
+            ended=(*self._ended, *(rid for rid in self._aborts if rid in self._held)),
             free_blocks=self.engine.num_free_blocks,
             num_blocks=self.engine.cache.num_blocks,
         )
@@ -238,6 +245,9 @@ class ReplicaCore:
         held = self._held.pop(request_id, None)
         if held is None:
             return
+        self._ended[request_id] = None
+        if len(self._ended) > ENDED_MEMORY:
+            del self._ended[next(iter(self._ended))]
         if self.engine.has_request(request_id):
             self.engine.abort(request_id)
         stream = self._streams.get(request_id)

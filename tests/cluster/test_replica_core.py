@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster import replica_core
 from cluster.messages import StepReport, StreamItem
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
@@ -155,8 +156,31 @@ def test_snapshot_leaves_out_requests_whose_abort_is_pending(engine: Engine) -> 
     core.abort("gone")
     held = [h.request.request_id for h in core.snapshot().requests]
     assert held == ["kept"]
+    assert core.snapshot().ended == ("gone",)
     core.abort("kept")
     assert core.snapshot().requests == ()
     for rid in ("kept", "gone"):
         if engine.has_request(rid):
             engine.abort(rid)
+
+
+def test_snapshot_lists_the_requests_ended_lately(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """So a rebuilt mirror can tell an ended request from one whose hand-off is on its way."""
+    monkeypatch.setattr(replica_core, "ENDED_MEMORY", 2)
+
+    async def run() -> tuple[str, ...]:
+        core = ReplicaCore(engine, 0, lambda report: None)
+        core.start()
+        for rid in ("e1", "e2", "e3"):
+            core.add_request(req(rid, 2), admitted=True)
+            core.set_plan(BatchPlan((PrefillChunk(rid, len(PROMPT)),)))
+            await drain(core, rid)
+        core.add_request(req("pending"), admitted=True)
+        core.abort("pending")
+        ended = core.snapshot().ended
+        await core.stop()
+        return ended
+
+    assert asyncio.run(run()) == ("e2", "e3", "pending")

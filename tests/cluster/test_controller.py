@@ -1,0 +1,227 @@
+"""The controller's bookkeeping around a hand-off, against a real replica loop in this process:
+calls that cross the Ray boundary there are held back here, so the races they allow run in a
+fixed order."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from cluster import controller as controller_module
+from cluster.api import Verdict
+from cluster.config import ClusterConfig
+from cluster.control import Binding
+from cluster.controller import ClusterController
+from cluster.messages import ReplicaSnapshot, StepReport
+from cluster.replica_core import ReplicaCore
+from replica.batch import BatchOutcome, BatchPlan
+from replica.engine import Engine
+from replica.request import SLO, Request, SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+
+NUM_BLOCKS = 64
+
+
+class _Method:
+    """`.remote(...)` as on an actor handle: the call runs as a task of this event loop."""
+
+    def __init__(self, call: Callable[..., Coroutine[Any, Any, Any]]) -> None:
+        self._call = call
+
+    def remote(self, *args: Any) -> Awaitable[Any]:
+        return asyncio.ensure_future(self._call(*args))
+
+
+class LocalReplica:
+    """The replica actor's methods the controller calls, on a real ReplicaCore. Gates hold
+    back an add's reply (the request is added at once, as the actor does), a snapshot's
+    reply (taken at once), and plans (dropped while closed, as if lost in transit)."""
+
+    def __init__(self, core: ReplicaCore) -> None:
+        self.core = core
+        self.add_reply = _open()
+        self.snapshot_reply = _open()
+        self.plans = _open()
+        self.snapshots: list[ReplicaSnapshot] = []
+        self.add_request = _Method(self._add_request)
+        self.abort = _Method(self._abort)
+        self.set_plan = _Method(self._set_plan)
+        self.snapshot = _Method(self._snapshot)
+        self.health = _Method(self._health)
+
+    async def _add_request(self, request: Request, admitted: bool) -> None:
+        self.core.start()
+        self.core.add_request(request, admitted)
+        await self.add_reply.wait()
+
+    async def _abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    async def _set_plan(self, plan: BatchPlan) -> None:
+        if self.plans.is_set():
+            self.core.start()
+            self.core.set_plan(plan)
+
+    async def _snapshot(self) -> ReplicaSnapshot:
+        snapshot = self.core.snapshot()
+        self.snapshots.append(snapshot)
+        await self.snapshot_reply.wait()
+        return snapshot
+
+    async def _health(self) -> str:
+        return self.core.incarnation
+
+
+def _open() -> asyncio.Event:
+    gate = asyncio.Event()
+    gate.set()
+    return gate
+
+
+@pytest.fixture(scope="module")
+def engine(target_dir: Path) -> Engine:
+    return Engine.from_dirs(target_dir, num_blocks=NUM_BLOCKS)
+
+
+@pytest.fixture
+def config(target_dir: Path, profile_path: Path, monkeypatch: pytest.MonkeyPatch) -> ClusterConfig:
+    """One replica; the controller runs outside an actor, so it is told it was not restarted."""
+    monkeypatch.setattr(
+        controller_module.ray,
+        "get_runtime_context",
+        lambda: SimpleNamespace(was_current_actor_reconstructed=False),
+    )
+    return ClusterConfig(
+        model=str(target_dir),
+        profile=str(profile_path),
+        replicas=1,
+        num_kv_blocks=NUM_BLOCKS,
+        spec_policy="none",
+    )
+
+
+def start(engine: Engine, config: ClusterConfig) -> tuple[ClusterController, LocalReplica]:
+    """A controller and its replica on the running loop, reports folded in as they come."""
+    reports: list[ClusterController] = []
+    core = ReplicaCore(engine, 0, lambda r: asyncio.ensure_future(reports[0].report(r)))
+    replica = LocalReplica(core)
+    controller = ClusterController(config, [replica])
+    reports.append(controller)
+    return controller, replica
+
+
+def request(rid: str, max_tokens: int) -> Request:
+    sampling = SamplingParams(max_tokens=max_tokens)
+    return Request(rid, [11, 200, 31, 400, 9], sampling, SLO(3000, 500), arrival_time=time.time())
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+async def finish(replica: LocalReplica, rid: str) -> str | None:
+    """Read the request's stream on the replica to its end: its finish reason."""
+
+    def reached() -> bool:
+        snapshot = replica.core.snapshot()
+        return rid in snapshot.ended or any(h.request.request_id == rid for h in snapshot.requests)
+
+    await until(reached, f"{rid} reached the replica")
+    items = [item async for item in replica.core.stream(rid)]
+    return items[-1].finish_reason
+
+
+def gap(replica: LocalReplica) -> StepReport:
+    """A report from well past the mirror's step: the controller rebuilds the mirror."""
+    outcome = BatchOutcome(outcomes=[], free_blocks=NUM_BLOCKS)
+    return StepReport(0, replica.core.incarnation, replica.core.seq + 5, BatchPlan(()), outcome, 0)
+
+
+async def ended_while_bound(
+    engine: Engine, config: ClusterConfig, rid: str
+) -> tuple[ClusterController, LocalReplica, asyncio.Task[Binding]]:
+    """A request the replica ran to its end while the reply to its add is held back."""
+    controller, replica = start(engine, config)
+    await controller.ready()
+    replica.add_reply.clear()
+    submit = asyncio.create_task(controller.submit(request(rid, 4)))
+    assert await finish(replica, rid) == "length"
+    return controller, replica, submit
+
+
+def holds_nothing(controller: ClusterController) -> bool:
+    vr = controller.plane.replicas[0]
+    return not vr.held and not vr.scheduler.has_unfinished()
+
+
+def test_a_request_that_ends_before_its_hand_off_returns_leaves_no_trace(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    """The replica may run a request to its end (the controller plans it from the moment the
+    plane accepts it) before the add's reply is back; the mirror must not take it back then,
+    or the replica looks busy for good."""
+
+    async def run() -> None:
+        controller, replica, submit = await ended_while_bound(engine, config, "quick")
+        await until(lambda: "quick" not in controller.plane.replicas[0].held, "the end folded")
+        replica.add_reply.set()
+        assert (await submit).verdict is Verdict.ADMITTED
+        assert holds_nothing(controller)
+        status = (await controller.status()).replicas[0]
+        assert (status.running, status.admitted, status.kv_usage) == (0, 0, 0.0)
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_rebuild_leaves_out_a_request_being_bound_that_already_ended(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    async def run() -> None:
+        controller, replica, submit = await ended_while_bound(engine, config, "ended")
+        mirror = controller.plane.replicas[0].scheduler
+        await controller.report(gap(replica))
+        await until(lambda: controller.plane.replicas[0].scheduler is not mirror, "a rebuild")
+        assert "ended" in replica.snapshots[-1].ended
+        replica.add_reply.set()
+        assert (await submit).verdict is Verdict.ADMITTED
+        assert holds_nothing(controller)
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_rebuild_from_a_snapshot_older_than_a_hand_off_keeps_the_request(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    """The snapshot is taken before the add reaches the replica and lands after the hand-off
+    returned: the request is put back in the mirror, which plans it to its end."""
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        replica.snapshot_reply.clear()
+        replica.plans.clear()
+        await controller.report(gap(replica))
+        await until(lambda: len(replica.snapshots) == 2, "a snapshot is taken")
+        binding = await controller.submit(request("late", 6))
+        assert binding.verdict is Verdict.ADMITTED
+        assert not replica.snapshots[-1].requests
+        replica.plans.set()
+        replica.snapshot_reply.set()
+        assert await asyncio.wait_for(finish(replica, "late"), 20) == "length"
+        await until(lambda: holds_nothing(controller), "the mirror folded the end")
+        await replica.core.stop()
+
+    asyncio.run(run())

@@ -45,6 +45,42 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+    """A JSON object, as its text."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call."""
+
+    name: str
+    description: str = ""
+    parameters: str | Mapping[str, Any] | None = None
+    """The JSON schema of its arguments object, as an object or its text (None: none)."""
+
+
+@dataclass(frozen=True)
+class CallTool:
+    """`tool_choice` naming the tool the output must call (its arguments are the output)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """A message with what a (role, content) pair cannot say: an assistant's earlier calls, or
+    the call a tool message answers."""
+
+    role: str
+    content: str = ""
+    tool_calls: Sequence[ToolCall] = ()
+    tool_call_id: str = ""
+
+
+@dataclass(frozen=True)
 class StageResult:
     name: str
     attained: bool
@@ -72,6 +108,9 @@ class Result:
     """The stop string or stop token id that ended the output (None: EOS, or not stopped)."""
     index: int = 0
     """The choice (sample) it ends: 0 .. n - 1."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The calls the output made (chat with tools; finish_reason tool_calls, or stop for a
+    named tool): the chunks' text was the message content alone."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +192,13 @@ class GenerateOptions:
     """Each token's log-probability and its `logprobs` most likely alternatives (0..20)."""
     structured_outputs: StructuredOutputs | None = None
     """Every token follows it; the output ends once it is complete."""
+    tools: Sequence[Tool] = field(default_factory=tuple)
+    """Chat only: functions the model may call."""
+    tool_choice: str | CallTool | None = None
+    """none | auto | required, or the tool to call; None: auto with tools (the deployment
+    must name a tool_call_parser), none without."""
+    parallel_tool_calls: bool | None = None
+    """False: one call at most."""
 
 
 OPTIONAL_SCALARS = tuple(
@@ -192,9 +238,43 @@ def _structured(wanted: StructuredOutputs) -> pb.StructuredOutputs:
         raise ValueError(f"structured_outputs={wanted!r}: {exc}") from None
 
 
+def _tool(tool: Tool) -> pb.Tool:
+    if not isinstance(tool, Tool):
+        raise ValueError(f"tools must be Tool objects, got {tool!r}")
+    schema = tool.parameters
+    try:
+        text = schema if schema is None or isinstance(schema, str) else json.dumps(schema)
+        return pb.Tool(name=tool.name, description=tool.description, parameters=text)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"tool {tool.name!r}: {exc}") from None
+
+
+def _tool_choice(choice: str | CallTool) -> pb.ToolChoice:
+    if isinstance(choice, CallTool):
+        return pb.ToolChoice(function=choice.name)
+    if choice not in ("none", "auto", "required"):
+        raise ValueError(
+            f'tool_choice must be "none", "auto", "required" or a CallTool, got {choice!r}'
+        )
+    return pb.ToolChoice(mode=choice)
+
+
+def _message(message: tuple[str, str] | ChatMessage) -> pb.ChatMessage:
+    if not isinstance(message, ChatMessage):
+        role, content = message
+        return pb.ChatMessage(role=role, content=content)
+    calls = [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls]
+    return pb.ChatMessage(
+        role=message.role,
+        content=message.content,
+        tool_calls=calls,
+        tool_call_id=message.tool_call_id,
+    )
+
+
 def build_request(
     prompt: str | Sequence[int] | None,
-    messages: Sequence[tuple[str, str]] | None,
+    messages: Sequence[tuple[str, str] | ChatMessage] | None,
     options: GenerateOptions,
 ) -> pb.GenerateRequest:
     if options.service_tier not in ("default", "flex"):
@@ -216,8 +296,10 @@ def build_request(
         request.prompt = prompt
     elif prompt is not None:
         request.prompt_token_ids.extend(prompt)
-    for role, content in messages or ():
-        request.messages.add(role=role, content=content)
+    request.messages.extend(_message(m) for m in messages or ())
+    request.tools.extend(_tool(t) for t in options.tools)
+    if options.tool_choice is not None:
+        request.tool_choice.CopyFrom(_tool_choice(options.tool_choice))
     for name in OPTIONAL_SCALARS:
         value = getattr(options, name)
         if value is not None:
@@ -273,6 +355,7 @@ def result_from_proto(final: pb.Final) -> Result:
         if final.HasField("stop_token_id")
         else final.stop_string or None,
         index=final.index,
+        tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in final.tool_calls),
     )
 
 
@@ -408,7 +491,7 @@ class Client(_Base):
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[tuple[str, str]] | None = None,
+        messages: Sequence[tuple[str, str] | ChatMessage] | None = None,
         timeout_s: float | None = None,
         **options: Any,
     ) -> Iterator[Chunk | Result]:
@@ -485,7 +568,7 @@ class AsyncClient(_Base):
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[tuple[str, str]] | None = None,
+        messages: Sequence[tuple[str, str] | ChatMessage] | None = None,
         timeout_s: float | None = None,
         **options: Any,
     ) -> AsyncIterator[Chunk | Result]:

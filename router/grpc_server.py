@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.api import ClusterStatus, FinalRecord
 from replica.batch import TokenLogprob
+from router import json_text
 from router.client import OPTIONAL_SCALARS
 from router.errors import ApiError, BadRequest, Rejected, Unavailable
 from router.frontdoor import Finished, FrontDoor, interleaved
@@ -35,6 +36,7 @@ from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 from router.openai_format import placement_headers
 from router.openai_schema import Endpoint
+from router.tools import ToolOutput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Serving"].full_name
 HEALTH_PERIOD_S = 5.0
@@ -52,7 +54,7 @@ def request_to_body(
     body: dict[str, Any] = {"model": request.model or default_model}
     endpoint = Endpoint.CHAT if request.messages else Endpoint.COMPLETIONS
     if request.messages:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        body["messages"] = [_message_to_body(m) for m in request.messages]
     else:
         body["prompt"] = request.prompt or list(request.prompt_token_ids)
     for name in OPTIONAL_SCALARS:
@@ -70,6 +72,14 @@ def request_to_body(
         body["bad_words"] = list(request.bad_words)
     if request.HasField("structured_outputs"):
         body["structured_outputs"] = _structured_to_body(request.structured_outputs)
+    if request.tools:
+        body["tools"] = [_tool_to_body(i, tool) for i, tool in enumerate(request.tools)]
+    choice = request.tool_choice.WhichOneof("choice")
+    if choice == "mode":
+        body["tool_choice"] = request.tool_choice.mode
+    elif choice == "function":
+        function = {"name": request.tool_choice.function}
+        body["tool_choice"] = {"type": "function", "function": function}
     if "seed" in body and body["seed"] >= 2**63:
         body["seed"] -= 2**64  # uint64 read as int64, as HTTP takes seeds: every value is one
     if request.service_tier not in (pb.SERVICE_TIER_DEFAULT, pb.SERVICE_TIER_FLEX):
@@ -94,6 +104,32 @@ def request_to_body(
     if request.HasField("slo"):
         body["slo"] = _slo_to_body(request.slo)
     return endpoint, body
+
+
+def _message_to_body(message: pb.ChatMessage) -> dict[str, Any]:
+    body: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        body["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id:
+        body["tool_call_id"] = message.tool_call_id
+    return body
+
+
+def _tool_to_body(index: int, tool: pb.Tool) -> dict[str, Any]:
+    """OpenAI's function tool; its parameters schema parsed from the text the proto carries."""
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        where = f"tools[{index}].parameters"
+        try:
+            function["parameters"] = json_text.loads(tool.parameters)
+        except (ValueError, RecursionError) as exc:
+            raise BadRequest(f"{where} is not JSON: {exc}", where) from None
+    return {"type": "function", "function": function}
 
 
 def _structured_to_body(wanted: pb.StructuredOutputs) -> dict[str, Any]:
@@ -131,14 +167,21 @@ def _stage_to_body(stage: pb.Stage) -> dict[str, Any]:
 
 
 def final_to_proto(
-    record: FinalRecord, stop_reason: str | int | None = None, index: int = 0
+    record: FinalRecord,
+    stop_reason: str | int | None = None,
+    index: int = 0,
+    tool_calls: Sequence[dict[str, Any]] = (),
+    finish_reason: str | None = None,
 ) -> pb.Final:
+    """`tool_calls` (OpenAI's form) and `finish_reason`: what tool calling made of the output
+    (the record's finish reason otherwise)."""
     final = pb.Final(
         index=index,
         request_id=record.request_id,
         verdict=record.verdict.value,
         hops=record.hops,
-        finish_reason=record.finish_reason or "",
+        finish_reason=finish_reason or record.finish_reason or "",
+        tool_calls=[_tool_call_to_proto(c) for c in tool_calls],
         prompt_tokens=record.num_prompt_tokens,
         completion_tokens=record.num_output_tokens,
         migrations=record.migrations,
@@ -160,6 +203,11 @@ def final_to_proto(
     elif stop_reason is not None:
         final.stop_token_id = stop_reason
     return final
+
+
+def _tool_call_to_proto(call: dict[str, Any]) -> pb.ToolCall:
+    function = call["function"]
+    return pb.ToolCall(id=call["id"], name=function["name"], arguments=function["arguments"])
 
 
 def _logprob_to_proto(logprob: TokenLogprob) -> pb.TokenLogprob:
@@ -216,6 +264,8 @@ class ServingServicer(pb_grpc.ServingServicer):
         except ApiError as exc:
             await _abort(context, exc)
             return
+        tools = parsed.tools
+        outputs = {} if tools is None else {i: ToolOutput(tools) for i in range(len(generations))}
         try:
             placement = placement_headers([g.placement for g in generations])
             if placement:
@@ -223,11 +273,22 @@ class ServingServicer(pb_grpc.ServingServicer):
             async with contextlib.aclosing(interleaved(generations)) as events:
                 async for index, event in events:
                     if isinstance(event, Finished):
-                        final = final_to_proto(event.record, event.stop_reason, index)
+                        calls: list[dict[str, Any]] | None = None
+                        reason = event.record.finish_reason
+                        if index in outputs:
+                            rest, calls, reason = outputs[index].finish(reason)
+                            if rest:
+                                yield pb.GenerateResponse(
+                                    chunk=pb.TextChunk(text=rest, index=index)
+                                )
+                        final = final_to_proto(
+                            event.record, event.stop_reason, index, calls or (), reason
+                        )
                         yield pb.GenerateResponse(final=final)
                     elif event.text or event.token_ids:
+                        text = outputs[index].content(event.text) if outputs else event.text
                         chunk = pb.TextChunk(
-                            text=event.text,
+                            text=text,
                             token_ids=event.token_ids,
                             index=index,
                             logprobs=[_logprob_to_proto(lp) for lp in event.logprobs],

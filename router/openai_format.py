@@ -17,7 +17,7 @@ from replica.batch import TokenLogprob
 from router.errors import ApiError
 from router.frontdoor import Finished, Output
 from router.openai_schema import Echo, Endpoint
-from router.tools import ToolCalling
+from router.tools import ToolCalling, ToolOutput
 
 SSE_DONE = b"data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0
@@ -315,11 +315,9 @@ class ChunkWriter:
         self.role_sent: set[int] = set()
         self.offsets: dict[int, int] = {}
         """Per choice: the text offset its next token's log-probability starts at."""
-        self.held: dict[int, str] = {}
-        """Per choice: the text of the calls "required" or "auto" makes, until they are
-        whole ("auto": the whole text)."""
-        self.sent: dict[int, int] = {}
-        """Per choice, "auto": how much of its text went out as content."""
+        self.held: dict[int, ToolOutput] = {}
+        """Per choice: the output "required" or "auto" makes, held until its calls are
+        whole ("auto": but for the content its parser lets out)."""
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = "chat.completion.chunk" if self.endpoint is Endpoint.CHAT else "text_completion"
@@ -362,16 +360,8 @@ class ChunkWriter:
         if self.tools is None:
             return {"content": text}
         if self.tools.held_to_end:
-            held = self.held[index] = self.held.get(index, "") + text
-            parser = self.tools.parser
-            if parser is None or not text:
-                return {}
-            sent = self.sent.get(index, 0)
-            end = parser.content_end(held, sent)
-            if end <= sent:
-                return {}
-            self.sent[index] = end
-            return {"content": held[sent:end]}
+            content = self.held.setdefault(index, ToolOutput(self.tools)).content(text)
+            return {"content": content} if content else {}
         if index not in self.role_sent:  # the call's id and name, with its first arguments
             return {"tool_calls": [{"index": 0, **self.tools.named_call(text)}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
@@ -401,15 +391,13 @@ class ChunkWriter:
         reason = record.finish_reason
         calls = b""
         if self.tools is not None and self.tools.held_to_end:
-            text = self.held.get(index, "")
-            made = self.tools.message(text)
-            rest = (text if made is None else made[0] or "")[self.sent.pop(index, 0) :]
+            held = self.held.get(index) or ToolOutput(self.tools)
+            rest, made, reason = held.finish(reason)
             if rest or index not in self.role_sent:  # the content not sent yet
                 calls = self._chunk([self._choice(index, "", None, delta={"content": rest})])
             if made is not None:
-                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(made[1])]}
+                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(made)]}
                 calls += self._chunk([self._choice(index, "", None, delta=delta)])
-                reason = self.tools.finish_reason(reason)
         last = self._chunk(
             [self._choice(index, "", reason, None, finished.stop_reason)],
             service_tier=service_tier([record]),

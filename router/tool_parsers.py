@@ -14,11 +14,18 @@ call the model ended without its closing tag counts.
 JSON objects `{"name": ..., "parameters": {...}}` (or "arguments"), separated by `;`, after an
 optional `<|python_tag|>`; an output that does not start with one is content.
 
-In both, an output whose calls do not all parse is content only, as in vLLM.
+`pythonic` (Llama 3.2 and Llama 4 with their own templates, and models tuned to it): the whole
+output is a Python list of calls with keyword arguments, `[get_weather(city="Paris"), now()]`,
+optionally between `<|python_start|>` and `<|python_end|>`; the arguments must be literals
+(strings, numbers, booleans, None, lists, dicts), written back as JSON. An output that does
+not start with `[` is content.
+
+In all, an output whose calls do not all parse is content only, as in vLLM.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Callable
@@ -31,6 +38,8 @@ START = "<tool_call>"
 END = "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_START = "<|python_start|>"
+PYTHON_END = "<|python_end|>"
 _SEPARATORS = " \t\r\n;"
 
 
@@ -99,6 +108,33 @@ def parse_llama3_json(text: str) -> ParsedCalls | None:
     return ParsedCalls(None, calls)
 
 
+def parse_pythonic(text: str) -> ParsedCalls | None:
+    """The calls the list `text` is, or None when it is not a list of calls."""
+    body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    if not body.startswith("["):
+        return None
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List):
+            return None
+        calls = [_pythonic_call(node) for node in tree.elts]
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
+    made = [c for c in calls if c is not None]
+    return ParsedCalls(None, made) if made and len(made) == len(calls) else None
+
+
+def _pythonic_call(node: ast.expr) -> tuple[str, str] | None:
+    """A `name(keyword=literal, ...)` call; ValueError for a value that is not a literal (or
+    a float JSON cannot write)."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        return None
+    if any(k.arg is None for k in node.keywords):  # **kwargs
+        return None
+    arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    return node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+
+
 def _hermes_content_end(text: str, since: int) -> int:
     first = text.find(START, max(0, since - len(START) + 1))
     if first >= 0:
@@ -109,14 +145,19 @@ def _hermes_content_end(text: str, since: int) -> int:
     return len(text)
 
 
-def _llama3_content_end(text: str, since: int) -> int:
-    """Calls are the whole output: text is content only once it cannot start as one."""
-    if since > 0:
+def _whole_output_end(*openers: str) -> Callable[[str, int], int]:
+    """`content_end` of a format whose calls are the whole output: text is content only once
+    it cannot start as calls (it starts with none of `openers`, nor with a part of one)."""
+
+    def content_end(text: str, since: int) -> int:
+        if since > 0:
+            return len(text)
+        head = text.lstrip()
+        if not head or head.startswith(openers) or any(o.startswith(head) for o in openers):
+            return 0
         return len(text)
-    head = text.lstrip()
-    if not head or head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head):
-        return 0
-    return len(text)
+
+    return content_end
 
 
 @dataclass(frozen=True)
@@ -133,6 +174,7 @@ class ToolParser:
 
 PARSERS = {
     "hermes": ToolParser("hermes", parse_hermes, _hermes_content_end),
-    "llama3_json": ToolParser("llama3_json", parse_llama3_json, _llama3_content_end),
+    "llama3_json": ToolParser("llama3_json", parse_llama3_json, _whole_output_end("{", PYTHON_TAG)),
+    "pythonic": ToolParser("pythonic", parse_pythonic, _whole_output_end("[", PYTHON_START)),
 }
 """`tool_call_parser` names and their formats."""

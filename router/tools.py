@@ -92,6 +92,38 @@ class ToolCalling:
         return _call(self.named, arguments)
 
 
+@dataclass
+class ToolOutput:
+    """One choice's output as it streams under tool calling: the message content that may go
+    out so far ("auto": the text its parser rules out as a call), then the calls once whole.
+    Both doors stream through it, so they agree on what is content."""
+
+    tools: ToolCalling
+    text: str = ""
+    sent: int = 0
+    """How much of `text` went out as content."""
+
+    def content(self, text: str) -> str:
+        """Add the output's next text; the content it lets go out now ("" for none)."""
+        self.text += text
+        parser = self.tools.parser
+        if parser is None or not text:
+            return ""
+        end = parser.content_end(self.text, self.sent)
+        if end <= self.sent:
+            return ""
+        piece, self.sent = self.text[self.sent : end], end
+        return piece
+
+    def finish(self, reason: str | None) -> tuple[str, list[dict[str, Any]] | None, str | None]:
+        """The content not sent yet (the whole rest of an output that made no calls), the
+        calls made (None: none), and the finish reason to report."""
+        made = self.tools.message(self.text)
+        if made is None:
+            return self.text[self.sent :], None, reason
+        return (made[0] or "")[self.sent :], made[1], self.tools.finish_reason(reason)
+
+
 def _call(name: str, arguments: str) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-tool-{uuid.uuid4().hex}",

@@ -42,11 +42,12 @@ def test_defaults_and_default_slo() -> None:
         ({"cluster": CLUSTER, "default_chat_max_tokens": 0}, "default_chat_max_tokens"),
         (
             {"cluster": CLUSTER, "tool_call_parser": "qwen"},
-            "tool_call_parser must be one of hermes, llama3_json or null, got 'qwen'",
+            "tool_call_parser must be one of hermes, llama3_json, pythonic or null, got 'qwen'",
         ),
         (
             {"cluster": CLUSTER, "tool_call_parser": ["hermes"]},
-            r"tool_call_parser must be one of hermes, llama3_json or null, got \['hermes'\]",
+            r"tool_call_parser must be one of hermes, llama3_json, pythonic or null, "
+            r"got \['hermes'\]",
         ),
     ],
 )

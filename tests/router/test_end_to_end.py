@@ -25,7 +25,17 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from replica.request import SLO
-from router.client import AsyncClient, Chunk, Client, ClientError, Result, StructuredOutputs
+from router.client import (
+    AsyncClient,
+    CallTool,
+    ChatMessage,
+    Chunk,
+    Client,
+    ClientError,
+    Result,
+    StructuredOutputs,
+    Tool,
+)
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 from router.local import LocalFrontDoor
@@ -125,9 +135,12 @@ def grpc_tokens(live: LocalFrontDoor, **options: Any) -> tuple[str, list[int]]:
     return text, ids
 
 
-def grpc_generate(live: LocalFrontDoor, **options: Any) -> tuple[str, list[int], Result]:
+def grpc_generate(
+    live: LocalFrontDoor, messages: list[Any] | None = None, **options: Any
+) -> tuple[str, list[int], Result]:
+    """The text, ids and Result of PROMPT's completion, or of a chat of `messages`."""
     with Client(live.grpc_target, api_key=API_KEY) as client:
-        items = list(client.generate(PROMPT, **options))
+        items = list(client.generate(None if messages else PROMPT, messages=messages, **options))
     chunks = [c for c in items if isinstance(c, Chunk)]
     assert isinstance(items[-1], Result)
     return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], items[-1]
@@ -263,6 +276,62 @@ def test_tool_calls_named_or_required_streamed_or_not(oai: openai.OpenAI) -> Non
         model="demo", messages=history, max_tokens=4, temperature=0, tools=TOOLS, tool_choice="none"
     )
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_grpc_tool_calls_match_http(oai: openai.OpenAI, live: LocalFrontDoor) -> None:
+    """Over gRPC the chunks carry the content only and the Result the calls: the same calls
+    HTTP makes (greedy), for a named tool, "required" and "auto"; a history carrying them
+    goes on."""
+    tools = [
+        Tool(
+            t["function"]["name"],
+            t["function"].get("description", ""),
+            t["function"].get("parameters"),
+        )
+        for t in TOOLS
+    ]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Who wrote this?"}]
+    body: dict[str, Any] = dict(model="demo", messages=messages, max_tokens=48, temperature=0)
+    named = {"type": "function", "function": {"name": "lookup"}}
+    regex = (
+        r'Sure\.<tool_call>\{"name": "lookup", "arguments": \{"name": "[a-z]{1,6}"\}\}</tool_call>'
+    )
+    forced = {"structured_outputs": {"regex": regex}}
+    for choice, http_choice, extra, content in (
+        (CallTool("lookup"), named, {}, ""),
+        ("required", "required", {}, ""),
+        (None, None, forced, "Sure."),
+    ):
+        http_args = {} if http_choice is None else {"tool_choice": http_choice}
+        http = oai.chat.completions.create(**body, tools=TOOLS, **http_args, extra_body=extra)
+        want = [
+            (c.function.name, c.function.arguments)
+            for c in http.choices[0].message.tool_calls or []
+        ]
+        grpc_extra = {"structured_outputs": StructuredOutputs(regex=regex)} if extra else {}
+        text, ids, result = grpc_generate(
+            live,
+            [("user", "Who wrote this?")],
+            max_tokens=48,
+            temperature=0.0,
+            tools=tools,
+            tool_choice=choice,
+            **grpc_extra,
+        )
+        assert want and [(c.name, c.arguments) for c in result.tool_calls] == want
+        assert text == content and len(ids) == result.completion_tokens
+        assert result.finish_reason == http.choices[0].finish_reason
+        assert all(c.id.startswith("chatcmpl-tool-") for c in result.tool_calls)
+    call = result.tool_calls[0]
+    history = [
+        ("user", "Who wrote this?"),
+        ChatMessage("assistant", tool_calls=[call]),
+        ChatMessage("tool", "Guido", tool_call_id=call.id),
+    ]
+    text, _, result = grpc_generate(
+        live, history, max_tokens=4, temperature=0.0, tools=tools, tool_choice="none"
+    )
+    assert text and not result.tool_calls
 
 
 def test_auto_tool_calls_are_read_out_of_the_text(oai: openai.OpenAI) -> None:

@@ -19,10 +19,14 @@ from replica.batch import TokenLogprob
 from replica.request import SLO, Stage, Tier
 from router.client import (
     OPTIONAL_SCALARS,
+    CallTool,
+    ChatMessage,
     Chunk,
     Client,
     GenerateOptions,
     StructuredOutputs,
+    Tool,
+    ToolCall,
     _item,
     build_request,
     placement_from_metadata,
@@ -34,6 +38,7 @@ from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.grpc_server import final_to_proto, request_to_body, status_to_proto
 from router.openai_schema import Endpoint, SchemaContext, parse_body
 from router.tokenizer import TextCodec
+from tests.router.test_tools import LOOKUP, TEMPLATE
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +243,76 @@ def test_final_and_status_round_trip() -> None:
     assert result_from_proto(final_to_proto(record, "\n")).stop_reason == "\n"
     assert result_from_proto(final_to_proto(record, 0)).stop_reason == 0
     assert result_from_proto(final_to_proto(record, None, 3)).index == 3
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    called = result_from_proto(final_to_proto(record, None, 0, [call], "tool_calls"))
+    assert called.tool_calls == (ToolCall("c1", "f", "{}"),)
+    assert called.finish_reason == "tool_calls" and result.tool_calls == ()
     replica = ReplicaStatus(0, True, 1, 2, 1, 0, 0.5, {"decode": 1.25})
     status = ClusterStatus("demo", (replica,), {"admitted": 4}, scheduler="sarathi")
     assert status_from_proto(status_to_proto(status)) == status  # as HTTP reports it
+
+
+TOOLS = (Tool("lookup", parameters=LOOKUP), Tool("now", "The time."))
+HTTP_TOOLS = [
+    {"type": "function", "function": {"name": "lookup", "parameters": LOOKUP}},
+    {"type": "function", "function": {"name": "now", "description": "The time."}},
+]
+
+
+def test_tools_and_earlier_calls_cross_grpc(target_dir: Path) -> None:
+    """Tools, each tool_choice and a conversation carrying calls parse as the HTTP body that
+    says the same: the same prompt (tools and calls through the chat template), grammar and
+    tool calling."""
+    codec = dataclasses.replace(TextCodec.from_dir(target_dir), chat_template=TEMPLATE)
+    messages = [
+        ("user", "who?"),
+        ChatMessage("assistant", tool_calls=[ToolCall("c1", "lookup", '{"name": "ann"}')]),
+        ChatMessage("tool", "found", tool_call_id="c1"),
+    ]
+    http_messages = [
+        {"role": "user", "content": "who?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": '{"name": "ann"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "found", "tool_call_id": "c1"},
+    ]
+    named = {"type": "function", "function": {"name": "now"}}
+    for choice, http_choice, parallel in (
+        (CallTool("now"), named, None),
+        ("required", "required", False),
+        ("none", "none", None),
+    ):
+        options = GenerateOptions(tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel)
+        endpoint, body = request_to_body(build_request(None, messages, options), "demo")
+        http_body = {"model": "demo", "messages": http_messages, "tools": HTTP_TOOLS, "n": 1}
+        http_body["tool_choice"] = http_choice
+        if parallel is not None:
+            http_body["parallel_tool_calls"] = parallel
+        assert endpoint is Endpoint.CHAT and body == http_body
+        parsed = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0)
+        assert parsed.tools is None if choice == "none" else parsed.tools is not None
+        text = codec.decode(parsed.requests[0].prompt_token_ids)
+        assert text == "[lookup][now]<user>who?<assistant>lookup=ann<tool>found@c1<assistant>"
+    _, body = request_to_body(build_request(None, [("user", "hi")], GenerateOptions()), "demo")
+    assert "tools" not in body and "tool_choice" not in body
+
+
+def test_bad_tools_are_named_at_either_end() -> None:
+    bad = GenerateOptions(tools=[Tool("lookup", parameters="{not json")])
+    with pytest.raises(BadRequest, match="not JSON") as info:
+        request_to_body(build_request(None, [("user", "hi")], bad), "demo")
+    assert info.value.param == "tools[0].parameters"
+    with pytest.raises(ValueError, match="tool_choice must be"):
+        build_request(None, [("user", "hi")], GenerateOptions(tool_choice="always"))
+    with pytest.raises(ValueError, match="tools must be Tool objects"):
+        build_request(None, [("user", "hi")], GenerateOptions(tools=[{"name": "f"}]))  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="tool 'f'"):
+        build_request(None, [("user", "hi")], GenerateOptions(tools=[Tool("f", parameters={1j})]))  # type: ignore[arg-type]

@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from router.tool_parsers import PARSERS, ParsedCalls, parse_hermes, parse_llama3_json
+from router.tool_parsers import (
+    PARSERS,
+    ParsedCalls,
+    parse_hermes,
+    parse_llama3_json,
+    parse_pythonic,
+)
 
 HERMES = PARSERS["hermes"]
 LLAMA = PARSERS["llama3_json"]
@@ -115,3 +121,57 @@ def test_a_llama3_stream_holds_back_an_output_that_may_be_calls(
     text: str, since: int, end: int
 ) -> None:
     assert LLAMA.content_end(text, since) == end
+
+
+def test_pythonic_calls_are_a_list_of_calls_with_literal_keywords() -> None:
+    text = '[get_weather(city="Paris", days=3), now()]'
+    assert parse_pythonic(text) == ParsedCalls(
+        None, [("get_weather", '{"city": "Paris", "days": 3}'), ("now", "{}")]
+    )
+    tagged = "<|python_start|>[f(x=[1, (2, 3)], y={'a': None}, z=True)]<|python_end|>\n"
+    assert parse_pythonic(tagged) == ParsedCalls(
+        None, [("f", '{"x": [1, [2, 3]], "y": {"a": null}, "z": true}')]
+    )
+    assert parse_pythonic('  [say(text="ça")]') == ParsedCalls(None, [("say", '{"text": "ça"}')])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather is fine.",
+        "Sure: [now()]",  # text first: content
+        "[now()] and then some text",
+        "[]",
+        "[now(), 3]",
+        "[now(1)]",  # positional arguments: no names to give them
+        "[f(x=g())]",  # not a literal
+        "[f(**kw)]",
+        "[tools.f(x=1)]",
+        "[f(x=1e999)]",
+        "[f(x={1, 2})]",  # a set: no JSON for it
+        "[f(x=1j)]",
+        "[f(x=1),",
+        "(f(x=1),)",
+        "",
+    ],
+)
+def test_pythonic_output_that_is_not_all_calls_is_content(text: str) -> None:
+    assert parse_pythonic(text) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "since", "end"),
+    [
+        ("Hello", 0, 5),
+        ("  ", 0, 0),
+        ("[get_", 0, 0),
+        ("<|python", 0, 0),
+        ("<|python_start|>[", 0, 0),
+        ("<b>", 0, 3),
+        ("Hello [", 5, 7),
+    ],
+)
+def test_a_pythonic_stream_holds_back_an_output_that_may_be_calls(
+    text: str, since: int, end: int
+) -> None:
+    assert PARSERS["pythonic"].content_end(text, since) == end

@@ -112,6 +112,11 @@ class ClusterConfig:
     Off by default: on the 2-core CPU cluster the ratios were 4-8x (steps sharing cores with
     Ray and the front door), and planning with them cut attainment at 8 req/s from 0.99 to
     0.69-0.82 (loadgen/RESULTS.md, real CPU cluster)."""
+    prefix_caching: bool = True
+    """Keep the KV of committed tokens for later requests that start with the same tokens
+    (vLLM's automatic prefix caching; replica.kv_cache). The controller plans a prefill as if
+    nothing were cached (it learns of a hit from the step's report), so its admission errs on
+    the safe side."""
     num_cpus_per_replica: float = 1.0
     num_gpus_per_replica: float = 0.0
     tensor_parallel_size: int = 1
@@ -130,8 +135,9 @@ class ClusterConfig:
             raise ValueError("model must be a non-empty path")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
             raise ValueError(f"replicas must be an integer, got {self.replicas!r}")
-        if not isinstance(self.calibrate, bool):
-            raise ValueError(f"calibrate must be true or false, got {self.calibrate!r}")
+        for name in ("calibrate", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if not isinstance(self.spec_policy, str) or not SPEC_POLICY.match(self.spec_policy):

@@ -145,6 +145,7 @@ def build_engine(config: ClusterConfig, tp: TensorParallel | None = None) -> Eng
         specserve=SpecServeLengths(load_profile(config))
         if config.spec_policy == "specserve"
         else None,
+        prefix_caching=config.prefix_caching,
     )
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from cluster.messages import HeldRequest, ReplicaSnapshot, StepReport, StreamItem
 from cluster.plans import SeqView, derive_plan, reconcile
-from replica.batch import BatchOutcome, BatchPlan, FinishReason, RequestOutcome
+from replica.batch import BatchOutcome, BatchPlan, FinishReason, PrefillChunk, RequestOutcome
 from replica.engine import Engine
 from replica.request import Request
 
@@ -173,6 +173,8 @@ class ReplicaCore:
             self._after_step(plan, outcome)
 
     def _next_plan(self) -> tuple[BatchPlan | None, bool]:
+        if self._inbox is not None:
+            self._attach_prefixes(self._inbox)
         views = {rid: h.view() for rid, h in self._held.items()}
         if self._inbox is not None:
             plan = reconcile(self._inbox, views)
@@ -180,6 +182,16 @@ class ReplicaCore:
             if plan is not None:
                 return plan, True
         return derive_plan(self._last, views), False
+
+    def _attach_prefixes(self, plan: BatchPlan) -> None:
+        """Start the requests the plan begins to prefill from their cached prefix (prefix
+        caching): only now, so a request waiting for its turn pins no cached blocks, and
+        before the plan is fitted, so the chunks cover the rest of the prompt only and the
+        step reported is the step run. The controller learns of the hit from the report."""
+        for entry in plan.entries:
+            held = self._held.get(entry.request_id)
+            if isinstance(entry, PrefillChunk) and held is not None and held.num_computed == 0:
+                held.num_computed = self.engine.attach_prefix(entry.request_id)
 
     def _after_step(self, plan: BatchPlan, outcome: BatchOutcome) -> None:
         now = self._clock()

@@ -77,7 +77,8 @@ def default_models_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "deploy" / "models"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every engine bench takes: the model pair, output, size and repeats."""
     models = default_models_dir()
     parser.add_argument("--target", type=Path, default=models / "demo-target")
     parser.add_argument("--draft", type=Path, default=models / "demo-draft")
@@ -87,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats", type=positive_int, default=3, help="runs per case; the best counts"
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_pair_arguments(parser)
     parser.add_argument(
         "--dtype",
         choices=[*DTYPES, "all"],

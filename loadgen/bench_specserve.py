@@ -32,13 +32,12 @@ from tqdm import tqdm
 from cluster.controller import DEFAULT_PROFILE
 from loadgen.bench_engine import (
     DTYPES,
-    default_models_dir,
+    add_pair_arguments,
     draft_runner,
     kv_blocks_for,
     spec_run,
     stdlib_prompts,
 )
-from replica.arguments import output_file, positive_int
 from replica.engine import Engine
 from replica.model_runner import ModelRunner
 from replica.perf_model import PerfModel
@@ -49,9 +48,7 @@ PROMPT_TOKENS = 224
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    models = default_models_dir()
-    parser.add_argument("--target", type=Path, default=models / "demo-target")
-    parser.add_argument("--draft", type=Path, default=models / "demo-draft")
+    add_pair_arguments(parser)
     parser.add_argument(
         "--profile",
         type=Path,
@@ -59,12 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="perf profile SpecServe prices steps with (default: the shipped CPU profile)",
     )
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    parser.add_argument("--json", type=output_file, help="write the results here")
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
-    parser.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads")
-    parser.add_argument(
-        "--repeats", type=positive_int, default=3, help="runs per case; the best counts"
-    )
 
 
 def calibration(

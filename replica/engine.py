@@ -132,11 +132,14 @@ class Engine:
         ngram: NgramProposer | None = None,
         grammar_vocab: llguidance.LLTokenizer | None = None,
         specserve: SpecServeLengths | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         """`grammar_vocab`: the model's vocabulary for structured output
         (`replica.grammar_vocab.grammar_tokenizer`); None refuses requests with a grammar.
         `specserve`: draft and verify only the drafts SpecServe's confidences find worth their
-        time (replica.planner.specserve); None: every planned draft."""
+        time (replica.planner.specserve); None: every planned draft. `prefix_caching`: both
+        models' KV of committed tokens is kept for later requests that start with the same
+        tokens (`attach_prefix`); off, as the profiler needs, unless asked for."""
         if proposer == "draft" and draft is None:
             raise ValueError("proposer 'draft' needs a draft model")
         if specserve is not None and proposer != "draft":
@@ -149,8 +152,10 @@ class Engine:
                 f"({target.vocab_size})"
             )
         self.target = target
-        self.cache = KVCacheManager(target.num_blocks)
-        self.draft = DraftModel(draft) if draft is not None and proposer == "draft" else None
+        self.cache = KVCacheManager(target.num_blocks, prefix_caching=prefix_caching)
+        self.draft = (
+            DraftModel(draft, prefix_caching) if draft is not None and proposer == "draft" else None
+        )
         self.ngram = (ngram or NgramProposer()) if proposer == "ngram" else None
         self.detokenize = detokenize
         self.grammar_vocab = grammar_vocab
@@ -171,6 +176,7 @@ class Engine:
         proposer: ProposerKind | None = None,
         tp: TensorParallel | None = None,
         specserve: SpecServeLengths | None = None,
+        prefix_caching: bool = False,
     ) -> Engine:
         """Load the pair from HF folders or hub repo ids (`model_source`); the target's
         tokenizer (if any) detokenizes. With `tp` this process is rank 0 of the target's
@@ -200,7 +206,9 @@ class Engine:
             proposer = "draft"
         tokenizer = load_tokenizer(target_dir)
         if tokenizer is None:
-            return cls(target, draft, proposer=proposer, specserve=specserve)
+            return cls(
+                target, draft, proposer=proposer, specserve=specserve, prefix_caching=prefix_caching
+            )
         grammar_vocab = None
         try:
             grammar_vocab = grammar_tokenizer(
@@ -215,6 +223,7 @@ class Engine:
             detokenize=detokenizer(tokenizer),
             grammar_vocab=grammar_vocab,
             specserve=specserve,
+            prefix_caching=prefix_caching,
         )
 
     @property
@@ -240,6 +249,20 @@ class Engine:
                 "structured output needs a tokenizer llguidance can use; this engine has none"
             )
         self._seqs[request.request_id] = _Seq(request, make_generator(), self._shaper(request))
+
+    def attach_prefix(self, request_id: str) -> int:
+        """Start a request that holds no KV (new, or preempted) from the cached KV of its
+        longest prefix other requests computed (whole blocks, all but its last known token,
+        which must be fed for its logits); returns its computed tokens. A request that asked
+        for prompt log-probabilities computes its whole prompt, as those come from the logits."""
+        seq = self._get(request_id)
+        if seq.num_computed or seq.request.sampling.prompt_logprobs is not None:
+            return seq.num_computed
+        tokens, limit = seq.tokens, seq.num_known - 1
+        seq.num_computed = self.cache.attach_prefix(request_id, tokens, limit)
+        if self.draft is not None:
+            self.draft.cache.attach_prefix(request_id, tokens, seq.num_computed)
+        return seq.num_computed
 
     def abort(self, request_id: str) -> None:
         """Free the request's KV and forget it (also how finished requests are released)."""
@@ -345,7 +368,7 @@ class Engine:
     def _check_capacity(self, plan: BatchPlan, works: list[_Work]) -> None:
         freed = set(plan.preempt)
         target_free = self.cache.num_free_blocks + sum(
-            len(self.cache.block_table(rid)) for rid in freed
+            self.cache.blocks_released_by(rid) for rid in freed
         )
         target_need = sum(
             self.cache.extra_blocks_needed(w.seq.request.request_id, w.num_feed + w.num_spec)
@@ -359,7 +382,7 @@ class Engine:
             return
         draft_cache = self.draft.cache
         draft_free = draft_cache.num_free_blocks + sum(
-            len(draft_cache.block_table(rid)) for rid in freed
+            draft_cache.blocks_released_by(rid) for rid in freed
         )
         draft_need = sum(
             self.draft.blocks_needed(w.seq.request.request_id, _draft_tokens(w))
@@ -512,6 +535,7 @@ class Engine:
             logits, argmax = (logits[-1:], argmax[-1:]) if final else (logits[:0], [])
         if not argmax:
             seq.num_computed += w.num_feed
+            self._register(seq)
             return RequestOutcome(rid, num_computed_tokens=seq.num_computed)
         raw = logits
         if seq.shaper is not None:
@@ -540,6 +564,7 @@ class Engine:
         if self.draft is not None and proposal:
             self.draft.rollback(rid, seq.num_computed)
         appended = self._append(seq, new)
+        self._register(seq)
         if seq.finish_reason is not None:
             self._free_kv(rid)
         return RequestOutcome(
@@ -552,6 +577,15 @@ class Engine:
             logprobs=token_logprobs(raw, appended, params.logprobs),
             prompt_logprobs=seq.prompt_logprobs if len(seq.output) == len(appended) else [],
         )
+
+    def _register(self, seq: _Seq) -> None:
+        """Offer the request's computed tokens (verified: rejected drafts are rolled back by
+        now) to later requests with the same prefix, in both models' caches."""
+        rid, tokens = seq.request.request_id, seq.tokens
+        self.cache.register(rid, tokens, seq.num_computed)
+        if self.draft is not None:
+            drafted = min(self.draft.cache.num_tokens(rid), seq.num_computed)
+            self.draft.cache.register(rid, tokens, drafted)
 
     def _prompt_rows(self, seq: _Seq, cached: int, num_feed: int) -> tuple[int, int] | None:
         """The positions (first, last) of a prefill chunk whose logits give prompt tokens'

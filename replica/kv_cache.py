@@ -4,10 +4,19 @@ The tensors live in the model runner; this module only hands out block ids, so i
 without torch and the scheduler-side accounting can reuse the same arithmetic. A request's
 cached tokens fill its blocks front to back: token j sits in block `table[j // block_size]`
 at offset `j % block_size`.
+
+With `prefix_caching` (vLLM's automatic prefix caching), a full block of committed tokens is
+registered under its tokens and the blocks before it; a new request whose first tokens match
+a registered chain shares those blocks instead of computing them again (system prompts, the
+history a chat or an agent sends back every turn). Shared blocks are full, so nobody writes
+to them again; a request writes only the blocks after its prefix. A registered block nobody
+holds stays cached until the pool needs it (least recently released first). Keys are the
+tokens themselves, compared exactly: a hash collision can never hand out another prompt's KV.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -15,33 +24,59 @@ class CacheFullError(Exception):
     """The pool has too few free blocks; nothing was allocated."""
 
 
+_Key = tuple[int, tuple[int, ...]]
+"""A registered block's key: its parent's chain id (0: none) and its tokens."""
+
+
 @dataclass
 class _Allocation:
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    num_registered: int = 0
+    """Leading blocks registered (or shared) for prefix caching."""
+    chain: int = 0
+    """The chain id of the last of them (0: none)."""
 
 
 class KVCacheManager:
-    """Block allocator with per-request block tables, append, truncate and free."""
+    """Block allocator with per-request block tables, append, truncate and free; with
+    `prefix_caching`, blocks shared by requests with the same leading tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         # Popping from the end hands out low block ids first, which keeps tests readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._allocs: dict[str, _Allocation] = {}
+        self._refs: dict[int, int] = {}
+        """Holders of each block in use (more than one: a shared prefix block)."""
+        self._block_of: dict[_Key, int] = {}
+        self._key_of: dict[int, _Key] = {}
+        self._chain_of: dict[int, int] = {}
+        """Each registered block's chain id: unique, never reused, so the blocks registered
+        after an evicted one can no longer be matched through it."""
+        self._chains = 0
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        """Registered blocks nobody holds, least recently released first: free to take."""
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an append may take: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks nobody holds (kept for a later request's prefix)."""
+        return len(self._cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -75,15 +110,93 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         needed = self.extra_blocks_needed(request_id, num_new_tokens)
-        if needed > len(self._free):
+        if needed > self.num_free_blocks:
             raise CacheFullError(
-                f"request {request_id!r} needs {needed} more blocks; {len(self._free)} are free"
+                f"request {request_id!r} needs {needed} more blocks; "
+                f"{self.num_free_blocks} are free"
             )
         alloc = self._allocs.setdefault(request_id, _Allocation())
-        new_blocks = [self._free.pop() for _ in range(needed)]
+        new_blocks = [self._take() for _ in range(needed)]
         alloc.blocks.extend(new_blocks)
         alloc.num_tokens += num_new_tokens
         return new_blocks
+
+    def _take(self) -> int:
+        """A block to write: a free one, else the least recently released cached one."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._cached.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            del self._chain_of[block]
+        self._refs[block] = 1
+        return block
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one holder of each block; a registered block nobody holds stays cached."""
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] > 0:
+                continue
+            del self._refs[block]
+            if block in self._key_of:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
+
+    def blocks_released_by(self, request_id: str) -> int:
+        """Blocks `free(request_id)` would make available (shared ones stay held)."""
+        alloc = self._allocs.get(request_id)
+        return 0 if alloc is None else sum(1 for b in alloc.blocks if self._refs[b] == 1)
+
+    def attach_prefix(self, request_id: str, tokens: list[int], limit: int) -> int:
+        """Share the registered blocks that hold the longest prefix of `tokens` (at most
+        `limit` tokens, whole blocks) with a request holding no KV; returns the tokens they
+        hold (0 without prefix caching, a match, or for a request that holds KV)."""
+        if not self.prefix_caching or self._allocs.get(request_id, _Allocation()).blocks:
+            return 0
+        size = self.block_size
+        chain = 0
+        blocks: list[int] = []
+        for start in range(0, min(limit, len(tokens)) - size + 1, size):
+            block = self._block_of.get((chain, tuple(tokens[start : start + size])))
+            if block is None:
+                break
+            blocks.append(block)
+            chain = self._chain_of[block]
+        if not blocks:
+            return 0
+        for block in blocks:
+            if block in self._cached:
+                del self._cached[block]
+            self._refs[block] = self._refs.get(block, 0) + 1
+        n = len(blocks)
+        self._allocs[request_id] = _Allocation(blocks, n * size, n, chain)
+        return n * size
+
+    def register(self, request_id: str, tokens: list[int], num_committed: int) -> None:
+        """Offer the request's full blocks among its first `num_committed` tokens (computed
+        and final: no speculative token a verification may still reject) to later requests
+        with the same leading tokens. A block whose tokens another block already holds under
+        the same prefix is left unregistered (the request keeps its copy)."""
+        alloc = self._allocs.get(request_id)
+        if not self.prefix_caching or alloc is None:
+            return
+        size = self.block_size
+        full = min(num_committed, alloc.num_tokens, len(tokens)) // size
+        while alloc.num_registered < full:
+            i = alloc.num_registered
+            block = alloc.blocks[i]
+            key = (alloc.chain, tuple(tokens[i * size : (i + 1) * size]))
+            known = self._block_of.get(key)
+            if known is None:
+                self._chains += 1
+                self._block_of[key] = block
+                self._key_of[block] = key
+                self._chain_of[block] = self._chains
+                known = block
+            alloc.chain = self._chain_of[known]
+            alloc.num_registered += 1
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens (rollback of rejected speculation)."""
@@ -96,13 +209,17 @@ class KVCacheManager:
         if alloc is None:
             return
         keep = self.blocks_for(num_tokens)
-        released = alloc.blocks[keep:]
+        if num_tokens < alloc.num_registered * self.block_size:
+            raise ValueError(
+                f"cannot truncate request {request_id!r} into its {alloc.num_registered} "
+                "shared or registered blocks"
+            )
+        self._release(alloc.blocks[keep:])
         del alloc.blocks[keep:]
-        self._free.extend(reversed(released))
         alloc.num_tokens = num_tokens
 
     def free(self, request_id: str) -> None:
         """Release every block of the request (finish, abort, preemption); unknown ids: no-op."""
         alloc = self._allocs.pop(request_id, None)
         if alloc is not None:
-            self._free.extend(reversed(alloc.blocks))
+            self._release(alloc.blocks)

@@ -90,13 +90,13 @@ class Proposal:
 class DraftModel:
     """A `ModelRunner` plus its block tables; proposes k tokens per request, k may differ."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, prefix_caching: bool = False) -> None:
         self.runner = runner
         vocab = runner.head_vocab
         self._vocab_cpu = None if vocab is None else vocab.cpu()
         """The cut head's token ids where sampled distributions live (the CPU, see
         sampling.token_probs), copied once rather than at every sampled draft token."""
-        self.cache = KVCacheManager(runner.num_blocks)
+        self.cache = KVCacheManager(runner.num_blocks, prefix_caching=prefix_caching)
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Extra blocks caching `num_tokens` of the request takes (a k-token proposal caches

@@ -184,3 +184,29 @@ def test_snapshot_lists_the_requests_ended_lately(
         return ended
 
     assert asyncio.run(run()) == ("e2", "e3", "pending")
+
+
+def test_a_prefill_plan_is_fitted_to_what_the_prefix_cache_left(target_dir: Path) -> None:
+    """The controller plans the whole prompt; the replica starts the request from its cached
+    prefix first, so the step run and reported prefills the rest only."""
+    cached_engine = Engine.from_dirs(target_dir, num_blocks=64, prefix_caching=True)
+    prompt = [(7 * i) % 500 + 3 for i in range(40)]
+    reports: list[StepReport] = []
+
+    async def run() -> list[list[int]]:
+        core = ReplicaCore(cached_engine, 0, reports.append)
+        core.start()
+        outputs = []
+        for rid in ("first", "second"):
+            request = Request(rid, prompt, SamplingParams(max_tokens=4), slo=SLO(1000, 100))
+            core.add_request(request, admitted=True)
+            core.set_plan(BatchPlan((PrefillChunk(rid, len(prompt)),)))
+            items = await drain(core, rid)
+            outputs.append([t for item in items for t in item.token_ids])
+        await core.stop()
+        return outputs
+
+    first, second = asyncio.run(run())
+    assert first == second
+    prefills = [e for r in reports for e in r.plan.entries if isinstance(e, PrefillChunk)]
+    assert prefills == [PrefillChunk("first", 40), PrefillChunk("second", 40 - 32)]

@@ -121,3 +121,150 @@ def test_append_then_truncate_back_restores_exactly(
     assert cache.num_tokens("a") == tokens
     assert cache.num_free_blocks == free
     assert cache.block_table("b") == other
+
+
+def prefix_cache(num_blocks: int = 8) -> KVCacheManager:
+    return KVCacheManager(num_blocks=num_blocks, block_size=4, prefix_caching=True)
+
+
+def written(cache: KVCacheManager, rid: str, tokens: list[int]) -> None:
+    """A request that computed `tokens` and committed them all."""
+    cache.append(rid, len(tokens))
+    cache.register(rid, tokens, len(tokens))
+
+
+def test_a_request_shares_the_registered_blocks_of_its_leading_tokens() -> None:
+    cache = prefix_cache()
+    a = list(range(10))
+    written(cache, "a", a)
+    b = [*a[:8], 99, 98]
+    assert cache.attach_prefix("b", b, limit=len(b) - 1) == 8
+    assert cache.block_table("b") == cache.block_table("a")[:2]
+    assert cache.num_tokens("b") == 8
+    assert cache.append("b", 2) == [3]
+    assert cache.num_used_blocks == 4  # a's three, b's own third
+    assert cache.attach_prefix("c", [0, 1, 2, 3, 4, 5, 6, 0], limit=7) == 4
+    assert cache.attach_prefix("d", [9, 1, 2, 3, 4], limit=4) == 0
+    assert cache.block_table("d") == []
+
+
+def test_the_limit_leaves_a_token_to_compute_and_matches_whole_blocks() -> None:
+    cache = prefix_cache()
+    written(cache, "a", list(range(8)))
+    assert cache.attach_prefix("b", list(range(8)), limit=7) == 4
+    assert cache.attach_prefix("c", list(range(8)), limit=3) == 0
+    assert cache.attach_prefix("b", list(range(8)), limit=7) == 0  # b holds KV already
+
+
+def test_only_committed_full_blocks_are_registered() -> None:
+    cache = prefix_cache()
+    cache.append("a", 12)
+    cache.register("a", list(range(12)), num_committed=7)
+    assert cache.attach_prefix("b", list(range(12)), limit=11) == 4
+    with pytest.raises(ValueError, match="shared or registered"):
+        cache.truncate("a", 3)  # b reads all four of the first block's tokens
+    cache.truncate("a", 4)
+    cache.append("a", 8)
+    cache.register("a", list(range(12)), num_committed=12)
+    assert cache.attach_prefix("c", list(range(12)), limit=11) == 8
+
+
+def test_released_blocks_stay_cached_until_the_pool_needs_them() -> None:
+    cache = prefix_cache(num_blocks=4)
+    written(cache, "a", list(range(8)))
+    written(cache, "b", [7] * 4)
+    assert cache.blocks_released_by("a") == 2
+    cache.free("a")
+    cache.free("b")
+    assert (cache.num_free_blocks, cache.num_cached_blocks) == (4, 3)
+    assert cache.attach_prefix("c", list(range(9)), limit=8) == 8
+    assert cache.num_cached_blocks == 1 and cache.blocks_released_by("c") == 2
+    assert cache.attach_prefix("d", list(range(9)), limit=8) == 8
+    assert cache.blocks_released_by("c") == 0  # shared with d: freeing c frees nothing
+    cache.free("c")
+    cache.free("d")
+    # A request's blocks are released last first, so its tail is taken before its head: b's
+    # block goes first (released earliest), then a's second block.
+    cache.append("e", 5)  # the free block and b's
+    assert cache.attach_prefix("f", [7] * 5, limit=4) == 0
+    assert cache.attach_prefix("g", list(range(9)), limit=8) == 8
+    cache.free("g")
+    cache.append("h", 1)  # a's second block
+    assert cache.attach_prefix("i", list(range(9)), limit=8) == 4
+    assert cache.num_free_blocks == 0
+
+
+def test_a_block_computed_twice_continues_the_first_copy_s_chain() -> None:
+    cache = prefix_cache()
+    written(cache, "a", list(range(4)))
+    written(cache, "b", list(range(8)))  # computed its own copy of a's block
+    assert cache.attach_prefix("c", list(range(9)), limit=8) == 8
+    assert cache.block_table("c") == [cache.block_table("a")[0], cache.block_table("b")[1]]
+
+
+def test_without_prefix_caching_nothing_is_shared() -> None:
+    cache = KVCacheManager(num_blocks=4, block_size=4)
+    written(cache, "a", list(range(8)))
+    assert cache.attach_prefix("b", list(range(8)), limit=7) == 0
+    cache.free("a")
+    assert (cache.num_free_blocks, cache.num_cached_blocks) == (4, 0)
+
+
+prefix_operations = st.lists(
+    st.tuples(
+        st.sampled_from(["append", "truncate", "free", "attach", "register"]),
+        st.sampled_from(["a", "b", "c"]),
+        st.lists(st.integers(0, 2), min_size=0, max_size=10),
+    ),
+    min_size=20,
+    max_size=80,
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(prefix_operations)
+def test_shared_blocks_hold_the_tokens_of_everyone_who_reads_them(
+    ops: list[tuple[str, str, list[int]]],
+) -> None:
+    """Blocks' contents are modelled slot by slot: an attach must hand out blocks holding
+    exactly the request's tokens, nobody writes a block another request holds, and every
+    block is free, cached or held, never two of these."""
+    cache = KVCacheManager(num_blocks=6, block_size=2, prefix_caching=True)
+    slots: dict[int, list[int | None]] = {}
+    tokens: dict[str, list[int]] = {}
+    for op, rid, new in ops:
+        mine = tokens.get(rid, [])
+        if op == "append" and cache.extra_blocks_needed(rid, len(new)) <= cache.num_free_blocks:
+            start = len(mine)
+            cache.append(rid, len(new))
+            table = cache.block_table(rid)
+            for i, token in enumerate(new, start):
+                block = table[i // 2]
+                holders = sum(block in cache.block_table(r) for r in tokens | {rid: []})
+                assert holders == 1, "wrote a block another request reads"
+                slots.setdefault(block, [None, None])[i % 2] = token
+            tokens[rid] = mine + new
+        elif op == "truncate" and mine:
+            keep = min(len(new), len(mine))
+            try:
+                cache.truncate(rid, keep)
+            except ValueError:
+                continue
+            tokens[rid] = mine[:keep]
+        elif op == "free":
+            cache.free(rid)
+            tokens.pop(rid, None)
+        elif op == "attach" and not cache.block_table(rid):
+            # Mostly another request's tokens (or what it dropped) and then some: hits.
+            lead = next((t for r, t in tokens.items() if r != rid), []) if new[:1] != [2] else []
+            want = lead + new
+            got = cache.attach_prefix(rid, want, limit=len(want))
+            table = cache.block_table(rid)
+            assert [slots[b] for b in table] == [want[i : i + 2] for i in range(0, got, 2)]
+            tokens[rid] = want[:got]
+        elif op == "register":
+            cache.register(rid, mine, len(mine))
+        held = {b for r in tokens for b in cache.block_table(r)}
+        assert len(held) + cache.num_free_blocks == cache.num_blocks, "a block leaked"
+        for r, mine in tokens.items():
+            assert cache.num_tokens(r) == len(mine)

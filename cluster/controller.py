@@ -148,6 +148,10 @@ class ClusterController:
             i: {} for i in range(config.replicas)
         }
         """Requests being handed to each replica (request, admitted)."""
+        self._synced_reports: dict[int, list[StepReport]] = {}
+        """Per replica whose mirror is being rebuilt (one rebuild at a time): the reports that
+        came meanwhile, folded in after it (those past the snapshot may be the replica's last
+        word on a request)."""
         self._synced_binds: dict[int, dict[str, tuple[Request, bool]]] = {}
         """Per replica whose mirror is being rebuilt: every hand-off in flight since its
         snapshot was asked for (one may end before the rebuild, its request still missing
@@ -155,7 +159,6 @@ class ClusterController:
         self._aborted: set[str] = set()
         """Requests aborted while being handed to a replica: released once the hand-off ends."""
         self._plan_sent: dict[int, float] = {}
-        self._syncing: set[int] = set()
         self._ready: asyncio.Event | None = None
         self._arrived: asyncio.Event | None = None
         """Set by a request that waits for a verdict: the tick loop plans without waiting."""
@@ -401,9 +404,13 @@ class ClusterController:
     async def report(self, report: StepReport) -> None:
         """A replica executed a step: fold it in and send that replica its next plan."""
         await self.ready()
+        if report.replica in self._synced_reports:
+            self._synced_reports[report.replica].append(report)
+        elif self.plane.replicas[report.replica].alive:
+            self._fold(report)
+
+    def _fold(self, report: StepReport) -> None:
         vr = self.plane.replicas[report.replica]
-        if not vr.alive or report.replica in self._syncing:
-            return
         demoted, dropped = vr.num_demoted, vr.preempted_tokens
         try:
             fit = vr.apply(report)
@@ -442,10 +449,11 @@ class ClusterController:
 
     async def _sync(self, replica: int) -> None:
         """Rebuild a mirror from its replica's snapshot (or mark the replica down)."""
-        if replica in self._syncing:
+        if replica in self._synced_reports:
             return
-        self._syncing.add(replica)
         binds = self._synced_binds[replica] = dict(self._binding[replica])
+        reports = self._synced_reports[replica] = []
+        restored = False
         try:
             snapshot = await _within(self.replicas[replica].snapshot.remote(), HEALTH_TIMEOUT_S)
             self.plane.restore(replica, snapshot, time.time())
@@ -456,12 +464,17 @@ class ClusterController:
             for request, admitted in binds.values():
                 if request.request_id not in ended:
                     self._keep_bound(replica, request, admitted)
-            self._send_plan(replica, time.time())
+            restored = True
         except (RayActorError, TimeoutError):
             self.plane.mark_dead(replica)
         finally:
-            self._syncing.discard(replica)
             del self._synced_binds[replica]
+            del self._synced_reports[replica]
+        if restored:
+            # Those the snapshot reflects are stale; the rest are applied in order.
+            for report in sorted(reports, key=lambda r: r.seq):
+                self._fold(report)
+            self._send_plan(replica, time.time())
 
     # -- status ---------------------------------------------------------------------------------
 

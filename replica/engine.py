@@ -252,13 +252,15 @@ class Engine:
 
     def attach_prefix(self, request_id: str) -> int:
         """Start a request that holds no KV (new, or preempted) from the cached KV of its
-        longest prefix other requests computed (whole blocks, all but its last known token,
-        which must be fed for its logits); returns its computed tokens. A request that asked
-        for prompt log-probabilities computes its whole prompt, as those come from the logits."""
+        longest prefix other requests computed (whole blocks); returns its computed tokens.
+        Its last known token is always left to feed, for its logits, and a preempted one's
+        last two: left one token short, it would be decoding, and the prefill its planner
+        sends would no longer apply. A request that asked for prompt log-probabilities
+        computes its whole prompt, as those come from the logits."""
         seq = self._get(request_id)
         if seq.num_computed or seq.request.sampling.prompt_logprobs is not None:
             return seq.num_computed
-        tokens, limit = seq.tokens, seq.num_known - 1
+        tokens, limit = seq.tokens, seq.num_known - (2 if seq.output else 1)
         seq.num_computed = self.cache.attach_prefix(request_id, tokens, limit)
         if self.draft is not None:
             self.draft.cache.attach_prefix(request_id, tokens, seq.num_computed)
@@ -367,9 +369,7 @@ class Engine:
 
     def _check_capacity(self, plan: BatchPlan, works: list[_Work]) -> None:
         freed = set(plan.preempt)
-        target_free = self.cache.num_free_blocks + sum(
-            self.cache.blocks_released_by(rid) for rid in freed
-        )
+        target_free = self.cache.num_free_blocks + self.cache.blocks_released_by(freed)
         target_need = sum(
             self.cache.extra_blocks_needed(w.seq.request.request_id, w.num_feed + w.num_spec)
             for w in works
@@ -381,9 +381,7 @@ class Engine:
         if self.draft is None:
             return
         draft_cache = self.draft.cache
-        draft_free = draft_cache.num_free_blocks + sum(
-            draft_cache.blocks_released_by(rid) for rid in freed
-        )
+        draft_free = draft_cache.num_free_blocks + draft_cache.blocks_released_by(freed)
         draft_need = sum(
             self.draft.blocks_needed(w.seq.request.request_id, _draft_tokens(w))
             for w in works

@@ -16,7 +16,8 @@ tokens themselves, compared exactly: a hash collision can never hand out another
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -144,10 +145,11 @@ class KVCacheManager:
             else:
                 self._free.append(block)
 
-    def blocks_released_by(self, request_id: str) -> int:
-        """Blocks `free(request_id)` would make available (shared ones stay held)."""
-        alloc = self._allocs.get(request_id)
-        return 0 if alloc is None else sum(1 for b in alloc.blocks if self._refs[b] == 1)
+    def blocks_released_by(self, request_ids: Iterable[str]) -> int:
+        """Blocks freeing all of `request_ids` would make available: those no other request
+        holds (a block they share among themselves only counts once)."""
+        holders = Counter(b for rid in set(request_ids) for b in self.block_table(rid))
+        return sum(1 for block, n in holders.items() if self._refs[block] == n)
 
     def attach_prefix(self, request_id: str, tokens: list[int], limit: int) -> int:
         """Share the registered blocks that hold the longest prefix of `tokens` (at most

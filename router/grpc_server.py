@@ -113,7 +113,7 @@ def _message_to_body(message: pb.ChatMessage) -> dict[str, Any]:
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in message.tool_calls
         ]
-    if message.tool_call_id:
+    if message.tool_call_id or message.role == "tool":
         body["tool_call_id"] = message.tool_call_id
     return body
 

@@ -83,7 +83,19 @@ def call_of(made: Any, *argument_keys: str) -> tuple[str, str] | None:
     arguments = {} if key is None else made[key]
     if not isinstance(arguments, dict):
         return None
-    return made["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    return made["name"], arguments_json(arguments)
+
+
+def arguments_json(arguments: dict[str, Any]) -> str:
+    """A call's arguments as JSON text; escaped to ASCII only when they hold what UTF-8
+    cannot carry (a lone surrogate the model wrote as "\\ud800"), which no response could
+    send. Raises ValueError for numbers JSON cannot write."""
+    text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(arguments, allow_nan=False)
+    return text
 
 
 def parse_llama3_json(text: str) -> ParsedCalls | None:
@@ -129,10 +141,11 @@ def _pythonic_call(node: ast.expr) -> tuple[str, str] | None:
     a float JSON cannot write)."""
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
         return None
-    if any(k.arg is None for k in node.keywords):  # **kwargs
+    values = {k.arg: k.value for k in node.keywords if k.arg is not None}
+    if len(values) < len(node.keywords):  # **kwargs, or a keyword given twice
         return None
-    arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-    return node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    arguments = {name: ast.literal_eval(value) for name, value in values.items()}
+    return node.func.id, arguments_json(arguments)
 
 
 def _hermes_content_end(text: str, since: int) -> int:

@@ -225,3 +225,30 @@ def test_a_rebuild_from_a_snapshot_older_than_a_hand_off_keeps_the_request(
         await replica.core.stop()
 
     asyncio.run(run())
+
+
+def test_a_report_that_comes_during_a_rebuild_is_folded_in_after_it(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    """A request the replica ends while the controller waits for its snapshot (taken before
+    the end): the end's report is the replica's last word on it, so it must not be dropped,
+    or the rebuilt mirror keeps the request for good."""
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        replica.plans.clear()  # the request waits for its prefill: the replica runs no step
+        await controller.submit(request("gone", 6))
+        replica.snapshot_reply.clear()
+        mirror = controller.plane.replicas[0].scheduler
+        await controller.report(gap(replica))
+        await until(lambda: len(replica.snapshots) == 2, "a snapshot is taken")
+        assert [h.request.request_id for h in replica.snapshots[-1].requests] == ["gone"]
+        replica.core.abort("gone")  # its client went away
+        await until(lambda: "gone" in replica.core.snapshot().ended, "the replica ended it")
+        replica.snapshot_reply.set()
+        await until(lambda: controller.plane.replicas[0].scheduler is not mirror, "a rebuild")
+        await until(lambda: holds_nothing(controller), "the end folded in")
+        await replica.core.stop()
+
+    asyncio.run(run())

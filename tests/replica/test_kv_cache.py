@@ -173,14 +173,15 @@ def test_released_blocks_stay_cached_until_the_pool_needs_them() -> None:
     cache = prefix_cache(num_blocks=4)
     written(cache, "a", list(range(8)))
     written(cache, "b", [7] * 4)
-    assert cache.blocks_released_by("a") == 2
+    assert cache.blocks_released_by(["a"]) == 2
     cache.free("a")
     cache.free("b")
     assert (cache.num_free_blocks, cache.num_cached_blocks) == (4, 3)
     assert cache.attach_prefix("c", list(range(9)), limit=8) == 8
-    assert cache.num_cached_blocks == 1 and cache.blocks_released_by("c") == 2
+    assert cache.num_cached_blocks == 1 and cache.blocks_released_by(["c"]) == 2
     assert cache.attach_prefix("d", list(range(9)), limit=8) == 8
-    assert cache.blocks_released_by("c") == 0  # shared with d: freeing c frees nothing
+    assert cache.blocks_released_by(["c"]) == 0  # shared with d: freeing c frees nothing
+    assert cache.blocks_released_by(["c", "d", "c"]) == 2  # freeing both frees them
     cache.free("c")
     cache.free("d")
     # A request's blocks are released last first, so its tail is taken before its head: b's

@@ -117,6 +117,28 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks(
     e.abort(rid)
 
 
+def test_a_preempted_request_is_left_a_prefill_even_when_all_its_blocks_are_cached(
+    runners: tuple[ModelRunner, ModelRunner], tokens: list[list[int]]
+) -> None:
+    """With every token but the last in cached blocks, attaching them all would leave the
+    request decoding, and the prefill the controller plans for a preempted request would no
+    longer apply (the replica drops prefill chunks of decoding requests)."""
+    e = engine(runners, prefix_caching=True)
+    rid = "edge"
+    e.add_request(request(rid, tokens[0], max_tokens=40))
+    e.step(BatchPlan((PrefillChunk(rid, len(tokens[0])),)))
+    known = len(tokens[0])
+    while (known - 1) % BLOCK or known - 1 == len(tokens[0]) // BLOCK * BLOCK:
+        e.step(BatchPlan((DecodeStep(rid, 0),)))
+        known = len(tokens[0]) + len(e.output_token_ids(rid))
+    e.preempt(rid)
+    cached = e.attach_prefix(rid)
+    assert cached == known - 1 - BLOCK  # one whole block left to prefill with the last token
+    e.step(BatchPlan((PrefillChunk(rid, known - cached),)))
+    assert e.num_computed_tokens(rid) == known
+    e.abort(rid)
+
+
 def test_seeded_sampling_and_prompt_logprobs_with_the_cache(
     runners: tuple[ModelRunner, ModelRunner], tokens: list[list[int]]
 ) -> None:
@@ -146,7 +168,7 @@ def test_a_plan_that_preempts_a_sharing_request_counts_only_what_it_frees(
     assert e.draft.cache.num_tokens("b") == shared * BLOCK  # the draft's KV too
     e.step(BatchPlan((PrefillChunk("b", len(tokens[0]) - shared * BLOCK),)))
     free = e.num_free_blocks
-    released = e.cache.blocks_released_by("b")
+    released = e.cache.blocks_released_by(["b"])
     assert released == len(e.cache.block_table("b")) - shared
     huge = (free + released + 1) * BLOCK
     e.add_request(request("c", [5] * huge, max_tokens=1))

@@ -303,6 +303,11 @@ def test_tools_and_earlier_calls_cross_grpc(target_dir: Path) -> None:
         assert text == "[lookup][now]<user>who?<assistant>lookup=ann<tool>found@c1<assistant>"
     _, body = request_to_body(build_request(None, [("user", "hi")], GenerateOptions()), "demo")
     assert "tools" not in body and "tool_choice" not in body
+    # A tool message without an id sends "" as HTTP takes it, not a missing field.
+    answer = [("user", "who?"), ChatMessage("tool", "found")]
+    endpoint, body = request_to_body(build_request(None, answer, GenerateOptions()), "demo")
+    assert body["messages"][1] == {"role": "tool", "content": "found", "tool_call_id": ""}
+    parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0)
 
 
 def test_bad_tools_are_named_at_either_end() -> None:

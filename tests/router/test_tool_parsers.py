@@ -150,6 +150,7 @@ def test_pythonic_calls_are_a_list_of_calls_with_literal_keywords() -> None:
         "[f(x=1e999)]",
         "[f(x={1, 2})]",  # a set: no JSON for it
         "[f(x=1j)]",
+        "[f(a=1, a=2)]",  # a keyword given twice
         "[f(x=1),",
         "(f(x=1),)",
         "",
@@ -175,3 +176,18 @@ def test_a_pythonic_stream_holds_back_an_output_that_may_be_calls(
     text: str, since: int, end: int
 ) -> None:
     assert PARSERS["pythonic"].content_end(text, since) == end
+
+
+def test_arguments_no_response_could_carry_stay_escaped() -> None:
+    """A lone surrogate (the model wrote it as an escape) cannot be encoded as UTF-8: such
+    arguments keep their escapes; everything else is written as is."""
+    for parsed in (
+        parse_hermes('<tool_call>{"name": "f", "arguments": {"x": "\\ud800", "y": "ça"}}'),
+        parse_pythonic("[f(x='\\ud800', y='ça')]"),
+    ):
+        assert parsed is not None
+        ((_, arguments),) = parsed.calls
+        assert arguments == '{"x": "\\ud800", "y": "\\u00e7a"}'
+        arguments.encode()
+    parsed = parse_hermes('<tool_call>{"name": "f", "arguments": {"y": "ça"}}')
+    assert parsed is not None and parsed.calls == [("f", '{"y": "ça"}')]

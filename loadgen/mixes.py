@@ -30,6 +30,13 @@ file and passes the file wherever a scenario name goes (`slos-serve simulate --s
         output: {mean: 803, p99: 1650}    # the answer, after the stages
         ttft: tight
         tpot: loose                       # the answer's
+      - name: support          # every request starts with the same 256 tokens (a system
+        share: 0.1             # prompt): what a server's prefix cache keeps
+        prompt: {mean: 900, p99: 2000}   # the system prompt counted in
+        output: {mean: 200, p99: 500}
+        system_prompt: 256
+        ttft: loose
+        tpot: loose
       - name: agent            # a session: tool-call rounds, then the answer, each a request
         share: 0.2
         prompt: {mean: 690, p99: 2131}
@@ -51,10 +58,15 @@ then the answer's. With `tools` an arrival is a session, as in the toolllm scena
 is a request with the class's TTFT whose prompt is the previous one plus its output and a tool
 response, sent `latency_ms` after that round's last token (the rate counts sessions). Each
 request's class name is its scenario and SLO class in the records and the per-class report.
+With `system_prompt: N` every request of the class (every round of a session) starts with the
+same N tokens, scaled by `--length-scale` like the lengths (a prompt drawn shorter is
+lengthened to N + 1): live runs send the same text, so a server's prefix cache computes it
+once. The simulator does not model prefix caches, so it runs such a class as any other.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -96,6 +108,7 @@ _CLASS_KEYS = {
     "ttft_ms",
     "tpot",
     "tpot_ms",
+    "system_prompt",
 }
 _MIX_KEYS = {"name", "trace", "classes"}
 
@@ -167,6 +180,8 @@ class MixClass:
     max_tokens: int | None = None
     stages: tuple[MixStage, ...] = ()
     tools: MixTools | None = None
+    system_prompt: int = 0
+    """Tokens every request of the class starts with (0: none)."""
 
     def ttft_ms(self, config: WorkloadConfig, zero_load_s: float) -> float:
         if isinstance(self.ttft, Level):
@@ -188,6 +203,8 @@ class MixClass:
             out["stages"] = [stage.to_dict() for stage in self.stages]
         if self.tools is not None:
             out["tools"] = self.tools.to_dict()
+        if self.system_prompt:
+            out["system_prompt"] = self.system_prompt
         return out
 
 
@@ -314,6 +331,9 @@ def _mix_class(data: Any, index: int) -> MixClass:
     tools = data.get("tools")
     if tools is not None and stages:
         raise ValueError(f"{where}: stages and tools do not combine; give one of them")
+    system = data.get("system_prompt", 0)
+    if isinstance(system, bool) or not isinstance(system, int) or system < 0:
+        raise ValueError(f"{where}: system_prompt must be an integer >= 0, got {system!r}")
     return MixClass(
         name=name,
         share=share,
@@ -324,6 +344,7 @@ def _mix_class(data: Any, index: int) -> MixClass:
         max_tokens=max_tokens,
         stages=tuple(_stage(item, f"{where}: stages[{i}]") for i, item in enumerate(stages)),
         tools=None if tools is None else _tools(tools, f"{where}: tools"),
+        system_prompt=system,
     )
 
 
@@ -422,10 +443,14 @@ def generate_mix(
     scale = config.length_scale
     for k, cls in enumerate(mix.classes):
         ids = [int(i) for i in np.flatnonzero(pick == k)]
-        prompts = _sample(cls.prompt, scale, rng, len(ids))
+        system = _system_prompt(cls, scale)
+        prompts = [max(p, system + 1) for p in _sample(cls.prompt, scale, rng, len(ids))]
         if cls.tools is not None:
             for i, p in zip(ids, prompts, strict=True):
-                out += _session(cls, cls.tools, f"{cls.name}-{i:06d}", arrivals[i], p, config, rng)
+                rounds = _session(
+                    cls, cls.tools, f"{cls.name}-{i:06d}", arrivals[i], p, config, rng
+                )
+                out += [_with_system_prompt(r, cls.name, system) for r in rounds]
             continue
         staged = [_sample(stage.tokens, scale, rng, len(ids)) for stage in cls.stages]
         outputs = _sample(cls.output, scale, rng, len(ids))
@@ -444,7 +469,7 @@ def generate_mix(
                 slo=_slo(cls, config, zero, lengths),
                 zero_load_ttft_s=zero,
             )
-            out.append(config.check_fits(req))
+            out.append(config.check_fits(_with_system_prompt(req, cls.name, system)))
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
     return out
 
@@ -478,6 +503,17 @@ def _session(
         latency_s=config.tool_latency_s if tools.latency_ms is None else tools.latency_ms / 1e3,
         config=config,
     )
+
+
+def _system_prompt(cls: MixClass, scale: float) -> int:
+    """The class's system prompt in tokens, scaled (one at least, when it has one)."""
+    return max(1, round(cls.system_prompt * scale)) if cls.system_prompt else 0
+
+
+def _with_system_prompt(request: WorkloadRequest, name: str, tokens: int) -> WorkloadRequest:
+    if not tokens:
+        return request
+    return dataclasses.replace(request, shared_prefix=name, prefix_len=tokens)
 
 
 def _slo(cls: MixClass, config: WorkloadConfig, zero_load_s: float, lengths: list[int]) -> SLO:

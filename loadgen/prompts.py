@@ -98,3 +98,19 @@ class PromptSource:
             if len(ids) == num_tokens:
                 return Prompt(text, tuple(ids))
         raise ValueError(f"no window of the corpus round-trips to exactly {num_tokens} tokens")
+
+    def prompt_after(self, prefix: Prompt, num_tokens: int) -> Prompt:
+        """A prompt of exactly num_tokens tokens whose first tokens are `prefix`'s, text and
+        ids alike (a window whose first token would merge with the prefix's last is skipped)."""
+        rest = num_tokens - len(prefix.token_ids)
+        if rest < 1:
+            raise ValueError(
+                f"num_tokens={num_tokens} leaves no room after a "
+                f"{len(prefix.token_ids)}-token prefix"
+            )
+        for _ in range(ATTEMPTS):
+            tail = self.prompt(rest)
+            ids = tuple(self._encode(prefix.text + tail.text))
+            if ids == prefix.token_ids + tail.token_ids:
+                return Prompt(prefix.text + tail.text, ids)
+        raise ValueError(f"no window of the corpus follows the prefix in exactly {rest} tokens")

@@ -110,11 +110,22 @@ class LoadSpec:
 
 
 def prompts_for(workload: Sequence[WorkloadRequest], source: PromptSource) -> dict[str, Prompt]:
-    """One prompt of exactly prompt_len tokens per request, cut before the run starts.
+    """One prompt of exactly prompt_len tokens per request, cut before the run starts; those
+    sharing a prefix (a system prompt) start with the same text.
 
     A follow-up round gets a fresh prompt of its context's length (the text of the earlier
     rounds is not replayed; the server sees the same number of tokens)."""
-    return {r.request_id: source.prompt(r.prompt_len) for r in workload}
+    prefixes: dict[tuple[str, int], Prompt] = {}
+    prompts = {}
+    for r in workload:
+        if r.shared_prefix is None:
+            prompts[r.request_id] = source.prompt(r.prompt_len)
+            continue
+        key = (r.shared_prefix, r.prefix_len)
+        if key not in prefixes:
+            prefixes[key] = source.prompt(r.prefix_len)
+        prompts[r.request_id] = source.prompt_after(prefixes[key], r.prompt_len)
+    return prompts
 
 
 @dataclass(frozen=True)

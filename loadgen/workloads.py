@@ -254,6 +254,10 @@ class WorkloadRequest:
     """ToolLLM: the round this one continues; it is issued only after that round finishes."""
     delay_s: float = 0.0
     """With `follows`: seconds between that round's last token and this one's arrival."""
+    shared_prefix: str | None = None
+    """Requests naming the same shared prefix start with the same `prefix_len` tokens (a
+    class's system prompt): a live run sends them the same text."""
+    prefix_len: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.output_len <= self.max_tokens:
@@ -265,6 +269,13 @@ class WorkloadRequest:
             raise ValueError(f"{self.request_id}: delay_s applies only to follow-up rounds")
         if self.prompt_len < 1:
             raise ValueError(f"{self.request_id}: prompt_len must be >= 1, got {self.prompt_len}")
+        if (self.shared_prefix is None) != (self.prefix_len == 0) or not (
+            0 <= self.prefix_len < self.prompt_len
+        ):
+            raise ValueError(
+                f"{self.request_id}: a shared prefix needs 1 <= prefix_len < prompt_len "
+                f"({self.prompt_len}), got {self.shared_prefix!r} of {self.prefix_len}"
+            )
 
     def to_request(
         self, prompt_token_ids: Sequence[int], arrival_time: float | None = None

@@ -33,7 +33,13 @@ CPU_BASELINES = {
 }
 """Baseline config: (the slos config it is compared with, its scheduler, its profile when it
 differs: the CPU profile measured without a draft; the analytic GPU profile has none to drop)."""
-ALL_CONFIGS = ["serve-cpu.yaml", "serve-cpu-specserve.yaml", *CPU_BASELINES, *GPU_CONFIGS]
+ALL_CONFIGS = [
+    "serve-cpu.yaml",
+    "serve-cpu-specserve.yaml",
+    "serve-cpu-no-prefix-cache.yaml",
+    *CPU_BASELINES,
+    *GPU_CONFIGS,
+]
 
 
 def load(name: str) -> dict[str, Any]:
@@ -93,11 +99,20 @@ def test_cpu_default_serves_the_demo_pair_locally() -> None:
     assert (ROOT / cfg.draft / "config.json").exists()
 
 
-def test_specserve_config_differs_from_the_default_in_its_spec_policy_only() -> None:
-    config, default = load("serve-cpu-specserve.yaml"), load("serve-cpu.yaml")
+@pytest.mark.parametrize(
+    ("name", "change"),
+    [
+        ("serve-cpu-specserve.yaml", {"spec_policy": "specserve"}),
+        ("serve-cpu-no-prefix-cache.yaml", {"prefix_caching": False}),
+    ],
+)
+def test_a_variant_config_differs_from_the_default_in_its_one_field(
+    name: str, change: dict[str, object]
+) -> None:
+    config, default = load(name), load("serve-cpu.yaml")
     cfg = ClusterConfig.from_dict(app_args(config)["cluster"])
     slos = ClusterConfig.from_dict(app_args(default)["cluster"])
-    assert cfg == dataclasses.replace(slos, spec_policy="specserve")
+    assert cfg == dataclasses.replace(slos, **change)  # type: ignore[arg-type]
     assert {k: v for k, v in config.items() if k != "applications"} == {
         k: v for k, v in default.items() if k != "applications"
     }

@@ -296,9 +296,10 @@ def test_the_documented_example_loads() -> None:
     doc = mixes.__doc__ or ""
     block = doc.split("):\n\n", 1)[1].split("\n\n", 1)[0]
     mix = mix_from_dict(yaml.safe_load(textwrap.dedent(block)), "x")
-    assert [c.name for c in mix.classes] == ["chat", "copilot", "reasoner", "agent"]
+    assert [c.name for c in mix.classes] == ["chat", "copilot", "reasoner", "support", "agent"]
     assert mix.classes[1].max_tokens == 64 and mix.classes[2].stages[0].name == "thinking"
-    tools = mix.classes[3].tools
+    assert mix.classes[3].system_prompt == 256 and mix.classes[0].system_prompt == 0
+    tools = mix.classes[4].tools
     assert tools is not None and (tools.calls, tools.tpot, tools.latency_ms) == (
         (1, 3),
         Level.TIGHT,
@@ -402,3 +403,34 @@ def test_a_mix_reads_back_from_its_dict() -> None:
         "tpot_ms": 40.0,
         "max_tokens": 64,
     }
+
+
+def test_a_system_prompt_starts_every_request_of_its_class_scaled_like_its_lengths() -> None:
+    support = {
+        "name": "support",
+        "share": 1,
+        "prompt": {"mean": 300, "p99": 900},
+        "output": 8,
+        "system_prompt": 256,
+        "ttft": "loose",
+        "tpot": "loose",
+    }
+    tooled = {**agent(), "system_prompt": 120}
+    mix = mix_from_dict({"classes": [support, tooled, two_classes()["classes"][1]]}, "x")
+    for scale, system, tools_system in ((1.0, 256, 120), (0.1, 26, 12)):
+        config = WorkloadConfig(zero_load, length_scale=scale)
+        out = generate_workload(mix, [0.0] * 600, config, seed=5)
+        by_class: dict[str, list[Any]] = {}
+        for r in out:
+            by_class.setdefault(r.scenario, []).append(r)
+        assert {(r.shared_prefix, r.prefix_len) for r in by_class["support"]} == {
+            ("support", system)
+        }
+        assert min(r.prompt_len for r in by_class["support"]) == system + 1  # lengthened
+        assert {(r.shared_prefix, r.prefix_len) for r in by_class["agent"]} == {
+            ("agent", tools_system)
+        }
+        assert {r.shared_prefix for r in by_class["search"]} == {None}
+    for bad in (-1, 1.5, True, "256"):
+        with pytest.raises(ValueError, match="class 'support': system_prompt must be an integer"):
+            mix_from_dict({"classes": [{**support, "system_prompt": bad}]}, "x")

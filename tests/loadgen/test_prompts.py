@@ -57,3 +57,38 @@ def test_bad_lengths_and_folders_raise(source: PromptSource, tmp_path: Path) -> 
         PromptSource.for_demo(tmp_path, seed=0)
     with pytest.raises(ValueError, match="empty"):
         PromptSource(source.tokenizer, [], seed=0)
+
+
+def test_a_prompt_after_a_prefix_starts_with_its_text_and_tokens(source: PromptSource) -> None:
+    prefix = source.prompt(48)
+    for n in (49, 60, 300):
+        prompt = source.prompt_after(prefix, n)
+        assert prompt.text.startswith(prefix.text)
+        assert prompt.token_ids[:48] == prefix.token_ids and len(prompt.token_ids) == n
+        encoded = source.tokenizer.encode(prompt.text, add_special_tokens=False).ids
+        assert list(prompt.token_ids) == encoded
+    with pytest.raises(ValueError, match="no room after a 48-token prefix"):
+        source.prompt_after(prefix, 48)
+
+
+def test_requests_of_a_class_with_a_system_prompt_share_its_text(source: PromptSource) -> None:
+    from loadgen.mixes import mix_from_dict
+    from loadgen.run_load import prompts_for
+    from loadgen.workloads import WorkloadConfig, generate_workload
+
+    classes = [
+        {"name": "support", "share": 1, "prompt": 80, "output": 4, "system_prompt": 40},
+        {"name": "plain", "share": 1, "prompt": 80, "output": 4},
+    ]
+    for c in classes:
+        c |= {"ttft": "loose", "tpot": "loose"}
+    mix = mix_from_dict({"classes": classes}, "x")
+    workload = generate_workload(mix, [0.0] * 20, WorkloadConfig(lambda n: 0.01), seed=1)
+    prompts = prompts_for(workload, source)
+    support = [prompts[r.request_id] for r in workload if r.scenario == "support"]
+    plain = [prompts[r.request_id] for r in workload if r.scenario == "plain"]
+    assert len(support) > 1 and len(plain) > 1
+    assert len({p.token_ids[:40] for p in support}) == 1
+    assert len({p.token_ids[40:] for p in support}) == len(support)
+    assert len({p.token_ids[:40] for p in plain}) == len(plain)
+    assert all(len(p.token_ids) == 80 for p in support + plain)

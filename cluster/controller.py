@@ -409,12 +409,12 @@ class ClusterController:
         elif self.plane.replicas[report.replica].alive:
             self._fold(report)
 
-    def _fold(self, report: StepReport) -> None:
+    def _fold(self, report: StepReport) -> ReportFit:
         vr = self.plane.replicas[report.replica]
         demoted, dropped = vr.num_demoted, vr.preempted_tokens
         try:
             fit = vr.apply(report)
-        except (ValueError, ArithmeticError):
+        except Exception:  # a mirror that cannot fold a report is rebuilt, never left wrong
             log.exception("folding a report of replica %d failed; resyncing", report.replica)
             fit = ReportFit.RESYNC
         if fit is ReportFit.RESYNC:
@@ -426,6 +426,7 @@ class ClusterController:
             if report.executed:
                 self.plane.metrics.count_step(report.outcome)
             self._send_plan(report.replica, time.time())
+        return fit
 
     # -- health ---------------------------------------------------------------------------------
 
@@ -470,11 +471,14 @@ class ClusterController:
         finally:
             del self._synced_binds[replica]
             del self._synced_reports[replica]
-        if restored:
-            # Those the snapshot reflects are stale; the rest are applied in order.
-            for report in sorted(reports, key=lambda r: r.seq):
-                self._fold(report)
-            self._send_plan(replica, time.time())
+        if not restored:
+            return
+        # Those the snapshot reflects are stale; the rest are applied in order, until one
+        # calls for another rebuild (which folds in what follows it, and plans).
+        for report in sorted(reports, key=lambda r: r.seq):
+            if self._fold(report) is ReportFit.RESYNC:
+                return
+        self._send_plan(replica, time.time())
 
     # -- status ---------------------------------------------------------------------------------
 

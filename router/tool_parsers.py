@@ -79,6 +79,10 @@ def call_of(made: Any, *argument_keys: str) -> tuple[str, str] | None:
     write (1e999 read as infinity)."""
     if not isinstance(made, dict) or not isinstance(made.get("name"), str):
         return None
+    try:
+        made["name"].encode()
+    except UnicodeEncodeError:  # a lone surrogate: no response could carry the name
+        return None
     key = next((k for k in argument_keys if k in made), None)
     arguments = {} if key is None else made[key]
     if not isinstance(arguments, dict):

@@ -5,6 +5,7 @@ fixed order."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -249,6 +250,24 @@ def test_a_report_that_comes_during_a_rebuild_is_folded_in_after_it(
         replica.snapshot_reply.set()
         await until(lambda: controller.plane.replicas[0].scheduler is not mirror, "a rebuild")
         await until(lambda: holds_nothing(controller), "the end folded in")
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_report_of_another_incarnation_during_a_rebuild_calls_for_another(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        replica.snapshot_reply.clear()
+        await controller.report(gap(replica))
+        await until(lambda: len(replica.snapshots) == 2, "a snapshot is taken")
+        stranger = dataclasses.replace(gap(replica), incarnation="restarted", seq=1)
+        await controller.report(stranger)
+        replica.snapshot_reply.set()
+        await until(lambda: len(replica.snapshots) == 3, "a second rebuild")
         await replica.core.stop()
 
     asyncio.run(run())

@@ -232,6 +232,9 @@ def test_the_shipped_example_loads() -> None:
     assert [c.name for c in mix.classes] == ["chat", "copilot", "summarize", "agent", "reasoner"]
     assert [s.name for s in mix.classes[-1].stages] == ["thinking"]
     assert sum(c.share for c in mix.classes) == pytest.approx(1.0)
+    prompts = Mix.load(EXAMPLE.parent / "system-prompts.yaml")
+    assert [(c.name, c.system_prompt) for c in prompts.classes] == [("support", 1000), ("chat", 0)]
+    assert mix_from_dict(prompts.to_dict(), "other") == prompts
 
 
 def reasoner(**extra: Any) -> dict[str, Any]:

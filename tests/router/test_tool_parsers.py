@@ -191,3 +191,4 @@ def test_arguments_no_response_could_carry_stay_escaped() -> None:
         arguments.encode()
     parsed = parse_hermes('<tool_call>{"name": "f", "arguments": {"y": "ça"}}')
     assert parsed is not None and parsed.calls == [("f", '{"y": "ça"}')]
+    assert parse_hermes('<tool_call>{"name": "f\\ud800", "arguments": {}}') is None

@@ -154,7 +154,7 @@ class ReplicaCore:
         while not self._stopping:
             self._wake.clear()
             self._apply_aborts()
-            plan, from_inbox = self._next_plan()
+            plan, from_inbox, attached = self._next_plan()
             if plan is None:
                 await self._wake.wait()
                 continue
@@ -163,6 +163,9 @@ class ReplicaCore:
             except ValueError:
                 # Refused before anything changed (e.g. KV is short): a derived plan waits for
                 # the controller's next one; a refused controller plan falls back to deriving.
+                # The prefixes attached for it are let go: the controller, which plans the
+                # KV, does not know they are held.
+                self._detach(attached)
                 if not from_inbox:
                     await self._wake.wait()
                 continue
@@ -172,26 +175,40 @@ class ReplicaCore:
                 continue
             self._after_step(plan, outcome)
 
-    def _next_plan(self) -> tuple[BatchPlan | None, bool]:
+    def _next_plan(self) -> tuple[BatchPlan | None, bool, list[str]]:
+        """The plan to run, whether it is the controller's, and the requests whose cached
+        prefix was attached for it."""
         if self._inbox is not None:
-            self._attach_prefixes(self._inbox)
-        views = {rid: h.view() for rid, h in self._held.items()}
-        if self._inbox is not None:
-            plan = reconcile(self._inbox, views)
+            attached = self._attach_prefixes(self._inbox)
+            plan = reconcile(self._inbox, self._views())
             self._inbox = None
             if plan is not None:
-                return plan, True
-        return derive_plan(self._last, views), False
+                return plan, True, attached
+            self._detach(attached)
+        return derive_plan(self._last, self._views()), False, []
 
-    def _attach_prefixes(self, plan: BatchPlan) -> None:
+    def _views(self) -> dict[str, SeqView]:
+        return {rid: h.view() for rid, h in self._held.items()}
+
+    def _attach_prefixes(self, plan: BatchPlan) -> list[str]:
         """Start the requests the plan begins to prefill from their cached prefix (prefix
         caching): only now, so a request waiting for its turn pins no cached blocks, and
         before the plan is fitted, so the chunks cover the rest of the prompt only and the
         step reported is the step run. The controller learns of the hit from the report."""
+        attached = []
         for entry in plan.entries:
             held = self._held.get(entry.request_id)
             if isinstance(entry, PrefillChunk) and held is not None and held.num_computed == 0:
                 held.num_computed = self.engine.attach_prefix(entry.request_id)
+                if held.num_computed:
+                    attached.append(entry.request_id)
+        return attached
+
+    def _detach(self, request_ids: list[str]) -> None:
+        """Let go of prefixes attached for a plan that did not run."""
+        for rid in request_ids:
+            self.engine.preempt(rid)
+            self._held[rid].num_computed = 0
 
     def _after_step(self, plan: BatchPlan, outcome: BatchOutcome) -> None:
         now = self._clock()

@@ -210,3 +210,32 @@ def test_a_prefill_plan_is_fitted_to_what_the_prefix_cache_left(target_dir: Path
     assert first == second
     prefills = [e for r in reports for e in r.plan.entries if isinstance(e, PrefillChunk)]
     assert prefills == [PrefillChunk("first", 40), PrefillChunk("second", 40 - 32)]
+
+
+def test_a_refused_plan_lets_go_of_the_prefixes_attached_for_it(target_dir: Path) -> None:
+    """The controller plans the KV without knowing of attached prefixes: when the engine
+    refuses the plan they were attached for, the blocks go back to the cache, and a plan
+    that needs every block runs next."""
+    cached_engine = Engine.from_dirs(target_dir, num_blocks=8, prefix_caching=True)
+    prompt = [(7 * i) % 500 + 3 for i in range(40)]
+    slo = SLO(1000, 100)
+
+    def add(core: ReplicaCore, rid: str, tokens: list[int]) -> None:
+        core.add_request(Request(rid, tokens, SamplingParams(max_tokens=1), slo=slo), True)
+
+    async def run() -> None:
+        core = ReplicaCore(cached_engine, 0, lambda report: None)
+        core.start()
+        add(core, "first", prompt)
+        core.set_plan(BatchPlan((PrefillChunk("first", len(prompt)),)))
+        await drain(core, "first")
+        add(core, "again", prompt)
+        add(core, "big", [9] * 127)  # with its first token, all 8 blocks
+        core.set_plan(BatchPlan((PrefillChunk("again", 40), PrefillChunk("big", 127))))
+        await asyncio.sleep(0.2)  # refused: the rest of "again" and "big" do not fit together
+        core.set_plan(BatchPlan((PrefillChunk("big", 127),)))
+        items = await asyncio.wait_for(drain(core, "big"), 10)
+        assert items[-1].finish_reason == "length"
+        await core.stop()
+
+    asyncio.run(run())

@@ -156,7 +156,9 @@ class ClusterHandle:
 
         Raises ValueError for invalid requests, and ClusterUnavailable when no replica is up
         (before anything is yielded) or when a request that lost its replica cannot be resumed
-        (possibly mid-stream). Closing the iterator early aborts the request."""
+        (possibly mid-stream). Closing the iterator early aborts the request. Request ids must
+        be unique (the front doors make them so): the controller takes an id it still holds
+        for a retry of that request, and it may hold one for a moment after its end."""
         self.validate(request)
         rid = request.request_id
         if rid in self._active:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,18 @@ def build_plane(config: ClusterConfig, metrics: Metrics | None = None) -> Contro
     return ControlPlane(replicas, router, metrics)
 
 
+@dataclass
+class _Rebuild:
+    """A mirror being rebuilt from its replica's snapshot, and what happens meanwhile."""
+
+    binds: dict[str, tuple[Request, bool]]
+    """Every hand-off in flight since the snapshot was asked for: one may have begun and
+    ended before the rebuild, its request still missing from the snapshot."""
+    reports: list[StepReport] = field(default_factory=list)
+    """Reports that came meanwhile, folded in after it (those past the snapshot may be the
+    replica's last word on a request)."""
+
+
 class ClusterController:
     """Submit, resume and abort requests; receive step reports; report status."""
 
@@ -148,14 +161,8 @@ class ClusterController:
             i: {} for i in range(config.replicas)
         }
         """Requests being handed to each replica (request, admitted)."""
-        self._synced_reports: dict[int, list[StepReport]] = {}
-        """Per replica whose mirror is being rebuilt (one rebuild at a time): the reports that
-        came meanwhile, folded in after it (those past the snapshot may be the replica's last
-        word on a request)."""
-        self._synced_binds: dict[int, dict[str, tuple[Request, bool]]] = {}
-        """Per replica whose mirror is being rebuilt: every hand-off in flight since its
-        snapshot was asked for (one may end before the rebuild, its request still missing
-        from the snapshot)."""
+        self._rebuilds: dict[int, _Rebuild] = {}
+        """Replicas whose mirror is being rebuilt (one rebuild at a time each)."""
         self._aborted: set[str] = set()
         """Requests aborted while being handed to a replica: released once the hand-off ends."""
         self._plan_sent: dict[int, float] = {}
@@ -318,8 +325,8 @@ class ClusterController:
         rid = request.request_id
         admitted = binding.verdict is Verdict.ADMITTED
         self._binding[replica][rid] = (request, admitted)
-        if replica in self._synced_binds:
-            self._synced_binds[replica][rid] = (request, admitted)
+        if replica in self._rebuilds:
+            self._rebuilds[replica].binds[rid] = (request, admitted)
         added = False
         try:
             await self.replicas[replica].add_request.remote(request, admitted)
@@ -335,8 +342,8 @@ class ClusterController:
             return Binding(rid, Verdict.REJECTED, None, binding.hops, str(exc.cause))
         finally:
             self._binding[replica].pop(rid, None)
-            if not added:
-                self._synced_binds.get(replica, {}).pop(rid, None)
+            if not added and replica in self._rebuilds:
+                self._rebuilds[replica].binds.pop(rid, None)
         if rid in self._aborted:
             self._aborted.discard(rid)
             self.replicas[replica].abort.remote(rid)
@@ -404,8 +411,8 @@ class ClusterController:
     async def report(self, report: StepReport) -> None:
         """A replica executed a step: fold it in and send that replica its next plan."""
         await self.ready()
-        if report.replica in self._synced_reports:
-            self._synced_reports[report.replica].append(report)
+        if report.replica in self._rebuilds:
+            self._rebuilds[report.replica].reports.append(report)
         elif self.plane.replicas[report.replica].alive:
             self._fold(report)
 
@@ -450,10 +457,9 @@ class ClusterController:
 
     async def _sync(self, replica: int) -> None:
         """Rebuild a mirror from its replica's snapshot (or mark the replica down)."""
-        if replica in self._synced_reports:
+        if replica in self._rebuilds:
             return
-        binds = self._synced_binds[replica] = dict(self._binding[replica])
-        reports = self._synced_reports[replica] = []
+        rebuild = self._rebuilds[replica] = _Rebuild(dict(self._binding[replica]))
         restored = False
         try:
             snapshot = await _within(self.replicas[replica].snapshot.remote(), HEALTH_TIMEOUT_S)
@@ -462,20 +468,19 @@ class ClusterController:
                 self._revived.set()
                 self._revived = None
             ended = set(snapshot.ended)
-            for request, admitted in binds.values():
+            for request, admitted in rebuild.binds.values():
                 if request.request_id not in ended:
                     self._keep_bound(replica, request, admitted)
             restored = True
         except (RayActorError, TimeoutError):
             self.plane.mark_dead(replica)
         finally:
-            del self._synced_binds[replica]
-            del self._synced_reports[replica]
+            del self._rebuilds[replica]
         if not restored:
             return
         # Those the snapshot reflects are stale; the rest are applied in order, until one
         # calls for another rebuild (which folds in what follows it, and plans).
-        for report in sorted(reports, key=lambda r: r.seq):
+        for report in sorted(rebuild.reports, key=lambda r: r.seq):
             if self._fold(report) is ReportFit.RESYNC:
                 return
         self._send_plan(replica, time.time())

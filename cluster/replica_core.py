@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -68,8 +69,8 @@ class ReplicaCore:
         self._held: dict[str, _Held] = {}
         self._streams: dict[str, _Stream] = {}
         self._aborts: list[str] = []
-        self._ended: dict[str, None] = {}
-        """The last ENDED_MEMORY ids this incarnation ended, oldest first."""
+        self._ended: deque[str] = deque(maxlen=ENDED_MEMORY)
+        """The last ids this incarnation ended, oldest first."""
         self._inbox: BatchPlan | None = None
         self._last: BatchPlan | None = None
         self._wake = asyncio.Event()
@@ -274,9 +275,7 @@ class ReplicaCore:
         held = self._held.pop(request_id, None)
         if held is None:
             return
-        self._ended[request_id] = None
-        if len(self._ended) > ENDED_MEMORY:
-            del self._ended[next(iter(self._ended))]
+        self._ended.append(request_id)
         if self.engine.has_request(request_id):
             self.engine.abort(request_id)
         stream = self._streams.get(request_id)

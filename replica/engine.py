@@ -578,12 +578,18 @@ class Engine:
 
     def _register(self, seq: _Seq) -> None:
         """Offer the request's computed tokens (verified: rejected drafts are rolled back by
-        now) to later requests with the same prefix, in both models' caches."""
-        rid, tokens = seq.request.request_id, seq.tokens
-        self.cache.register(rid, tokens, seq.num_computed)
+        now) to later requests with the same prefix, in both models' caches: at every step,
+        so the tokens are built only once a block has filled (and never without the cache)."""
+        rid = seq.request.request_id
+        caches = [(self.cache, seq.num_computed)]
         if self.draft is not None:
             drafted = min(self.draft.cache.num_tokens(rid), seq.num_computed)
-            self.draft.cache.register(rid, tokens, drafted)
+            caches.append((self.draft.cache, drafted))
+        due = [(cache, n) for cache, n in caches if cache.registrable(rid, n)]
+        if due:
+            tokens = seq.tokens
+            for cache, n in due:
+                cache.register(rid, tokens, n)
 
     def _prompt_rows(self, seq: _Seq, cached: int, num_feed: int) -> tuple[int, int] | None:
         """The positions (first, last) of a prefill chunk whose logits give prompt tokens'

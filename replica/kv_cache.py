@@ -155,7 +155,7 @@ class KVCacheManager:
         """Share the registered blocks that hold the longest prefix of `tokens` (at most
         `limit` tokens, whole blocks) with a request holding no KV; returns the tokens they
         hold (0 without prefix caching, a match, or for a request that holds KV)."""
-        if not self.prefix_caching or self._allocs.get(request_id, _Allocation()).blocks:
+        if not self.prefix_caching or self.block_table(request_id):
             return 0
         size = self.block_size
         chain = 0
@@ -176,14 +176,24 @@ class KVCacheManager:
         self._allocs[request_id] = _Allocation(blocks, n * size, n, chain)
         return n * size
 
+    def registrable(self, request_id: str, num_committed: int) -> bool:
+        """Whether `register` with `num_committed` tokens would register a block: a caller
+        asks first, so it builds the request's tokens only when a block has filled."""
+        alloc = self._allocs.get(request_id)
+        return (
+            self.prefix_caching
+            and alloc is not None
+            and min(num_committed, alloc.num_tokens) // self.block_size > alloc.num_registered
+        )
+
     def register(self, request_id: str, tokens: list[int], num_committed: int) -> None:
         """Offer the request's full blocks among its first `num_committed` tokens (computed
         and final: no speculative token a verification may still reject) to later requests
         with the same leading tokens. A block whose tokens another block already holds under
         the same prefix is left unregistered (the request keeps its copy)."""
-        alloc = self._allocs.get(request_id)
-        if not self.prefix_caching or alloc is None:
+        if not self.registrable(request_id, num_committed):
             return
+        alloc = self._allocs[request_id]
         size = self.block_size
         full = min(num_committed, alloc.num_tokens, len(tokens)) // size
         while alloc.num_registered < full:

@@ -37,6 +37,9 @@ from router import json_text
 START = "<tool_call>"
 END = "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A function name as OpenAI allows it: every tool's, so a call naming anything else is not
+one (nor, say, a name holding a lone surrogate no response could carry)."""
 PYTHON_TAG = "<|python_tag|>"
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
@@ -77,17 +80,14 @@ def call_of(made: Any, *argument_keys: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a decoded call; its arguments under the first of
     `argument_keys` it has (none: no arguments). Raises ValueError for numbers JSON cannot
     write (1e999 read as infinity)."""
-    if not isinstance(made, dict) or not isinstance(made.get("name"), str):
-        return None
-    try:
-        made["name"].encode()
-    except UnicodeEncodeError:  # a lone surrogate: no response could carry the name
+    name = made.get("name") if isinstance(made, dict) else None
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         return None
     key = next((k for k in argument_keys if k in made), None)
     arguments = {} if key is None else made[key]
     if not isinstance(arguments, dict):
         return None
-    return made["name"], arguments_json(arguments)
+    return name, arguments_json(arguments)
 
 
 def arguments_json(arguments: dict[str, Any]) -> str:
@@ -144,6 +144,8 @@ def _pythonic_call(node: ast.expr) -> tuple[str, str] | None:
     """A `name(keyword=literal, ...)` call; ValueError for a value that is not a literal (or
     a float JSON cannot write)."""
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        return None
+    if not NAME.fullmatch(node.func.id):  # Python allows names no tool can have
         return None
     values = {k.arg: k.value for k in node.keywords if k.arg is not None}
     if len(values) < len(node.keywords):  # **kwargs, or a keyword given twice

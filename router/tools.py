@@ -15,18 +15,15 @@ as objects, as HF templates take them) and the tool messages answering them.
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from router import json_text
 from router.errors import BadRequest, refuse_unknown
-from router.tool_parsers import ToolParser, call_of
+from router.tool_parsers import NAME, ToolParser, call_of
 
 MAX_TOOLS = 128
-NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-"""A function name as OpenAI allows it."""
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ class FinalRecord:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Of the prompt, tokens the replica's prefix cache held (0 without the cache)."""
     num_output_tokens: int = 0
     migrations: int = 0
     stages: tuple[StageVerdict, ...] = ()

@@ -96,6 +96,8 @@ class ClusterConfig:
     tiers: tuple[TierConfig, ...] = ()
     route_limit: int = 2
     first_hop: FirstHop = FirstHop.ROUND_ROBIN
+    """round_robin | least_load | prefix (the replica likely caching the longest prefix of
+    the prompt; cluster.routing.FirstHop)."""
     backup_policy: BackupPolicy = BackupPolicy.BEST_EFFORT
     best_effort_order: BestEffortOrder = BestEffortOrder.FCFS
     """fcfs | laps (BestEffortOrder); slos only."""
@@ -169,6 +171,11 @@ class ClusterConfig:
         if len(names) != len(set(names)):
             raise ValueError(f"tier names must be unique, got {names}")
         self._check_scheduler()
+        if self.first_hop is FirstHop.PREFIX and not self.prefix_caching:
+            raise ValueError(
+                "first_hop prefix routes to the replica caching a prompt's prefix: it needs "
+                "prefix_caching true"
+            )
         if not (0 < self.tick_interval_ms <= 10_000):
             raise ValueError(f"tick_interval_ms must be in (0, 10000], got {self.tick_interval_ms}")
         if self.num_kv_blocks < 1:

@@ -93,6 +93,13 @@ class ControlPlane:
     def num_pending(self, replica: int) -> int:
         return len(self._queues[replica])
 
+    def _cached(self, request: Request) -> list[int]:
+        """The prompt's tokens each replica likely has cached (empty: no replica tracks its
+        prefix cache, see VirtualReplica)."""
+        if not any(vr.track_prefixes for vr in self.replicas):
+            return []
+        return [vr.cached_prefix(request) for vr in self.replicas]
+
     def submit(self, request: Request, now: float, *, resumed: bool = False) -> Decision | None:
         """Queue a request at its first hop; a Decision when the verdict needs no tick."""
         rid = request.request_id
@@ -103,7 +110,7 @@ class ControlPlane:
             return Decision(request, Binding(rid, verdict, held, 1), resumed)
         if self.is_pending(rid):
             return None
-        first = self.router.first(self.loads(), self.alive())
+        first = self.router.first(self.loads(), self.alive(), self._cached(request))
         if first is None:
             return Decision(
                 request,

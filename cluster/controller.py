@@ -30,7 +30,7 @@ from cluster.control import Binding, ControlPlane, Decision
 from cluster.leases import Leases
 from cluster.messages import StepReport
 from cluster.metrics import Metrics
-from cluster.routing import Router
+from cluster.routing import FirstHop, Router
 from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
@@ -119,7 +119,14 @@ def build_plane(config: ClusterConfig, metrics: Metrics | None = None) -> Contro
         retry_after_s=config.retry_after_s,
     )
     replicas = [
-        VirtualReplica(i, perf, cache, planner, calibrate=config.calibrate)
+        VirtualReplica(
+            i,
+            perf,
+            cache,
+            planner,
+            calibrate=config.calibrate,
+            track_prefixes=config.first_hop is FirstHop.PREFIX,
+        )
         for i in range(config.replicas)
     ]
     return ControlPlane(replicas, router, metrics)
@@ -431,7 +438,7 @@ class ClusterController:
             self.plane.metrics.inc("preempted_tokens", vr.preempted_tokens - dropped)
             self.plane.metrics.inc("demoted", vr.num_demoted - demoted)
             if report.executed:
-                self.plane.metrics.count_step(report.outcome)
+                self.plane.metrics.count_step(report)
             self._send_plan(report.replica, time.time())
         return fit
 

@@ -69,6 +69,8 @@ class _Progress:
     tokens: list[int]
     times: list[float]
     migrations: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens the first replica found cached (a resumed request's prompt is longer)."""
 
 
 def stage_verdicts(request: Request, times: Sequence[float]) -> tuple[StageVerdict, ...]:
@@ -186,6 +188,8 @@ class ClusterHandle:
                 try:
                     async for item in self._stream(binding.replica, rid):
                         if item.token_ids:
+                            if not progress.tokens:
+                                progress.cached_tokens = item.cached_tokens
                             progress.tokens.extend(item.token_ids)
                             progress.times.extend(item.times)
                             yield TokenChunk(
@@ -259,6 +263,7 @@ class ClusterHandle:
             first_token_time=times[0] if times else None,
             finish_time=time.time() if end is not None else None,
             num_prompt_tokens=request.prompt_len,
+            num_cached_tokens=progress.cached_tokens,
             num_output_tokens=len(progress.tokens),
             migrations=progress.migrations,
             stages=stage_verdicts(request, times) if end is not None else (),

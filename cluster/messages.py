@@ -20,6 +20,11 @@ class StepReport:
     """The plan as executed (after reconciliation), not as sent."""
     outcome: BatchOutcome
     time: float
+    prefix_queries: int = 0
+    """Known tokens of the requests this step began to prefill (new, or preempted) that the
+    prefix cache was asked for (0 without the cache)."""
+    prefix_hits: int = 0
+    """Of those, the tokens the cache held: computed by an earlier request, not this step."""
 
     @property
     def executed(self) -> bool:
@@ -69,3 +74,6 @@ class StreamItem:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     """With the first token, when the request asked for them: one per prompt token after
     the first."""
+    cached_tokens: int = 0
+    """With the first token: the prompt tokens the replica's prefix cache held (computed by
+    an earlier request), OpenAI's `usage.prompt_tokens_details.cached_tokens`."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from replica.batch import BatchOutcome
+from cluster.messages import StepReport
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PLANNER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -57,13 +57,18 @@ class Metrics:
     def inc(self, name: str, amount: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + amount
 
-    def count_step(self, outcome: BatchOutcome) -> None:
+    def count_step(self, report: StepReport) -> None:
         """A step a replica executed: its measured time (`busy_us`, microseconds so that the
-        counter stays an integer), and its drafts. Busy time over wall time is how loaded the
-        replicas were, and per request what serving one cost, which tells a policy that is
-        out of room from one that wastes it (loadgen reports both)."""
+        counter stays an integer), its prefix-cache lookups, and its drafts. Busy time over
+        wall time is how loaded the replicas were, and per request what serving one cost,
+        which tells a policy that is out of room from one that wastes it (loadgen reports
+        both)."""
+        outcome = report.outcome
         self.inc("steps")
         self.inc("busy_us", round(outcome.total_s * 1e6))
+        if report.prefix_queries:
+            self.inc("prefix_cache_queries", report.prefix_queries)
+            self.inc("prefix_cache_hits", report.prefix_hits)
         drafted = sum(o.num_draft_tokens for o in outcome.outcomes)
         if drafted:
             self.inc("spec_draft_tokens", drafted)

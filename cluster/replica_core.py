@@ -39,6 +39,8 @@ class _Held:
     admitted: bool
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
+    cached: int = 0
+    """Prompt tokens its first prefill took from the prefix cache."""
 
     def view(self) -> SeqView:
         return SeqView(
@@ -46,6 +48,16 @@ class _Held:
             num_computed=self.num_computed,
             num_generated=len(self.output),
         )
+
+
+@dataclass
+class _Lookups:
+    """What the prefix cache was asked for the plan about to run, and what it held."""
+
+    attached: list[str] = field(default_factory=list)
+    """Requests that began from a cached prefix."""
+    queries: int = 0
+    hits: int = 0
 
 
 @dataclass
@@ -155,7 +167,7 @@ class ReplicaCore:
         while not self._stopping:
             self._wake.clear()
             self._apply_aborts()
-            plan, from_inbox, attached = self._next_plan()
+            plan, from_inbox, lookups = self._next_plan()
             if plan is None:
                 await self._wake.wait()
                 continue
@@ -166,7 +178,7 @@ class ReplicaCore:
                 # the controller's next one; a refused controller plan falls back to deriving.
                 # The prefixes attached for it are let go: the controller, which plans the
                 # KV, does not know they are held.
-                self._detach(attached)
+                self._detach(lookups.attached)
                 if not from_inbox:
                     await self._wake.wait()
                 continue
@@ -174,44 +186,52 @@ class ReplicaCore:
                 log.exception("replica %d: step failed; ending the requests it touched", self.index)
                 self._fail(plan)
                 continue
-            self._after_step(plan, outcome)
+            self._after_step(plan, outcome, lookups)
 
-    def _next_plan(self) -> tuple[BatchPlan | None, bool, list[str]]:
-        """The plan to run, whether it is the controller's, and the requests whose cached
-        prefix was attached for it."""
+    def _next_plan(self) -> tuple[BatchPlan | None, bool, _Lookups]:
+        """The plan to run, whether it is the controller's, and the prefix-cache lookups
+        made for it."""
         if self._inbox is not None:
-            attached = self._attach_prefixes(self._inbox)
+            lookups = self._attach_prefixes(self._inbox)
             plan = reconcile(self._inbox, self._views())
             self._inbox = None
             if plan is not None:
-                return plan, True, attached
-            self._detach(attached)
-        return derive_plan(self._last, self._views()), False, []
+                return plan, True, lookups
+            self._detach(lookups.attached)
+        return derive_plan(self._last, self._views()), False, _Lookups()
 
     def _views(self) -> dict[str, SeqView]:
         return {rid: h.view() for rid, h in self._held.items()}
 
-    def _attach_prefixes(self, plan: BatchPlan) -> list[str]:
+    def _attach_prefixes(self, plan: BatchPlan) -> _Lookups:
         """Start the requests the plan begins to prefill from their cached prefix (prefix
         caching): only now, so a request waiting for its turn pins no cached blocks, and
         before the plan is fitted, so the chunks cover the rest of the prompt only and the
         step reported is the step run. The controller learns of the hit from the report."""
-        attached = []
+        lookups = _Lookups()
+        if not self.engine.cache.prefix_caching:
+            return lookups
         for entry in plan.entries:
             held = self._held.get(entry.request_id)
             if isinstance(entry, PrefillChunk) and held is not None and held.num_computed == 0:
                 held.num_computed = self.engine.attach_prefix(entry.request_id)
+                if not held.output:
+                    held.cached = held.num_computed
+                lookups.queries += held.view().num_known
+                lookups.hits += held.num_computed
                 if held.num_computed:
-                    attached.append(entry.request_id)
-        return attached
+                    lookups.attached.append(entry.request_id)
+        return lookups
 
     def _detach(self, request_ids: list[str]) -> None:
         """Let go of prefixes attached for a plan that did not run."""
         for rid in request_ids:
             self.engine.preempt(rid)
             self._held[rid].num_computed = 0
+            if not self._held[rid].output:
+                self._held[rid].cached = 0
 
-    def _after_step(self, plan: BatchPlan, outcome: BatchOutcome) -> None:
+    def _after_step(self, plan: BatchPlan, outcome: BatchOutcome, lookups: _Lookups) -> None:
         now = self._clock()
         self.seq += 1
         if plan.entries:
@@ -223,6 +243,7 @@ class ReplicaCore:
             held = self._held.get(result.request_id)
             if held is None:
                 continue
+            first = not held.output
             held.output.extend(result.new_token_ids)
             held.num_computed = result.num_computed_tokens
             tokens = tuple(result.new_token_ids)
@@ -231,12 +252,24 @@ class ReplicaCore:
                 (now,) * len(tokens),
                 logprobs=tuple(result.logprobs),
                 prompt_logprobs=tuple(result.prompt_logprobs),
+                cached_tokens=held.cached if first and tokens else 0,
             )
             if result.finish_reason is not None:
                 self._end(result.request_id, result.finish_reason, item)
             elif item.token_ids:
                 self._push(result.request_id, item)
-        self._report(StepReport(self.index, self.incarnation, self.seq, plan, _lean(outcome), now))
+        self._report(
+            StepReport(
+                self.index,
+                self.incarnation,
+                self.seq,
+                plan,
+                _lean(outcome),
+                now,
+                prefix_queries=lookups.queries,
+                prefix_hits=lookups.hits,
+            )
+        )
 
     def _fail(self, plan: BatchPlan) -> None:
         """End the requests of a step that failed midway (their KV state is unknown). The

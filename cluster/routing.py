@@ -18,6 +18,10 @@ class FirstHop(StrEnum):
     """The paper's choice: spreads arrivals evenly, needs no load signal."""
     LEAST_LOAD = "least_load"
     """Lowest planned load first; ties go to the lower index."""
+    PREFIX = "prefix"
+    """The replica that likely holds the longest cached prefix of the prompt (the history a
+    chat or an agent sends back every turn, a document asked about again), so its prefill
+    is computed once; round robin among equals, and when no replica holds one."""
 
 
 class BackupPolicy(StrEnum):
@@ -68,20 +72,32 @@ class Router:
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
 
-    def first(self, loads: Sequence[float], alive: Sequence[bool]) -> int | None:
-        """The first replica to try, or None when no replica is up."""
+    def first(
+        self,
+        loads: Sequence[float],
+        alive: Sequence[bool],
+        cached: Sequence[int] = (),
+    ) -> int | None:
+        """The first replica to try, or None when no replica is up. `cached`: the prompt's
+        tokens each replica likely has cached (the prefix first hop's signal)."""
         up = [i for i, ok in enumerate(alive) if ok]
         if not up:
             return None
         if self.first_hop is FirstHop.LEAST_LOAD:
             return min(up, key=lambda i: (loads[i], i))
-        n = len(alive)
+        if self.first_hop is FirstHop.PREFIX and cached:
+            best = max(cached[i] for i in up)
+            return self._round_robin([ok and cached[i] == best for i, ok in enumerate(alive)])
+        return self._round_robin(alive)
+
+    def _round_robin(self, eligible: Sequence[bool]) -> int:
+        n = len(eligible)
         for step in range(n):
             i = (self._next_rr + step) % n
-            if alive[i]:
+            if eligible[i]:
                 self._next_rr = (i + 1) % n
                 return i
-        raise AssertionError("unreachable: some replica is up")
+        raise AssertionError("unreachable: some replica is eligible")
 
     def next_hop(self, state: RouteState, alive: Sequence[bool]) -> int | None:
         """The next replica after a decline, or None when the route limit is spent."""

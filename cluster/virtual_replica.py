@@ -13,6 +13,13 @@ replica slower than its profile (shared cores, another tenant) is planned, and a
 as it is. Off by default (cluster.config.ClusterConfig.calibrate says why). The simulator's
 mirrors do not calibrate: with `SimConfig.replica_slowdown` they plan with the profile while
 its replicas run slower, as a live cluster with calibration off does.
+
+With `track_prefixes` the mirror also keeps a picture of the replica's prefix cache, for the
+prefix first hop (cluster.routing): the same block cache as the replica's, fed the prompts
+bound here and the prompts and outputs of the requests that end here. It is a picture, not a
+copy: the real cache also gives blocks to the requests it holds, so it evicts sooner, and the
+picture may promise a prefix the replica no longer has. Only routing reads it; admission
+still prices every prefill in full.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from enum import StrEnum
 from cluster.api import ReplicaStatus
 from cluster.messages import ReplicaSnapshot, StepReport
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, RequestOutcome
+from replica.kv_cache import KVCacheManager
 from replica.perf_calibration import CalibratedPerfModel, Calibration
 from replica.perf_model import PerfModel
 from replica.planner.admission import AdmissionResult
@@ -55,6 +63,7 @@ class VirtualReplica:
         cache: CacheBudget,
         config: SchedulerConfig | None = None,
         calibrate: bool = False,
+        track_prefixes: bool = False,
     ) -> None:
         self.index = index
         self.perf = CalibratedPerfModel(perf, Calibration()) if calibrate else None
@@ -72,6 +81,8 @@ class VirtualReplica:
         """KV tokens the replica's preemptions dropped (work it computes again when the
         requests resume), counted as their steps are folded in."""
         self.scheduler = self._new_scheduler()
+        self.track_prefixes = track_prefixes
+        self.prefixes = self._new_prefixes()
 
     def _new_scheduler(self) -> ReplicaScheduler:
         if isinstance(self.config, VllmConfig):
@@ -79,6 +90,30 @@ class VirtualReplica:
         if isinstance(self.config, SarathiConfig):
             return SarathiScheduler(self.cache, self.config)
         return SlosScheduler(self.perf or self.profile, self.cache, self.config)
+
+    def _new_prefixes(self) -> KVCacheManager | None:
+        if not self.track_prefixes:
+            return None
+        return KVCacheManager(self.cache.num_blocks, self.cache.block_size, prefix_caching=True)
+
+    def cached_prefix(self, request: Request) -> int:
+        """Leading prompt tokens the replica likely has cached (0 without tracking)."""
+        if self.prefixes is None:
+            return 0
+        return self.prefixes.cached_prefix_len(request.prompt_token_ids)
+
+    def _remember(self, tokens: list[int]) -> None:
+        """Cache `tokens` in the picture as the replica will: shared where they match, the
+        rest registered, all of it then released (cached, least recently used evicted first;
+        a prefix's first block released last, so it outlives the blocks after it)."""
+        cache = self.prefixes
+        if cache is None:
+            return
+        tokens = tokens[: cache.num_blocks * cache.block_size]
+        cache.attach_prefix(_PICTURE, tokens, len(tokens))
+        cache.append(_PICTURE, len(tokens) - cache.num_tokens(_PICTURE))
+        cache.register(_PICTURE, tokens, len(tokens))
+        cache.free(_PICTURE)
 
     @property
     def plans_admission(self) -> bool:
@@ -111,6 +146,7 @@ class VirtualReplica:
             self.scheduler.add_request(request, now)
         self.held[request.request_id] = request
         self.admitted.add(request.request_id)
+        self._remember(request.prompt_token_ids)
 
     def add_best_effort(self, request: Request, now: float) -> None:
         if isinstance(self.scheduler, SlosScheduler):
@@ -118,6 +154,7 @@ class VirtualReplica:
         else:
             self.scheduler.add_request(request, now)
         self.held[request.request_id] = request
+        self._remember(request.prompt_token_ids)
 
     def abort(self, request_id: str) -> bool:
         """Forget a request; False when this replica does not hold it."""
@@ -142,6 +179,7 @@ class VirtualReplica:
         self.preempted_tokens += sum(
             states[rid].num_computed_tokens for rid in report.plan.preempt if rid in states
         )
+        self._remember_ended(report.outcome)
         demoted = self.num_demoted
         self.scheduler.update_from_outcome(report.plan, report.outcome, report.time)
         if self.num_demoted > demoted:
@@ -153,6 +191,22 @@ class VirtualReplica:
                 self.held.pop(result.request_id, None)
                 self.admitted.discard(result.request_id)
         return ReportFit.APPLIED
+
+    def _remember_ended(self, outcome: BatchOutcome) -> None:
+        """A request that ends leaves its prompt and output cached (all but the last token,
+        whose KV is never computed): the history a chat or an agent sends back next turn."""
+        if self.prefixes is None:
+            return
+        states = self.scheduler.queues.states
+        for result in outcome.outcomes:
+            state = states.get(result.request_id)
+            if result.finished and state is not None:
+                tokens = [
+                    *state.request.prompt_token_ids,
+                    *state.output_token_ids,
+                    *result.new_token_ids,
+                ]
+                self._remember(tokens[:-1])
 
     def _calibrate(self, report: StepReport) -> None:
         """Fold the step's measured seconds in, before the outcome moves the requests on (the
@@ -203,7 +257,10 @@ class VirtualReplica:
 
         Progress is replayed as one synthetic step through the planner's own outcome path,
         so the planner's bookkeeping stays its own: requests with cached tokens become
-        running, the others wait with their tokens kept (like a preempted request)."""
+        running, the others wait with their tokens kept (like a preempted request). The
+        picture of the prefix cache is kept unless the replica is a new incarnation."""
+        if snapshot.incarnation != self.incarnation:
+            self.prefixes = self._new_prefixes()
         self.reset()
         self.incarnation = snapshot.incarnation
         self.seq = snapshot.seq
@@ -231,6 +288,10 @@ class VirtualReplica:
                 BatchOutcome(outcomes=outcomes, free_blocks=snapshot.free_blocks),
                 now,
             )
+
+
+_PICTURE = ""
+"""The one request id the picture of a prefix cache uses (each prompt is released at once)."""
 
 
 def executed(report: StepReport) -> BatchPlan:

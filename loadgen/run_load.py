@@ -113,18 +113,30 @@ def prompts_for(workload: Sequence[WorkloadRequest], source: PromptSource) -> di
     """One prompt of exactly prompt_len tokens per request, cut before the run starts; those
     sharing a prefix (a system prompt) start with the same text.
 
-    A follow-up round gets a fresh prompt of its context's length (the text of the earlier
-    rounds is not replayed; the server sees the same number of tokens)."""
+    A follow-up round's prompt starts with the prompt of the round it follows, as an agent
+    sends its history back; the rest (the earlier round's output and the tool's response)
+    is fresh text of the same length, since the model's output is known only at run time."""
+    by_id = {r.request_id: r for r in workload}
     prefixes: dict[tuple[str, int], Prompt] = {}
-    prompts = {}
+    prompts: dict[str, Prompt] = {}
+
+    def prompt_of(r: WorkloadRequest) -> Prompt:
+        if r.request_id in prompts:
+            return prompts[r.request_id]
+        if r.follows is not None:
+            prompt = source.prompt_after(prompt_of(by_id[r.follows]), r.prompt_len)
+        elif r.shared_prefix is not None:
+            key = (r.shared_prefix, r.prefix_len)
+            if key not in prefixes:
+                prefixes[key] = source.prompt(r.prefix_len)
+            prompt = source.prompt_after(prefixes[key], r.prompt_len)
+        else:
+            prompt = source.prompt(r.prompt_len)
+        prompts[r.request_id] = prompt
+        return prompt
+
     for r in workload:
-        if r.shared_prefix is None:
-            prompts[r.request_id] = source.prompt(r.prompt_len)
-            continue
-        key = (r.shared_prefix, r.prefix_len)
-        if key not in prefixes:
-            prefixes[key] = source.prompt(r.prefix_len)
-        prompts[r.request_id] = source.prompt_after(prefixes[key], r.prompt_len)
+        prompt_of(r)
     return prompts
 
 
@@ -303,6 +315,9 @@ def summary_table(result: RunResult) -> str:
     busy = busy_ms_per_request(result)
     if busy is not None:
         rows.append(f"replica step time: {busy:.1f} ms a request")
+    hit_rate = prefix_hit_rate(result)
+    if hit_rate is not None:
+        rows.append(f"prefix cache: {hit_rate:.1%} of the tokens looked up were cached")
     rows.append(
         f"goodput {run_report.goodput_rps:.3f} req/s, {run_report.goodput_tokens_per_s:.1f} "
         f"tokens/s over {run_report.duration_s:.1f} s"
@@ -324,6 +339,14 @@ def busy_ms_per_request(result: RunResult) -> float | None:
     spends less per request has room left where the other is out of it."""
     busy = _busy_s(result)
     return None if busy is None or not result.records else 1e3 * busy / len(result.records)
+
+
+def prefix_hit_rate(result: RunResult) -> float | None:
+    """Of the tokens the replicas looked up in their prefix caches as prefills began, the
+    share they found cached (None: the server counted no lookups)."""
+    counters = result.server_counters or {}
+    queries = counters.get("prefix_cache_queries", 0)
+    return counters.get("prefix_cache_hits", 0) / queries if queries else None
 
 
 def replica_busy_fraction(result: RunResult, replicas: int | None) -> float | None:
@@ -349,6 +372,7 @@ def run_summary(result: RunResult, replicas: int | None = None) -> dict[str, Any
         "server_counters": result.server_counters,
         "busy_ms_per_request": busy_ms_per_request(result),
         "replica_busy_fraction": replica_busy_fraction(result, replicas),
+        "prefix_hit_rate": prefix_hit_rate(result),
         "by_slo_class": {
             name: {
                 "requests": g.requests,

@@ -157,6 +157,26 @@ class KVCacheManager:
         hold (0 without prefix caching, a match, or for a request that holds KV)."""
         if not self.prefix_caching or self.block_table(request_id):
             return 0
+        blocks = self._match(tokens, limit)
+        if not blocks:
+            return 0
+        for block in blocks:
+            if block in self._cached:
+                del self._cached[block]
+            self._refs[block] = self._refs.get(block, 0) + 1
+        n = len(blocks)
+        self._allocs[request_id] = _Allocation(
+            blocks, n * self.block_size, n, self._chain_of[blocks[-1]]
+        )
+        return n * self.block_size
+
+    def cached_prefix_len(self, tokens: list[int]) -> int:
+        """Tokens of `tokens`' longest prefix held by registered blocks (whole blocks), held
+        or cached, without taking them."""
+        return len(self._match(tokens, len(tokens))) * self.block_size
+
+    def _match(self, tokens: list[int], limit: int) -> list[int]:
+        """The registered blocks holding the longest prefix of `tokens[:limit]`, in order."""
         size = self.block_size
         chain = 0
         blocks: list[int] = []
@@ -166,15 +186,7 @@ class KVCacheManager:
                 break
             blocks.append(block)
             chain = self._chain_of[block]
-        if not blocks:
-            return 0
-        for block in blocks:
-            if block in self._cached:
-                del self._cached[block]
-            self._refs[block] = self._refs.get(block, 0) + 1
-        n = len(blocks)
-        self._allocs[request_id] = _Allocation(blocks, n * size, n, chain)
-        return n * size
+        return blocks
 
     def registrable(self, request_id: str, num_committed: int) -> bool:
         """Whether `register` with `num_committed` tokens would register a block: a caller

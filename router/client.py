@@ -108,6 +108,8 @@ class Result:
     """The stop string or stop token id that ended the output (None: EOS, or not stopped)."""
     index: int = 0
     """The choice (sample) it ends: 0 .. n - 1."""
+    cached_tokens: int = 0
+    """Of `prompt_tokens`, those a replica's prefix cache held."""
     tool_calls: tuple[ToolCall, ...] = ()
     """The calls the output made (chat with tools; finish_reason tool_calls, or stop for a
     named tool): the chunks' text was the message content alone."""
@@ -346,6 +348,7 @@ def result_from_proto(final: pb.Final) -> Result:
         finish_reason=final.finish_reason,
         prompt_tokens=final.prompt_tokens,
         completion_tokens=final.completion_tokens,
+        cached_tokens=final.cached_tokens,
         slo_attained=final.slo_attained if final.HasField("slo_attained") else None,
         stages=tuple(StageResult(s.name, s.attained, s.late_tokens) for s in final.stages),
         migrations=final.migrations,

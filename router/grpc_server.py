@@ -183,6 +183,7 @@ def final_to_proto(
         finish_reason=finish_reason or record.finish_reason or "",
         tool_calls=[_tool_call_to_proto(c) for c in tool_calls],
         prompt_tokens=record.num_prompt_tokens,
+        cached_tokens=record.num_cached_tokens,
         completion_tokens=record.num_output_tokens,
         migrations=record.migrations,
         stages=[

@@ -47,6 +47,16 @@ CONTROLLER_COUNTERS = {
         "KV tokens preemptions dropped: work the replicas compute again.",
         1.0,
     ),
+    "prefix_cache_queries": (
+        "prefix_cache_queries",
+        "Tokens looked up in the replicas' prefix caches as prefills began.",
+        1.0,
+    ),
+    "prefix_cache_hits": (
+        "prefix_cache_hits",
+        "Of those, tokens found cached: computed once for several requests.",
+        1.0,
+    ),
     "demoted": (
         "requests_demoted",
         "Admitted requests that lost their guarantee (a missed deadline, or outgrown KV).",

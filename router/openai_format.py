@@ -118,14 +118,16 @@ def cluster_headers(summary: dict[str, Any]) -> dict[str, str]:
     return headers
 
 
-def usage(records: Sequence[FinalRecord], n: int) -> dict[str, int]:
-    """Each prompt counted once, however many samples (`n`) it had, as OpenAI counts."""
+def usage(records: Sequence[FinalRecord], n: int) -> dict[str, Any]:
+    """Each prompt counted once, however many samples (`n`) it had, as OpenAI counts; of
+    them, the tokens the prefix cache held, as OpenAI reports its own cache's."""
     prompt = sum(r.num_prompt_tokens for r in records[::n])
     completion = sum(r.num_output_tokens for r in records)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in records[::n])},
     }
 
 

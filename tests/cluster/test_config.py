@@ -80,6 +80,11 @@ def test_unknown_field_and_missing_draft() -> None:
         ),
         ({"scheduler": "sarathi", "spec_policy": "none"}, "configure tiers"),
         (
+            {"first_hop": "prefix", "prefix_caching": False},
+            "first_hop prefix routes to the replica caching a prompt's prefix: it needs "
+            "prefix_caching true",
+        ),
+        (
             {"scheduler": "vllm", "spec_policy": "none", "best_effort_order": "laps"},
             "scheduler=vllm has no best-effort tier",
         ),

@@ -202,3 +202,29 @@ def test_live_planner_reserves_kv_from_output_estimates_as_the_simulator_does(
     scheduler = p.replicas[0].scheduler
     assert isinstance(scheduler, SlosScheduler)
     assert scheduler._reservation(request) == 8 + OutputEstimateConfig().chunk_tokens - 1
+
+
+@pytest.mark.parametrize("first_hop", ["prefix", "round_robin"])
+def test_the_prefix_first_hop_sends_each_turn_where_its_history_is(
+    tmp_path: Path, first_hop: str
+) -> None:
+    """Three conversations of three turns, each turn's prompt its history plus new text:
+    with the prefix first hop every turn lands where the conversation began; round robin
+    scatters them."""
+    p = plane(tmp_path, first_hop=first_hop, replicas=2)
+    loose = SLO(ttft_ms=60_000, tpot_ms=5_000)
+    places: dict[int, set[int]] = {c: set() for c in range(3)}
+    for turn in range(3):
+        for c in range(3):
+            prompt = [100 * c + k for k in range(32 * (turn + 1))]
+            request = Request(
+                f"c{c}t{turn}", prompt, SamplingParams(max_tokens=2), slo=loose, arrival_time=0.0
+            )
+            binding = decide(p, request, now=0.0).binding
+            assert binding.verdict is Verdict.ADMITTED and binding.hops == 1
+            assert binding.replica is not None
+            places[c].add(binding.replica)
+    assert {len(replicas) for replicas in places.values()} == (
+        {1} if first_hop == "prefix" else {2}
+    )
+    assert len(set().union(*places.values())) == 2

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.messages import StepReport
 from cluster.metrics import Histogram, Metrics, merge_snapshots
-from replica.batch import BatchOutcome, RequestOutcome
+from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
 
 
 def test_histogram_buckets_are_cumulative() -> None:
@@ -35,20 +36,30 @@ def test_merge_keeps_each_party_once_and_refuses_overlap() -> None:
         merge_snapshots(controller.snapshot(), handle.snapshot())
 
 
-def test_a_step_counts_its_measured_time_and_drafts() -> None:
+def step(outcome: BatchOutcome, queries: int = 0, hits: int = 0) -> StepReport:
+    plan = BatchPlan(tuple(PrefillChunk(o.request_id, 1) for o in outcome.outcomes))
+    return StepReport(0, "i", 1, plan, outcome, 0.0, prefix_queries=queries, prefix_hits=hits)
+
+
+def test_a_step_counts_its_measured_time_prefix_lookups_and_drafts() -> None:
     metrics = Metrics()
     metrics.count_step(
-        BatchOutcome(
-            [RequestOutcome("a", [5, 6, 7], num_draft_tokens=4, num_accepted_tokens=2)],
-            draft_s=0.001,
-            target_s=0.0025,
-            overhead_s=0.0005,
+        step(
+            BatchOutcome(
+                [RequestOutcome("a", [5, 6, 7], num_draft_tokens=4, num_accepted_tokens=2)],
+                draft_s=0.001,
+                target_s=0.0025,
+                overhead_s=0.0005,
+            )
         )
     )
-    metrics.count_step(BatchOutcome([RequestOutcome("b", [9])], target_s=0.0020004))
+    metrics.count_step(step(BatchOutcome([RequestOutcome("b", [9])], target_s=0.0020004), 40, 32))
+    metrics.count_step(step(BatchOutcome([RequestOutcome("c", [9])]), 20, 0))
     assert metrics.counters == {
-        "steps": 2,
+        "steps": 3,
         "busy_us": 4000 + 2000,
         "spec_draft_tokens": 4,
         "spec_accepted_tokens": 2,
+        "prefix_cache_queries": 60,
+        "prefix_cache_hits": 32,
     }

@@ -210,6 +210,8 @@ def test_a_prefill_plan_is_fitted_to_what_the_prefix_cache_left(target_dir: Path
     assert first == second
     prefills = [e for r in reports for e in r.plan.entries if isinstance(e, PrefillChunk)]
     assert prefills == [PrefillChunk("first", 40), PrefillChunk("second", 40 - 32)]
+    lookups = [(r.prefix_queries, r.prefix_hits) for r in reports if r.prefix_queries]
+    assert lookups == [(40, 0), (40, 32)]
 
 
 def test_a_refused_plan_lets_go_of_the_prefixes_attached_for_it(target_dir: Path) -> None:

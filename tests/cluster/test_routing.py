@@ -67,3 +67,13 @@ def test_invalid_router_settings() -> None:
         Router(route_limit=0)
     with pytest.raises(ValueError):
         Router(backup_policy="drop")  # type: ignore[arg-type]
+
+
+def test_the_prefix_first_hop_takes_the_longest_cached_prefix() -> None:
+    r = Router(first_hop=FirstHop.PREFIX)
+    alive = [True, True, True]
+    assert r.first([9.0, 0.0, 0.0], alive, [0, 64, 16]) == 1
+    assert r.first([0.0, 0.0, 0.0], [True, False, True], [0, 64, 16]) == 2
+    assert [r.first([0.0] * 3, alive, [32, 0, 32]) for _ in range(3)] == [0, 2, 0]
+    assert [r.first([0.0] * 3, alive, [0, 0, 0]) for _ in range(3)] == [1, 2, 0]
+    assert [r.first([0.0] * 3, alive) for _ in range(2)] == [1, 2]

@@ -266,3 +266,30 @@ def test_calibration_off_and_abort_reports_observe_nothing(perf: PerfModel) -> N
     abort = BatchOutcome(outcomes=[], overhead_s=1.0)
     assert vr.apply(StepReport(0, "", 1, BatchPlan(entries=()), abort, 1.0)) is ReportFit.APPLIED
     assert vr.calibration == {}
+
+
+@SCHEDULERS
+def test_a_mirror_tracking_prefixes_pictures_what_its_replica_caches(
+    perf: PerfModel, config: SchedulerConfig | None
+) -> None:
+    """Prompts bound here, then what ended here (prompt and output), are pictured cached;
+    a new incarnation starts with nothing cached, a rebuild of the same one keeps them."""
+    vr = VirtualReplica(0, perf, CACHE, config, track_prefixes=True)
+    executor = PerfExecutor(perf, CACHE)
+    first = Request("a", list(range(40)), SamplingParams(max_tokens=30), tier=Tier.BEST_EFFORT)
+    vr.add_best_effort(first, 0.0)
+    executor.add(first)
+
+    def probe(tokens: list[int]) -> int:
+        return vr.cached_prefix(Request("probe", tokens, SamplingParams(), tier=Tier.BEST_EFFORT))
+
+    assert probe([*range(40), 7]) == 32 and probe([1, *range(40)]) == 0
+    run_steps(vr, executor, 0.0, 500)
+    history = [*range(40), *executor.output("a")]
+    assert len(history) == 70 and probe([*history, 5]) == 64
+    vr.incarnation = "x"
+    vr.restore(snapshot_of(executor, vr, "x"), 1.0)
+    assert probe([*history, 5]) == 64
+    vr.restore(snapshot_of(executor, vr, "y"), 2.0)
+    assert probe([*history, 5]) == 0
+    assert VirtualReplica(0, perf, CACHE, config).cached_prefix(first) == 0

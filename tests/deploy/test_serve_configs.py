@@ -12,6 +12,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import ClusterConfig, SchedulerKind
+from cluster.routing import FirstHop
 from router.config import FrontDoorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +38,7 @@ ALL_CONFIGS = [
     "serve-cpu.yaml",
     "serve-cpu-specserve.yaml",
     "serve-cpu-no-prefix-cache.yaml",
+    "serve-cpu-prefix-routing.yaml",
     *CPU_BASELINES,
     *GPU_CONFIGS,
 ]
@@ -104,6 +106,7 @@ def test_cpu_default_serves_the_demo_pair_locally() -> None:
     [
         ("serve-cpu-specserve.yaml", {"spec_policy": "specserve"}),
         ("serve-cpu-no-prefix-cache.yaml", {"prefix_caching": False}),
+        ("serve-cpu-prefix-routing.yaml", {"first_hop": FirstHop.PREFIX}),
     ],
 )
 def test_a_variant_config_differs_from_the_default_in_its_one_field(

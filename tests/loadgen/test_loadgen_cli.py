@@ -223,7 +223,13 @@ def test_loadgen_over_grpc(
     assert counted["admitted"] == 2 and counted["steps"] >= 1 and counted["busy_us"] > 0
     assert result["summary"]["busy_ms_per_request"] == pytest.approx(counted["busy_us"] / 2e3)
     busy = result["summary"]["busy_ms_per_request"]
-    assert f"replica step time: {busy:.1f} ms a request" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"replica step time: {busy:.1f} ms a request" in printed
+    # Each prompt was looked up in the prefix cache as its prefill began (the two differ).
+    queries, hits = counted["prefix_cache_queries"], counted.get("prefix_cache_hits", 0)
+    assert queries >= sum(r.prompt_len for r in read_records(tmp_path / "grpc.jsonl"))
+    assert result["summary"]["prefix_hit_rate"] == hits / queries
+    assert f"prefix cache: {hits / queries:.1%} of the tokens looked up were cached" in printed
     span = run_span_s(read_records(tmp_path / "grpc.jsonl"))
     fraction = result["summary"]["replica_busy_fraction"]
     assert fraction == pytest.approx(counted["busy_us"] / 1e6 / (2 * span)) and 0 < fraction < 1

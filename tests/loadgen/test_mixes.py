@@ -235,6 +235,10 @@ def test_the_shipped_example_loads() -> None:
     prompts = Mix.load(EXAMPLE.parent / "system-prompts.yaml")
     assert [(c.name, c.system_prompt) for c in prompts.classes] == [("support", 1000), ("chat", 0)]
     assert mix_from_dict(prompts.to_dict(), "other") == prompts
+    agents = Mix.load(EXAMPLE.parent / "agents.yaml")
+    agent = agents.classes[0]
+    assert agent.system_prompt == 800 and agent.tools is not None
+    assert mix_from_dict(agents.to_dict(), "other") == agents
 
 
 def reasoner(**extra: Any) -> dict[str, Any]:

@@ -92,3 +92,25 @@ def test_requests_of_a_class_with_a_system_prompt_share_its_text(source: PromptS
     assert len({p.token_ids[40:] for p in support}) == len(support)
     assert len({p.token_ids[:40] for p in plain}) == len(plain)
     assert all(len(p.token_ids) == 80 for p in support + plain)
+
+
+def test_a_follow_up_round_starts_with_the_prompt_of_the_round_it_follows(
+    source: PromptSource,
+) -> None:
+    from loadgen.mixes import mix_from_dict
+    from loadgen.run_load import prompts_for
+    from loadgen.workloads import WorkloadConfig, generate_workload
+
+    agent = {"name": "agent", "share": 1, "prompt": 40, "output": 6, "system_prompt": 20}
+    agent |= {"ttft": "tight", "tpot": "loose", "tools": {"calls": 2, "response": 10}}
+    mix = mix_from_dict({"classes": [agent]}, "x")
+    workload = generate_workload(mix, [0.0] * 4, WorkloadConfig(lambda n: 0.01), seed=1)
+    prompts = prompts_for(workload, source)
+    follow_ups = [r for r in workload if r.follows is not None]
+    assert len(follow_ups) == 8
+    for r in follow_ups:
+        before = prompts[r.follows].token_ids
+        assert prompts[r.request_id].token_ids[: len(before)] == before
+        assert len(prompts[r.request_id].token_ids) == r.prompt_len > len(before)
+    firsts = [prompts[r.request_id].token_ids for r in workload if r.follows is None]
+    assert len({p[:20] for p in firsts}) == 1 and len({p[20:] for p in firsts}) == 4

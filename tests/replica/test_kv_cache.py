@@ -269,3 +269,17 @@ def test_shared_blocks_hold_the_tokens_of_everyone_who_reads_them(
         assert len(held) + cache.num_free_blocks == cache.num_blocks, "a block leaked"
         for r, mine in tokens.items():
             assert cache.num_tokens(r) == len(mine)
+
+
+def test_the_cached_prefix_of_tokens_is_measured_without_taking_its_blocks() -> None:
+    cache = KVCacheManager(num_blocks=3, block_size=4, prefix_caching=True)
+    cache.append("a", 10)
+    cache.register("a", list(range(10)), 10)
+    assert cache.cached_prefix_len(list(range(12))) == 8
+    assert cache.cached_prefix_len([*range(4), 9, 9, 9, 9]) == 4
+    assert cache.cached_prefix_len(list(range(7))) == 4
+    assert cache.cached_prefix_len([9, *range(11)]) == 0
+    cache.free("a")
+    assert cache.num_free_blocks == 3 and cache.cached_prefix_len(list(range(12))) == 8
+    cache.append("b", 12)
+    assert cache.cached_prefix_len(list(range(12))) == 0

@@ -807,6 +807,37 @@ def test_grpc_sdk_streams_the_same_text(live: LocalFrontDoor, greedy_text: str) 
     assert result.ttft_s is not None and result.ttft_s > 0 and len(status.replicas) == 2
 
 
+def test_usage_counts_the_prompt_tokens_a_prefix_cache_held(
+    oai: openai.OpenAI, live: LocalFrontDoor
+) -> None:
+    """The same prompt four times over round-robin replicas (best-effort: the synthetic
+    profile prices its prefill past the tier's TTFT): a replica that computed it before
+    serves its whole blocks from the cache, and says so in the usage, over HTTP as over gRPC
+    (the first time a replica sees the prompt, nothing is cached)."""
+    prompt = "The fox that the usage counted jumped over the lazy dog again. " * 4
+    size = len(live.door.codec.encode(prompt))
+    assert size > 32
+    cached = []
+    for _ in range(2):
+        out = oai.completions.create(
+            model="demo",
+            prompt=prompt,
+            max_tokens=2,
+            temperature=0,
+            extra_body={"service_tier": "flex"},
+        )
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+    with Client(live.grpc_target, api_key=API_KEY) as client:
+        for _ in range(2):
+            items = client.generate(prompt, max_tokens=2, temperature=0.0, service_tier="flex")
+            result = list(items)[-1]
+            assert isinstance(result, Result) and result.prompt_tokens == size
+            cached.append(result.cached_tokens)
+    assert cached[0] == 0 and max(cached) == (size - 1) // 16 * 16
+    assert all(c in (0, (size - 1) // 16 * 16) for c in cached)
+
+
 def test_grpc_status_codes(live: LocalFrontDoor) -> None:
     with Client(live.grpc_target) as client, pytest.raises(ClientError) as info:
         client.complete(PROMPT, max_tokens=2)

@@ -50,6 +50,8 @@ def exported_names() -> set[str]:
         "preempted": 1,
         "preempted_tokens": 1,
         "demoted": 1,
+        "prefix_cache_queries": 1,
+        "prefix_cache_hits": 1,
     }
     m.refresh(status, {"counters": counters, "histograms": {"planner_latency_s": hist}})
     lines = m.exposition().decode().splitlines()

@@ -99,6 +99,8 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
             "preempted": 2,
             "preempted_tokens": 48,
             "demoted": 3,
+            "prefix_cache_queries": 900,
+            "prefix_cache_hits": 640,
         },
         "histograms": {
             "planner_latency_s": {
@@ -127,6 +129,8 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
     assert s[(PREFIX + "requests_demoted_total", model)] == 3
     assert s[(PREFIX + "num_preemptions_total", model)] == 2
     assert s[(PREFIX + "preempted_tokens_total", model)] == 48
+    assert s[(PREFIX + "prefix_cache_queries_total", model)] == 900
+    assert s[(PREFIX + "prefix_cache_hits_total", model)] == 640
     assert s[(PREFIX + "planner_latency_seconds_count", model)] == 4
     inf = (("le", "+Inf"), ("model", "demo"))
     assert s[(PREFIX + "planner_latency_seconds_bucket", inf)] == 4

@@ -76,7 +76,12 @@ def test_chat_stream_shape() -> None:
     assert chunks[2]["service_tier"] == "flex"
     assert chunks[2]["slos_serve"]["replica"] == 1 and chunks[2]["slos_serve"]["hops"] == 2
     assert chunks[3]["choices"] == []
-    assert chunks[3]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert chunks[3]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_completion_stream_without_usage() -> None:
@@ -123,14 +128,15 @@ ADMITTED = replace(
     replica=0,
     hops=1,
     migrations=1,
+    num_cached_tokens=2,
     num_output_tokens=4,
     stages=(StageVerdict("default", True, 0),),
 )
 
 
 def test_several_choices_each_say_what_the_cluster_did() -> None:
-    """Two prompts x n = 2: the prompts counted once each, every choice's verdict in it, and
-    the response's the weakest over them."""
+    """Two prompts x n = 2: the prompts (and their cached tokens) counted once each, every
+    choice's verdict in it, and the response's the weakest over them."""
     records = [ADMITTED, RECORD, ADMITTED, ADMITTED]
     body = full_response(
         Endpoint.COMPLETIONS,
@@ -144,7 +150,12 @@ def test_several_choices_each_say_what_the_cluster_did() -> None:
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in body["choices"]] == list("abcd")
     assert [c["slos_serve"]["replica"] for c in body["choices"]] == [0, 1, 0, 0]
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 14, "total_tokens": 20}
+    assert body["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 14,
+        "total_tokens": 20,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
     assert body["service_tier"] == "flex"
     summary = body["slos_serve"]
     assert summary == {

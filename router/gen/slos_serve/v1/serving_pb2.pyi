@@ -202,7 +202,7 @@ class StageVerdict(_message.Message):
     def __init__(self, name: _Optional[str] = ..., attained: _Optional[bool] = ..., late_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("request_id", "verdict", "replica", "hops", "finish_reason", "prompt_tokens", "completion_tokens", "slo_attained", "stages", "migrations", "ttft_s", "e2e_s", "stop_string", "stop_token_id", "index", "tool_calls")
+    __slots__ = ("request_id", "verdict", "replica", "hops", "finish_reason", "prompt_tokens", "completion_tokens", "slo_attained", "stages", "migrations", "ttft_s", "e2e_s", "stop_string", "stop_token_id", "index", "tool_calls", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class Final(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     verdict: str
     replica: int
@@ -235,7 +236,8 @@ class Final(_message.Message):
     stop_token_id: int
     index: int
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., verdict: _Optional[str] = ..., replica: _Optional[int] = ..., hops: _Optional[int] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., slo_attained: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[StageVerdict, _Mapping]]] = ..., migrations: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., index: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., verdict: _Optional[str] = ..., replica: _Optional[int] = ..., hops: _Optional[int] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., slo_attained: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[StageVerdict, _Mapping]]] = ..., migrations: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., index: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "final")

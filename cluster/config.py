@@ -98,6 +98,10 @@ class ClusterConfig:
     first_hop: FirstHop = FirstHop.ROUND_ROBIN
     """round_robin | least_load | prefix (the replica likely caching the longest prefix of
     the prompt; cluster.routing.FirstHop)."""
+    prefix_imbalance: int = 8
+    """With first_hop prefix: requests a replica may hold beyond the least loaded one and
+    still be chosen for its cached prefix (more, and the prefix is passed over), so traffic
+    sharing a prefix spreads over the replicas. Raise it for replicas that hold hundreds."""
     backup_policy: BackupPolicy = BackupPolicy.BEST_EFFORT
     best_effort_order: BestEffortOrder = BestEffortOrder.FCFS
     """fcfs | laps (BestEffortOrder); slos only."""
@@ -156,6 +160,10 @@ class ClusterConfig:
             raise ValueError(f"spec_policy={self.spec_policy!r} needs a draft model")
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
+        if isinstance(self.prefix_imbalance, bool) or not isinstance(self.prefix_imbalance, int):
+            raise ValueError(f"prefix_imbalance must be an integer, got {self.prefix_imbalance!r}")
+        if self.prefix_imbalance < 0:
+            raise ValueError(f"prefix_imbalance must be >= 0, got {self.prefix_imbalance}")
         for name, kind in (
             ("first_hop", FirstHop),
             ("backup_policy", BackupPolicy),

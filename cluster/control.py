@@ -98,7 +98,7 @@ class ControlPlane:
         prefix cache, see VirtualReplica)."""
         if not any(vr.track_prefixes for vr in self.replicas):
             return []
-        return [vr.cached_prefix(request) for vr in self.replicas]
+        return [vr.cached_prefix(request) if vr.alive else 0 for vr in self.replicas]
 
     def submit(self, request: Request, now: float, *, resumed: bool = False) -> Decision | None:
         """Queue a request at its first hop; a Decision when the verdict needs no tick."""

@@ -117,6 +117,7 @@ def build_plane(config: ClusterConfig, metrics: Metrics | None = None) -> Contro
         route_limit=config.route_limit,
         backup_policy=config.backup_policy,
         retry_after_s=config.retry_after_s,
+        prefix_imbalance=config.prefix_imbalance,
     )
     replicas = [
         VirtualReplica(

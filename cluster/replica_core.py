@@ -39,8 +39,9 @@ class _Held:
     admitted: bool
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
-    cached: int = 0
-    """Prompt tokens its first prefill took from the prefix cache."""
+    cached: int | None = None
+    """Prompt tokens its first prefill took from the prefix cache (None: not looked up yet;
+    a lookup after a preemption finds its own blocks, not an earlier request's)."""
 
     def view(self) -> SeqView:
         return SeqView(
@@ -52,12 +53,22 @@ class _Held:
 
 @dataclass
 class _Lookups:
-    """What the prefix cache was asked for the plan about to run, and what it held."""
+    """What the prefix cache was asked for the plan about to run: each request's known
+    tokens, and how many of them it held."""
 
-    attached: list[str] = field(default_factory=list)
-    """Requests that began from a cached prefix."""
-    queries: int = 0
-    hits: int = 0
+    found: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def attached(self) -> list[str]:
+        """Requests that began from a cached prefix."""
+        return [rid for rid, (_, hits) in self.found.items() if hits]
+
+    def counts(self, plan: BatchPlan) -> tuple[int, int]:
+        """Tokens looked up and found for the requests the plan as run prefills (fitting it
+        may drop one, whose miss is looked up again with its next plan)."""
+        ran = {e.request_id for e in plan.entries}
+        looked = [v for rid, v in self.found.items() if rid in ran]
+        return sum(q for q, _ in looked), sum(h for _, h in looked)
 
 
 @dataclass
@@ -178,7 +189,7 @@ class ReplicaCore:
                 # the controller's next one; a refused controller plan falls back to deriving.
                 # The prefixes attached for it are let go: the controller, which plans the
                 # KV, does not know they are held.
-                self._detach(lookups.attached)
+                self._detach(lookups)
                 if not from_inbox:
                     await self._wake.wait()
                 continue
@@ -197,7 +208,7 @@ class ReplicaCore:
             self._inbox = None
             if plan is not None:
                 return plan, True, lookups
-            self._detach(lookups.attached)
+            self._detach(lookups)
         return derive_plan(self._last, self._views()), False, _Lookups()
 
     def _views(self) -> dict[str, SeqView]:
@@ -213,23 +224,25 @@ class ReplicaCore:
             return lookups
         for entry in plan.entries:
             held = self._held.get(entry.request_id)
-            if isinstance(entry, PrefillChunk) and held is not None and held.num_computed == 0:
-                held.num_computed = self.engine.attach_prefix(entry.request_id)
-                if not held.output:
-                    held.cached = held.num_computed
-                lookups.queries += held.view().num_known
-                lookups.hits += held.num_computed
-                if held.num_computed:
-                    lookups.attached.append(entry.request_id)
+            if not isinstance(entry, PrefillChunk) or held is None or held.num_computed:
+                continue
+            held.num_computed = self.engine.attach_prefix(entry.request_id)
+            if held.request.sampling.prompt_logprobs is not None:
+                continue  # the engine computes such a prompt whole: nothing was looked up
+            if held.cached is None and not held.output:
+                held.cached = held.num_computed
+            lookups.found[entry.request_id] = (held.view().num_known, held.num_computed)
         return lookups
 
-    def _detach(self, request_ids: list[str]) -> None:
-        """Let go of prefixes attached for a plan that did not run."""
-        for rid in request_ids:
+    def _detach(self, lookups: _Lookups) -> None:
+        """Let go of prefixes attached for a plan that did not run; its requests' lookups
+        count with the plan that runs them."""
+        for rid in lookups.attached:
             self.engine.preempt(rid)
             self._held[rid].num_computed = 0
+        for rid in lookups.found:
             if not self._held[rid].output:
-                self._held[rid].cached = 0
+                self._held[rid].cached = None
 
     def _after_step(self, plan: BatchPlan, outcome: BatchOutcome, lookups: _Lookups) -> None:
         now = self._clock()
@@ -252,12 +265,13 @@ class ReplicaCore:
                 (now,) * len(tokens),
                 logprobs=tuple(result.logprobs),
                 prompt_logprobs=tuple(result.prompt_logprobs),
-                cached_tokens=held.cached if first and tokens else 0,
+                cached_tokens=(held.cached or 0) if first and tokens else 0,
             )
             if result.finish_reason is not None:
                 self._end(result.request_id, result.finish_reason, item)
             elif item.token_ids:
                 self._push(result.request_id, item)
+        queries, hits = lookups.counts(plan)
         self._report(
             StepReport(
                 self.index,
@@ -266,8 +280,8 @@ class ReplicaCore:
                 plan,
                 _lean(outcome),
                 now,
-                prefix_queries=lookups.queries,
-                prefix_hits=lookups.hits,
+                prefix_queries=queries,
+                prefix_hits=hits,
             )
         )
 

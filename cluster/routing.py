@@ -21,7 +21,10 @@ class FirstHop(StrEnum):
     PREFIX = "prefix"
     """The replica that likely holds the longest cached prefix of the prompt (the history a
     chat or an agent sends back every turn, a document asked about again), so its prefill
-    is computed once; round robin among equals, and when no replica holds one."""
+    is computed once; round robin among equals, and when no replica holds one. A replica
+    holding more than `prefix_imbalance` requests beyond the least loaded is passed over:
+    else every request sharing a prefix (a system prompt) would go to the first replica that
+    cached it, best-effort ones for good, as they never hop."""
 
 
 class BackupPolicy(StrEnum):
@@ -62,6 +65,7 @@ class Router:
     route_limit: int = 2
     backup_policy: BackupPolicy = BackupPolicy.BEST_EFFORT
     retry_after_s: float = 1.0
+    prefix_imbalance: int = 8
     _next_rr: int = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +73,8 @@ class Router:
         self.backup_policy = BackupPolicy(self.backup_policy)
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
+        if self.prefix_imbalance < 0:
+            raise ValueError(f"prefix_imbalance must be >= 0, got {self.prefix_imbalance}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
 
@@ -86,8 +92,11 @@ class Router:
         if self.first_hop is FirstHop.LEAST_LOAD:
             return min(up, key=lambda i: (loads[i], i))
         if self.first_hop is FirstHop.PREFIX and cached:
-            best = max(cached[i] for i in up)
-            return self._round_robin([ok and cached[i] == best for i, ok in enumerate(alive)])
+            least = min(loads[i] for i in up)
+            near = [ok and loads[i] <= least + self.prefix_imbalance for i, ok in enumerate(alive)]
+            best = max(cached[i] for i, ok in enumerate(near) if ok)
+            if best > 0:
+                return self._round_robin([ok and cached[i] == best for i, ok in enumerate(near)])
         return self._round_robin(alive)
 
     def _round_robin(self, eligible: Sequence[bool]) -> int:

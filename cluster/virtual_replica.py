@@ -83,6 +83,9 @@ class VirtualReplica:
         self.scheduler = self._new_scheduler()
         self.track_prefixes = track_prefixes
         self.prefixes = self._new_prefixes()
+        self._pictured = ""
+        """The incarnation whose cache `prefixes` pictures: a replica back up after a missed
+        health check (marked dead, its mirror reset) still has its cache."""
 
     def _new_scheduler(self) -> ReplicaScheduler:
         if isinstance(self.config, VllmConfig):
@@ -110,10 +113,12 @@ class VirtualReplica:
         if cache is None:
             return
         tokens = tokens[: cache.num_blocks * cache.block_size]
-        cache.attach_prefix(_PICTURE, tokens, len(tokens))
-        cache.append(_PICTURE, len(tokens) - cache.num_tokens(_PICTURE))
-        cache.register(_PICTURE, tokens, len(tokens))
-        cache.free(_PICTURE)
+        try:
+            cache.attach_prefix(_PICTURE, tokens, len(tokens))
+            cache.append(_PICTURE, len(tokens) - cache.num_tokens(_PICTURE))
+            cache.register(_PICTURE, tokens, len(tokens))
+        finally:
+            cache.free(_PICTURE)
 
     @property
     def plans_admission(self) -> bool:
@@ -194,7 +199,9 @@ class VirtualReplica:
 
     def _remember_ended(self, outcome: BatchOutcome) -> None:
         """A request that ends leaves its prompt and output cached (all but the last token,
-        whose KV is never computed): the history a chat or an agent sends back next turn."""
+        whose KV is never computed): the history a chat or an agent sends back next turn.
+        (An aborted one may have computed less; its prompt was pictured when it was bound,
+        as it would soon be computed, and a preemption's registered blocks stay cached.)"""
         if self.prefixes is None:
             return
         states = self.scheduler.queues.states
@@ -259,8 +266,9 @@ class VirtualReplica:
         so the planner's bookkeeping stays its own: requests with cached tokens become
         running, the others wait with their tokens kept (like a preempted request). The
         picture of the prefix cache is kept unless the replica is a new incarnation."""
-        if snapshot.incarnation != self.incarnation:
+        if snapshot.incarnation != self._pictured:
             self.prefixes = self._new_prefixes()
+            self._pictured = snapshot.incarnation
         self.reset()
         self.incarnation = snapshot.incarnation
         self.seq = snapshot.seq

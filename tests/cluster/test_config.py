@@ -79,6 +79,8 @@ def test_unknown_field_and_missing_draft() -> None:
             "scheduler=vllm routes round-robin",
         ),
         ({"scheduler": "sarathi", "spec_policy": "none"}, "configure tiers"),
+        ({"prefix_imbalance": -1}, "prefix_imbalance must be >= 0, got -1"),
+        ({"prefix_imbalance": 1.5}, "prefix_imbalance must be an integer, got 1.5"),
         (
             {"first_hop": "prefix", "prefix_caching": False},
             "first_hop prefix routes to the replica caching a prompt's prefix: it needs "

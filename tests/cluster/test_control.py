@@ -228,3 +228,23 @@ def test_the_prefix_first_hop_sends_each_turn_where_its_history_is(
         {1} if first_hop == "prefix" else {2}
     )
     assert len(set().union(*places.values())) == 2
+
+
+@pytest.mark.parametrize(("imbalance", "spread"), [(2, {0: 5, 1: 3}), (1000, {0: 8})])
+def test_best_effort_traffic_sharing_a_prefix_spreads_past_the_imbalance(
+    tmp_path: Path, imbalance: int, spread: dict[int, int]
+) -> None:
+    """Best-effort requests never hop: sharing a system prompt, all of them would stay with
+    the first replica that cached it. Past `prefix_imbalance` the other replica takes one,
+    caches the prompt too, and from then on the one within it takes them (ties in turn)."""
+    p = plane(tmp_path, first_hop="prefix", replicas=2, prefix_imbalance=imbalance)
+    system = list(range(48))
+    placed: dict[int, int] = {}
+    for i in range(8):
+        request = Request(
+            f"f{i}", [*system, 1000 + i], SamplingParams(max_tokens=2), tier=Tier.BEST_EFFORT
+        )
+        binding = decide(p, request, now=0.0).binding
+        assert binding.verdict is Verdict.BEST_EFFORT and binding.replica is not None
+        placed[binding.replica] = placed.get(binding.replica, 0) + 1
+    assert placed == spread

@@ -193,25 +193,32 @@ def test_a_prefill_plan_is_fitted_to_what_the_prefix_cache_left(target_dir: Path
     prompt = [(7 * i) % 500 + 3 for i in range(40)]
     reports: list[StepReport] = []
 
+    cached: list[int] = []
+
     async def run() -> list[list[int]]:
         core = ReplicaCore(cached_engine, 0, reports.append)
         core.start()
         outputs = []
-        for rid in ("first", "second"):
-            request = Request(rid, prompt, SamplingParams(max_tokens=4), slo=SLO(1000, 100))
-            core.add_request(request, admitted=True)
+        for rid, logprobs in (("first", None), ("second", None), ("third", 0)):
+            sampling = SamplingParams(max_tokens=4, prompt_logprobs=logprobs)
+            core.add_request(Request(rid, prompt, sampling, slo=SLO(1000, 100)), admitted=True)
             core.set_plan(BatchPlan((PrefillChunk(rid, len(prompt)),)))
             items = await drain(core, rid)
             outputs.append([t for item in items for t in item.token_ids])
+            cached.append(next(i.cached_tokens for i in items if i.token_ids))
         await core.stop()
         return outputs
 
-    first, second = asyncio.run(run())
-    assert first == second
+    first, second, third = asyncio.run(run())
+    assert first == second == third
     prefills = [e for r in reports for e in r.plan.entries if isinstance(e, PrefillChunk)]
-    assert prefills == [PrefillChunk("first", 40), PrefillChunk("second", 40 - 32)]
+    assert prefills == [
+        PrefillChunk("first", 40),
+        PrefillChunk("second", 40 - 32),
+        PrefillChunk("third", 40),  # prompt log-probabilities: the whole prompt is computed
+    ]
     lookups = [(r.prefix_queries, r.prefix_hits) for r in reports if r.prefix_queries]
-    assert lookups == [(40, 0), (40, 32)]
+    assert lookups == [(40, 0), (40, 32)] and cached == [0, 32, 0]
 
 
 def test_a_refused_plan_lets_go_of_the_prefixes_attached_for_it(target_dir: Path) -> None:

@@ -77,3 +77,13 @@ def test_the_prefix_first_hop_takes_the_longest_cached_prefix() -> None:
     assert [r.first([0.0] * 3, alive, [32, 0, 32]) for _ in range(3)] == [0, 2, 0]
     assert [r.first([0.0] * 3, alive, [0, 0, 0]) for _ in range(3)] == [1, 2, 0]
     assert [r.first([0.0] * 3, alive) for _ in range(2)] == [1, 2]
+
+
+def test_the_prefix_first_hop_passes_over_a_replica_loaded_past_the_imbalance() -> None:
+    r = Router(first_hop=FirstHop.PREFIX, prefix_imbalance=2)
+    alive = [True, True, True]
+    assert r.first([3.0, 1.0, 1.0], alive, [64, 16, 0]) == 0
+    assert r.first([4.0, 1.0, 1.0], alive, [64, 16, 0]) == 1
+    assert r.first([4.0, 1.0, 1.0], alive, [64, 0, 0]) == 2  # no prefix near: round robin
+    with pytest.raises(ValueError, match="prefix_imbalance must be >= 0"):
+        Router(prefix_imbalance=-1)

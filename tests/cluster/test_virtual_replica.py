@@ -273,9 +273,11 @@ def test_a_mirror_tracking_prefixes_pictures_what_its_replica_caches(
     perf: PerfModel, config: SchedulerConfig | None
 ) -> None:
     """Prompts bound here, then what ended here (prompt and output), are pictured cached;
-    a new incarnation starts with nothing cached, a rebuild of the same one keeps them."""
+    a new incarnation starts with nothing cached, while a rebuild of the same one keeps
+    them, also after the replica was marked dead for a missed health check."""
     vr = VirtualReplica(0, perf, CACHE, config, track_prefixes=True)
     executor = PerfExecutor(perf, CACHE)
+    vr.restore(snapshot_of(executor, vr, "x"), 0.0)  # the mirror's first build, at boot
     first = Request("a", list(range(40)), SamplingParams(max_tokens=30), tier=Tier.BEST_EFFORT)
     vr.add_best_effort(first, 0.0)
     executor.add(first)
@@ -287,8 +289,10 @@ def test_a_mirror_tracking_prefixes_pictures_what_its_replica_caches(
     run_steps(vr, executor, 0.0, 500)
     history = [*range(40), *executor.output("a")]
     assert len(history) == 70 and probe([*history, 5]) == 64
-    vr.incarnation = "x"
     vr.restore(snapshot_of(executor, vr, "x"), 1.0)
+    assert probe([*history, 5]) == 64
+    vr.reset()  # marked dead
+    vr.restore(snapshot_of(executor, vr, "x"), 1.5)
     assert probe([*history, 5]) == 64
     vr.restore(snapshot_of(executor, vr, "y"), 2.0)
     assert probe([*history, 5]) == 0

@@ -32,7 +32,7 @@ from cluster.messages import ReplicaSnapshot, StepReport
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, RequestOutcome
 from replica.kv_cache import KVCacheManager
 from replica.perf_calibration import CalibratedPerfModel, Calibration
-from replica.perf_model import PerfModel
+from replica.perf_model import BatchShape, PerfModel
 from replica.planner.admission import AdmissionResult
 from replica.planner.base import CacheBudget
 from replica.planner.config import PlannerConfig
@@ -220,7 +220,9 @@ class VirtualReplica:
         shape is the one executed: the plan with each decode's drafts as verified, fewer where
         the engine made or kept fewer: near max_tokens, a short n-gram match, SpecServe's cuts;
         the draft work of drafts cut after they were made is then not in the shape, which errs
-        toward a slower replica). Steps without work (abort reports) say nothing."""
+        toward a slower replica; a prefill chunk over the context it ran on, a prefix-cache hit
+        the mirror learns of from this very report counted in). Steps without work (abort
+        reports) say nothing."""
         measured = report.outcome.total_s
         if self.perf is None or not isinstance(self.scheduler, SlosScheduler):
             return
@@ -229,7 +231,15 @@ class VirtualReplica:
         states = self.scheduler.queues.states
         if any(e.request_id not in states for e in report.plan.entries):
             return
-        self.perf.observe(self.scheduler.shape(executed(report)).features(), measured)
+        plan = executed(report)
+        after = {o.request_id: o.num_computed_tokens for o in report.outcome.outcomes}
+        chunks = {e.request_id: e.num_tokens for e in plan.entries if isinstance(e, PrefillChunk)}
+
+        def context(rid: str) -> int:
+            ran_on = after.get(rid, 0) - chunks[rid] if rid in chunks else 0
+            return max(states[rid].num_computed_tokens, ran_on)
+
+        self.perf.observe(BatchShape.of_plan(plan, context, self.profile.tp).features(), measured)
 
     @property
     def calibration(self) -> dict[str, float]:

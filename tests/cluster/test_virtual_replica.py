@@ -9,7 +9,7 @@ import pytest
 
 from cluster.messages import HeldRequest, ReplicaSnapshot, StepReport
 from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
-from replica.batch import BatchOutcome, BatchPlan, DecodeStep
+from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, RequestOutcome
 from replica.perf_model import BatchShape, PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.config import PlannerConfig, SpecConfig
@@ -297,3 +297,19 @@ def test_a_mirror_tracking_prefixes_pictures_what_its_replica_caches(
     vr.restore(snapshot_of(executor, vr, "y"), 2.0)
     assert probe([*history, 5]) == 0
     assert VirtualReplica(0, perf, CACHE, config).cached_prefix(first) == 0
+
+
+def test_calibration_prices_a_prefill_over_the_prefix_the_replica_had_cached() -> None:
+    """The replica began the prompt from 32 cached tokens and prefilled the last 8, timed
+    exactly by the profile: the mirror, which learns of the hit from this report, prices the
+    chunk over that context (over none, the step would look slower than predicted)."""
+    perf = PerfModel.synthetic({"const": 0.01, "tokens": 0.001, "attn_tokens": 1e-4})
+    vr = VirtualReplica(0, perf, CACHE, calibrate=True)
+    vr.incarnation = "i"
+    vr.admit(Request("r", list(range(40)), SamplingParams(max_tokens=4), slo=SLO(5000, 500)), 0.0)
+    step_s = perf.predict(BatchShape((8,), (32,)))
+    assert step_s > 1.1 * perf.predict(BatchShape((8,), (0,)))
+    outcome = BatchOutcome([RequestOutcome("r", [7], num_computed_tokens=40)], target_s=step_s)
+    plan = BatchPlan((PrefillChunk("r", 8),))
+    assert vr.apply(StepReport(0, "i", 1, plan, outcome, 1.0)) is ReportFit.APPLIED
+    assert vr.calibration and list(vr.calibration.values()) == [pytest.approx(1.0)]

@@ -15,7 +15,10 @@ each step's drafts across its requests by GOODSPEED (`PlannerConfig.goodspeed`,
 replica.planner.goodspeed), which pays off where requests accept drafts unequally
 (`SimConfig.acceptance_spread`); `slos+specserve` drafts and verifies only the drafts SpecServe
 finds worth their time from the draft's confidences (replica.planner.specserve), which the
-simulated draft gives with `SimConfig.confidence_concentration`.
+simulated draft gives with `SimConfig.confidence_concentration`. With
+`SimConfig.prefix_caching` every replica keeps its computed prompts and outputs for later
+requests that start with the same tokens, and `slos+prefix` sends each request first to the
+replica the controller pictures holding the longest prefix of it (FirstHop.PREFIX).
 Policies `vllm` and `sarathi` have no admission: round-robin first hop, the baseline
 scheduler per replica. `distserve` splits the replicas into a prefill pool (FCFS, prefill-first,
 each request leaves after its first token) and a decode pool (the prompt's KV arrives over a
@@ -40,6 +43,8 @@ from enum import StrEnum
 from cluster.api import Verdict
 from cluster.control import ControlPlane, Decision
 from cluster.messages import StepReport
+from cluster.plans import SeqView, reconcile
+from cluster.prefix_picture import PrefixPicture
 from cluster.routing import BackupPolicy, FirstHop, Router
 from cluster.sim_distserve import DEFAULT_LINK_GB_S, KvLink
 from cluster.sim_events import EventKind, EventQueue
@@ -78,6 +83,7 @@ class Policy(StrEnum):
     SLOS_LAPS = "slos+laps"
     SLOS_GOODSPEED = "slos+goodspeed"
     SLOS_SPECSERVE = "slos+specserve"
+    SLOS_PREFIX = "slos+prefix"
     VLLM = "vllm"
     SARATHI = "sarathi"
     DISTSERVE = "distserve"
@@ -159,6 +165,11 @@ class SimConfig:
     """Stop the run as soon as its SLO attainment (deadline semantics) can no longer reach
     this: a capacity search only asks whether a rate passes, and an overloaded run, the
     slowest to simulate, fails long before its end. None: run to the end."""
+    prefix_caching: bool = False
+    """Each replica keeps the KV of the prompts and outputs it computed for later requests
+    that start with the same tokens (cluster.prefix_picture stands for its cache): a prefill
+    begins after the prefix found there, as a live replica's does. The requests' token ids
+    must then say which prompts share what (loadgen.simulate.sim_requests)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", Policy(self.policy))
@@ -184,11 +195,19 @@ class SimConfig:
             raise ValueError(f"stop_below must be in (0, 1], got {self.stop_below!r}")
         if not isinstance(self.replica_slowdown, Slowdown):
             raise ValueError(f"replica_slowdown must be a Slowdown, got {self.replica_slowdown!r}")
+        if self.policy is Policy.SLOS_PREFIX and not self.prefix_caching:
+            raise ValueError("slos+prefix routes by the replicas' caches: it needs prefix_caching")
+        if self.prefix_caching and self.policy is Policy.DISTSERVE:
+            raise ValueError("distserve is simulated without prefix caching")
         if self.policy is Policy.DISTSERVE and not 1 <= self.prefill_replicas < self.replicas:
             raise ValueError(
                 f"prefill_replicas must be in [1, replicas={self.replicas}) for distserve "
                 f"(both pools non-empty), got {self.prefill_replicas}"
             )
+
+    @property
+    def first_hop(self) -> FirstHop:
+        return FirstHop.PREFIX if self.policy is Policy.SLOS_PREFIX else FirstHop.ROUND_ROBIN
 
     @property
     def effective_route_limit(self) -> int:
@@ -264,6 +283,11 @@ class SimResult:
     """Draft tokens those decodes verified."""
     accepted_drafts: int = 0
     """Of those, the ones accepted."""
+    prefix_queries: int = 0
+    """With prefix caching: known tokens of the requests whose prefill began, looked up in
+    their replica's cache, summed over replicas."""
+    prefix_hits: int = 0
+    """Of those, the tokens found cached."""
 
 
 def tightest_tpot_s(requests: Sequence[Request]) -> float:
@@ -289,6 +313,8 @@ class _Replica:
     mirror: VirtualReplica | None
     """Policy slos: the controller's mirror, which plans and folds reports."""
     running: tuple[BatchPlan, BatchOutcome] | None = None
+    prefixes: PrefixPicture | None = None
+    """With prefix caching: what this replica's cache holds."""
     landed: deque[int] = field(default_factory=deque)
     """Policy distserve, decode pool: requests whose KV arrived, waiting for memory."""
 
@@ -354,11 +380,13 @@ class Simulator:
         self._events = EventQueue()
         self._steps = 0
         self._busy_s = 0.0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
         self._now = 0.0
         cache = CacheBudget(config.num_kv_blocks)
         truth = perf if config.replica_slowdown.is_none else perf.slowed(config.replica_slowdown)
         self.router = Router(
-            first_hop=FirstHop.ROUND_ROBIN,
+            first_hop=config.first_hop,
             route_limit=config.effective_route_limit,
             backup_policy=config.backup_policy,
         )
@@ -378,7 +406,12 @@ class Simulator:
             planner = config.planner_config()
             accept = self.accept if planner.spec is not None else None
             specserve = config.policy is Policy.SLOS_SPECSERVE and accept is not None
-            mirrors = [VirtualReplica(i, perf, cache, planner) for i in range(config.replicas)]
+            mirrors = [
+                VirtualReplica(
+                    i, perf, cache, planner, track_prefixes=config.first_hop is FirstHop.PREFIX
+                )
+                for i in range(config.replicas)
+            ]
             self.plane = ControlPlane(mirrors, self.router)
             self.replicas = [
                 _Replica(
@@ -400,6 +433,9 @@ class Simulator:
                 _Replica(i, PerfExecutor(truth, cache), self._baseline(cache), None)
                 for i in range(config.replicas)
             ]
+        if config.prefix_caching:
+            for rep in self.replicas:
+                rep.prefixes = PrefixPicture(cache.num_blocks, cache.block_size)
         if config.policy is Policy.DISTSERVE:
             per_token = kv_bytes_per_token(perf, config.kv_bytes_per_token)
             self._links = [
@@ -448,6 +484,8 @@ class Simulator:
             decode_steps=sum(len(e.drafted) for e in executors),
             verified_drafts=sum(sum(e.drafted) for e in executors),
             accepted_drafts=sum(e.accepted_drafts for e in executors),
+            prefix_queries=self._prefix_queries,
+            prefix_hits=self._prefix_hits,
         )
         if self._stopped:
             return replace(result, stopped=EarlyStop(len(self._missed), len(self.requests)))
@@ -524,6 +562,8 @@ class Simulator:
         plan, outcome = rep.running
         rep.running = None
         rep.fold(plan, outcome, self._now)
+        if rep.prefixes is not None:
+            self._cache_computed(rep, plan, outcome)
         for result in outcome.outcomes:
             if self.config.stop_below is not None and result.new_token_ids:
                 self._note_tokens(self._index[result.request_id], len(result.new_token_ids))
@@ -631,6 +671,8 @@ class Simulator:
         if rep.landed:
             self._place_landed(rep)
         plan = rep.next_plan(self._now)
+        if plan is not None and rep.prefixes is not None:
+            plan = self._from_cache(rep, plan)
         if plan is None:
             return
         outcome, duration = rep.executor.execute(plan, self._now)
@@ -638,6 +680,45 @@ class Simulator:
         self._steps += 1
         self._busy_s += duration
         self._events.push(self._now + duration, EventKind.STEP_DONE, rep.index)
+
+    def _from_cache(self, rep: _Replica, plan: BatchPlan) -> BatchPlan | None:
+        """Start the requests the plan begins to prefill from the prefix the replica's cache
+        holds, then fit the plan to them (cluster.plans.reconcile): what a live replica does
+        with a plan made without knowing of the hit."""
+        assert rep.prefixes is not None
+        sequences = rep.executor.sequences
+        hit = False
+        for entry in plan.entries:
+            seq = sequences[entry.request_id]
+            if isinstance(entry, PrefillChunk) and not seq.computed:
+                tokens = [*seq.request.prompt_token_ids, *seq.output]
+                cached = rep.prefixes.cached(tokens[: len(tokens) - (2 if seq.output else 1)])
+                rep.executor.start_from(entry.request_id, cached)
+                self._prefix_queries += len(tokens)
+                self._prefix_hits += cached
+                hit = hit or cached > 0
+        if not hit:
+            return plan
+        views = {
+            rid: SeqView(s.request.prompt_len + len(s.output), s.computed, len(s.output))
+            for rid, s in sequences.items()
+            if not s.finished
+        }
+        return reconcile(plan, views)
+
+    def _cache_computed(self, rep: _Replica, plan: BatchPlan, outcome: BatchOutcome) -> None:
+        """The replica's cache keeps what its prefills computed, and a finished request's
+        prompt and output (all but the last token, never computed)."""
+        assert rep.prefixes is not None
+        sequences = rep.executor.sequences
+        ended = {r.request_id for r in outcome.outcomes if r.finished}
+        for entry in plan.entries:
+            seq = sequences[entry.request_id]
+            tokens = [*seq.request.prompt_token_ids, *seq.output]
+            if entry.request_id in ended:
+                rep.prefixes.remember(tokens[:-1])
+            elif isinstance(entry, PrefillChunk):
+                rep.prefixes.remember(tokens[: seq.computed])
 
     def _close(self, i: int) -> None:
         """Request i is done (finished or rejected): issue its follow-up rounds, or, when it

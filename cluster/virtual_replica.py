@@ -14,12 +14,10 @@ as it is. Off by default (cluster.config.ClusterConfig.calibrate says why). The 
 mirrors do not calibrate: with `SimConfig.replica_slowdown` they plan with the profile while
 its replicas run slower, as a live cluster with calibration off does.
 
-With `track_prefixes` the mirror also keeps a picture of the replica's prefix cache, for the
-prefix first hop (cluster.routing): the same block cache as the replica's, fed the prompts
-bound here and the prompts and outputs of the requests that end here. It is a picture, not a
-copy: the real cache also gives blocks to the requests it holds, so it evicts sooner, and the
-picture may promise a prefix the replica no longer has. Only routing reads it; admission
-still prices every prefill in full.
+With `track_prefixes` the mirror also keeps a picture of the replica's prefix cache
+(cluster.prefix_picture), for the prefix first hop (cluster.routing), fed the prompts bound
+here and the prompts and outputs of the requests that end here. It may promise a prefix the
+replica no longer has: only routing reads it; admission still prices every prefill in full.
 """
 
 from __future__ import annotations
@@ -29,8 +27,8 @@ from enum import StrEnum
 
 from cluster.api import ReplicaStatus
 from cluster.messages import ReplicaSnapshot, StepReport
+from cluster.prefix_picture import PrefixPicture
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, RequestOutcome
-from replica.kv_cache import KVCacheManager
 from replica.perf_calibration import CalibratedPerfModel, Calibration
 from replica.perf_model import BatchShape, PerfModel
 from replica.planner.admission import AdmissionResult
@@ -94,31 +92,20 @@ class VirtualReplica:
             return SarathiScheduler(self.cache, self.config)
         return SlosScheduler(self.perf or self.profile, self.cache, self.config)
 
-    def _new_prefixes(self) -> KVCacheManager | None:
+    def _new_prefixes(self) -> PrefixPicture | None:
         if not self.track_prefixes:
             return None
-        return KVCacheManager(self.cache.num_blocks, self.cache.block_size, prefix_caching=True)
+        return PrefixPicture(self.cache.num_blocks, self.cache.block_size)
 
     def cached_prefix(self, request: Request) -> int:
         """Leading prompt tokens the replica likely has cached (0 without tracking)."""
         if self.prefixes is None:
             return 0
-        return self.prefixes.cached_prefix_len(request.prompt_token_ids)
+        return self.prefixes.cached(request.prompt_token_ids)
 
     def _remember(self, tokens: list[int]) -> None:
-        """Cache `tokens` in the picture as the replica will: shared where they match, the
-        rest registered, all of it then released (cached, least recently used evicted first;
-        a prefix's first block released last, so it outlives the blocks after it)."""
-        cache = self.prefixes
-        if cache is None:
-            return
-        tokens = tokens[: cache.num_blocks * cache.block_size]
-        try:
-            cache.attach_prefix(_PICTURE, tokens, len(tokens))
-            cache.append(_PICTURE, len(tokens) - cache.num_tokens(_PICTURE))
-            cache.register(_PICTURE, tokens, len(tokens))
-        finally:
-            cache.free(_PICTURE)
+        if self.prefixes is not None:
+            self.prefixes.remember(tokens)
 
     @property
     def plans_admission(self) -> bool:
@@ -306,10 +293,6 @@ class VirtualReplica:
                 BatchOutcome(outcomes=outcomes, free_blocks=snapshot.free_blocks),
                 now,
             )
-
-
-_PICTURE = ""
-"""The one request id the picture of a prefix cache uses (each prompt is released at once)."""
 
 
 def executed(report: StepReport) -> BatchPlan:

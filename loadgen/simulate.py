@@ -20,15 +20,16 @@ A live run's conditions replay with `--zero-load` (its measured SLOs), `--length
 and `--step-overhead-ms` run the replicas slower than the profile every planner believes, the
 gap a loaded live machine opens (loadgen/RESULTS.md: the CPU cluster runs ~5x its profile).
 
-Each run reports its replicas' busy time (`utilization`, `busy_ms_per_request`), its
-preemptions and the KV they dropped (`preemptions`, `preempted_tokens`: prefill the replicas do
-again when those requests resume), its speculation (`drafts_per_decode` verified, the
-`draft_acceptance` of those), and the header a `work_bound` per scenario: the least
-replica time a request costs without speculation on the simulated replicas, whose inverse caps
-the rate any such policy sustains (a finite run can pass above it by finishing its backlog
-after the last arrival). A policy near full utilization at its capacity is out of hardware,
-not out of scheduling; ratios above the bound over a baseline's capacity need less work per
-request (speculation), not a better order.
+Each run reports its replicas' busy time (`utilization`, `busy_ms_per_request`), its preemptions
+and the KV they dropped (`preemptions`, `preempted_tokens`: prefill the replicas do again when
+those requests resume), with `--prefix-caching` the share of the tokens looked up in the
+replicas' caches that were found there (`prefix_hit_rate`), its speculation (`drafts_per_decode`
+verified, the `draft_acceptance` of those), and the header a `work_bound` per scenario: the
+least replica time a request costs without speculation on the simulated replicas, whose inverse
+caps the rate any such policy sustains (a finite run can pass above it by finishing its backlog
+after the last arrival). A policy near full utilization at its capacity is out of hardware, not
+out of scheduling; ratios above the bound over a baseline's capacity need less work per request
+(speculation), not a better order.
 
 Every rate of one search replays the same requests, only compressed or stretched in time (the
 paper's "truncate and rescale"): their count is fixed so the run at the reference rate (the
@@ -45,6 +46,7 @@ import math
 import multiprocessing
 import os
 import sys
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
@@ -108,6 +110,7 @@ from replica.arguments import (
 )
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
+from replica.planner.executor import token_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "deploy" / "profiles"
@@ -156,17 +159,48 @@ def kv_blocks(perf: PerfModel, default: int, block_size: int = 16) -> int:
     return int(tokens) // block_size if isinstance(tokens, int | float) else default
 
 
-def sim_requests(workload: Sequence[WorkloadRequest]) -> list[SimRequest]:
-    """The cluster's view (max_tokens only) plus the engine's truth (output_len)."""
+def sim_requests(
+    workload: Sequence[WorkloadRequest], shared_tokens: bool = False
+) -> list[SimRequest]:
+    """The cluster's view (max_tokens only) plus the engine's truth (output_len).
+
+    The perf model prices token counts, so prompts are zeros, unless `shared_tokens` (for
+    prefix caches, SimConfig.prefix_caching) gives them ids that share what the live ones
+    share: a class's system prompt, and a follow-up round's history (the round before it,
+    prompt and the output the simulated engine gives it, then new tokens)."""
+    by_id = {w.request_id: w for w in workload}
+    prompts: dict[str, list[int]] = {}
+
+    def prompt_of(w: WorkloadRequest) -> list[int]:
+        if not shared_tokens:
+            return [0] * w.prompt_len
+        if w.request_id not in prompts:
+            head: list[int] = []
+            if w.follows is not None:
+                before = by_id[w.follows]
+                head = [*prompt_of(before), *token_ids(before.request_id, 0, before.output_len)]
+            elif w.shared_prefix is not None:
+                head = _fresh_tokens(w.shared_prefix, w.prefix_len)
+            rest = _fresh_tokens(w.request_id, w.prompt_len - len(head))
+            prompts[w.request_id] = [*head, *rest]
+        return prompts[w.request_id]
+
     return [
         SimRequest(
-            w.to_request([0] * w.prompt_len, arrival_time=w.arrival_s),
+            w.to_request(prompt_of(w), arrival_time=w.arrival_s),
             w.output_len,
             w.follows,
             w.delay_s,
         )
         for w in workload
     ]
+
+
+def _fresh_tokens(key: str, count: int) -> list[int]:
+    """Token ids no other key starts with (a CRC of the key picks where they start), above
+    those the simulated engine outputs (replica.planner.executor.token_ids)."""
+    start = 4096 + zlib.crc32(key.encode()) * 64
+    return list(range(start, start + count))
 
 
 def records(workload: Sequence[WorkloadRequest], result: SimResult) -> list[RequestRecord]:
@@ -190,7 +224,7 @@ def simulate_workload(
 ) -> tuple[RunReport | None, SimResult, list[RequestRecord]]:
     """Run a workload and judge it: the report, the raw result, the per-request records (no
     report and no records for a run that stopped early, `SimConfig.stop_below`)."""
-    result = Simulator(perf, sim_requests(workload), config).run()
+    result = Simulator(perf, sim_requests(workload, config.prefix_caching), config).run()
     if result.stopped is not None:
         return None, result, []
     recs = records(workload, result)
@@ -236,6 +270,8 @@ class Setup:
     stop_below: float | None = None
     """Runs stop once they can no longer attain this (SimConfig.stop_below): searches only
     ask pass or fail. None: every run to its end (`--rate`, `--full-runs`)."""
+    prefix_caching: bool = False
+    """The replicas keep computed prompts for later requests (SimConfig.prefix_caching)."""
 
     def requests(self, replicas: int) -> int:
         return max(2, self.requests_per_replica * (self.window_replicas or replicas))
@@ -320,6 +356,7 @@ class Setup:
             kv_link_gb_s=self.kv_link_gb_s,
             replica_slowdown=self.slowdown,
             stop_below=self.stop_below,
+            prefix_caching=self.prefix_caching,
         )
 
     def _run(self, config: SimConfig, rate: float) -> tuple[RunReport | None, SimResult]:
@@ -516,6 +553,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "telling), accepted with that probability, for every policy; slos+specserve needs "
         "it (default: no confidences)",
     )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="every replica keeps the prompts and outputs it computed for later requests that "
+        "start with the same tokens (a mix's system prompts, a session's history), as "
+        "cluster.prefix_caching does live; slos+prefix routes by it",
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", type=output_file, help="write results here")
     parser.add_argument(
@@ -706,6 +750,12 @@ def plan(args: argparse.Namespace) -> Plan:
         raise OptionError(
             "--policies slos+specserve drafts by the draft's confidences: give --draft-confidence"
         )
+    if Policy.SLOS_PREFIX in policies and not args.prefix_caching:
+        raise OptionError(
+            "--policies slos+prefix routes by the replicas' caches: give --prefix-caching"
+        )
+    if Policy.DISTSERVE in policies and args.prefix_caching:
+        raise OptionError("--prefix-caching: distserve is simulated without prefix caching")
     if args.draft_confidence is not None and not 1e-3 <= args.draft_confidence <= 1e6:
         raise OptionError(
             f"--draft-confidence must be in [0.001, 1e6], got {args.draft_confidence}"
@@ -847,6 +897,7 @@ def run(args: argparse.Namespace) -> int:
             zero_load=p.zero_load,
             trace=p.trace,
             stop_below=p.stop_below,
+            prefix_caching=args.prefix_caching,
         )
 
     out: dict[str, Any] = {
@@ -854,6 +905,7 @@ def run(args: argparse.Namespace) -> int:
         "baseline_profile": p.baseline_profile or p.profile,
         "replica_slowdown": asdict(p.slowdown),
         "length_scale": p.length_scale,
+        "prefix_caching": args.prefix_caching,
         "zero_load": p.zero_load.to_dict() if p.zero_load is not None else None,
         "paper_table": args.paper_table,
         "arrivals": p.arrivals,
@@ -1229,6 +1281,9 @@ def _evaluate(
             else 1e3 * result.busy_s / len(result.outcomes),
             "preemptions": result.preemptions,
             "preempted_tokens": result.preempted_tokens,
+            "prefix_hit_rate": result.prefix_hits / result.prefix_queries
+            if result.prefix_queries
+            else None,
             "drafts_per_decode": result.verified_drafts / result.decode_steps
             if result.decode_steps
             else 0.0,

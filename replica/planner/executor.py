@@ -58,6 +58,13 @@ class _Sequence:
     computed: int = 0
     finished: bool = False
     stop_after: int | None = None
+    cached: int = 0
+    """Of `computed`, the leading tokens a prefix cache held (`start_from`)."""
+
+    @property
+    def own_computed(self) -> int:
+        """Computed tokens in blocks of its own: a cached prefix's blocks are the cache's."""
+        return self.computed - self.cached
 
 
 def leading_accepted(accepted_each: Sequence[bool]) -> int:
@@ -120,6 +127,19 @@ class PerfExecutor:
         )
         self.token_times[request.request_id] = []
 
+    def start_from(self, request_id: str, computed: int) -> None:
+        """Begin a request that holds no KV from `computed` tokens a prefix cache held; as the
+        engine, it leaves its last known token to feed (a preempted one's last two)."""
+        seq = self.sequences[request_id]
+        known = seq.request.prompt_len + len(seq.output)
+        limit = known - (2 if seq.output else 1)
+        if seq.finished or seq.computed or not 0 <= computed <= limit:
+            raise ValueError(
+                f"cannot start {request_id!r} from {computed} cached tokens "
+                f"({seq.computed} computed, {known} known)"
+            )
+        seq.computed = seq.cached = computed
+
     def release(self, request_id: str) -> list[float]:
         """Forget a finished request and return its token times: a long simulation keeps
         only live requests, so a step costs the same at its end as at its start."""
@@ -138,7 +158,7 @@ class PerfExecutor:
         """Run one step starting at `now`; returns the outcome and the step's duration."""
         for rid in plan.preempt:
             self.preempted_tokens += self.sequences[rid].computed
-            self.sequences[rid].computed = 0
+            self.sequences[rid].computed = self.sequences[rid].cached = 0
             self.preemptions.append(rid)
         self._check_memory(plan)
         shape = self.shape(plan)
@@ -245,7 +265,7 @@ class PerfExecutor:
             reason = FinishReason.LENGTH
         if reason is not None:
             seq.finished = True
-            seq.computed = 0
+            seq.computed = seq.cached = 0
         return RequestOutcome(
             request_id=rid,
             new_token_ids=new,
@@ -256,16 +276,19 @@ class PerfExecutor:
         )
 
     def _held_blocks(self) -> int:
-        return sum(self.cache.blocks_for(s.computed) for s in self.sequences.values())
+        return sum(self.cache.blocks_for(s.own_computed) for s in self.sequences.values())
 
     def _check_memory(self, plan: BatchPlan) -> None:
-        """The step's KV peak: every fed token (drafts included) needs a slot."""
+        """The step's KV peak: every fed token (drafts included) needs a slot (a prefix
+        started from a cache is in blocks the cache holds, which the planners, counting each
+        request's computed tokens, count for every request that shares them)."""
         fed = {e.request_id: e.num_tokens for e in plan.entries if isinstance(e, PrefillChunk)}
         fed.update(
             {e.request_id: e.num_spec_tokens + 1 for e in plan.entries if isinstance(e, DecodeStep)}
         )
         blocks = sum(
-            self.cache.blocks_for(s.computed + fed.get(rid, 0)) for rid, s in self.sequences.items()
+            self.cache.blocks_for(s.own_computed + fed.get(rid, 0))
+            for rid, s in self.sequences.items()
         )
         self.peak_blocks = max(self.peak_blocks, blocks)
         if blocks > self.cache.num_blocks:

@@ -6,6 +6,7 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -149,16 +150,18 @@ def chatbot(n: int, rate: float, seed: int) -> list[SimRequest]:
     return simulate.sim_requests(workload)
 
 
-def confident(policy: Policy) -> float | None:
-    """The draft confidences a policy needs (slos+specserve drafts by them)."""
-    return 2.0 if policy is Policy.SLOS_SPECSERVE else None
+def needs(policy: Policy) -> dict[str, Any]:
+    """What a policy needs: draft confidences (slos+specserve drafts by them), prefix caches
+    (slos+prefix routes by them)."""
+    return {
+        "confidence_concentration": 2.0 if policy is Policy.SLOS_SPECSERVE else None,
+        "prefix_caching": policy is Policy.SLOS_PREFIX,
+    }
 
 
 @pytest.mark.parametrize("policy", list(Policy))
 def test_runs_are_deterministic(policy: Policy) -> None:
-    config = SimConfig(
-        policy=policy, replicas=2, num_kv_blocks=2048, confidence_concentration=confident(policy)
-    )
+    config = SimConfig(policy=policy, replicas=2, num_kv_blocks=2048, **needs(policy))
     first = Simulator(A100, chatbot(40, 6.0, 1), config).run()
     second = Simulator(A100, chatbot(40, 6.0, 1), config).run()
     assert first.outcomes == second.outcomes and first.steps == second.steps
@@ -179,7 +182,7 @@ def test_the_schedule_does_not_depend_on_output_len_until_a_request_ends(policy:
             policy=policy,
             replicas=replicas,
             kv_bytes_per_token=1e6,
-            confidence_concentration=confident(policy),
+            **needs(policy),
         )
         return times(requests, config)
 

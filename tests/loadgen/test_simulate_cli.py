@@ -104,6 +104,8 @@ def test_defaults_and_ablation() -> None:
         (("--rate", "1", "--length-scale", "0"), "--length-scale"),
         (("--rate", "1", "--zero-load", "/nonexistent/zero.json"), "--zero-load"),
         (("--capacity", "--jobs", "-1"), "--jobs"),
+        (("--capacity", "--policies", "slos+prefix"), "slos\\+prefix .* give --prefix-caching"),
+        (("--capacity", "--policies", "distserve", "--prefix-caching"), "--prefix-caching"),
     ],
 )
 def test_bad_options_are_named(argv: tuple[str, ...], option: str) -> None:
@@ -507,3 +509,17 @@ def test_specserve_needs_draft_confidences_and_reports_its_speculation(tmp_path:
     for policy in ("slos", "slos+specserve"):
         assert runs[policy]["drafts_per_decode"] > 0
         assert 0 < runs[policy]["draft_acceptance"] <= 1
+
+
+def test_prefix_caching_runs_and_reports_the_tokens_found_cached(tmp_path: Path) -> None:
+    """Agent sessions that send their history back: with --prefix-caching the replicas
+    found part of each prompt cached, slos+prefix more of it than round robin."""
+    out = tmp_path / "prefix.json"
+    mix = Path(simulate.__file__).parent / "mix-examples" / "agents.yaml"
+    argv = ("--scenario", str(mix), "--rate", "0.5", "--duration", "10", "--replicas", "2")
+    argv += ("--policies", "slos,slos+prefix,vllm", "--prefix-caching", "--json", str(out))
+    assert simulate.run(parse(*argv, "--profile", "h100-80gb-llama-31-8b-tp1")) == 0
+    data = json.loads(out.read_text())
+    assert data["prefix_caching"] is True
+    rates = {r["policy"]: r["prefix_hit_rate"] for r in data["runs"]}
+    assert 0 < rates["slos"] < rates["slos+prefix"] < 1 and 0 < rates["vllm"] < 1

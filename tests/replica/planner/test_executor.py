@@ -96,3 +96,22 @@ def test_stop_after_must_fit_max_tokens_and_release_needs_a_finished_request() -
     executor.add(make(max_tokens=4), stop_after=4)
     with pytest.raises(ValueError, match="not finished"):
         executor.release("a")
+
+
+def test_a_request_started_from_a_cached_prefix_computes_the_rest_in_blocks_of_its_own() -> None:
+    """Eight of ten prompt tokens were cached: the prefill feeds two, and the KV check counts
+    the blocks it writes (the cache holds the other two), so it fits one block."""
+    executor = PerfExecutor(PERF, CacheBudget(1, 4))
+    executor.add(make(prompt=10, max_tokens=2))
+    with pytest.raises(ValueError, match="cannot start 'a' from 10 cached tokens"):
+        executor.start_from("a", 10)  # its last token is always left to feed
+    executor.start_from("a", 8)
+    with pytest.raises(ValueError, match="cannot start 'a' from 8 cached tokens"):
+        executor.start_from("a", 8)  # it holds KV now
+    outcome, duration = executor.execute(BatchPlan((PrefillChunk("a", 2),)), 0.0)
+    assert duration == 1.0 and outcome.outcomes[0].num_computed_tokens == 10
+    assert executor.output("a") == [token_id("a", 0)]
+    executor.execute(BatchPlan((), preempt=("a",)), 1.0)
+    assert executor.preempted_tokens == 10
+    with pytest.raises(ValueError, match="KV blocks"):
+        executor.execute(BatchPlan((PrefillChunk("a", 11),)), 1.0)  # all of it its own now

@@ -51,6 +51,7 @@ from cluster.sim_events import EventKind, EventQueue
 from cluster.sim_spec import DEFAULT_ACCEPTANCE, SeededAcceptance
 from cluster.virtual_replica import VirtualReplica
 from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
+from replica.kv_cache import prefix_limit
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget, Scheduler
@@ -684,16 +685,20 @@ class Simulator:
     def _from_cache(self, rep: _Replica, plan: BatchPlan) -> BatchPlan | None:
         """Start the requests the plan begins to prefill from the prefix the replica's cache
         holds, then fit the plan to them (cluster.plans.reconcile): what a live replica does
-        with a plan made without knowing of the hit."""
+        with a plan made without knowing of the hit. A request the plan preempts leaves what
+        it computed cached, as a live replica's registered blocks stay."""
         assert rep.prefixes is not None
-        sequences = rep.executor.sequences
+        executor = rep.executor
+        for rid in plan.preempt:
+            rep.prefixes.remember(executor.known_tokens(rid)[: executor.sequences[rid].computed])
         hit = False
         for entry in plan.entries:
-            seq = sequences[entry.request_id]
+            seq = executor.sequences[entry.request_id]
             if isinstance(entry, PrefillChunk) and not seq.computed:
-                tokens = [*seq.request.prompt_token_ids, *seq.output]
-                cached = rep.prefixes.cached(tokens[: len(tokens) - (2 if seq.output else 1)])
-                rep.executor.start_from(entry.request_id, cached)
+                tokens = executor.known_tokens(entry.request_id)
+                limit = prefix_limit(len(tokens), len(seq.output))
+                cached = rep.prefixes.cached(tokens[:limit])
+                executor.start_from(entry.request_id, cached)
                 self._prefix_queries += len(tokens)
                 self._prefix_hits += cached
                 hit = hit or cached > 0
@@ -701,7 +706,7 @@ class Simulator:
             return plan
         views = {
             rid: SeqView(s.request.prompt_len + len(s.output), s.computed, len(s.output))
-            for rid, s in sequences.items()
+            for rid, s in executor.sequences.items()
             if not s.finished
         }
         return reconcile(plan, views)
@@ -710,15 +715,14 @@ class Simulator:
         """The replica's cache keeps what its prefills computed, and a finished request's
         prompt and output (all but the last token, never computed)."""
         assert rep.prefixes is not None
-        sequences = rep.executor.sequences
-        ended = {r.request_id for r in outcome.outcomes if r.finished}
+        executor = rep.executor
+        for result in outcome.outcomes:
+            if result.finished:
+                rep.prefixes.remember(executor.known_tokens(result.request_id)[:-1])
         for entry in plan.entries:
-            seq = sequences[entry.request_id]
-            tokens = [*seq.request.prompt_token_ids, *seq.output]
-            if entry.request_id in ended:
-                rep.prefixes.remember(tokens[:-1])
-            elif isinstance(entry, PrefillChunk):
-                rep.prefixes.remember(tokens[: seq.computed])
+            seq = executor.sequences[entry.request_id]
+            if isinstance(entry, PrefillChunk) and not seq.finished:
+                rep.prefixes.remember(executor.known_tokens(entry.request_id)[: seq.computed])
 
     def _close(self, i: int) -> None:
         """Request i is done (finished or rejected): issue its follow-up rounds, or, when it

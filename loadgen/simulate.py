@@ -25,11 +25,11 @@ and the KV they dropped (`preemptions`, `preempted_tokens`: prefill the replicas
 those requests resume), with `--prefix-caching` the share of the tokens looked up in the
 replicas' caches that were found there (`prefix_hit_rate`), its speculation (`drafts_per_decode`
 verified, the `draft_acceptance` of those), and the header a `work_bound` per scenario: the
-least replica time a request costs without speculation on the simulated replicas, whose inverse
-caps the rate any such policy sustains (a finite run can pass above it by finishing its backlog
-after the last arrival). A policy near full utilization at its capacity is out of hardware, not
-out of scheduling; ratios above the bound over a baseline's capacity need less work per request
-(speculation), not a better order.
+least replica time a request costs without speculation (or prefix caches) on the simulated
+replicas, whose inverse caps the rate any such policy sustains (a finite run can pass above it
+by finishing its backlog after the last arrival). A policy near full utilization at its capacity
+is out of hardware, not out of scheduling; ratios above the bound over a baseline's capacity
+need less work per request (speculation), not a better order.
 
 Every rate of one search replays the same requests, only compressed or stretched in time (the
 paper's "truncate and rescale"): their count is fixed so the run at the reference rate (the
@@ -46,7 +46,6 @@ import math
 import multiprocessing
 import os
 import sys
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
@@ -110,7 +109,7 @@ from replica.arguments import (
 )
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
-from replica.planner.executor import token_ids
+from replica.planner.executor import OUTPUT_TOKENS, token_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "deploy" / "profiles"
@@ -170,6 +169,13 @@ def sim_requests(
     prompt and the output the simulated engine gives it, then new tokens)."""
     by_id = {w.request_id: w for w in workload}
     prompts: dict[str, list[int]] = {}
+    prefixes: dict[tuple[str, int], list[int]] = {}
+    unused = [OUTPUT_TOKENS]  # the first id no prompt has used yet, above the engine's
+
+    def fresh(count: int) -> list[int]:
+        start = unused[0]
+        unused[0] += count
+        return list(range(start, start + count))
 
     def prompt_of(w: WorkloadRequest) -> list[int]:
         if not shared_tokens:
@@ -180,9 +186,11 @@ def sim_requests(
                 before = by_id[w.follows]
                 head = [*prompt_of(before), *token_ids(before.request_id, 0, before.output_len)]
             elif w.shared_prefix is not None:
-                head = _fresh_tokens(w.shared_prefix, w.prefix_len)
-            rest = _fresh_tokens(w.request_id, w.prompt_len - len(head))
-            prompts[w.request_id] = [*head, *rest]
+                key = (w.shared_prefix, w.prefix_len)
+                if key not in prefixes:
+                    prefixes[key] = fresh(w.prefix_len)
+                head = prefixes[key]
+            prompts[w.request_id] = [*head, *fresh(w.prompt_len - len(head))]
         return prompts[w.request_id]
 
     return [
@@ -194,13 +202,6 @@ def sim_requests(
         )
         for w in workload
     ]
-
-
-def _fresh_tokens(key: str, count: int) -> list[int]:
-    """Token ids no other key starts with (a CRC of the key picks where they start), above
-    those the simulated engine outputs (replica.planner.executor.token_ids)."""
-    start = 4096 + zlib.crc32(key.encode()) * 64
-    return list(range(start, start + count))
 
 
 def records(workload: Sequence[WorkloadRequest], result: SimResult) -> list[RequestRecord]:
@@ -301,11 +302,12 @@ class Setup:
 
     def work_bound(self, replicas: int) -> tuple[float, float]:
         """(mean ms, rate per replica): the least replica time the search's requests cost
-        without speculation on the simulated replicas (`PerfModel.least_work_seconds`; the
-        lengths are the same at every rate), and the rate it caps every non-speculating
-        policy's sustained throughput at, in the search's unit (arrivals: a ToolLLM session's
-        later rounds count in its cost, not as arrivals). A finite run can pass at a higher
-        rate, finishing its backlog after the last arrival."""
+        without speculation or prefix caches on the simulated replicas
+        (`PerfModel.least_work_seconds`; the lengths are the same at every rate), and the rate
+        it caps every non-speculating policy's sustained throughput at, in the search's unit
+        (arrivals: a ToolLLM session's later rounds count in its cost, not as arrivals). A
+        finite run can pass at a higher rate, finishing its backlog after the last arrival;
+        so can one with prefix caches, whose hits are work not done."""
         truth = self.perf_for(Policy.VLLM).slowed(self.slowdown)
         workload = self.workload(1.0, replicas)
         total = truth.least_work_seconds((r.prompt_len, r.output_len) for r in workload)

@@ -34,7 +34,7 @@ from replica.batch import (
 )
 from replica.grammar import Grammar
 from replica.grammar_vocab import grammar_tokenizer
-from replica.kv_cache import KVCacheManager
+from replica.kv_cache import KVCacheManager, prefix_limit
 from replica.model_runner import ForwardSeq, ModelRunner
 from replica.model_source import load_tokenizer, model_dir
 from replica.perf_model import BatchShape
@@ -253,14 +253,12 @@ class Engine:
     def attach_prefix(self, request_id: str) -> int:
         """Start a request that holds no KV (new, or preempted) from the cached KV of its
         longest prefix other requests computed (whole blocks); returns its computed tokens.
-        Its last known token is always left to feed, for its logits, and a preempted one's
-        last two: left one token short, it would be decoding, and the prefill its planner
-        sends would no longer apply. A request that asked for prompt log-probabilities
-        computes its whole prompt, as those come from the logits."""
+        Some tokens are always left to feed (kv_cache.prefix_limit). A request that asked for
+        prompt log-probabilities computes its whole prompt, as those come from the logits."""
         seq = self._get(request_id)
         if seq.num_computed or seq.request.sampling.prompt_logprobs is not None:
             return seq.num_computed
-        tokens, limit = seq.tokens, seq.num_known - (2 if seq.output else 1)
+        tokens, limit = seq.tokens, prefix_limit(seq.num_known, len(seq.output))
         seq.num_computed = self.cache.attach_prefix(request_id, tokens, limit)
         if self.draft is not None:
             self.draft.cache.attach_prefix(request_id, tokens, seq.num_computed)

@@ -21,6 +21,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
+def prefix_limit(num_known: int, num_output: int) -> int:
+    """The most of a request's known tokens a cached prefix may cover: its last token is left
+    to feed, for its logits, and a preempted one's last two (left one short, it would be
+    decoding, and the prefill its planner sends would no longer apply)."""
+    return num_known - (2 if num_output else 1)
+
+
 class CacheFullError(Exception):
     """The pool has too few free blocks; nothing was allocated."""
 

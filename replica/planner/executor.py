@@ -23,6 +23,7 @@ from replica.batch import (
     PrefillChunk,
     RequestOutcome,
 )
+from replica.kv_cache import prefix_limit
 from replica.perf_model import BatchShape, BatchTimeModel
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.specserve import SpecServeLengths, drafted_length
@@ -34,6 +35,10 @@ ConfideFn = Callable[[str, int], tuple[list[float], list[bool]]]
 """(request id, drafted tokens) -> each draft's confidence and whether the target accepts it."""
 
 
+OUTPUT_TOKENS = 4096
+"""The ids the simulated engine outputs are below this."""
+
+
 def token_id(request_id: str, position: int) -> int:
     """The token a request has at output position `position` (deterministic)."""
     return token_ids(request_id, position, 1)[0]
@@ -42,7 +47,7 @@ def token_id(request_id: str, position: int) -> int:
 def token_ids(request_id: str, start: int, count: int) -> list[int]:
     """The tokens a request has at output positions `start` to `start + count - 1`."""
     base = _id_sum(request_id) * 31
-    return [(base + position * 7) % 4096 for position in range(start, start + count)]
+    return [(base + position * 7) % OUTPUT_TOKENS for position in range(start, start + count)]
 
 
 @lru_cache(maxsize=4096)
@@ -127,13 +132,21 @@ class PerfExecutor:
         )
         self.token_times[request.request_id] = []
 
+    def known_tokens(self, request_id: str) -> list[int]:
+        """The request's prompt and output so far."""
+        seq = self.sequences[request_id]
+        return [*seq.request.prompt_token_ids, *seq.output]
+
     def start_from(self, request_id: str, computed: int) -> None:
-        """Begin a request that holds no KV from `computed` tokens a prefix cache held; as the
-        engine, it leaves its last known token to feed (a preempted one's last two)."""
+        """Begin a request that holds no KV from `computed` tokens a prefix cache held, at
+        most what the engine would take (replica.kv_cache.prefix_limit)."""
         seq = self.sequences[request_id]
         known = seq.request.prompt_len + len(seq.output)
-        limit = known - (2 if seq.output else 1)
-        if seq.finished or seq.computed or not 0 <= computed <= limit:
+        if (
+            seq.finished
+            or seq.computed
+            or not 0 <= computed <= prefix_limit(known, len(seq.output))
+        ):
             raise ValueError(
                 f"cannot start {request_id!r} from {computed} cached tokens "
                 f"({seq.computed} computed, {known} known)"

@@ -140,14 +140,14 @@ def test_a_step_ending_at_an_arrival_plans_before_the_arrival_is_seen() -> None:
     assert got["b"] == pytest.approx((0.061,))
 
 
-def chatbot(n: int, rate: float, seed: int) -> list[SimRequest]:
+def chatbot(n: int, rate: float, seed: int, shared_tokens: bool = False) -> list[SimRequest]:
     workload = generate_workload(
         "chatbot",
         poisson_arrivals(rate, n, seed),
         WorkloadConfig(zero_load_ttft_from(A100)),
         seed,
     )
-    return simulate.sim_requests(workload)
+    return simulate.sim_requests(workload, shared_tokens)
 
 
 def needs(policy: Policy) -> dict[str, Any]:
@@ -162,8 +162,9 @@ def needs(policy: Policy) -> dict[str, Any]:
 @pytest.mark.parametrize("policy", list(Policy))
 def test_runs_are_deterministic(policy: Policy) -> None:
     config = SimConfig(policy=policy, replicas=2, num_kv_blocks=2048, **needs(policy))
-    first = Simulator(A100, chatbot(40, 6.0, 1), config).run()
-    second = Simulator(A100, chatbot(40, 6.0, 1), config).run()
+    shared = config.prefix_caching
+    first = Simulator(A100, chatbot(40, 6.0, 1, shared), config).run()
+    second = Simulator(A100, chatbot(40, 6.0, 1, shared), config).run()
     assert first.outcomes == second.outcomes and first.steps == second.steps
     assert all(
         len(o.token_times_s) == r.output_len

@@ -21,7 +21,7 @@ from cluster.api import Verdict
 from cluster.messages import ReplicaSnapshot
 from cluster.metrics import HOP_BUCKETS, PLANNER_BUCKETS_S, Metrics
 from cluster.migration import resumed_request
-from cluster.routing import Router, RouteState
+from cluster.routing import FirstHop, Router, RouteState
 from cluster.virtual_replica import VirtualReplica
 from replica.planner.admission import AdmissionResult
 from replica.request import Request, Tier
@@ -94,9 +94,9 @@ class ControlPlane:
         return len(self._queues[replica])
 
     def _cached(self, request: Request) -> list[int]:
-        """The prompt's tokens each replica likely has cached (empty: no replica tracks its
-        prefix cache, see VirtualReplica)."""
-        if not any(vr.track_prefixes for vr in self.replicas):
+        """The prompt's tokens each replica likely has cached (empty: the first hop does not
+        route by them, and the mirrors keep no picture of the caches)."""
+        if self.router.first_hop is not FirstHop.PREFIX:
             return []
         return [vr.cached_prefix(request) if vr.alive else 0 for vr in self.replicas]
 

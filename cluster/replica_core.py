@@ -220,15 +220,13 @@ class ReplicaCore:
         before the plan is fitted, so the chunks cover the rest of the prompt only and the
         step reported is the step run. The controller learns of the hit from the report."""
         lookups = _Lookups()
-        if not self.engine.cache.prefix_caching:
-            return lookups
         for entry in plan.entries:
             held = self._held.get(entry.request_id)
-            if not isinstance(entry, PrefillChunk) or held is None or held.num_computed:
+            if not isinstance(entry, PrefillChunk) or held is None:
+                continue
+            if not self.engine.looks_up_prefix(entry.request_id):
                 continue
             held.num_computed = self.engine.attach_prefix(entry.request_id)
-            if held.request.sampling.prompt_logprobs is not None:
-                continue  # the engine computes such a prompt whole: nothing was looked up
             if held.cached is None and not held.output:
                 held.cached = held.num_computed
             lookups.found[entry.request_id] = (held.view().num_known, held.num_computed)

@@ -69,6 +69,7 @@ from loadgen.workloads import (
     WorkloadRequest,
     ZeroLoadTTFT,
     generate_workload,
+    shared_prompts,
     trace_file,
     zero_load_decode_step_s,
     zero_load_ttft_from,
@@ -110,34 +111,12 @@ class LoadSpec:
 
 
 def prompts_for(workload: Sequence[WorkloadRequest], source: PromptSource) -> dict[str, Prompt]:
-    """One prompt of exactly prompt_len tokens per request, cut before the run starts; those
-    sharing a prefix (a system prompt) start with the same text.
-
-    A follow-up round's prompt starts with the prompt of the round it follows, as an agent
-    sends its history back; the rest (the earlier round's output and the tool's response)
-    is fresh text of the same length, since the model's output is known only at run time."""
-    by_id = {r.request_id: r for r in workload}
-    prefixes: dict[tuple[str, int], Prompt] = {}
-    prompts: dict[str, Prompt] = {}
-
-    def prompt_of(r: WorkloadRequest) -> Prompt:
-        if r.request_id in prompts:
-            return prompts[r.request_id]
-        if r.follows is not None:
-            prompt = source.prompt_after(prompt_of(by_id[r.follows]), r.prompt_len)
-        elif r.shared_prefix is not None:
-            key = (r.shared_prefix, r.prefix_len)
-            if key not in prefixes:
-                prefixes[key] = source.prompt(r.prefix_len)
-            prompt = source.prompt_after(prefixes[key], r.prompt_len)
-        else:
-            prompt = source.prompt(r.prompt_len)
-        prompts[r.request_id] = prompt
-        return prompt
-
-    for r in workload:
-        prompt_of(r)
-    return prompts
+    """One prompt of exactly prompt_len tokens per request, cut before the run starts, sharing
+    text as real traffic does (loadgen.workloads.shared_prompts). A follow-up round's prompt
+    starts with the prompt of the round it follows, as an agent sends its history back; the
+    rest (the earlier round's output and the tool's response) is fresh text of the same
+    length, since the model's output is known only at run time."""
+    return shared_prompts(workload, source.prompt, source.prompt_after)
 
 
 @dataclass(frozen=True)

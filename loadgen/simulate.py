@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
 import json
 import math
 import multiprocessing
@@ -94,6 +95,7 @@ from loadgen.workloads import (
     WorkloadConfig,
     WorkloadRequest,
     generate_workload,
+    shared_prompts,
     trace_file,
     zero_load_ttft_from,
 )
@@ -167,35 +169,25 @@ def sim_requests(
     prefix caches, SimConfig.prefix_caching) gives them ids that share what the live ones
     share: a class's system prompt, and a follow-up round's history (the round before it,
     prompt and the output the simulated engine gives it, then new tokens)."""
-    by_id = {w.request_id: w for w in workload}
-    prompts: dict[str, list[int]] = {}
-    prefixes: dict[tuple[str, int], list[int]] = {}
-    unused = [OUTPUT_TOKENS]  # the first id no prompt has used yet, above the engine's
+    ids = itertools.count(OUTPUT_TOKENS)  # above the ids the simulated engine outputs
 
-    def fresh(count: int) -> list[int]:
-        start = unused[0]
-        unused[0] += count
-        return list(range(start, start + count))
+    def new(count: int) -> list[int]:
+        return list(itertools.islice(ids, count))
 
-    def prompt_of(w: WorkloadRequest) -> list[int]:
-        if not shared_tokens:
-            return [0] * w.prompt_len
-        if w.request_id not in prompts:
-            head: list[int] = []
-            if w.follows is not None:
-                before = by_id[w.follows]
-                head = [*prompt_of(before), *token_ids(before.request_id, 0, before.output_len)]
-            elif w.shared_prefix is not None:
-                key = (w.shared_prefix, w.prefix_len)
-                if key not in prefixes:
-                    prefixes[key] = fresh(w.prefix_len)
-                head = prefixes[key]
-            prompts[w.request_id] = [*head, *fresh(w.prompt_len - len(head))]
-        return prompts[w.request_id]
+    def after(head: list[int], count: int) -> list[int]:
+        return [*head, *new(count - len(head))]
 
+    def history(before: WorkloadRequest, prompt: list[int]) -> list[int]:
+        return [*prompt, *token_ids(before.request_id, 0, before.output_len)]
+
+    prompts = (
+        shared_prompts(workload, new, after, history)
+        if shared_tokens
+        else {w.request_id: [0] * w.prompt_len for w in workload}
+    )
     return [
         SimRequest(
-            w.to_request(prompt_of(w), arrival_time=w.arrival_s),
+            w.to_request(prompts[w.request_id], arrival_time=w.arrival_s),
             w.output_len,
             w.follows,
             w.delay_s,

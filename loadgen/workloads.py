@@ -57,7 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from statistics import NormalDist
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -555,6 +555,46 @@ def tool_session(
         out.append(config.check_fits(req))
         context += req.output_len + draw_response()
     return out
+
+
+P = TypeVar("P")
+"""A prompt, as a source makes them (text and tokens live, token ids in simulation)."""
+
+
+def shared_prompts(
+    workload: Sequence[WorkloadRequest],
+    new: Callable[[int], P],
+    after: Callable[[P, int], P],
+    history: Callable[[WorkloadRequest, P], P] = lambda _before, prompt: prompt,
+) -> dict[str, P]:
+    """One prompt per request, sharing what real traffic shares: requests of a class with a
+    system prompt start with the same `new(prefix_len)`, and a follow-up round starts with
+    the history of the round it follows (`history(that round, its prompt)`); `after(head, n)`
+    continues a head to n tokens. Made in workload order, so a seeded source gives the same
+    prompts every time."""
+    by_id = {r.request_id: r for r in workload}
+    prefixes: dict[tuple[str, int], P] = {}
+    prompts: dict[str, P] = {}
+
+    def prompt_of(r: WorkloadRequest) -> P:
+        if r.request_id in prompts:
+            return prompts[r.request_id]
+        if r.follows is not None:
+            before = by_id[r.follows]
+            prompt = after(history(before, prompt_of(before)), r.prompt_len)
+        elif r.shared_prefix is not None:
+            key = (r.shared_prefix, r.prefix_len)
+            if key not in prefixes:
+                prefixes[key] = new(r.prefix_len)
+            prompt = after(prefixes[key], r.prompt_len)
+        else:
+            prompt = new(r.prompt_len)
+        prompts[r.request_id] = prompt
+        return prompt
+
+    for r in workload:
+        prompt_of(r)
+    return prompts
 
 
 def generate_workload(

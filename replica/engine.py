@@ -256,13 +256,23 @@ class Engine:
         Some tokens are always left to feed (kv_cache.prefix_limit). A request that asked for
         prompt log-probabilities computes its whole prompt, as those come from the logits."""
         seq = self._get(request_id)
-        if seq.num_computed or seq.request.sampling.prompt_logprobs is not None:
+        if not self.looks_up_prefix(request_id):
             return seq.num_computed
         tokens, limit = seq.tokens, prefix_limit(seq.num_known, len(seq.output))
         seq.num_computed = self.cache.attach_prefix(request_id, tokens, limit)
         if self.draft is not None:
             self.draft.cache.attach_prefix(request_id, tokens, seq.num_computed)
         return seq.num_computed
+
+    def looks_up_prefix(self, request_id: str) -> bool:
+        """Whether `attach_prefix` would look the request up: the cache is on, the request
+        holds no KV, and it did not ask for prompt log-probabilities."""
+        seq = self._get(request_id)
+        return (
+            self.cache.prefix_caching
+            and not seq.num_computed
+            and seq.request.sampling.prompt_logprobs is None
+        )
 
     def abort(self, request_id: str) -> None:
         """Free the request's KV and forget it (also how finished requests are released)."""

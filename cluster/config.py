@@ -19,7 +19,7 @@ from cluster.routing import BackupPolicy, FirstHop
 from replica.device import DTYPES
 
 E = TypeVar("E", bound=StrEnum)
-SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|specserve|ngram|fixed:[1-9][0-9]?)$")
+SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|specserve|adaserve|ngram|fixed:[1-9][0-9]?)$")
 
 
 class SchedulerKind(StrEnum):
@@ -91,8 +91,9 @@ class ClusterConfig:
     spec_policy: str = "slos"
     """none | slos (SLO-adaptive lengths) | goodspeed (slos's drafts re-split between each
     step's requests of one tier by GOODSPEED, replica.planner.goodspeed) | specserve (slos's
-    drafts cut short by the draft's confidences, SpecServe: replica.planner.specserve) | ngram
-    | fixed:k."""
+    drafts cut short by the draft's confidences, SpecServe: replica.planner.specserve) |
+    adaserve (slos's drafts verified as token trees, each step's spread over its requests by
+    their SLOs, AdaServe: replica.planner.adaserve) | ngram | fixed:k."""
     tiers: tuple[TierConfig, ...] = ()
     route_limit: int = 2
     first_hop: FirstHop = FirstHop.ROUND_ROBIN
@@ -148,13 +149,15 @@ class ClusterConfig:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if not isinstance(self.spec_policy, str) or not SPEC_POLICY.match(self.spec_policy):
             raise ValueError(
-                "spec_policy must be none, slos, goodspeed, specserve, ngram or fixed:k (1-99), "
+                "spec_policy must be none, slos, goodspeed, specserve, adaserve, ngram or "
+                "fixed:k (1-99), "
                 f"got {self.spec_policy!r}"
             )
         needs_draft = self.spec_policy in (
             "slos",
             "goodspeed",
             "specserve",
+            "adaserve",
         ) or self.spec_policy.startswith("fixed:")
         if needs_draft and self.draft is None:
             raise ValueError(f"spec_policy={self.spec_policy!r} needs a draft model")

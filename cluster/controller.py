@@ -83,7 +83,8 @@ def load_profile(config: ClusterConfig) -> PerfModel:
 
 def planner_config(config: ClusterConfig) -> PlannerConfig:
     """Speculation as the planner sees it (fixed:k caps lengths at k, none disables them,
-    goodspeed re-splits them; specserve plans as slos, its replicas cut drafts short), KV
+    goodspeed re-splits them; specserve and adaserve plan as slos, their replicas cut drafts
+    short or verify them as trees), KV
     reserved from observed output lengths, as the simulator plans, and the best-effort tier's
     order."""
     estimate = OutputEstimateConfig()

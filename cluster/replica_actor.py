@@ -32,6 +32,7 @@ from replica.device import compute_device
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
 from replica.model_source import model_dir
+from replica.planner.adaserve import AdaServeTrees
 from replica.planner.specserve import SpecServeLengths
 from replica.request import Request
 from replica.tensor_parallel import TensorParallel, join
@@ -125,8 +126,8 @@ def start_group(index: int, config: ClusterConfig) -> tuple[TensorParallel, list
 
 def build_engine(config: ClusterConfig, tp: TensorParallel | None = None) -> Engine:
     """The engine `config.spec_policy` asks for (a draft model only when it drafts; SpecServe's
-    lengths priced by the profile the controller plans with), on the replica's device; with
-    `tp`, rank 0's share of the target."""
+    lengths and AdaServe's step times priced by the profile the controller plans with), on the
+    replica's device; with `tp`, rank 0's share of the target."""
     device, dtype = engine_device(config)
     draft: str | None = None
     proposer: ProposerKind | None = None
@@ -145,6 +146,7 @@ def build_engine(config: ClusterConfig, tp: TensorParallel | None = None) -> Eng
         specserve=SpecServeLengths(load_profile(config))
         if config.spec_policy == "specserve"
         else None,
+        adaserve=AdaServeTrees(load_profile(config)) if config.spec_policy == "adaserve" else None,
         prefix_caching=config.prefix_caching,
     )
 

@@ -21,19 +21,22 @@ import json
 import os
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import llguidance
 import torch
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from cluster.controller import DEFAULT_PROFILE
 from replica.arguments import output_file, positive_int
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
+from replica.perf_model import PerfModel
 from replica.request import Request, SamplingParams, Tier
 from replica.spec.draft import load_draft_vocab
 
@@ -88,6 +91,91 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats", type=positive_int, default=3, help="runs per case; the best counts"
     )
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a bench of a speculation policy takes: the pair's, and the profile it prices
+    steps with."""
+    add_pair_arguments(parser)
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=DEFAULT_PROFILE,
+        help="perf profile the policy prices steps with (default: the shipped CPU profile)",
+    )
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+
+
+POLICY_PROMPT_TOKENS = 224
+"""Each prompt's length in a policy bench, the engine bench's full-run context."""
+
+
+@dataclass
+class PolicyBench:
+    """What a speculation policy's bench runs on: the cases, the prompts, the pair and the
+    profile, loaded once."""
+
+    batches: tuple[int, ...]
+    ks: tuple[int, ...]
+    new_tokens: int
+    prompts: list[list[int]]
+    target: ModelRunner
+    draft: ModelRunner
+    perf: PerfModel
+
+
+def policy_bench(args: argparse.Namespace, spare_per_request: int = 0) -> PolicyBench:
+    """Load a policy bench (`--quick`: one k, few tokens); each request's KV holds its prompt,
+    its output and `spare_per_request` tokens more."""
+    torch.set_num_threads(args.threads)
+    batches, ks, new_tokens, count = (
+        ((1, 4), (4,), 8, 4) if args.quick else ((1, 8), (2, 4, 6), 64, 8)
+    )
+    tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
+    prompts = stdlib_prompts(lambda text: tokenizer.encode(text).ids, count, POLICY_PROMPT_TOKENS)
+    context = POLICY_PROMPT_TOKENS + new_tokens + spare_per_request
+    target = ModelRunner(
+        args.target, num_blocks=kv_blocks_for(count, context), dtype=DTYPES[args.dtype]
+    )
+    draft = draft_runner(target, args.draft)
+    return PolicyBench(
+        batches, ks, new_tokens, prompts, target, draft, PerfModel.load(args.profile)
+    )
+
+
+def best_interleaved(
+    engines: Mapping[str, Callable[[], Engine]],
+    prompts: list[list[int]],
+    batch: int,
+    k: int,
+    new_tokens: int,
+    repeats: int,
+    bar: tqdm[Any],
+) -> dict[str, dict[str, Any]]:
+    """Each engine's fastest `spec_run` of `repeats`, the engines taking turns within every
+    repeat so that all see the same machine (a fresh engine per run, from its factory)."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, make in engines.items():
+            runs[name].append(spec_run(make(), prompts, batch, k, new_tokens))
+        bar.update()
+    return {name: max(r, key=lambda row: row["tok_s"]) for name, r in runs.items()}
+
+
+def policy_config(args: argparse.Namespace, prompts: int, new_tokens: int) -> dict[str, Any]:
+    """A policy bench's settings, as its JSON records them."""
+    return {
+        "target": str(args.target),
+        "draft": str(args.draft),
+        "profile": str(args.profile),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "quick": args.quick,
+        "prompts": prompts,
+        "new_tokens": new_tokens,
+        "torch": torch.__version__,
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

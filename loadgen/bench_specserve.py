@@ -20,42 +20,28 @@ Prompts are windows of Python standard-library source, the demo pair's own domai
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
-from pathlib import Path
 from typing import Any
 
-import torch
-from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from cluster.controller import DEFAULT_PROFILE
 from loadgen.bench_engine import (
-    DTYPES,
-    add_pair_arguments,
-    draft_runner,
-    kv_blocks_for,
+    add_policy_arguments,
+    best_interleaved,
+    policy_bench,
+    policy_config,
     spec_run,
-    stdlib_prompts,
 )
 from replica.engine import Engine
 from replica.model_runner import ModelRunner
 from replica.perf_model import PerfModel
 from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
 
-PROMPT_TOKENS = 224
-"""Each prompt's length, bench engine's full-run context."""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_pair_arguments(parser)
-    parser.add_argument(
-        "--profile",
-        type=Path,
-        default=DEFAULT_PROFILE,
-        help="perf profile SpecServe prices steps with (default: the shipped CPU profile)",
-    )
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    add_policy_arguments(parser)
 
 
 def calibration(
@@ -100,17 +86,18 @@ def calibration(
     }
 
 
+def _specserve_engine(
+    target: ModelRunner, draft: ModelRunner, perf: PerfModel, made: list[SpecServeLengths]
+) -> Engine:
+    """A SpecServe engine learning from scratch; `made` keeps its lengths to read after."""
+    made.append(SpecServeLengths(perf))
+    return Engine(target, draft, proposer="draft", specserve=made[-1])
+
+
 def run(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
-    batches, ks, new_tokens, count = (
-        ((1, 4), (4,), 8, 4) if args.quick else ((1, 8), (2, 4, 6), 64, 8)
-    )
-    tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
-    prompts = stdlib_prompts(lambda text: tokenizer.encode(text).ids, count, PROMPT_TOKENS)
-    num_blocks = kv_blocks_for(count, PROMPT_TOKENS + new_tokens)
-    target = ModelRunner(args.target, num_blocks=num_blocks, dtype=DTYPES[args.dtype])
-    draft = draft_runner(target, args.draft)
-    perf = PerfModel.load(args.profile)
+    bench = policy_bench(args)
+    target, draft, prompts, new_tokens = bench.target, bench.draft, bench.prompts, bench.new_tokens
+    batches, ks, perf = bench.batches, bench.ks, bench.perf
     bar = tqdm(total=1 + len(batches) * len(ks) * args.repeats, desc="bench specserve")
     results: dict[str, Any] = {
         "calibration": calibration(target, draft, prompts, max(ks) + 2, new_tokens)
@@ -120,16 +107,13 @@ def run(args: argparse.Namespace) -> int:
     learned: list[float] = []
     for batch in batches:
         for k in ks:
-            runs: dict[str, list[dict[str, Any]]] = {"slos": [], "specserve": []}
-            for _ in range(args.repeats):
-                for name in runs:
-                    specserve = SpecServeLengths(perf) if name == "specserve" else None
-                    engine = Engine(target, draft, proposer="draft", specserve=specserve)
-                    runs[name].append(spec_run(engine, prompts, batch, k, new_tokens))
-                    if specserve is not None:
-                        learned = specserve.greedy.table()
-                bar.update()
-            best = {name: max(r, key=lambda row: row["tok_s"]) for name, r in runs.items()}
+            made: list[SpecServeLengths] = []
+            engines = {
+                "slos": functools.partial(Engine, target, draft, proposer="draft"),
+                "specserve": functools.partial(_specserve_engine, target, draft, perf, made),
+            }
+            best = best_interleaved(engines, prompts, batch, k, new_tokens, args.repeats, bar)
+            learned = made[-1].greedy.table()
             rows.append(
                 {
                     "batch": batch,
@@ -141,18 +125,7 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     results["speed"] = rows
     results["learned_chances"] = learned
-    results["config"] = {
-        "target": str(args.target),
-        "draft": str(args.draft),
-        "profile": str(args.profile),
-        "dtype": args.dtype,
-        "threads": args.threads,
-        "repeats": args.repeats,
-        "quick": args.quick,
-        "prompts": count,
-        "new_tokens": new_tokens,
-        "torch": torch.__version__,
-    }
+    results["config"] = policy_config(args, len(prompts), new_tokens)
     ratios = [r["specserve_over_slos"] for r in rows]
     cal = results["calibration"]
     results["summary"] = {

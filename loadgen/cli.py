@@ -29,6 +29,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "controller": ("loadgen.bench_controller", "routing/admission decisions per second"),
     "frontend": ("loadgen.bench_frontend", "added latency and max req/s of HTTP and gRPC"),
     "specserve": ("loadgen.bench_specserve", "SpecServe's lengths vs slos's, draft calibration"),
+    "adaserve": ("loadgen.bench_adaserve", "AdaServe's token trees vs chains, tokens per verify"),
     "prefix": (
         "loadgen.bench_prefix",
         "prefix caching: prompt tokens and TTFT saved, shared prefix",

@@ -35,9 +35,10 @@ from replica.batch import (
 from replica.grammar import Grammar
 from replica.grammar_vocab import grammar_tokenizer
 from replica.kv_cache import KVCacheManager, prefix_limit
-from replica.model_runner import ForwardSeq, ModelRunner
+from replica.model_runner import ForwardSeq, KVMove, ModelRunner
 from replica.model_source import load_tokenizer, model_dir
 from replica.perf_model import BatchShape
+from replica.planner.adaserve import AdaServeTrees
 from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
 from replica.request import Request
 from replica.sampling import (
@@ -48,8 +49,14 @@ from replica.sampling import (
     sample,
     token_probs,
 )
-from replica.spec.draft import DraftJob, DraftModel, Proposal, load_draft_vocab
+from replica.spec.draft import DraftJob, DraftModel, Proposal, TreeJob, load_draft_vocab
 from replica.spec.ngram import NgramProposer
+from replica.spec.tree import (
+    TokenTree,
+    select_nodes,
+    verify_tree_choices,
+    verify_tree_stochastic,
+)
 from replica.spec.verify import verify_choices, verify_stochastic
 from replica.tensor_parallel import TensorParallel
 
@@ -117,6 +124,8 @@ class _Work:
     prompt_rows: tuple[int, int] | None = None
     """A prefill chunk's positions (first, last) whose logits give prompt log-probabilities
     not computed yet."""
+    tree: TokenTree | None = None
+    """AdaServe's drafted tree to verify (None: the proposal's chain, if any)."""
 
 
 class Engine:
@@ -132,18 +141,23 @@ class Engine:
         ngram: NgramProposer | None = None,
         grammar_vocab: llguidance.LLTokenizer | None = None,
         specserve: SpecServeLengths | None = None,
+        adaserve: AdaServeTrees | None = None,
         prefix_caching: bool = False,
     ) -> None:
         """`grammar_vocab`: the model's vocabulary for structured output
         (`replica.grammar_vocab.grammar_tokenizer`); None refuses requests with a grammar.
         `specserve`: draft and verify only the drafts SpecServe's confidences find worth their
-        time (replica.planner.specserve); None: every planned draft. `prefix_caching`: both
+        time (replica.planner.specserve); None: every planned draft. `adaserve`: verify token
+        trees, the step's planned drafts spread over its requests by their SLOs
+        (replica.planner.adaserve); None: chains. `prefix_caching`: both
         models' KV of committed tokens is kept for later requests that start with the same
         tokens (`attach_prefix`); off, as the profiler needs, unless asked for."""
         if proposer == "draft" and draft is None:
             raise ValueError("proposer 'draft' needs a draft model")
         if specserve is not None and proposer != "draft":
             raise ValueError("specserve needs the draft model's confidences: proposer 'draft'")
+        if adaserve is not None and (proposer != "draft" or specserve is not None):
+            raise ValueError("adaserve grows its trees with a draft model, without specserve")
         if proposer not in (None, "draft", "ngram"):
             raise ValueError(f"proposer must be 'draft', 'ngram' or None, got {proposer!r}")
         if draft is not None and draft.vocab_size != target.vocab_size:
@@ -160,6 +174,7 @@ class Engine:
         self.detokenize = detokenize
         self.grammar_vocab = grammar_vocab
         self.specserve = specserve
+        self.adaserve = adaserve
         self.eos_token_ids = frozenset(target.config.eos_token_ids)
         self._seqs: dict[str, _Seq] = {}
 
@@ -176,6 +191,7 @@ class Engine:
         proposer: ProposerKind | None = None,
         tp: TensorParallel | None = None,
         specserve: SpecServeLengths | None = None,
+        adaserve: AdaServeTrees | None = None,
         prefix_caching: bool = False,
     ) -> Engine:
         """Load the pair from HF folders or hub repo ids (`model_source`); the target's
@@ -207,7 +223,12 @@ class Engine:
         tokenizer = load_tokenizer(target_dir)
         if tokenizer is None:
             return cls(
-                target, draft, proposer=proposer, specserve=specserve, prefix_caching=prefix_caching
+                target,
+                draft,
+                proposer=proposer,
+                specserve=specserve,
+                adaserve=adaserve,
+                prefix_caching=prefix_caching,
             )
         grammar_vocab = None
         try:
@@ -223,6 +244,7 @@ class Engine:
             detokenize=detokenizer(tokenizer),
             grammar_vocab=grammar_vocab,
             specserve=specserve,
+            adaserve=adaserve,
             prefix_caching=prefix_caching,
         )
 
@@ -406,10 +428,11 @@ class Engine:
         if not spec:
             return 0.0
         start = time.perf_counter()
+        trees = self.adaserve is not None and self._propose_trees(works, spec)
         if self.ngram is not None:
             for w in spec:
                 w.proposal = Proposal(self.ngram.propose(w.seq.tokens, w.num_spec), None)
-        elif self.draft is not None:
+        elif self.draft is not None and not trees:
             for w in spec:
                 params = w.seq.request.sampling
                 if params.seed is not None and not params.greedy:
@@ -439,9 +462,72 @@ class Engine:
                     w.noise = w.noise[: len(w.proposal.tokens) + 1]
         return time.perf_counter() - start
 
-    def _shape(self, works: list[_Work], drafts: list[int]) -> BatchShape:
+    def _propose_trees(self, works: list[_Work], spec: list[_Work]) -> bool:
+        """AdaServe: grow candidate trees with the draft and give each speculative decode the
+        nodes `select_nodes` picks within the step's planned drafts. False (nothing changed)
+        when the draft's cache cannot hold the trees this step: the planned chains run."""
+        assert self.adaserve is not None and self.draft is not None
+        budget = sum(w.num_spec for w in spec)
+        depth, width = self.adaserve.shape(budget, len(spec), max(w.num_spec for w in spec))
+        jobs = [
+            TreeJob(
+                w.seq.request.request_id,
+                w.seq.tokens,
+                min(depth, self._tree_depth_limit(w)),
+                width,
+                w.seq.request.sampling,
+                w.seq.shaper,
+                self.adaserve.calibration(w.seq.request.sampling.greedy).chance,
+            )
+            for w in spec
+        ]
+        draft_need = sum(
+            self.draft.blocks_needed(j.request_id, len(j.tokens) + (j.depth - 1) * j.width)
+            for j in jobs
+        ) + sum(
+            self.draft.blocks_needed(w.seq.request.request_id, _draft_tokens(w))
+            for w in works
+            if isinstance(w.entry, PrefillChunk)
+        )
+        if draft_need > self.draft.cache.num_free_blocks:
+            return False
+        adaserve = self.adaserve
+        drafted = self.draft.propose_trees(jobs)
+        for w in spec:
+            self.draft.rollback(w.seq.request.request_id, w.seq.num_known)
+        trees = [
+            adaserve.calibrated(t, w.seq.request.sampling.greedy)
+            for t, w in zip(drafted, spec, strict=True)
+        ]
+        shape = self._shape(works, [w.num_spec for w in works], adaserve.perf.tp)
+        needs = adaserve.needs([(w.seq.request, len(w.seq.generated)) for w in spec], shape)
+        most = adaserve.config.max_nodes
+        chosen = select_nodes(trees, needs, budget, [most] * len(spec), depth)
+        if self._tree_blocks(works, spec, chosen) > self.cache.num_free_blocks:
+            # The plan's own split always fits: it passed the capacity check.
+            chosen = select_nodes(trees, needs, budget, [w.num_spec for w in spec], depth)
+        for w, tree, nodes in zip(spec, drafted, chosen, strict=True):
+            w.tree = tree.subtree(nodes) if nodes else None
+        return True
+
+    def _tree_depth_limit(self, w: _Work) -> int:
+        """The deepest node a decode may verify: within max_tokens and the model's length."""
+        seq = w.seq
+        left = seq.request.sampling.max_tokens - len(seq.output) - 1
+        return max(0, min(left, self.max_model_len - seq.num_known))
+
+    def _tree_blocks(self, works: list[_Work], spec: list[_Work], chosen: list[list[int]]) -> int:
+        """Target KV blocks the step takes with these trees in place of the planned drafts."""
+        nodes = {id(w): len(c) for w, c in zip(spec, chosen, strict=True)}
+        return sum(
+            self.cache.extra_blocks_needed(
+                w.seq.request.request_id, w.num_feed + nodes.get(id(w), w.num_spec)
+            )
+            for w in works
+        )
+
+    def _shape(self, works: list[_Work], drafts: list[int], tp: int) -> BatchShape:
         """The step as the perf model sees it, each work drafting `drafts[i]` tokens."""
-        assert self.specserve is not None
         plan = BatchPlan(
             tuple(
                 w.entry if isinstance(w.entry, PrefillChunk) else DecodeStep(w.entry.request_id, d)
@@ -449,13 +535,13 @@ class Engine:
             )
         )
         seqs = self._seqs
-        return BatchShape.of_plan(plan, lambda rid: seqs[rid].num_computed, self.specserve.perf.tp)
+        return BatchShape.of_plan(plan, lambda rid: seqs[rid].num_computed, tp)
 
     def _draft_floors(self, works: list[_Work], spec: list[_Work]) -> list[float]:
         """Each drafting work's SpecServe floor (0: draft all it may)."""
         if self.specserve is None:
             return [0.0] * len(spec)
-        shape = self._shape(works, [w.num_spec for w in works])
+        shape = self._shape(works, [w.num_spec for w in works], self.specserve.perf.tp)
         return self.specserve.draft_floors(
             shape, [i for i, w in enumerate(works) if w.num_spec > 0]
         )
@@ -482,7 +568,8 @@ class Engine:
                 chances[i] = calibration.chances(w.proposal.confidences)
         whole = {i for i in chances if works[i].proposal.probs is not None}
         decodes = sum(1 for w in works if not isinstance(w.entry, PrefillChunk))
-        kept = self.specserve.verify_lengths(self._shape(works, drafted), chances, decodes, whole)
+        shape = self._shape(works, drafted, self.specserve.perf.tp)
+        kept = self.specserve.verify_lengths(shape, chances, decodes, whole)
         for i, n in kept.items():
             works[i].proposal = works[i].proposal.trimmed(n)
 
@@ -518,6 +605,12 @@ class Engine:
             w.prompt_rows = self._prompt_rows(seq, cached, w.num_feed)
             if w.prompt_rows is not None:
                 num_logits = w.num_feed
+        elif w.tree is not None:
+            tree = w.tree
+            self.cache.append(rid, len(tree))
+            table = self.cache.block_table(rid)
+            mask = tree.attn_mask()
+            return ForwardSeq(tree.tokens, table, cached, len(tree), tree.positions(cached), mask)
         else:
             feed = [seq.last_token, *w.proposal.tokens]
             num_logits = len(feed)
@@ -544,6 +637,8 @@ class Engine:
             self._register(seq)
             return RequestOutcome(rid, num_computed_tokens=seq.num_computed)
         raw = logits
+        if w.tree is not None:
+            return self._finish_tree(w, w.tree, logits, argmax)
         if seq.shaper is not None:
             logits = seq.shaper.shape(logits, proposal)
             argmax = logits.argmax(dim=-1).tolist()
@@ -569,6 +664,52 @@ class Engine:
         self.cache.truncate(rid, seq.num_computed)
         if self.draft is not None and proposal:
             self.draft.rollback(rid, seq.num_computed)
+        return self._outcome(seq, new, raw, len(proposal))
+
+    def _finish_tree(
+        self, w: _Work, tree: TokenTree, logits: torch.Tensor, argmax: list[int]
+    ) -> RequestOutcome:
+        """Verify a token tree: walk it by the target's choices (or the lossless sampling
+        rule), move the accepted path's KV right after the context and drop the rest."""
+        seq = w.seq
+        params = seq.request.sampling
+        raw = logits
+        if seq.shaper is not None:
+            shaper = seq.shaper
+            paths = [tree.path_tokens(i) for i in range(len(tree))]
+            logits = torch.cat(
+                [shaper.shape(logits[i : i + 1], p, start=len(p)) for i, p in enumerate(paths)]
+            )
+            argmax = logits.argmax(dim=-1).tolist()
+        if params.greedy:
+            accepted, new = verify_tree_choices(tree, argmax)
+        elif params.seed is not None:
+            depths = tree.depths
+            noise = position_noise(
+                params.seed, len(seq.tokens), max(depths) + 1, self.target.vocab_size
+            )
+            probs = token_probs(logits, params)
+            accepted, new = verify_tree_choices(tree, noisy_choice(probs, noise[depths]))
+        else:
+            accepted, new = verify_tree_stochastic(tree, token_probs(logits, params), seq.generator)
+        assert self.adaserve is not None
+        self.adaserve.observe(tree, accepted, params.greedy)
+        rid = seq.request.request_id
+        cached = seq.num_computed
+        if any(node != j + 1 for j, node in enumerate(accepted)):
+            src = [cached + node for node in accepted]
+            dst = list(range(cached + 1, cached + 1 + len(accepted)))
+            self.target.move_kv([KVMove(self.cache.block_table(rid), src, dst)])
+        seq.num_computed = cached + 1 + len(accepted)
+        self.cache.truncate(rid, seq.num_computed)
+        return self._outcome(seq, new, raw[[0, *accepted]], len(tree) - 1)
+
+    def _outcome(
+        self, seq: _Seq, new: list[int], rows: torch.Tensor, drafted: int
+    ) -> RequestOutcome:
+        """Append a decode's verified tokens (`rows`: the logits they came from, in order)."""
+        rid = seq.request.request_id
+        params = seq.request.sampling
         appended = self._append(seq, new)
         self._register(seq)
         if seq.finish_reason is not None:
@@ -577,10 +718,10 @@ class Engine:
             rid,
             new_token_ids=appended,
             num_computed_tokens=seq.num_computed,
-            num_draft_tokens=len(proposal),
-            num_accepted_tokens=accepted,
+            num_draft_tokens=drafted,
+            num_accepted_tokens=len(new) - 1,
             finish_reason=seq.finish_reason,
-            logprobs=token_logprobs(raw, appended, params.logprobs),
+            logprobs=token_logprobs(rows, appended, params.logprobs),
             prompt_logprobs=seq.prompt_logprobs if len(seq.output) == len(appended) else [],
         )
 

@@ -373,8 +373,10 @@ class ForwardSeq:
 
     `block_table` must already cover `num_cached + len(token_ids)` tokens. Without
     `positions` the new tokens sit at positions num_cached, num_cached + 1, ...; without
-    `attn_mask` they attend causally. `attn_mask[i, j]` says new token i may see new token j
-    (every new token always sees the whole cached context).
+    `attn_mask` they attend causally. A [q, q] `attn_mask[i, j]` says new token i may see new
+    token j (every new token then sees the whole cached context); a [q, num_cached + q] one
+    says which cached slots it sees too (a draft growing a token tree over several forwards
+    keeps earlier levels in its cache, and a node must not see its cousins there).
     """
 
     token_ids: list[int]
@@ -384,6 +386,17 @@ class ForwardSeq:
     """Return logits for this many of the last new tokens."""
     positions: list[int] | None = None
     attn_mask: torch.Tensor | None = None
+
+
+@dataclass
+class KVMove:
+    """Cached slots of one request to copy, in its own blocks: `src[i]` to `dst[i]` (token
+    positions). A verified token tree's accepted path is moved to the positions right after
+    the context, where later steps read it."""
+
+    block_table: list[int]
+    src: list[int]
+    dst: list[int]
 
 
 @dataclass
@@ -409,6 +422,13 @@ class _AttnGroup:
     """Batch token rows of the group's tokens; None when they are start .. start + count."""
     count: int
     """New tokens of the group."""
+
+
+@dataclass
+class _Moves:
+    """A `move_kv` call sent to the other tensor-parallel ranks (they hold their own heads)."""
+
+    moves: list[KVMove]
 
 
 @dataclass
@@ -597,8 +617,43 @@ class ModelRunner:
         None (`stop_group`)."""
         if self.tp is None or self.tp.rank == 0:
             raise ValueError("serve_batches runs on the ranks > 0 of a tensor-parallel group")
-        while (seqs := self.tp.receive_batch()) is not None:
-            self._forward(seqs, self._flatten(seqs))
+        while (work := self.tp.receive_batch()) is not None:
+            if isinstance(work, _Moves):
+                self._move(work.moves)
+            else:
+                self._forward(work, self._flatten(work))
+
+    @torch.inference_mode()
+    def move_kv(self, moves: list[KVMove]) -> None:
+        """Copy the given cached slots in every layer (every rank's share of them)."""
+        if not moves:
+            return
+        if self.tp is not None:
+            self.tp.send_batch(_Moves(moves))
+        self._move(moves)
+
+    def _move(self, moves: list[KVMove]) -> None:
+        bs = BLOCK_SIZE
+        src_block, src_slot, dst_block, dst_slot = [], [], [], []
+        for m in moves:
+            if len(m.src) != len(m.dst):
+                raise ValueError(f"{len(m.src)} source slots for {len(m.dst)} destinations")
+            for p in (*m.src, *m.dst):
+                if not 0 <= p < len(m.block_table) * bs:
+                    raise ValueError(f"position {p} is outside the request's blocks")
+            src_block += [m.block_table[p // bs] for p in m.src]
+            src_slot += [p % bs for p in m.src]
+            dst_block += [m.block_table[p // bs] for p in m.dst]
+            dst_slot += [p % bs for p in m.dst]
+        dev = self.device
+
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        # The right side is gathered before any write, so overlapping moves stay correct.
+        self.kv[:, index(dst_block), :, index(dst_slot)] = self.kv[
+            :, index(src_block), :, index(src_slot)
+        ]
 
     def stop_group(self) -> None:
         """Rank 0: release the other ranks from `serve_batches`."""
@@ -725,8 +780,8 @@ class ModelRunner:
                 raise ValueError(f"{len(pos)} positions for {q} tokens")
             if q and (min(pos) < 0 or max(pos) >= cfg.max_position_embeddings):
                 raise ValueError(f"positions must be in [0, {cfg.max_position_embeddings})")
-            if s.attn_mask is not None and tuple(s.attn_mask.shape) != (q, q):
-                raise ValueError(f"attn_mask must have shape ({q}, {q})")
+            if s.attn_mask is not None and tuple(s.attn_mask.shape) not in ((q, q), (q, kv_len)):
+                raise ValueError(f"attn_mask must have shape ({q}, {q}) or ({q}, {kv_len})")
             start = len(flat.input_ids)
             flat.starts.append(start)
             flat.q_lens.append(q)
@@ -998,8 +1053,9 @@ class ModelRunner:
         mask = j.view(1, 1, -1) <= (cached.view(-1, 1, 1) + i.view(1, -1, 1))
         for bi, s in enumerate(group):
             if s.attn_mask is not None:
-                c, q = s.num_cached, gq[bi]
-                mask[bi, :q, c : c + q] = s.attn_mask.to(device=dev, dtype=torch.bool)
+                q, kv = gq[bi], gkv[bi]
+                c = kv - s.attn_mask.shape[1]
+                mask[bi, :q, c:kv] = s.attn_mask.to(device=dev, dtype=torch.bool)
         g.mask = mask.unsqueeze(1)
         return g
 
@@ -1074,7 +1130,7 @@ class _FlashInferAttention:
                 if s.attn_mask is None:
                     full = torch.tril(full, diagonal=s.num_cached)
                 else:
-                    full[:, s.num_cached :] = s.attn_mask.to("cpu", torch.bool)
+                    full[:, kv_len - s.attn_mask.shape[1] :] = s.attn_mask.to("cpu", torch.bool)
                 masks.append(full.flatten())
 
         def i32(values: list[int]) -> torch.Tensor:

@@ -20,6 +20,7 @@ the cut, which is exactly what the acceptance rule min(1, p/q) and the residual 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from replica.model_runner import ForwardSeq, ModelRunner
 from replica.planner.specserve import ConfidenceCalibration, keeps_drafting
 from replica.request import SamplingParams
 from replica.sampling import LogitsShaper, noisy_choice, sample, token_probs
+from replica.spec.tree import TokenTree
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -85,6 +87,23 @@ class Proposal:
         probs = None if self.probs is None else self.probs[:kept]
         confidences = None if self.confidences is None else self.confidences[:kept]
         return Proposal(self.tokens[:kept], probs, confidences)
+
+
+@dataclass
+class TreeJob:
+    """One request's candidate tree in a batched beam search (AdaServe, replica.spec.tree)."""
+
+    request_id: str
+    tokens: list[int]
+    """All known tokens (prompt + output); the last is the tree's root."""
+    depth: int
+    width: int
+    params: SamplingParams
+    shaper: LogitsShaper | None = None
+    chance: Callable[[int, float], float] | None = None
+    """The chance the target accepts a child, from its rank among its siblings and the draft's
+    probability of it (AdaServe's calibration); the beam keeps the children likeliest to be
+    accepted by it. None: by the draft's probabilities."""
 
 
 class DraftModel:
@@ -189,6 +208,113 @@ class DraftModel:
                 proposals[i].probs = torch.stack(rows)
         return proposals
 
+    def propose_trees(self, jobs: list[TreeJob]) -> list[TokenTree]:
+        """Beam search: each level keeps a request's `width` children of highest path
+        probability (over all parents, not per parent), down to its `depth`. A level is one
+        batched forward of the previous level's nodes, each seeing the context and its own
+        ancestors only (a mask over the levels already cached), so the draft runs as many
+        forwards as a chain of the same depth. The cache keeps the levels until `rollback`."""
+        trees = [TokenTree.root(j.tokens[-1]) for j in jobs]
+        scores: list[list[float]] = [[1.0] for _ in jobs]
+        levels: list[list[int]] = [[0] for _ in jobs]
+        slots: list[dict[int, int]] = [{} for _ in jobs]
+        """Each fed node's slot in the draft cache (the root's is its context position)."""
+        feed: list[list[int]] = []
+        for job, slot in zip(jobs, slots, strict=True):
+            self.rollback(job.request_id, len(job.tokens) - 1)
+            feed.append(job.tokens[self.cache.num_tokens(job.request_id) :])
+            slot[0] = len(job.tokens) - 1
+        for level in range(max((j.depth for j in jobs), default=0)):
+            active = [i for i, j in enumerate(jobs) if j.depth > level and levels[i]]
+            if not active:
+                break
+            seqs = []
+            for i in active:
+                seqs.append(self._level_seq(jobs[i], trees[i], levels[i], slots[i], feed[i]))
+            logits = self.runner.forward(seqs)
+            row = 0
+            for i in active:
+                parents = levels[i]
+                rows = logits[row : row + len(parents)]
+                levels[i] = self._grow(jobs[i], trees[i], scores[i], parents, rows)
+                row += len(parents)
+        return trees
+
+    def _level_seq(
+        self,
+        job: TreeJob,
+        tree: TokenTree,
+        nodes: list[int],
+        slots: dict[int, int],
+        feed: list[int],
+    ) -> ForwardSeq:
+        """The forward of one tree level: the uncached known tokens and the root first, then
+        each level's nodes, each seeing the context, its cached ancestors and itself."""
+        rid = job.request_id
+        cached = self.cache.num_tokens(rid)
+        if nodes == [0]:
+            self.cache.append(rid, len(feed))
+            return ForwardSeq(feed, self.cache.block_table(rid), cached, num_logits=1)
+        self.cache.append(rid, len(nodes))
+        context = len(job.tokens)
+        mask = torch.zeros(len(nodes), cached + len(nodes), dtype=torch.bool)
+        mask[:, :context] = True
+        for row, node in enumerate(nodes):
+            slots[node] = cached + row
+            for ancestor in tree.path(node):
+                mask[row, slots[ancestor]] = True
+        return ForwardSeq(
+            [tree.tokens[n] for n in nodes],
+            self.cache.block_table(rid),
+            cached,
+            num_logits=len(nodes),
+            positions=[context - 1 + tree.depths[n] for n in nodes],
+            attn_mask=mask,
+        )
+
+    def _grow(
+        self,
+        job: TreeJob,
+        tree: TokenTree,
+        scores: list[float],
+        parents: list[int],
+        logits: torch.Tensor,
+    ) -> list[int]:
+        """Add the level below `parents`: the `width` children of highest path score (the
+        product of `job.chance`s, or of the draft's probabilities, along the path); the tree
+        keeps the draft's path probabilities. A greedy request's children come from the draft's
+        softmax (its one-hot would offer one); a sampled one's from the distribution it samples
+        from, so a child it cannot draw is never offered."""
+        candidates: list[tuple[float, float, int, int]] = []
+        for row, parent in enumerate(parents):
+            probs = self._tree_probs(logits[row : row + 1], job, tree.path_tokens(parent))
+            values, tokens = probs.topk(min(job.width, probs.shape[-1]))
+            for rank, (q, token) in enumerate(zip(values.tolist(), tokens.tolist(), strict=True)):
+                if q > 0.0:
+                    chance = q if job.chance is None else job.chance(rank, q)
+                    f = min(1.0, tree.probs[parent] * q)
+                    candidates.append((scores[parent] * chance, f, parent, token))
+        candidates.sort(key=lambda c: -c[0])
+        kept = []
+        for score, f, parent, token in candidates[: job.width]:
+            kept.append(tree.add(parent, token, f))
+            scores.append(score)
+        return kept
+
+    def _tree_probs(self, logits: torch.Tensor, job: TreeJob, path: list[int]) -> torch.Tensor:
+        """One node's child distribution over the whole vocabulary (zero off a cut head),
+        shaped as the target's row after the node's path will be."""
+        if job.shaper is not None:
+            full = job.shaper.shape(self._full_logits(logits), path, start=len(path))
+            return self._distribution(full, job.params)[0]
+        return self._full_vocab(self._distribution(logits, job.params))[0]
+
+    @staticmethod
+    def _distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        if params.greedy:
+            return logits.float().softmax(dim=-1).cpu()
+        return token_probs(logits, params)
+
     def _propose_chain(self, jobs: list[DraftJob], pending: list[list[int]]) -> list[Proposal]:
         """Every job is greedy: they share one calibration, or all have none."""
         seqs = []
@@ -220,12 +346,16 @@ class DraftModel:
         """Logits over the whole vocabulary (-inf off a cut head) shaped as the request's are,
         as if the tokens drafted so far were output."""
         assert job.shaper is not None
+        return job.shaper.shape(self._full_logits(logits), drafted, start=len(drafted))
+
+    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary (-inf off a cut head)."""
         full = logits.float()
         vocab = self.runner.head_vocab
         if vocab is not None:
             full = full.new_full((full.shape[0], self.runner.vocab_size), float("-inf"))
             full[:, vocab] = logits.float()
-        return job.shaper.shape(full, drafted, start=len(drafted))
+        return full
 
     def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         vocab = self.runner.head_vocab

@@ -24,7 +24,7 @@ CHAT = SLO(ttft_ms=3000, tpot_ms=250)
 LOOSE = SLO(ttft_ms=3000, tpot_ms=500)
 
 
-@pytest.fixture(scope="module", params=["goodspeed", "specserve"])
+@pytest.fixture(scope="module", params=["goodspeed", "specserve", "adaserve"])
 def cluster(
     request: pytest.FixtureRequest,
     ray_session: None,

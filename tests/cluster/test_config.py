@@ -63,7 +63,7 @@ def test_bad_values_are_named(field: str, value: object, message: str) -> None:
 def test_unknown_field_and_missing_draft() -> None:
     with pytest.raises(ValueError, match="unknown cluster config field"):
         ClusterConfig.from_dict({"model": "m", "replica": 2})
-    for drafting in ("slos", "goodspeed", "specserve"):
+    for drafting in ("slos", "goodspeed", "specserve", "adaserve"):
         with pytest.raises(ValueError, match="needs a draft"):
             ClusterConfig(model="m", spec_policy=drafting)
     assert ClusterConfig(model="m", spec_policy="ngram").spec_k == 0

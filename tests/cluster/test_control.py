@@ -186,7 +186,14 @@ def test_baseline_replicas_are_sized_from_the_config(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("spec_policy", "max_spec"),
-    [("slos", 4), ("goodspeed", 4), ("specserve", 4), ("fixed:2", 2), ("none", None)],
+    [
+        ("slos", 4),
+        ("goodspeed", 4),
+        ("specserve", 4),
+        ("adaserve", 4),
+        ("fixed:2", 2),
+        ("none", None),
+    ],
 )
 def test_live_planner_reserves_kv_from_output_estimates_as_the_simulator_does(
     tmp_path: Path, spec_policy: str, max_spec: int | None

@@ -37,6 +37,7 @@ differs: the CPU profile measured without a draft; the analytic GPU profile has 
 ALL_CONFIGS = [
     "serve-cpu.yaml",
     "serve-cpu-specserve.yaml",
+    "serve-cpu-adaserve.yaml",
     "serve-cpu-no-prefix-cache.yaml",
     "serve-cpu-prefix-routing.yaml",
     *CPU_BASELINES,
@@ -105,6 +106,7 @@ def test_cpu_default_serves_the_demo_pair_locally() -> None:
     ("name", "change"),
     [
         ("serve-cpu-specserve.yaml", {"spec_policy": "specserve"}),
+        ("serve-cpu-adaserve.yaml", {"spec_policy": "adaserve"}),
         ("serve-cpu-no-prefix-cache.yaml", {"prefix_caching": False}),
         ("serve-cpu-prefix-routing.yaml", {"first_hop": FirstHop.PREFIX}),
     ],

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replica.kv_cache import KVCacheManager
-from replica.model_runner import BLOCK_SIZE, ForwardSeq, ModelConfig, ModelRunner
+from replica.model_runner import BLOCK_SIZE, ForwardSeq, KVMove, ModelConfig, ModelRunner
 
 TOL = 1e-4
 
@@ -85,6 +85,34 @@ def test_explicit_mask_and_positions_express_a_token_tree(runner: ModelRunner) -
         alone.append("x", 21)
         expected = runner.forward([ForwardSeq([*ctx, token], alone.block_table("x"), 0, 1)])
         assert torch.allclose(tree[i], expected[0], atol=TOL)
+
+
+def test_a_wide_mask_hides_cached_cousins_and_moved_kv_reads_as_fed(runner: ModelRunner) -> None:
+    """A tree grown over two forwards: level 1 (two siblings) is cached when level 2 is fed,
+    and a [q, num_cached + q] mask keeps the second sibling's child from seeing the first
+    sibling. Moving that branch to the positions after the context then reads exactly as if
+    the branch had been fed there in order."""
+    cache = KVCacheManager(runner.num_blocks)
+    ctx = PROMPT[:20]
+    cache.append("t", 23)
+    table = cache.block_table("t")
+    runner.forward([ForwardSeq(ctx, table, 0)])
+    runner.forward(
+        [ForwardSeq([5, 9], table, 20, 0, positions=[20, 20], attn_mask=torch.eye(2).bool())]
+    )
+    wide = torch.ones(1, 23, dtype=torch.bool)
+    wide[0, 20] = False
+    child = runner.forward([ForwardSeq([7], table, 22, 1, positions=[21], attn_mask=wide)])
+    cache.append("x", 23)
+    in_order = runner.forward([ForwardSeq([*ctx, 9, 7, 3], cache.block_table("x"), 0, 2)])
+    assert torch.allclose(child[0], in_order[0], atol=TOL)
+    runner.move_kv([KVMove(table, src=[21, 22], dst=[20, 21])])
+    after = runner.forward([ForwardSeq([3], table, 22, 1)])
+    assert torch.allclose(after[0], in_order[1], atol=TOL)
+    with pytest.raises(ValueError, match="outside the request's blocks"):
+        runner.move_kv([KVMove(table, src=[len(table) * BLOCK_SIZE], dst=[0])])
+    with pytest.raises(ValueError, match="attn_mask must have shape"):
+        runner.forward([ForwardSeq([7], table, 22, 1, attn_mask=torch.ones(1, 5).bool())])
 
 
 def test_mixed_batch_matches_each_request_alone(runner: ModelRunner) -> None:

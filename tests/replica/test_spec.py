@@ -10,19 +10,22 @@ import torch
 from replica import cpu_kernels
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.engine import Engine, ProposerKind
-from replica.model_runner import ModelRunner
+from replica.model_runner import BLOCK_SIZE, KVMove, ModelRunner
 from replica.perf_model import PerfModel
+from replica.planner.adaserve import AdaServeTrees
 from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
-from replica.request import Request, SamplingParams, Tier
+from replica.request import SLO, Request, SamplingParams, Tier
 from replica.sampling import position_noise
 from replica.spec.draft import (
     DRAFT_VOCAB_FILE,
     DraftJob,
     DraftModel,
     Proposal,
+    TreeJob,
     load_draft_vocab,
 )
 from replica.spec.ngram import NgramProposer
+from replica.spec.tree import TokenTree
 from replica.spec.verify import verify_choices, verify_stochastic
 from tests.replica.engine_runs import load_detokenizer, run
 
@@ -549,3 +552,117 @@ def test_specserve_needs_the_draft_models_confidences(
 ) -> None:
     with pytest.raises(ValueError, match="specserve needs the draft model's confidences"):
         Engine(runners[0], proposer="ngram", specserve=SpecServeLengths(COSTLY_VERIFY))
+
+
+def _adaserve_engine(runners: tuple[ModelRunner, ModelRunner], now: float = 0.0) -> Engine:
+    target, draft = runners
+    trees = AdaServeTrees(COSTLY_VERIFY, clock=lambda: now)
+    return Engine(target, draft, proposer="draft", adaserve=trees)
+
+
+def _spy_moves(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[KVMove]:
+    """The KV moves the target makes (each an accepted path off the tree's first chain)."""
+    moves: list[KVMove] = []
+    move = engine.target.move_kv
+
+    def recording(batch: list[KVMove]) -> None:
+        moves.extend(batch)
+        move(batch)
+
+    monkeypatch.setattr(engine.target, "move_kv", recording)
+    return moves
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])
+def test_adaserve_trees_keep_greedy_output(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    k: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Token trees verified by the target's own choices give plain greedy output, accepted
+    paths off the first chain included (their KV moved after the context)."""
+    engine = _adaserve_engine(runners)
+    moves = _spy_moves(engine, monkeypatch)
+    verified = _verified(engine, monkeypatch)
+    assert _generate(engine, prompts, [k] * len(prompts)) == baseline
+    assert 0 < sum(verified) <= k * len(verified)
+    if k >= 4:
+        assert moves, "no accepted path left the first chain"
+
+
+def test_adaserve_keeps_a_seeds_tokens_and_samples_unseeded_requests(
+    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]
+) -> None:
+    """A seeded request's tree is verified with its positions' noise (its tokens are those it
+    draws alone); an unseeded one by the lossless tree rule, a logits shaper's included."""
+    outputs = []
+    for engine, ks in ((_engine(runners, None), [0]), (_adaserve_engine(runners), [4])):
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5, ignore_eos=True)
+        outputs.append(run(engine, Request("s", prompts[2], params, tier=Tier.BEST_EFFORT), ks)[0])
+    assert outputs[0] == outputs[1]
+    engine = _adaserve_engine(runners)
+    banned = outputs[0][0]
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.8, logit_bias=((banned, -100.0),), ignore_eos=True
+    )
+    out, _ = run(engine, Request("u", prompts[2], params, tier=Tier.BEST_EFFORT), [4])
+    assert len(out) == MAX_TOKENS and banned not in out
+
+
+def test_adaserve_gives_the_late_request_the_nodes(
+    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]
+) -> None:
+    """Two requests, a step budget of 2 x 3 drafts: the one behind its SLO line gets its
+    tokens' worth first, the one ahead of it only what is left (deadline semantics)."""
+    engine = _adaserve_engine(runners, now=100.0)
+    slo = SLO(ttft_ms=1000.0, tpot_ms=100.0)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(Request("late", prompts[0], params, slo, arrival_time=90.0))
+    engine.add_request(Request("early", prompts[0], params, slo, arrival_time=99.9))
+    engine.step(BatchPlan(tuple(PrefillChunk(r, len(prompts[0])) for r in ("late", "early"))))
+    outcome = engine.step(BatchPlan((DecodeStep("early", 3), DecodeStep("late", 3))))
+    drafted = {o.request_id: o.num_draft_tokens for o in outcome.outcomes}
+    assert drafted["late"] > drafted["early"]
+    assert drafted["late"] + drafted["early"] <= 6
+
+
+def test_adaserve_trees_the_draft_cache_cannot_hold_fall_back_to_chains(
+    target_dir: Path,
+    draft_dir: Path,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The smallest draft pool the chains run in: the steps it cannot hold the trees in run
+    the planned chains, and the output stays greedy's."""
+    k = 4
+    target = ModelRunner(target_dir, num_blocks=64)
+    room = sum(-(-len(p) // BLOCK_SIZE) for p in prompts)
+    while True:
+        draft = ModelRunner(draft_dir, num_blocks=room)
+        try:
+            _generate(Engine(target, draft, proposer="draft"), prompts, [k] * len(prompts))
+            break
+        except ValueError:
+            room += 1
+    engine = Engine(target, draft, proposer="draft", adaserve=AdaServeTrees(COSTLY_VERIFY))
+    assert engine.draft is not None
+    grown: list[int] = []
+    propose_trees = engine.draft.propose_trees
+
+    def growing(jobs: list[TreeJob]) -> list[TokenTree]:
+        grown.append(len(jobs))
+        return propose_trees(jobs)
+
+    monkeypatch.setattr(engine.draft, "propose_trees", growing)
+    steps = _verified(engine, monkeypatch)
+    assert _generate(engine, prompts, [k] * len(prompts)) == baseline
+    decode_steps = len(steps) // len(prompts)
+    assert 0 < len(grown) < decode_steps
+
+
+def test_adaserve_needs_a_draft_model(runners: tuple[ModelRunner, ModelRunner]) -> None:
+    with pytest.raises(ValueError, match="adaserve grows its trees with a draft model"):
+        Engine(runners[0], proposer="ngram", adaserve=AdaServeTrees(COSTLY_VERIFY))

@@ -1,6 +1,6 @@
 """Tensor parallelism over two real processes (gloo on 127.0.0.1): the split model computes what
-the whole one does, for a rotary GQA model (the demo target) and for OPT (biased projections, and
-a vocabulary that does not divide by the group's size)."""
+the whole one does (token trees and KV moves included), for a rotary GQA model (the demo target)
+and for OPT (biased projections, and a vocabulary that does not divide by the group's size)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ RANK = """
 import json, os, sys, torch
 torch.set_num_threads(1)
 from replica.kv_cache import KVCacheManager
-from replica.model_runner import ForwardSeq, ModelRunner
+from replica.model_runner import ForwardSeq, KVMove, ModelRunner
 from replica.tensor_parallel import join, leave
 
 rank, size, address, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -46,6 +46,15 @@ else:
             ForwardSeq(prompt[30:31], cache.block_table("a"), 30, 1),
             ForwardSeq(prompt[:12], cache.block_table("b"), 0, 12),
         ]))
+        # Two sibling drafts; the second is kept: every rank moves its KV after the context.
+        cache.append("a", 2)
+        table = cache.block_table("a")
+        mask = torch.eye(2, dtype=torch.bool)
+        out.append(r.forward([ForwardSeq(prompt[31:33], table, 31, 2, [31, 31], mask)]))
+        r.move_kv([KVMove(table, [32], [31])])
+        cache.truncate("a", 32)
+        cache.append("a", 1)
+        out.append(r.forward([ForwardSeq(prompt[33:34], cache.block_table("a"), 32, 1)]))
         diffs.append(torch.cat(out))
     runner.stop_group()
     print(json.dumps({

@@ -1,0 +1,79 @@
+"""`slos-serve bench adaserve`: AdaServe's token trees against chains on the real engine.
+
+All in one process and one run, on the demo pair, the same prompts and thread count: for each
+batch and k (drafts planned per decode), greedy decoding with the planned chains and with
+AdaServe's trees (the step's k x batch drafts spread as tree nodes, replica.planner.adaserve),
+interleaved repeat by repeat so both see the same machine: decode tokens/s, tokens per verify
+(accepted + 1), drafts verified per decode, and the trees' ratio. The requests are best effort,
+so the trees' nodes go where the calibrated chance of acceptance is highest (the step's SLO
+split is tested in tests/replica/test_spec.py). One AdaServe policy serves every repeat of a
+(batch, k), as a replica's does, so its calibration carries over. Prompts are windows of
+Python standard-library source, the demo pair's own domain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from typing import Any
+
+from tqdm import tqdm
+
+from loadgen.bench_engine import (
+    add_policy_arguments,
+    best_interleaved,
+    policy_bench,
+    policy_config,
+)
+from replica.engine import Engine
+from replica.planner.adaserve import AdaServeTrees
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_policy_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    bench = policy_bench(args, spare_per_request=4 * 6)
+    target, draft, new_tokens = bench.target, bench.draft, bench.new_tokens
+    batches, ks = bench.batches, bench.ks
+    bar = tqdm(total=len(batches) * len(ks) * args.repeats, desc="bench adaserve")
+    rows = []
+    for batch in batches:
+        for k in ks:
+            trees = AdaServeTrees(bench.perf)
+            engines = {
+                "chains": functools.partial(Engine, target, draft, proposer="draft"),
+                "trees": functools.partial(Engine, target, draft, proposer="draft", adaserve=trees),
+            }
+            best = best_interleaved(engines, bench.prompts, batch, k, new_tokens, args.repeats, bar)
+            rows.append(
+                {
+                    "batch": batch,
+                    "k": k,
+                    **best,
+                    "trees_over_chains": best["trees"]["tok_s"] / best["chains"]["tok_s"],
+                    "accepted_len_ratio": best["trees"]["mean_accepted_len"]
+                    / best["chains"]["mean_accepted_len"],
+                    "learned_chances": {
+                        f"rank{r}": c.table() for r, c in enumerate(trees.greedy.ranks)
+                    },
+                }
+            )
+    bar.close()
+    results: dict[str, Any] = {"speed": rows}
+    results["config"] = policy_config(args, len(bench.prompts), new_tokens)
+    key = "b{batch}_k{k}"
+    results["summary"] = {
+        "trees_over_chains": {key.format(**r): r["trees_over_chains"] for r in rows},
+        "accepted_len_ratio": {key.format(**r): r["accepted_len_ratio"] for r in rows},
+        "trees_over_chains_geomean": statistics.geometric_mean(
+            [r["trees_over_chains"] for r in rows]
+        ),
+    }
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results["summary"], indent=2))
+    return 0

@@ -1,0 +1,140 @@
+"""AdaServe's step-level choices (seed paper 000): how deep and wide the draft's candidate
+trees grow, and how many tokens each request must gain in this step.
+
+The SLOs-Serve planner still sizes each step: which requests decode and how many drafts each
+may verify. With AdaServe the sum of those drafts is the step's node budget B, and a request's
+drafts become a token tree (replica.spec.tree) instead of a chain: the draft grows candidate
+trees by beam search, and the budget goes first to the requests furthest behind their SLO
+line, then to the nodes likeliest to be accepted, whichever request holds them. The target
+then verifies about as many tokens as planned, so the planner's step time holds.
+
+A(r), the tokens r must gain now, is measured on the deadline line the planner guarantees
+(token j due at arrival + TTFT + j x TPOT, stages included): one for the next token if it
+falls due by the end of this step, plus one per TPOT it is late then, fewer (down to zero and
+below) while it is early. For a single-stage SLO this is the paper's (l + t_spec) / TPOT - o
+with l counted from the first token's deadline rather than the first decode step. A
+best-effort request (no SLO, or one the cluster could not guarantee) needs nothing and gets
+only nodes the guaranteed requests leave.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from replica.perf_model import BatchShape, BatchTimeModel
+from replica.planner.config import check_int
+from replica.planner.deadlines import remaining_tpot, token_deadline
+from replica.planner.specserve import ConfidenceCalibration
+from replica.request import Request, Tier
+from replica.spec.tree import TokenTree, tree_shape
+
+
+@dataclass(frozen=True)
+class AdaServeConfig:
+    """The constants AdaServe leaves open (our choices; replica.spec.tree.tree_shape)."""
+
+    max_width: int = 4
+    """Children kept per tree level: wider trees try more continuations per depth, at the
+    price of more draft work per level."""
+    max_nodes: int = 16
+    """Nodes one request may verify in a step (the paper's n_max)."""
+
+    def __post_init__(self) -> None:
+        check_int("adaserve.max_width", self.max_width)
+        check_int("adaserve.max_nodes", self.max_nodes)
+
+
+RANKS = 3
+"""Sibling ranks calibrated apart: the draft's first, second, and any later choice."""
+
+
+class TreeCalibration:
+    """The chance the target accepts a tree node, learned per sibling rank and bin of the
+    draft's probability of it (`ConfidenceCalibration`). AdaServe takes that probability as
+    the chance; a small draft's is not (the demo draft's greedy drafts at 0.1-0.2 were accepted
+    62% of the time), and its rank tells more: with raw probabilities, the beam and the
+    selection preferred a second choice to the deeper first choices the target accepts."""
+
+    def __init__(self) -> None:
+        self.ranks = [ConfidenceCalibration() for _ in range(RANKS)]
+
+    def chance(self, rank: int, confidence: float) -> float:
+        return self.ranks[min(rank, RANKS - 1)].chances([confidence])[0]
+
+    def observe(self, rank: int, confidence: float, accepted: bool) -> None:
+        self.ranks[min(rank, RANKS - 1)].observe([confidence], 1 if accepted else 0)
+
+
+class AdaServeTrees:
+    """An engine's AdaServe policy over the perf model the controller plans with, and what it
+    learns of the draft (greedy and sampled requests apart, as SpecServe keeps them)."""
+
+    def __init__(
+        self,
+        perf: BatchTimeModel,
+        config: AdaServeConfig | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`clock` must be the one requests' arrival times are read on."""
+        self.perf = perf
+        self.config = config if config is not None else AdaServeConfig()
+        self.clock = clock
+        self.greedy = TreeCalibration()
+        self.sampled = TreeCalibration()
+
+    def shape(self, budget: int, num_requests: int, max_depth: int) -> tuple[int, int]:
+        """Depth and width of this step's candidate trees."""
+        return tree_shape(budget, num_requests, max_depth, self.config.max_width)
+
+    def needs(self, requests: Sequence[tuple[Request, int]], step: BatchShape) -> list[float]:
+        """A(r) for each (request, tokens it has out) at the end of `step` as predicted."""
+        end = self.clock() + self.perf.predict(step)
+        return [tokens_needed(request, out, end) for request, out in requests]
+
+    def calibration(self, greedy: bool) -> TreeCalibration:
+        return self.greedy if greedy else self.sampled
+
+    def calibrated(self, tree: TokenTree, greedy: bool) -> TokenTree:
+        """The drafted tree (raw draft probabilities) with each node's f the product of the
+        calibrated chances along its path."""
+        calibration = self.calibration(greedy)
+        probs = [1.0]
+        for node, (rank, confidence) in enumerate(_siblings(tree)[1:], start=1):
+            probs.append(probs[tree.parents[node]] * calibration.chance(rank, confidence))
+        return TokenTree(list(tree.tokens), list(tree.parents), probs)
+
+    def observe(self, tree: TokenTree, accepted: Sequence[int], greedy: bool) -> None:
+        """Learn from one verified tree (raw draft probabilities): each child of a node the
+        walk reached was judged, and accepted if the walk went on through it."""
+        reached = {0, *accepted}
+        calibration = self.calibration(greedy)
+        for node, (rank, confidence) in enumerate(_siblings(tree)[1:], start=1):
+            if tree.parents[node] in reached:
+                calibration.observe(rank, confidence, node in reached)
+
+
+def tokens_needed(request: Request, out: int, by: float) -> float:
+    """How many tokens beyond its first `out` the request must have out by time `by`."""
+    if request.slo is None or request.tier is Tier.BEST_EFFORT:
+        return 0.0
+    return 1.0 + (by - token_deadline(request, out)) / remaining_tpot(request, out)
+
+
+def _siblings(tree: TokenTree) -> list[tuple[int, float]]:
+    """Each node's rank among its siblings and the draft's probability of it given its parent
+    (the root's (0, 1)), read from raw path probabilities. A beam keeps a parent's children
+    in the draft's order, so the ranks are the draft's."""
+    out = [(0, 1.0)]
+    seen: dict[int, int] = {}
+    order = sorted(range(1, len(tree)), key=lambda n: (-tree.probs[n], n))
+    rank = {}
+    for node in order:
+        parent = tree.parents[node]
+        rank[node] = seen.get(parent, 0)
+        seen[parent] = rank[node] + 1
+    for node in range(1, len(tree)):
+        above = tree.probs[tree.parents[node]]
+        out.append((rank[node], tree.probs[node] / above if above > 0.0 else 0.0))
+    return out

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                     "accepted_len_ratio": best["trees"]["mean_accepted_len"]
                     / best["chains"]["mean_accepted_len"],
                     "learned_chances": {
-                        f"rank{r}": c.table() for r, c in enumerate(trees.greedy.ranks)
+                        f"rank{r}": c.table() for r, c in enumerate(trees.calibration.ranks)
                     },
                 }
             )

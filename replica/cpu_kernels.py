@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -118,6 +119,40 @@ class ModelArgs(ctypes.Structure):
     ]
 
 
+MASK_WINDOW = 64
+"""Keys a tree mask can hide, counted back from a request's last new token (one uint64 of
+bits per new token)."""
+
+
+@dataclass
+class TreeMasks:
+    """The kernels' form of a batch's attention masks: request r's new tokens see every key
+    before mask_from[r], and key mask_from[r] + b when bit b of their row of `bits` is set
+    (rows as signed int64, in batch token order)."""
+
+    mask_from: list[int]
+    bits: list[int]
+
+
+def mask_bits(mask: torch.Tensor, kv_len: int) -> tuple[int, list[int]] | None:
+    """A ForwardSeq's mask ([q, q] over its new tokens or [q, kv_len] over all its keys) as
+    (mask_from, one int64 of bits per new token), or None when the keys it hides reach further
+    back than MASK_WINDOW from the end."""
+    q, width = mask.shape
+    rows = mask.to("cpu", torch.bool)
+    hidden = (~rows).any(dim=0).nonzero()
+    first = kv_len - width + (int(hidden[0]) if len(hidden) else width)
+    first = min(first, kv_len - q)
+    if kv_len - first > MASK_WINDOW:
+        return None
+    window = rows[:, width - (kv_len - first) :].tolist()
+    bits = []
+    for row in window:
+        value = sum(1 << b for b, seen in enumerate(row) if seen)
+        bits.append(value - (1 << 64) if value >= 1 << 63 else value)
+    return first, bits
+
+
 def pack_batch(
     ids: list[int],
     positions: list[int],
@@ -127,16 +162,20 @@ def pack_batch(
     q_len: list[int],
     num_cached: list[int],
     tables: list[list[int]],
+    masks: TreeMasks | None = None,
 ) -> array.array[int]:
     """decode_forward.c's batch array, as one int64 `array` (built ~3x faster than a tensor
     from the same list). Block tables are padded to the longest with block 0 (never read)."""
     width = max(len(t) for t in tables)
-    flat = [len(ids), len(q_start), width, len(logit_rows)]
+    flat = [len(ids), len(q_start), width, len(logit_rows), int(masks is not None)]
     for part in (ids, positions, slots, logit_rows, q_start, q_len, num_cached):
         flat += part
     for t in tables:
         flat += t
         flat += [0] * (width - len(t))
+    if masks is not None:
+        flat += masks.mask_from
+        flat += masks.bits
     return array.array("q", flat)
 
 
@@ -147,7 +186,8 @@ class CpuKernels:
         self.path = library
         lib = ctypes.CDLL(str(library))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        args = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+        args = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        args.append(ctypes.c_float)
         self._entry = {}
         self._forward = {}
         self._chain = {}
@@ -248,10 +288,12 @@ class CpuKernels:
         num_cached: torch.Tensor,
         block_size: int,
         scale: float,
+        masks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """q [tokens, heads, head_dim] (contiguous) over `pool` (one layer, contiguous) for
         requests described by int64 tensors: block tables [requests, width], the first query
-        row of each request in q, its query count and its cached length."""
+        row of each request in q, its query count and its cached length; `masks`: int64
+        tensors of `TreeMasks`' two fields (None: causal)."""
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = pool.shape[-2]
         if block_size < 1 or block_size & (block_size - 1):
@@ -267,6 +309,8 @@ class CpuKernels:
             q_start.data_ptr(),
             q_len.data_ptr(),
             num_cached.data_ptr(),
+            None if masks is None else masks[0].data_ptr(),
+            None if masks is None else masks[1].data_ptr(),
             tables.shape[0],
             heads,
             kv_heads,

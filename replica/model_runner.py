@@ -10,14 +10,16 @@ comes out of the same matmul, so rope is one multiply and one fused multiply-add
 together), one KV pool preallocated and written by index, and every per-step index and mask
 tensor built once per forward and shared by all layers.
 
-CPU, three paths. Batches of decode and chain-verify rows only (at most SMALL_QUERY new tokens
-each, no tree mask, at most FUSED_MAX_TOKENS in all) run the whole forward in one C call
+CPU, three paths. Batches of decode and verify rows only (at most SMALL_QUERY new tokens each,
+a token tree's mask hiding keys among the last MASK_WINDOW at most, at most FUSED_MAX_TOKENS in
+all) run the whole forward in one C call
 (kernels/decode_forward.c via replica/cpu_kernels.py): at batch 1 PyTorch's ~20 op calls per
 layer cost more than the layer's arithmetic. Other batches run layer by layer in PyTorch; there,
 rows of at most SMALL_QUERY new tokens go to a C paged-attention kernel that reads their keys and
 values in place in the paged pool (the SDPA path first copied each row's context into a padded
-tensor, and that copy was half of a batch-32 decode step). Prefill chunks, tree-masked rows,
-and every row when no C compiler is present (or `paged_kernel=False`) use SDPA calls whose
+tensor, and that copy was half of a batch-32 decode step). Prefill chunks, masks reaching
+further back, and every row when no C compiler is present (or `paged_kernel=False`) use SDPA
+calls whose
 padded work tracks the ragged work: small rows share one call padded to their longest q and KV;
 each prefill chunk gets its own call over its own context (equal chunks share one), causal by
 SDPA's own flag when it has no cached context, else by an explicit mask. Explicit positions and
@@ -59,6 +61,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from replica import cpu_kernels
+from replica.cpu_kernels import TreeMasks, mask_bits
 from replica.model_source import eos_token_ids
 from replica.tensor_parallel import TensorParallel
 
@@ -433,7 +436,7 @@ class _Moves:
 
 @dataclass
 class _PagedGroup:
-    """Rows of few query tokens and no tree mask, attended by the C kernel in the pool."""
+    """Rows of few query tokens (chains or trees), attended by the C kernel in the pool."""
 
     tables: torch.Tensor
     """int64 [requests, width] block tables, padded with block 0 (never read)."""
@@ -445,6 +448,8 @@ class _PagedGroup:
     count: int
     token_rows: torch.Tensor | None
     """Batch token rows of the group's tokens; None when they are start .. start + count."""
+    masks: tuple[torch.Tensor, torch.Tensor] | None
+    """int64 mask starts and bits (cpu_kernels.TreeMasks) when a row is a tree."""
 
 
 @dataclass
@@ -475,13 +480,35 @@ class _Flat:
     kv_lens: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     """First token row of each seq."""
+    masks: list[tuple[int, list[int]] | None] = field(default_factory=list)
+    """Each seq's attention mask as the C kernels read it (cpu_kernels.mask_bits); None
+    without one."""
+    kernel_rows: list[bool] = field(default_factory=list)
+    """Whether the C kernels attend each seq: few new tokens, and a mask (if any) they read."""
 
 
-def _fits_fused(seqs: list[ForwardSeq], flat: _Flat, dtype: torch.dtype) -> bool:
-    """Decode and chain-verify batches of few tokens: rows the fused C forward handles."""
-    return len(flat.input_ids) <= FUSED_MAX_TOKENS[dtype] and all(
-        q <= SMALL_QUERY and s.attn_mask is None for s, q in zip(seqs, flat.q_lens, strict=True)
-    )
+def _fits_fused(flat: _Flat, dtype: torch.dtype) -> bool:
+    """Decode and verify batches of few tokens (chains and token trees): rows the fused C
+    forward handles."""
+    return len(flat.input_ids) <= FUSED_MAX_TOKENS[dtype] and all(flat.kernel_rows)
+
+
+def _tree_masks(members: Sequence[int], seqs: list[ForwardSeq], flat: _Flat) -> TreeMasks | None:
+    """The kernels' masks of the seqs `members` (in order), causal rows spelled out beside a
+    tree; None when none has a mask."""
+    if all(flat.masks[m] is None for m in members):
+        return None
+    mask_from: list[int] = []
+    bits: list[int] = []
+    for m in members:
+        own = flat.masks[m]
+        if own is None:
+            mask_from.append(seqs[m].num_cached)
+            bits += [(1 << (i + 1)) - 1 for i in range(flat.q_lens[m])]
+        else:
+            mask_from.append(own[0])
+            bits += own[1]
+    return TreeMasks(mask_from, bits)
 
 
 class ModelRunner:
@@ -605,7 +632,7 @@ class ModelRunner:
         if not seqs:
             raise ValueError("forward needs at least one sequence")
         flat = self._flatten(seqs)
-        if self._fused is not None and _fits_fused(seqs, flat, self.dtype):
+        if self._fused is not None and _fits_fused(flat, self.dtype):
             return self._forward_fused(seqs, flat)
         if self.tp is not None:
             self.tp.send_batch(seqs)
@@ -738,6 +765,7 @@ class ModelRunner:
             g.num_cached,
             BLOCK_SIZE,
             cfg.head_dim**-0.5,
+            g.masks,
         )
         return out.view(g.count, cfg.num_heads * cfg.head_dim)
 
@@ -782,6 +810,9 @@ class ModelRunner:
                 raise ValueError(f"positions must be in [0, {cfg.max_position_embeddings})")
             if s.attn_mask is not None and tuple(s.attn_mask.shape) not in ((q, q), (q, kv_len)):
                 raise ValueError(f"attn_mask must have shape ({q}, {q}) or ({q}, {kv_len})")
+            masks = None if s.attn_mask is None else mask_bits(s.attn_mask, kv_len)
+            flat.masks.append(masks)
+            flat.kernel_rows.append(q <= SMALL_QUERY and (s.attn_mask is None or masks is not None))
             start = len(flat.input_ids)
             flat.starts.append(start)
             flat.q_lens.append(q)
@@ -812,15 +843,14 @@ class ModelRunner:
             starts = flat.starts
             in_pool: list[int] = []
             rest: list[int] = []
-            for i, s in enumerate(seqs):
-                kernel_row = q_lens[i] <= SMALL_QUERY and s.attn_mask is None
+            for i, kernel_row in enumerate(flat.kernel_rows):
                 (in_pool if self._paged is not None and kernel_row else rest).append(i)
             groups: list[_AttnGroup | _PagedGroup] = [
                 self._group(members, seqs, q_lens, kv_lens, starts)
                 for members in _group_requests(rest, q_lens, kv_lens)
             ]
             if in_pool:
-                groups.append(self._paged_group(in_pool, seqs, q_lens, starts))
+                groups.append(self._paged_group(in_pool, seqs, flat))
             attend = functools.partial(self._attend, groups)
         return _StepMeta(
             input_ids=torch.tensor(input_ids, device=dev),
@@ -952,6 +982,7 @@ class ModelRunner:
             flat.q_lens,
             [s.num_cached for s in seqs],
             [s.block_table for s in seqs],
+            _tree_masks(range(len(seqs)), seqs, flat),
         )
 
     def _forward_fused(self, seqs: list[ForwardSeq], flat: _Flat) -> torch.Tensor:
@@ -961,11 +992,11 @@ class ModelRunner:
         self._paged.forward(self.dtype, self._fused, self._pack(seqs, flat), logits)
         return logits
 
-    def _paged_group(
-        self, members: list[int], seqs: list[ForwardSeq], q_lens: list[int], starts: list[int]
-    ) -> _PagedGroup:
-        """Block tables and offsets of the kernel's rows (`members` in seq order)."""
+    def _paged_group(self, members: list[int], seqs: list[ForwardSeq], flat: _Flat) -> _PagedGroup:
+        """Block tables, offsets and masks of the kernel's rows (`members` in seq order)."""
         dev = self.device
+        q_lens, starts = flat.q_lens, flat.starts
+        masks = _tree_masks(members, seqs, flat)
         width = max(len(seqs[m].block_table) for m in members)
         tables = [seqs[m].block_table + [0] * (width - len(seqs[m].block_table)) for m in members]
         offsets = [0]
@@ -984,6 +1015,9 @@ class ModelRunner:
             else torch.tensor(
                 [starts[m] + i for m in members for i in range(q_lens[m])], device=dev
             ),
+            masks=None
+            if masks is None
+            else (torch.tensor(masks.mask_from), torch.tensor(masks.bits, dtype=torch.int64)),
         )
 
     def _group(

@@ -5,14 +5,17 @@
  * The item is every query head of kv head `kvh` for the n_q new tokens of one request whose
  * queries are rows q_row0 .. q_row0 + n_q - 1 of q (q_stride elements apart, heads x head_dim
  * each); it writes rows of out (heads x head_dim each) and returns 1 if its buffer failed.
+ * Without `masks` the tokens attend causally; with them (a token tree), new token i sees keys
+ * before `mask_from` and key mask_from + b where bit b of masks[i] is set (every key it sees
+ * lies below cached + n_q, its own among them).
  * Always inlined into a caller whose head_dim is a constant, so the inner loops have constant
  * trip counts and compile to straight vector code (a runtime head_dim cost ~2x in the dot
  * products). Scores take four keys at a time and the weighted sum two values at a time, so the
  * multiply-adds form independent chains instead of waiting on each other's latency. */
 static inline __attribute__((always_inline)) int ATTEND_NAME(
     const TQ *q, int64_t q_stride, const TKV *pool, const int64_t *table, int64_t q_row0,
-    int64_t n_q, int64_t cached, int64_t kvh, int64_t heads, int64_t kv_heads,
-    const int64_t head_dim, int shift, float scale, TO *out) {
+    int64_t n_q, int64_t cached, int64_t mask_from, const uint64_t *masks, int64_t kvh,
+    int64_t heads, int64_t kv_heads, const int64_t head_dim, int shift, float scale, TO *out) {
     const int64_t group = heads / kv_heads;
     const int64_t row = kv_heads * head_dim;
     const int64_t block_size = (int64_t)1 << shift, mask = block_size - 1;
@@ -28,11 +31,12 @@ static inline __attribute__((always_inline)) int ATTEND_NAME(
             for (int64_t d = 0; d < head_dim; d++) dst[d] = LOADQ(src[d]) * scale;
         }
     /* query vector v (token v / group, head kvh * group + v % group) sees keys 0 .. cached +
-     * v / group; one vector at a time keeps its accumulators in registers while the rows it
+     * v / group (causal; a tree scores keys up to cached + n_q - 1 and weighs the hidden ones
+     * zero); one vector at a time keeps its accumulators in registers while the rows it
      * reads stay in cache for the next vector. Keys j .. j + 3 (j a multiple of 4) lie in one
      * block, in consecutive rows. */
     for (int64_t v = 0; v < n; v++) {
-        const int64_t seen = cached + v / group + 1;
+        const int64_t seen = masks ? ctx : cached + v / group + 1;
         const float *qv = qf + v * head_dim;
         float *s = scores + v * ctx;
         int64_t j = 0;
@@ -70,11 +74,24 @@ static inline __attribute__((always_inline)) int ATTEND_NAME(
             for (int64_t d = 0; d < head_dim; d++) dot += qv[d] * LOADKV(k[d]);
             s[j] = dot;
         }
-        float top = s[0], total = 0.0f;
-        for (int64_t i = 1; i < seen; i++) top = s[i] > top ? s[i] : top;
-        for (int64_t i = 0; i < seen; i++) {
-            s[i] = expf(s[i] - top);
-            total += s[i];
+        float total = 0.0f;
+        if (masks) {
+            const uint64_t bits = masks[v / group];
+            /* its own key is always seen, so the maximum starts from a visible score */
+            float top = s[cached + v / group];
+            for (int64_t i = 0; i < seen; i++)
+                if (i < mask_from || (bits >> (i - mask_from)) & 1) top = s[i] > top ? s[i] : top;
+            for (int64_t i = 0; i < seen; i++) {
+                s[i] = i < mask_from || (bits >> (i - mask_from)) & 1 ? expf(s[i] - top) : 0.0f;
+                total += s[i];
+            }
+        } else {
+            float top = s[0];
+            for (int64_t i = 1; i < seen; i++) top = s[i] > top ? s[i] : top;
+            for (int64_t i = 0; i < seen; i++) {
+                s[i] = expf(s[i] - top);
+                total += s[i];
+            }
         }
         float a0[head_dim], a1[head_dim];
         for (int64_t d = 0; d < head_dim; d++) a0[d] = a1[d] = 0.0f;

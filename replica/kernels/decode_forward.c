@@ -46,17 +46,21 @@ struct model_args {
 };
 
 /* One batch, as one int64 array (one tensor to build per call from Python):
- *   M tokens, R requests, W block-table width, L logit rows, then
+ *   M tokens, R requests, W block-table width, L logit rows, T 1 if it has tree masks, then
  *   ids[M], positions[M], slots[M], logit_rows[L],
- *   q_start[R], q_len[R], num_cached[R], tables[R * W]. */
+ *   q_start[R], q_len[R], num_cached[R], tables[R * W], and with T: mask_from[R], masks[M]
+ *   (attend_one.h: each new token's visible keys from mask_from on, as bits). */
 struct batch {
     int64_t M, R, W, L;
     const int64_t *ids, *positions, *slots, *logit_rows, *q_start, *q_len, *num_cached, *tables;
+    const int64_t *mask_from;
+    const uint64_t *masks; /* NULL: causal */
 };
 
 static inline struct batch read_batch(const int64_t *b) {
-    struct batch out = {b[0], b[1], b[2], b[3], 0, 0, 0, 0, 0, 0, 0, 0};
-    const int64_t *p = b + 4;
+    struct batch out = {b[0], b[1], b[2], b[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    const int64_t trees = b[4];
+    const int64_t *p = b + 5;
     out.ids = p;
     out.positions = p += out.M;
     out.slots = p += out.M;
@@ -65,6 +69,10 @@ static inline struct batch read_batch(const int64_t *b) {
     out.q_len = p += out.R;
     out.num_cached = p += out.R;
     out.tables = p += out.R;
+    if (trees) {
+        out.mask_from = p += out.R * out.W;
+        out.masks = (const uint64_t *)(p + out.R);
+    }
     return out;
 }
 

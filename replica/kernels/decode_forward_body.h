@@ -221,8 +221,9 @@ static inline __attribute__((always_inline)) int FN(body)(const struct model_arg
             for (int64_t item = 0; item < b->R * kv_heads; item++) {
                 const int64_t r = item / kv_heads, kvh = item % kv_heads;
                 if (ATTEND(qkv, width, pool, b->tables + r * b->W, b->q_start[r],
-                           b->q_len[r], b->num_cached[r], kvh, heads, kv_heads, head_dim, shift,
-                           scale, att)) {
+                           b->q_len[r], b->num_cached[r], b->masks ? b->mask_from[r] : 0,
+                           b->masks ? b->masks + b->q_start[r] : NULL, kvh, heads, kv_heads,
+                           head_dim, shift, scale, att)) {
 #pragma omp atomic write
                     failed = 1;
                 }
@@ -366,8 +367,8 @@ int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int
         }
         active = kept;
         if (active == 0) break;
-        const struct batch b = {active, active, W, active, ids, pos, slots, rows,
-                                q_start, q_len, cached, tables};
+        const struct batch b = {active, active, W,      active, ids,    pos,  slots,
+                                rows,   q_start, q_len, cached, tables, NULL, NULL};
         failed = FN(run)(a, &b, logits, threads);
     }
     free(next);

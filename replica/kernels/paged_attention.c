@@ -8,7 +8,8 @@
  * block_size must be a power of two.
  *
  * Query token i (0-based among the request's q_len new tokens) attends causally to positions
- * 0 .. num_cached + i. A work item is one (request, kv head): every query head of its GQA group
+ * 0 .. num_cached + i, or, with `masks` (token trees), to the keys its bits allow: positions
+ * before mask_from[r] and mask_from[r] + b for each bit b set in masks[q_start[r] + i]. A work item is one (request, kv head): every query head of its GQA group
  * and every query token of the request use each key and value row while it is in L1, so a
  * verify row of k+1 tokens costs little more than a decode row. Scores, a numerically stable
  * softmax and the weighted sum of values are computed in fp32.
@@ -49,16 +50,18 @@ static inline int log2_block(int64_t block_size) {
     static inline __attribute__((always_inline)) int NAME##_body(                             \
         const T *q, const T *pool, const int64_t *tables, int64_t table_stride,              \
         const int64_t *q_start, const int64_t *q_len, const int64_t *num_cached,             \
-        int64_t num_requests, int64_t heads, int64_t kv_heads, const int64_t head_dim,       \
-        int64_t block_size, float scale, T *out, int64_t threads) {                          \
+        const int64_t *mask_from, const uint64_t *masks, int64_t num_requests, int64_t heads, \
+        int64_t kv_heads, const int64_t head_dim, int64_t block_size, float scale, T *out,   \
+        int64_t threads) {                                                                    \
         const int shift = log2_block(block_size);                                             \
         int failed = 0;                                                                       \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                 \
         for (int64_t item = 0; item < num_requests * kv_heads; item++) {                      \
             const int64_t r = item / kv_heads, kvh = item % kv_heads;                         \
             if (ATTEND(q, heads * head_dim, pool, tables + r * table_stride, q_start[r],      \
-                       q_len[r], num_cached[r], kvh, heads, kv_heads, head_dim, shift, scale, \
-                       out)) {                                                                \
+                       q_len[r], num_cached[r], masks ? mask_from[r] : 0,                     \
+                       masks ? masks + q_start[r] : NULL, kvh, heads, kv_heads, head_dim,     \
+                       shift, scale, out)) {                                                  \
                 _Pragma("omp atomic write")                                                   \
                 failed = 1;                                                                   \
             }                                                                                 \
@@ -67,25 +70,26 @@ static inline int log2_block(int64_t block_size) {
     }                                                                                         \
     int NAME(const T *q, const T *pool, const int64_t *tables, int64_t table_stride,         \
              const int64_t *q_start, const int64_t *q_len, const int64_t *num_cached,        \
-             int64_t num_requests, int64_t heads, int64_t kv_heads, int64_t head_dim,        \
-             int64_t block_size, float scale, T *out, int64_t threads) {                     \
+             const int64_t *mask_from, const uint64_t *masks, int64_t num_requests,          \
+             int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,          \
+             float scale, T *out, int64_t threads) {                                         \
         switch (head_dim) {                                                                   \
         case 32:                                                                              \
             return NAME##_body(q, pool, tables, table_stride, q_start, q_len, num_cached,     \
-                               num_requests, heads, kv_heads, 32, block_size, scale, out,     \
-                               threads);                                                      \
+                               mask_from, masks, num_requests, heads, kv_heads, 32,           \
+                               block_size, scale, out, threads);                              \
         case 64:                                                                              \
             return NAME##_body(q, pool, tables, table_stride, q_start, q_len, num_cached,     \
-                               num_requests, heads, kv_heads, 64, block_size, scale, out,     \
-                               threads);                                                      \
+                               mask_from, masks, num_requests, heads, kv_heads, 64,           \
+                               block_size, scale, out, threads);                              \
         case 128:                                                                             \
             return NAME##_body(q, pool, tables, table_stride, q_start, q_len, num_cached,     \
-                               num_requests, heads, kv_heads, 128, block_size, scale, out,    \
-                               threads);                                                      \
+                               mask_from, masks, num_requests, heads, kv_heads, 128,          \
+                               block_size, scale, out, threads);                              \
         default:                                                                              \
             return NAME##_body(q, pool, tables, table_stride, q_start, q_len, num_cached,     \
-                               num_requests, heads, kv_heads, head_dim, block_size, scale,    \
-                               out, threads);                                                 \
+                               mask_from, masks, num_requests, heads, kv_heads, head_dim,     \
+                               block_size, scale, out, threads);                              \
         }                                                                                     \
     }
 

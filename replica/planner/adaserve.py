@@ -69,7 +69,8 @@ class TreeCalibration:
 
 class AdaServeTrees:
     """An engine's AdaServe policy over the perf model the controller plans with, and what it
-    learns of the draft (greedy and sampled requests apart, as SpecServe keeps them)."""
+    learns of the draft. Trees serve greedy requests (replica.engine: sampled ones keep their
+    chains), so one calibration does."""
 
     def __init__(
         self,
@@ -81,8 +82,7 @@ class AdaServeTrees:
         self.perf = perf
         self.config = config if config is not None else AdaServeConfig()
         self.clock = clock
-        self.greedy = TreeCalibration()
-        self.sampled = TreeCalibration()
+        self.calibration = TreeCalibration()
 
     def shape(self, budget: int, num_requests: int, max_depth: int) -> tuple[int, int]:
         """Depth and width of this step's candidate trees."""
@@ -93,26 +93,22 @@ class AdaServeTrees:
         end = self.clock() + self.perf.predict(step)
         return [tokens_needed(request, out, end) for request, out in requests]
 
-    def calibration(self, greedy: bool) -> TreeCalibration:
-        return self.greedy if greedy else self.sampled
-
-    def calibrated(self, tree: TokenTree, greedy: bool) -> TokenTree:
+    def calibrated(self, tree: TokenTree) -> TokenTree:
         """The drafted tree (raw draft probabilities) with each node's f the product of the
         calibrated chances along its path."""
-        calibration = self.calibration(greedy)
         probs = [1.0]
         for node, (rank, confidence) in enumerate(_siblings(tree)[1:], start=1):
-            probs.append(probs[tree.parents[node]] * calibration.chance(rank, confidence))
+            chance = self.calibration.chance(rank, confidence)
+            probs.append(probs[tree.parents[node]] * chance)
         return TokenTree(list(tree.tokens), list(tree.parents), probs)
 
-    def observe(self, tree: TokenTree, accepted: Sequence[int], greedy: bool) -> None:
+    def observe(self, tree: TokenTree, accepted: Sequence[int]) -> None:
         """Learn from one verified tree (raw draft probabilities): each child of a node the
         walk reached was judged, and accepted if the walk went on through it."""
         reached = {0, *accepted}
-        calibration = self.calibration(greedy)
         for node, (rank, confidence) in enumerate(_siblings(tree)[1:], start=1):
             if tree.parents[node] in reached:
-                calibration.observe(rank, confidence, node in reached)
+                self.calibration.observe(rank, confidence, node in reached)
 
 
 def tokens_needed(request: Request, out: int, by: float) -> float:

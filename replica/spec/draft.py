@@ -91,14 +91,14 @@ class Proposal:
 
 @dataclass
 class TreeJob:
-    """One request's candidate tree in a batched beam search (AdaServe, replica.spec.tree)."""
+    """One greedy request's candidate tree in a batched beam search (AdaServe,
+    replica.spec.tree)."""
 
     request_id: str
     tokens: list[int]
     """All known tokens (prompt + output); the last is the tree's root."""
     depth: int
     width: int
-    params: SamplingParams
     shaper: LogitsShaper | None = None
     chance: Callable[[int, float], float] | None = None
     """The chance the target accepts a child, from its rank among its siblings and the draft's
@@ -282,14 +282,11 @@ class DraftModel:
     ) -> list[int]:
         """Add the level below `parents`: the `width` children of highest path score (the
         product of `job.chance`s, or of the draft's probabilities, along the path); the tree
-        keeps the draft's path probabilities. A greedy request's children come from the draft's
-        softmax (its one-hot would offer one); a sampled one's from the distribution it samples
-        from, so a child it cannot draw is never offered."""
+        keeps the draft's path probabilities."""
+        values, tokens = self._children(job, tree, parents, logits)
         candidates: list[tuple[float, float, int, int]] = []
-        for row, parent in enumerate(parents):
-            probs = self._tree_probs(logits[row : row + 1], job, tree.path_tokens(parent))
-            values, tokens = probs.topk(min(job.width, probs.shape[-1]))
-            for rank, (q, token) in enumerate(zip(values.tolist(), tokens.tolist(), strict=True)):
+        for parent, row_values, row_tokens in zip(parents, values, tokens, strict=True):
+            for rank, (q, token) in enumerate(zip(row_values, row_tokens, strict=True)):
                 if q > 0.0:
                     chance = q if job.chance is None else job.chance(rank, q)
                     f = min(1.0, tree.probs[parent] * q)
@@ -301,19 +298,23 @@ class DraftModel:
             scores.append(score)
         return kept
 
-    def _tree_probs(self, logits: torch.Tensor, job: TreeJob, path: list[int]) -> torch.Tensor:
-        """One node's child distribution over the whole vocabulary (zero off a cut head),
-        shaped as the target's row after the node's path will be."""
-        if job.shaper is not None:
-            full = job.shaper.shape(self._full_logits(logits), path, start=len(path))
-            return self._distribution(full, job.params)[0]
-        return self._full_vocab(self._distribution(logits, job.params))[0]
-
-    @staticmethod
-    def _distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        if params.greedy:
-            return logits.float().softmax(dim=-1).cpu()
-        return token_probs(logits, params)
+    def _children(
+        self, job: TreeJob, tree: TokenTree, parents: list[int], logits: torch.Tensor
+    ) -> tuple[list[list[float]], list[list[int]]]:
+        """Each parent's `width` likeliest children (the draft's softmax probabilities, token
+        ids) from the parent's row shaped as the target's row after its path will be (one
+        batched softmax and top-k for a request that shapes nothing)."""
+        width = min(job.width, logits.shape[-1])
+        if job.shaper is None:
+            values, columns = logits.float().softmax(dim=-1).topk(width)
+            return values.tolist(), self._token_ids(columns).tolist()
+        rows = [
+            job.shaper.shape(self._full_logits(logits[r : r + 1]), path, start=len(path))
+            .softmax(dim=-1)[0]
+            .topk(width)
+            for r, path in enumerate(tree.path_tokens(p) for p in parents)
+        ]
+        return [v.tolist() for v, _ in rows], [t.tolist() for _, t in rows]
 
     def _propose_chain(self, jobs: list[DraftJob], pending: list[list[int]]) -> list[Proposal]:
         """Every job is greedy: they share one calibration, or all have none."""

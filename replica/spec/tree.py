@@ -6,9 +6,8 @@ search (`tree_shape` sets its depth and width from the step's budget); a step's 
 nodes is then spread over the requests by how many tokens each must gain now to stay on its
 SLO line (`select_nodes`), most urgent first, the rest where the expected gain is highest. The
 target runs the selected trees with a tree attention mask (`TokenTree.attn_mask`, positions =
-context + depth) and verification walks each tree from its root, generalizing
-`replica.spec.verify`'s chain rules: `verify_tree_choices` for greedy and seeded requests,
-`verify_tree_stochastic` for the others.
+context + depth) and verification walks each tree from its root by the target's own choices
+(`verify_tree_choices`, `replica.spec.verify`'s chain rule for greedy requests on a tree).
 """
 
 from __future__ import annotations
@@ -222,44 +221,6 @@ def verify_tree_choices(tree: TokenTree, choices: Sequence[int]) -> tuple[list[i
         accepted.append(child)
         node = child
     return accepted, [tree.tokens[i] for i in accepted] + [choices[node]]
-
-
-def verify_tree_stochastic(
-    tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator
-) -> tuple[list[int], list[int]]:
-    """Lossless tree verification for unseeded sampling, children taken as point masses (the
-    draft's top choices, not draws from it), so no draft distribution enters the rule.
-
-    `target_probs[i]` [vocab] is the target's distribution after node i's path. At each node
-    the next token X ~ p is drawn by questions: is X the most probable child's token (accept
-    with p(t1) / sum p)? If not, p(t1) is zeroed, which leaves p conditioned on X != t1; is X
-    the next child's token? ... and when every child is refused, X is drawn from what remains.
-    Each answer has exactly its probability under p, so X ~ p whatever the tree, and an
-    accepted child's row is the target's distribution after it. Returns (accepted nodes,
-    tokens to append) as `verify_tree_choices` does.
-    """
-    if target_probs.dim() != 2 or target_probs.shape[0] != len(tree):
-        raise ValueError(
-            f"need {len(tree)} target distributions for a {len(tree)}-node tree, "
-            f"got shape {tuple(target_probs.shape)}"
-        )
-    accepted: list[int] = []
-    node = 0
-    while True:
-        p = target_probs[node].clone()
-        for child in sorted(tree.children(node), key=lambda c: (-tree.probs[c], c)):
-            token = tree.tokens[child]
-            u = torch.rand((), generator=generator).item()
-            if u * p.sum().item() < p[token].item():
-                accepted.append(child)
-                node = child
-                break
-            p[token] = 0.0
-        else:
-            if p.sum().item() <= 0.0:
-                p = target_probs[node]  # float rounding only: the children held all the mass
-            bonus = int(torch.multinomial(p, 1, generator=generator).item())
-            return accepted, [tree.tokens[i] for i in accepted] + [bonus]
 
 
 def _child_with(tree: TokenTree, node: int, token: int) -> int | None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from replica import cpu_kernels
+from replica.cpu_kernels import MASK_WINDOW, mask_bits
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import (
     BLOCK_SIZE,
@@ -19,7 +20,6 @@ from replica.model_runner import (
     ForwardSeq,
     ModelRunner,
     _fits_fused,
-    _Flat,
 )
 from replica.planner.specserve import acceptance_products, drafted_length
 from replica.spec.draft import load_draft_vocab
@@ -125,14 +125,28 @@ def test_disabling_the_kernel_by_environment(monkeypatch: pytest.MonkeyPatch) ->
 
 @needs_kernel
 def test_runner_gives_the_same_logits_with_and_without_the_kernel(target_dir: Path) -> None:
-    """A batch with every kind of row: decode, verify, a tree-masked verify row (SDPA even
-    with the kernel) and a prefill chunk on a cached context."""
+    """A batch with every kind of row: decode, verify, a tree-masked verify row and one whose
+    mask also hides cached keys (the kernel reads both), a mask reaching back past the
+    kernel's window (SDPA even with the kernel) and a prefill chunk on a cached context."""
     runners = [ModelRunner(target_dir, num_blocks=32, paged_kernel=flag) for flag in (True, False)]
     assert runners[0]._paged is not None and runners[1]._paged is None
     prompts = {
-        rid: [(i * 31 + n) % 4000 + 2 for i in range(40 + 9 * n)] for n, rid in enumerate("abcd")
+        rid: [(i * 31 + n) % 4000 + 2 for i in range(40 + 9 * n)] for n, rid in enumerate("abcdef")
     }
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+
+    def over_cached(rid: str, hidden: int) -> torch.Tensor:
+        """The tree after the prompt of `rid`, its last two nodes not seeing cached key
+        `hidden` (the prompt's fourth last key, or its first)."""
+        mask = torch.ones(3, len(prompts[rid]) + 3, dtype=torch.bool)
+        mask[:, -3:] = tree
+        mask[1:, hidden] = False
+        return mask
+
+    wide, far = over_cached("e", -7), over_cached("f", 0)
+    assert mask_bits(wide, wide.shape[1]) is not None and mask_bits(far, far.shape[1]) is None
+    rows = (("a", 1, None), ("b", 4, None), ("c", 3, tree), ("d", 20, None))
+    rows += (("e", 3, wide), ("f", 3, far))
     results = []
     for runner in runners:
         cache = KVCacheManager(runner.num_blocks)
@@ -140,7 +154,7 @@ def test_runner_gives_the_same_logits_with_and_without_the_kernel(target_dir: Pa
             cache.append(rid, len(prompt))
             runner.forward([ForwardSeq(prompt, cache.block_table(rid), 0)])
         batch = []
-        for rid, n, mask in (("a", 1, None), ("b", 4, None), ("c", 3, tree), ("d", 20, None)):
+        for rid, n, mask in rows:
             cached = len(prompts[rid])
             cache.append(rid, n)
             positions = [cached, cached + 1, cached + 1] if mask is not None else None
@@ -159,8 +173,8 @@ def test_runner_gives_the_same_logits_with_and_without_the_kernel(target_dir: Pa
 
 
 def _two_steps(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prefill four requests, then a decode/verify step (one row with explicit positions) and a
-    decode step on top: logits of both steps and the KV pool in between."""
+    """Prefill four requests, then a decode/verify step (one row a token tree with explicit
+    positions) and a decode step on top: logits of both steps and the KV pool in between."""
     prompts = {
         rid: [(i * 31 + n) % 4000 + 2 for i in range(40 + 9 * n)] for n, rid in enumerate("abcd")
     }
@@ -172,9 +186,11 @@ def _two_steps(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor, torch.T
     for rid, n in (("a", 1), ("b", 4), ("c", 3), ("d", 1)):
         cached = len(prompts[rid])
         cache.append(rid, n)
-        positions = [cached + 2 * i for i in range(n)] if rid == "c" else None
+        tree = rid == "c"
+        positions = [cached, cached + 1, cached + 1] if tree else None
+        mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool) if tree else None
         table = cache.block_table(rid)
-        batch.append(ForwardSeq([7 + i for i in range(n)], table, cached, n, positions))
+        batch.append(ForwardSeq([7 + i for i in range(n)], table, cached, n, positions, mask))
     first = runner.forward(batch)
     pool = runner.kv.clone()
     second = []
@@ -209,17 +225,24 @@ def test_fused_forward_matches_the_pytorch_path(
         assert torch.equal(a1.argmax(-1), b1.argmax(-1))
 
 
-def test_only_decode_and_verify_batches_take_the_fused_forward() -> None:
-    def fits(*rows: tuple[int, torch.Tensor | None]) -> bool:
-        seqs = [ForwardSeq([1] * q, [0] * 8, 4, attn_mask=mask) for q, mask in rows]
-        flat = _Flat(input_ids=[1] * sum(q for q, _ in rows), q_lens=[q for q, _ in rows])
-        return _fits_fused(seqs, flat, torch.float32)
+def test_only_decode_and_verify_batches_take_the_fused_forward(draft_dir: Path) -> None:
+    runner = ModelRunner(draft_dir, num_blocks=16, fused_forward=False)
+
+    def fits(*rows: tuple[int, int, torch.Tensor | None]) -> bool:
+        seqs = [ForwardSeq([1] * q, [0] * 8, c, attn_mask=mask) for q, c, mask in rows]
+        return _fits_fused(runner._flatten(seqs), torch.float32)
 
     tree = torch.ones(3, 3, dtype=torch.bool)
-    assert fits((1, None), (SMALL_QUERY, None))
-    assert not fits((1, None), (SMALL_QUERY + 1, None)), "a prefill chunk"
-    assert not fits((1, None), (3, tree)), "a token tree"
-    assert not fits(*[(1, None)] * (FUSED_MAX_TOKENS[torch.float32] + 1)), "a large batch"
+    near = torch.ones(2, 80 + 2, dtype=torch.bool)
+    near[1, 80 + 2 - MASK_WINDOW] = False
+    far = torch.ones(2, 80 + 2, dtype=torch.bool)
+    far[1, 80 + 1 - MASK_WINDOW] = False
+    assert fits((1, 4, None), (SMALL_QUERY, 4, None))
+    assert not fits((1, 4, None), (SMALL_QUERY + 1, 4, None)), "a prefill chunk"
+    assert fits((1, 4, None), (3, 4, tree)), "a token tree"
+    assert fits((1, 4, None), (2, 80, near)), "a tree hiding cached keys in the window"
+    assert not fits((1, 4, None), (2, 80, far)), "a mask reaching back past the window"
+    assert not fits(*[(1, 4, None)] * (FUSED_MAX_TOKENS[torch.float32] + 1)), "a large batch"
 
 
 @needs_kernel

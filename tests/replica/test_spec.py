@@ -592,23 +592,47 @@ def test_adaserve_trees_keep_greedy_output(
         assert moves, "no accepted path left the first chain"
 
 
-def test_adaserve_keeps_a_seeds_tokens_and_samples_unseeded_requests(
-    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]
+def test_adaserve_grows_trees_for_greedy_requests_and_sampled_ones_keep_chains(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A seeded request's tree is verified with its positions' noise (its tokens are those it
-    draws alone); an unseeded one by the lossless tree rule, a logits shaper's included."""
-    outputs = []
-    for engine, ks in ((_engine(runners, None), [0]), (_adaserve_engine(runners), [4])):
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5, ignore_eos=True)
-        outputs.append(run(engine, Request("s", prompts[2], params, tier=Tier.BEST_EFFORT), ks)[0])
-    assert outputs[0] == outputs[1]
+    """In one batch the greedy request verifies trees; the seeded and the unseeded sampled
+    (with a logit bias) requests verify their planned chains, drawn from the draft's
+    distribution; the seed still fixes its tokens."""
     engine = _adaserve_engine(runners)
-    banned = outputs[0][0]
-    params = SamplingParams(
+    assert engine.draft is not None
+    grown: list[str] = []
+    propose_trees = engine.draft.propose_trees
+
+    def growing(jobs: list[TreeJob]) -> list[TokenTree]:
+        grown.extend(j.request_id for j in jobs)
+        return propose_trees(jobs)
+
+    monkeypatch.setattr(engine.draft, "propose_trees", growing)
+    seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5, ignore_eos=True)
+    banned = 203
+    biased = SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.8, logit_bias=((banned, -100.0),), ignore_eos=True
     )
-    out, _ = run(engine, Request("u", prompts[2], params, tier=Tier.BEST_EFFORT), [4])
-    assert len(out) == MAX_TOKENS and banned not in out
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = {"g": greedy, "s": seeded, "u": biased}
+    for rid, p in params.items():
+        engine.add_request(Request(rid, prompts[2], p, tier=Tier.BEST_EFFORT))
+    engine.step(BatchPlan(tuple(PrefillChunk(rid, len(prompts[2])) for rid in params)))
+    k = 4
+    while live := [rid for rid in params if engine.finish_reason(rid) is None]:
+        outcome = engine.step(BatchPlan(tuple(DecodeStep(rid, k) for rid in live)))
+        for o in outcome.outcomes:
+            if o.request_id != "g":
+                left = MAX_TOKENS - len(engine.output_token_ids(o.request_id))
+                assert o.num_draft_tokens == min(k, left + len(o.new_token_ids) - 1)
+    assert set(grown) == {"g"}
+    assert banned not in engine.output_token_ids("u")
+    plain = run(
+        _engine(runners, None), Request("p", prompts[2], seeded, tier=Tier.BEST_EFFORT), [0]
+    )
+    assert engine.output_token_ids("s") == plain[0]
 
 
 def test_adaserve_gives_the_late_request_the_nodes(

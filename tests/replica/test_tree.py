@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -13,7 +12,6 @@ from replica.spec.tree import (
     select_nodes,
     tree_shape,
     verify_tree_choices,
-    verify_tree_stochastic,
 )
 
 
@@ -209,54 +207,3 @@ def test_choices_down_to_a_leaf_add_the_bonus() -> None:
     assert verify_tree_choices(_branchy(), [12, 0, 14, 0, 15, 16]) == ([2, 4, 5], [12, 14, 15, 16])
     with pytest.raises(ValueError, match="6 target choices"):
         verify_tree_choices(_branchy(), [12, 14])
-
-
-# Root (token 0) -> node 1 (token 1, f .6), node 2 (token 2, f .3);
-# node 1 -> node 3 (token 3, f .4), node 4 (token 0, f .1); node 2 -> node 5 (token 1, f .2).
-STOCHASTIC_TREE = _tree([0, 1, 2, 3, 0, 1], [-1, 0, 0, 1, 1, 2], [1.0, 0.6, 0.3, 0.4, 0.1, 0.2])
-TARGET = torch.tensor(
-    [
-        [0.10, 0.35, 0.40, 0.15],
-        [0.25, 0.10, 0.40, 0.25],
-        [0.50, 0.20, 0.20, 0.10],
-        [0.25, 0.25, 0.25, 0.25],
-        [0.25, 0.25, 0.25, 0.25],
-        [0.25, 0.25, 0.25, 0.25],
-    ]
-)
-
-
-def _assert_close(counts: torch.Tensor, probs: torch.Tensor) -> None:
-    """Every frequency within 4.5 standard errors (at most) of its probability."""
-    n = float(counts.sum())
-    assert torch.allclose(counts / n, probs, rtol=0.0, atol=4.5 * math.sqrt(0.25 / n))
-
-
-def test_stochastic_verification_samples_the_target() -> None:
-    gen = torch.Generator().manual_seed(2024)
-    vocab = TARGET.shape[1]
-    first = torch.zeros(vocab)
-    second = {1: torch.zeros(vocab), 2: torch.zeros(vocab)}
-    for _ in range(20000):
-        accepted, tokens = verify_tree_stochastic(STOCHASTIC_TREE, TARGET, gen)
-        assert tokens[: len(accepted)] == [STOCHASTIC_TREE.tokens[i] for i in accepted]
-        assert len(tokens) == len(accepted) + 1
-        first[tokens[0]] += 1
-        if tokens[0] in second:
-            second[tokens[0]][tokens[1]] += 1
-    _assert_close(first, TARGET[0])
-    _assert_close(second[1], TARGET[1])
-    _assert_close(second[2], TARGET[2])
-
-
-def test_stochastic_verification_accepts_a_certain_child() -> None:
-    target = TARGET.clone()
-    target[0] = torch.tensor([0.0, 0.0, 1.0, 0.0])
-    target[2] = torch.tensor([0.0, 1.0, 0.0, 0.0])
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(200):
-        accepted, tokens = verify_tree_stochastic(STOCHASTIC_TREE, target, gen)
-        assert accepted == [2, 5]
-        assert tokens[:2] == [2, 1]
-    with pytest.raises(ValueError, match="6 target distributions"):
-        verify_tree_stochastic(STOCHASTIC_TREE, TARGET[:2], gen)

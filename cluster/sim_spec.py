@@ -13,14 +13,19 @@ accepts it with probability c (calibrated confidences). Each token is still acce
 probability alpha, independently, so a policy that ignores confidences sees the same acceptance
 as without them; the smaller k, the more the confidences tell apart tokens the target will
 keep from those it will refuse.
+
+`SimulatedTrees` extends the model to AdaServe's token trees: the target's token may also be
+the draft's second or later choice, with the sibling acceptance the demo pair measured.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from replica.planner.config import check_fraction
 from replica.planner.executor import leading_accepted
+from replica.spec.tree import TokenTree
 
 DEFAULT_ACCEPTANCE = 0.6
 """Per-token acceptance assumed for OPT-125m drafting for OPT-7B: an assumption (the seed
@@ -73,6 +78,10 @@ class SeededAcceptance:
             accepted.append(rng.random() < c)
         return confidences, accepted
 
+    def uniform(self, request_id: str) -> float:
+        """A draw in [0, 1) from the request's stream."""
+        return self._stream(request_id)[0].random()
+
     def alpha_of(self, request_id: str) -> float:
         """The request's own acceptance."""
         return self._stream(request_id)[1]
@@ -90,3 +99,71 @@ class SeededAcceptance:
     def forget(self, request_id: str) -> None:
         """Drop a finished request's stream (a long run keeps only live ones)."""
         self._streams.pop(request_id, None)
+
+
+DEFAULT_SIBLINGS = (0.42, 0.23, 0.16)
+"""The chance the target takes the draft's second, third and fourth choice, each given it took
+none before: the demo pair's, teacher forced on held-out Python (`slos-serve bench adaserve`,
+its `sibling_acceptance`), assumed for every pair (no seed paper gives one)."""
+
+
+class SimulatedTrees:
+    """AdaServe's token trees in the simulated engine. At a node the walk reached, the
+    target's token is the draft's first choice with the request's acceptance p_0 (as a chain's
+    token is), and its rank-r choice with p_r = s_r (1 - p_0 - ... - p_(r-1)) for the
+    `siblings` s (the last one for every later rank). A candidate tree is the beam the draft
+    would grow: each level keeps the `width` children of highest path chance, a child of rank
+    r having chance p_r (its token id is r); its f is that path chance, the calibration a live
+    replica learns. A verify walks the kept nodes with the request's own stream."""
+
+    def __init__(self, accept: SeededAcceptance, siblings: Sequence[float] = DEFAULT_SIBLINGS):
+        if not siblings:
+            raise ValueError("sibling_acceptance needs at least one value")
+        for s in siblings:
+            check_fraction("sibling_acceptance", s, low=0.0, high=1.0)
+        self.accept = accept
+        self.siblings = tuple(float(s) for s in siblings)
+
+    def chances(self, request_id: str, width: int) -> list[float]:
+        """p_r for ranks 0 .. width - 1."""
+        first = self.accept.alpha_of(request_id)
+        chances, left = [first], 1.0 - first
+        for rank in range(1, width):
+            share = left * self.siblings[min(rank, len(self.siblings)) - 1]
+            chances.append(share)
+            left -= share
+        return chances
+
+    def candidate(self, request_id: str, depth: int, width: int) -> TokenTree:
+        chances = self.chances(request_id, width)
+        tree = TokenTree.root(0)
+        level = [0]
+        for _ in range(depth):
+            children = sorted(
+                (
+                    (tree.probs[parent] * p, parent, rank)
+                    for parent in level
+                    for rank, p in enumerate(chances)
+                ),
+                key=lambda c: (-c[0], c[1], c[2]),
+            )[:width]
+            level = [tree.add(parent, rank, f) for f, parent, rank in children if f > 0.0]
+            if not level:
+                break
+        return tree
+
+    def walk(self, request_id: str, tree: TokenTree) -> int:
+        """Tokens of `tree` (children's token ids are ranks) the target accepts in one verify."""
+        chances = self.chances(request_id, 1 + max(tree.tokens, default=0))
+        node, accepted = 0, 0
+        while True:
+            u, rank = self.accept.uniform(request_id), None
+            for r, p in enumerate(chances):
+                if u < p:
+                    rank = r
+                    break
+                u -= p
+            child = next((c for c in tree.children(node) if tree.tokens[c] == rank), None)
+            if child is None:
+                return accepted
+            node, accepted = child, accepted + 1

@@ -15,7 +15,9 @@ each step's drafts across its requests by GOODSPEED (`PlannerConfig.goodspeed`,
 replica.planner.goodspeed), which pays off where requests accept drafts unequally
 (`SimConfig.acceptance_spread`); `slos+specserve` drafts and verifies only the drafts SpecServe
 finds worth their time from the draft's confidences (replica.planner.specserve), which the
-simulated draft gives with `SimConfig.confidence_concentration`. With
+simulated draft gives with `SimConfig.confidence_concentration`; `slos+adaserve` verifies each
+step's planned drafts as AdaServe's token trees (replica.planner.adaserve), the draft's later
+choices accepted as `SimConfig.sibling_acceptance` says (cluster.sim_spec.SimulatedTrees). With
 `SimConfig.prefix_caching` every replica keeps its computed prompts and outputs for later
 requests that start with the same tokens, and `slos+prefix` sends each request first to the
 replica the controller pictures holding the longest prefix of it (FirstHop.PREFIX).
@@ -48,12 +50,18 @@ from cluster.prefix_picture import PrefixPicture
 from cluster.routing import BackupPolicy, FirstHop, Router
 from cluster.sim_distserve import DEFAULT_LINK_GB_S, KvLink
 from cluster.sim_events import EventKind, EventQueue
-from cluster.sim_spec import DEFAULT_ACCEPTANCE, SeededAcceptance
+from cluster.sim_spec import (
+    DEFAULT_ACCEPTANCE,
+    DEFAULT_SIBLINGS,
+    SeededAcceptance,
+    SimulatedTrees,
+)
 from cluster.virtual_replica import VirtualReplica
 from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
 from replica.kv_cache import prefix_limit
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
+from replica.planner.adaserve import AdaServeTrees
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.baseline_sizing import sarathi_token_budget, vllm_config
 from replica.planner.config import (
@@ -84,6 +92,7 @@ class Policy(StrEnum):
     SLOS_LAPS = "slos+laps"
     SLOS_GOODSPEED = "slos+goodspeed"
     SLOS_SPECSERVE = "slos+specserve"
+    SLOS_ADASERVE = "slos+adaserve"
     SLOS_PREFIX = "slos+prefix"
     VLLM = "vllm"
     SARATHI = "sarathi"
@@ -150,6 +159,10 @@ class SimConfig:
     law of mean its request's acceptance and this concentration, and it is accepted with that
     probability. None: no confidences (each token accepted with the request's acceptance);
     slos+specserve needs them."""
+    sibling_acceptance: tuple[float, ...] = DEFAULT_SIBLINGS
+    """slos+adaserve: the chance the target takes the draft's second, third, ... choice, each
+    given it took none before (cluster.sim_spec.SimulatedTrees; the last value for every later
+    rank)."""
     seed: int = 0
     """Seeds the draft acceptance streams."""
     prefill_replicas: int = 1
@@ -185,8 +198,11 @@ class SimConfig:
             raise ValueError(f"tick_interval_s must be > 0, got {self.tick_interval_s}")
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
-        SeededAcceptance(
-            self.acceptance, self.seed, self.acceptance_spread, self.confidence_concentration
+        SimulatedTrees(
+            SeededAcceptance(
+                self.acceptance, self.seed, self.acceptance_spread, self.confidence_concentration
+            ),
+            self.sibling_acceptance,
         )
         if self.policy is Policy.SLOS_SPECSERVE and self.confidence_concentration is None:
             raise ValueError(
@@ -407,6 +423,11 @@ class Simulator:
             planner = config.planner_config()
             accept = self.accept if planner.spec is not None else None
             specserve = config.policy is Policy.SLOS_SPECSERVE and accept is not None
+            trees = (
+                (AdaServeTrees(perf), SimulatedTrees(self.accept, config.sibling_acceptance))
+                if config.policy is Policy.SLOS_ADASERVE and accept is not None
+                else None
+            )
             mirrors = [
                 VirtualReplica(
                     i, perf, cache, planner, track_prefixes=config.first_hop is FirstHop.PREFIX
@@ -422,6 +443,7 @@ class Simulator:
                         cache,
                         accept,
                         (SpecServeLengths(perf), self.accept.draws) if specserve else None,
+                        trees,
                     ),
                     m.scheduler,
                     m,

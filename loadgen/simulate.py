@@ -58,7 +58,7 @@ import yaml
 from tqdm import tqdm
 
 from cluster.sim_distserve import DEFAULT_LINK_GB_S, pool_splits
-from cluster.sim_spec import DEFAULT_ACCEPTANCE
+from cluster.sim_spec import DEFAULT_ACCEPTANCE, DEFAULT_SIBLINGS
 from cluster.simulator import (
     Policy,
     SimConfig,
@@ -108,6 +108,7 @@ from replica.arguments import (
     positive_float,
     positive_int,
     unit_interval,
+    unit_intervals,
 )
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
@@ -243,6 +244,8 @@ class Setup:
     """Each request's own acceptance lies uniformly within this of `acceptance`."""
     confidence_concentration: float | None = None
     """The simulated draft's confidences (SimConfig.confidence_concentration)."""
+    sibling_acceptance: tuple[float, ...] = DEFAULT_SIBLINGS
+    """slos+adaserve's later draft choices (SimConfig.sibling_acceptance)."""
     kv_link_gb_s: float = DEFAULT_LINK_GB_S
     """distserve's KV link bandwidth."""
     window_replicas: int | None = None
@@ -345,6 +348,7 @@ class Setup:
             acceptance=self.acceptance,
             acceptance_spread=self.acceptance_spread,
             confidence_concentration=self.confidence_concentration,
+            sibling_acceptance=self.sibling_acceptance,
             seed=self.seed,
             prefill_replicas=max(1, replicas // 2),
             kv_link_gb_s=self.kv_link_gb_s,
@@ -546,6 +550,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a Beta law of mean the request's acceptance and this concentration (smaller: more "
         "telling), accepted with that probability, for every policy; slos+specserve needs "
         "it (default: no confidences)",
+    )
+    parser.add_argument(
+        "--sibling-acceptance",
+        type=unit_intervals,
+        default=DEFAULT_SIBLINGS,
+        metavar="S2,S3,...",
+        help="slos+adaserve: the chance the target takes the draft's second, third, ... choice "
+        "given it took none before (the last value for every later rank; default "
+        f"{','.join(map(str, DEFAULT_SIBLINGS))}, the demo pair's, `slos-serve bench adaserve`)",
     )
     parser.add_argument(
         "--prefix-caching",
@@ -884,6 +897,7 @@ def run(args: argparse.Namespace) -> int:
             acceptance=args.acceptance,
             acceptance_spread=args.acceptance_spread,
             confidence_concentration=args.draft_confidence,
+            sibling_acceptance=args.sibling_acceptance,
             window_replicas=window,
             baseline_perf=baseline_perf,
             slowdown=p.slowdown,
@@ -912,6 +926,7 @@ def run(args: argparse.Namespace) -> int:
         "acceptance": args.acceptance,
         "acceptance_spread": args.acceptance_spread,
         "draft_confidence": args.draft_confidence,
+        "sibling_acceptance": list(args.sibling_acceptance),
         "same_window": p.same_window,
         "stop_below": p.stop_below,
         "compiled_planner": compiled.active(),

@@ -59,6 +59,16 @@ def unit_interval(text: str) -> float:
     return value
 
 
+def unit_intervals(text: str) -> tuple[float, ...]:
+    """A comma list of numbers in [0, 1] (repeats allowed)."""
+    items = [part.strip() for part in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(
+            f"needs numbers in [0, 1] separated by commas, got {text!r}"
+        )
+    return tuple(unit_interval(item) for item in items)
+
+
 def output_file(text: str) -> Path:
     """A file the command will write: its folder exists and it can be opened for writing
     (tried now; a file that did not exist is removed again)."""

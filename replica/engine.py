@@ -607,7 +607,7 @@ class Engine:
             tree = w.tree
             self.cache.append(rid, len(tree))
             table = self.cache.block_table(rid)
-            mask = tree.attn_mask()
+            mask = torch.tensor(tree.attn_mask())
             return ForwardSeq(tree.tokens, table, cached, len(tree), tree.positions(cached), mask)
         else:
             feed = [seq.last_token, *w.proposal.tokens]

@@ -59,12 +59,22 @@ class TreeCalibration:
 
     def __init__(self) -> None:
         self.ranks = [ConfidenceCalibration() for _ in range(RANKS)]
+        self.judged = [0] * RANKS
+        """Nodes of each rank judged so far (their parent reached), whatever their confidence."""
+        self.accepted = [0] * RANKS
 
     def chance(self, rank: int, confidence: float) -> float:
         return self.ranks[min(rank, RANKS - 1)].chances([confidence])[0]
 
     def observe(self, rank: int, confidence: float, accepted: bool) -> None:
-        self.ranks[min(rank, RANKS - 1)].observe([confidence], 1 if accepted else 0)
+        rank = min(rank, RANKS - 1)
+        self.ranks[rank].observe([confidence], 1 if accepted else 0)
+        self.judged[rank] += 1
+        self.accepted[rank] += accepted
+
+    def rank_acceptance(self) -> list[float | None]:
+        """The share of each rank's judged nodes the target accepted (None: none judged)."""
+        return [a / j if j else None for a, j in zip(self.accepted, self.judged, strict=True)]
 
 
 class AdaServeTrees:
@@ -88,9 +98,13 @@ class AdaServeTrees:
         """Depth and width of this step's candidate trees."""
         return tree_shape(budget, num_requests, max_depth, self.config.max_width)
 
-    def needs(self, requests: Sequence[tuple[Request, int]], step: BatchShape) -> list[float]:
-        """A(r) for each (request, tokens it has out) at the end of `step` as predicted."""
-        end = self.clock() + self.perf.predict(step)
+    def needs(
+        self, requests: Sequence[tuple[Request, int]], step: BatchShape, now: float | None = None
+    ) -> list[float]:
+        """A(r) for each (request, tokens it has out) at the end of `step` as predicted, the
+        step starting `now` (None: the clock's time)."""
+        start = self.clock() if now is None else now
+        end = start + self.perf.predict(step)
         return [tokens_needed(request, out, end) for request, out in requests]
 
     def calibrated(self, tree: TokenTree) -> TokenTree:

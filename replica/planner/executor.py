@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Protocol
 
 from replica.batch import (
     BatchOutcome,
@@ -25,14 +26,28 @@ from replica.batch import (
 )
 from replica.kv_cache import prefix_limit
 from replica.perf_model import BatchShape, BatchTimeModel
+from replica.planner.adaserve import AdaServeTrees
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.specserve import SpecServeLengths, drafted_length
 from replica.request import Request
+from replica.spec.tree import TokenTree, select_nodes
 
 AcceptFn = Callable[[str, int], int]
 """(request id, drafted tokens) -> accepted drafts."""
 ConfideFn = Callable[[str, int], tuple[list[float], list[bool]]]
 """(request id, drafted tokens) -> each draft's confidence and whether the target accepts it."""
+
+
+class TreeDraft(Protocol):
+    """A simulated draft for AdaServe's trees (cluster.sim_spec.SimulatedTrees)."""
+
+    def candidate(self, request_id: str, depth: int, width: int) -> TokenTree:
+        """The candidate tree the draft grows (f: each node's chance of acceptance)."""
+        ...
+
+    def walk(self, request_id: str, tree: TokenTree) -> int:
+        """Nodes of `tree` the target accepts in one verify."""
+        ...
 
 
 OUTPUT_TOKENS = 4096
@@ -91,13 +106,17 @@ class PerfExecutor:
         cache: CacheBudget,
         accept: AcceptFn | None = None,
         specserve: tuple[SpecServeLengths, ConfideFn] | None = None,
+        adaserve: tuple[AdaServeTrees, TreeDraft] | None = None,
     ):
         """`specserve`: draft and verify only the drafts SpecServe keeps, from the
-        confidences and verdicts the hook draws (it then decides acceptance, not `accept`)."""
+        confidences and verdicts the hook draws (it then decides acceptance, not `accept`).
+        `adaserve`: verify each step's planned drafts as AdaServe's token trees, grown and
+        walked by the `TreeDraft` (which then decides acceptance)."""
         self.perf = perf
         self.cache = cache
         self.accept = accept
         self.specserve = specserve
+        self.adaserve = adaserve
         self.sequences: dict[str, _Sequence] = {}
         self.token_times: dict[str, list[float]] = {}
         self.peak_blocks = 0
@@ -178,6 +197,8 @@ class PerfExecutor:
         verified: dict[int, tuple[int, int]] = {}
         if self.specserve is not None:
             shape, verified = self._specserve(plan, shape, *self.specserve)
+        elif self.adaserve is not None:
+            shape, verified = self._adaserve(plan, shape, now, *self.adaserve)
         duration = self.perf.predict(shape)
         end = now + duration
         outcomes = [
@@ -225,6 +246,58 @@ class PerfExecutor:
             tuple(new_tokens), shape.context, drafted.draft_steps, drafted.draft_batch, shape.tp
         )
         return final, verified
+
+    def _adaserve(
+        self,
+        plan: BatchPlan,
+        shape: BatchShape,
+        now: float,
+        policy: AdaServeTrees,
+        draft: TreeDraft,
+    ) -> tuple[BatchShape, dict[int, tuple[int, int]]]:
+        """The step with AdaServe's trees in place of the planned chains, as a live replica
+        runs it (replica.engine), and each drafting decode's (nodes verified, accepted). The
+        draft grows `depth` levels, priced as `depth` draft steps of its requests (the profile
+        prices a draft step per request: the `width` rows of a level are taken to cost what
+        one does, as for a small draft that reads its weights once per step); the plan's own
+        split is kept when the trees' KV would not fit."""
+        spec = [
+            i
+            for i, e in enumerate(plan.entries)
+            if isinstance(e, DecodeStep) and e.num_spec_tokens > 0
+        ]
+        if not spec:
+            return shape, {}
+        planned = [shape.new_tokens[i] - 1 for i in spec]
+        budget = sum(planned)
+        depth, width = policy.shape(budget, len(spec), max(planned))
+        seqs = [self.sequences[plan.entries[i].request_id] for i in spec]
+        trees = [
+            draft.candidate(
+                s.request.request_id,
+                min(depth, s.request.sampling.max_tokens - len(s.output) - 1),
+                width,
+            )
+            for s in seqs
+        ]
+        needs = policy.needs([(s.request, len(s.output)) for s in seqs], shape, now)
+        most = policy.config.max_nodes
+        chosen = select_nodes(trees, needs, budget, [most] * len(spec), depth)
+        fed = _fed(plan)
+        for s, nodes in zip(seqs, chosen, strict=True):
+            fed[s.request.request_id] = 1 + len(nodes)
+        blocks = self._blocks(fed)
+        if blocks > self.cache.num_blocks:
+            chosen = select_nodes(trees, needs, budget, planned, depth)
+        else:
+            self.peak_blocks = max(self.peak_blocks, blocks)
+        new_tokens = list(shape.new_tokens)
+        verified = {}
+        for i, s, tree, nodes in zip(spec, seqs, trees, chosen, strict=True):
+            new_tokens[i] = 1 + len(nodes)
+            verified[i] = (len(nodes), draft.walk(s.request.request_id, tree.subtree(nodes)))
+        trees_shape = BatchShape(tuple(new_tokens), shape.context, depth, len(spec), shape.tp)
+        return trees_shape, verified
 
     def _run_entry(
         self,
@@ -288,6 +361,13 @@ class PerfExecutor:
             finish_reason=reason,
         )
 
+    def _blocks(self, fed: dict[str, int]) -> int:
+        """KV blocks every request holds once it has cached the tokens `fed` to it."""
+        return sum(
+            self.cache.blocks_for(s.own_computed + fed.get(rid, 0))
+            for rid, s in self.sequences.items()
+        )
+
     def _held_blocks(self) -> int:
         return sum(self.cache.blocks_for(s.own_computed) for s in self.sequences.values())
 
@@ -295,19 +375,21 @@ class PerfExecutor:
         """The step's KV peak: every fed token (drafts included) needs a slot (a prefix
         started from a cache is in blocks the cache holds, which the planners, counting each
         request's computed tokens, count for every request that shares them)."""
-        fed = {e.request_id: e.num_tokens for e in plan.entries if isinstance(e, PrefillChunk)}
-        fed.update(
-            {e.request_id: e.num_spec_tokens + 1 for e in plan.entries if isinstance(e, DecodeStep)}
-        )
-        blocks = sum(
-            self.cache.blocks_for(s.own_computed + fed.get(rid, 0))
-            for rid, s in self.sequences.items()
-        )
+        blocks = self._blocks(_fed(plan))
         self.peak_blocks = max(self.peak_blocks, blocks)
         if blocks > self.cache.num_blocks:
             raise ValueError(
                 f"plan needs {blocks} KV blocks; the cache has {self.cache.num_blocks}"
             )
+
+
+def _fed(plan: BatchPlan) -> dict[str, int]:
+    """Tokens each entry of the plan feeds (a decode: its drafts and its last token)."""
+    fed = {e.request_id: e.num_tokens for e in plan.entries if isinstance(e, PrefillChunk)}
+    fed.update(
+        {e.request_id: e.num_spec_tokens + 1 for e in plan.entries if isinstance(e, DecodeStep)}
+    )
+    return fed
 
 
 def late_tokens(request: Request, times: Sequence[float], tol: float = 1e-9) -> list[int]:

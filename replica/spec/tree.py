@@ -16,8 +16,6 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass
 class TokenTree:
@@ -113,13 +111,14 @@ class TokenTree:
             probs=[1.0] + [self.probs[i] for i in keep],
         )
 
-    def attn_mask(self) -> torch.Tensor:
-        """Bool [n, n]: node i attends to itself and its ancestors (the root included)."""
-        mask = torch.zeros(len(self), len(self), dtype=torch.bool)
+    def attn_mask(self) -> list[list[bool]]:
+        """[n][n]: node i attends to itself and its ancestors (the root included). Plain
+        lists keep this module free of torch, which the simulator never loads."""
+        mask: list[list[bool]] = []
         for i in range(len(self)):
-            if i > 0:
-                mask[i] = mask[self.parents[i]]
-            mask[i, i] = True
+            row = list(mask[self.parents[i]]) if i > 0 else [False] * len(self)
+            row[i] = True
+            mask.append(row)
         return mask
 
     def positions(self, first: int) -> list[int]:

@@ -10,7 +10,7 @@ import pytest
 
 from cluster.api import Verdict
 from cluster.sim_distserve import KvLink, pool_splits
-from cluster.sim_spec import SeededAcceptance
+from cluster.sim_spec import SeededAcceptance, SimulatedTrees
 from cluster.simulator import Policy, SimConfig, SimOutcome, SimRequest, SimResult, Simulator
 from loadgen import simulate
 from loadgen.arrivals import poisson_arrivals
@@ -182,6 +182,46 @@ def test_specserve_policy_needs_confidences_and_verifies_fewer_drafts() -> None:
     assert verified["specserve"] < verified["slos"]
     accepted = {name: r.accepted_drafts / r.verified_drafts for name, r in runs.items()}
     assert accepted["specserve"] > accepted["slos"], "the drafts dropped were the unlikely ones"
+
+
+def test_simulated_trees_accept_later_choices_as_the_siblings_say() -> None:
+    """p_0 = alpha, p_1 = s_1 (1 - alpha), p_2 = s_2 (1 - p_0 - p_1); the beam keeps the
+    children of highest path chance; a walk accepts a path with its chance."""
+    trees = SimulatedTrees(SeededAcceptance(0.6, 3), (0.5, 0.25))
+    assert trees.chances("r", 4) == pytest.approx([0.6, 0.2, 0.05, 0.0375])
+    tree = trees.candidate("r", depth=2, width=2)
+    # Level 1: ranks 0 (0.6) and 1 (0.2); level 2: 0.6 x 0.6 and 0.6 x 0.2 beat 0.2 x 0.6.
+    assert tree.parents == [-1, 0, 0, 1, 1] and tree.tokens == [0, 0, 1, 0, 1]
+    assert tree.probs == pytest.approx([1.0, 0.6, 0.2, 0.36, 0.12])
+    walks = [trees.walk(f"w{i}", tree) for i in range(4000)]
+    expected = sum(tree.probs[1:])  # E[accepted] = sum of f over the nodes below the root
+    assert abs(sum(walks) / len(walks) - expected) < 0.04
+
+    def walks(rid: str) -> list[int]:
+        fresh = SimulatedTrees(SeededAcceptance(0.6, 3), (0.5, 0.25))
+        return [fresh.walk(rid, tree) for _ in range(20)]
+
+    assert walks("a") == walks("a") != walks("b"), "per-request seeded streams"
+    with pytest.raises(ValueError, match="sibling_acceptance"):
+        SimulatedTrees(SeededAcceptance(0.6, 3), (1.5,))
+    with pytest.raises(ValueError, match="at least one"):
+        SimulatedTrees(SeededAcceptance(0.6, 3), ())
+
+
+def test_adaserve_policy_serves_every_token_and_verifies_trees() -> None:
+    config = SimConfig(policy=Policy.SLOS_ADASERVE, sibling_acceptance=(0.9, 0.9))
+    assert config.planner_config() == replace(config, policy=Policy.SLOS).planner_config()
+    requests = chatbot(40, 4.0, 0)
+    trees = run(requests, config, A100)
+    got = times(trees)
+    assert [len(got[r.request.request_id]) for r in requests] == [r.output_len for r in requests]
+    assert times(run(requests, config, A100)) == got, "deterministic for a seed"
+    plain = run(requests, replace(config, policy=Policy.SLOS), A100)
+    runs = {"trees": trees.result, "chains": plain.result}
+    accepted = {name: r.accepted_drafts / r.decode_steps for name, r in runs.items()}
+    assert accepted["trees"] > accepted["chains"], "likely siblings add accepted tokens"
+    with pytest.raises(ValueError, match="sibling_acceptance"):
+        SimConfig(policy=Policy.SLOS_ADASERVE, sibling_acceptance=(-0.1,))
 
 
 def test_distserve_reproduces_a_hand_computed_schedule_with_a_queued_kv_link() -> None:

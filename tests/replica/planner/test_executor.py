@@ -6,11 +6,13 @@ from dataclasses import replace
 
 import pytest
 
+from cluster.sim_spec import SeededAcceptance, SimulatedTrees
 from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.perf_model import PerfModel
+from replica.planner.adaserve import AdaServeTrees
 from replica.planner.base import CacheBudget
 from replica.planner.executor import PerfExecutor, late_tokens, token_id
-from replica.request import SLO, Request, SamplingParams
+from replica.request import SLO, Request, SamplingParams, Tier
 
 PERF = PerfModel.synthetic({"tokens": 0.5})
 
@@ -115,3 +117,26 @@ def test_a_request_started_from_a_cached_prefix_computes_the_rest_in_blocks_of_i
     assert executor.preempted_tokens == 10
     with pytest.raises(ValueError, match="KV blocks"):
         executor.execute(BatchPlan((PrefillChunk("a", 11),)), 1.0)  # all of it its own now
+
+
+def _two_decoding(blocks: int) -> PerfExecutor:
+    """A request far behind its SLO line and one ahead of it, both prefilled, on an executor
+    verifying AdaServe's trees (the simulated draft's)."""
+    perf = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})
+    trees = (AdaServeTrees(perf), SimulatedTrees(SeededAcceptance(0.6, 1), (0.5, 0.25)))
+    executor = PerfExecutor(perf, CacheBudget(blocks, 4), adaserve=trees)
+    slo = SLO(ttft_ms=100.0, tpot_ms=10.0)
+    for rid, arrival in (("late", 0.0), ("early", 0.95)):
+        executor.add(Request(rid, [1] * 4, SamplingParams(max_tokens=20), slo, Tier.SLO, arrival))
+    executor.execute(BatchPlan((PrefillChunk("late", 4), PrefillChunk("early", 4))), 0.95)
+    return executor
+
+
+def test_adaserve_trees_go_to_the_late_request_within_the_step_and_the_cache() -> None:
+    plan = BatchPlan((DecodeStep("late", 3), DecodeStep("early", 3)))
+    outcome, _ = _two_decoding(blocks=8).execute(plan, 1.0)
+    verified = {o.request_id: o.num_draft_tokens for o in outcome.outcomes}
+    assert verified["late"] > 3 and verified["early"] < 3 and sum(verified.values()) <= 6
+    # Four blocks hold the plan's own split (4 + 4 tokens each) but not 7 + 1: it is kept.
+    outcome, _ = _two_decoding(blocks=4).execute(plan, 1.0)
+    assert all(o.num_draft_tokens <= 3 for o in outcome.outcomes)

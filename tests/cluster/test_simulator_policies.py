@@ -166,17 +166,23 @@ def test_confidences_keep_each_requests_acceptance_and_its_stream() -> None:
         SeededAcceptance(0.6, 3, concentration=0.0)
 
 
+def _against_slos(config: SimConfig) -> tuple[Ran, Ran]:
+    """A speculation policy that plans as slos does, run on a chatbot burst: every token
+    served, the same run for the same seed; and slos's run beside it."""
+    assert config.planner_config() == replace(config, policy=Policy.SLOS).planner_config()
+    requests = chatbot(40, 4.0, 0)
+    ran = run(requests, config, A100)
+    got = times(ran)
+    assert [len(got[r.request.request_id]) for r in requests] == [r.output_len for r in requests]
+    assert times(run(requests, config, A100)) == got, "deterministic for a seed"
+    return ran, run(requests, replace(config, policy=Policy.SLOS), A100)
+
+
 def test_specserve_policy_needs_confidences_and_verifies_fewer_drafts() -> None:
     with pytest.raises(ValueError, match="set confidence_concentration"):
         SimConfig(policy=Policy.SLOS_SPECSERVE)
     config = SimConfig(policy=Policy.SLOS_SPECSERVE, confidence_concentration=1.0)
-    assert config.planner_config() == replace(config, policy=Policy.SLOS).planner_config()
-    requests = chatbot(40, 4.0, 0)
-    specserve = run(requests, config, A100)
-    got = times(specserve)
-    assert [len(got[r.request.request_id]) for r in requests] == [r.output_len for r in requests]
-    assert times(run(requests, config, A100)) == got, "deterministic for a seed"
-    plain = run(requests, replace(config, policy=Policy.SLOS), A100)
+    specserve, plain = _against_slos(config)
     runs = {"specserve": specserve.result, "slos": plain.result}
     verified = {name: r.verified_drafts / r.decode_steps for name, r in runs.items()}
     assert verified["specserve"] < verified["slos"]
@@ -210,13 +216,7 @@ def test_simulated_trees_accept_later_choices_as_the_siblings_say() -> None:
 
 def test_adaserve_policy_serves_every_token_and_verifies_trees() -> None:
     config = SimConfig(policy=Policy.SLOS_ADASERVE, sibling_acceptance=(0.9, 0.9))
-    assert config.planner_config() == replace(config, policy=Policy.SLOS).planner_config()
-    requests = chatbot(40, 4.0, 0)
-    trees = run(requests, config, A100)
-    got = times(trees)
-    assert [len(got[r.request.request_id]) for r in requests] == [r.output_len for r in requests]
-    assert times(run(requests, config, A100)) == got, "deterministic for a seed"
-    plain = run(requests, replace(config, policy=Policy.SLOS), A100)
+    trees, plain = _against_slos(config)
     runs = {"trees": trees.result, "chains": plain.result}
     accepted = {name: r.accepted_drafts / r.decode_steps for name, r in runs.items()}
     assert accepted["trees"] > accepted["chains"], "likely siblings add accepted tokens"

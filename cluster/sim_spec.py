@@ -101,7 +101,7 @@ class SeededAcceptance:
         self._streams.pop(request_id, None)
 
 
-DEFAULT_SIBLINGS = (0.42, 0.23, 0.16)
+DEFAULT_SIBLINGS = (0.40, 0.21, 0.20)
 """The chance the target takes the draft's second, third and fourth choice, each given it took
 none before: the demo pair's, teacher forced on held-out Python (`slos-serve bench adaserve`,
 its `sibling_acceptance`), assumed for every pair (no seed paper gives one)."""

@@ -195,6 +195,7 @@ class HttpClient:
     """Any OpenAI-compatible server's streamed /v1/completions (slos-serve, vLLM, Ray Serve LLM).
 
     `send_slo=False` leaves out the `slo` body field, for servers that refuse unknown fields.
+    `temperature` None sends none: the server's default (the API's is 1).
     """
 
     def __init__(
@@ -206,6 +207,7 @@ class HttpClient:
         count_tokens: TokenCounter | None = None,
         send_slo: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        temperature: float | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"target must be an http:// or https:// URL, got {base_url!r}")
@@ -213,6 +215,7 @@ class HttpClient:
             raise ValueError("model must be a non-empty string")
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model = model
+        self.temperature = temperature
         self.count_tokens = count_tokens or _one_token_per_chunk
         self.send_slo = send_slo
         self.timeout_s = _positive_timeout(timeout_s)
@@ -234,6 +237,8 @@ class HttpClient:
         }
         if self.send_slo:
             body["slo"] = slo_body(request.slo)
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         return body
 
     async def send(self, request: WorkloadRequest, prompt: Prompt, clock: Clock) -> RequestRecord:
@@ -352,7 +357,8 @@ async def _read_chunks(
 
 
 class GrpcClient:
-    """slos-serve's gRPC door through the async SDK (router.client.AsyncClient)."""
+    """slos-serve's gRPC door through the async SDK (router.client.AsyncClient); `temperature`
+    None sends none (the server's default)."""
 
     def __init__(
         self,
@@ -361,9 +367,11 @@ class GrpcClient:
         api_key: str | None = None,
         model: str = "",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        temperature: float | None = None,
     ) -> None:
         self.timeout_s = _positive_timeout(timeout_s)
         self.model = model
+        self.temperature = temperature
         self.sdk = AsyncClient(target, api_key=api_key, timeout_s=timeout_s)
 
     async def send(self, request: WorkloadRequest, prompt: Prompt, clock: Clock) -> RequestRecord:
@@ -387,6 +395,7 @@ class GrpcClient:
             slo=request.slo,
             ignore_eos=True,
             model=self.model,
+            temperature=self.temperature,
         )
 
         def final(item: Chunk | Result) -> bool:

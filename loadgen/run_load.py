@@ -190,11 +190,17 @@ class Target:
     tokenizer: Tokenizer
     send_slo: bool
     timeout_s: float
+    temperature: float | None = None
+    """What every request samples at (None: the server's default)."""
 
     def client(self) -> LoadClient:
         if self.protocol == "grpc":
             return GrpcClient(
-                self.address, api_key=self.api_key, model=self.model, timeout_s=self.timeout_s
+                self.address,
+                api_key=self.api_key,
+                model=self.model,
+                timeout_s=self.timeout_s,
+                temperature=self.temperature,
             )
         return HttpClient(
             self.address,
@@ -203,6 +209,7 @@ class Target:
             count_tokens=self.count_tokens,
             send_slo=self.send_slo,
             timeout_s=self.timeout_s,
+            temperature=self.temperature,
         )
 
     def count_tokens(self, text: str) -> int:
@@ -431,6 +438,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
         "--no-slo-fields", action="store_true", help="HTTP: omit the slo body field"
     )
     parser.add_argument("--request-timeout", type=positive_float, default=120.0, help="seconds")
+    parser.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        help="every request's sampling temperature, 0 for greedy (default: none sent, the "
+        "server's default; the OpenAI API's is 1)",
+    )
     parser.add_argument("--replicas", type=positive_int, help="for capacity per replica")
     parser.add_argument("--capacity", action="store_true", help="search the capacity")
     parser.add_argument("--rates", help="capacity: search bounds LO,HI in requests/s")
@@ -666,6 +679,7 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
         tokenizer,
         not args.no_slo_fields,
         args.request_timeout,
+        args.temperature,
     )
     if args.zero_load == "probe":
         lens = probe_prompt_lens(args.length_scale, info.max_model_len)
@@ -687,6 +701,7 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
         "slo_targets": asdict(spec.config.targets),
         "replicas": info.replicas,
         "seed": args.seed,
+        "temperature": args.temperature,
     }
     if measured is not None:
         header["zero_load"] = measured.to_dict()

@@ -265,6 +265,14 @@ def test_slo_body_sends_stages_only_when_present() -> None:
     ]
 
 
+def test_a_temperature_goes_in_the_body_only_when_given() -> None:
+    request = workload_request("r")
+    prompt = Prompt("hello", (1,))
+    assert "temperature" not in HttpClient("http://127.0.0.1:1", "demo").body(request, prompt)
+    greedy = HttpClient("http://127.0.0.1:1", "demo", temperature=0.0)
+    assert greedy.body(request, prompt)["temperature"] == 0.0
+
+
 def test_open_loop_sends_on_time_and_chains_follow_ups(server: Server) -> None:
     """'slow' holds its stream 0.6 s; 'ok' (arrival 0.2 s) must not wait for it. The follow-up
     of 'ok' goes out after 'ok' finished; the follow-up of a rejected round is not sent."""

@@ -191,6 +191,7 @@ class CpuKernels:
         self._entry = {}
         self._forward = {}
         self._chain = {}
+        self._tree = {}
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             fn = getattr(lib, f"paged_attention_{suffix}")
             fn.argtypes = [*args, ptr, i64]
@@ -215,6 +216,11 @@ class CpuKernels:
             ]
             chain.restype = ctypes.c_int
             self._chain[dtype] = chain
+            tree = getattr(lib, f"greedy_tree_{suffix}")
+            tree.argtypes = [ctypes.POINTER(ModelArgs), ptr, ptr, i64, ptr, ptr, i64, i64]
+            tree.argtypes += [ptr, ptr, ptr, ptr, i64]
+            tree.restype = ctypes.c_int
+            self._tree[dtype] = tree
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._entry
@@ -277,6 +283,60 @@ class CpuKernels:
             sure = None if conf is None else conf[r * most : r * most + len(tokens)].tolist()
             chains.append((tokens, sure))
         return chains
+
+    def greedy_tree(
+        self,
+        dtype: torch.dtype,
+        model: ModelArgs,
+        batch: array.array[int],
+        depths: list[int],
+        width: int,
+        vocab: torch.Tensor | None,
+        chances: list[list[float]] | None,
+    ) -> list[tuple[list[int], list[int], list[float]]]:
+        """AdaServe's beam of `depths[r]` levels of `width` for request r of a `pack_batch`
+        array whose logit rows are each request's last row, every level in one C call
+        (greedy_tree in the kernel): each request's (tokens, parents, path probabilities), node
+        0 its root. `chances[rank][bin]`: the calibrated chance of a child of that sibling rank
+        in that equal bin of its probability (None: the probability itself). The block tables
+        must already hold every level's slots."""
+        if not 1 <= width <= 4:
+            raise ValueError(f"a tree level keeps 1 to 4 children, got {width}")
+        if chances is not None and (not chances or len({len(row) for row in chances}) != 1):
+            raise ValueError("chances must be ranks x bins, every rank the same bins")
+        stride = 1 + max(depths) * width
+        size = len(depths) * stride
+        tokens = array.array("q", [0]) * size
+        parents = array.array("q", [0]) * size
+        probs = array.array("f", bytes(4 * size))
+        counts = array.array("q", [0]) * len(depths)
+        table = None if chances is None else array.array("f", [c for row in chances for c in row])
+        levels = array.array("q", depths)
+        failed = self._tree[dtype](
+            model,
+            batch.buffer_info()[0],
+            levels.buffer_info()[0],
+            width,
+            None if vocab is None else vocab.data_ptr(),
+            None if table is None else table.buffer_info()[0],
+            0 if chances is None else len(chances[0]),
+            0 if chances is None else len(chances),
+            tokens.buffer_info()[0],
+            parents.buffer_info()[0],
+            probs.buffer_info()[0],
+            counts.buffer_info()[0],
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("greedy tree could not allocate its scratch buffers")
+        return [
+            (
+                tokens[r * stride : r * stride + n].tolist(),
+                parents[r * stride : r * stride + n].tolist(),
+                probs[r * stride : r * stride + n].tolist(),
+            )
+            for r, n in enumerate(counts)
+        ]
 
     def attention(
         self,

@@ -479,7 +479,7 @@ class Engine:
                 min(depth, self._tree_depth_limit(w)),
                 width,
                 w.seq.shaper,
-                adaserve.calibration.chance,
+                adaserve.calibration,
             )
             for w in spec
         ]

@@ -971,6 +971,64 @@ class ModelRunner:
             None if table is None else list(table),
         )
 
+    def can_tree(self, q_lens: Sequence[int], depth: int, width: int) -> bool:
+        """Whether `greedy_tree` takes sequences whose first level feeds `q_lens` tokens and
+        that grow `depth` levels of `width`: the fused forward's limits for every level, and a
+        tree whose fed levels fit the kernels' mask window."""
+        return (
+            self.can_chain(q_lens)
+            and 1 <= width <= 4
+            and len(q_lens) * width <= FUSED_MAX_TOKENS[self.dtype]
+            and (depth - 1) * width <= cpu_kernels.MASK_WINDOW
+        )
+
+    @torch.inference_mode()
+    def greedy_tree(
+        self,
+        seqs: list[ForwardSeq],
+        depths: Sequence[int],
+        width: int,
+        chances: list[list[float]] | None = None,
+    ) -> list[tuple[list[int], list[int], list[float]]]:
+        """AdaServe's beam for greedy requests, every level in one C call (a draft's
+        `propose_trees`): sequence i grows `depths[i]` levels, each keeping the `width`
+        children of highest path score (`chances[rank][bin]`, the calibrated chance of a child
+        of that sibling rank in that equal bin of its probability; None: the probability).
+        Each level's nodes take the cache slots after the sequence's tokens, level by level,
+        and its block table already covers them. Returns each sequence's (tokens, parents,
+        path probabilities), node 0 its last token."""
+        most = max(depths, default=0)
+        if not self.can_tree([len(s.token_ids) for s in seqs], most, width):
+            raise ValueError(
+                "greedy_tree needs the fused CPU forward, rows of at most "
+                f"{SMALL_QUERY} tokens, {FUSED_MAX_TOKENS[self.dtype]} in all, and fed levels "
+                f"within {cpu_kernels.MASK_WINDOW} keys; see can_tree"
+            )
+        if len(depths) != len(seqs) or any(d < 0 for d in depths):
+            raise ValueError(f"need one depth >= 0 per sequence, got {list(depths)}")
+        for s, d in zip(seqs, depths, strict=True):
+            if s.num_logits != 1 or s.positions is not None or s.attn_mask is not None:
+                raise ValueError("greedy_tree sequences take default positions, no mask, 1 logit")
+            need = s.num_cached + len(s.token_ids) + max(0, d - 1) * width
+            if len(s.block_table) * BLOCK_SIZE < need:
+                raise ValueError(
+                    f"block table of {len(s.block_table)} blocks cannot hold the {need} tokens "
+                    f"of {d} levels"
+                )
+            if s.num_cached + len(s.token_ids) + d > self.config.max_position_embeddings:
+                raise ValueError(f"{d} levels run past position {self.max_model_len}")
+        flat = self._flatten(seqs)
+        assert self._fused is not None and self._paged is not None
+        return self._paged.greedy_tree(
+            self.dtype,
+            self._fused,
+            self._pack(seqs, flat),
+            list(depths),
+            width,
+            self.head_vocab,
+            chances,
+        )
+
     def _pack(self, seqs: list[ForwardSeq], flat: _Flat) -> array.array[int]:
         """The batch as the fused forward reads it."""
         return cpu_kernels.pack_batch(

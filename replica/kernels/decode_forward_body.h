@@ -377,6 +377,172 @@ int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int
     return failed;
 }
 
+/* AdaServe's beam for greedy requests (replica/spec/draft.py, DraftModel.propose_trees),
+ * every level in one C call as greedy_chain does for chains: `batch` is the first level (each
+ * request's uncached known tokens, its last one the tree's root, one logit row each); request
+ * r grows depths[r] levels. Each level keeps the `width` children of highest path score over
+ * all parents: a child of rank j (the parent's j-th likeliest token, probability q) scores its
+ * parent's score times chances[min(j, ranks - 1) * bins + bin(q)] (the calibration, equal bins
+ * of q), or times q without `chances`; its path probability is its parent's times q. The next
+ * level feeds the kept children, each seeing the context (keys before its request's known
+ * length) and its own ancestors, whose cache positions follow the known tokens level by level.
+ * Request r's nodes go to tokens/parents/probs[r * (1 + max depth * width) + i], node 0 its
+ * root, and counts[r] says how many; block tables must cover every level's slots; returns 1 if
+ * a buffer could not be allocated. */
+int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int64_t *depths,
+                    int64_t width, const int64_t *vocab, const float *chances, int64_t bins,
+                    int64_t ranks, int64_t *tokens, int64_t *parents, float *probs,
+                    int64_t *counts, int64_t threads) {
+    const struct batch first = read_batch(batch);
+    const int64_t R = first.R, W = first.W, V = a->head_rows, bs = a->block_size;
+    int64_t most = 0;
+    for (int64_t r = 0; r < R; r++) most = depths[r] > most ? depths[r] : most;
+    const int64_t stride = 1 + most * width, rows_max = R * width > R ? R * width : R;
+    float *logits = malloc(sizeof(float) * (size_t)(rows_max * V));
+    float *score = malloc(sizeof(float) * (size_t)(R * stride));
+    /* per node: the bits of its ancestors' and its own cache positions from the context on */
+    uint64_t *bits = malloc(sizeof(uint64_t) * (size_t)(R * stride));
+    /* the current level and the next: (request, node) of each logit row */
+    int64_t *level = malloc(sizeof(int64_t) * (size_t)(4 * rows_max));
+    /* per request: the next free cache position (after the known tokens and fed levels) */
+    int64_t *written = malloc(sizeof(int64_t) * (size_t)R);
+    /* the next batch's arrays */
+    int64_t *next = malloc(sizeof(int64_t) * (size_t)(rows_max * 6 + R * (4 + W)));
+    /* candidates of one request: score, probability, parent, token */
+    float *cand_score = malloc(sizeof(float) * (size_t)(width * width));
+    float *cand_prob = malloc(sizeof(float) * (size_t)(width * width));
+    int64_t *cand_node = malloc(sizeof(int64_t) * (size_t)(2 * width * width));
+    int failed = !logits || !score || !bits || !level || !written || !next ||
+                 !cand_score || !cand_prob || !cand_node;
+    int64_t rows = 0;
+    for (int64_t r = 0; r < R && !failed; r++) {
+        const int64_t root = first.q_start[r] + first.q_len[r] - 1;
+        tokens[r * stride] = first.ids[root];
+        parents[r * stride] = -1;
+        probs[r * stride] = 1.0f;
+        score[r * stride] = 1.0f;
+        bits[r * stride] = 0;
+        counts[r] = 1;
+        written[r] = first.num_cached[r] + first.q_len[r];
+        level[2 * rows] = r;
+        level[2 * rows + 1] = 0;
+        rows++;
+    }
+    if (!failed) failed = FN(run)(a, &first, logits, threads);
+    for (int64_t depth = 1; !failed && depth <= most; depth++) {
+        int64_t kept = 0; /* rows of the next level */
+        int64_t *next_level = level + 2 * rows_max;
+        for (int64_t i = 0; i < rows;) {
+            const int64_t r = level[2 * i];
+            int64_t end = i;
+            while (end < rows && level[2 * end] == r) end++;
+            int64_t n = 0;
+            if (depths[r] >= depth) {
+                for (int64_t row = i; row < end; row++) {
+                    const int64_t parent = level[2 * row + 1];
+                    const float *l = logits + row * V;
+                    int64_t top[4] = {-1, -1, -1, -1};
+                    float best = l[0];
+                    for (int64_t v = 1; v < V; v++) best = l[v] > best ? l[v] : best;
+                    float total = 0.0f;
+                    for (int64_t v = 0; v < V; v++) total += expf(l[v] - best);
+                    for (int64_t v = 0; v < V; v++) {
+                        int64_t at = width;
+                        while (at > 0 && (top[at - 1] < 0 || l[v] > l[top[at - 1]])) at--;
+                        if (at >= width) continue;
+                        for (int64_t k = width - 1; k > at; k--) top[k] = top[k - 1];
+                        top[at] = v;
+                    }
+                    for (int64_t j = 0; j < width && top[j] >= 0; j++) {
+                        const float q = expf(l[top[j]] - best) / total;
+                        if (!(q > 0.0f)) continue;
+                        float chance = q;
+                        if (chances) {
+                            const int64_t bin = (int64_t)((double)q * (double)bins);
+                            const int64_t rank = j < ranks ? j : ranks - 1;
+                            chance = chances[rank * bins + (bin < bins ? bin : bins - 1)];
+                        }
+                        const float f = probs[r * stride + parent] * q;
+                        cand_score[n] = score[r * stride + parent] * chance;
+                        cand_prob[n] = f < 1.0f ? f : 1.0f;
+                        cand_node[2 * n] = parent;
+                        cand_node[2 * n + 1] = vocab ? vocab[top[j]] : top[j];
+                        n++;
+                    }
+                }
+            }
+            /* keep the `width` best, ties to the earlier candidate (a stable sort's order) */
+            for (int64_t pick = 0; pick < width && n > 0; pick++) {
+                int64_t b = -1;
+                for (int64_t c = 0; c < n; c++)
+                    if (cand_node[2 * c] >= 0 && (b < 0 || cand_score[c] > cand_score[b])) b = c;
+                if (b < 0) break;
+                const int64_t node = counts[r]++;
+                const int64_t parent = cand_node[2 * b];
+                tokens[r * stride + node] = cand_node[2 * b + 1];
+                parents[r * stride + node] = parent;
+                probs[r * stride + node] = cand_prob[b];
+                score[r * stride + node] = cand_score[b];
+                cand_node[2 * b] = -1;
+                if (depths[r] > depth) {
+                    next_level[2 * kept] = r;
+                    next_level[2 * kept + 1] = node;
+                    kept++;
+                }
+            }
+            i = end;
+        }
+        if (kept == 0) break;
+        /* the next batch: one row per kept node, its request's cache positions in order */
+        int64_t *ids = next, *pos = ids + kept, *slots = pos + kept, *lrows = slots + kept;
+        int64_t *q_start = lrows + kept, *q_len = q_start + R, *cached = q_len + R;
+        int64_t *tables = cached + R, *mask_from = tables + R * W;
+        uint64_t *masks = (uint64_t *)(mask_from + R);
+        int64_t reqs = 0;
+        for (int64_t k = 0; k < kept; k++) {
+            const int64_t r = next_level[2 * k], node = next_level[2 * k + 1];
+            const int64_t context = first.num_cached[r] + first.q_len[r];
+            const int64_t *table = first.tables + r * W;
+            if (k == 0 || next_level[2 * (k - 1)] != r) {
+                q_start[reqs] = k;
+                q_len[reqs] = 0;
+                cached[reqs] = written[r];
+                mask_from[reqs] = context;
+                memcpy(tables + reqs * W, table, sizeof(int64_t) * (size_t)W);
+                reqs++;
+            }
+            const int64_t at = cached[reqs - 1] + q_len[reqs - 1];
+            const int64_t parent = parents[r * stride + node];
+            bits[r * stride + node] = bits[r * stride + parent] | ((uint64_t)1 << (at - context));
+            ids[k] = tokens[r * stride + node];
+            pos[k] = first.positions[first.q_start[r] + first.q_len[r] - 1] + depth;
+            slots[k] = table[at / bs] * 2 * bs + at % bs;
+            lrows[k] = k;
+            masks[k] = bits[r * stride + node];
+            q_len[reqs - 1]++;
+            written[r]++;
+        }
+        for (int64_t k = 0; k < kept; k++) {
+            level[2 * k] = next_level[2 * k];
+            level[2 * k + 1] = next_level[2 * k + 1];
+        }
+        rows = kept;
+        const struct batch b = {kept,   reqs,  W,      kept,   ids,       pos,  slots,
+                                lrows,  q_start, q_len, cached, tables, mask_from, masks};
+        failed = FN(run)(a, &b, logits, threads);
+    }
+    free(logits);
+    free(score);
+    free(bits);
+    free(level);
+    free(written);
+    free(next);
+    free(cand_score);
+    free(cand_prob);
+    free(cand_node);
+    return failed;
+}
+
 #undef DOT_BF16
 #undef XT
 #undef TO_X

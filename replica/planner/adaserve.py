@@ -66,6 +66,10 @@ class TreeCalibration:
     def chance(self, rank: int, confidence: float) -> float:
         return self.ranks[min(rank, RANKS - 1)].chances([confidence])[0]
 
+    def tables(self) -> list[list[float]]:
+        """Each rank's chance per bin of confidence (what the C beam looks up)."""
+        return [calibration.table() for calibration in self.ranks]
+
     def observe(self, rank: int, confidence: float, accepted: bool) -> None:
         rank = min(rank, RANKS - 1)
         self.ranks[rank].observe([confidence], 1 if accepted else 0)

@@ -20,7 +20,6 @@ the cut, which is exactly what the acceptance rule min(1, p/q) and the residual 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import ForwardSeq, ModelRunner
+from replica.planner.adaserve import TreeCalibration
 from replica.planner.specserve import ConfidenceCalibration, keeps_drafting
 from replica.request import SamplingParams
 from replica.sampling import LogitsShaper, noisy_choice, sample, token_probs
@@ -100,10 +100,10 @@ class TreeJob:
     depth: int
     width: int
     shaper: LogitsShaper | None = None
-    chance: Callable[[int, float], float] | None = None
+    calibration: TreeCalibration | None = None
     """The chance the target accepts a child, from its rank among its siblings and the draft's
-    probability of it (AdaServe's calibration); the beam keeps the children likeliest to be
-    accepted by it. None: by the draft's probabilities."""
+    probability of it (AdaServe's); the beam keeps the children likeliest to be accepted by
+    it. None: by the draft's probabilities."""
 
 
 class DraftModel:
@@ -213,7 +213,14 @@ class DraftModel:
         probability (over all parents, not per parent), down to its `depth`. A level is one
         batched forward of the previous level's nodes, each seeing the context and its own
         ancestors only (a mask over the levels already cached), so the draft runs as many
-        forwards as a chain of the same depth. The cache keeps the levels until `rollback`."""
+        forwards as a chain of the same depth. The cache keeps the levels until `rollback`.
+        Requests that shape nothing, sharing one calibration and width, grow every level in one
+        C call (`ModelRunner.greedy_tree`) when the fused forward takes them."""
+        for job in jobs:
+            self.rollback(job.request_id, len(job.tokens) - 1)
+        fused = self._propose_trees_fused(jobs)
+        if fused is not None:
+            return fused
         trees = [TokenTree.root(j.tokens[-1]) for j in jobs]
         scores: list[list[float]] = [[1.0] for _ in jobs]
         levels: list[list[int]] = [[0] for _ in jobs]
@@ -221,7 +228,6 @@ class DraftModel:
         """Each fed node's slot in the draft cache (the root's is its context position)."""
         feed: list[list[int]] = []
         for job, slot in zip(jobs, slots, strict=True):
-            self.rollback(job.request_id, len(job.tokens) - 1)
             feed.append(job.tokens[self.cache.num_tokens(job.request_id) :])
             slot[0] = len(job.tokens) - 1
         for level in range(max((j.depth for j in jobs), default=0)):
@@ -239,6 +245,27 @@ class DraftModel:
                 levels[i] = self._grow(jobs[i], trees[i], scores[i], parents, rows)
                 row += len(parents)
         return trees
+
+    def _propose_trees_fused(self, jobs: list[TreeJob]) -> list[TokenTree] | None:
+        """The trees from one C call, or None when the C beam cannot grow them."""
+        if not jobs or any(j.shaper is not None for j in jobs):
+            return None
+        calibration, width = jobs[0].calibration, jobs[0].width
+        if any(j.calibration is not calibration or j.width != width for j in jobs):
+            return None
+        feeds = [j.tokens[self.cache.num_tokens(j.request_id) :] for j in jobs]
+        depth = max(j.depth for j in jobs)
+        if not self.runner.can_tree([len(f) for f in feeds], depth, width):
+            return None
+        seqs = []
+        for job, feed in zip(jobs, feeds, strict=True):
+            rid = job.request_id
+            cached = self.cache.num_tokens(rid)
+            self.cache.append(rid, len(feed) + max(0, job.depth - 1) * width)
+            seqs.append(ForwardSeq(feed, self.cache.block_table(rid), cached, num_logits=1))
+        chances = None if calibration is None else calibration.tables()
+        grown = self.runner.greedy_tree(seqs, [j.depth for j in jobs], width, chances)
+        return [TokenTree(tokens, parents, probs) for tokens, parents, probs in grown]
 
     def _level_seq(
         self,
@@ -288,7 +315,7 @@ class DraftModel:
         for parent, row_values, row_tokens in zip(parents, values, tokens, strict=True):
             for rank, (q, token) in enumerate(zip(row_values, row_tokens, strict=True)):
                 if q > 0.0:
-                    chance = q if job.chance is None else job.chance(rank, q)
+                    chance = q if job.calibration is None else job.calibration.chance(rank, q)
                     f = min(1.0, tree.probs[parent] * q)
                     candidates.append((scores[parent] * chance, f, parent, token))
         candidates.sort(key=lambda c: -c[0])

@@ -12,7 +12,7 @@ from replica.batch import BatchOutcome, BatchPlan, DecodeStep, FinishReason, Pre
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import BLOCK_SIZE, KVMove, ModelRunner
 from replica.perf_model import PerfModel
-from replica.planner.adaserve import AdaServeTrees
+from replica.planner.adaserve import AdaServeTrees, TreeCalibration
 from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
 from replica.request import SLO, Request, SamplingParams, Tier
 from replica.sampling import position_noise
@@ -690,3 +690,43 @@ def test_adaserve_trees_the_draft_cache_cannot_hold_fall_back_to_chains(
 def test_adaserve_needs_a_draft_model(runners: tuple[ModelRunner, ModelRunner]) -> None:
     with pytest.raises(ValueError, match="adaserve grows its trees with a draft model"):
         Engine(runners[0], proposer="ngram", adaserve=AdaServeTrees(COSTLY_VERIFY))
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole-head", "cut-head"])
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_the_c_beam_grows_the_python_beams_trees(
+    runners: tuple[ModelRunner, ModelRunner],
+    cut_runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    cut: bool,
+    calibrated: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every level in one C call gives the trees the Python levels give (tokens, parents,
+    path probabilities), requests of different depths in one batch."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler: the beam runs in Python")
+    draft_runner = (cut_runners if cut else runners)[1]
+    calibration = None
+    if calibrated:
+        calibration = TreeCalibration()
+        for i in range(60):
+            calibration.observe(0, 0.15, True)
+            calibration.observe(1, 0.25, i % 2 == 0)
+    grown = []
+    for fused in (True, False):
+        draft = DraftModel(draft_runner)
+        if not fused:
+            monkeypatch.setattr(draft, "_propose_trees_fused", lambda _jobs: None)
+        jobs = [
+            TreeJob(f"t{i}", prompt, depth, 3, None, calibration)
+            for i, (prompt, depth) in enumerate(zip(prompts, (4, 2, 3, 1), strict=True))
+        ]
+        trees = draft.propose_trees(jobs)
+        grown.append(trees)
+        for job in jobs:
+            draft.free(job.request_id)
+    for c_tree, py_tree in zip(*grown, strict=True):
+        assert (c_tree.tokens, c_tree.parents) == (py_tree.tokens, py_tree.parents)
+        assert c_tree.probs == pytest.approx(py_tree.probs, abs=1e-5)
+    assert [len(t) for t in grown[0]] == [1 + 3 * 4, 1 + 3 * 2, 1 + 3 * 3, 1 + 3]

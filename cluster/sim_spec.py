@@ -147,15 +147,16 @@ class SimulatedTrees:
                 ),
                 key=lambda c: (-c[0], c[1], c[2]),
             )[:width]
-            level = [tree.add(parent, rank, f) for f, parent, rank in children if f > 0.0]
+            level = [tree.add(parent, rank, f, rank) for f, parent, rank in children if f > 0.0]
             if not level:
                 break
         return tree
 
-    def walk(self, request_id: str, tree: TokenTree) -> int:
-        """Tokens of `tree` (children's token ids are ranks) the target accepts in one verify."""
+    def walk(self, request_id: str, tree: TokenTree) -> list[int]:
+        """The nodes of `tree` (children's token ids are ranks) the target accepts in one
+        verify, root to leaf."""
         chances = self.chances(request_id, 1 + max(tree.tokens, default=0))
-        node, accepted = 0, 0
+        node, accepted = 0, list[int]()
         while True:
             u, rank = self.accept.uniform(request_id), None
             for r, p in enumerate(chances):
@@ -166,4 +167,5 @@ class SimulatedTrees:
             child = next((c for c in tree.children(node) if tree.tokens[c] == rank), None)
             if child is None:
                 return accepted
-            node, accepted = child, accepted + 1
+            node = child
+            accepted.append(child)

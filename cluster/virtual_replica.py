@@ -23,6 +23,7 @@ replica no longer has: only routing reads it; admission still prices every prefi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from enum import StrEnum
 
 from cluster.api import ReplicaStatus
@@ -207,8 +208,9 @@ class VirtualReplica:
         shape is the one executed: the plan with each decode's drafts as verified, fewer where
         the engine made or kept fewer: near max_tokens, a short n-gram match, SpecServe's cuts;
         the draft work of drafts cut after they were made is then not in the shape, which errs
-        toward a slower replica; a prefill chunk over the context it ran on, a prefix-cache hit
-        the mirror learns of from this very report counted in). Steps without work (abort
+        toward a slower replica; the draft forwards of AdaServe's tree levels as the outcome
+        reports them; a prefill chunk over the context it ran on, a prefix-cache hit the
+        mirror learns of from this very report counted in). Steps without work (abort
         reports) say nothing."""
         measured = report.outcome.total_s
         if self.perf is None or not isinstance(self.scheduler, SlosScheduler):
@@ -226,7 +228,11 @@ class VirtualReplica:
             ran_on = after.get(rid, 0) - chunks[rid] if rid in chunks else 0
             return max(states[rid].num_computed_tokens, ran_on)
 
-        self.perf.observe(BatchShape.of_plan(plan, context, self.profile.tp).features(), measured)
+        shape = BatchShape.of_plan(plan, context, self.profile.tp)
+        outcome = report.outcome
+        if outcome.draft_steps is not None and outcome.draft_batch is not None:
+            shape = replace(shape, draft_steps=outcome.draft_steps, draft_batch=outcome.draft_batch)
+        self.perf.observe(shape.features(), measured)
 
     @property
     def calibration(self) -> dict[str, float]:

@@ -91,6 +91,10 @@ class RequestOutcome:
     """Known tokens now in the KV cache after the step."""
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_judged_drafts: int | None = None
+    """Drafts the verify judged, where a chain's count (`planner.budget.judged_drafts`) does
+    not hold: a token tree's, one per node the walk accepted and the refusal where it stopped
+    when that node had children (its unvisited branches were never judged)."""
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One per new token, when the request's `logprobs` asks for them."""
@@ -112,6 +116,10 @@ class BatchOutcome:
     target_s: float = 0.0
     overhead_s: float = 0.0
     free_blocks: int = 0
+    draft_steps: int | None = None
+    """Draft forwards the step ran, and the requests they drafted for (`draft_batch`), where
+    the verified drafts do not say (AdaServe's tree levels); None: they do."""
+    draft_batch: int | None = None
 
     @property
     def total_s(self) -> float:

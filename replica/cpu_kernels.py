@@ -137,9 +137,12 @@ class TreeMasks:
 def mask_bits(mask: torch.Tensor, kv_len: int) -> tuple[int, list[int]] | None:
     """A ForwardSeq's mask ([q, q] over its new tokens or [q, kv_len] over all its keys) as
     (mask_from, one int64 of bits per new token), or None when the keys it hides reach further
-    back than MASK_WINDOW from the end."""
+    back than MASK_WINDOW from the end, or a token does not see its own key (the kernel's
+    softmax starts from that key's score)."""
     q, width = mask.shape
     rows = mask.to("cpu", torch.bool)
+    if not bool(rows[:, width - q :].diagonal().all()):
+        return None
     hidden = (~rows).any(dim=0).nonzero()
     first = kv_len - width + (int(hidden[0]) if len(hidden) else width)
     first = min(first, kv_len - q)
@@ -218,7 +221,7 @@ class CpuKernels:
             self._chain[dtype] = chain
             tree = getattr(lib, f"greedy_tree_{suffix}")
             tree.argtypes = [ctypes.POINTER(ModelArgs), ptr, ptr, i64, ptr, ptr, i64, i64]
-            tree.argtypes += [ptr, ptr, ptr, ptr, i64]
+            tree.argtypes += [ptr, ptr, ptr, ptr, ptr, i64]
             tree.restype = ctypes.c_int
             self._tree[dtype] = tree
 
@@ -292,25 +295,26 @@ class CpuKernels:
         depths: list[int],
         width: int,
         vocab: torch.Tensor | None,
-        chances: list[list[float]] | None,
-    ) -> list[tuple[list[int], list[int], list[float]]]:
+        chances: list[list[float]],
+    ) -> list[tuple[list[int], list[int], list[float], list[int]]]:
         """AdaServe's beam of `depths[r]` levels of `width` for request r of a `pack_batch`
         array whose logit rows are each request's last row, every level in one C call
-        (greedy_tree in the kernel): each request's (tokens, parents, path probabilities), node
-        0 its root. `chances[rank][bin]`: the calibrated chance of a child of that sibling rank
-        in that equal bin of its probability (None: the probability itself). The block tables
+        (greedy_tree in the kernel): each request's (tokens, parents, path probabilities,
+        ranks), node 0 its root. `chances[rank][bin]`: the calibrated chance of a child of that
+        rank among the draft's choices in that equal bin of its probability. The block tables
         must already hold every level's slots."""
         if not 1 <= width <= 4:
             raise ValueError(f"a tree level keeps 1 to 4 children, got {width}")
-        if chances is not None and (not chances or len({len(row) for row in chances}) != 1):
+        if not chances or not chances[0] or len({len(row) for row in chances}) != 1:
             raise ValueError("chances must be ranks x bins, every rank the same bins")
         stride = 1 + max(depths) * width
         size = len(depths) * stride
         tokens = array.array("q", [0]) * size
         parents = array.array("q", [0]) * size
+        ranks = array.array("q", [0]) * size
         probs = array.array("f", bytes(4 * size))
         counts = array.array("q", [0]) * len(depths)
-        table = None if chances is None else array.array("f", [c for row in chances for c in row])
+        table = array.array("f", [c for row in chances for c in row])
         levels = array.array("q", depths)
         failed = self._tree[dtype](
             model,
@@ -318,12 +322,13 @@ class CpuKernels:
             levels.buffer_info()[0],
             width,
             None if vocab is None else vocab.data_ptr(),
-            None if table is None else table.buffer_info()[0],
-            0 if chances is None else len(chances[0]),
-            0 if chances is None else len(chances),
+            table.buffer_info()[0],
+            len(chances[0]),
+            len(chances),
             tokens.buffer_info()[0],
             parents.buffer_info()[0],
             probs.buffer_info()[0],
+            ranks.buffer_info()[0],
             counts.buffer_info()[0],
             torch.get_num_threads(),
         )
@@ -334,6 +339,7 @@ class CpuKernels:
                 tokens[r * stride : r * stride + n].tolist(),
                 parents[r * stride : r * stride + n].tolist(),
                 probs[r * stride : r * stride + n].tolist(),
+                ranks[r * stride : r * stride + n].tolist(),
             )
             for r, n in enumerate(counts)
         ]

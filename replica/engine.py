@@ -51,7 +51,7 @@ from replica.sampling import (
 )
 from replica.spec.draft import DraftJob, DraftModel, Proposal, TreeJob, load_draft_vocab
 from replica.spec.ngram import NgramProposer
-from replica.spec.tree import TokenTree, select_nodes, verify_tree_choices
+from replica.spec.tree import TokenTree, judged_nodes, select_nodes, verify_tree_choices
 from replica.spec.verify import verify_choices, verify_stochastic
 from replica.tensor_parallel import TensorParallel
 
@@ -121,6 +121,16 @@ class _Work:
     not computed yet."""
     tree: TokenTree | None = None
     """AdaServe's drafted tree to verify (None: the proposal's chain, if any)."""
+
+
+@dataclass
+class _DraftRun:
+    """What a step's proposing did."""
+
+    seconds: float = 0.0
+    tree_levels: int = 0
+    """The draft forwards AdaServe's trees took (0: no trees this step)."""
+    tree_requests: int = 0
 
 
 class Engine:
@@ -323,7 +333,8 @@ class Engine:
         works = self._validate(plan)
         for rid in plan.preempt:
             self.preempt(rid)
-        draft_s = self._propose(works) + self._draft_prefill(works)
+        drafting = self._propose(works)
+        draft_s = drafting.seconds + self._draft_prefill(works)
         seqs = [self._forward_seq(w) for w in works]
         target_start = time.perf_counter()
         logits = self.target.forward(seqs) if seqs else torch.empty(0)
@@ -338,13 +349,19 @@ class Engine:
             outcomes.append(self._finish_entry(w, logits[rows], choices[rows]))
             row += fs.num_logits
         total = time.perf_counter() - start
-        return BatchOutcome(
+        outcome = BatchOutcome(
             outcomes=outcomes,
             draft_s=draft_s,
             target_s=target_s,
             overhead_s=max(0.0, total - draft_s - target_s),
             free_blocks=self.cache.num_free_blocks,
         )
+        if drafting.tree_levels:
+            # The chains beside the trees ran their own draft steps after the levels.
+            chains = [len(w.proposal.tokens) for w in works if w.proposal.tokens]
+            outcome.draft_steps = drafting.tree_levels + max(chains, default=0)
+            outcome.draft_batch = drafting.tree_requests + len(chains)
+        return outcome
 
     def _get(self, request_id: str) -> _Seq:
         seq = self._seqs.get(request_id)
@@ -417,16 +434,19 @@ class Engine:
                 f"plan needs {draft_need} draft KV blocks; {draft_free} are free after preemption"
             )
 
-    def _propose(self, works: list[_Work]) -> float:
-        """Fill in the proposals of speculative decodes; returns the seconds it took."""
+    def _propose(self, works: list[_Work]) -> _DraftRun:
+        """Fill in the proposals (or AdaServe's trees) of speculative decodes."""
         spec = [w for w in works if w.num_spec > 0]
+        run = _DraftRun()
         if not spec:
-            return 0.0
+            return run
         start = time.perf_counter()
         chains = spec
         if self.adaserve is not None:
             greedy = [w for w in spec if w.seq.request.sampling.greedy]
-            if greedy and self._propose_trees(works, greedy):
+            run.tree_levels = self._propose_trees(works, greedy) if greedy else 0
+            if run.tree_levels:
+                run.tree_requests = len(greedy)
                 chains = [w for w in spec if not w.seq.request.sampling.greedy]
         if self.ngram is not None:
             for w in spec:
@@ -459,15 +479,17 @@ class Engine:
             for w in chains:
                 if w.noise is not None:
                     w.noise = w.noise[: len(w.proposal.tokens) + 1]
-        return time.perf_counter() - start
+        run.seconds = time.perf_counter() - start
+        return run
 
-    def _propose_trees(self, works: list[_Work], spec: list[_Work]) -> bool:
+    def _propose_trees(self, works: list[_Work], spec: list[_Work]) -> int:
         """AdaServe: grow candidate trees with the draft and give each greedy speculative
         decode (`spec`) the nodes `select_nodes` picks within their planned drafts. Sampled
         requests keep the planned chains, drawn from the draft's distribution: a tree of the
         draft's top tokens verified as point masses accepted far fewer of them (1.68 against
-        2.75 tokens per verify at temperature 1, k = 4, the demo pair). False (nothing
-        changed) when the draft's cache cannot hold the trees this step: the chains run."""
+        2.75 tokens per verify at temperature 1, k = 4, the demo pair). Returns the levels the
+        draft grew; 0 (nothing changed) when its cache cannot hold the trees this step: the
+        chains run."""
         assert self.adaserve is not None and self.draft is not None
         adaserve = self.adaserve
         budget = sum(w.num_spec for w in spec)
@@ -478,21 +500,23 @@ class Engine:
                 w.seq.tokens,
                 min(depth, self._tree_depth_limit(w)),
                 width,
-                w.seq.shaper,
                 adaserve.calibration,
+                w.seq.shaper,
             )
             for w in spec
         ]
         draft_need = sum(
-            self.draft.blocks_needed(j.request_id, len(j.tokens) + (j.depth - 1) * j.width)
+            self.draft.blocks_needed(j.request_id, len(j.tokens) + max(0, j.depth - 1) * j.width)
             for j in jobs
-        ) + sum(
+        )
+        growing = {id(w) for w in spec}
+        draft_need += sum(
             self.draft.blocks_needed(w.seq.request.request_id, _draft_tokens(w))
             for w in works
-            if w not in spec and (w.num_spec > 0 or isinstance(w.entry, PrefillChunk))
+            if id(w) not in growing and (w.num_spec > 0 or isinstance(w.entry, PrefillChunk))
         )
         if draft_need > self.draft.cache.num_free_blocks:
-            return False
+            return 0
         drafted = self.draft.propose_trees(jobs)
         for w in spec:
             self.draft.rollback(w.seq.request.request_id, w.seq.num_known)
@@ -506,7 +530,7 @@ class Engine:
             chosen = select_nodes(trees, needs, budget, [w.num_spec for w in spec], depth)
         for w, tree, nodes in zip(spec, drafted, chosen, strict=True):
             w.tree = tree.subtree(nodes) if nodes else None
-        return True
+        return max(j.depth for j in jobs)
 
     def _tree_depth_limit(self, w: _Work) -> int:
         """The deepest node a decode may verify: within max_tokens and the model's length."""
@@ -689,12 +713,19 @@ class Engine:
             self.target.move_kv([KVMove(self.cache.block_table(rid), src, dst)])
         seq.num_computed = cached + 1 + len(accepted)
         self.cache.truncate(rid, seq.num_computed)
-        return self._outcome(seq, new, raw[[0, *accepted]], len(tree) - 1)
+        judged = judged_nodes(tree, accepted)
+        return self._outcome(seq, new, raw[[0, *accepted]], len(tree) - 1, judged)
 
     def _outcome(
-        self, seq: _Seq, new: list[int], rows: torch.Tensor, drafted: int
+        self,
+        seq: _Seq,
+        new: list[int],
+        rows: torch.Tensor,
+        drafted: int,
+        judged: int | None = None,
     ) -> RequestOutcome:
-        """Append a decode's verified tokens (`rows`: the logits they came from, in order)."""
+        """Append a decode's verified tokens (`rows`: the logits they came from, in order;
+        `judged`: a tree's judged drafts)."""
         rid = seq.request.request_id
         params = seq.request.sampling
         appended = self._append(seq, new)
@@ -707,6 +738,7 @@ class Engine:
             num_computed_tokens=seq.num_computed,
             num_draft_tokens=drafted,
             num_accepted_tokens=len(new) - 1,
+            num_judged_drafts=judged,
             finish_reason=seq.finish_reason,
             logprobs=token_logprobs(rows, appended, params.logprobs),
             prompt_logprobs=seq.prompt_logprobs if len(seq.output) == len(appended) else [],

@@ -810,7 +810,9 @@ class ModelRunner:
                 raise ValueError(f"positions must be in [0, {cfg.max_position_embeddings})")
             if s.attn_mask is not None and tuple(s.attn_mask.shape) not in ((q, q), (q, kv_len)):
                 raise ValueError(f"attn_mask must have shape ({q}, {q}) or ({q}, {kv_len})")
-            masks = None if s.attn_mask is None else mask_bits(s.attn_mask, kv_len)
+            masks = None
+            if s.attn_mask is not None and self._paged is not None:
+                masks = mask_bits(s.attn_mask, kv_len)
             flat.masks.append(masks)
             flat.kernel_rows.append(q <= SMALL_QUERY and (s.attn_mask is None or masks is not None))
             start = len(flat.input_ids)
@@ -988,15 +990,15 @@ class ModelRunner:
         seqs: list[ForwardSeq],
         depths: Sequence[int],
         width: int,
-        chances: list[list[float]] | None = None,
-    ) -> list[tuple[list[int], list[int], list[float]]]:
+        chances: list[list[float]],
+    ) -> list[tuple[list[int], list[int], list[float], list[int]]]:
         """AdaServe's beam for greedy requests, every level in one C call (a draft's
         `propose_trees`): sequence i grows `depths[i]` levels, each keeping the `width`
-        children of highest path score (`chances[rank][bin]`, the calibrated chance of a child
-        of that sibling rank in that equal bin of its probability; None: the probability).
-        Each level's nodes take the cache slots after the sequence's tokens, level by level,
-        and its block table already covers them. Returns each sequence's (tokens, parents,
-        path probabilities), node 0 its last token."""
+        children of highest path score (`chances[rank][bin]`: the calibrated chance of a child
+        of that rank among the draft's choices in that equal bin of its probability). Each
+        level's nodes take the cache slots after the sequence's tokens, level by level, and its
+        block table already covers them. Returns each sequence's (tokens, parents, path
+        probabilities, ranks), node 0 its last token."""
         most = max(depths, default=0)
         if not self.can_tree([len(s.token_ids) for s in seqs], most, width):
             raise ValueError(

@@ -68,7 +68,8 @@ class TensorParallel:
         return torch.cat(parts, dim=1)[:, :vocab]
 
     def send_batch(self, batch: object) -> None:
-        """Rank 0: the next forward's batch, or None to stop the other ranks."""
+        """Rank 0: the next forward's batch (or KV moves, model_runner.move_kv), or None to stop
+        the other ranks."""
         dist.broadcast_object_list([batch], src=0, group=self.batch_group)
 
     def receive_batch(self) -> Any:

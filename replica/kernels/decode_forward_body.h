@@ -383,16 +383,17 @@ int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int
  * r grows depths[r] levels. Each level keeps the `width` children of highest path score over
  * all parents: a child of rank j (the parent's j-th likeliest token, probability q) scores its
  * parent's score times chances[min(j, ranks - 1) * bins + bin(q)] (the calibration, equal bins
- * of q), or times q without `chances`; its path probability is its parent's times q. The next
+ * of q); its path probability is its parent's times q. The next
  * level feeds the kept children, each seeing the context (keys before its request's known
  * length) and its own ancestors, whose cache positions follow the known tokens level by level.
- * Request r's nodes go to tokens/parents/probs[r * (1 + max depth * width) + i], node 0 its
+ * Request r's nodes go to tokens/parents/probs/node_ranks[r * (1 + max depth * width) + i],
+ * node 0 its
  * root, and counts[r] says how many; block tables must cover every level's slots; returns 1 if
  * a buffer could not be allocated. */
 int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int64_t *depths,
                     int64_t width, const int64_t *vocab, const float *chances, int64_t bins,
                     int64_t ranks, int64_t *tokens, int64_t *parents, float *probs,
-                    int64_t *counts, int64_t threads) {
+                    int64_t *node_ranks, int64_t *counts, int64_t threads) {
     const struct batch first = read_batch(batch);
     const int64_t R = first.R, W = first.W, V = a->head_rows, bs = a->block_size;
     int64_t most = 0;
@@ -408,10 +409,10 @@ int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int6
     int64_t *written = malloc(sizeof(int64_t) * (size_t)R);
     /* the next batch's arrays */
     int64_t *next = malloc(sizeof(int64_t) * (size_t)(rows_max * 6 + R * (4 + W)));
-    /* candidates of one request: score, probability, parent, token */
+    /* candidates of one request: score, probability, (parent, token, rank) */
     float *cand_score = malloc(sizeof(float) * (size_t)(width * width));
     float *cand_prob = malloc(sizeof(float) * (size_t)(width * width));
-    int64_t *cand_node = malloc(sizeof(int64_t) * (size_t)(2 * width * width));
+    int64_t *cand_node = malloc(sizeof(int64_t) * (size_t)(3 * width * width));
     int failed = !logits || !score || !bits || !level || !written || !next ||
                  !cand_score || !cand_prob || !cand_node;
     int64_t rows = 0;
@@ -420,6 +421,7 @@ int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int6
         tokens[r * stride] = first.ids[root];
         parents[r * stride] = -1;
         probs[r * stride] = 1.0f;
+        node_ranks[r * stride] = 0;
         score[r * stride] = 1.0f;
         bits[r * stride] = 0;
         counts[r] = 1;
@@ -456,17 +458,16 @@ int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int6
                     for (int64_t j = 0; j < width && top[j] >= 0; j++) {
                         const float q = expf(l[top[j]] - best) / total;
                         if (!(q > 0.0f)) continue;
-                        float chance = q;
-                        if (chances) {
-                            const int64_t bin = (int64_t)((double)q * (double)bins);
-                            const int64_t rank = j < ranks ? j : ranks - 1;
-                            chance = chances[rank * bins + (bin < bins ? bin : bins - 1)];
-                        }
+                        /* in double, as Python bins the same float probability */
+                        const int64_t bin = (int64_t)((double)q * (double)bins);
+                        const int64_t rank = j < ranks ? j : ranks - 1;
+                        const float chance = chances[rank * bins + (bin < bins ? bin : bins - 1)];
                         const float f = probs[r * stride + parent] * q;
                         cand_score[n] = score[r * stride + parent] * chance;
                         cand_prob[n] = f < 1.0f ? f : 1.0f;
-                        cand_node[2 * n] = parent;
-                        cand_node[2 * n + 1] = vocab ? vocab[top[j]] : top[j];
+                        cand_node[3 * n] = parent;
+                        cand_node[3 * n + 1] = vocab ? vocab[top[j]] : top[j];
+                        cand_node[3 * n + 2] = j;
                         n++;
                     }
                 }
@@ -475,15 +476,16 @@ int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int6
             for (int64_t pick = 0; pick < width && n > 0; pick++) {
                 int64_t b = -1;
                 for (int64_t c = 0; c < n; c++)
-                    if (cand_node[2 * c] >= 0 && (b < 0 || cand_score[c] > cand_score[b])) b = c;
+                    if (cand_node[3 * c] >= 0 && (b < 0 || cand_score[c] > cand_score[b])) b = c;
                 if (b < 0) break;
                 const int64_t node = counts[r]++;
-                const int64_t parent = cand_node[2 * b];
-                tokens[r * stride + node] = cand_node[2 * b + 1];
+                const int64_t parent = cand_node[3 * b];
+                tokens[r * stride + node] = cand_node[3 * b + 1];
                 parents[r * stride + node] = parent;
                 probs[r * stride + node] = cand_prob[b];
+                node_ranks[r * stride + node] = cand_node[3 * b + 2];
                 score[r * stride + node] = cand_score[b];
-                cand_node[2 * b] = -1;
+                cand_node[3 * b] = -1;
                 if (depths[r] > depth) {
                     next_level[2 * kept] = r;
                     next_level[2 * kept + 1] = node;

@@ -1,4 +1,4 @@
-/* Paged attention for rows of few query tokens (decode, chain verify) on CPU.
+/* Paged attention for rows of few query tokens (decode, chain and tree verify) on CPU.
  *
  * Reads keys and values where they lie in the paged KV pool, so a decode step does not copy
  * every request's context into a padded tensor before attending (that copy was half of a
@@ -9,9 +9,10 @@
  *
  * Query token i (0-based among the request's q_len new tokens) attends causally to positions
  * 0 .. num_cached + i, or, with `masks` (token trees), to the keys its bits allow: positions
- * before mask_from[r] and mask_from[r] + b for each bit b set in masks[q_start[r] + i]. A work item is one (request, kv head): every query head of its GQA group
- * and every query token of the request use each key and value row while it is in L1, so a
- * verify row of k+1 tokens costs little more than a decode row. Scores, a numerically stable
+ * before mask_from[r] and mask_from[r] + b for each bit b set in masks[q_start[r] + i]. A
+ * work item is one (request, kv head): every query head of its GQA group and every query
+ * token of the request use each key and value row while it is in L1, so a verify row of k+1
+ * tokens costs little more than a decode row. Scores, a numerically stable
  * softmax and the weighted sum of values are computed in fp32.
  *
  * attend_one.h handles one work item, so that decode_forward.c runs the same attention inside
@@ -19,7 +20,9 @@
  *
  * Built with -ffast-math, which vectorizes expf and the dot-product reductions (about 1.6x on
  * the demo target's heads); the code therefore never relies on infinities or NaNs: the
- * softmax maximum starts from the first score, and every query sees at least one key.
+ * softmax maximum starts from a score the query sees (the first, or under a tree mask its own
+ * key's, which every mask shows: cpu_kernels.mask_bits refuses one that hides it), and masked
+ * keys weigh zero.
  */
 #include <math.h>
 #include <stdint.h>

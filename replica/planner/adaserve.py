@@ -38,8 +38,9 @@ class AdaServeConfig:
     max_width: int = 4
     """Children kept per tree level: wider trees try more continuations per depth, at the
     price of more draft work per level."""
-    max_nodes: int = 16
-    """Nodes one request may verify in a step (the paper's n_max)."""
+    max_nodes: int = 15
+    """Nodes one request may verify in a step (the paper's n_max): with its root, a tree of
+    16 tokens, the most a row of the C kernels takes (model_runner.SMALL_QUERY)."""
 
     def __post_init__(self) -> None:
         check_int("adaserve.max_width", self.max_width)
@@ -115,18 +116,20 @@ class AdaServeTrees:
         """The drafted tree (raw draft probabilities) with each node's f the product of the
         calibrated chances along its path."""
         probs = [1.0]
-        for node, (rank, confidence) in enumerate(_siblings(tree)[1:], start=1):
-            chance = self.calibration.chance(rank, confidence)
+        confidences = _confidences(tree)
+        for node in range(1, len(tree)):
+            chance = self.calibration.chance(tree.ranks[node], confidences[node])
             probs.append(probs[tree.parents[node]] * chance)
-        return TokenTree(list(tree.tokens), list(tree.parents), probs)
+        return TokenTree(list(tree.tokens), list(tree.parents), probs, list(tree.ranks))
 
     def observe(self, tree: TokenTree, accepted: Sequence[int]) -> None:
         """Learn from one verified tree (raw draft probabilities): each child of a node the
         walk reached was judged, and accepted if the walk went on through it."""
         reached = {0, *accepted}
-        for node, (rank, confidence) in enumerate(_siblings(tree)[1:], start=1):
+        confidences = _confidences(tree)
+        for node in range(1, len(tree)):
             if tree.parents[node] in reached:
-                self.calibration.observe(rank, confidence, node in reached)
+                self.calibration.observe(tree.ranks[node], confidences[node], node in reached)
 
 
 def tokens_needed(request: Request, out: int, by: float) -> float:
@@ -136,19 +139,11 @@ def tokens_needed(request: Request, out: int, by: float) -> float:
     return 1.0 + (by - token_deadline(request, out)) / remaining_tpot(request, out)
 
 
-def _siblings(tree: TokenTree) -> list[tuple[int, float]]:
-    """Each node's rank among its siblings and the draft's probability of it given its parent
-    (the root's (0, 1)), read from raw path probabilities. A beam keeps a parent's children
-    in the draft's order, so the ranks are the draft's."""
-    out = [(0, 1.0)]
-    seen: dict[int, int] = {}
-    order = sorted(range(1, len(tree)), key=lambda n: (-tree.probs[n], n))
-    rank = {}
-    for node in order:
-        parent = tree.parents[node]
-        rank[node] = seen.get(parent, 0)
-        seen[parent] = rank[node] + 1
+def _confidences(tree: TokenTree) -> list[float]:
+    """Each node's draft probability given its parent (the root's 1), from the raw path
+    probabilities."""
+    out = [1.0]
     for node in range(1, len(tree)):
         above = tree.probs[tree.parents[node]]
-        out.append((rank[node], tree.probs[node] / above if above > 0.0 else 0.0))
+        out.append(tree.probs[node] / above if above > 0.0 else 0.0)
     return out

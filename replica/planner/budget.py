@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from replica.batch import RequestOutcome
 from replica.compiled import reduce_frozen
 from replica.perf_model import BatchTimeModel
 from replica.planner.config import SpecConfig
@@ -325,6 +326,13 @@ def judged_drafts(drafted: int, accepted: int) -> int:
     E(accepted) / k rather than the rate (0.33 at k = 4 for a rate of 0.6), and the planner,
     whose E(s) takes the per-token rate, would talk itself out of speculating."""
     return accepted + (accepted < drafted)
+
+
+def outcome_judged(outcome: RequestOutcome) -> int:
+    """The drafts a verify judged: as the engine counted them (a tree's), else a chain's."""
+    if outcome.num_judged_drafts is not None:
+        return outcome.num_judged_drafts
+    return judged_drafts(outcome.num_draft_tokens, outcome.num_accepted_tokens)
 
 
 class AcceptanceEstimate:

@@ -30,12 +30,22 @@ from replica.planner.adaserve import AdaServeTrees
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.specserve import SpecServeLengths, drafted_length
 from replica.request import Request
-from replica.spec.tree import TokenTree, select_nodes
+from replica.spec.tree import TokenTree, judged_nodes, select_nodes
 
 AcceptFn = Callable[[str, int], int]
 """(request id, drafted tokens) -> accepted drafts."""
 ConfideFn = Callable[[str, int], tuple[list[float], list[bool]]]
 """(request id, drafted tokens) -> each draft's confidence and whether the target accepts it."""
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One drafting decode's verify as a policy ran it: drafts (or tree nodes) verified, the
+    accepted ones, and the judged ones where a chain's count does not hold (a tree's)."""
+
+    drafted: int
+    accepted: int
+    judged: int | None = None
 
 
 class TreeDraft(Protocol):
@@ -45,8 +55,8 @@ class TreeDraft(Protocol):
         """The candidate tree the draft grows (f: each node's chance of acceptance)."""
         ...
 
-    def walk(self, request_id: str, tree: TokenTree) -> int:
-        """Nodes of `tree` the target accepts in one verify."""
+    def walk(self, request_id: str, tree: TokenTree) -> list[int]:
+        """The nodes of `tree` the target accepts in one verify, root to leaf."""
         ...
 
 
@@ -194,7 +204,7 @@ class PerfExecutor:
             self.preemptions.append(rid)
         self._check_memory(plan)
         shape = self.shape(plan)
-        verified: dict[int, tuple[int, int]] = {}
+        verified: dict[int, Verified] = {}
         if self.specserve is not None:
             shape, verified = self._specserve(plan, shape, *self.specserve)
         elif self.adaserve is not None:
@@ -205,13 +215,16 @@ class PerfExecutor:
             self._run_entry(entry, end, verified.get(i)) for i, entry in enumerate(plan.entries)
         ]
         free = self.cache.num_blocks - self._held_blocks()
-        return BatchOutcome(outcomes=outcomes, target_s=duration, free_blocks=free), duration
+        outcome = BatchOutcome(outcomes=outcomes, target_s=duration, free_blocks=free)
+        if self.adaserve is not None and verified:
+            outcome.draft_steps, outcome.draft_batch = shape.draft_steps, shape.draft_batch
+        return outcome, duration
 
     def _specserve(
         self, plan: BatchPlan, shape: BatchShape, lengths: SpecServeLengths, confide: ConfideFn
-    ) -> tuple[BatchShape, dict[int, tuple[int, int]]]:
-        """The step as SpecServe runs it, and each drafting entry's (drafts verified, drafts
-        accepted): the drafter stops a request below its floor, the verifier trims the rest.
+    ) -> tuple[BatchShape, dict[int, Verified]]:
+        """The step as SpecServe runs it, and each drafting entry's verify: the drafter stops a
+        request below its floor, the verifier trims the rest.
         Simulated drafts are judged as greedy ones are (whatever is cut, the target keeps its
         own choice), with the greedy calibration."""
         spec = [
@@ -240,8 +253,8 @@ class PerfExecutor:
         for i, n in kept.items():
             new_tokens[i] = 1 + n
             confidences, accepted = draws[i]
-            verified[i] = (n, leading_accepted(accepted[:n]))
-            lengths.greedy.observe(confidences[:n], verified[i][1])
+            verified[i] = Verified(n, leading_accepted(accepted[:n]))
+            lengths.greedy.observe(confidences[:n], verified[i].accepted)
         final = BatchShape(
             tuple(new_tokens), shape.context, drafted.draft_steps, drafted.draft_batch, shape.tp
         )
@@ -254,9 +267,10 @@ class PerfExecutor:
         now: float,
         policy: AdaServeTrees,
         draft: TreeDraft,
-    ) -> tuple[BatchShape, dict[int, tuple[int, int]]]:
+    ) -> tuple[BatchShape, dict[int, Verified]]:
         """The step with AdaServe's trees in place of the planned chains, as a live replica
-        runs it (replica.engine), and each drafting decode's (nodes verified, accepted). The
+        runs it for greedy requests (replica.engine; the simulated ones all take trees), and
+        each drafting decode's verify. The
         draft grows `depth` levels, priced as `depth` draft steps of its requests (the profile
         prices a draft step per request: the `width` rows of a level are taken to cost what
         one does, as for a small draft that reads its weights once per step); the plan's own
@@ -295,7 +309,9 @@ class PerfExecutor:
         verified = {}
         for i, s, tree, nodes in zip(spec, seqs, trees, chosen, strict=True):
             new_tokens[i] = 1 + len(nodes)
-            verified[i] = (len(nodes), draft.walk(s.request.request_id, tree.subtree(nodes)))
+            kept = tree.subtree(nodes)
+            accepted = draft.walk(s.request.request_id, kept)
+            verified[i] = Verified(len(nodes), len(accepted), judged_nodes(kept, accepted))
         trees_shape = BatchShape(tuple(new_tokens), shape.context, depth, len(spec), shape.tp)
         return trees_shape, verified
 
@@ -303,9 +319,9 @@ class PerfExecutor:
         self,
         entry: DecodeStep | PrefillChunk,
         end: float,
-        verified: tuple[int, int] | None = None,
+        verified: Verified | None = None,
     ) -> RequestOutcome:
-        """`verified`: SpecServe's (drafts verified, accepted) for a drafting decode."""
+        """`verified`: SpecServe's or AdaServe's verify of a drafting decode."""
         rid = entry.request_id
         seq = self.sequences[rid]
         if seq.finished:
@@ -315,6 +331,7 @@ class PerfExecutor:
         known = seq.request.prompt_len + produced
         new: list[int] = []
         drafted = accepted = 0
+        judged: int | None = None
         if isinstance(entry, PrefillChunk):
             if entry.num_tokens > known - seq.computed:
                 raise ValueError(
@@ -332,7 +349,7 @@ class PerfExecutor:
             if drafted > remaining - 1:
                 raise ValueError(f"{rid!r} speculates {drafted} tokens with {remaining} to go")
             if verified is not None:
-                drafted, accepted = verified
+                drafted, accepted, judged = verified.drafted, verified.accepted, verified.judged
             elif self.accept is not None and drafted > 0:
                 accepted = min(max(0, self.accept(rid, drafted)), drafted)
             self.drafted.append(drafted)
@@ -358,6 +375,7 @@ class PerfExecutor:
             num_computed_tokens=seq.computed,
             num_draft_tokens=drafted,
             num_accepted_tokens=accepted,
+            num_judged_drafts=judged,
             finish_reason=reason,
         )
 

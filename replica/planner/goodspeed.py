@@ -19,7 +19,7 @@ import heapq
 from dataclasses import dataclass, replace
 
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep
-from replica.planner.budget import AcceptanceEstimate, judged_drafts
+from replica.planner.budget import AcceptanceEstimate, outcome_judged
 from replica.planner.config import GoodspeedConfig
 
 
@@ -111,7 +111,7 @@ class GoodspeedSplit:
                 continue
             source = self._source(entry.request_id)
             if result.num_draft_tokens > 0:
-                judged = judged_drafts(result.num_draft_tokens, result.num_accepted_tokens)
+                judged = outcome_judged(result)
                 rate = result.num_accepted_tokens / judged
                 source.acceptance = self._clipped((1 - eta) * source.acceptance + eta * rate)
             tokens = result.num_accepted_tokens + 1

@@ -41,7 +41,7 @@ from replica.planner.budget import (
     BatchBudget,
     TierLoad,
     WorstBatch,
-    judged_drafts,
+    outcome_judged,
     plan_budgets,
 )
 from replica.planner.config import PlannerConfig
@@ -523,7 +523,7 @@ class SlosScheduler(Scheduler):
         if self.acceptance is not None:
             drafting = [o for o in outcome.outcomes if o.num_draft_tokens > 0]
             self.acceptance.observe(
-                sum(judged_drafts(o.num_draft_tokens, o.num_accepted_tokens) for o in drafting),
+                sum(outcome_judged(o) for o in drafting),
                 sum(o.num_accepted_tokens for o in drafting),
             )
         self._give_up_missed(outcome, now)

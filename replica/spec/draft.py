@@ -99,11 +99,11 @@ class TreeJob:
     """All known tokens (prompt + output); the last is the tree's root."""
     depth: int
     width: int
+    calibration: TreeCalibration
+    """The chance the target accepts a child, from its rank among the draft's choices and
+    the draft's probability of it (AdaServe's); the beam keeps the children likeliest to be
+    accepted by it."""
     shaper: LogitsShaper | None = None
-    calibration: TreeCalibration | None = None
-    """The chance the target accepts a child, from its rank among its siblings and the draft's
-    probability of it (AdaServe's); the beam keeps the children likeliest to be accepted by
-    it. None: by the draft's probabilities."""
 
 
 class DraftModel:
@@ -263,9 +263,8 @@ class DraftModel:
             cached = self.cache.num_tokens(rid)
             self.cache.append(rid, len(feed) + max(0, job.depth - 1) * width)
             seqs.append(ForwardSeq(feed, self.cache.block_table(rid), cached, num_logits=1))
-        chances = None if calibration is None else calibration.tables()
-        grown = self.runner.greedy_tree(seqs, [j.depth for j in jobs], width, chances)
-        return [TokenTree(tokens, parents, probs) for tokens, parents, probs in grown]
+        grown = self.runner.greedy_tree(seqs, [j.depth for j in jobs], width, calibration.tables())
+        return [TokenTree(*tree) for tree in grown]
 
     def _level_seq(
         self,
@@ -308,20 +307,20 @@ class DraftModel:
         logits: torch.Tensor,
     ) -> list[int]:
         """Add the level below `parents`: the `width` children of highest path score (the
-        product of `job.chance`s, or of the draft's probabilities, along the path); the tree
-        keeps the draft's path probabilities."""
+        product of the calibrated chances along the path); the tree keeps the draft's path
+        probabilities and each child's rank among the draft's choices."""
         values, tokens = self._children(job, tree, parents, logits)
-        candidates: list[tuple[float, float, int, int]] = []
+        candidates: list[tuple[float, float, int, int, int]] = []
         for parent, row_values, row_tokens in zip(parents, values, tokens, strict=True):
             for rank, (q, token) in enumerate(zip(row_values, row_tokens, strict=True)):
                 if q > 0.0:
-                    chance = q if job.calibration is None else job.calibration.chance(rank, q)
+                    score = scores[parent] * job.calibration.chance(rank, q)
                     f = min(1.0, tree.probs[parent] * q)
-                    candidates.append((scores[parent] * chance, f, parent, token))
+                    candidates.append((score, f, parent, token, rank))
         candidates.sort(key=lambda c: -c[0])
         kept = []
-        for score, f, parent, token in candidates[: job.width]:
-            kept.append(tree.add(parent, token, f))
+        for score, f, parent, token, rank in candidates[: job.width]:
+            kept.append(tree.add(parent, token, f, rank))
             scores.append(score)
         return kept
 

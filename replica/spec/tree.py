@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -30,16 +30,27 @@ class TokenTree:
     parents: list[int]
     """parents[0] == -1; 0 <= parents[i] < i otherwise, so a node's ancestors come first."""
     probs: list[float]
+    ranks: list[int] = field(default_factory=list)
+    """Each node's rank among the draft's choices after its parent (0: the likeliest; the
+    root's 0), which a subtree keeps though it may drop a likelier sibling. Empty: the order
+    of the siblings."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
         if n == 0:
             raise ValueError("a token tree needs its root")
-        if len(self.parents) != n or len(self.probs) != n:
+        if not self.ranks:
+            self.ranks = [0] + [
+                sum(1 for j in range(1, i) if self.parents[j] == self.parents[i])
+                for i in range(1, n)
+            ]
+        if len(self.parents) != n or len(self.probs) != n or len(self.ranks) != n:
             raise ValueError(
-                f"tokens, parents and probs differ in length: "
-                f"{n}, {len(self.parents)}, {len(self.probs)}"
+                f"tokens, parents, probs and ranks differ in length: "
+                f"{n}, {len(self.parents)}, {len(self.probs)}, {len(self.ranks)}"
             )
+        if any(rank < 0 for rank in self.ranks):
+            raise ValueError(f"ranks must be >= 0, got {self.ranks}")
         if self.parents[0] != -1:
             raise ValueError(f"the root's parent must be -1, got {self.parents[0]}")
         if self.probs[0] != 1.0:
@@ -55,12 +66,16 @@ class TokenTree:
     def root(cls, token: int) -> TokenTree:
         return cls(tokens=[token], parents=[-1], probs=[1.0])
 
-    def add(self, parent: int, token: int, prob: float) -> int:
-        """Append a child of `parent` whose path probability is `prob`; returns its index."""
+    def add(self, parent: int, token: int, prob: float, rank: int | None = None) -> int:
+        """Append a child of `parent` whose path probability is `prob` and rank among the
+        draft's choices `rank` (None: after its siblings); returns its index."""
         if not 0 <= parent < len(self):
             raise ValueError(f"parent {parent} is not a node of a {len(self)}-node tree")
         if not 0.0 <= prob <= 1.0:
             raise ValueError(f"path probability {prob} is outside [0, 1]")
+        if rank is not None and rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        self.ranks.append(len(self.children(parent)) if rank is None else rank)
         self.tokens.append(token)
         self.parents.append(parent)
         self.probs.append(prob)
@@ -109,6 +124,7 @@ class TokenTree:
             tokens=[self.tokens[0]] + [self.tokens[i] for i in keep],
             parents=[-1] + [new_index[self.parents[i]] for i in keep],
             probs=[1.0] + [self.probs[i] for i in keep],
+            ranks=[0] + [self.ranks[i] for i in keep],
         )
 
     def attn_mask(self) -> list[list[bool]]:
@@ -205,8 +221,8 @@ def tree_shape(budget: int, num_requests: int, max_depth: int, max_width: int) -
 
 
 def verify_tree_choices(tree: TokenTree, choices: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Follow the target's own choices down the tree (greedy: its argmax; seeded: its draw
-    with the position's noise), so the output is exactly what the target alone would emit.
+    """Follow the target's own choices down the tree (its argmax, after the request's logits
+    shaping), so the output is exactly what the target alone would emit.
 
     `choices[i]` is the target's choice after node i's path. Returns the accepted nodes (root
     excluded, in path order) and the tokens to append: theirs, then the target's choice at the
@@ -220,6 +236,13 @@ def verify_tree_choices(tree: TokenTree, choices: Sequence[int]) -> tuple[list[i
         accepted.append(child)
         node = child
     return accepted, [tree.tokens[i] for i in accepted] + [choices[node]]
+
+
+def judged_nodes(tree: TokenTree, accepted: Sequence[int]) -> int:
+    """Nodes a walk judged: those it accepted, and the refusal where it stopped when that node
+    had children (a chain's count, `planner.budget.judged_drafts`, on the path it took)."""
+    last = accepted[-1] if accepted else 0
+    return len(accepted) + (1 if tree.children(last) else 0)
 
 
 def _child_with(tree: TokenTree, node: int, token: int) -> int | None:

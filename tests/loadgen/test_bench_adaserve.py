@@ -20,7 +20,6 @@ def test_quick_bench_runs_chains_and_trees_side_by_side(
         for name in ("chains", "trees"):
             assert row[name]["tok_s"] > 0
             assert 0 < row[name]["drafts_per_verify"] <= row["k"]
-        assert row["trees_over_chains"] == row["trees"]["tok_s"] / row["chains"]["tok_s"]
         assert set(row["learned_chances"]) == {"rank0", "rank1", "rank2"}
         assert row["rank_judged"][0] > 0 and 0 <= row["rank_acceptance"][0] <= 1
     assert set(data["summary"]["trees_over_chains"]) == {"b1_k4", "b4_k4"}

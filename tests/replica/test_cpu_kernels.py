@@ -225,6 +225,13 @@ def test_fused_forward_matches_the_pytorch_path(
         assert torch.equal(a1.argmax(-1), b1.argmax(-1))
 
 
+def test_a_mask_that_hides_a_tokens_own_key_is_left_to_sdpa() -> None:
+    """The kernel's softmax starts from the token's own score, so such a mask has no bits."""
+    tree = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+    assert mask_bits(tree, 10) == (8, [1, 3])
+    assert mask_bits(torch.tensor([[1, 0], [1, 0]], dtype=torch.bool), 10) is None
+
+
 def test_only_decode_and_verify_batches_take_the_fused_forward(draft_dir: Path) -> None:
     runner = ModelRunner(draft_dir, num_blocks=16, fused_forward=False)
 

@@ -10,7 +10,8 @@ import torch
 from replica import cpu_kernels
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.engine import Engine, ProposerKind
-from replica.model_runner import BLOCK_SIZE, KVMove, ModelRunner
+from replica.kv_cache import KVCacheManager
+from replica.model_runner import BLOCK_SIZE, ForwardSeq, KVMove, ModelRunner
 from replica.perf_model import PerfModel
 from replica.planner.adaserve import AdaServeTrees, TreeCalibration
 from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
@@ -650,6 +651,12 @@ def test_adaserve_gives_the_late_request_the_nodes(
     drafted = {o.request_id: o.num_draft_tokens for o in outcome.outcomes}
     assert drafted["late"] > drafted["early"]
     assert drafted["late"] + drafted["early"] <= 6
+    # The draft grew 3 levels for both; each verify judged its walk, not every node.
+    assert (outcome.draft_steps, outcome.draft_batch) == (3, 2)
+    for o in outcome.outcomes:
+        if o.num_draft_tokens:
+            assert o.num_judged_drafts is not None
+            assert o.num_accepted_tokens <= o.num_judged_drafts <= o.num_accepted_tokens + 1
 
 
 def test_adaserve_trees_the_draft_cache_cannot_hold_fall_back_to_chains(
@@ -707,9 +714,8 @@ def test_the_c_beam_grows_the_python_beams_trees(
     if cpu_kernels.load() is None:
         pytest.skip("no C compiler: the beam runs in Python")
     draft_runner = (cut_runners if cut else runners)[1]
-    calibration = None
+    calibration = TreeCalibration()
     if calibrated:
-        calibration = TreeCalibration()
         for i in range(60):
             calibration.observe(0, 0.15, True)
             calibration.observe(1, 0.25, i % 2 == 0)
@@ -719,7 +725,7 @@ def test_the_c_beam_grows_the_python_beams_trees(
         if not fused:
             monkeypatch.setattr(draft, "_propose_trees_fused", lambda _jobs: None)
         jobs = [
-            TreeJob(f"t{i}", prompt, depth, 3, None, calibration)
+            TreeJob(f"t{i}", prompt, depth, 3, calibration)
             for i, (prompt, depth) in enumerate(zip(prompts, (4, 2, 3, 1), strict=True))
         ]
         trees = draft.propose_trees(jobs)
@@ -728,5 +734,52 @@ def test_the_c_beam_grows_the_python_beams_trees(
             draft.free(job.request_id)
     for c_tree, py_tree in zip(*grown, strict=True):
         assert (c_tree.tokens, c_tree.parents) == (py_tree.tokens, py_tree.parents)
+        assert c_tree.ranks == py_tree.ranks
         assert c_tree.probs == pytest.approx(py_tree.probs, abs=1e-5)
     assert [len(t) for t in grown[0]] == [1 + 3 * 4, 1 + 3 * 2, 1 + 3 * 3, 1 + 3]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["c-beam", "python-levels"])
+def test_every_tree_node_carries_the_drafts_probability_after_its_path(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    fused: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each node's probability given its parent is what the draft gives its token after the
+    context and the node's path fed in order: the levels' masks hide cousins, and positions
+    are context + depth (the draft's own ranking of that token is the node's rank)."""
+    draft_runner = runners[1]
+    draft = DraftModel(draft_runner)
+    if not fused:
+        monkeypatch.setattr(draft, "_propose_trees_fused", lambda _jobs: None)
+    prompt = prompts[0]
+    (tree,) = draft.propose_trees([TreeJob("t", prompt, 3, 3, TreeCalibration())])
+    draft.free("t")
+    assert len(tree) == 1 + 3 * 3
+    reference = KVCacheManager(draft_runner.num_blocks)
+    for node in range(1, len(tree)):
+        path = tree.path_tokens(tree.parents[node])
+        reference.append("ref", len(prompt) + len(path))
+        table = reference.block_table("ref")
+        logits = draft_runner.forward([ForwardSeq([*prompt, *path], table, 0, 1)])
+        probs = logits[0].softmax(dim=-1)
+        local = tree.probs[node] / tree.probs[tree.parents[node]]
+        assert probs[tree.tokens[node]].item() == pytest.approx(local, abs=1e-4)
+        assert int((probs > probs[tree.tokens[node]]).sum()) == tree.ranks[node]
+        reference.free("ref")
+
+
+def test_adaserve_trees_keep_shaped_greedy_output(
+    runners: tuple[ModelRunner, ModelRunner], prompts: list[list[int]]
+) -> None:
+    """A greedy request with a logit bias and a repetition penalty: its tree rows are shaped
+    after each node's own path, so its tokens are those it gets without speculation."""
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, logit_bias=((203, -100.0),), repetition_penalty=1.3, ignore_eos=True
+    )
+    outputs = [
+        run(engine, Request("b", prompts[1], params, tier=Tier.BEST_EFFORT), ks)[0]
+        for engine, ks in ((_engine(runners, None), [0]), (_adaserve_engine(runners), [4]))
+    ]
+    assert outputs[0] == outputs[1] and 203 not in outputs[0]

@@ -8,6 +8,7 @@ import pytest
 
 from replica.spec.tree import (
     TokenTree,
+    judged_nodes,
     select_nodes,
     tree_shape,
     verify_tree_choices,
@@ -201,3 +202,21 @@ def test_choices_down_to_a_leaf_add_the_bonus() -> None:
     assert verify_tree_choices(_branchy(), [12, 0, 14, 0, 15, 16]) == ([2, 4, 5], [12, 14, 15, 16])
     with pytest.raises(ValueError, match="6 target choices"):
         verify_tree_choices(_branchy(), [12, 14])
+
+
+def test_a_walk_judges_its_path_and_the_refusal_where_it_stopped() -> None:
+    tree = _branchy()  # 0 -> {1, 2}; 2 -> {3, 4}; 4 -> {5}
+    assert judged_nodes(tree, []) == 1, "the root's children were judged and refused"
+    assert judged_nodes(tree, [2]) == 2, "node 2's children too"
+    assert judged_nodes(tree, [2, 4, 5]) == 3, "a leaf: nothing refused below it"
+    assert judged_nodes(_tree([10], [-1]), []) == 0
+
+
+def test_ranks_follow_the_siblings_unless_given_and_survive_a_subtree() -> None:
+    tree = _branchy()
+    assert tree.ranks == [0, 0, 1, 0, 1, 0]
+    tree.add(0, 30, 0.1, rank=3)
+    assert tree.ranks[-1] == 3
+    assert tree.subtree([2, 4]).ranks == [0, 1, 1]
+    with pytest.raises(ValueError, match="ranks must be >= 0"):
+        TokenTree([1, 2], [-1, 0], [1.0, 0.5], [0, -1])

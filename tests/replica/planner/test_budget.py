@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
+from replica.batch import RequestOutcome
 from replica.perf_model import PerfModel
 from replica.planner.budget import (
     AcceptanceEstimate,
@@ -14,6 +15,7 @@ from replica.planner.budget import (
     WorstBatch,
     expected_tokens,
     judged_drafts,
+    outcome_judged,
     plan_budgets,
 )
 from replica.planner.config import InvocationConfig, PlannerConfig, SpecConfig
@@ -232,6 +234,13 @@ def test_urgent_budgets_draft_only_for_the_decoders_in_their_batch() -> None:
 def test_drafts_after_the_first_rejection_are_not_judged() -> None:
     assert [judged_drafts(4, a) for a in range(5)] == [1, 2, 3, 4, 4]
     assert judged_drafts(0, 0) == 0
+
+
+def test_a_tree_verify_counts_the_drafts_its_walk_judged() -> None:
+    """Eight tree nodes, two accepted down to a leaf: two judged, not the chain's three."""
+    tree = RequestOutcome("t", num_draft_tokens=8, num_accepted_tokens=2, num_judged_drafts=2)
+    assert outcome_judged(tree) == 2
+    assert outcome_judged(RequestOutcome("c", num_draft_tokens=8, num_accepted_tokens=2)) == 3
 
 
 def test_a_cut_batch_is_priced_by_the_worst_case_and_a_cut_costs_the_fixed_time() -> None:

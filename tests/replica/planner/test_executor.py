@@ -137,6 +137,10 @@ def test_adaserve_trees_go_to_the_late_request_within_the_step_and_the_cache() -
     outcome, _ = _two_decoding(blocks=8).execute(plan, 1.0)
     verified = {o.request_id: o.num_draft_tokens for o in outcome.outcomes}
     assert verified["late"] > 3 and verified["early"] < 3 and sum(verified.values()) <= 6
+    for o in outcome.outcomes:
+        assert o.num_judged_drafts is not None
+        assert o.num_accepted_tokens <= o.num_judged_drafts <= o.num_accepted_tokens + 1
+    assert (outcome.draft_steps, outcome.draft_batch) == (3, 2), "3 levels for both"
     # Four blocks hold the plan's own split (4 + 4 tokens each) but not 7 + 1: it is kept.
     outcome, _ = _two_decoding(blocks=4).execute(plan, 1.0)
     assert all(o.num_draft_tokens <= 3 for o in outcome.outcomes)

@@ -91,16 +91,16 @@ class RequestOutcome:
     """Known tokens now in the KV cache after the step."""
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_judged_drafts: int | None = None
-    """Drafts the verify judged, where a chain's count (`planner.budget.judged_drafts`) does
-    not hold: a token tree's, one per node the walk accepted and the refusal where it stopped
-    when that node had children (its unvisited branches were never judged)."""
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One per new token, when the request's `logprobs` asks for them."""
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     """With the request's first token, when its `prompt_logprobs` asks for them: one per
     prompt token after the first."""
+    num_judged_drafts: int | None = None
+    """Drafts the verify judged, where a chain's count (`planner.budget.judged_drafts`) does
+    not hold: a token tree's, one per node the walk accepted and the refusal where it stopped
+    when that node had children (its unvisited branches were never judged)."""
 
     @property
     def finished(self) -> bool:

@@ -314,7 +314,7 @@ class CpuKernels:
         ranks = array.array("q", [0]) * size
         probs = array.array("f", bytes(4 * size))
         counts = array.array("q", [0]) * len(depths)
-        table = array.array("f", [c for row in chances for c in row])
+        table = array.array("d", [c for row in chances for c in row])
         levels = array.array("q", depths)
         failed = self._tree[dtype](
             model,

@@ -1018,7 +1018,9 @@ class ModelRunner:
                     f"of {d} levels"
                 )
             if s.num_cached + len(s.token_ids) + d > self.config.max_position_embeddings:
-                raise ValueError(f"{d} levels run past position {self.max_model_len}")
+                raise ValueError(
+                    f"{d} levels run past position {self.config.max_position_embeddings}"
+                )
         flat = self._flatten(seqs)
         assert self._fused is not None and self._paged is not None
         return self._paged.greedy_tree(

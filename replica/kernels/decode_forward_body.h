@@ -391,7 +391,7 @@ int FN(greedy_chain)(const struct model_args *a, const int64_t *batch, const int
  * root, and counts[r] says how many; block tables must cover every level's slots; returns 1 if
  * a buffer could not be allocated. */
 int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int64_t *depths,
-                    int64_t width, const int64_t *vocab, const float *chances, int64_t bins,
+                    int64_t width, const int64_t *vocab, const double *chances, int64_t bins,
                     int64_t ranks, int64_t *tokens, int64_t *parents, float *probs,
                     int64_t *node_ranks, int64_t *counts, int64_t threads) {
     const struct batch first = read_batch(batch);
@@ -400,7 +400,8 @@ int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int6
     for (int64_t r = 0; r < R; r++) most = depths[r] > most ? depths[r] : most;
     const int64_t stride = 1 + most * width, rows_max = R * width > R ? R * width : R;
     float *logits = malloc(sizeof(float) * (size_t)(rows_max * V));
-    float *score = malloc(sizeof(float) * (size_t)(R * stride));
+    /* scores in double, as Python multiplies its chances: near ties fall the same way */
+    double *score = malloc(sizeof(double) * (size_t)(R * stride));
     /* per node: the bits of its ancestors' and its own cache positions from the context on */
     uint64_t *bits = malloc(sizeof(uint64_t) * (size_t)(R * stride));
     /* the current level and the next: (request, node) of each logit row */
@@ -410,7 +411,7 @@ int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int6
     /* the next batch's arrays */
     int64_t *next = malloc(sizeof(int64_t) * (size_t)(rows_max * 6 + R * (4 + W)));
     /* candidates of one request: score, probability, (parent, token, rank) */
-    float *cand_score = malloc(sizeof(float) * (size_t)(width * width));
+    double *cand_score = malloc(sizeof(double) * (size_t)(width * width));
     float *cand_prob = malloc(sizeof(float) * (size_t)(width * width));
     int64_t *cand_node = malloc(sizeof(int64_t) * (size_t)(3 * width * width));
     int failed = !logits || !score || !bits || !level || !written || !next ||
@@ -422,7 +423,7 @@ int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int6
         parents[r * stride] = -1;
         probs[r * stride] = 1.0f;
         node_ranks[r * stride] = 0;
-        score[r * stride] = 1.0f;
+        score[r * stride] = 1.0;
         bits[r * stride] = 0;
         counts[r] = 1;
         written[r] = first.num_cached[r] + first.q_len[r];
@@ -461,7 +462,7 @@ int FN(greedy_tree)(const struct model_args *a, const int64_t *batch, const int6
                         /* in double, as Python bins the same float probability */
                         const int64_t bin = (int64_t)((double)q * (double)bins);
                         const int64_t rank = j < ranks ? j : ranks - 1;
-                        const float chance = chances[rank * bins + (bin < bins ? bin : bins - 1)];
+                        const double chance = chances[rank * bins + (bin < bins ? bin : bins - 1)];
                         const float f = probs[r * stride + parent] * q;
                         cand_score[n] = score[r * stride + parent] * chance;
                         cand_prob[n] = f < 1.0f ? f : 1.0f;

@@ -209,8 +209,9 @@ class DraftModel:
         return proposals
 
     def propose_trees(self, jobs: list[TreeJob]) -> list[TokenTree]:
-        """Beam search: each level keeps a request's `width` children of highest path
-        probability (over all parents, not per parent), down to its `depth`. A level is one
+        """Beam search: each level keeps a request's `width` children of highest path score
+        (the product of the calibrated chances along the path; over all parents, not per
+        parent), down to its `depth`. A level is one
         batched forward of the previous level's nodes, each seeing the context and its own
         ancestors only (a mask over the levels already cached), so the draft runs as many
         forwards as a chain of the same depth. The cache keeps the levels until `rollback`.

@@ -39,7 +39,7 @@ class TokenTree:
         n = len(self.tokens)
         if n == 0:
             raise ValueError("a token tree needs its root")
-        if not self.ranks:
+        if not self.ranks and len(self.parents) == n:
             self.ranks = [0] + [
                 sum(1 for j in range(1, i) if self.parents[j] == self.parents[i])
                 for i in range(1, n)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -699,6 +700,19 @@ def test_adaserve_needs_a_draft_model(runners: tuple[ModelRunner, ModelRunner]) 
         Engine(runners[0], proposer="ngram", adaserve=AdaServeTrees(COSTLY_VERIFY))
 
 
+def _spy_c_beam(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The runner's C beam calls (one entry each), the beam still run."""
+    calls: list[int] = []
+    grow = runner.greedy_tree
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return grow(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "greedy_tree", counting)
+    return calls
+
+
 @pytest.mark.parametrize("cut", [False, True], ids=["whole-head", "cut-head"])
 @pytest.mark.parametrize("calibrated", [False, True])
 def test_the_c_beam_grows_the_python_beams_trees(
@@ -710,10 +724,12 @@ def test_the_c_beam_grows_the_python_beams_trees(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every level in one C call gives the trees the Python levels give (tokens, parents,
-    path probabilities), requests of different depths in one batch."""
+    path probabilities, ranks), requests of different depths in one batch, each feeding the
+    two known tokens its draft cache lacks (as after a verify)."""
     if cpu_kernels.load() is None:
         pytest.skip("no C compiler: the beam runs in Python")
     draft_runner = (cut_runners if cut else runners)[1]
+    in_c = _spy_c_beam(draft_runner, monkeypatch)
     calibration = TreeCalibration()
     if calibrated:
         for i in range(60):
@@ -728,8 +744,10 @@ def test_the_c_beam_grows_the_python_beams_trees(
             TreeJob(f"t{i}", prompt, depth, 3, calibration)
             for i, (prompt, depth) in enumerate(zip(prompts, (4, 2, 3, 1), strict=True))
         ]
-        trees = draft.propose_trees(jobs)
-        grown.append(trees)
+        draft.prefill([(job.request_id, job.tokens[:-2]) for job in jobs])
+        calls = len(in_c)
+        grown.append(draft.propose_trees(jobs))
+        assert len(in_c) == calls + fused, "the C beam grew the trees" if fused else "Python"
         for job in jobs:
             draft.free(job.request_id)
     for c_tree, py_tree in zip(*grown, strict=True):
@@ -750,12 +768,15 @@ def test_every_tree_node_carries_the_drafts_probability_after_its_path(
     context and the node's path fed in order: the levels' masks hide cousins, and positions
     are context + depth (the draft's own ranking of that token is the node's rank)."""
     draft_runner = runners[1]
+    in_c = _spy_c_beam(draft_runner, monkeypatch)
     draft = DraftModel(draft_runner)
     if not fused:
         monkeypatch.setattr(draft, "_propose_trees_fused", lambda _jobs: None)
     prompt = prompts[0]
+    draft.prefill([("t", prompt[:-2])])
     (tree,) = draft.propose_trees([TreeJob("t", prompt, 3, 3, TreeCalibration())])
     draft.free("t")
+    assert len(in_c) == int(fused and cpu_kernels.load() is not None)
     assert len(tree) == 1 + 3 * 3
     reference = KVCacheManager(draft_runner.num_blocks)
     for node in range(1, len(tree)):

@@ -105,7 +105,14 @@ class CountingEngine:
         out.extend(new)
         assert len(out) <= request.sampling.max_tokens, f"{rid} over-generated"
         reason = FinishReason.LENGTH if len(out) == request.sampling.max_tokens else None
-        result = RequestOutcome(rid, new, self.computed[rid], drafted, accepted, reason)
+        result = RequestOutcome(
+            rid,
+            new,
+            self.computed[rid],
+            num_draft_tokens=drafted,
+            num_accepted_tokens=accepted,
+            finish_reason=reason,
+        )
         if reason is not None:
             self.finished[rid] = list(out)
             self._drop(rid)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from replica.planner.config import check_fraction
 from replica.planner.executor import leading_accepted
-from replica.spec.tree import TokenTree
+from replica.spec.tree import TokenTree, template_tree
 
 DEFAULT_ACCEPTANCE = 0.6
 """Per-token acceptance assumed for OPT-125m drafting for OPT-7B: an assumption (the seed
@@ -135,22 +135,7 @@ class SimulatedTrees:
         return chances
 
     def candidate(self, request_id: str, depth: int, width: int) -> TokenTree:
-        chances = self.chances(request_id, width)
-        tree = TokenTree.root(0)
-        level = [0]
-        for _ in range(depth):
-            children = sorted(
-                (
-                    (tree.probs[parent] * p, parent, rank)
-                    for parent in level
-                    for rank, p in enumerate(chances)
-                ),
-                key=lambda c: (-c[0], c[1], c[2]),
-            )[:width]
-            level = [tree.add(parent, rank, f, rank) for f, parent, rank in children if f > 0.0]
-            if not level:
-                break
-        return tree
+        return template_tree(self.chances(request_id, width), depth, width)
 
     def walk(self, request_id: str, tree: TokenTree) -> list[int]:
         """The nodes of `tree` (children's token ids are ranks) the target accepts in one

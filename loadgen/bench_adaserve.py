@@ -3,6 +3,7 @@
 All in one process and one run, on the demo pair, the same prompts and thread count: for each
 batch and k (drafts planned per decode), greedy decoding with the planned chains and with
 AdaServe's trees (the step's k x batch drafts spread as tree nodes, replica.planner.adaserve),
+and at the largest batch sampling at temperature 1 (trees whose tokens the draft draws),
 interleaved repeat by repeat so both see the same machine: decode tokens/s, tokens per verify
 (accepted + 1), drafts verified per decode, and the trees' ratio. The requests are best effort,
 so the trees' nodes go where the calibrated chance of acceptance is highest (the step's SLO
@@ -80,37 +81,42 @@ def sibling_acceptance(agreement: list[float]) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     bench = policy_bench(args, spare_per_request=4 * 6)
     target, draft, new_tokens = bench.target, bench.draft, bench.new_tokens
-    batches, ks = bench.batches, bench.ks
+    cases = [(batch, k, 0.0) for batch in bench.batches for k in bench.ks]
+    cases += [(max(bench.batches), k, 1.0) for k in bench.ks]
     agreement = rank_agreement(target, draft, bench.prompts, AdaServeConfig().max_width)
-    bar = tqdm(total=len(batches) * len(ks) * args.repeats, desc="bench adaserve")
+    bar = tqdm(total=len(cases) * args.repeats, desc="bench adaserve")
     rows = []
-    for batch in batches:
-        for k in ks:
-            trees = AdaServeTrees(bench.perf)
-            engines = {
-                "chains": functools.partial(Engine, target, draft, proposer="draft"),
-                "trees": functools.partial(Engine, target, draft, proposer="draft", adaserve=trees),
+    for batch, k, temperature in cases:
+        trees = AdaServeTrees(bench.perf)
+        engines = {
+            "chains": functools.partial(Engine, target, draft, proposer="draft"),
+            "trees": functools.partial(Engine, target, draft, proposer="draft", adaserve=trees),
+        }
+        sampling = {"temperature": temperature} if temperature else None
+        best = best_interleaved(
+            engines, bench.prompts, batch, k, new_tokens, args.repeats, bar, sampling
+        )
+        rows.append(
+            {
+                "batch": batch,
+                "k": k,
+                "temperature": temperature,
+                **best,
+                "trees_over_chains": best["trees"]["tok_s"] / best["chains"]["tok_s"],
+                "accepted_len_ratio": best["trees"]["mean_accepted_len"]
+                / best["chains"]["mean_accepted_len"],
+                "learned_chances": {
+                    f"rank{r}": c.table() for r, c in enumerate(trees.calibration.ranks)
+                },
+                "rank_acceptance": trees.calibration.rank_acceptance(),
+                "rank_judged": trees.calibration.judged,
+                "draw_acceptance": trees.sampled.chances(AdaServeConfig().max_width),
             }
-            best = best_interleaved(engines, bench.prompts, batch, k, new_tokens, args.repeats, bar)
-            rows.append(
-                {
-                    "batch": batch,
-                    "k": k,
-                    **best,
-                    "trees_over_chains": best["trees"]["tok_s"] / best["chains"]["tok_s"],
-                    "accepted_len_ratio": best["trees"]["mean_accepted_len"]
-                    / best["chains"]["mean_accepted_len"],
-                    "learned_chances": {
-                        f"rank{r}": c.table() for r, c in enumerate(trees.calibration.ranks)
-                    },
-                    "rank_acceptance": trees.calibration.rank_acceptance(),
-                    "rank_judged": trees.calibration.judged,
-                }
-            )
+        )
     bar.close()
     results: dict[str, Any] = {"speed": rows}
     results["config"] = policy_config(args, len(bench.prompts), new_tokens)
-    key = "b{batch}_k{k}"
+    key = "b{batch}_k{k}_t{temperature:g}"
     results["summary"] = {
         "trees_over_chains": {key.format(**r): r["trees_over_chains"] for r in rows},
         "accepted_len_ratio": {key.format(**r): r["accepted_len_ratio"] for r in rows},

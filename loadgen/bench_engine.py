@@ -151,13 +151,15 @@ def best_interleaved(
     new_tokens: int,
     repeats: int,
     bar: tqdm[Any],
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Each engine's fastest `spec_run` of `repeats`, the engines taking turns within every
-    repeat so that all see the same machine (a fresh engine per run, from its factory)."""
+    repeat so that all see the same machine (a fresh engine per run, from its factory);
+    `sampling`: the requests' sampling parameters beyond greedy."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
     for _ in range(repeats):
         for name, make in engines.items():
-            runs[name].append(spec_run(make(), prompts, batch, k, new_tokens))
+            runs[name].append(spec_run(make(), prompts, batch, k, new_tokens, sampling))
         bar.update()
     return {name: max(r, key=lambda row: row["tok_s"]) for name, r in runs.items()}
 

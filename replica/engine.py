@@ -49,10 +49,23 @@ from replica.sampling import (
     sample,
     token_probs,
 )
-from replica.spec.draft import DraftJob, DraftModel, Proposal, TreeJob, load_draft_vocab
+from replica.spec.draft import (
+    DraftJob,
+    DraftModel,
+    Proposal,
+    SampledTreeJob,
+    TreeJob,
+    load_draft_vocab,
+)
 from replica.spec.ngram import NgramProposer
-from replica.spec.tree import TokenTree, judged_nodes, select_nodes, verify_tree_choices
-from replica.spec.verify import verify_choices, verify_stochastic
+from replica.spec.tree import (
+    TokenTree,
+    judged_nodes,
+    select_nodes,
+    template_tree,
+    verify_tree_choices,
+)
+from replica.spec.verify import verify_choices, verify_stochastic, verify_tree_sampled
 from replica.tensor_parallel import TensorParallel
 
 ProposerKind = Literal["draft", "ngram"]
@@ -121,6 +134,9 @@ class _Work:
     not computed yet."""
     tree: TokenTree | None = None
     """AdaServe's drafted tree to verify (None: the proposal's chain, if any)."""
+    tree_draws: dict[int, torch.Tensor] | None = None
+    """A sampled tree's draft distributions, by parent node, its children drawn from them
+    (None: a greedy tree, its children the draft's likeliest)."""
 
 
 @dataclass
@@ -441,13 +457,24 @@ class Engine:
         if not spec:
             return run
         start = time.perf_counter()
-        chains = spec
+        grown: set[int] = set()
         if self.adaserve is not None:
             greedy = [w for w in spec if w.seq.request.sampling.greedy]
-            run.tree_levels = self._propose_trees(works, greedy) if greedy else 0
-            if run.tree_levels:
-                run.tree_requests = len(greedy)
-                chains = [w for w in spec if not w.seq.request.sampling.greedy]
+            sampled = [
+                w
+                for w in spec
+                if not w.seq.request.sampling.greedy and w.seq.request.sampling.seed is None
+            ]
+            for group, grow in (
+                (greedy, self._propose_trees),
+                (sampled, self._propose_sampled_trees),
+            ):
+                levels = grow(works, group) if group else 0
+                if levels:
+                    run.tree_levels += levels
+                    run.tree_requests += len(group)
+                    grown |= {id(w) for w in group}
+        chains = [w for w in spec if id(w) not in grown]
         if self.ngram is not None:
             for w in spec:
                 w.proposal = Proposal(self.ngram.propose(w.seq.tokens, w.num_spec), None)
@@ -484,12 +511,11 @@ class Engine:
 
     def _propose_trees(self, works: list[_Work], spec: list[_Work]) -> int:
         """AdaServe: grow candidate trees with the draft and give each greedy speculative
-        decode (`spec`) the nodes `select_nodes` picks within their planned drafts. Sampled
-        requests keep the planned chains, drawn from the draft's distribution: a tree of the
-        draft's top tokens verified as point masses accepted far fewer of them (1.68 against
-        2.75 tokens per verify at temperature 1, k = 4, the demo pair). Returns the levels the
-        draft grew; 0 (nothing changed) when its cache cannot hold the trees this step: the
-        chains run."""
+        decode (`spec`) the nodes `select_nodes` picks within their planned drafts (sampled
+        requests: `_propose_sampled_trees`; a tree of the draft's top tokens verified as point
+        masses accepted far fewer of them: 1.68 against 2.75 tokens per verify at temperature
+        1, k = 4, the demo pair). Returns the levels the draft grew; 0 (nothing changed) when
+        its cache cannot hold the trees this step: the chains run."""
         assert self.adaserve is not None and self.draft is not None
         adaserve = self.adaserve
         budget = sum(w.num_spec for w in spec)
@@ -539,14 +565,72 @@ class Engine:
         return max(0, min(left, self.max_model_len - seq.num_known))
 
     def _tree_blocks(self, works: list[_Work], spec: list[_Work], chosen: list[list[int]]) -> int:
-        """Target KV blocks the step takes with these trees in place of the planned drafts."""
+        """Target KV blocks the step takes with these trees (and those already grown) in
+        place of the planned drafts."""
         nodes = {id(w): len(c) for w, c in zip(spec, chosen, strict=True)}
+
+        def drafts(w: _Work) -> int:
+            if id(w) in nodes:
+                return nodes[id(w)]
+            return w.num_spec if w.tree is None else len(w.tree) - 1
+
         return sum(
-            self.cache.extra_blocks_needed(
-                w.seq.request.request_id, w.num_feed + nodes.get(id(w), w.num_spec)
-            )
+            self.cache.extra_blocks_needed(w.seq.request.request_id, w.num_feed + drafts(w))
             for w in works
         )
+
+    def _propose_sampled_trees(self, works: list[_Work], spec: list[_Work]) -> int:
+        """AdaServe for requests sampled without a seed: a tree's shape is chosen first (the
+        selection over a beam of draw indexes, each with its learned chance), then the draft
+        draws its tokens, each node's children independently from its distribution there, so
+        that SpecInfer's rule verifies it losslessly (`verify_tree_sampled`). A seeded request
+        keeps its chain, drawn with the noise its target draws use. Returns the levels the
+        draft grew; 0 (nothing changed) when its cache cannot hold them."""
+        assert self.adaserve is not None and self.draft is not None
+        adaserve = self.adaserve
+        budget = sum(w.num_spec for w in spec)
+        depth, width = adaserve.shape(budget, len(spec), max(w.num_spec for w in spec))
+        chances = adaserve.sampled.chances(width)
+        templates = [
+            template_tree(chances, min(depth, self._tree_depth_limit(w)), width) for w in spec
+        ]
+        shape = self._shape(works, [w.num_spec for w in works], adaserve.perf.tp)
+        needs = adaserve.needs([(w.seq.request, len(w.seq.generated)) for w in spec], shape)
+        most = adaserve.config.max_nodes
+        chosen = select_nodes(templates, needs, budget, [most] * len(spec), depth)
+        if self._tree_blocks(works, spec, chosen) > self.cache.num_free_blocks:
+            chosen = select_nodes(templates, needs, budget, [w.num_spec for w in spec], depth)
+        shapes = [t.subtree(nodes) for t, nodes in zip(templates, chosen, strict=True)]
+        growing = [(w, s) for w, s in zip(spec, shapes, strict=True) if len(s) > 1]
+        fed = {id(w): sum(1 for n in range(1, len(s)) if s.children(n)) for w, s in growing}
+        ids = {id(w) for w in spec}
+        draft_need = sum(
+            self.draft.blocks_needed(w.seq.request.request_id, w.seq.num_known + fed[id(w)])
+            for w, _ in growing
+        ) + sum(
+            self.draft.blocks_needed(w.seq.request.request_id, _draft_tokens(w))
+            for w in works
+            if id(w) not in ids and (w.num_spec > 0 or isinstance(w.entry, PrefillChunk))
+        )
+        if not growing or draft_need > self.draft.cache.num_free_blocks:
+            return 0
+        jobs = [
+            SampledTreeJob(
+                w.seq.request.request_id,
+                w.seq.tokens,
+                s,
+                w.seq.request.sampling,
+                w.seq.generator,
+                w.seq.shaper,
+            )
+            for w, s in growing
+        ]
+        for (w, _), (tree, draws) in zip(
+            growing, self.draft.propose_sampled_trees(jobs), strict=True
+        ):
+            self.draft.rollback(w.seq.request.request_id, w.seq.num_known)
+            w.tree, w.tree_draws = tree, draws
+        return max(max(s.depths) for _, s in growing)
 
     def _shape(self, works: list[_Work], drafts: list[int], tp: int) -> BatchShape:
         """The step as the perf model sees it, each work drafting `drafts[i]` tokens."""
@@ -691,8 +775,9 @@ class Engine:
     def _finish_tree(
         self, w: _Work, tree: TokenTree, logits: torch.Tensor, argmax: list[int]
     ) -> RequestOutcome:
-        """Verify a greedy request's token tree: walk it by the target's own choices, move the
-        accepted path's KV right after the context and drop the rest."""
+        """Verify a token tree (a greedy request's by the target's own choices, a sampled
+        one's by SpecInfer's rule), move the accepted path's KV right after the context and
+        drop the rest."""
         seq = w.seq
         raw = logits
         if seq.shaper is not None:
@@ -702,9 +787,14 @@ class Engine:
                 [shaper.shape(logits[i : i + 1], p, start=len(p)) for i, p in enumerate(paths)]
             )
             argmax = logits.argmax(dim=-1).tolist()
-        accepted, new = verify_tree_choices(tree, argmax)
         assert self.adaserve is not None
-        self.adaserve.observe(tree, accepted)
+        if w.tree_draws is None:
+            accepted, new = verify_tree_choices(tree, argmax)
+            self.adaserve.observe(tree, accepted)
+        else:
+            probs = token_probs(logits, seq.request.sampling)
+            accepted, new = verify_tree_sampled(tree, probs, w.tree_draws, seq.generator)
+            self.adaserve.sampled.observe(tree, accepted)
         rid = seq.request.request_id
         cached = seq.num_computed
         if any(node != j + 1 for j, node in enumerate(accepted)):

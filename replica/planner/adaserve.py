@@ -3,10 +3,13 @@ trees grow, and how many tokens each request must gain in this step.
 
 The SLOs-Serve planner still sizes each step: which requests decode and how many drafts each
 may verify. With AdaServe the sum of those drafts is the step's node budget B, and a request's
-drafts become a token tree (replica.spec.tree) instead of a chain: the draft grows candidate
-trees by beam search, and the budget goes first to the requests furthest behind their SLO
-line, then to the nodes likeliest to be accepted, whichever request holds them. The target
-then verifies about as many tokens as planned, so the planner's step time holds.
+drafts become a token tree (replica.spec.tree) instead of a chain: for a greedy request the
+draft grows candidate trees by beam search; for one sampled without a seed the tree's shape is
+chosen over draw indexes first and the draft then draws its tokens (verified losslessly by
+SpecInfer's rule); a seeded request keeps its chain. The budget goes first to the requests
+furthest behind their SLO line, then to the nodes likeliest to be accepted, whichever request
+holds them. The target then verifies about as many tokens as planned, so the planner's step
+time holds.
 
 A(r), the tokens r must gain now, is measured on the deadline line the planner guarantees
 (token j due at arrival + TTFT + j x TPOT, stages included): one for the next token if it
@@ -82,10 +85,50 @@ class TreeCalibration:
         return [a / j if j else None for a, j in zip(self.accepted, self.judged, strict=True)]
 
 
+class DrawAcceptance:
+    """A sampled tree's chances: that the target accepts a node's i-th drawn child given the
+    ones before were refused (its first: a chain's token), learned per draw index from the
+    verifies, each starting at 0.5 with the weight of 4 judged nodes. Its shape is chosen
+    before its tokens are drawn (losslessness needs it), so the chances know the index only."""
+
+    PRIOR = 0.5
+    PRIOR_WEIGHT = 4.0
+
+    def __init__(self) -> None:
+        self.judged = [self.PRIOR_WEIGHT] * RANKS
+        self.accepted = [self.PRIOR * self.PRIOR_WEIGHT] * RANKS
+
+    def chances(self, width: int) -> list[float]:
+        """Each draw index's chance of acceptance given its parent was reached, for indexes
+        0 .. width - 1 (a draw is tried only after the ones before it were refused)."""
+        out, left = [], 1.0
+        for i in range(width):
+            share = left * self._rate(i)
+            out.append(share)
+            left -= share
+        return out
+
+    def observe(self, tree: TokenTree, accepted: Sequence[int]) -> None:
+        """Learn from one verified sampled tree: at each node the walk reached, its children
+        were tried in draw order up to the one accepted (or all of them)."""
+        on_path = set(accepted)
+        for node in (0, *accepted):
+            for index, child in enumerate(tree.children(node)):
+                rank = min(index, RANKS - 1)
+                self.judged[rank] += 1.0
+                if child in on_path:
+                    self.accepted[rank] += 1.0
+                    break
+
+    def _rate(self, index: int) -> float:
+        rank = min(index, RANKS - 1)
+        return self.accepted[rank] / self.judged[rank]
+
+
 class AdaServeTrees:
     """An engine's AdaServe policy over the perf model the controller plans with, and what it
-    learns of the draft. Trees serve greedy requests (replica.engine: sampled ones keep their
-    chains), so one calibration does."""
+    learns of the draft: a greedy tree's chances by rank and confidence (`calibration`), a
+    sampled tree's by draw index (`sampled`; its shape is chosen before its draws)."""
 
     def __init__(
         self,
@@ -98,6 +141,7 @@ class AdaServeTrees:
         self.config = config if config is not None else AdaServeConfig()
         self.clock = clock
         self.calibration = TreeCalibration()
+        self.sampled = DrawAcceptance()
 
     def shape(self, budget: int, num_requests: int, max_depth: int) -> tuple[int, int]:
         """Depth and width of this step's candidate trees."""

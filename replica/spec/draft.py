@@ -106,6 +106,20 @@ class TreeJob:
     shaper: LogitsShaper | None = None
 
 
+@dataclass
+class SampledTreeJob:
+    """One sampled request's tree (AdaServe, replica.spec.tree): a shape chosen before its
+    tokens are drawn."""
+
+    request_id: str
+    tokens: list[int]
+    """All known tokens (prompt + output); the last is the tree's root."""
+    shape: TokenTree
+    params: SamplingParams
+    generator: torch.Generator
+    shaper: LogitsShaper | None = None
+
+
 class DraftModel:
     """A `ModelRunner` plus its block tables; proposes k tokens per request, k may differ."""
 
@@ -188,12 +202,15 @@ class DraftModel:
                     if confident:
                         confidences[i].append(float(logits[row].float().softmax(dim=-1).max()))
                 elif params.greedy:
-                    shaped = self._shaped(logits[row : row + 1], job, proposals[i].tokens)
+                    assert job.shaper is not None
+                    shaped = self._shaped(logits[row : row + 1], job.shaper, proposals[i].tokens)
                     token = int(shaped.argmax())
                     if confident:
                         confidences[i].append(float(shaped.float().softmax(dim=-1)[0, token]))
                 else:
-                    probs = self._probs(logits[row : row + 1], job, proposals[i].tokens)
+                    probs = self._probs(
+                        logits[row : row + 1], job.params, job.shaper, proposals[i].tokens
+                    )
                     if job.noise is not None:
                         token = noisy_choice(probs, job.noise[step : step + 1])[0]
                     else:
@@ -237,7 +254,12 @@ class DraftModel:
                 break
             seqs = []
             for i in active:
-                seqs.append(self._level_seq(jobs[i], trees[i], levels[i], slots[i], feed[i]))
+                job = jobs[i]
+                seqs.append(
+                    self._level_seq(
+                        job.request_id, job.tokens, trees[i], levels[i], slots[i], feed[i]
+                    )
+                )
             logits = self.runner.forward(seqs)
             row = 0
             for i in active:
@@ -246,6 +268,62 @@ class DraftModel:
                 levels[i] = self._grow(jobs[i], trees[i], scores[i], parents, rows)
                 row += len(parents)
         return trees
+
+    def propose_sampled_trees(
+        self, jobs: list[SampledTreeJob]
+    ) -> list[tuple[TokenTree, dict[int, torch.Tensor]]]:
+        """Fill each job's tree shape with tokens drawn from the draft: level by level, every
+        node with children is fed (seeing the context and its ancestors), and its children's
+        tokens are drawn independently from the distribution there (shaped after the node's
+        path), which verification needs (`replica.spec.verify.verify_tree_sampled`). Returns
+        each tree and those distributions, by parent node. The cache keeps the levels until
+        `rollback`."""
+        trees = [
+            TokenTree(
+                list(j.shape.tokens),
+                list(j.shape.parents),
+                list(j.shape.probs),
+                list(j.shape.ranks),
+            )
+            for j in jobs
+        ]
+        drawn: list[dict[int, torch.Tensor]] = [{} for _ in jobs]
+        slots: list[dict[int, int]] = [{} for _ in jobs]
+        feed: list[list[int]] = []
+        for job, tree, slot in zip(jobs, trees, slots, strict=True):
+            self.rollback(job.request_id, len(job.tokens) - 1)
+            feed.append(job.tokens[self.cache.num_tokens(job.request_id) :])
+            slot[0] = len(job.tokens) - 1
+            tree.tokens[0] = job.tokens[-1]
+        depths = [t.depths for t in trees]
+        for level in range(max((max(d) for d in depths), default=0)):
+            fed = [
+                [n for n in range(len(t)) if d[n] == level and t.children(n)]
+                for t, d in zip(trees, depths, strict=True)
+            ]
+            active = [i for i, nodes in enumerate(fed) if nodes]
+            if not active:
+                break
+            seqs = [
+                self._level_seq(
+                    jobs[i].request_id, jobs[i].tokens, trees[i], fed[i], slots[i], feed[i]
+                )
+                for i in active
+            ]
+            logits = self.runner.forward(seqs)
+            row = 0
+            for i in active:
+                job, tree = jobs[i], trees[i]
+                for node in fed[i]:
+                    path = tree.path_tokens(node)
+                    q = self._probs(logits[row : row + 1], job.params, job.shaper, path)[0]
+                    children = tree.children(node)
+                    tokens = torch.multinomial(q, len(children), True, generator=job.generator)
+                    for child, token in zip(children, tokens.tolist(), strict=True):
+                        tree.tokens[child] = int(token)
+                    drawn[i][node] = q
+                    row += 1
+        return list(zip(trees, drawn, strict=True))
 
     def _propose_trees_fused(self, jobs: list[TreeJob]) -> list[TokenTree] | None:
         """The trees from one C call, or None when the C beam cannot grow them."""
@@ -269,21 +347,22 @@ class DraftModel:
 
     def _level_seq(
         self,
-        job: TreeJob,
+        rid: str,
+        known: list[int],
         tree: TokenTree,
         nodes: list[int],
         slots: dict[int, int],
         feed: list[int],
     ) -> ForwardSeq:
-        """The forward of one tree level: the uncached known tokens and the root first, then
-        each level's nodes, each seeing the context, its cached ancestors and itself."""
-        rid = job.request_id
+        """The forward of one tree level of request `rid` (`known`: its known tokens): the
+        uncached known tokens and the root first, then each level's nodes, each seeing the
+        context, its cached ancestors and itself."""
         cached = self.cache.num_tokens(rid)
         if nodes == [0]:
             self.cache.append(rid, len(feed))
             return ForwardSeq(feed, self.cache.block_table(rid), cached, num_logits=1)
         self.cache.append(rid, len(nodes))
-        context = len(job.tokens)
+        context = len(known)
         mask = torch.zeros(len(nodes), cached + len(nodes), dtype=torch.bool)
         mask[:, :context] = True
         for row, node in enumerate(nodes):
@@ -363,18 +442,25 @@ class DraftModel:
             proposals.append(Proposal(tokens, None, confidences))
         return proposals
 
-    def _probs(self, logits: torch.Tensor, job: DraftJob, drafted: list[int]) -> torch.Tensor:
+    def _probs(
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        shaper: LogitsShaper | None,
+        drafted: list[int],
+    ) -> torch.Tensor:
         """The distribution a draft token is drawn from, over the whole vocabulary (zero off
         a cut head)."""
-        if job.shaper is None:
-            return self._full_vocab(token_probs(logits, job.params))
-        return token_probs(self._shaped(logits, job, drafted), job.params)
+        if shaper is None:
+            return self._full_vocab(token_probs(logits, params))
+        return token_probs(self._shaped(logits, shaper, drafted), params)
 
-    def _shaped(self, logits: torch.Tensor, job: DraftJob, drafted: list[int]) -> torch.Tensor:
+    def _shaped(
+        self, logits: torch.Tensor, shaper: LogitsShaper, drafted: list[int]
+    ) -> torch.Tensor:
         """Logits over the whole vocabulary (-inf off a cut head) shaped as the request's are,
         as if the tokens drafted so far were output."""
-        assert job.shaper is not None
-        return job.shaper.shape(self._full_logits(logits), drafted, start=len(drafted))
+        return shaper.shape(self._full_logits(logits), drafted, start=len(drafted))
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the whole vocabulary (-inf off a cut head)."""

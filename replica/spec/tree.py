@@ -220,6 +220,28 @@ def tree_shape(budget: int, num_requests: int, max_depth: int, max_width: int) -
     return depth, width
 
 
+def template_tree(chances: Sequence[float], depth: int, width: int) -> TokenTree:
+    """A beam over ranks alone: a child of rank r has chance `chances[r]` whatever its token,
+    each level keeps the `width` children of highest path chance (ties: the earlier parent,
+    then the lower rank), and a node's token id is its rank. The shape a tree takes when its
+    tokens are drawn after it is chosen (sampled trees), and the simulated draft's beam."""
+    tree = TokenTree.root(0)
+    level = [0]
+    for _ in range(depth):
+        children = sorted(
+            (
+                (tree.probs[parent] * chance, parent, rank)
+                for parent in level
+                for rank, chance in enumerate(chances)
+            ),
+            key=lambda c: (-c[0], c[1], c[2]),
+        )[:width]
+        level = [tree.add(parent, rank, f, rank) for f, parent, rank in children if f > 0.0]
+        if not level:
+            break
+    return tree
+
+
 def verify_tree_choices(tree: TokenTree, choices: Sequence[int]) -> tuple[list[int], list[int]]:
     """Follow the target's own choices down the tree (its argmax, after the request's logits
     shaping), so the output is exactly what the target alone would emit.

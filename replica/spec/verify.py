@@ -7,7 +7,11 @@ a verify step always makes progress.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+
+from replica.spec.tree import TokenTree
 
 
 def verify_choices(proposal: list[int], target_choices: list[int]) -> list[int]:
@@ -70,6 +74,45 @@ def verify_stochastic(
         return out
     out.append(_draw(target_probs[k], generator))
     return out
+
+
+def verify_tree_sampled(
+    tree: TokenTree,
+    target_probs: torch.Tensor,
+    draft_probs: Mapping[int, torch.Tensor],
+    generator: torch.Generator,
+) -> tuple[list[int], list[int]]:
+    """Lossless verification of a tree whose children of each node were drawn independently
+    from the draft's distribution there (`draft_probs[node]`, over the whole vocabulary):
+    SpecInfer's multi-step speculative sampling. At a node the children are tried in the order
+    they were drawn: child x is accepted with probability min(1, p(x) / q(x)); after a refusal
+    p becomes norm(max(0, p - q)), the target's distribution given that draw was refused; when
+    every child is refused the token is drawn from the last p (from the target's own row where
+    the node has no children). Each token is then distributed as the target's, whatever the
+    tree's shape, provided the shape was chosen before the draws. `target_probs[i]`: the
+    target's distribution after node i's path. Returns (accepted nodes, tokens to append)."""
+    if target_probs.shape[0] != len(tree):
+        raise ValueError(f"need {len(tree)} target distributions for a {len(tree)}-node tree")
+    accepted: list[int] = []
+    node = 0
+    while True:
+        p = target_probs[node]
+        children = tree.children(node)
+        if children and node not in draft_probs:
+            raise ValueError(f"node {node} has children but no draft distribution")
+        for child in children:
+            q = draft_probs[node]
+            token = tree.tokens[child]
+            u = torch.rand((), generator=generator).item()
+            if u * q[token].item() < p[token].item():
+                accepted.append(child)
+                node = child
+                break
+            residual = torch.clamp(p - q, min=0.0)
+            total = residual.sum().item()
+            p = residual / total if total > 0.0 else p
+        else:
+            return accepted, [tree.tokens[i] for i in accepted] + [_draw(p, generator)]
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:

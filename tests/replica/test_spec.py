@@ -23,12 +23,13 @@ from replica.spec.draft import (
     DraftJob,
     DraftModel,
     Proposal,
+    SampledTreeJob,
     TreeJob,
     load_draft_vocab,
 )
 from replica.spec.ngram import NgramProposer
 from replica.spec.tree import TokenTree
-from replica.spec.verify import verify_choices, verify_stochastic
+from replica.spec.verify import verify_choices, verify_stochastic, verify_tree_sampled
 from tests.replica.engine_runs import load_detokenizer, run
 
 # Chi-square critical value for 5 degrees of freedom at p = 0.001.
@@ -91,6 +92,49 @@ def test_stochastic_verification_preserves_the_target_distribution(
     assert _chi_square(first, TARGET[0]) < CHI2_CRITICAL_DF5
     assert second.sum() > 300
     assert _chi_square(second, TARGET[1]) < CHI2_CRITICAL_DF5
+
+
+TREE_FIRST = torch.tensor([0.1, 0.4, 0.3, 0.2])
+"""The target's first-token distribution; the second's depends on the first (TREE_SECOND)."""
+TREE_SECOND = torch.tensor(
+    [[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.0, 0.5, 0.0, 0.5]]
+)
+TREE_DRAFT_FIRST = torch.tensor([0.25, 0.1, 0.6, 0.05])
+TREE_DRAFT_SECOND = torch.tensor(
+    [[0.4, 0.2, 0.2, 0.2], [0.3, 0.3, 0.3, 0.1], [0.1, 0.7, 0.1, 0.1], [0.2, 0.2, 0.2, 0.4]]
+)
+
+
+def test_a_sampled_tree_verifies_to_the_targets_distribution() -> None:
+    """A tree shaped before its draws (three children of the root, the first with two of its
+    own), each node's children drawn independently from the draft's distribution there: the
+    first token is distributed as the target's, and the second, given the first, as the
+    target's after it (chi-square at p = 0.001)."""
+    gen = torch.Generator().manual_seed(7)
+    first = torch.zeros(4)
+    second = torch.zeros(4, 4)
+    for _ in range(6000):
+        tree = TokenTree([0, 0, 0, 0, 0, 0], [-1, 0, 0, 0, 1, 1], [1.0] * 6)
+        roots = torch.multinomial(TREE_DRAFT_FIRST, 3, True, generator=gen).tolist()
+        for child, token in zip((1, 2, 3), roots, strict=True):
+            tree.tokens[child] = token
+        below = torch.multinomial(TREE_DRAFT_SECOND[roots[0]], 2, True, generator=gen).tolist()
+        tree.tokens[4], tree.tokens[5] = below
+        target = torch.stack([TREE_FIRST] + [TREE_SECOND[tree.tokens[i]] for i in range(1, 6)])
+        draws = {0: TREE_DRAFT_FIRST, 1: TREE_DRAFT_SECOND[roots[0]]}
+        accepted, tokens = verify_tree_sampled(tree, target, draws, gen)
+        assert tokens[: len(accepted)] == [tree.tokens[i] for i in accepted]
+        first[tokens[0]] += 1
+        if len(tokens) > 1:
+            second[tokens[0], tokens[1]] += 1
+    assert _chi_square(first, TREE_FIRST) < CHI2_CRITICAL_DF5
+    for x in range(4):
+        seen = second[x][TREE_SECOND[x] > 0]
+        if seen.sum() > 200:
+            assert _chi_square(seen, TREE_SECOND[x][TREE_SECOND[x] > 0]) < CHI2_CRITICAL_DF5
+    assert second.sum() > 1000, "the first child was often accepted and its children tried"
+    with pytest.raises(ValueError, match="no draft distribution"):
+        verify_tree_sampled(TokenTree([0, 1], [-1, 0], [1.0, 1.0]), target[:2], {}, gen)
 
 
 def test_ngram_proposes_what_followed_the_latest_match() -> None:
@@ -594,24 +638,31 @@ def test_adaserve_trees_keep_greedy_output(
         assert moves, "no accepted path left the first chain"
 
 
-def test_adaserve_grows_trees_for_greedy_requests_and_sampled_ones_keep_chains(
+def test_adaserve_grows_trees_for_unseeded_requests_and_seeded_ones_keep_chains(
     runners: tuple[ModelRunner, ModelRunner],
     prompts: list[list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """In one batch the greedy request verifies trees; the seeded and the unseeded sampled
-    (with a logit bias) requests verify their planned chains, drawn from the draft's
-    distribution; the seed still fixes its tokens."""
+    """In one batch the greedy request verifies beam trees, the unseeded sampled one (with a
+    logit bias) trees whose tokens the draft drew, and the seeded one its planned chains,
+    drawn with its positions' noise, which keeps its tokens those it draws alone."""
     engine = _adaserve_engine(runners)
     assert engine.draft is not None
     grown: list[str] = []
+    drawn: list[str] = []
     propose_trees = engine.draft.propose_trees
+    propose_sampled = engine.draft.propose_sampled_trees
 
     def growing(jobs: list[TreeJob]) -> list[TokenTree]:
         grown.extend(j.request_id for j in jobs)
         return propose_trees(jobs)
 
+    def drawing(jobs: list[SampledTreeJob]) -> list[tuple[TokenTree, dict[int, torch.Tensor]]]:
+        drawn.extend(j.request_id for j in jobs)
+        return propose_sampled(jobs)
+
     monkeypatch.setattr(engine.draft, "propose_trees", growing)
+    monkeypatch.setattr(engine.draft, "propose_sampled_trees", drawing)
     seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5, ignore_eos=True)
     banned = 203
     biased = SamplingParams(
@@ -626,10 +677,11 @@ def test_adaserve_grows_trees_for_greedy_requests_and_sampled_ones_keep_chains(
     while live := [rid for rid in params if engine.finish_reason(rid) is None]:
         outcome = engine.step(BatchPlan(tuple(DecodeStep(rid, k) for rid in live)))
         for o in outcome.outcomes:
-            if o.request_id != "g":
+            if o.request_id == "s":
                 left = MAX_TOKENS - len(engine.output_token_ids(o.request_id))
                 assert o.num_draft_tokens == min(k, left + len(o.new_token_ids) - 1)
-    assert set(grown) == {"g"}
+    assert set(grown) == {"g"} and set(drawn) == {"u"}
+    assert len(engine.output_token_ids("u")) == MAX_TOKENS
     assert banned not in engine.output_token_ids("u")
     plain = run(
         _engine(runners, None), Request("p", prompts[2], seeded, tier=Tier.BEST_EFFORT), [0]

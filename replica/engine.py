@@ -547,16 +547,31 @@ class Engine:
         for w in spec:
             self.draft.rollback(w.seq.request.request_id, w.seq.num_known)
         trees = [adaserve.calibrated(t) for t in drafted]
+        chosen = self._select(works, spec, trees, budget, depth)
+        for w, tree, nodes in zip(spec, drafted, chosen, strict=True):
+            w.tree = tree.subtree(nodes) if nodes else None
+        return max(j.depth for j in jobs)
+
+    def _select(
+        self,
+        works: list[_Work],
+        spec: list[_Work],
+        trees: list[TokenTree],
+        budget: int,
+        depth: int,
+    ) -> list[list[int]]:
+        """AdaServe's nodes for each of `spec`'s candidate trees, by the tokens each request
+        must gain by the step's predicted end; the plan's own split when the trees' KV would
+        not fit (that split always does: the plan passed the capacity check)."""
+        assert self.adaserve is not None
+        adaserve = self.adaserve
         shape = self._shape(works, [w.num_spec for w in works], adaserve.perf.tp)
         needs = adaserve.needs([(w.seq.request, len(w.seq.generated)) for w in spec], shape)
         most = adaserve.config.max_nodes
         chosen = select_nodes(trees, needs, budget, [most] * len(spec), depth)
         if self._tree_blocks(works, spec, chosen) > self.cache.num_free_blocks:
-            # The plan's own split always fits: it passed the capacity check.
             chosen = select_nodes(trees, needs, budget, [w.num_spec for w in spec], depth)
-        for w, tree, nodes in zip(spec, drafted, chosen, strict=True):
-            w.tree = tree.subtree(nodes) if nodes else None
-        return max(j.depth for j in jobs)
+        return chosen
 
     def _tree_depth_limit(self, w: _Work) -> int:
         """The deepest node a decode may verify: within max_tokens and the model's length."""
@@ -594,12 +609,7 @@ class Engine:
         templates = [
             template_tree(chances, min(depth, self._tree_depth_limit(w)), width) for w in spec
         ]
-        shape = self._shape(works, [w.num_spec for w in works], adaserve.perf.tp)
-        needs = adaserve.needs([(w.seq.request, len(w.seq.generated)) for w in spec], shape)
-        most = adaserve.config.max_nodes
-        chosen = select_nodes(templates, needs, budget, [most] * len(spec), depth)
-        if self._tree_blocks(works, spec, chosen) > self.cache.num_free_blocks:
-            chosen = select_nodes(templates, needs, budget, [w.num_spec for w in spec], depth)
+        chosen = self._select(works, spec, templates, budget, depth)
         shapes = [t.subtree(nodes) for t, nodes in zip(templates, chosen, strict=True)]
         growing = [(w, s) for w, s in zip(spec, shapes, strict=True) if len(s) > 1]
         fed = {id(w): sum(1 for n in range(1, len(s)) if s.children(n)) for w, s in growing}

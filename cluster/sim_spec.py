@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from replica.planner.config import check_fraction
 from replica.planner.executor import leading_accepted
-from replica.spec.tree import TokenTree, template_tree
+from replica.spec.tree import TokenTree, rank_chances, template_tree
 
 DEFAULT_ACCEPTANCE = 0.6
 """Per-token acceptance assumed for OPT-125m drafting for OPT-7B: an assumption (the seed
@@ -126,13 +126,7 @@ class SimulatedTrees:
 
     def chances(self, request_id: str, width: int) -> list[float]:
         """p_r for ranks 0 .. width - 1."""
-        first = self.accept.alpha_of(request_id)
-        chances, left = [first], 1.0 - first
-        for rank in range(1, width):
-            share = left * self.siblings[min(rank, len(self.siblings)) - 1]
-            chances.append(share)
-            left -= share
-        return chances
+        return rank_chances((self.accept.alpha_of(request_id), *self.siblings), width)
 
     def candidate(self, request_id: str, depth: int, width: int) -> TokenTree:
         return template_tree(self.chances(request_id, width), depth, width)

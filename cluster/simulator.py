@@ -46,7 +46,6 @@ from cluster.api import Verdict
 from cluster.control import ControlPlane, Decision
 from cluster.messages import StepReport
 from cluster.plans import SeqView, reconcile
-from cluster.prefix_picture import PrefixPicture
 from cluster.routing import BackupPolicy, FirstHop, Router
 from cluster.sim_distserve import DEFAULT_LINK_GB_S, KvLink
 from cluster.sim_events import EventKind, EventQueue
@@ -58,7 +57,7 @@ from cluster.sim_spec import (
 )
 from cluster.virtual_replica import VirtualReplica
 from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
-from replica.kv_cache import prefix_limit
+from replica.kv_cache import PrefixPicture
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
 from replica.planner.adaserve import AdaServeTrees
@@ -181,7 +180,7 @@ class SimConfig:
     slowest to simulate, fails long before its end. None: run to the end."""
     prefix_caching: bool = False
     """Each replica keeps the KV of the prompts and outputs it computed for later requests
-    that start with the same tokens (cluster.prefix_picture stands for its cache): a prefill
+    that start with the same tokens (replica.kv_cache.PrefixPicture stands for its cache): a prefill
     begins after the prefix found there, as a live replica's does. The requests' token ids
     must then say which prompts share what (loadgen.simulate.sim_requests)."""
 
@@ -330,8 +329,6 @@ class _Replica:
     mirror: VirtualReplica | None
     """Policy slos: the controller's mirror, which plans and folds reports."""
     running: tuple[BatchPlan, BatchOutcome] | None = None
-    prefixes: PrefixPicture | None = None
-    """With prefix caching: what this replica's cache holds."""
     landed: deque[int] = field(default_factory=deque)
     """Policy distserve, decode pool: requests whose KV arrived, waiting for memory."""
 
@@ -397,8 +394,6 @@ class Simulator:
         self._events = EventQueue()
         self._steps = 0
         self._busy_s = 0.0
-        self._prefix_queries = 0
-        self._prefix_hits = 0
         self._now = 0.0
         cache = CacheBudget(config.num_kv_blocks)
         truth = perf if config.replica_slowdown.is_none else perf.slowed(config.replica_slowdown)
@@ -444,6 +439,7 @@ class Simulator:
                         accept,
                         (SpecServeLengths(perf), self.accept.draws) if specserve else None,
                         trees,
+                        self._picture(cache),
                     ),
                     m.scheduler,
                     m,
@@ -453,17 +449,25 @@ class Simulator:
             self._unadmitted = [deque() for _ in mirrors]
         else:
             self.replicas = [
-                _Replica(i, PerfExecutor(truth, cache), self._baseline(cache), None)
+                _Replica(
+                    i,
+                    PerfExecutor(truth, cache, prefixes=self._picture(cache)),
+                    self._baseline(cache),
+                    None,
+                )
                 for i in range(config.replicas)
             ]
-        if config.prefix_caching:
-            for rep in self.replicas:
-                rep.prefixes = PrefixPicture(cache.num_blocks, cache.block_size)
         if config.policy is Policy.DISTSERVE:
             per_token = kv_bytes_per_token(perf, config.kv_bytes_per_token)
             self._links = [
                 KvLink(config.kv_link_gb_s, per_token) for _ in range(config.prefill_replicas)
             ]
+
+    def _picture(self, cache: CacheBudget) -> PrefixPicture | None:
+        """A replica's prefix cache, with prefix caching on."""
+        if not self.config.prefix_caching:
+            return None
+        return PrefixPicture(cache.num_blocks, cache.block_size)
 
     def _baseline(self, cache: CacheBudget) -> Scheduler:
         seen = [r.request for r in self.requests]
@@ -507,8 +511,8 @@ class Simulator:
             decode_steps=sum(len(e.drafted) for e in executors),
             verified_drafts=sum(sum(e.drafted) for e in executors),
             accepted_drafts=sum(e.accepted_drafts for e in executors),
-            prefix_queries=self._prefix_queries,
-            prefix_hits=self._prefix_hits,
+            prefix_queries=sum(e.prefix_queries for e in executors),
+            prefix_hits=sum(e.prefix_hits for e in executors),
         )
         if self._stopped:
             return replace(result, stopped=EarlyStop(len(self._missed), len(self.requests)))
@@ -585,8 +589,6 @@ class Simulator:
         plan, outcome = rep.running
         rep.running = None
         rep.fold(plan, outcome, self._now)
-        if rep.prefixes is not None:
-            self._cache_computed(rep, plan, outcome)
         for result in outcome.outcomes:
             if self.config.stop_below is not None and result.new_token_ids:
                 self._note_tokens(self._index[result.request_id], len(result.new_token_ids))
@@ -694,8 +696,8 @@ class Simulator:
         if rep.landed:
             self._place_landed(rep)
         plan = rep.next_plan(self._now)
-        if plan is not None and rep.prefixes is not None:
-            plan = self._from_cache(rep, plan)
+        if plan is not None and rep.executor.attach_prefixes(plan):
+            plan = reconcile(plan, _views(rep.executor, plan))
         if plan is None:
             return
         outcome, duration = rep.executor.execute(plan, self._now)
@@ -703,48 +705,6 @@ class Simulator:
         self._steps += 1
         self._busy_s += duration
         self._events.push(self._now + duration, EventKind.STEP_DONE, rep.index)
-
-    def _from_cache(self, rep: _Replica, plan: BatchPlan) -> BatchPlan | None:
-        """Start the requests the plan begins to prefill from the prefix the replica's cache
-        holds, then fit the plan to them (cluster.plans.reconcile): what a live replica does
-        with a plan made without knowing of the hit. A request the plan preempts leaves what
-        it computed cached, as a live replica's registered blocks stay."""
-        assert rep.prefixes is not None
-        executor = rep.executor
-        for rid in plan.preempt:
-            rep.prefixes.remember(executor.known_tokens(rid)[: executor.sequences[rid].computed])
-        hit = False
-        for entry in plan.entries:
-            seq = executor.sequences[entry.request_id]
-            if isinstance(entry, PrefillChunk) and not seq.computed:
-                tokens = executor.known_tokens(entry.request_id)
-                limit = prefix_limit(len(tokens), len(seq.output))
-                cached = rep.prefixes.cached(tokens[:limit])
-                executor.start_from(entry.request_id, cached)
-                self._prefix_queries += len(tokens)
-                self._prefix_hits += cached
-                hit = hit or cached > 0
-        if not hit:
-            return plan
-        views = {
-            rid: SeqView(s.request.prompt_len + len(s.output), s.computed, len(s.output))
-            for rid, s in executor.sequences.items()
-            if not s.finished
-        }
-        return reconcile(plan, views)
-
-    def _cache_computed(self, rep: _Replica, plan: BatchPlan, outcome: BatchOutcome) -> None:
-        """The replica's cache keeps what its prefills computed, and a finished request's
-        prompt and output (all but the last token, never computed)."""
-        assert rep.prefixes is not None
-        executor = rep.executor
-        for result in outcome.outcomes:
-            if result.finished:
-                rep.prefixes.remember(executor.known_tokens(result.request_id)[:-1])
-        for entry in plan.entries:
-            seq = executor.sequences[entry.request_id]
-            if isinstance(entry, PrefillChunk) and not seq.finished:
-                rep.prefixes.remember(executor.known_tokens(entry.request_id)[: seq.computed])
 
     def _close(self, i: int) -> None:
         """Request i is done (finished or rejected): issue its follow-up rounds, or, when it
@@ -789,3 +749,13 @@ class Simulator:
         assert self.config.stop_below is not None
         if (n - len(self._missed)) / n < self.config.stop_below:
             self._stopped = True
+
+
+def _views(executor: PerfExecutor, plan: BatchPlan) -> dict[str, SeqView]:
+    """The plan's requests as `reconcile` reads them, from the simulated engine."""
+    ids = {e.request_id for e in plan.entries} | set(plan.preempt)
+    return {
+        rid: SeqView(s.num_known, s.computed, len(s.output))
+        for rid in ids
+        if not (s := executor.sequences[rid]).finished
+    }

@@ -15,7 +15,7 @@ mirrors do not calibrate: with `SimConfig.replica_slowdown` they plan with the p
 its replicas run slower, as a live cluster with calibration off does.
 
 With `track_prefixes` the mirror also keeps a picture of the replica's prefix cache
-(cluster.prefix_picture), for the prefix first hop (cluster.routing), fed the prompts bound
+(replica.kv_cache.PrefixPicture), for the prefix first hop (cluster.routing), fed the prompts bound
 here and the prompts and outputs of the requests that end here. It may promise a prefix the
 replica no longer has: only routing reads it; admission still prices every prefill in full.
 """
@@ -28,8 +28,8 @@ from enum import StrEnum
 
 from cluster.api import ReplicaStatus
 from cluster.messages import ReplicaSnapshot, StepReport
-from cluster.prefix_picture import PrefixPicture
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, RequestOutcome
+from replica.kv_cache import PrefixPicture
 from replica.perf_calibration import CalibratedPerfModel, Calibration
 from replica.perf_model import BatchShape, PerfModel
 from replica.planner.admission import AdmissionResult

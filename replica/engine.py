@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -440,15 +440,20 @@ class Engine:
             return
         draft_cache = self.draft.cache
         draft_free = draft_cache.num_free_blocks + draft_cache.blocks_released_by(freed)
-        draft_need = sum(
-            self.draft.blocks_needed(w.seq.request.request_id, _draft_tokens(w))
-            for w in works
-            if w.num_spec > 0 or isinstance(w.entry, PrefillChunk)
-        )
+        draft_need = self._draft_blocks(works)
         if draft_need > draft_free:
             raise ValueError(
                 f"plan needs {draft_need} draft KV blocks; {draft_free} are free after preemption"
             )
+
+    def _draft_blocks(self, works: Iterable[_Work]) -> int:
+        """Draft KV blocks the works' planned chains and prefill chunks take."""
+        assert self.draft is not None
+        return sum(
+            self.draft.blocks_needed(w.seq.request.request_id, _draft_tokens(w))
+            for w in works
+            if w.num_spec > 0 or isinstance(w.entry, PrefillChunk)
+        )
 
     def _propose(self, works: list[_Work]) -> _DraftRun:
         """Fill in the proposals (or AdaServe's trees) of speculative decodes."""
@@ -518,8 +523,7 @@ class Engine:
         its cache cannot hold the trees this step: the chains run."""
         assert self.adaserve is not None and self.draft is not None
         adaserve = self.adaserve
-        budget = sum(w.num_spec for w in spec)
-        depth, width = adaserve.shape(budget, len(spec), max(w.num_spec for w in spec))
+        budget, depth, width = self._tree_budget(spec)
         jobs = [
             TreeJob(
                 w.seq.request.request_id,
@@ -535,12 +539,7 @@ class Engine:
             self.draft.blocks_needed(j.request_id, len(j.tokens) + max(0, j.depth - 1) * j.width)
             for j in jobs
         )
-        growing = {id(w) for w in spec}
-        draft_need += sum(
-            self.draft.blocks_needed(w.seq.request.request_id, _draft_tokens(w))
-            for w in works
-            if id(w) not in growing and (w.num_spec > 0 or isinstance(w.entry, PrefillChunk))
-        )
+        draft_need += self._draft_blocks(_others(works, spec))
         if draft_need > self.draft.cache.num_free_blocks:
             return 0
         drafted = self.draft.propose_trees(jobs)
@@ -551,6 +550,14 @@ class Engine:
         for w, tree, nodes in zip(spec, drafted, chosen, strict=True):
             w.tree = tree.subtree(nodes) if nodes else None
         return max(j.depth for j in jobs)
+
+    def _tree_budget(self, spec: list[_Work]) -> tuple[int, int, int]:
+        """AdaServe's node budget for `spec` (their planned drafts), and the depth and width
+        of their candidate trees."""
+        assert self.adaserve is not None
+        budget = sum(w.num_spec for w in spec)
+        depth, width = self.adaserve.shape(budget, len(spec), max(w.num_spec for w in spec))
+        return budget, depth, width
 
     def _select(
         self,
@@ -603,8 +610,7 @@ class Engine:
         draft grew; 0 (nothing changed) when its cache cannot hold them."""
         assert self.adaserve is not None and self.draft is not None
         adaserve = self.adaserve
-        budget = sum(w.num_spec for w in spec)
-        depth, width = adaserve.shape(budget, len(spec), max(w.num_spec for w in spec))
+        budget, depth, width = self._tree_budget(spec)
         chances = adaserve.sampled.chances(width)
         templates = [
             template_tree(chances, min(depth, self._tree_depth_limit(w)), width) for w in spec
@@ -612,16 +618,13 @@ class Engine:
         chosen = self._select(works, spec, templates, budget, depth)
         shapes = [t.subtree(nodes) for t, nodes in zip(templates, chosen, strict=True)]
         growing = [(w, s) for w, s in zip(spec, shapes, strict=True) if len(s) > 1]
-        fed = {id(w): sum(1 for n in range(1, len(s)) if s.children(n)) for w, s in growing}
-        ids = {id(w) for w in spec}
         draft_need = sum(
-            self.draft.blocks_needed(w.seq.request.request_id, w.seq.num_known + fed[id(w)])
-            for w, _ in growing
-        ) + sum(
-            self.draft.blocks_needed(w.seq.request.request_id, _draft_tokens(w))
-            for w in works
-            if id(w) not in ids and (w.num_spec > 0 or isinstance(w.entry, PrefillChunk))
-        )
+            self.draft.blocks_needed(
+                w.seq.request.request_id,
+                w.seq.num_known + sum(1 for n in range(1, len(s)) if s.children(n)),
+            )
+            for w, s in growing
+        ) + self._draft_blocks(_others(works, spec))
         if not growing or draft_need > self.draft.cache.num_free_blocks:
             return 0
         jobs = [
@@ -999,6 +1002,12 @@ def token_logprobs(
         TokenLogprob(lp, tuple(zip(top_ids, top_values, strict=True)), rank)
         for lp, (top_ids, top_values, rank) in zip(chosen, tops, strict=True)
     ]
+
+
+def _others(works: list[_Work], some: list[_Work]) -> list[_Work]:
+    """The works not among `some` (by identity: a work's fields may compare equal)."""
+    ids = {id(w) for w in some}
+    return [w for w in works if id(w) not in ids]
 
 
 def _draft_tokens(w: _Work) -> int:

@@ -949,17 +949,11 @@ class ModelRunner:
             raise ValueError(f"need one step count >= 1 per sequence, got {list(steps)}")
         if floors is not None and len(floors) != len(seqs):
             raise ValueError(f"need one floor per sequence, got {len(floors)} for {len(seqs)}")
+        grows = []
         for s, n in zip(seqs, steps, strict=True):
-            if s.num_logits != 1 or s.positions is not None or s.attn_mask is not None:
-                raise ValueError("greedy_chain sequences take default positions, no mask, 1 logit")
             need = s.num_cached + len(s.token_ids) + n - 1
-            if len(s.block_table) * BLOCK_SIZE < need:
-                raise ValueError(
-                    f"block table of {len(s.block_table)} blocks cannot hold the {need} tokens "
-                    f"of {n} steps"
-                )
-            if need > self.config.max_position_embeddings:
-                raise ValueError(f"{n} steps run past position {self.max_model_len}")
+            grows.append((need, need, f"{n} steps"))
+        self._check_loop("greedy_chain", seqs, grows)
         flat = self._flatten(seqs)
         assert self._fused is not None and self._paged is not None
         return self._paged.greedy_chain(
@@ -1008,19 +1002,11 @@ class ModelRunner:
             )
         if len(depths) != len(seqs) or any(d < 0 for d in depths):
             raise ValueError(f"need one depth >= 0 per sequence, got {list(depths)}")
+        grows = []
         for s, d in zip(seqs, depths, strict=True):
-            if s.num_logits != 1 or s.positions is not None or s.attn_mask is not None:
-                raise ValueError("greedy_tree sequences take default positions, no mask, 1 logit")
-            need = s.num_cached + len(s.token_ids) + max(0, d - 1) * width
-            if len(s.block_table) * BLOCK_SIZE < need:
-                raise ValueError(
-                    f"block table of {len(s.block_table)} blocks cannot hold the {need} tokens "
-                    f"of {d} levels"
-                )
-            if s.num_cached + len(s.token_ids) + d > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"{d} levels run past position {self.config.max_position_embeddings}"
-                )
+            known = s.num_cached + len(s.token_ids)
+            grows.append((known + max(0, d - 1) * width, known + d, f"{d} levels"))
+        self._check_loop("greedy_tree", seqs, grows)
         flat = self._flatten(seqs)
         assert self._fused is not None and self._paged is not None
         return self._paged.greedy_tree(
@@ -1032,6 +1018,23 @@ class ModelRunner:
             self.head_vocab,
             chances,
         )
+
+    def _check_loop(
+        self, name: str, seqs: list[ForwardSeq], grows: list[tuple[int, int, str]]
+    ) -> None:
+        """What a C loop (`greedy_chain`, `greedy_tree`) needs of each sequence: default
+        positions, no mask, one logit row; `grows[i]`: the slots its block table must hold, the
+        positions its tokens reach, and what it grows (for the errors)."""
+        for s, (slots, reach, what) in zip(seqs, grows, strict=True):
+            if s.num_logits != 1 or s.positions is not None or s.attn_mask is not None:
+                raise ValueError(f"{name} sequences take default positions, no mask, 1 logit")
+            if len(s.block_table) * BLOCK_SIZE < slots:
+                raise ValueError(
+                    f"block table of {len(s.block_table)} blocks cannot hold the {slots} tokens "
+                    f"of {what}"
+                )
+            if reach > self.config.max_position_embeddings:
+                raise ValueError(f"{what} run past position {self.config.max_position_embeddings}")
 
     def _pack(self, seqs: list[ForwardSeq], flat: _Flat) -> array.array[int]:
         """The batch as the fused forward reads it."""

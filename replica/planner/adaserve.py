@@ -31,7 +31,7 @@ from replica.planner.config import check_int
 from replica.planner.deadlines import remaining_tpot, token_deadline
 from replica.planner.specserve import ConfidenceCalibration
 from replica.request import Request, Tier
-from replica.spec.tree import TokenTree, tree_shape
+from replica.spec.tree import TokenTree, rank_chances, tree_shape
 
 
 @dataclass(frozen=True)
@@ -88,25 +88,17 @@ class TreeCalibration:
 class DrawAcceptance:
     """A sampled tree's chances: that the target accepts a node's i-th drawn child given the
     ones before were refused (its first: a chain's token), learned per draw index from the
-    verifies, each starting at 0.5 with the weight of 4 judged nodes. Its shape is chosen
-    before its tokens are drawn (losslessness needs it), so the chances know the index only."""
-
-    PRIOR = 0.5
-    PRIOR_WEIGHT = 4.0
+    verifies (a `ConfidenceCalibration` of one bin each: 0.5 with the weight of 4 judged
+    nodes at first). Its shape is chosen before its tokens are drawn (losslessness needs
+    it), so the chances know the index only."""
 
     def __init__(self) -> None:
-        self.judged = [self.PRIOR_WEIGHT] * RANKS
-        self.accepted = [self.PRIOR * self.PRIOR_WEIGHT] * RANKS
+        self.indexes = [ConfidenceCalibration(bins=1) for _ in range(RANKS)]
 
     def chances(self, width: int) -> list[float]:
         """Each draw index's chance of acceptance given its parent was reached, for indexes
         0 .. width - 1 (a draw is tried only after the ones before it were refused)."""
-        out, left = [], 1.0
-        for i in range(width):
-            share = left * self._rate(i)
-            out.append(share)
-            left -= share
-        return out
+        return rank_chances([index.table()[0] for index in self.indexes], width)
 
     def observe(self, tree: TokenTree, accepted: Sequence[int]) -> None:
         """Learn from one verified sampled tree: at each node the walk reached, its children
@@ -114,15 +106,10 @@ class DrawAcceptance:
         on_path = set(accepted)
         for node in (0, *accepted):
             for index, child in enumerate(tree.children(node)):
-                rank = min(index, RANKS - 1)
-                self.judged[rank] += 1.0
-                if child in on_path:
-                    self.accepted[rank] += 1.0
+                taken = child in on_path
+                self.indexes[min(index, RANKS - 1)].observe([0.5], int(taken))
+                if taken:
                     break
-
-    def _rate(self, index: int) -> float:
-        rank = min(index, RANKS - 1)
-        return self.accepted[rank] / self.judged[rank]
 
 
 class AdaServeTrees:

@@ -24,7 +24,7 @@ from replica.batch import (
     PrefillChunk,
     RequestOutcome,
 )
-from replica.kv_cache import prefix_limit
+from replica.kv_cache import PrefixPicture, prefix_limit
 from replica.perf_model import BatchShape, BatchTimeModel
 from replica.planner.adaserve import AdaServeTrees
 from replica.planner.base import CacheBudget, Scheduler
@@ -92,6 +92,17 @@ class _Sequence:
     """Of `computed`, the leading tokens a prefix cache held (`start_from`)."""
 
     @property
+    def num_known(self) -> int:
+        return self.request.prompt_len + len(self.output)
+
+    def known(self, upto: int) -> list[int]:
+        """Its first `upto` known tokens (prompt, then output)."""
+        prompt = self.request.prompt_token_ids
+        if upto <= len(prompt):
+            return prompt[:upto]
+        return [*prompt, *self.output[: upto - len(prompt)]]
+
+    @property
     def own_computed(self) -> int:
         """Computed tokens in blocks of its own: a cached prefix's blocks are the cache's."""
         return self.computed - self.cached
@@ -117,16 +128,22 @@ class PerfExecutor:
         accept: AcceptFn | None = None,
         specserve: tuple[SpecServeLengths, ConfideFn] | None = None,
         adaserve: tuple[AdaServeTrees, TreeDraft] | None = None,
+        prefixes: PrefixPicture | None = None,
     ):
         """`specserve`: draft and verify only the drafts SpecServe keeps, from the
         confidences and verdicts the hook draws (it then decides acceptance, not `accept`).
         `adaserve`: verify each step's planned drafts as AdaServe's token trees, grown and
-        walked by the `TreeDraft` (which then decides acceptance)."""
+        walked by the `TreeDraft` (which then decides acceptance). `prefixes`: the replica's
+        prefix cache (`attach_prefixes`), which keeps what its steps computed."""
         self.perf = perf
         self.cache = cache
         self.accept = accept
         self.specserve = specserve
         self.adaserve = adaserve
+        self.prefixes = prefixes
+        self.prefix_queries = 0
+        """Prompt tokens looked up in the prefix cache, and those found there (`prefix_hits`)."""
+        self.prefix_hits = 0
         self.sequences: dict[str, _Sequence] = {}
         self.token_times: dict[str, list[float]] = {}
         self.peak_blocks = 0
@@ -161,16 +178,34 @@ class PerfExecutor:
         )
         self.token_times[request.request_id] = []
 
-    def known_tokens(self, request_id: str) -> list[int]:
-        """The request's prompt and output so far."""
-        seq = self.sequences[request_id]
-        return [*seq.request.prompt_token_ids, *seq.output]
+    def attach_prefixes(self, plan: BatchPlan) -> bool:
+        """Start the requests `plan` begins to prefill from the prefix the replica's cache
+        holds, as a live replica does (Engine.attach_prefix), after the requests it preempts
+        left what they computed cached (a live replica's registered blocks stay). True when
+        one started from a hit: the plan, made without knowing of it, must then be fitted
+        (cluster.plans.reconcile)."""
+        if self.prefixes is None:
+            return False
+        for rid in plan.preempt:
+            seq = self.sequences[rid]
+            self.prefixes.remember(seq.known(seq.computed))
+        hit = False
+        for entry in plan.entries:
+            seq = self.sequences[entry.request_id]
+            if isinstance(entry, PrefillChunk) and not seq.computed:
+                known = seq.num_known
+                cached = self.prefixes.cached(seq.known(prefix_limit(known, len(seq.output))))
+                self.start_from(entry.request_id, cached)
+                self.prefix_queries += known
+                self.prefix_hits += cached
+                hit = hit or cached > 0
+        return hit
 
     def start_from(self, request_id: str, computed: int) -> None:
         """Begin a request that holds no KV from `computed` tokens a prefix cache held, at
         most what the engine would take (replica.kv_cache.prefix_limit)."""
         seq = self.sequences[request_id]
-        known = seq.request.prompt_len + len(seq.output)
+        known = seq.num_known
         if (
             seq.finished
             or seq.computed
@@ -218,7 +253,23 @@ class PerfExecutor:
         outcome = BatchOutcome(outcomes=outcomes, target_s=duration, free_blocks=free)
         if self.adaserve is not None and verified:
             outcome.draft_steps, outcome.draft_batch = shape.draft_steps, shape.draft_batch
+        if self.prefixes is not None:
+            self._remember(plan, outcomes, self.prefixes)
         return outcome, duration
+
+    def _remember(
+        self, plan: BatchPlan, outcomes: list[RequestOutcome], prefixes: PrefixPicture
+    ) -> None:
+        """The replica's cache keeps a finished request's prompt and output (all but the last
+        token, never computed), then what the step's prefills computed."""
+        for result in outcomes:
+            if result.finished:
+                seq = self.sequences[result.request_id]
+                prefixes.remember(seq.known(seq.num_known - 1))
+        for entry in plan.entries:
+            seq = self.sequences[entry.request_id]
+            if isinstance(entry, PrefillChunk) and not seq.finished:
+                prefixes.remember(seq.known(seq.computed))
 
     def _specserve(
         self, plan: BatchPlan, shape: BatchShape, lengths: SpecServeLengths, confide: ConfideFn
@@ -328,7 +379,7 @@ class PerfExecutor:
             raise ValueError(f"request {rid!r} is already finished")
         output = seq.output
         produced = len(output)
-        known = seq.request.prompt_len + produced
+        known = seq.num_known
         new: list[int] = []
         drafted = accepted = 0
         judged: int | None = None

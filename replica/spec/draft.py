@@ -19,6 +19,7 @@ the cut, which is exactly what the acceptance rule min(1, p/q) and the residual 
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,20 @@ class SampledTreeJob:
     params: SamplingParams
     generator: torch.Generator
     shaper: LogitsShaper | None = None
+
+
+@dataclass
+class _Growing:
+    """One request's tree as the draft feeds it, level by level."""
+
+    request_id: str
+    tree: TokenTree
+    context: int
+    """Its known tokens, the last the tree's root."""
+    feed: list[int]
+    """The known tokens the draft cache lacks, fed with the root's level."""
+    slots: dict[int, int]
+    """Each fed node's slot in the draft cache (the root's: its context position)."""
 
 
 class DraftModel:
@@ -239,35 +254,21 @@ class DraftModel:
         fused = self._propose_trees_fused(jobs)
         if fused is not None:
             return fused
-        trees = [TokenTree.root(j.tokens[-1]) for j in jobs]
+        growing = [self._start(j.request_id, j.tokens, TokenTree.root(j.tokens[-1])) for j in jobs]
         scores: list[list[float]] = [[1.0] for _ in jobs]
         levels: list[list[int]] = [[0] for _ in jobs]
-        slots: list[dict[int, int]] = [{} for _ in jobs]
-        """Each fed node's slot in the draft cache (the root's is its context position)."""
-        feed: list[list[int]] = []
-        for job, slot in zip(jobs, slots, strict=True):
-            feed.append(job.tokens[self.cache.num_tokens(job.request_id) :])
-            slot[0] = len(job.tokens) - 1
         for level in range(max((j.depth for j in jobs), default=0)):
-            active = [i for i, j in enumerate(jobs) if j.depth > level and levels[i]]
-            if not active:
+            for i in range(len(jobs)):
+                if jobs[i].depth <= level:
+                    levels[i] = []
+            if not any(levels):
                 break
-            seqs = []
-            for i in active:
-                job = jobs[i]
-                seqs.append(
-                    self._level_seq(
-                        job.request_id, job.tokens, trees[i], levels[i], slots[i], feed[i]
-                    )
-                )
-            logits = self.runner.forward(seqs)
-            row = 0
-            for i in active:
-                parents = levels[i]
-                rows = logits[row : row + len(parents)]
-                levels[i] = self._grow(jobs[i], trees[i], scores[i], parents, rows)
-                row += len(parents)
-        return trees
+            rows = iter(self._feed_level(growing, levels))
+            for i, parents in enumerate(levels):
+                if parents:
+                    tree = growing[i].tree
+                    levels[i] = self._grow(jobs[i], tree, scores[i], parents, next(rows))
+        return [g.tree for g in growing]
 
     def propose_sampled_trees(
         self, jobs: list[SampledTreeJob]
@@ -278,52 +279,35 @@ class DraftModel:
         path), which verification needs (`replica.spec.verify.verify_tree_sampled`). Returns
         each tree and those distributions, by parent node. The cache keeps the levels until
         `rollback`."""
-        trees = [
-            TokenTree(
-                list(j.shape.tokens),
-                list(j.shape.parents),
-                list(j.shape.probs),
-                list(j.shape.ranks),
-            )
-            for j in jobs
-        ]
-        drawn: list[dict[int, torch.Tensor]] = [{} for _ in jobs]
-        slots: list[dict[int, int]] = [{} for _ in jobs]
-        feed: list[list[int]] = []
-        for job, tree, slot in zip(jobs, trees, slots, strict=True):
+        for job in jobs:
             self.rollback(job.request_id, len(job.tokens) - 1)
-            feed.append(job.tokens[self.cache.num_tokens(job.request_id) :])
-            slot[0] = len(job.tokens) - 1
+        growing = []
+        for job in jobs:
+            tree = copy.deepcopy(job.shape)
             tree.tokens[0] = job.tokens[-1]
-        depths = [t.depths for t in trees]
+            growing.append(self._start(job.request_id, job.tokens, tree))
+        drawn: list[dict[int, torch.Tensor]] = [{} for _ in jobs]
+        depths = [g.tree.depths for g in growing]
         for level in range(max((max(d) for d in depths), default=0)):
             fed = [
-                [n for n in range(len(t)) if d[n] == level and t.children(n)]
-                for t, d in zip(trees, depths, strict=True)
+                [n for n, at in enumerate(d) if at == level and g.tree.children(n)]
+                for g, d in zip(growing, depths, strict=True)
             ]
-            active = [i for i, nodes in enumerate(fed) if nodes]
-            if not active:
+            if not any(fed):
                 break
-            seqs = [
-                self._level_seq(
-                    jobs[i].request_id, jobs[i].tokens, trees[i], fed[i], slots[i], feed[i]
-                )
-                for i in active
-            ]
-            logits = self.runner.forward(seqs)
-            row = 0
-            for i in active:
-                job, tree = jobs[i], trees[i]
-                for node in fed[i]:
-                    path = tree.path_tokens(node)
+            rows = iter(self._feed_level(growing, fed))
+            for job, g, draws, nodes in zip(jobs, growing, drawn, fed, strict=True):
+                logits = next(rows) if nodes else None
+                for row, node in enumerate(nodes):
+                    assert logits is not None
+                    path = g.tree.path_tokens(node)
                     q = self._probs(logits[row : row + 1], job.params, job.shaper, path)[0]
-                    children = tree.children(node)
+                    children = g.tree.children(node)
                     tokens = torch.multinomial(q, len(children), True, generator=job.generator)
                     for child, token in zip(children, tokens.tolist(), strict=True):
-                        tree.tokens[child] = int(token)
-                    drawn[i][node] = q
-                    row += 1
-        return list(zip(trees, drawn, strict=True))
+                        g.tree.tokens[child] = int(token)
+                    draws[node] = q
+        return [(g.tree, draws) for g, draws in zip(growing, drawn, strict=True)]
 
     def _propose_trees_fused(self, jobs: list[TreeJob]) -> list[TokenTree] | None:
         """The trees from one C call, or None when the C beam cannot grow them."""
@@ -345,24 +329,33 @@ class DraftModel:
         grown = self.runner.greedy_tree(seqs, [j.depth for j in jobs], width, calibration.tables())
         return [TokenTree(*tree) for tree in grown]
 
-    def _level_seq(
-        self,
-        rid: str,
-        known: list[int],
-        tree: TokenTree,
-        nodes: list[int],
-        slots: dict[int, int],
-        feed: list[int],
-    ) -> ForwardSeq:
-        """The forward of one tree level of request `rid` (`known`: its known tokens): the
-        uncached known tokens and the root first, then each level's nodes, each seeing the
-        context, its cached ancestors and itself."""
+    def _start(self, request_id: str, known: list[int], tree: TokenTree) -> _Growing:
+        """A tree to grow below the request's known tokens, from the draft cache's state."""
+        cached = self.cache.num_tokens(request_id)
+        return _Growing(request_id, tree, len(known), known[cached:], {0: len(known) - 1})
+
+    def _feed_level(self, growing: list[_Growing], nodes: list[list[int]]) -> list[torch.Tensor]:
+        """One batched forward of each tree's `nodes` (none: the tree sits this level out):
+        the logits of each tree that fed nodes, in order, a row per node."""
+        active = [(g, n) for g, n in zip(growing, nodes, strict=True) if n]
+        logits = self.runner.forward([self._level_seq(g, n) for g, n in active])
+        out, row = [], 0
+        for _, fed in active:
+            out.append(logits[row : row + len(fed)])
+            row += len(fed)
+        return out
+
+    def _level_seq(self, growing: _Growing, nodes: list[int]) -> ForwardSeq:
+        """The forward of one tree level: the uncached known tokens and the root first, then
+        each level's nodes, each seeing the context, its cached ancestors and itself."""
+        rid, tree, slots = growing.request_id, growing.tree, growing.slots
         cached = self.cache.num_tokens(rid)
         if nodes == [0]:
-            self.cache.append(rid, len(feed))
-            return ForwardSeq(feed, self.cache.block_table(rid), cached, num_logits=1)
+            self.cache.append(rid, len(growing.feed))
+            return ForwardSeq(growing.feed, self.cache.block_table(rid), cached, num_logits=1)
         self.cache.append(rid, len(nodes))
-        context = len(known)
+        context = growing.context
+        depths = tree.depths
         mask = torch.zeros(len(nodes), cached + len(nodes), dtype=torch.bool)
         mask[:, :context] = True
         for row, node in enumerate(nodes):
@@ -374,7 +367,7 @@ class DraftModel:
             self.cache.block_table(rid),
             cached,
             num_logits=len(nodes),
-            positions=[context - 1 + tree.depths[n] for n in nodes],
+            positions=[context - 1 + depths[n] for n in nodes],
             attn_mask=mask,
         )
 

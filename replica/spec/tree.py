@@ -220,6 +220,18 @@ def tree_shape(budget: int, num_requests: int, max_depth: int, max_width: int) -
     return depth, width
 
 
+def rank_chances(given_refused: Sequence[float], width: int) -> list[float]:
+    """Each of ranks 0 .. width - 1's chance of being the child the target takes, at a node the
+    walk reached, from each rank's chance given the ranks before it were refused
+    (`given_refused`, its last value for every later rank)."""
+    chances, left = [], 1.0
+    for rank in range(width):
+        share = left * given_refused[min(rank, len(given_refused) - 1)]
+        chances.append(share)
+        left -= share
+    return chances
+
+
 def template_tree(chances: Sequence[float], depth: int, width: int) -> TokenTree:
     """A beam over ranks alone: a child of rank r has chance `chances[r]` whatever its token,
     each level keeps the `width` children of highest path chance (ties: the earlier parent,

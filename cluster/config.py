@@ -121,9 +121,15 @@ class ClusterConfig:
     0.69-0.82 (loadgen/RESULTS.md, real CPU cluster)."""
     prefix_caching: bool = True
     """Keep the KV of committed tokens for later requests that start with the same tokens
-    (vLLM's automatic prefix caching; replica.kv_cache). The controller plans a prefill as if
-    nothing were cached (it learns of a hit from the step's report), so its admission errs on
-    the safe side."""
+    (vLLM's automatic prefix caching; replica.kv_cache)."""
+    credit_prefixes: bool = True
+    """With prefix_caching: admission prices, and the replica's plan feeds, only the part of
+    a prompt past the prefix the controller pictures cached on that replica (the prompts it
+    computed and the histories that ended there, cluster.virtual_replica). The picture can be
+    wrong (a prefix evicted since): the replica then computes what it lacks, a first token
+    may come late, and the slos_serve:prefix_credit_missed_tokens counter says how often.
+    False: every prefill is priced in full, on the safe side, and a hit is learned of from
+    the step's report."""
     num_cpus_per_replica: float = 1.0
     num_gpus_per_replica: float = 0.0
     tensor_parallel_size: int = 1
@@ -142,7 +148,7 @@ class ClusterConfig:
             raise ValueError("model must be a non-empty path")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
             raise ValueError(f"replicas must be an integer, got {self.replicas!r}")
-        for name in ("calibrate", "prefix_caching"):
+        for name in ("calibrate", "prefix_caching", "credit_prefixes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.replicas < 1:

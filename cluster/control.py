@@ -224,6 +224,9 @@ class ControlPlane:
     def _decided(self, p: _Pending, verdict: Verdict, replica: int) -> Decision:
         hops = p.route.hops
         self.metrics.inc(str(verdict))
+        credit = self.replicas[replica].credits.get(p.request.request_id, 0)
+        if credit:
+            self.metrics.inc("prefix_credited", credit)
         self.metrics.observe("route_hops", float(hops), HOP_BUCKETS)
         if hops > 1:
             self.metrics.inc("routed")

@@ -128,6 +128,7 @@ def build_plane(config: ClusterConfig, metrics: Metrics | None = None) -> Contro
             planner,
             calibrate=config.calibrate,
             track_prefixes=config.first_hop is FirstHop.PREFIX,
+            credit_prefixes=config.prefix_caching and config.credit_prefixes,
         )
         for i in range(config.replicas)
     ]
@@ -427,7 +428,7 @@ class ClusterController:
 
     def _fold(self, report: StepReport) -> ReportFit:
         vr = self.plane.replicas[report.replica]
-        demoted, dropped = vr.num_demoted, vr.preempted_tokens
+        demoted, dropped, missed = vr.num_demoted, vr.preempted_tokens, vr.credit_missed_tokens
         try:
             fit = vr.apply(report)
         except Exception:  # a mirror that cannot fold a report is rebuilt, never left wrong
@@ -439,6 +440,7 @@ class ClusterController:
             self.plane.metrics.inc("preempted", len(report.plan.preempt))
             self.plane.metrics.inc("preempted_tokens", vr.preempted_tokens - dropped)
             self.plane.metrics.inc("demoted", vr.num_demoted - demoted)
+            self.plane.metrics.inc("prefix_credit_missed", vr.credit_missed_tokens - missed)
             if report.executed:
                 self.plane.metrics.count_step(report)
             self._send_plan(report.replica, time.time())

@@ -183,6 +183,11 @@ class SimConfig:
     that start with the same tokens (replica.kv_cache.PrefixPicture stands for its cache): a prefill
     begins after the prefix found there, as a live replica's does. The requests' token ids
     must then say which prompts share what (loadgen.simulate.sim_requests)."""
+    credit_prefixes: bool = True
+    """With prefix_caching: each scheduler counts the prefix a new request finds cached as
+    computed (cluster.config.ClusterConfig.credit_prefixes): slos's admission and plans by
+    its controller's picture of the replica's cache, a baseline's by its replica's cache when
+    the request arrives. False: every prefill planned in full, hits learned of as they run."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", Policy(self.policy))
@@ -304,6 +309,11 @@ class SimResult:
     their replica's cache, summed over replicas."""
     prefix_hits: int = 0
     """Of those, the tokens found cached."""
+    credited_tokens: int = 0
+    """slos policies with SimConfig.credit_prefixes: prompt tokens the controller counted
+    cached when it bound their requests, summed over replicas."""
+    credit_missed_tokens: int = 0
+    """Of those, the tokens the replica did not find cached."""
 
 
 def tightest_tpot_s(requests: Sequence[Request]) -> float:
@@ -425,7 +435,12 @@ class Simulator:
             )
             mirrors = [
                 VirtualReplica(
-                    i, perf, cache, planner, track_prefixes=config.first_hop is FirstHop.PREFIX
+                    i,
+                    perf,
+                    cache,
+                    planner,
+                    track_prefixes=config.first_hop is FirstHop.PREFIX,
+                    credit_prefixes=config.prefix_caching and config.credit_prefixes,
                 )
                 for i in range(config.replicas)
             ]
@@ -500,6 +515,7 @@ class Simulator:
                 self._tick(event.target)
         wall_s = time.perf_counter() - started
         executors = [rep.executor for rep in self.replicas]
+        mirrors = self.plane.replicas if self.plane is not None else []
         result = SimResult(
             (),
             self._steps,
@@ -513,6 +529,8 @@ class Simulator:
             accepted_drafts=sum(e.accepted_drafts for e in executors),
             prefix_queries=sum(e.prefix_queries for e in executors),
             prefix_hits=sum(e.prefix_hits for e in executors),
+            credited_tokens=sum(m.credited_tokens for m in mirrors),
+            credit_missed_tokens=sum(m.credit_missed_tokens for m in mirrors),
         )
         if self._stopped:
             return replace(result, stopped=EarlyStop(len(self._missed), len(self.requests)))
@@ -560,7 +578,10 @@ class Simulator:
         replica = self.router.first([0.0] * pool, [True] * pool)
         assert replica is not None
         rep = self.replicas[replica]
-        rep.scheduler.add_request(request, now)
+        credit = 0
+        if self.config.credit_prefixes and rep.executor.prefixes is not None:
+            credit = rep.executor.prefixes.cached_prompt(request.prompt_token_ids)
+        rep.scheduler.add_request(request, now, credit)
         self._start(i, request, Verdict.ADMITTED, replica, 1)
         self._kick(rep)
 

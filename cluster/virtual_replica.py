@@ -14,10 +14,17 @@ as it is. Off by default (cluster.config.ClusterConfig.calibrate says why). The 
 mirrors do not calibrate: with `SimConfig.replica_slowdown` they plan with the profile while
 its replicas run slower, as a live cluster with calibration off does.
 
-With `track_prefixes` the mirror also keeps a picture of the replica's prefix cache
-(replica.kv_cache.PrefixPicture), for the prefix first hop (cluster.routing), fed the prompts bound
-here and the prompts and outputs of the requests that end here. It may promise a prefix the
-replica no longer has: only routing reads it; admission still prices every prefill in full.
+The mirror may keep two pictures of the replica's prefix cache (replica.kv_cache.PrefixPicture),
+each fed the prompt and output of every request that ends here:
+- with `track_prefixes`, for the prefix first hop (cluster.routing), `prefixes` is also fed the
+  prompts bound here, as they will soon be computed: a conversation's next turn, or traffic
+  sharing a system prompt, goes where its prefix will be;
+- with `credit_prefixes`, `computed` is fed each prompt only once its first token is out, and
+  a request bound here starts from the prefix it pictures: admission prices, and the plans
+  feed, only the rest of the prompt, as vLLM's scheduler counts a prefix-cache hit computed.
+  A picture may promise a prefix the replica no longer has (evicted since): the replica then
+  computes what it lacks, the first token may come later than planned, and
+  `credit_missed_tokens` counts those tokens.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ class VirtualReplica:
         config: SchedulerConfig | None = None,
         calibrate: bool = False,
         track_prefixes: bool = False,
+        credit_prefixes: bool = False,
     ) -> None:
         self.index = index
         self.perf = CalibratedPerfModel(perf, Calibration()) if calibrate else None
@@ -81,9 +89,16 @@ class VirtualReplica:
         requests resume), counted as their steps are folded in."""
         self.scheduler = self._new_scheduler()
         self.track_prefixes = track_prefixes
-        self.prefixes = self._new_prefixes()
+        self.credit_prefixes = credit_prefixes
+        self.prefixes, self.computed = self._new_pictures()
+        self.credits: dict[str, int] = {}
+        """Requests bound with a credit whose prefill has not begun: the tokens credited."""
+        self.credited_tokens = 0
+        """Prompt tokens credited as cached when their requests were bound."""
+        self.credit_missed_tokens = 0
+        """Of those, the tokens the replica did not find cached when the prefill began."""
         self._pictured = ""
-        """The incarnation whose cache `prefixes` pictures: a replica back up after a missed
+        """The incarnation whose cache the pictures are of: a replica back up after a missed
         health check (marked dead, its mirror reset) still has its cache."""
 
     def _new_scheduler(self) -> ReplicaScheduler:
@@ -93,20 +108,27 @@ class VirtualReplica:
             return SarathiScheduler(self.cache, self.config)
         return SlosScheduler(self.perf or self.profile, self.cache, self.config)
 
-    def _new_prefixes(self) -> PrefixPicture | None:
-        if not self.track_prefixes:
-            return None
-        return PrefixPicture(self.cache.num_blocks, self.cache.block_size)
+    def _new_pictures(self) -> tuple[PrefixPicture | None, PrefixPicture | None]:
+        blocks, size = self.cache.num_blocks, self.cache.block_size
+        return (
+            PrefixPicture(blocks, size) if self.track_prefixes else None,
+            PrefixPicture(blocks, size) if self.credit_prefixes else None,
+        )
 
     def cached_prefix(self, request: Request) -> int:
-        """Leading prompt tokens the replica likely has cached (0 without tracking)."""
+        """Leading prompt tokens the replica likely has cached or soon will, at most what it
+        would start the request from (replica.kv_cache.prefix_limit; 0 without tracking)."""
         if self.prefixes is None:
             return 0
-        return self.prefixes.cached(request.prompt_token_ids)
+        return self.prefixes.cached_prompt(request.prompt_token_ids)
 
-    def _remember(self, tokens: list[int]) -> None:
-        if self.prefixes is not None:
-            self.prefixes.remember(tokens)
+    def prefix_credit(self, request: Request) -> int:
+        """Leading prompt tokens the scheduler counts computed when `request` is bound here
+        (none without `credit_prefixes`, nor for a request that asked for prompt
+        log-probabilities: the replica computes its whole prompt)."""
+        if self.computed is None or request.sampling.prompt_logprobs is not None:
+            return 0
+        return self.computed.cached_prompt(request.prompt_token_ids)
 
     @property
     def plans_admission(self) -> bool:
@@ -130,30 +152,38 @@ class VirtualReplica:
     def plan_admission(self, requests: Sequence[Request], now: float) -> AdmissionResult:
         if not isinstance(self.scheduler, SlosScheduler):
             raise TypeError(f"replica {self.index} runs a baseline; it plans no admission")
-        return self.scheduler.plan_admission(requests, now)
+        credits = {r.request_id: self.prefix_credit(r) for r in requests}
+        return self.scheduler.plan_admission(requests, now, credits)
 
     def admit(self, request: Request, now: float) -> None:
-        if isinstance(self.scheduler, SlosScheduler):
-            self.scheduler.add_admitted(request, now)
-        else:
-            self.scheduler.add_request(request, now)
-        self.held[request.request_id] = request
-        self.admitted.add(request.request_id)
-        self._remember(request.prompt_token_ids)
+        self._bind(request, now, True, self.prefix_credit(request))
 
     def add_best_effort(self, request: Request, now: float) -> None:
-        if isinstance(self.scheduler, SlosScheduler):
-            self.scheduler.add_best_effort(request, now)
+        self._bind(request, now, False, self.prefix_credit(request))
+
+    def _bind(self, request: Request, now: float, admitted: bool, credit: int) -> None:
+        rid = request.request_id
+        if not isinstance(self.scheduler, SlosScheduler):
+            self.scheduler.add_request(request, now, credit)
+        elif admitted:
+            self.scheduler.add_admitted(request, now, credit)
         else:
-            self.scheduler.add_request(request, now)
-        self.held[request.request_id] = request
-        self._remember(request.prompt_token_ids)
+            self.scheduler.add_best_effort(request, now, credit)
+        self.held[rid] = request
+        if self.prefixes is not None:
+            self.prefixes.remember(request.prompt_token_ids)
+        if admitted:
+            self.admitted.add(rid)
+        if credit:
+            self.credits[rid] = credit
+            self.credited_tokens += credit
 
     def abort(self, request_id: str) -> bool:
         """Forget a request; False when this replica does not hold it."""
         if self.held.pop(request_id, None) is None:
             return False
         self.admitted.discard(request_id)
+        self.credits.pop(request_id, None)
         self.scheduler.abort_request(request_id)
         return True
 
@@ -172,7 +202,8 @@ class VirtualReplica:
         self.preempted_tokens += sum(
             states[rid].num_computed_tokens for rid in report.plan.preempt if rid in states
         )
-        self._remember_ended(report.outcome)
+        self._check_credits(report)
+        self._remember_computed(report.outcome)
         demoted = self.num_demoted
         self.scheduler.update_from_outcome(report.plan, report.outcome, report.time)
         if self.num_demoted > demoted:
@@ -185,23 +216,42 @@ class VirtualReplica:
                 self.admitted.discard(result.request_id)
         return ReportFit.APPLIED
 
-    def _remember_ended(self, outcome: BatchOutcome) -> None:
+    def _check_credits(self, report: StepReport) -> None:
+        """Count the credited tokens the replica did not find cached, from the step that
+        began the requests' prefills (what it computed, less the chunk it ran)."""
+        if not self.credits:
+            return
+        after = {o.request_id: o.num_computed_tokens for o in report.outcome.outcomes}
+        for entry in report.plan.entries:
+            rid = entry.request_id
+            if rid in self.credits and isinstance(entry, PrefillChunk) and rid in after:
+                found = after[rid] - entry.num_tokens
+                self.credit_missed_tokens += max(0, self.credits.pop(rid) - found)
+
+    def _remember_computed(self, outcome: BatchOutcome) -> None:
         """A request that ends leaves its prompt and output cached (all but the last token,
-        whose KV is never computed): the history a chat or an agent sends back next turn.
-        (An aborted one may have computed less; its prompt was pictured when it was bound,
-        as it would soon be computed, and a preemption's registered blocks stay cached.)"""
-        if self.prefixes is None:
+        whose KV is never computed): the history a chat or an agent sends back next turn. A
+        prompt whose first token is out is cached whole (`computed` only: `prefixes` has it
+        since it was bound). (An aborted one may have computed part of its prompt, and a
+        preemption's registered blocks stay cached: `computed` pictures neither.)"""
+        pictures = [p for p in (self.prefixes, self.computed) if p is not None]
+        if not pictures:
             return
         states = self.scheduler.queues.states
         for result in outcome.outcomes:
             state = states.get(result.request_id)
-            if result.finished and state is not None:
+            if state is None:
+                continue
+            if result.finished:
                 tokens = [
                     *state.request.prompt_token_ids,
                     *state.output_token_ids,
                     *result.new_token_ids,
-                ]
-                self._remember(tokens[:-1])
+                ][:-1]
+                for picture in pictures:
+                    picture.remember(tokens)
+            elif self.computed is not None and result.new_token_ids and not state.output_token_ids:
+                self.computed.remember(state.request.prompt_token_ids)
 
     def _calibrate(self, report: StepReport) -> None:
         """Fold the step's measured seconds in, before the outcome moves the requests on (the
@@ -258,6 +308,7 @@ class VirtualReplica:
         """Forget everything (the replica died; its requests resume elsewhere)."""
         self.held.clear()
         self.admitted.clear()
+        self.credits.clear()
         self.scheduler = self._new_scheduler()
         self.incarnation = ""
         self.seq = 0
@@ -268,9 +319,10 @@ class VirtualReplica:
         Progress is replayed as one synthetic step through the planner's own outcome path,
         so the planner's bookkeeping stays its own: requests with cached tokens become
         running, the others wait with their tokens kept (like a preempted request). The
-        picture of the prefix cache is kept unless the replica is a new incarnation."""
+        picture of the prefix cache is kept unless the replica is a new incarnation. The
+        requests are bound without a prefix credit: what they hold is what the replica says."""
         if snapshot.incarnation != self._pictured:
-            self.prefixes = self._new_prefixes()
+            self.prefixes, self.computed = self._new_pictures()
             self._pictured = snapshot.incarnation
         self.reset()
         self.incarnation = snapshot.incarnation
@@ -278,10 +330,7 @@ class VirtualReplica:
         entries = []
         outcomes = []
         for held in snapshot.requests:
-            if held.admitted:
-                self.admit(held.request, now)
-            else:
-                self.add_best_effort(held.request, now)
+            self._bind(held.request, now, held.admitted, 0)
             rid = held.request.request_id
             if held.num_computed > 0:
                 entries.append(PrefillChunk(rid, held.num_computed))

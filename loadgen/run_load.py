@@ -304,6 +304,9 @@ def summary_table(result: RunResult) -> str:
     hit_rate = prefix_hit_rate(result)
     if hit_rate is not None:
         rows.append(f"prefix cache: {hit_rate:.1%} of the tokens looked up were cached")
+    missed = prefix_credit_missed(result)
+    if missed is not None:
+        rows.append(f"prefix credit: {missed:.1%} of the tokens counted cached were not")
     rows.append(
         f"goodput {run_report.goodput_rps:.3f} req/s, {run_report.goodput_tokens_per_s:.1f} "
         f"tokens/s over {run_report.duration_s:.1f} s"
@@ -335,6 +338,14 @@ def prefix_hit_rate(result: RunResult) -> float | None:
     return counters.get("prefix_cache_hits", 0) / queries if queries else None
 
 
+def prefix_credit_missed(result: RunResult) -> float | None:
+    """Of the prompt tokens the controller counted cached when it bound their requests
+    (cluster.credit_prefixes), the share their replica did not find (None: none counted)."""
+    counters = result.server_counters or {}
+    credited = counters.get("prefix_credited", 0)
+    return counters.get("prefix_credit_missed", 0) / credited if credited else None
+
+
 def replica_busy_fraction(result: RunResult, replicas: int | None) -> float | None:
     """Replica step time over replica time from the first arrival to the last token (None
     unless the replica count is known): near 1 the replicas are out of time; well below it
@@ -359,6 +370,7 @@ def run_summary(result: RunResult, replicas: int | None = None) -> dict[str, Any
         "busy_ms_per_request": busy_ms_per_request(result),
         "replica_busy_fraction": replica_busy_fraction(result, replicas),
         "prefix_hit_rate": prefix_hit_rate(result),
+        "prefix_credit_missed": prefix_credit_missed(result),
         "by_slo_class": {
             name: {
                 "requests": g.requests,

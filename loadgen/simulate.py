@@ -23,13 +23,14 @@ gap a loaded live machine opens (loadgen/RESULTS.md: the CPU cluster runs ~5x it
 Each run reports its replicas' busy time (`utilization`, `busy_ms_per_request`), its preemptions
 and the KV they dropped (`preemptions`, `preempted_tokens`: prefill the replicas do again when
 those requests resume), with `--prefix-caching` the share of the tokens looked up in the
-replicas' caches that were found there (`prefix_hit_rate`), its speculation (`drafts_per_decode`
-verified, the `draft_acceptance` of those), and the header a `work_bound` per scenario: the
-least replica time a request costs without speculation (or prefix caches) on the simulated
-replicas, whose inverse caps the rate any such policy sustains (a finite run can pass above it
-by finishing its backlog after the last arrival). A policy near full utilization at its capacity
-is out of hardware, not out of scheduling; ratios above the bound over a baseline's capacity
-need less work per request (speculation), not a better order.
+replicas' caches that were found there (`prefix_hit_rate`) and the share of the prompt tokens
+slos's controller counted cached that were not (`prefix_credit_missed`), its speculation
+(`drafts_per_decode` verified, the `draft_acceptance` of those), and the header a `work_bound`
+per scenario: the least replica time a request costs without speculation (or prefix caches) on
+the simulated replicas, whose inverse caps the rate any such policy sustains (a finite run can
+pass above it by finishing its backlog after the last arrival). A policy near full utilization
+at its capacity is out of hardware, not out of scheduling; ratios above the bound over a
+baseline's capacity need less work per request (speculation), not a better order.
 
 Every rate of one search replays the same requests, only compressed or stretched in time (the
 paper's "truncate and rescale"): their count is fixed so the run at the reference rate (the
@@ -268,6 +269,8 @@ class Setup:
     ask pass or fail. None: every run to its end (`--rate`, `--full-runs`)."""
     prefix_caching: bool = False
     """The replicas keep computed prompts for later requests (SimConfig.prefix_caching)."""
+    credit_prefixes: bool = True
+    """Schedulers count a cached prefix as computed (SimConfig.credit_prefixes)."""
 
     def requests(self, replicas: int) -> int:
         return max(2, self.requests_per_replica * (self.window_replicas or replicas))
@@ -355,6 +358,7 @@ class Setup:
             replica_slowdown=self.slowdown,
             stop_below=self.stop_below,
             prefix_caching=self.prefix_caching,
+            credit_prefixes=self.credit_prefixes,
         )
 
     def _run(self, config: SimConfig, rate: float) -> tuple[RunReport | None, SimResult]:
@@ -566,6 +570,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every replica keeps the prompts and outputs it computed for later requests that "
         "start with the same tokens (a mix's system prompts, a session's history), as "
         "cluster.prefix_caching does live; slos+prefix routes by it",
+    )
+    parser.add_argument(
+        "--no-prefix-credit",
+        dest="credit_prefixes",
+        action="store_false",
+        help="with --prefix-caching: plan and price every prefill in full, learning of a "
+        "cached prefix only as it runs (by default each scheduler counts the prefix a new "
+        "request finds cached as computed, as cluster.credit_prefixes does live)",
     )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--json", type=output_file, help="write results here")
@@ -906,6 +918,7 @@ def run(args: argparse.Namespace) -> int:
             trace=p.trace,
             stop_below=p.stop_below,
             prefix_caching=args.prefix_caching,
+            credit_prefixes=args.credit_prefixes,
         )
 
     out: dict[str, Any] = {
@@ -914,6 +927,7 @@ def run(args: argparse.Namespace) -> int:
         "replica_slowdown": asdict(p.slowdown),
         "length_scale": p.length_scale,
         "prefix_caching": args.prefix_caching,
+        "credit_prefixes": args.prefix_caching and args.credit_prefixes,
         "zero_load": p.zero_load.to_dict() if p.zero_load is not None else None,
         "paper_table": args.paper_table,
         "arrivals": p.arrivals,
@@ -1292,6 +1306,9 @@ def _evaluate(
             "preempted_tokens": result.preempted_tokens,
             "prefix_hit_rate": result.prefix_hits / result.prefix_queries
             if result.prefix_queries
+            else None,
+            "prefix_credit_missed": result.credit_missed_tokens / result.credited_tokens
+            if result.credited_tokens
             else None,
             "drafts_per_decode": result.verified_drafts / result.decode_steps
             if result.decode_steps

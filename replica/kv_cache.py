@@ -276,6 +276,11 @@ class PrefixPicture:
         """Leading tokens of `tokens` pictured cached (whole blocks)."""
         return self._cache.cached_prefix_len(tokens)
 
+    def cached_prompt(self, prompt: list[int]) -> int:
+        """Leading tokens of a new request's prompt the replica would start it from: those
+        pictured cached, at most `prefix_limit`."""
+        return self.cached(prompt[: prefix_limit(len(prompt), 0)])
+
     def remember(self, tokens: list[int]) -> None:
         """Cache `tokens` as the replica does: shared where they match, the rest registered,
         all of it then released (a prefix's first block released last, so it outlives the

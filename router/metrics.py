@@ -57,6 +57,16 @@ CONTROLLER_COUNTERS = {
         "Of those, tokens found cached: computed once for several requests.",
         1.0,
     ),
+    "prefix_credited": (
+        "prefix_credited_tokens",
+        "Prompt tokens admission counted cached on the replica a request was bound to.",
+        1.0,
+    ),
+    "prefix_credit_missed": (
+        "prefix_credit_missed_tokens",
+        "Of those, tokens the replica did not find cached: computed beyond the plan.",
+        1.0,
+    ),
     "demoted": (
         "requests_demoted",
         "Admitted requests that lost their guarantee (a missed deadline, or outgrown KV).",

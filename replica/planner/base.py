@@ -80,8 +80,9 @@ class Scheduler(ABC):
     plan; `update_from_outcome` is called once per executed plan, in order."""
 
     @abstractmethod
-    def add_request(self, request: Request, now: float) -> None:
-        """Queue a new request (already validated)."""
+    def add_request(self, request: Request, now: float, cached: int = 0) -> None:
+        """Queue a new request (already validated) that starts from `cached` leading prompt
+        tokens the replica's prefix cache holds (RequestQueues.add)."""
 
     @abstractmethod
     def abort_request(self, request_id: str) -> None:

@@ -3,7 +3,8 @@
 Every local scheduler (vllm, sarathi, slos) keeps its requests here, so they all count memory
 the same way and fold outcomes in the same way. Blocks are derived, never stored: a running
 request holds the blocks of its computed tokens (the engine frees rejected speculative slots
-when it rolls back), a waiting request holds none.
+when it rolls back), a waiting request holds none (one started from a cached prefix takes its
+blocks when it runs).
 
 `schedule()` must not change scheduler state (a virtual replica may plan without executing), so
 a policy builds its plan on a `StepBuilder`, which tracks the step's claims on a scratch view;
@@ -16,6 +17,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PlanEntry, PrefillChunk
+from replica.kv_cache import prefix_limit
 from replica.planner.base import CacheBudget, RequestState
 from replica.request import Request
 
@@ -44,10 +46,18 @@ class RequestQueues:
         self.waiting: deque[str] = deque()
         self.running: list[str] = []
 
-    def add(self, request: Request) -> RequestState:
-        """Queue a request at the back; refuse one that could never fit the cache alone."""
+    def add(self, request: Request, cached: int = 0) -> RequestState:
+        """Queue a request at the back; refuse one that could never fit the cache alone.
+        `cached`: leading prompt tokens the replica's prefix cache holds, counted computed
+        (the replica attaches them as its prefill begins), so they are neither planned nor
+        priced again; the request holds their blocks once it runs."""
         if request.request_id in self.states:
             raise ValueError(f"request {request.request_id!r} is already queued")
+        if not 0 <= cached <= prefix_limit(request.prompt_len, 0):
+            raise ValueError(
+                f"request {request.request_id!r} cannot start from {cached} cached tokens of "
+                f"its {request.prompt_len}-token prompt"
+            )
         need = self.budget.blocks_for(peak_tokens(request))
         if need > self.budget.num_blocks:
             raise ValueError(
@@ -55,7 +65,7 @@ class RequestQueues:
                 f"(prompt {request.prompt_len} + max_tokens {request.sampling.max_tokens}); "
                 f"the cache has {self.budget.num_blocks}"
             )
-        state = RequestState(request)
+        state = RequestState(request, num_computed_tokens=cached)
         self.states[request.request_id] = state
         self.waiting.append(request.request_id)
         return state
@@ -141,10 +151,13 @@ class StepBuilder:
         return request_id in self.preempted
 
     def growth_blocks(self, state: RequestState, num_tokens: int) -> int:
-        """Blocks beyond what the request holds to feed `num_tokens` more tokens."""
+        """Blocks beyond what the request holds to feed `num_tokens` more tokens (a waiting
+        request started from a cached prefix holds none yet: attaching the prefix takes its
+        blocks from those free)."""
         blocks_for = self.queues.budget.blocks_for
         computed = state.num_computed_tokens
-        return blocks_for(computed + num_tokens) - blocks_for(computed)
+        held = blocks_for(computed) if computed and state.request_id in self.queues.running else 0
+        return blocks_for(computed + num_tokens) - held
 
     def admission_blocks(self, state: RequestState, spec_k: int) -> int:
         """Blocks a waiting request needs to be admitted: all its known tokens plus its first

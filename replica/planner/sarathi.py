@@ -41,8 +41,8 @@ class SarathiScheduler(Scheduler):
         self.config = config or SarathiConfig()
         self.queues = RequestQueues(budget)
 
-    def add_request(self, request: Request, now: float) -> None:
-        self.queues.add(request)
+    def add_request(self, request: Request, now: float, cached: int = 0) -> None:
+        self.queues.add(request, cached)
 
     def abort_request(self, request_id: str) -> None:
         self.queues.abort(request_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -123,26 +123,27 @@ class SlosScheduler(Scheduler):
 
     # -- requests in ---------------------------------------------------------------------------
 
-    def add_request(self, request: Request, now: float) -> None:
+    def add_request(self, request: Request, now: float, cached: int = 0) -> None:
         """Queue for the next admission decision (best-effort requests skip it)."""
-        self.queues.add(request)
+        self.queues.add(request, cached)
         if request.tier is Tier.BEST_EFFORT:
             self.best_effort.append(request.request_id)
         else:
             self.pending.append(request.request_id)
             self.invocation.note_new()
 
-    def add_admitted(self, request: Request, now: float) -> None:
-        """Bind a request a controller admitted with `plan_admission` on this replica."""
+    def add_admitted(self, request: Request, now: float, cached: int = 0) -> None:
+        """Bind a request a controller admitted with `plan_admission` on this replica (with
+        the same `cached` tokens it was planned with)."""
         if request.tier is not Tier.SLO:
             raise ValueError(f"request {request.request_id!r} is best-effort; it has no SLO")
-        self.queues.add(request)
+        self.queues.add(request, cached)
         self._admit(request.request_id, now)
         self.invocation.note_new()
 
-    def add_best_effort(self, request: Request, now: float) -> None:
+    def add_best_effort(self, request: Request, now: float, cached: int = 0) -> None:
         """Serve a request (e.g. declined by every replica) from leftovers, without a promise."""
-        self.queues.add(request)
+        self.queues.add(request, cached)
         self.best_effort.append(request.request_id)
 
     def abort_request(self, request_id: str) -> None:
@@ -202,8 +203,12 @@ class SlosScheduler(Scheduler):
 
     # -- planning ------------------------------------------------------------------------------
 
-    def plan_admission(self, new: Sequence[Request], now: float) -> AdmissionResult:
-        """Which of `new` this replica can guarantee next to its admitted requests.
+    def plan_admission(
+        self, new: Sequence[Request], now: float, cached: Mapping[str, int] | None = None
+    ) -> AdmissionResult:
+        """Which of `new` this replica can guarantee next to its admitted requests, each
+        prefill priced without the leading prompt tokens `cached` says the replica's prefix
+        cache holds (none for a request it does not name).
 
         Pure: nothing changes until the caller binds the admitted ones. Best-effort requests
         in `new` are always declined. The budget options (see `plan_budgets`) are solved in
@@ -215,7 +220,11 @@ class SlosScheduler(Scheduler):
         slo_new = [r for r in new if r.tier is Tier.SLO]
         decoders, prefills = self._running(now)
         cache = self.queues.budget
-        candidates = tuple(_candidate(r, cache.blocks_for(self._reservation(r))) for r in slo_new)
+        credits = cached or {}
+        candidates = tuple(
+            _candidate(r, cache.blocks_for(self._reservation(r)), credits.get(r.request_id, 0))
+            for r in slo_new
+        )
         start = max(now, self._busy_until)
         results = []
         for budget in self._budgets(decoders, prefills, slo_new, start):
@@ -407,9 +416,11 @@ class SlosScheduler(Scheduler):
         )
 
     def _replan(self, now: float) -> BatchBudget:
-        new = [self.queues.states[rid].request for rid in self.pending]
+        states = self.queues.states
+        new = [states[rid].request for rid in self.pending]
         promotable = self._promotable(now)
-        result = self.plan_admission(new + promotable, now)
+        cached = {rid: states[rid].num_computed_tokens for rid in self.pending}
+        result = self.plan_admission(new + promotable, now, cached)
         self.budget = result.budget
         factor = self.config.invocation.behind_tpot_factor
         for work in self._work.values():
@@ -652,11 +663,11 @@ def _urgent_periods(
     )
 
 
-def _candidate(request: Request, blocks: int) -> Candidate:
+def _candidate(request: Request, blocks: int, cached: int) -> Candidate:
     early = early_stage_starts(request, 0)
     return Candidate(
         request_id=request.request_id,
-        prefill_tokens=request.prompt_len,
+        prefill_tokens=request.prompt_len - cached,
         deadline_s=prefill_deadline(request),
         tpot_s=remaining_tpot(request, 1),
         decode_tokens=request.sampling.max_tokens - 1,

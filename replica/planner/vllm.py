@@ -40,7 +40,7 @@ class VllmScheduler(Scheduler):
         self.config = config or VllmConfig()
         self.queues = RequestQueues(budget)
 
-    def add_request(self, request: Request, now: float) -> None:
+    def add_request(self, request: Request, now: float, cached: int = 0) -> None:
         longest_prefill = peak_tokens(request)
         if longest_prefill > self.config.max_num_batched_tokens:
             raise ValueError(
@@ -48,7 +48,7 @@ class VllmScheduler(Scheduler):
                 f"(prompt + max_tokens - 1); max_num_batched_tokens is "
                 f"{self.config.max_num_batched_tokens} and prefills are not chunked"
             )
-        self.queues.add(request)
+        self.queues.add(request, cached)
 
     def abort_request(self, request_id: str) -> None:
         self.queues.abort(request_id)
@@ -61,6 +61,15 @@ class VllmScheduler(Scheduler):
         return step.build()
 
     def _admit_prefills(self, step: StepBuilder) -> None:
+        for state in list(self.queues.running_states()):
+            # Short of its prompt: the cached prefix it started from was not found whole.
+            if not state.is_decoding:
+                num_tokens = state.num_uncomputed
+                if num_tokens > step.tokens_left or not step.make_room(
+                    state, step.growth_blocks(state, num_tokens), may_preempt_self=False
+                ):
+                    return
+                step.add_prefill(state, num_tokens)
         for state in self.queues.waiting_states():
             num_tokens = state.num_uncomputed
             if (

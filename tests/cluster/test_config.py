@@ -48,6 +48,7 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
         ("door_lease_s", True, "door_lease_s"),
         ("num_kv_blocks", 0, "num_kv_blocks"),
         ("calibrate", "yes", "calibrate"),
+        ("credit_prefixes", 1, "credit_prefixes must be true or false, got 1"),
         ("dtype", "fp8", "dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
         ("tiers", [{"name": "a", "ttft_ms": -1, "tpot_ms": 1}], "ttft_ms"),
         ("tiers", [{"name": "a", "ttft_ms": 1, "tpot_ms": float("nan")}], "tpot_ms"),

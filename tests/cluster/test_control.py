@@ -255,3 +255,24 @@ def test_best_effort_traffic_sharing_a_prefix_spreads_past_the_imbalance(
         assert binding.verdict is Verdict.BEST_EFFORT and binding.replica is not None
         placed[binding.replica] = placed.get(binding.replica, 0) + 1
     assert placed == spread
+
+
+@pytest.mark.parametrize(
+    ("overrides", "credited"),
+    [({}, 32), ({"credit_prefixes": False}, 0), ({"prefix_caching": False}, 0)],
+)
+def test_the_plane_counts_the_prefix_it_credits_a_bound_request(
+    tmp_path: Path, overrides: dict[str, object], credited: int
+) -> None:
+    """By default a replica's mirror counts the prefix it pictures computed there as done
+    for a request bound there, and the plane counts those tokens; not with credit_prefixes
+    or prefix_caching off."""
+    p = plane(tmp_path, replicas=1, **overrides)
+    vr = p.replicas[0]
+    prompt = list(range(40))
+    if vr.computed is not None:
+        vr.computed.remember(prompt)
+    request = Request("r", [*prompt, 1], SamplingParams(max_tokens=2), tier=Tier.BEST_EFFORT)
+    assert decide(p, request).binding.verdict is Verdict.BEST_EFFORT
+    assert vr.credits == ({"r": credited} if credited else {})
+    assert p.metrics.counters.get("prefix_credited", 0) == credited

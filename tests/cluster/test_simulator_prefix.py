@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from cluster.api import Verdict
 from cluster.simulator import Policy, SimConfig, SimRequest, Simulator
 from loadgen import simulate
 from loadgen.mixes import mix_from_dict
@@ -40,6 +43,23 @@ def test_a_prefill_begins_after_the_prefix_its_replica_cached(policy: Policy) ->
     assert [o.token_times_s[0] for o in plain.outcomes] == pytest.approx([0.05, 1.05])
     assert (cached.prefix_queries, cached.prefix_hits) == (80, 32)
     assert (plain.prefix_queries, plain.prefix_hits) == (0, 0)
+
+
+@pytest.mark.parametrize("credit", [True, False])
+def test_admission_counts_the_prefix_its_replica_computed_as_done(credit: bool) -> None:
+    """A's 400 tokens prefill in 410 ms and it ends. B, at 1.0, shares A's first 384 and
+    wants its first token within 100 ms: priced in full (410 ms) it cannot be promised and
+    runs best-effort; counting the 384 cached tokens done (26 ms), it is admitted."""
+    shared = list(range(1000, 1384))
+    a = sim_request("a", [*shared, *range(1, 17)], 0.0)
+    b = Request("b", [*shared, *range(17, 33)], SamplingParams(max_tokens=2), SLO(100.0, 500.0))
+    requests = [a, SimRequest(replace(b, arrival_time=1.0), 2)]
+    config = SimConfig(policy=Policy.SLOS_NOSPEC, prefix_caching=True, credit_prefixes=credit)
+    result = Simulator(LINEAR, requests, config).run()
+    outcome = {o.request_id: o for o in result.outcomes}
+    assert outcome["b"].verdict is (Verdict.ADMITTED if credit else Verdict.BEST_EFFORT)
+    assert outcome["b"].token_times_s[0] == pytest.approx(1.026)
+    assert (result.credited_tokens, result.credit_missed_tokens) == ((384, 0) if credit else (0, 0))
 
 
 def test_a_preempted_request_resumes_from_what_it_had_cached() -> None:

@@ -313,3 +313,45 @@ def test_calibration_prices_a_prefill_over_the_prefix_the_replica_had_cached() -
     plan = BatchPlan((PrefillChunk("r", 8),))
     assert vr.apply(StepReport(0, "i", 1, plan, outcome, 1.0)) is ReportFit.APPLIED
     assert vr.calibration and list(vr.calibration.values()) == [pytest.approx(1.0)]
+
+
+@SCHEDULERS
+def test_a_request_bound_after_its_prefix_was_computed_starts_from_it(
+    perf: PerfModel, config: SchedulerConfig | None
+) -> None:
+    """With credit_prefixes every scheduler counts the prefix the mirror pictures computed
+    (A's prompt once its first token was out, then its history) as done: B's first chunk
+    feeds what follows it. This replica lost its cache (an executor without one), so the
+    whole credit is counted missed, and B is still prefilled whole. A prompt bound but not
+    yet computed, a request asking for prompt log-probabilities and a request restored from
+    a snapshot are credited nothing."""
+    vr = VirtualReplica(0, perf, CACHE, config, credit_prefixes=True)
+    executor = PerfExecutor(perf, CACHE)
+    shared = list(range(100, 148))
+    a = Request("a", [*shared, 1], SamplingParams(max_tokens=3), tier=Tier.BEST_EFFORT)
+    vr.add_best_effort(a, 0.0)
+    executor.add(a)
+    b = Request("b", [*shared, 2, 3], SamplingParams(max_tokens=3), tier=Tier.BEST_EFFORT)
+    assert vr.prefix_credit(b) == 0, "A's prompt is bound, not computed"
+    now = 0.0
+    while not executor.output("a"):
+        now, _ = run_steps(vr, executor, now, 1)
+    assert vr.prefix_credit(b) == 48
+    logprobs = replace(b, sampling=SamplingParams(max_tokens=3, prompt_logprobs=1))
+    assert vr.prefix_credit(logprobs) == 0
+    now, _ = run_steps(vr, executor, now, 100)
+    vr.add_best_effort(b, now)
+    executor.add(b)
+    assert vr.credits == {"b": 48} and vr.credited_tokens == 48
+    plan = vr.next_plan(now)
+    assert plan is not None and plan.entries[0] == PrefillChunk("b", 2)
+    outcome, duration = executor.execute(plan, now)
+    vr.apply(StepReport(0, vr.incarnation, vr.seq + 1, plan, outcome, now + duration))
+    assert vr.credit_missed_tokens == 48 and vr.credits == {}
+    run_steps(vr, executor, now + duration, 200)
+    assert executor.output("b") and not vr.has_work()
+    c = replace(b, request_id="c")
+    executor.add(c)
+    vr.restore(snapshot_of(executor, vr, ""), now)
+    assert vr.credits == {} and vr.scheduler.queues.states["c"].num_computed_tokens == 0
+    assert vr.prefix_credit(c) == 48

@@ -39,6 +39,7 @@ ALL_CONFIGS = [
     "serve-cpu-specserve.yaml",
     "serve-cpu-adaserve.yaml",
     "serve-cpu-no-prefix-cache.yaml",
+    "serve-cpu-no-prefix-credit.yaml",
     "serve-cpu-prefix-routing.yaml",
     *CPU_BASELINES,
     *GPU_CONFIGS,
@@ -108,6 +109,7 @@ def test_cpu_default_serves_the_demo_pair_locally() -> None:
         ("serve-cpu-specserve.yaml", {"spec_policy": "specserve"}),
         ("serve-cpu-adaserve.yaml", {"spec_policy": "adaserve"}),
         ("serve-cpu-no-prefix-cache.yaml", {"prefix_caching": False}),
+        ("serve-cpu-no-prefix-credit.yaml", {"credit_prefixes": False}),
         ("serve-cpu-prefix-routing.yaml", {"first_hop": FirstHop.PREFIX}),
     ],
 )

@@ -15,14 +15,16 @@ import pytest
 
 from loadgen import cli
 from loadgen.clients import GrpcClient, HttpClient, InProcessClient, LoadClient
-from loadgen.metrics import run_span_s
+from loadgen.metrics import report, run_span_s
 from loadgen.prompts import Prompt
 from loadgen.records import RequestRecord, Verdict, read_records
+from loadgen.run_load import RunResult, prefix_credit_missed
 from loadgen.workloads import CPU_TIGHT_TPOT_FACTOR, WorkloadRequest
 from loadgen.zero_load import ZeroLoad
 from replica.request import SLO
 from router.local import LocalFrontDoor
 from tests.cluster.conftest import write_profile
+from tests.loadgen.test_metrics import rec
 from tests.router.conftest import API_KEY, live
 
 NOT_ZERO_LOAD = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "cpu-demo.json"
@@ -308,3 +310,20 @@ def test_each_client_on_the_live_cluster(live: LocalFrontDoor, protocol: str) ->
     assert cut.arrival_s < cut.token_times_s[0] <= cut.token_times_s[-1] < full.arrival_s
     assert refused.verdict is Verdict.REJECTED and refused.delivered == 0
     assert refused.error is not None and "SLO" in refused.error
+
+
+@pytest.mark.parametrize(
+    ("counters", "missed"),
+    [
+        (None, None),
+        ({"prefix_cache_hits": 5}, None),
+        ({"prefix_credited": 200, "prefix_credit_missed": 50}, 0.25),
+        ({"prefix_credited": 64}, 0.0),
+    ],
+)
+def test_the_share_of_credited_prefix_tokens_not_found(
+    counters: dict[str, int] | None, missed: float | None
+) -> None:
+    records = [rec([1.0, 1.1])]
+    result = RunResult(1.0, records, report(records), 0.0, counters)
+    assert prefix_credit_missed(result) == missed

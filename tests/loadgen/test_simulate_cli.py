@@ -523,3 +523,7 @@ def test_prefix_caching_runs_and_reports_the_tokens_found_cached(tmp_path: Path)
     assert data["prefix_caching"] is True
     rates = {r["policy"]: r["prefix_hit_rate"] for r in data["runs"]}
     assert 0 < rates["slos"] < rates["slos+prefix"] < 1 and 0 < rates["vllm"] < 1
+    # slos's controller counted prefixes its replicas had computed as done, and found them.
+    assert data["credit_prefixes"] is True
+    missed = {r["policy"]: r["prefix_credit_missed"] for r in data["runs"]}
+    assert missed == {"slos": 0.0, "slos+prefix": 0.0, "vllm": None}

@@ -52,6 +52,8 @@ def exported_names() -> set[str]:
         "demoted": 1,
         "prefix_cache_queries": 1,
         "prefix_cache_hits": 1,
+        "prefix_credited": 1,
+        "prefix_credit_missed": 1,
     }
     m.refresh(status, {"counters": counters, "histograms": {"planner_latency_s": hist}})
     lines = m.exposition().decode().splitlines()

@@ -122,6 +122,17 @@ def test_abort_frees_blocks_for_the_next_plan(counting_engine, add, step, new_re
     assert list(sched.queues.states) == ["b"]
 
 
+def test_a_prefix_counted_cached_is_not_fed_but_its_blocks_are_claimed(new_request):
+    """a starts from 8 cached tokens: its prefill feeds the last 4, and attaching the cached
+    8 takes their 2 blocks from the 6 free, so b (13 tokens and a decode: 4 blocks) waits."""
+    sched = make(num_blocks=6)
+    sched.add_request(new_request("a", 12, 2), 0.0, cached=8)
+    sched.add_request(new_request("b", 13, 2), 0.0)
+    assert sched.schedule(0.0).entries == (PrefillChunk("a", 4),)
+    with pytest.raises(ValueError, match="'c' cannot start from 4 cached tokens"):
+        sched.add_request(new_request("c", 4, 2), 0.0, cached=4)
+
+
 def test_nothing_to_do_plans_nothing():
     assert make().schedule(0.0) is None
 

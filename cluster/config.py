@@ -17,6 +17,7 @@ import yaml
 
 from cluster.routing import BackupPolicy, FirstHop
 from replica.device import DTYPES
+from replica.planner.adaserve import AdaServeConfig
 
 E = TypeVar("E", bound=StrEnum)
 SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|specserve|adaserve|ngram|fixed:[1-9][0-9]?)$")
@@ -94,6 +95,10 @@ class ClusterConfig:
     drafts cut short by the draft's confidences, SpecServe: replica.planner.specserve) |
     adaserve (slos's drafts verified as token trees, each step's spread over its requests by
     their SLOs, AdaServe: replica.planner.adaserve) | ngram | fixed:k."""
+    adaserve: AdaServeConfig | None = None
+    """With spec_policy adaserve: the trees' constants, `{max_width, max_nodes}`
+    (replica.planner.adaserve.AdaServeConfig; None: its defaults, 4 and 15). Trees wider than
+    4 or with more than 15 nodes per request leave the CPU kernels for the general path."""
     tiers: tuple[TierConfig, ...] = ()
     route_limit: int = 2
     first_hop: FirstHop = FirstHop.ROUND_ROBIN
@@ -167,6 +172,7 @@ class ClusterConfig:
         ) or self.spec_policy.startswith("fixed:")
         if needs_draft and self.draft is None:
             raise ValueError(f"spec_policy={self.spec_policy!r} needs a draft model")
+        self._check_adaserve()
         if self.route_limit < 1:
             raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
         if isinstance(self.prefix_imbalance, bool) or not isinstance(self.prefix_imbalance, int):
@@ -207,6 +213,21 @@ class ClusterConfig:
             raise ValueError(f"door_lease_s must be in [2, 600], got {self.door_lease_s!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def _check_adaserve(self) -> None:
+        if self.adaserve is None:
+            return
+        if self.spec_policy != "adaserve":
+            raise ValueError(
+                f"adaserve shapes AdaServe's token trees: set spec_policy to adaserve, got "
+                f"{self.spec_policy!r}"
+            )
+        if isinstance(self.adaserve, dict):
+            object.__setattr__(self, "adaserve", AdaServeConfig(**self.adaserve))
+        if not isinstance(self.adaserve, AdaServeConfig):
+            raise ValueError(
+                f"adaserve must be a mapping of max_width and max_nodes, got {self.adaserve!r}"
+            )
 
     def _check_scheduler(self) -> None:
         object.__setattr__(self, "scheduler", _member(SchedulerKind, "scheduler", self.scheduler))

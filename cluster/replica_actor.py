@@ -146,7 +146,9 @@ def build_engine(config: ClusterConfig, tp: TensorParallel | None = None) -> Eng
         specserve=SpecServeLengths(load_profile(config))
         if config.spec_policy == "specserve"
         else None,
-        adaserve=AdaServeTrees(load_profile(config)) if config.spec_policy == "adaserve" else None,
+        adaserve=AdaServeTrees(load_profile(config), config.adaserve)
+        if config.spec_policy == "adaserve"
+        else None,
         prefix_caching=config.prefix_caching,
     )
 

@@ -60,7 +60,7 @@ from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
 from replica.kv_cache import PrefixPicture
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
-from replica.planner.adaserve import AdaServeTrees
+from replica.planner.adaserve import AdaServeConfig, AdaServeTrees
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.baseline_sizing import sarathi_token_budget, vllm_config
 from replica.planner.config import (
@@ -162,6 +162,8 @@ class SimConfig:
     """slos+adaserve: the chance the target takes the draft's second, third, ... choice, each
     given it took none before (cluster.sim_spec.SimulatedTrees; the last value for every later
     rank)."""
+    adaserve: AdaServeConfig = field(default_factory=AdaServeConfig)
+    """slos+adaserve: the trees' constants (cluster.config.ClusterConfig.adaserve)."""
     seed: int = 0
     """Seeds the draft acceptance streams."""
     prefill_replicas: int = 1
@@ -429,7 +431,10 @@ class Simulator:
             accept = self.accept if planner.spec is not None else None
             specserve = config.policy is Policy.SLOS_SPECSERVE and accept is not None
             trees = (
-                (AdaServeTrees(perf), SimulatedTrees(self.accept, config.sibling_acceptance))
+                (
+                    AdaServeTrees(perf, config.adaserve),
+                    SimulatedTrees(self.accept, config.sibling_acceptance),
+                )
                 if config.policy is Policy.SLOS_ADASERVE and accept is not None
                 else None
             )

@@ -113,6 +113,7 @@ from replica.arguments import (
 )
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
+from replica.planner.adaserve import AdaServeConfig
 from replica.planner.executor import OUTPUT_TOKENS, token_ids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,6 +248,8 @@ class Setup:
     """The simulated draft's confidences (SimConfig.confidence_concentration)."""
     sibling_acceptance: tuple[float, ...] = DEFAULT_SIBLINGS
     """slos+adaserve's later draft choices (SimConfig.sibling_acceptance)."""
+    adaserve: AdaServeConfig = field(default_factory=AdaServeConfig)
+    """slos+adaserve's tree constants (SimConfig.adaserve)."""
     kv_link_gb_s: float = DEFAULT_LINK_GB_S
     """distserve's KV link bandwidth."""
     window_replicas: int | None = None
@@ -352,6 +355,7 @@ class Setup:
             acceptance_spread=self.acceptance_spread,
             confidence_concentration=self.confidence_concentration,
             sibling_acceptance=self.sibling_acceptance,
+            adaserve=self.adaserve,
             seed=self.seed,
             prefill_replicas=max(1, replicas // 2),
             kv_link_gb_s=self.kv_link_gb_s,
@@ -563,6 +567,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="slos+adaserve: the chance the target takes the draft's second, third, ... choice "
         "given it took none before (the last value for every later rank; default "
         f"{','.join(map(str, DEFAULT_SIBLINGS))}, the demo pair's, `slos-serve bench adaserve`)",
+    )
+    parser.add_argument(
+        "--tree-width",
+        type=positive_int,
+        default=AdaServeConfig.max_width,
+        help="slos+adaserve: children a token tree keeps per level (cluster.adaserve.max_width; "
+        f"default {AdaServeConfig.max_width})",
+    )
+    parser.add_argument(
+        "--tree-nodes",
+        type=positive_int,
+        default=AdaServeConfig.max_nodes,
+        help="slos+adaserve: nodes one request may verify in a step (cluster.adaserve.max_nodes; "
+        f"default {AdaServeConfig.max_nodes})",
     )
     parser.add_argument(
         "--prefix-caching",
@@ -910,6 +928,7 @@ def run(args: argparse.Namespace) -> int:
             acceptance_spread=args.acceptance_spread,
             confidence_concentration=args.draft_confidence,
             sibling_acceptance=args.sibling_acceptance,
+            adaserve=AdaServeConfig(max_width=args.tree_width, max_nodes=args.tree_nodes),
             window_replicas=window,
             baseline_perf=baseline_perf,
             slowdown=p.slowdown,
@@ -941,6 +960,7 @@ def run(args: argparse.Namespace) -> int:
         "acceptance_spread": args.acceptance_spread,
         "draft_confidence": args.draft_confidence,
         "sibling_acceptance": list(args.sibling_acceptance),
+        "adaserve": {"max_width": args.tree_width, "max_nodes": args.tree_nodes},
         "same_window": p.same_window,
         "stop_below": p.stop_below,
         "compiled_planner": compiled.active(),

@@ -10,6 +10,7 @@ import pytest
 from cluster.config import BestEffortOrder, ClusterConfig, SchedulerKind, TierConfig
 from cluster.controller import planner_config
 from cluster.routing import BackupPolicy
+from replica.planner.adaserve import AdaServeConfig
 from replica.planner.config import LapsConfig
 
 
@@ -68,6 +69,31 @@ def test_unknown_field_and_missing_draft() -> None:
         with pytest.raises(ValueError, match="needs a draft"):
             ClusterConfig(model="m", spec_policy=drafting)
     assert ClusterConfig(model="m", spec_policy="ngram").spec_k == 0
+
+
+@pytest.mark.parametrize(
+    ("adaserve", "spec_policy", "message"),
+    [
+        ({"max_width": 6}, "slos", "adaserve shapes AdaServe's token trees: set spec_policy"),
+        ({"max_width": 0}, "adaserve", "adaserve.max_width must be"),
+        ({"max_nodes": 2.5}, "adaserve", "adaserve.max_nodes must be"),
+        ({"width": 6}, "adaserve", "invalid cluster config: .*width"),
+        (5, "adaserve", "adaserve must be a mapping of max_width and max_nodes, got 5"),
+    ],
+)
+def test_bad_adaserve_constants_are_named(adaserve: object, spec_policy: str, message: str) -> None:
+    data = {"model": "m", "draft": "d", "spec_policy": spec_policy, "adaserve": adaserve}
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig.from_dict(data)
+
+
+def test_adaserve_constants_load_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: m\ndraft: d\nspec_policy: adaserve\nadaserve: {max_width: 6, max_nodes: 24}\n"
+    )
+    assert ClusterConfig.from_yaml(path).adaserve == AdaServeConfig(max_width=6, max_nodes=24)
+    assert ClusterConfig(model="m", draft="d", spec_policy="adaserve").adaserve is None
 
 
 @pytest.mark.parametrize(

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from cluster import replica_core
+from cluster.config import ClusterConfig
 from cluster.messages import StepReport, StreamItem
+from cluster.replica_actor import build_engine
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine
+from replica.planner.adaserve import AdaServeConfig
 from replica.request import SLO, Request, SamplingParams
 from tests.cluster.conftest import greedy_reference
 
@@ -248,3 +252,19 @@ def test_a_refused_plan_lets_go_of_the_prefixes_attached_for_it(target_dir: Path
         await core.stop()
 
     asyncio.run(run())
+
+
+def test_a_replica_builds_the_adaserve_trees_its_config_asks_for(
+    target_dir: Path, draft_dir: Path
+) -> None:
+    config = ClusterConfig(
+        model=str(target_dir),
+        draft=str(draft_dir),
+        spec_policy="adaserve",
+        adaserve=AdaServeConfig(max_width=6, max_nodes=24),
+        num_kv_blocks=16,
+    )
+    trees = build_engine(config).adaserve
+    assert trees is not None and trees.config == AdaServeConfig(max_width=6, max_nodes=24)
+    default = build_engine(dataclasses.replace(config, adaserve=None)).adaserve
+    assert default is not None and default.config == AdaServeConfig()

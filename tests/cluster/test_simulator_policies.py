@@ -16,6 +16,7 @@ from loadgen import simulate
 from loadgen.arrivals import poisson_arrivals
 from loadgen.workloads import WorkloadConfig, generate_workload, zero_load_ttft_from
 from replica.perf_model import PerfModel
+from replica.planner.adaserve import AdaServeConfig
 from replica.planner.config import (
     GoodspeedConfig,
     LapsConfig,
@@ -222,6 +223,9 @@ def test_adaserve_policy_serves_every_token_and_verifies_trees() -> None:
     assert accepted["trees"] > accepted["chains"], "likely siblings add accepted tokens"
     with pytest.raises(ValueError, match="sibling_acceptance"):
         SimConfig(policy=Policy.SLOS_ADASERVE, sibling_acceptance=(-0.1,))
+    # Trees one child wide are chains: the likely siblings go untried.
+    chains = _against_slos(replace(config, adaserve=AdaServeConfig(max_width=1)))[0].result
+    assert chains.accepted_drafts / chains.decode_steps < accepted["trees"]
 
 
 def test_distserve_reproduces_a_hand_computed_schedule_with_a_queued_kv_link() -> None:

@@ -290,6 +290,11 @@ def gpu_group(gpus: int) -> dict[str, Any]:
         ({"cluster": {"spec_policy": "fixed:0"}}, r"/cluster/spec_policy'"),
         ({"cluster": {"scheduler": "vllm"}}, r"/cluster/spec_policy'"),  # slos: a baseline's none
         ({"cluster": {"scheduler": "orca"}}, r"/cluster/scheduler'"),
+        ({"cluster": {"adaserve": {"max_width": 6}}}, r"/cluster/spec_policy'"),
+        (
+            {"cluster": {"spec_policy": "adaserve", "adaserve": {"max_nodes": 0}}},
+            r"/cluster/adaserve/max_nodes'",
+        ),
         ({"clusterr": {}}, r"additional properties 'clusterr' not allowed"),
         ({"head": {"rayStartParams": {"num-cpus": 0}}}, r"/head/rayStartParams/num-cpus'"),
     ],
@@ -307,6 +312,7 @@ def test_bad_values_are_refused_at_install_time(
         {"scheduler": "vllm", "spec_policy": "none"},
         {"scheduler": "sarathi", "spec_policy": "none"},
         {"calibrate": True},
+        {"spec_policy": "adaserve", "adaserve": {"max_width": 6, "max_nodes": 24}},
     ],
 )
 def test_every_cluster_config_field_is_a_value(render: Render, cluster: dict[str, Any]) -> None:

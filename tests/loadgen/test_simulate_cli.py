@@ -511,6 +511,17 @@ def test_specserve_needs_draft_confidences_and_reports_its_speculation(tmp_path:
         assert 0 < runs[policy]["draft_acceptance"] <= 1
 
 
+def test_tree_constants_reach_slos_adaserve(tmp_path: Path) -> None:
+    out = tmp_path / "trees.json"
+    argv = ("--rate", "2", "--duration", "5", "--policies", "slos+adaserve")
+    argv += ("--tree-width", "2", "--tree-nodes", "3", "--json", str(out))
+    assert simulate.run(parse(*argv)) == 0
+    data = json.loads(out.read_text())
+    assert data["adaserve"] == {"max_width": 2, "max_nodes": 3}
+    (run,) = data["runs"]
+    assert 0 < run["drafts_per_decode"] <= 3
+
+
 def test_prefix_caching_runs_and_reports_the_tokens_found_cached(tmp_path: Path) -> None:
     """Agent sessions that send their history back: with --prefix-caching the replicas
     found part of each prompt cached, slos+prefix more of it than round robin."""

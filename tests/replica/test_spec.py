@@ -14,7 +14,7 @@ from replica.engine import Engine, ProposerKind
 from replica.kv_cache import KVCacheManager
 from replica.model_runner import BLOCK_SIZE, ForwardSeq, ModelRunner
 from replica.perf_model import PerfModel
-from replica.planner.adaserve import AdaServeTrees, TreeCalibration
+from replica.planner.adaserve import AdaServeConfig, AdaServeTrees, TreeCalibration
 from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
 from replica.request import SLO, Request, SamplingParams, Tier
 from replica.sampling import position_noise
@@ -641,6 +641,26 @@ def test_adaserve_trees_keep_greedy_output(
     assert 0 < sum(verified) <= k * len(verified)
     if k >= 4:
         assert moves, "no accepted path left the first chain"
+
+
+def test_adaserve_trees_past_the_cpu_kernels_keep_greedy_output(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Trees of 6 children a level and up to 24 nodes a request (AdaServeConfig, as a cluster
+    config's `adaserve` sets it): wider than the C beam grows and larger than a C verify row
+    takes, they run on the general path, with plain greedy output."""
+    target, draft = runners
+    trees = AdaServeTrees(COSTLY_VERIFY, AdaServeConfig(max_width=6, max_nodes=24))
+    engine = Engine(target, draft, proposer="draft", adaserve=trees)
+    shapes: list[tuple[int, int]] = []
+    shape = trees.shape
+    monkeypatch.setattr(trees, "shape", lambda *args: shapes.append(shape(*args)) or shapes[-1])
+    verified = _verified(engine, monkeypatch)
+    assert _generate(engine, prompts, [24] * len(prompts)) == baseline
+    assert max(width for _, width in shapes) == 6 and max(verified) > 15
 
 
 def test_adaserve_grows_trees_for_unseeded_requests_and_seeded_ones_keep_chains(

@@ -214,6 +214,7 @@ class VirtualReplica:
             if result.finished:
                 self.held.pop(result.request_id, None)
                 self.admitted.discard(result.request_id)
+                self.credits.pop(result.request_id, None)
         return ReportFit.APPLIED
 
     def _check_credits(self, report: StepReport) -> None:
@@ -260,8 +261,8 @@ class VirtualReplica:
         the draft work of drafts cut after they were made is then not in the shape, which errs
         toward a slower replica; the draft forwards of AdaServe's tree levels as the outcome
         reports them; a prefill chunk over the context it ran on, a prefix-cache hit the
-        mirror learns of from this very report counted in). Steps without work (abort
-        reports) say nothing."""
+        mirror learns of from this very report counted in, a credited prefix the replica did
+        not find left out). Steps without work (abort reports) say nothing."""
         measured = report.outcome.total_s
         if self.perf is None or not isinstance(self.scheduler, SlosScheduler):
             return
@@ -275,8 +276,9 @@ class VirtualReplica:
         chunks = {e.request_id: e.num_tokens for e in plan.entries if isinstance(e, PrefillChunk)}
 
         def context(rid: str) -> int:
-            ran_on = after.get(rid, 0) - chunks[rid] if rid in chunks else 0
-            return max(states[rid].num_computed_tokens, ran_on)
+            if rid in chunks and rid in after:
+                return after[rid] - chunks[rid]
+            return states[rid].num_computed_tokens
 
         shape = BatchShape.of_plan(plan, context, self.profile.tp)
         outcome = report.outcome

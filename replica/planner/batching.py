@@ -474,11 +474,13 @@ def _fill_best_effort(
         if state.request_id in preempt:
             continue
         held = state.num_computed_tokens
+        # A waiting request started from a cached prefix holds none of its blocks yet.
+        holds = cache.blocks_for(held) if state.request_id in running else 0
         younger = position.get(state.request_id, len(holders) - 1) + 1
-        while _fits(cache, held, free) < 1 and evict_last(younger):
+        while _fits(cache, held, holds, free) < 1 and evict_last(younger):
             pass
         want = 1 if state.is_decoding else min(state.num_uncomputed, step.tokens_left)
-        n = min(want, _fits(cache, held, free))
+        n = min(want, _fits(cache, held, holds, free))
         if n < 1:
             continue
         if state.is_decoding:
@@ -499,11 +501,11 @@ def _fill_best_effort(
             step.decode(state, 0)
         else:
             step.prefill(state, n)
-        free -= cache.blocks_for(held + n) - cache.blocks_for(held)
+        free -= cache.blocks_for(held + n) - holds
         scheduled += 1
     return preempt
 
 
-def _fits(cache: CacheBudget, held: int, free_blocks: int) -> int:
-    """Tokens a request holding `held` slots can add: its last block's slack plus free blocks."""
-    return cache.blocks_for(held) * cache.block_size - held + free_blocks * cache.block_size
+def _fits(cache: CacheBudget, held: int, holds: int, free_blocks: int) -> int:
+    """Tokens a request with `held` slots computed in `holds` blocks of its own can add."""
+    return (holds + free_blocks) * cache.block_size - held

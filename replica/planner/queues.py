@@ -137,6 +137,7 @@ class StepBuilder:
 
     def __init__(self, queues: RequestQueues, token_budget: int) -> None:
         self.queues = queues
+        self._running = set(queues.running)
         self.tokens_left = token_budget
         self.free_blocks = queues.free_blocks()
         self.num_running = len(queues.running)
@@ -156,7 +157,7 @@ class StepBuilder:
         blocks from those free)."""
         blocks_for = self.queues.budget.blocks_for
         computed = state.num_computed_tokens
-        held = blocks_for(computed) if computed and state.request_id in self.queues.running else 0
+        held = blocks_for(computed) if state.request_id in self._running else 0
         return blocks_for(computed + num_tokens) - held
 
     def admission_blocks(self, state: RequestState, spec_k: int) -> int:

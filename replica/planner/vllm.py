@@ -63,7 +63,7 @@ class VllmScheduler(Scheduler):
     def _admit_prefills(self, step: StepBuilder) -> None:
         for state in list(self.queues.running_states()):
             # Short of its prompt: the cached prefix it started from was not found whole.
-            if not state.is_decoding:
+            if not state.is_decoding and not step.is_preempted(state.request_id):
                 num_tokens = state.num_uncomputed
                 if num_tokens > step.tokens_left or not step.make_room(
                     state, step.growth_blocks(state, num_tokens), may_preempt_self=False

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from replica.batch import PrefillChunk
 from replica.perf_model import PerfModel
 from replica.planner import slos as slos_module
 from replica.planner.admission import AdmissionProblem, AdmissionResult, solve_admission
@@ -209,6 +210,16 @@ def test_best_effort_requests_are_preempted_and_resume_with_their_tokens() -> No
         assert executor.output(r.request_id) == expected
     assert not late_tokens(urgent, executor.token_times["slo"])
     assert executor.peak_blocks <= cache.num_blocks
+
+
+def test_a_best_effort_prompt_started_from_a_cached_prefix_takes_its_blocks_when_it_runs() -> None:
+    """Eight blocks of 16. a starts from 96 cached tokens (6 blocks it takes as it runs) and
+    feeds its last 4 (a seventh block): b, behind it, may have the one block left."""
+    scheduler = SlosScheduler(GPU_LIKE, CacheBudget(8, 16))
+    scheduler.add_best_effort(best_effort("a", 100, 2), 0.0, cached=96)
+    scheduler.add_best_effort(best_effort("b", 40, 2), 0.0)
+    plan = scheduler.schedule(0.0)
+    assert plan is not None and plan.entries == (PrefillChunk("a", 4), PrefillChunk("b", 16))
 
 
 def test_a_request_falling_behind_on_time_is_planned_with_a_tighter_tpot() -> None:

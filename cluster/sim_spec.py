@@ -143,7 +143,7 @@ class SimulatedTrees:
                     rank = r
                     break
                 u -= p
-            child = next((c for c in tree.children(node) if tree.tokens[c] == rank), None)
+            child = None if rank is None else tree.child(node, rank)
             if child is None:
                 return accepted
             node = child

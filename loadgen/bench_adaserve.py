@@ -58,8 +58,7 @@ def rank_agreement(
             seq = ForwardSeq(prompt, cache.block_table("agree"), 0, num_logits=len(prompt))
             logits = runner.forward([seq])
             columns = logits.topk(ranks if runner is draft else 1).indices
-            vocab = runner.head_vocab
-            choices.append((columns if vocab is None else vocab[columns]).tolist())
+            choices.append(runner.token_ids(columns).tolist())
             cache.free("agree")
         for (top,), drafted in zip(*choices, strict=True):
             positions += 1

@@ -901,6 +901,7 @@ def run(args: argparse.Namespace) -> int:
     perf = load_profile("--profile", p.profile)
     baseline = p.baseline_profile
     baseline_perf = load_profile("--baseline-profile", baseline) if baseline else None
+    adaserve = AdaServeConfig(max_width=args.tree_width, max_nodes=args.tree_nodes)
     if baseline_perf is not None and baseline_perf.tp != perf.tp:
         raise OptionError(
             f"--baseline-profile is for tensor parallelism {baseline_perf.tp} and --profile for "
@@ -928,7 +929,7 @@ def run(args: argparse.Namespace) -> int:
             acceptance_spread=args.acceptance_spread,
             confidence_concentration=args.draft_confidence,
             sibling_acceptance=args.sibling_acceptance,
-            adaserve=AdaServeConfig(max_width=args.tree_width, max_nodes=args.tree_nodes),
+            adaserve=adaserve,
             window_replicas=window,
             baseline_perf=baseline_perf,
             slowdown=p.slowdown,
@@ -960,7 +961,7 @@ def run(args: argparse.Namespace) -> int:
         "acceptance_spread": args.acceptance_spread,
         "draft_confidence": args.draft_confidence,
         "sibling_acceptance": list(args.sibling_acceptance),
-        "adaserve": {"max_width": args.tree_width, "max_nodes": args.tree_nodes},
+        "adaserve": asdict(adaserve),
         "same_window": p.same_window,
         "stop_below": p.stop_below,
         "compiled_planner": compiled.active(),

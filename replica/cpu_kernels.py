@@ -122,6 +122,8 @@ class ModelArgs(ctypes.Structure):
 MASK_WINDOW = 64
 """Keys a tree mask can hide, counted back from a request's last new token (one uint64 of
 bits per new token)."""
+MAX_TREE_WIDTH = 4
+"""Children the C beam (`greedy_tree`) keeps per tree level at most."""
 
 
 @dataclass
@@ -303,8 +305,8 @@ class CpuKernels:
         ranks), node 0 its root. `chances[rank][bin]`: the calibrated chance of a child of that
         rank among the draft's choices in that equal bin of its probability. The block tables
         must already hold every level's slots."""
-        if not 1 <= width <= 4:
-            raise ValueError(f"a tree level keeps 1 to 4 children, got {width}")
+        if not 1 <= width <= MAX_TREE_WIDTH:
+            raise ValueError(f"a tree level keeps 1 to {MAX_TREE_WIDTH} children, got {width}")
         if not chances or not chances[0] or len({len(row) for row in chances}) != 1:
             raise ValueError("chances must be ranks x bins, every rank the same bins")
         stride = 1 + max(depths) * width

@@ -61,7 +61,7 @@ from replica.spec.ngram import NgramProposer
 from replica.spec.tree import (
     TokenTree,
     judged_nodes,
-    select_nodes,
+    level_slots,
     template_tree,
     verify_tree_choices,
 )
@@ -516,7 +516,7 @@ class Engine:
 
     def _propose_trees(self, works: list[_Work], spec: list[_Work]) -> int:
         """AdaServe: grow candidate trees with the draft and give each greedy speculative
-        decode (`spec`) the nodes `select_nodes` picks within their planned drafts (sampled
+        decode (`spec`) the nodes `AdaServeTrees.choose` picks within their planned drafts (sampled
         requests: `_propose_sampled_trees`; a tree of the draft's top tokens verified as point
         masses accepted far fewer of them: 1.68 against 2.75 tokens per verify at temperature
         1, k = 4, the demo pair). Returns the levels the draft grew; 0 (nothing changed) when
@@ -529,20 +529,18 @@ class Engine:
                 w.seq.request.request_id,
                 w.seq.tokens,
                 min(depth, self._tree_depth_limit(w)),
-                width,
-                adaserve.calibration,
                 w.seq.shaper,
             )
             for w in spec
         ]
         draft_need = sum(
-            self.draft.blocks_needed(j.request_id, len(j.tokens) + max(0, j.depth - 1) * j.width)
+            self.draft.blocks_needed(j.request_id, len(j.tokens) + level_slots(j.depth, width))
             for j in jobs
         )
         draft_need += self._draft_blocks(_others(works, spec))
         if draft_need > self.draft.cache.num_free_blocks:
             return 0
-        drafted = self.draft.propose_trees(jobs)
+        drafted = self.draft.propose_trees(jobs, width, adaserve.calibration)
         for w in spec:
             self.draft.rollback(w.seq.request.request_id, w.seq.num_known)
         trees = [adaserve.calibrated(t) for t in drafted]
@@ -574,11 +572,11 @@ class Engine:
         adaserve = self.adaserve
         shape = self._shape(works, [w.num_spec for w in works], adaserve.perf.tp)
         needs = adaserve.needs([(w.seq.request, len(w.seq.generated)) for w in spec], shape)
-        most = adaserve.config.max_nodes
-        chosen = select_nodes(trees, needs, budget, [most] * len(spec), depth)
-        if self._tree_blocks(works, spec, chosen) > self.cache.num_free_blocks:
-            chosen = select_nodes(trees, needs, budget, [w.num_spec for w in spec], depth)
-        return chosen
+
+        def fits(chosen: list[list[int]]) -> bool:
+            return self._tree_blocks(works, spec, chosen) <= self.cache.num_free_blocks
+
+        return adaserve.choose(trees, needs, budget, [w.num_spec for w in spec], depth, fits)
 
     def _tree_depth_limit(self, w: _Work) -> int:
         """The deepest node a decode may verify: within max_tokens and the model's length."""

@@ -63,6 +63,7 @@ from safetensors import safe_open
 from replica import cpu_kernels
 from replica.cpu_kernels import TreeMasks, mask_bits
 from replica.model_source import eos_token_ids
+from replica.spec.tree import level_slots
 from replica.tensor_parallel import TensorParallel
 
 BLOCK_SIZE = 16
@@ -625,6 +626,10 @@ class ModelRunner:
     def max_model_len(self) -> int:
         return self.config.max_position_embeddings
 
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """The token ids of logit columns (`head_vocab`'s when the head is cut)."""
+        return columns if self.head_vocab is None else self.head_vocab[columns]
+
     @torch.inference_mode()
     def forward(self, seqs: list[ForwardSeq]) -> torch.Tensor:
         """Run one ragged batch; returns fp32 logits [sum(num_logits), vocab] in seq order
@@ -973,7 +978,7 @@ class ModelRunner:
         tree whose fed levels fit the kernels' mask window."""
         return (
             self.can_chain(q_lens)
-            and 1 <= width <= 4
+            and 1 <= width <= cpu_kernels.MAX_TREE_WIDTH
             and len(q_lens) * width <= FUSED_MAX_TOKENS[self.dtype]
             and (depth - 1) * width <= cpu_kernels.MASK_WINDOW
         )
@@ -1005,7 +1010,7 @@ class ModelRunner:
         grows = []
         for s, d in zip(seqs, depths, strict=True):
             known = s.num_cached + len(s.token_ids)
-            grows.append((known + max(0, d - 1) * width, known + d, f"{d} levels"))
+            grows.append((known + level_slots(d, width), known + d, f"{d} levels"))
         self._check_loop("greedy_tree", seqs, grows)
         flat = self._flatten(seqs)
         assert self._fused is not None and self._paged is not None

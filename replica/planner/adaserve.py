@@ -31,7 +31,7 @@ from replica.planner.config import check_int
 from replica.planner.deadlines import remaining_tpot, token_deadline
 from replica.planner.specserve import ConfidenceCalibration
 from replica.request import Request, Tier
-from replica.spec.tree import TokenTree, rank_chances, tree_shape
+from replica.spec.tree import TokenTree, rank_chances, select_nodes, tree_shape
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class TreeCalibration:
         self.accepted = [0] * RANKS
 
     def chance(self, rank: int, confidence: float) -> float:
-        return self.ranks[min(rank, RANKS - 1)].chances([confidence])[0]
+        return self.ranks[min(rank, RANKS - 1)].chance(confidence)
 
     def tables(self) -> list[list[float]]:
         """Each rank's chance per bin of confidence (what the C beam looks up)."""
@@ -142,6 +142,22 @@ class AdaServeTrees:
         start = self.clock() if now is None else now
         end = start + self.perf.predict(step)
         return [tokens_needed(request, out, end) for request, out in requests]
+
+    def choose(
+        self,
+        trees: Sequence[TokenTree],
+        needs: Sequence[float],
+        budget: int,
+        planned: Sequence[int],
+        depth: int,
+        fits: Callable[[list[list[int]]], bool],
+    ) -> list[list[int]]:
+        """The nodes each tree verifies: the step's `budget` by `needs`, at most max_nodes a
+        request (select_nodes); the `planned` split when `fits` says the KV of those would not
+        fit (that split always does: the plan passed the capacity check)."""
+        most = [self.config.max_nodes] * len(trees)
+        chosen = select_nodes(trees, needs, budget, most, depth)
+        return chosen if fits(chosen) else select_nodes(trees, needs, budget, planned, depth)
 
     def calibrated(self, tree: TokenTree) -> TokenTree:
         """The drafted tree (raw draft probabilities) with each node's f the product of the

@@ -474,8 +474,7 @@ def _fill_best_effort(
         if state.request_id in preempt:
             continue
         held = state.num_computed_tokens
-        # A waiting request started from a cached prefix holds none of its blocks yet.
-        holds = cache.blocks_for(held) if state.request_id in running else 0
+        holds = queues.blocks_of(state, running)
         younger = position.get(state.request_id, len(holders) - 1) + 1
         while _fits(cache, held, holds, free) < 1 and evict_last(younger):
             pass

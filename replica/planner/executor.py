@@ -30,7 +30,7 @@ from replica.planner.adaserve import AdaServeTrees
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.specserve import SpecServeLengths, drafted_length
 from replica.request import Request
-from replica.spec.tree import TokenTree, judged_nodes, select_nodes
+from replica.spec.tree import TokenTree, judged_nodes
 
 AcceptFn = Callable[[str, int], int]
 """(request id, drafted tokens) -> accepted drafts."""
@@ -346,16 +346,18 @@ class PerfExecutor:
             for s in seqs
         ]
         needs = policy.needs([(s.request, len(s.output)) for s in seqs], shape, now)
-        most = policy.config.max_nodes
-        chosen = select_nodes(trees, needs, budget, [most] * len(spec), depth)
-        fed = _fed(plan)
-        for s, nodes in zip(seqs, chosen, strict=True):
-            fed[s.request.request_id] = 1 + len(nodes)
-        blocks = self._blocks(fed)
-        if blocks > self.cache.num_blocks:
-            chosen = select_nodes(trees, needs, budget, planned, depth)
-        else:
+
+        def fits(chosen: list[list[int]]) -> bool:
+            fed = _fed(plan)
+            for s, nodes in zip(seqs, chosen, strict=True):
+                fed[s.request.request_id] = 1 + len(nodes)
+            blocks = self._blocks(fed)
+            if blocks > self.cache.num_blocks:
+                return False
             self.peak_blocks = max(self.peak_blocks, blocks)
+            return True
+
+        chosen = policy.choose(trees, needs, budget, planned, depth, fits)
         new_tokens = list(shape.new_tokens)
         verified = {}
         for i, s, tree, nodes in zip(spec, seqs, trees, chosen, strict=True):

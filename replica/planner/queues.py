@@ -14,7 +14,7 @@ the plan's admissions and preemptions take effect in `RequestQueues.apply`, with
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PlanEntry, PrefillChunk
 from replica.kv_cache import prefix_limit
@@ -84,6 +84,12 @@ class RequestQueues:
     def held_blocks(self, state: RequestState) -> int:
         return self.budget.blocks_for(state.num_computed_tokens)
 
+    def blocks_of(self, state: RequestState, running: Set[str]) -> int:
+        """The blocks `state` holds: its computed tokens' while it runs (`running`: the running
+        ids), none while it waits, even started from a cached prefix (attaching the prefix
+        takes its blocks from those free)."""
+        return self.held_blocks(state) if state.request_id in running else 0
+
     def used_blocks(self) -> int:
         return sum(self.held_blocks(self.states[rid]) for rid in self.running)
 
@@ -152,13 +158,9 @@ class StepBuilder:
         return request_id in self.preempted
 
     def growth_blocks(self, state: RequestState, num_tokens: int) -> int:
-        """Blocks beyond what the request holds to feed `num_tokens` more tokens (a waiting
-        request started from a cached prefix holds none yet: attaching the prefix takes its
-        blocks from those free)."""
-        blocks_for = self.queues.budget.blocks_for
-        computed = state.num_computed_tokens
-        held = blocks_for(computed) if state.request_id in self._running else 0
-        return blocks_for(computed + num_tokens) - held
+        """Blocks beyond what the request holds to feed `num_tokens` more tokens."""
+        computed = state.num_computed_tokens + num_tokens
+        return self.queues.budget.blocks_for(computed) - self.queues.blocks_of(state, self._running)
 
     def admission_blocks(self, state: RequestState, spec_k: int) -> int:
         """Blocks a waiting request needs to be admitted: all its known tokens plus its first

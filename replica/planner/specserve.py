@@ -93,9 +93,12 @@ class ConfidenceCalibration:
         """Each bin's acceptance, lowest confidences first (what the C drafter looks up)."""
         return [a / j for a, j in zip(self.accepted, self.judged, strict=True)]
 
+    def chance(self, confidence: float) -> float:
+        b = self._bin(confidence)
+        return self.accepted[b] / self.judged[b]
+
     def chances(self, confidences: Sequence[float]) -> list[float]:
-        table = self.table()
-        return [table[self._bin(c)] for c in confidences]
+        return [self.chance(c) for c in confidences]
 
     def observe(self, confidences: Sequence[float], accepted: int) -> None:
         """One verify of drafts made with `confidences`, `accepted` of them accepted."""

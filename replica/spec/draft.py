@@ -32,7 +32,7 @@ from replica.planner.adaserve import TreeCalibration
 from replica.planner.specserve import ConfidenceCalibration, keeps_drafting
 from replica.request import SamplingParams
 from replica.sampling import LogitsShaper, noisy_choice, sample, token_probs
-from replica.spec.tree import TokenTree
+from replica.spec.tree import TokenTree, level_slots
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -99,11 +99,6 @@ class TreeJob:
     tokens: list[int]
     """All known tokens (prompt + output); the last is the tree's root."""
     depth: int
-    width: int
-    calibration: TreeCalibration
-    """The chance the target accepts a child, from its rank among the draft's choices and
-    the draft's probability of it (AdaServe's); the beam keeps the children likeliest to be
-    accepted by it."""
     shaper: LogitsShaper | None = None
 
 
@@ -207,7 +202,7 @@ class DraftModel:
                     ForwardSeq(pending[i], self.cache.block_table(rid), cached, num_logits=1)
                 )
             logits = self.runner.forward(seqs)
-            greedy_choice = self._token_ids(logits.argmax(dim=-1)).tolist()
+            greedy_choice = self.runner.token_ids(logits.argmax(dim=-1)).tolist()
             for row, i in enumerate(active):
                 job = jobs[i]
                 params = job.params
@@ -240,18 +235,21 @@ class DraftModel:
                 proposals[i].probs = torch.stack(rows)
         return proposals
 
-    def propose_trees(self, jobs: list[TreeJob]) -> list[TokenTree]:
+    def propose_trees(
+        self, jobs: list[TreeJob], width: int, calibration: TreeCalibration
+    ) -> list[TokenTree]:
         """Beam search: each level keeps a request's `width` children of highest path score
-        (the product of the calibrated chances along the path; over all parents, not per
-        parent), down to its `depth`. A level is one
+        (the product of the chances along the path, `calibration`'s: the chance the target
+        accepts a child, from its rank among the draft's choices and the draft's probability
+        of it; over all parents, not per parent), down to its `depth`. A level is one
         batched forward of the previous level's nodes, each seeing the context and its own
         ancestors only (a mask over the levels already cached), so the draft runs as many
         forwards as a chain of the same depth. The cache keeps the levels until `rollback`.
-        Requests that shape nothing, sharing one calibration and width, grow every level in one
-        C call (`ModelRunner.greedy_tree`) when the fused forward takes them."""
+        Requests that shape nothing grow every level in one C call (`ModelRunner.greedy_tree`)
+        when the fused forward takes them."""
         for job in jobs:
             self.rollback(job.request_id, len(job.tokens) - 1)
-        fused = self._propose_trees_fused(jobs)
+        fused = self._propose_trees_fused(jobs, width, calibration)
         if fused is not None:
             return fused
         growing = [self._start(j.request_id, j.tokens, TokenTree.root(j.tokens[-1])) for j in jobs]
@@ -267,7 +265,10 @@ class DraftModel:
             for i, parents in enumerate(levels):
                 if parents:
                     tree = growing[i].tree
-                    levels[i] = self._grow(jobs[i], tree, scores[i], parents, next(rows))
+                    grown = self._grow(
+                        jobs[i], width, calibration, tree, scores[i], parents, next(rows)
+                    )
+                    levels[i] = grown
         return [g.tree for g in growing]
 
     def propose_sampled_trees(
@@ -309,12 +310,11 @@ class DraftModel:
                     draws[node] = q
         return [(g.tree, draws) for g, draws in zip(growing, drawn, strict=True)]
 
-    def _propose_trees_fused(self, jobs: list[TreeJob]) -> list[TokenTree] | None:
+    def _propose_trees_fused(
+        self, jobs: list[TreeJob], width: int, calibration: TreeCalibration
+    ) -> list[TokenTree] | None:
         """The trees from one C call, or None when the C beam cannot grow them."""
         if not jobs or any(j.shaper is not None for j in jobs):
-            return None
-        calibration, width = jobs[0].calibration, jobs[0].width
-        if any(j.calibration is not calibration or j.width != width for j in jobs):
             return None
         feeds = [j.tokens[self.cache.num_tokens(j.request_id) :] for j in jobs]
         depth = max(j.depth for j in jobs)
@@ -324,7 +324,7 @@ class DraftModel:
         for job, feed in zip(jobs, feeds, strict=True):
             rid = job.request_id
             cached = self.cache.num_tokens(rid)
-            self.cache.append(rid, len(feed) + max(0, job.depth - 1) * width)
+            self.cache.append(rid, len(feed) + level_slots(job.depth, width))
             seqs.append(ForwardSeq(feed, self.cache.block_table(rid), cached, num_logits=1))
         grown = self.runner.greedy_tree(seqs, [j.depth for j in jobs], width, calibration.tables())
         return [TokenTree(*tree) for tree in grown]
@@ -374,6 +374,8 @@ class DraftModel:
     def _grow(
         self,
         job: TreeJob,
+        width: int,
+        calibration: TreeCalibration,
         tree: TokenTree,
         scores: list[float],
         parents: list[int],
@@ -382,35 +384,33 @@ class DraftModel:
         """Add the level below `parents`: the `width` children of highest path score (the
         product of the calibrated chances along the path); the tree keeps the draft's path
         probabilities and each child's rank among the draft's choices."""
-        values, tokens = self._children(job, tree, parents, logits)
+        values, tokens = self._children(job, width, tree, parents, logits)
         candidates: list[tuple[float, float, int, int, int]] = []
         for parent, row_values, row_tokens in zip(parents, values, tokens, strict=True):
             for rank, (q, token) in enumerate(zip(row_values, row_tokens, strict=True)):
                 if q > 0.0:
-                    score = scores[parent] * job.calibration.chance(rank, q)
+                    score = scores[parent] * calibration.chance(rank, q)
                     f = min(1.0, tree.probs[parent] * q)
                     candidates.append((score, f, parent, token, rank))
         candidates.sort(key=lambda c: -c[0])
         kept = []
-        for score, f, parent, token, rank in candidates[: job.width]:
+        for score, f, parent, token, rank in candidates[:width]:
             kept.append(tree.add(parent, token, f, rank))
             scores.append(score)
         return kept
 
     def _children(
-        self, job: TreeJob, tree: TokenTree, parents: list[int], logits: torch.Tensor
+        self, job: TreeJob, width: int, tree: TokenTree, parents: list[int], logits: torch.Tensor
     ) -> tuple[list[list[float]], list[list[int]]]:
         """Each parent's `width` likeliest children (the draft's softmax probabilities, token
         ids) from the parent's row shaped as the target's row after its path will be (one
         batched softmax and top-k for a request that shapes nothing)."""
-        width = min(job.width, logits.shape[-1])
+        width = min(width, logits.shape[-1])
         if job.shaper is None:
             values, columns = logits.float().softmax(dim=-1).topk(width)
-            return values.tolist(), self._token_ids(columns).tolist()
+            return values.tolist(), self.runner.token_ids(columns).tolist()
         rows = [
-            job.shaper.shape(self._full_logits(logits[r : r + 1]), path, start=len(path))
-            .softmax(dim=-1)[0]
-            .topk(width)
+            self._shaped(logits[r : r + 1], job.shaper, path).softmax(dim=-1)[0].topk(width)
             for r, path in enumerate(tree.path_tokens(p) for p in parents)
         ]
         return [v.tolist() for v, _ in rows], [t.tolist() for _, t in rows]
@@ -463,10 +463,6 @@ class DraftModel:
             full = full.new_full((full.shape[0], self.runner.vocab_size), float("-inf"))
             full[:, vocab] = logits.float()
         return full
-
-    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        vocab = self.runner.head_vocab
-        return columns if vocab is None else vocab[columns]
 
     def _full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
         """A cut head's distribution spread over the whole vocabulary (zero off the cut), so

@@ -94,6 +94,10 @@ class TokenTree:
     def children(self, node: int) -> list[int]:
         return [i for i in range(node + 1, len(self)) if self.parents[i] == node]
 
+    def child(self, node: int, token: int) -> int | None:
+        """The child of `node` holding `token`, if any."""
+        return next((c for c in self.children(node) if self.tokens[c] == token), None)
+
     def path(self, node: int) -> list[int]:
         """Nodes from the first below the root down to `node` (empty for the root)."""
         out = []
@@ -266,10 +270,16 @@ def verify_tree_choices(tree: TokenTree, choices: Sequence[int]) -> tuple[list[i
         raise ValueError(f"need {len(tree)} target choices for a {len(tree)}-node tree")
     accepted: list[int] = []
     node = 0
-    while (child := _child_with(tree, node, choices[node])) is not None:
+    while (child := tree.child(node, choices[node])) is not None:
         accepted.append(child)
         node = child
     return accepted, [tree.tokens[i] for i in accepted] + [choices[node]]
+
+
+def level_slots(depth: int, width: int) -> int:
+    """Cache slots a tree of `depth` levels of `width` takes after its root as it grows: every
+    level is fed but the deepest."""
+    return max(0, depth - 1) * width
 
 
 def judged_nodes(tree: TokenTree, accepted: Sequence[int]) -> int:
@@ -277,7 +287,3 @@ def judged_nodes(tree: TokenTree, accepted: Sequence[int]) -> int:
     had children (a chain's count, `planner.budget.judged_drafts`, on the path it took)."""
     last = accepted[-1] if accepted else 0
     return len(accepted) + (1 if tree.children(last) else 0)
-
-
-def _child_with(tree: TokenTree, node: int, token: int) -> int | None:
-    return next((c for c in tree.children(node) if tree.tokens[c] == token), None)

@@ -63,14 +63,11 @@ def verify_stochastic(
             q[token] = 1.0
         else:
             q = draft_probs[i]
-        u = torch.rand((), generator=generator).item()
-        if u * q[token].item() < p[token].item():
+        if _accepts(p, q, token, generator):
             out.append(token)
             continue
-        residual = torch.clamp(p - q, min=0.0)
-        if residual.sum().item() <= 0.0:
-            residual = p
-        out.append(_draw(residual, generator))
+        residual = _residual(p, q)
+        out.append(_draw(p if residual is None else residual, generator))
         return out
     out.append(_draw(target_probs[k], generator))
     return out
@@ -103,16 +100,28 @@ def verify_tree_sampled(
         for child in children:
             q = draft_probs[node]
             token = tree.tokens[child]
-            u = torch.rand((), generator=generator).item()
-            if u * q[token].item() < p[token].item():
+            if _accepts(p, q, token, generator):
                 accepted.append(child)
                 node = child
                 break
-            residual = torch.clamp(p - q, min=0.0)
-            total = residual.sum().item()
-            p = residual / total if total > 0.0 else p
+            residual = _residual(p, q)
+            p = p if residual is None else residual / residual.sum().item()
         else:
             return accepted, [tree.tokens[i] for i in accepted] + [_draw(p, generator)]
+
+
+def _accepts(p: torch.Tensor, q: torch.Tensor, token: int, generator: torch.Generator) -> bool:
+    """The speculative-sampling test: `token`, drawn from q, is kept with chance
+    min(1, p(token) / q(token))."""
+    u = torch.rand((), generator=generator).item()
+    return bool(u * q[token].item() < p[token].item())
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
+    """max(0, p - q), unnormalised: what a refusal leaves to draw from (None: nothing, as when
+    p and q agree)."""
+    residual = torch.clamp(p - q, min=0.0)
+    return residual if residual.sum().item() > 0.0 else None
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:

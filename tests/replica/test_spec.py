@@ -783,14 +783,14 @@ def test_the_c_beam_grows_the_python_beams_trees(
     for fused in (True, False):
         draft = DraftModel(draft_runner)
         if not fused:
-            monkeypatch.setattr(draft, "_propose_trees_fused", lambda _jobs: None)
+            monkeypatch.setattr(draft, "_propose_trees_fused", lambda *_: None)
         jobs = [
-            TreeJob(f"t{i}", prompt, depth, 3, calibration)
+            TreeJob(f"t{i}", prompt, depth)
             for i, (prompt, depth) in enumerate(zip(prompts, (4, 2, 3, 1), strict=True))
         ]
         draft.prefill([(job.request_id, job.tokens[:-2]) for job in jobs])
         calls = len(in_c)
-        grown.append(draft.propose_trees(jobs))
+        grown.append(draft.propose_trees(jobs, 3, calibration))
         assert len(in_c) == calls + fused, "the C beam grew the trees" if fused else "Python"
         for job in jobs:
             draft.free(job.request_id)
@@ -815,10 +815,10 @@ def test_every_tree_node_carries_the_drafts_probability_after_its_path(
     in_c = _calls(draft_runner, "greedy_tree", monkeypatch)
     draft = DraftModel(draft_runner)
     if not fused:
-        monkeypatch.setattr(draft, "_propose_trees_fused", lambda _jobs: None)
+        monkeypatch.setattr(draft, "_propose_trees_fused", lambda *_: None)
     prompt = prompts[0]
     draft.prefill([("t", prompt[:-2])])
-    (tree,) = draft.propose_trees([TreeJob("t", prompt, 3, 3, TreeCalibration())])
+    (tree,) = draft.propose_trees([TreeJob("t", prompt, 3)], 3, TreeCalibration())
     draft.free("t")
     assert len(in_c) == int(fused and cpu_kernels.load() is not None)
     assert len(tree) == 1 + 3 * 3

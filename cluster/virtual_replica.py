@@ -179,9 +179,14 @@ class VirtualReplica:
             self.credited_tokens += credit
 
     def abort(self, request_id: str) -> bool:
-        """Forget a request; False when this replica does not hold it."""
+        """Forget a request; False when this replica does not hold it. One stopped after its
+        first token (a client that read what it wanted) leaves its history cached, as one that
+        ends does: the mirror's pictures remember it as far as the mirror has seen it."""
         if self.held.pop(request_id, None) is None:
             return False
+        state = self.scheduler.queues.states.get(request_id)
+        if state is not None and state.output_token_ids:
+            self._remember_history([*state.request.prompt_token_ids, *state.output_token_ids])
         self.admitted.discard(request_id)
         self.credits.pop(request_id, None)
         self.scheduler.abort_request(request_id)
@@ -230,29 +235,33 @@ class VirtualReplica:
                 self.credit_missed_tokens += max(0, self.credits.pop(rid) - found)
 
     def _remember_computed(self, outcome: BatchOutcome) -> None:
-        """A request that ends leaves its prompt and output cached (all but the last token,
-        whose KV is never computed): the history a chat or an agent sends back next turn. A
-        prompt whose first token is out is cached whole (`computed` only: `prefixes` has it
-        since it was bound). (An aborted one may have computed part of its prompt, and a
-        preemption's registered blocks stay cached: `computed` pictures neither.)"""
-        pictures = [p for p in (self.prefixes, self.computed) if p is not None]
-        if not pictures:
-            return
+        """A request that ends leaves its prompt and output cached: the history a chat or an
+        agent sends back next turn. A prompt whose first token is out is cached whole
+        (`computed` only: `prefixes` has it since it was bound). (One aborted before its first
+        token may have computed part of its prompt, and a preemption's registered blocks stay
+        cached: `computed` pictures neither.)"""
         states = self.scheduler.queues.states
         for result in outcome.outcomes:
             state = states.get(result.request_id)
             if state is None:
                 continue
             if result.finished:
-                tokens = [
-                    *state.request.prompt_token_ids,
-                    *state.output_token_ids,
-                    *result.new_token_ids,
-                ][:-1]
-                for picture in pictures:
-                    picture.remember(tokens)
+                self._remember_history(
+                    [
+                        *state.request.prompt_token_ids,
+                        *state.output_token_ids,
+                        *result.new_token_ids,
+                    ]
+                )
             elif self.computed is not None and result.new_token_ids and not state.output_token_ids:
                 self.computed.remember(state.request.prompt_token_ids)
+
+    def _remember_history(self, tokens: list[int]) -> None:
+        """A request's prompt and output, in both pictures: all but the last token, whose KV
+        is never computed."""
+        for picture in (self.prefixes, self.computed):
+            if picture is not None:
+                picture.remember(tokens[:-1])
 
     def _calibrate(self, report: StepReport) -> None:
         """Fold the step's measured seconds in, before the outcome moves the requests on (the

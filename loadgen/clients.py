@@ -6,6 +6,10 @@ closes the stream once `output_len` tokens arrived (unless output_len is max_tok
 server ends it): the request ends there as if the model had emitted EOS, and closing makes the
 server abort it and free its memory.
 
+`send` returns a Reply: the record, and the output's text as it arrived (the SSE chunks' text,
+the gRPC chunks' text, the in-process token ids decoded), which a session's next round sends
+back as its history (loadgen.run_load).
+
 What the server decided (verdict, replica, hops) is announced up front, with the first token:
 slos-serve's HTTP headers `x-slos-serve-verdict`, `-replica`, `-hops`, the same keys as gRPC
 initial metadata (the SDK's first `Chunk.placement`), the first in-process `TokenChunk`'s
@@ -55,12 +59,19 @@ DEFAULT_TIMEOUT_S = 120.0
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Reply:
+    """What one request got: its record, and its output as text (what a session's next round
+    sends back)."""
+
+    record: RequestRecord
+    text: str
+
+
 class LoadClient(Protocol):
     """What the open-loop runner needs from a client."""
 
-    async def send(
-        self, request: WorkloadRequest, prompt: Prompt, clock: Clock
-    ) -> RequestRecord: ...
+    async def send(self, request: WorkloadRequest, prompt: Prompt, clock: Clock) -> Reply: ...
 
     async def aclose(self) -> None: ...
 
@@ -76,6 +87,10 @@ class Outcome:
     server_hops: int | None = None
     """Replicas the server tried, the final one included (the cluster's count)."""
     error: str | None = None
+    text: list[str] = field(default_factory=list)
+    """The output's text as it came (HTTP, gRPC)."""
+    token_ids: list[int] = field(default_factory=list)
+    """The output's token ids as they came (gRPC, in-process)."""
 
     def add_tokens(self, count: int, at: float) -> None:
         self.token_times_s.extend([at] * count)
@@ -241,14 +256,14 @@ class HttpClient:
             body["temperature"] = self.temperature
         return body
 
-    async def send(self, request: WorkloadRequest, prompt: Prompt, clock: Clock) -> RequestRecord:
+    async def send(self, request: WorkloadRequest, prompt: Prompt, clock: Clock) -> Reply:
         body = self.body(request, prompt)
         outcome = Outcome(clock())
         try:
             await _bounded(outcome, self.timeout_s, self._stream(body, request, outcome, clock))
         except httpx.HTTPError as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
-        return outcome.record(request)
+        return Reply(outcome.record(request), "".join(outcome.text))
 
     async def _stream(
         self, body: dict[str, Any], request: WorkloadRequest, outcome: Outcome, clock: Clock
@@ -306,6 +321,7 @@ class HttpClient:
             text = "".join(_choice_text(c) for c in chunk.get("choices") or ())
             if text:
                 outcome.add_tokens(max(1, self.count_tokens(text)), now)
+                outcome.text.append(text)
             info = chunk.get("slos_serve")
             if isinstance(info, dict) and "verdict" in info:
                 outcome.report(info["verdict"], info.get("replica"), info.get("hops"))
@@ -352,6 +368,8 @@ async def _read_chunks(
             token_ids = getattr(item, "token_ids", ())
             if token_ids:
                 outcome.add_tokens(len(token_ids), clock())
+                outcome.token_ids.extend(token_ids)
+                outcome.text.append(getattr(item, "text", ""))
             if outcome.should_close(request):
                 return
 
@@ -374,7 +392,7 @@ class GrpcClient:
         self.temperature = temperature
         self.sdk = AsyncClient(target, api_key=api_key, timeout_s=timeout_s)
 
-    async def send(self, request: WorkloadRequest, prompt: Prompt, clock: Clock) -> RequestRecord:
+    async def send(self, request: WorkloadRequest, prompt: Prompt, clock: Clock) -> Reply:
         outcome = Outcome(clock())
         try:
             await _bounded(outcome, self.timeout_s, self._stream(request, prompt, outcome, clock))
@@ -384,7 +402,7 @@ class GrpcClient:
                 outcome.reject(text)
             else:
                 outcome.error = text
-        return outcome.record(request)
+        return Reply(outcome.record(request), "".join(outcome.text))
 
     async def _stream(
         self, request: WorkloadRequest, prompt: Prompt, outcome: Outcome, clock: Clock
@@ -422,14 +440,21 @@ class InProcessClient:
     """A cluster handle (cluster.ClusterHandle) in this process, on the loop that launched it.
 
     Request ids get a per-client suffix, so repeated runs never reuse an id the cluster saw.
+    The cluster speaks token ids; `decode` turns an output into text (the model's tokenizer).
     """
 
-    def __init__(self, handle: Submits, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        handle: Submits,
+        decode: Callable[[list[int]], str],
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self.handle = handle
+        self.decode = decode
         self.timeout_s = _positive_timeout(timeout_s)
         self.tag = uuid.uuid4().hex[:8]
 
-    async def send(self, request: WorkloadRequest, prompt: Prompt, clock: Clock) -> RequestRecord:
+    async def send(self, request: WorkloadRequest, prompt: Prompt, clock: Clock) -> Reply:
         outcome = Outcome(clock())
         cluster_request = replace(
             request.to_request(prompt.token_ids, arrival_time=time.time()),
@@ -445,7 +470,7 @@ class InProcessClient:
             outcome.reject(f"unavailable: {exc}")
         except ValueError as exc:
             outcome.error = f"invalid request: {exc}"
-        return outcome.record(request)
+        return Reply(outcome.record(request), self.decode(outcome.token_ids))
 
     async def _stream(
         self, cluster_request: Request, request: WorkloadRequest, outcome: Outcome, clock: Clock

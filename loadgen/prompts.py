@@ -11,12 +11,16 @@ one. Windows that do not survive the round trip (a cut inside a multi-byte chara
 retried elsewhere. Lengths arrive already scaled for CPU: WorkloadConfig.length_scale shrinks
 the workload's prompt (and output) lengths before they are asked for here, so the planner, the
 records and the prompts all agree on one length.
+
+A session's later round (PromptSource.after_output) starts with the round before's prompt and
+the output the server gave it, as an agent sends its history back, then fresh text.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +71,7 @@ class PromptSource:
             raise ValueError("prompt corpus is empty")
         self.tokenizer = tokenizer
         self.stream = self._encode(DOCUMENT_SEPARATOR.join(texts))
+        self.seed = seed
         self._rng = np.random.default_rng(seed)
 
     @classmethod
@@ -80,8 +85,10 @@ class PromptSource:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def prompt(self, num_tokens: int) -> Prompt:
-        """A prompt whose text encodes to exactly num_tokens tokens."""
+    def prompt(self, num_tokens: int, rng: np.random.Generator | None = None) -> Prompt:
+        """A prompt whose text encodes to exactly num_tokens tokens (windows drawn with `rng`,
+        else the source's own generator)."""
+        rng = rng or self._rng
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
         if num_tokens > len(self.stream):
@@ -89,7 +96,7 @@ class PromptSource:
                 f"num_tokens={num_tokens} exceeds the prompt corpus ({len(self.stream)} tokens)"
             )
         for _ in range(ATTEMPTS):
-            start = int(self._rng.integers(0, len(self.stream) - num_tokens + 1))
+            start = int(rng.integers(0, len(self.stream) - num_tokens + 1))
             text = self.tokenizer.decode(self.stream[start : start + num_tokens])
             ids = self._encode(text)
             if len(ids) > num_tokens:
@@ -99,7 +106,9 @@ class PromptSource:
                 return Prompt(text, tuple(ids))
         raise ValueError(f"no window of the corpus round-trips to exactly {num_tokens} tokens")
 
-    def prompt_after(self, prefix: Prompt, num_tokens: int) -> Prompt:
+    def prompt_after(
+        self, prefix: Prompt, num_tokens: int, rng: np.random.Generator | None = None
+    ) -> Prompt:
         """A prompt of exactly num_tokens tokens whose first tokens are `prefix`'s, text and
         ids alike (a window whose first token would merge with the prefix's last is skipped)."""
         rest = num_tokens - len(prefix.token_ids)
@@ -109,8 +118,33 @@ class PromptSource:
                 f"{len(prefix.token_ids)}-token prefix"
             )
         for _ in range(ATTEMPTS):
-            tail = self.prompt(rest)
+            tail = self.prompt(rest, rng)
             ids = tuple(self._encode(prefix.text + tail.text))
             if ids == prefix.token_ids + tail.token_ids:
                 return Prompt(prefix.text + tail.text, ids)
         raise ValueError(f"no window of the corpus follows the prefix in exactly {rest} tokens")
+
+    def after_output(
+        self, before: Prompt, output: str, history_len: int, num_tokens: int, key: str
+    ) -> Prompt:
+        """A session's next prompt of exactly num_tokens tokens: the round before's prompt and
+        the output it got (at most `history_len` tokens of them), then fresh text standing for
+        the tool's response. The history is the text as sent back, encoded again, so it is the
+        same tokens the server cached unless the encoding differs where prompt and output
+        meet (as for any client sending text). The fresh text is drawn with a generator seeded
+        by the source's seed and `key`, so a round gets the same response whenever the round
+        before ends."""
+        if not len(before.token_ids) <= history_len < num_tokens:
+            raise ValueError(
+                f"history_len={history_len} must lie in [{len(before.token_ids)}, "
+                f"num_tokens={num_tokens})"
+            )
+        text = before.text + output
+        ids = self._encode(text)
+        cut = min(len(ids), history_len)
+        while len(ids) > history_len:
+            text = self.tokenizer.decode(ids[:cut])
+            ids = self._encode(text)
+            cut -= 1
+        rng = np.random.default_rng([self.seed, zlib.crc32(key.encode())])
+        return self.prompt_after(Prompt(text, tuple(ids)), num_tokens, rng)

@@ -2,12 +2,14 @@
 application classes, loadgen.mixes) and judge what it delivered.
 
 Open loop: every request is sent at its arrival time whatever happened to earlier ones
-(ToolLLM follow-up rounds go out `delay_s` after the round they continue). Each request becomes
-a RequestRecord (loadgen.clients), written to JSONL as it finishes, and the run is judged by
-loadgen.metrics: attainment under deadline semantics and in the paper's form, goodput, p50/p99
-TTFT and TPOT per SLO class. slos-serve announces each request's verdict, replica and hops with
-its first token (headers / gRPC initial metadata), so records carry them even for streams the
-client closes at the output length (other servers leave those `unknown`); slos-serve's own
+(follow-up rounds of tool-calling sessions go out `delay_s` after the round they continue,
+with that round's prompt and the output it got, then fresh text for the tool's response, as
+an agent sends its history back). Each request becomes a RequestRecord (loadgen.clients),
+written to JSONL as it finishes, and the run is judged by loadgen.metrics: attainment under
+deadline semantics and in the paper's form, goodput, p50/p99 TTFT and TPOT per SLO class.
+slos-serve announces each request's verdict, replica and hops with its first token (headers /
+gRPC initial metadata), so records carry them even for streams the client closes at the output
+length (other servers leave those `unknown`); slos-serve's own
 counts for the run (admitted, best_effort, rejected, from /v1/cluster/status before and after)
 are in the summary as `server_counters`, and from its replicas' step time (`busy_us`)
 `busy_ms_per_request` and `replica_busy_fraction`: how loaded the replicas were. `--rate` is
@@ -53,7 +55,7 @@ from tqdm import tqdm
 
 from loadgen.arrivals import ArrivalKind, ArrivalProcess
 from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
-from loadgen.clients import GrpcClient, HttpClient, LoadClient
+from loadgen.clients import GrpcClient, HttpClient, LoadClient, Reply
 from loadgen.metrics import GroupReport, RunReport, report
 from loadgen.mixes import parse_workload
 from loadgen.prompts import Prompt, PromptSource, heldout_texts
@@ -111,12 +113,32 @@ class LoadSpec:
 
 
 def prompts_for(workload: Sequence[WorkloadRequest], source: PromptSource) -> dict[str, Prompt]:
-    """One prompt of exactly prompt_len tokens per request, cut before the run starts, sharing
-    text as real traffic does (loadgen.workloads.shared_prompts). A follow-up round's prompt
-    starts with the prompt of the round it follows, as an agent sends its history back; the
-    rest (the earlier round's output and the tool's response) is fresh text of the same
-    length, since the model's output is known only at run time."""
-    return shared_prompts(workload, source.prompt, source.prompt_after)
+    """One prompt of exactly prompt_len tokens per request that starts a session, cut before
+    the run starts, sharing text as real traffic does (a class's system prompt;
+    loadgen.workloads.shared_prompts). Follow-up rounds are made during the run, from the
+    output the round before got (`next_round`)."""
+    return shared_prompts(
+        [r for r in workload if r.follows is None], source.prompt, source.prompt_after
+    )
+
+
+FollowUp = Callable[[WorkloadRequest, WorkloadRequest, Prompt, str], Prompt]
+"""(follow-up round, the round it follows, that round's prompt, its output text) -> the
+follow-up's prompt."""
+
+
+def next_round(source: PromptSource) -> FollowUp:
+    """A follow-up's prompt as an agent sends it: the round before's prompt and output (cut at
+    their planned lengths if the client got more), then the tool's response, fresh text to
+    the follow-up's prompt_len."""
+
+    def prompt(
+        request: WorkloadRequest, before: WorkloadRequest, head: Prompt, output: str
+    ) -> Prompt:
+        history = min(before.prompt_len + before.output_len, request.prompt_len - 1)
+        return source.after_output(head, output, history, request.prompt_len, request.request_id)
+
+    return prompt
 
 
 @dataclass(frozen=True)
@@ -136,34 +158,41 @@ async def run_open_loop(
     client: LoadClient,
     workload: Sequence[WorkloadRequest],
     prompts: Mapping[str, Prompt],
+    follow_up: FollowUp,
     on_record: Callable[[RequestRecord], None],
 ) -> tuple[list[RequestRecord], float]:
     """Send every request at its arrival time; returns the records in workload order and the
-    longest send lag. A follow-up round of a rejected or failed round is not sent (the session
-    cannot go on): rejected like its predecessor, or unknown with the reason."""
+    longest send lag. `prompts` holds the sessions' first rounds; a follow-up round's prompt
+    is made from the round before's output when that ends (`follow_up`), within the tool's
+    delay. A follow-up round of a rejected or failed round is not sent (the session cannot go
+    on): rejected like its predecessor, or unknown with the reason."""
     start = time.monotonic()
 
     def clock() -> float:
         return time.monotonic() - start
 
     loop = asyncio.get_running_loop()
-    done: dict[str, asyncio.Future[RequestRecord]] = {
-        r.request_id: loop.create_future() for r in workload
-    }
+    by_id = {r.request_id: r for r in workload}
+    sent = dict(prompts)
+    done: dict[str, asyncio.Future[Reply]] = {r.request_id: loop.create_future() for r in workload}
     lags: list[float] = []
 
     async def one(request: WorkloadRequest) -> RequestRecord:
         if request.follows is None:
             await asyncio.sleep(max(0.0, request.arrival_s - clock()))
             lags.append(max(0.0, clock() - request.arrival_s))
-            record = await client.send(request, prompts[request.request_id], clock)
+            reply = await client.send(request, sent[request.request_id], clock)
         else:
             previous = await done[request.follows]
-            if previous.complete and previous.verdict is not Verdict.REJECTED:
-                await asyncio.sleep(request.delay_s)
-                record = await client.send(request, prompts[request.request_id], clock)
+            if previous.record.complete and previous.record.verdict is not Verdict.REJECTED:
+                ended = clock()
+                before = by_id[request.follows]
+                prompt = follow_up(request, before, sent[before.request_id], previous.text)
+                sent[request.request_id] = prompt
+                await asyncio.sleep(max(0.0, ended + request.delay_s - clock()))
+                reply = await client.send(request, prompt, clock)
             else:
-                rejected = previous.verdict is Verdict.REJECTED
+                rejected = previous.record.verdict is Verdict.REJECTED
                 record = RequestRecord.for_request(
                     request,
                     verdict=Verdict.REJECTED if rejected else Verdict.UNKNOWN,
@@ -171,9 +200,10 @@ async def run_open_loop(
                     error=f"not sent: {request.follows} was "
                     + ("rejected" if rejected else "not completed"),
                 )
-        done[request.request_id].set_result(record)
-        on_record(record)
-        return record
+                reply = Reply(record, "")
+        done[request.request_id].set_result(reply)
+        on_record(reply.record)
+        return reply.record
 
     records = await asyncio.gather(*(one(r) for r in workload))
     return list(records), max(lags, default=0.0)
@@ -247,6 +277,7 @@ async def run_once(
     target: Target,
     workload: Sequence[WorkloadRequest],
     prompts: Mapping[str, Prompt],
+    follow_up: FollowUp,
     rate: float,
     records_path: Path | None = None,
     progress: bool = True,
@@ -263,7 +294,7 @@ async def run_once(
 
     before = await target.counters()
     try:
-        records, lag = await run_open_loop(client, workload, prompts, on_record)
+        records, lag = await run_open_loop(client, workload, prompts, follow_up, on_record)
     finally:
         bar.close()
         if writer is not None:
@@ -642,8 +673,9 @@ class Session:
         """A fresh open-loop run at `rate`; prints its table and keeps its summary."""
         workload = self.spec.workload(rate)
         prompts = prompts_for(workload, self.source)
+        follow_up = next_round(self.source)
         result = asyncio.run(
-            run_once(self.target, workload, prompts, rate, records_path, self.progress)
+            run_once(self.target, workload, prompts, follow_up, rate, records_path, self.progress)
         )
         print(f"\n{self.spec.scenario.value} at {rate:g} req/s ({len(workload)} requests)")
         print(summary_table(result))

@@ -120,7 +120,7 @@ async def probe(
             slo=PROBE_SLO,
             zero_load_ttft_s=1.0,
         )
-        record = await client.send(request, source.prompt(n), clock)
+        record = (await client.send(request, source.prompt(n), clock)).record
         ttft, tpot = ttft_s(record), mean_tpot_s(record)
         if not record.complete or ttft is None or tpot is None:
             reason = record.error or f"{record.delivered} of {output_len} tokens"

@@ -299,6 +299,36 @@ def test_a_mirror_tracking_prefixes_pictures_what_its_replica_caches(
     assert VirtualReplica(0, perf, CACHE, config).cached_prefix(first) == 0
 
 
+@SCHEDULERS
+def test_a_request_its_client_stopped_leaves_the_history_the_mirror_saw(
+    perf: PerfModel, config: SchedulerConfig | None
+) -> None:
+    """A client that read what it wanted closes its stream: the replica keeps the request's
+    computed blocks cached, so the mirror pictures its prompt and the output it saw (all but
+    the last token) for routing and credit alike. One stopped before its first token leaves
+    only the prompt bound for routing, and nothing computed."""
+    vr = VirtualReplica(0, perf, CACHE, config, track_prefixes=True, credit_prefixes=True)
+    executor = PerfExecutor(perf, CACHE)
+    a = Request("a", list(range(40)), SamplingParams(max_tokens=60), tier=Tier.BEST_EFFORT)
+    vr.add_best_effort(a, 0.0)
+    executor.add(a)
+    now = 0.0
+    while len(executor.output("a")) < 30:
+        now, _ = run_steps(vr, executor, now, 1)
+    seen = vr.scheduler.queues.states["a"].output_token_ids
+    assert 30 <= len(seen) < 60
+    assert vr.abort("a") and not vr.abort("a")
+    history = [*range(40), *seen]
+    probe = Request("p", [*history, 5], SamplingParams(), tier=Tier.BEST_EFFORT)
+    expected = (len(history) - 1) // 16 * 16
+    assert vr.cached_prefix(probe) == vr.prefix_credit(probe) == expected > 48
+    b = Request("b", list(range(200, 240)), SamplingParams(max_tokens=4), tier=Tier.BEST_EFFORT)
+    vr.add_best_effort(b, now)
+    assert vr.abort("b")
+    again = replace(b, request_id="q", prompt_token_ids=[*b.prompt_token_ids, 1])
+    assert vr.cached_prefix(again) == 32 and vr.prefix_credit(again) == 0
+
+
 def test_calibration_prices_a_prefill_over_the_prefix_the_replica_had_cached() -> None:
     """The replica began the prompt from 32 cached tokens and prefilled the last 8, timed
     exactly by the profile: the mirror, which learns of the hit from this report, prices the

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from loadgen.clients import HttpClient, SSEDecoder, slo_body
+from loadgen.clients import HttpClient, Reply, SSEDecoder, slo_body
 from loadgen.prompts import Prompt
 from loadgen.records import RequestRecord, Verdict
 from loadgen.run_load import run_open_loop
@@ -161,8 +161,8 @@ def words(text: str) -> int:
     return len(text.split())
 
 
-def send(server: Server, mode: str, output_len: int = 4) -> RequestRecord:
-    async def go() -> RequestRecord:
+def reply(server: Server, mode: str, output_len: int = 4) -> Reply:
+    async def go() -> Reply:
         client = HttpClient(server.url, "demo", count_tokens=words, api_key="sk-x")
         start = time.monotonic()
         try:
@@ -175,6 +175,10 @@ def send(server: Server, mode: str, output_len: int = 4) -> RequestRecord:
             await client.aclose()
 
     return asyncio.run(go())
+
+
+def send(server: Server, mode: str, output_len: int = 4) -> RequestRecord:
+    return reply(server, mode, output_len).record
 
 
 def test_sse_decoder_joins_data_lines_and_skips_comments() -> None:
@@ -199,6 +203,12 @@ def test_stream_gives_token_times_and_the_final_report(server: Server) -> None:
     body = server.bodies[-1]
     assert body["max_tokens"] == 50 and body["ignore_eos"] is True and body["stream"] is True
     assert body["slo"] == {"ttft_ms": 1000.0, "tpot_ms": 100.0} and body["model"] == "demo"
+
+
+def test_the_reply_holds_the_output_text_as_it_came(server: Server) -> None:
+    assert reply(server, "ok", output_len=10).text == "ab cd"
+    assert reply(server, "endless", output_len=3).text == "xxx"
+    assert reply(server, "429").text == ""
 
 
 def test_usage_settles_the_token_count(server: Server) -> None:
@@ -275,7 +285,8 @@ def test_a_temperature_goes_in_the_body_only_when_given() -> None:
 
 def test_open_loop_sends_on_time_and_chains_follow_ups(server: Server) -> None:
     """'slow' holds its stream 0.6 s; 'ok' (arrival 0.2 s) must not wait for it. The follow-up
-    of 'ok' goes out after 'ok' finished; the follow-up of a rejected round is not sent."""
+    of 'ok' goes out after 'ok' finished, its prompt made from what 'ok' sent and got; the
+    follow-up of a rejected round is not sent."""
     workload = [
         workload_request("slow", output_len=1),
         workload_request("ok", arrival_s=0.2),
@@ -283,15 +294,21 @@ def test_open_loop_sends_on_time_and_chains_follow_ups(server: Server) -> None:
         workload_request("429", arrival_s=0.25),
         workload_request("429-next", arrival_s=0.25, follows="429", delay_s=0.0),
     ]
-    prompts = {r.request_id: Prompt(r.request_id.split("-")[0], (1, 2, 3)) for r in workload}
-    prompts["ok-next"] = Prompt("short-usage", (1, 2, 3))
+    prompts = {r.request_id: Prompt(r.request_id, (1, 2, 3)) for r in workload if not r.follows}
     seen: list[str] = []
+    continued: list[tuple[str, str, str, str]] = []
+
+    def follow_up(
+        request: WorkloadRequest, before: WorkloadRequest, prompt: Prompt, output: str
+    ) -> Prompt:
+        continued.append((request.request_id, before.request_id, prompt.text, output))
+        return Prompt("short-usage", (1, 2, 3))
 
     async def go() -> tuple[list[RequestRecord], float]:
         client = HttpClient(server.url, "demo", count_tokens=words)
         try:
             return await run_open_loop(
-                client, workload, prompts, lambda r: seen.append(r.request_id)
+                client, workload, prompts, follow_up, lambda r: seen.append(r.request_id)
             )
         finally:
             await client.aclose()
@@ -308,3 +325,4 @@ def test_open_loop_sends_on_time_and_chains_follow_ups(server: Server) -> None:
     assert by_id["429-next"].verdict is Verdict.REJECTED
     assert by_id["429-next"].error == "not sent: 429 was rejected"
     assert by_id["slow"].delivered == 1
+    assert continued == [("ok-next", "ok", "ok", "ab cd")]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from loadgen import cli
-from loadgen.clients import GrpcClient, HttpClient, InProcessClient, LoadClient
+from loadgen.clients import GrpcClient, HttpClient, InProcessClient, LoadClient, Reply
 from loadgen.metrics import report, run_span_s
 from loadgen.prompts import Prompt
-from loadgen.records import RequestRecord, Verdict, read_records
+from loadgen.records import Verdict, read_records
 from loadgen.run_load import RunResult, prefix_credit_missed
 from loadgen.workloads import CPU_TIGHT_TPOT_FACTOR, WorkloadRequest
 from loadgen.zero_load import ZeroLoad
@@ -261,7 +261,7 @@ def request(
     )
 
 
-async def send_three(make: Callable[[], LoadClient], prompt: Prompt) -> list[RequestRecord]:
+async def send_three(make: Callable[[], LoadClient], prompt: Prompt) -> list[Reply]:
     """One request closed at output_len (its verdict announced with the first token), one
     that runs to max_tokens (final report), one no replica can promise (the backup policy
     rejects it). The client is made on the running loop (grpc.aio binds a channel to it)."""
@@ -297,12 +297,14 @@ def test_each_client_on_the_live_cluster(live: LocalFrontDoor, protocol: str) ->
             count_tokens=lambda t: len(tokenizer.encode(t, add_special_tokens=False).ids),
         ),
         "grpc": partial(GrpcClient, live.grpc_target, api_key=API_KEY),
-        "inprocess": partial(InProcessClient, live.handle),
+        "inprocess": partial(InProcessClient, live.handle, tokenizer.decode),
     }
     if protocol == "inprocess":
-        cut, full, refused = live.run(send_three(clients[protocol], prompt))
+        replies = live.run(send_three(clients[protocol], prompt))
     else:
-        cut, full, refused = asyncio.run(send_three(clients[protocol], prompt))
+        replies = asyncio.run(send_three(clients[protocol], prompt))
+    cut, full, refused = (reply.record for reply in replies)
+    assert all(reply.text for reply in replies[:2]) and replies[2].text == ""
     assert cut.delivered >= 3 and cut.verdict is Verdict.ADMITTED and cut.error is None
     assert cut.replica in ("0", "1") and cut.hops >= 0
     assert full.delivered == 4 and full.verdict is Verdict.ADMITTED

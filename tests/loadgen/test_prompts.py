@@ -94,11 +94,13 @@ def test_requests_of_a_class_with_a_system_prompt_share_its_text(source: PromptS
     assert all(len(p.token_ids) == 80 for p in support + plain)
 
 
-def test_a_follow_up_round_starts_with_the_prompt_of_the_round_it_follows(
+def test_follow_up_rounds_start_from_the_prompt_and_output_of_the_round_before(
     source: PromptSource,
 ) -> None:
+    """Cut before the run: the sessions' first rounds only, sharing the system prompt. A
+    follow-up, made when the round before ends, starts with that round's prompt and output."""
     from loadgen.mixes import mix_from_dict
-    from loadgen.run_load import prompts_for
+    from loadgen.run_load import next_round, prompts_for
     from loadgen.workloads import WorkloadConfig, generate_workload
 
     agent = {"name": "agent", "share": 1, "prompt": 40, "output": 6, "system_prompt": 20}
@@ -106,11 +108,54 @@ def test_a_follow_up_round_starts_with_the_prompt_of_the_round_it_follows(
     mix = mix_from_dict({"classes": [agent]}, "x")
     workload = generate_workload(mix, [0.0] * 4, WorkloadConfig(lambda n: 0.01), seed=1)
     prompts = prompts_for(workload, source)
+    firsts = [r for r in workload if r.follows is None]
+    assert sorted(prompts) == sorted(r.request_id for r in firsts)
+    assert len({prompts[r.request_id].token_ids[:20] for r in firsts}) == 1
+    assert len({prompts[r.request_id].token_ids[20:] for r in firsts}) == 4
+    by_id = {r.request_id: r for r in workload}
+    follow_up = next_round(source)
     follow_ups = [r for r in workload if r.follows is not None]
     assert len(follow_ups) == 8
     for r in follow_ups:
-        before = prompts[r.follows].token_ids
-        assert prompts[r.request_id].token_ids[: len(before)] == before
-        assert len(prompts[r.request_id].token_ids) == r.prompt_len > len(before)
-    firsts = [prompts[r.request_id].token_ids for r in workload if r.follows is None]
-    assert len({p[:20] for p in firsts}) == 1 and len({p[20:] for p in firsts}) == 4
+        before = by_id[r.follows]
+        output = source.prompt(before.output_len).text
+        prompt = follow_up(r, before, prompts[before.request_id], output)
+        prompts[r.request_id] = prompt
+        assert prompt.text.startswith(prompts[before.request_id].text + output)
+        assert len(prompt.token_ids) == r.prompt_len
+        assert (
+            list(prompt.token_ids)
+            == source.tokenizer.encode(prompt.text, add_special_tokens=False).ids
+        )
+
+
+def test_a_next_prompt_is_the_history_as_sent_back_then_a_seeded_response(
+    source: PromptSource, tokenizer_dir: Path
+) -> None:
+    before = source.prompt(30)
+    output = source.prompt(8).text
+    history = source.tokenizer.encode(before.text + output, add_special_tokens=False).ids
+    prompt = source.after_output(before, output, 60, 80, key="s.r1")
+    assert prompt.text.startswith(before.text + output)
+    assert prompt.token_ids[: len(history)] == tuple(history) and len(prompt.token_ids) == 80
+    again = PromptSource.for_demo(tokenizer_dir, seed=0)
+    again.prompt(5)
+    assert again.after_output(before, output, 60, 80, key="s.r1") == prompt
+    assert source.after_output(before, output, 60, 80, key="s.r2") != prompt
+
+
+def test_an_output_longer_than_planned_is_cut_at_the_history_length(
+    source: PromptSource,
+) -> None:
+    before = source.prompt(30)
+    output = source.prompt(40).text
+    prompt = source.after_output(before, output, 40, 50, key="long")
+    assert len(prompt.token_ids) == 50
+    assert prompt.text.startswith(before.text) and not prompt.text.startswith(before.text + output)
+    assert prompt.token_ids[:40] == tuple(
+        source.tokenizer.encode(before.text + output, add_special_tokens=False).ids[:40]
+    )
+    with pytest.raises(ValueError, match=r"history_len=50 must lie in \[30, num_tokens=50\)"):
+        source.after_output(before, output, 50, 50, key="long")
+    with pytest.raises(ValueError, match="history_len=29"):
+        source.after_output(before, output, 29, 50, key="long")

@@ -207,7 +207,8 @@ def _one_token_per_chunk(text: str) -> int:
 
 
 class HttpClient:
-    """Any OpenAI-compatible server's streamed /v1/completions (slos-serve, vLLM, Ray Serve LLM).
+    """Any OpenAI-compatible server's streamed /v1/completions, or /v1/chat/completions for a
+    prompt made of messages (slos-serve, vLLM, Ray Serve LLM).
 
     `send_slo=False` leaves out the `slo` body field, for servers that refuse unknown fields.
     `temperature` None sends none: the server's default (the API's is 1).
@@ -228,7 +229,7 @@ class HttpClient:
             raise ValueError(f"target must be an http:// or https:// URL, got {base_url!r}")
         if not model:
             raise ValueError("model must be a non-empty string")
-        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.base_url = base_url.rstrip("/")
         self.model = model
         self.temperature = temperature
         self.count_tokens = count_tokens or _one_token_per_chunk
@@ -241,10 +242,19 @@ class HttpClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
 
+    def url(self, prompt: Prompt) -> str:
+        """/v1/chat/completions for a prompt made of messages, else /v1/completions."""
+        return self.base_url + ("/v1/chat/completions" if prompt.messages else "/v1/completions")
+
     def body(self, request: WorkloadRequest, prompt: Prompt) -> dict[str, Any]:
+        text: dict[str, Any] = (
+            {"messages": [{"role": role, "content": content} for role, content in prompt.messages]}
+            if prompt.messages
+            else {"prompt": prompt.text}
+        )
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": prompt.text,
+            **text,
             "max_tokens": request.max_tokens,
             "ignore_eos": True,
             "stream": True,
@@ -259,16 +269,22 @@ class HttpClient:
     async def send(self, request: WorkloadRequest, prompt: Prompt, clock: Clock) -> Reply:
         body = self.body(request, prompt)
         outcome = Outcome(clock())
+        stream = self._stream(self.url(prompt), body, request, outcome, clock)
         try:
-            await _bounded(outcome, self.timeout_s, self._stream(body, request, outcome, clock))
+            await _bounded(outcome, self.timeout_s, stream)
         except httpx.HTTPError as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
         return Reply(outcome.record(request), "".join(outcome.text))
 
     async def _stream(
-        self, body: dict[str, Any], request: WorkloadRequest, outcome: Outcome, clock: Clock
+        self,
+        url: str,
+        body: dict[str, Any],
+        request: WorkloadRequest,
+        outcome: Outcome,
+        clock: Clock,
     ) -> None:
-        async with self.http.stream("POST", self.url, json=body) as response:
+        async with self.http.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 message = _error_message((await response.aread()).decode(errors="replace"))
                 text = f"HTTP {response.status_code}: {message}"
@@ -408,7 +424,8 @@ class GrpcClient:
         self, request: WorkloadRequest, prompt: Prompt, outcome: Outcome, clock: Clock
     ) -> None:
         stream = self.sdk.generate(
-            prompt.text,
+            None if prompt.messages else prompt.text,
+            messages=prompt.messages or None,
             max_tokens=request.max_tokens,
             slo=request.slo,
             ignore_eos=True,

@@ -21,10 +21,11 @@ from __future__ import annotations
 import importlib.util
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -56,11 +57,33 @@ def heldout_texts() -> list[str]:
     return list(heldout)
 
 
+Message = tuple[str, str]
+"""A chat message: (role, content)."""
+
+
 @dataclass(frozen=True)
 class Prompt:
     text: str
+    """What the model reads: the prompt, or the chat its messages render to."""
     token_ids: tuple[int, ...]
     """The text's tokens as the server will compute them (no special tokens added)."""
+    messages: tuple[Message, ...] = ()
+    """For a chat endpoint: the messages sent (ChatPromptSource)."""
+
+
+class Prompts(Protocol):
+    """What a run takes its prompts from: plain text (PromptSource) or chats
+    (ChatPromptSource)."""
+
+    def prompt(self, num_tokens: int, rng: np.random.Generator | None = None) -> Prompt: ...
+
+    def prompt_after(
+        self, prefix: Prompt, num_tokens: int, rng: np.random.Generator | None = None
+    ) -> Prompt: ...
+
+    def after_output(
+        self, before: Prompt, output: str, history_len: int, num_tokens: int, key: str
+    ) -> Prompt: ...
 
 
 class PromptSource:
@@ -146,5 +169,91 @@ class PromptSource:
             text = self.tokenizer.decode(ids[:cut])
             ids = self._encode(text)
             cut -= 1
-        rng = np.random.default_rng([self.seed, zlib.crc32(key.encode())])
-        return self.prompt_after(Prompt(text, tuple(ids)), num_tokens, rng)
+        return self.prompt_after(Prompt(text, tuple(ids)), num_tokens, self.keyed(key))
+
+    def keyed(self, key: str) -> np.random.Generator:
+        """A generator seeded by the source's seed and `key`: the same draws for a key
+        whatever was drawn before."""
+        return np.random.default_rng([self.seed, zlib.crc32(key.encode())])
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self._encode(text))
+
+
+class ChatPromptSource:
+    """Prompts as chats for a chat endpoint, rendered by the model's chat template to exactly
+    the asked tokens: a fresh user message; a shared prefix as the system message (a class's
+    system prompt); a session's next round as the chat so far, the output as the assistant's
+    message, then the tool's response as a user message. The text of each message comes
+    from `source`; each chat's last message is sized so the rendering has the length asked,
+    as a server with the same template computes it."""
+
+    def __init__(self, source: PromptSource, render: Callable[[list[dict[str, str]]], str]):
+        self.source = source
+        self.render = render
+        """Messages to the prompt text, with the assistant's turn opened (the server's
+        rendering: router.tokenizer.TextCodec.render_chat)."""
+
+    def _rendered(self, messages: Sequence[Message]) -> tuple[str, tuple[int, ...]]:
+        text = self.render([{"role": role, "content": content} for role, content in messages])
+        return text, self.source.encode(text)
+
+    def _fill(
+        self,
+        head: Sequence[Message],
+        role: str,
+        num_tokens: int,
+        rng: np.random.Generator | None,
+    ) -> Prompt:
+        """`head` and one more message of `role`, its content fresh text of the length that
+        makes the chat num_tokens tokens (tried again where its edges merge with the
+        template's)."""
+        _, bare = self._rendered([*head, (role, "")])
+        want = num_tokens - len(bare)
+        if want < 1:
+            raise ValueError(
+                f"a {num_tokens}-token chat has no room for a {role} message: the chat template "
+                f"and the messages before it take {len(bare)} tokens"
+            )
+        for _ in range(ATTEMPTS):
+            messages = (*head, (role, self.source.prompt(want, rng).text))
+            text, ids = self._rendered(messages)
+            if len(ids) == num_tokens:
+                return Prompt(text, ids, messages)
+            want = max(1, want + num_tokens - len(ids))
+        raise ValueError(f"no {role} message makes the chat exactly {num_tokens} tokens")
+
+    def prompt(self, num_tokens: int, rng: np.random.Generator | None = None) -> Prompt:
+        """One user message."""
+        return self._fill([], "user", num_tokens, rng)
+
+    def prompt_after(
+        self, prefix: Prompt, num_tokens: int, rng: np.random.Generator | None = None
+    ) -> Prompt:
+        """`prefix`'s one message as the system message, then a user message."""
+        if len(prefix.messages) != 1:
+            raise ValueError(f"a shared prefix is one message, got {len(prefix.messages)}")
+        return self._fill([("system", prefix.messages[0][1])], "user", num_tokens, rng)
+
+    def after_output(
+        self, before: Prompt, output: str, history_len: int, num_tokens: int, key: str
+    ) -> Prompt:
+        """The chat so far, `output` as the assistant's message (cut to the tokens
+        `history_len` leaves it past the prompt before, and further while the chat would
+        leave no room), then the tool's response as a user message (seeded by `key`)."""
+        if not len(before.token_ids) <= history_len < num_tokens:
+            raise ValueError(
+                f"history_len={history_len} must lie in [{len(before.token_ids)}, "
+                f"num_tokens={num_tokens})"
+            )
+        kept = list(self.source.encode(output))
+        cut = min(len(kept), history_len - len(before.token_ids))
+        reply = output
+        while True:
+            if cut < len(kept):
+                reply = self.source.tokenizer.decode(kept[:cut])
+            head = [*before.messages, ("assistant", reply)]
+            _, bare = self._rendered([*head, ("user", "")])
+            if len(bare) < num_tokens or cut == 0:
+                return self._fill(head, "user", num_tokens, self.source.keyed(key))
+            cut = max(0, cut - (len(bare) - num_tokens + 1))

@@ -33,6 +33,12 @@ attainment (loadgen.capacity); every point is a fresh run against the same serve
 their count is fixed so the run at the search's start (`--rate`, else LO) lasts `--duration`.
 With --records, each point's records go to <stem>.rate<R><suffix>.
 
+`--endpoint chat` sends chats to /v1/chat/completions (gRPC: chat messages) instead of text to
+/v1/completions, each rendered by the --tokenizer folder's chat template to exactly its
+planned length (loadgen.prompts.ChatPromptSource): a class's system prompt is the system
+message, and a session's follow-up is the chat so far, the output as the assistant's message,
+then the tool's response as a user message.
+
 Trace arrivals replay the scenario's Azure LLM inference trace 2023 (CC-BY 4.0; see
 loadgen.traces.AZURE_ATTRIBUTION, which the JSON output carries).
 """
@@ -58,7 +64,7 @@ from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
 from loadgen.clients import GrpcClient, HttpClient, LoadClient, Reply
 from loadgen.metrics import GroupReport, RunReport, report
 from loadgen.mixes import parse_workload
-from loadgen.prompts import Prompt, PromptSource, heldout_texts
+from loadgen.prompts import ChatPromptSource, Prompt, Prompts, PromptSource, heldout_texts
 from loadgen.records import RecordWriter, RequestRecord, Verdict
 from loadgen.simulate import ROOT, TRACE_DIR, load_profile
 from loadgen.traces import read_trace
@@ -88,6 +94,7 @@ from replica.arguments import (
 from replica.model_source import has_tokenizer, load_tokenizer, model_dir
 from replica.perf_model import PerfModel
 from router.client import AsyncClient, Client, ClientError
+from router.tokenizer import TextCodec
 
 DEFAULT_PROFILE = "cpu-demo"
 DEFAULT_TOKENIZER = ROOT / "deploy" / "models" / "demo-target"
@@ -112,7 +119,7 @@ class LoadSpec:
         return generate_workload(self.scenario, times, self.config, self.seed)
 
 
-def prompts_for(workload: Sequence[WorkloadRequest], source: PromptSource) -> dict[str, Prompt]:
+def prompts_for(workload: Sequence[WorkloadRequest], source: Prompts) -> dict[str, Prompt]:
     """One prompt of exactly prompt_len tokens per request that starts a session, cut before
     the run starts, sharing text as real traffic does (a class's system prompt;
     loadgen.workloads.shared_prompts). Follow-up rounds are made during the run, from the
@@ -127,7 +134,7 @@ FollowUp = Callable[[WorkloadRequest, WorkloadRequest, Prompt, str], Prompt]
 follow-up's prompt."""
 
 
-def next_round(source: PromptSource) -> FollowUp:
+def next_round(source: Prompts) -> FollowUp:
     """A follow-up's prompt as an agent sends it: the round before's prompt and output (cut at
     their planned lengths if the client got more), then the tool's response, fresh text to
     the follow-up's prompt_len."""
@@ -177,30 +184,34 @@ async def run_open_loop(
     done: dict[str, asyncio.Future[Reply]] = {r.request_id: loop.create_future() for r in workload}
     lags: list[float] = []
 
+    def not_sent(request: WorkloadRequest, verdict: Verdict, why: str) -> Reply:
+        record = RequestRecord.for_request(
+            request, verdict=verdict, arrival_s=clock(), error=f"not sent: {why}"
+        )
+        return Reply(record, "")
+
+    async def follow(request: WorkloadRequest, follows: str) -> Reply:
+        previous = await done[follows]
+        if previous.record.verdict is Verdict.REJECTED:
+            return not_sent(request, Verdict.REJECTED, f"{follows} was rejected")
+        if not previous.record.complete:
+            return not_sent(request, Verdict.UNKNOWN, f"{follows} was not completed")
+        ended = clock()
+        try:
+            prompt = follow_up(request, by_id[follows], sent[follows], previous.text)
+        except ValueError as exc:
+            return not_sent(request, Verdict.UNKNOWN, f"no prompt follows {follows}'s: {exc}")
+        sent[request.request_id] = prompt
+        await asyncio.sleep(max(0.0, ended + request.delay_s - clock()))
+        return await client.send(request, prompt, clock)
+
     async def one(request: WorkloadRequest) -> RequestRecord:
         if request.follows is None:
             await asyncio.sleep(max(0.0, request.arrival_s - clock()))
             lags.append(max(0.0, clock() - request.arrival_s))
             reply = await client.send(request, sent[request.request_id], clock)
         else:
-            previous = await done[request.follows]
-            if previous.record.complete and previous.record.verdict is not Verdict.REJECTED:
-                ended = clock()
-                before = by_id[request.follows]
-                prompt = follow_up(request, before, sent[before.request_id], previous.text)
-                sent[request.request_id] = prompt
-                await asyncio.sleep(max(0.0, ended + request.delay_s - clock()))
-                reply = await client.send(request, prompt, clock)
-            else:
-                rejected = previous.record.verdict is Verdict.REJECTED
-                record = RequestRecord.for_request(
-                    request,
-                    verdict=Verdict.REJECTED if rejected else Verdict.UNKNOWN,
-                    arrival_s=clock(),
-                    error=f"not sent: {request.follows} was "
-                    + ("rejected" if rejected else "not completed"),
-                )
-                reply = Reply(record, "")
+            reply = await follow(request, request.follows)
         done[request.request_id].set_result(reply)
         on_record(reply.record)
         return reply.record
@@ -428,6 +439,15 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
         )
     parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
     parser.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="completions: prompts as text (/v1/completions); chat: prompts as chat messages "
+        "(/v1/chat/completions; gRPC: messages), sized by the --tokenizer folder's chat "
+        "template: a class's system prompt as the system message, a session's rounds as the "
+        "chat so far (default %(default)s)",
+    )
+    parser.add_argument(
         "--scenario",
         default="mixed",
         help=f"paper scenario ({', '.join(s.value for s in Scenario)}) or a mix file "
@@ -531,6 +551,11 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
     if not has_tokenizer(args.tokenizer):
         raise _fail(
             f"--tokenizer {str(args.tokenizer)!r} has no tokenizer.json nor tokenizer files"
+        )
+    if args.endpoint == "chat" and not TextCodec.from_dir(args.tokenizer).chat_template:
+        raise _fail(
+            f"--endpoint chat: --tokenizer {str(args.tokenizer)!r} has no chat template "
+            "(chat_template.jinja, or tokenizer_config.json's chat_template)"
         )
     if args.zero_load not in ("profile", "probe"):
         if not Path(args.zero_load).is_file():
@@ -639,7 +664,7 @@ def server_info(args: argparse.Namespace) -> ServerInfo:
     return ServerInfo(model, max_len, replicas, status.get("scheduler") or None)
 
 
-async def _probe(target: Target, source: PromptSource, lens: Sequence[int]) -> ZeroLoad:
+async def _probe(target: Target, source: Prompts, lens: Sequence[int]) -> ZeroLoad:
     client = target.client()
     try:
         return await probe(client, source, lens, f"probe of {target.address}")
@@ -664,7 +689,7 @@ class Session:
 
     spec: LoadSpec
     target: Target
-    source: PromptSource
+    source: Prompts
     progress: bool
     replicas: int | None = None
     points: list[dict[str, Any]] = field(default_factory=list)
@@ -714,7 +739,10 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
         measured = ZeroLoad.load(Path(args.zero_load))
     tokenizer = load_tokenizer(args.tokenizer)
     assert tokenizer is not None, "check_args loaded it"
-    source = PromptSource(tokenizer, heldout_texts(), args.seed)
+    text = PromptSource(tokenizer, heldout_texts(), args.seed)
+    source: Prompts = text
+    if args.endpoint == "chat":
+        source = ChatPromptSource(text, TextCodec.from_dir(args.tokenizer).render_chat)
     target = Target(
         args.protocol,
         args.target,
@@ -733,6 +761,7 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
     header: dict[str, Any] = {
         "target": args.target,
         "protocol": args.protocol,
+        "endpoint": args.endpoint,
         "model": info.model,
         "scheduler": info.scheduler,
         "scenario": spec.scenario.value,

@@ -24,7 +24,7 @@ import numpy as np
 
 from loadgen.clients import LoadClient
 from loadgen.metrics import mean_tpot_s, ttft_s
-from loadgen.prompts import PromptSource
+from loadgen.prompts import Prompts
 from loadgen.workloads import WorkloadRequest
 from replica.request import SLO
 
@@ -93,7 +93,7 @@ def fit_zero_load(
 
 async def probe(
     client: LoadClient,
-    source: PromptSource,
+    source: Prompts,
     prompt_lens: Sequence[int],
     label: str,
     repeats: int = PROBE_REPEATS,

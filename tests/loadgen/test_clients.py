@@ -58,6 +58,7 @@ class Server(ThreadingHTTPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), Handler)
         self.bodies: list[dict[str, Any]] = []
+        self.paths: list[str] = []
         self.received: dict[str, float] = {}
         self.disconnected = threading.Event()
 
@@ -76,7 +77,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
-        mode = body["prompt"]
+        self.server.paths.append(self.path)
+        mode = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]
         self.server.received[mode] = time.monotonic()
         if mode in ("429", "503", "500"):
             payload = json.dumps({"error": {"message": f"refused {mode}", "code": int(mode)}})
@@ -211,6 +213,29 @@ def test_the_reply_holds_the_output_text_as_it_came(server: Server) -> None:
     assert reply(server, "429").text == ""
 
 
+def test_a_prompt_of_messages_goes_to_the_chat_endpoint(server: Server) -> None:
+    """Messages go as the chat endpoint's `messages`, everything else as for completions."""
+    chat = Prompt("<rendered>", (1, 2), (("system", "be brief"), ("user", "ok")))
+
+    async def go() -> Reply:
+        client = HttpClient(server.url, "demo", count_tokens=words)
+        try:
+            return await client.send(workload_request("c", 10), chat, time.monotonic)
+        finally:
+            await client.aclose()
+
+    got = asyncio.run(go())
+    assert server.paths[-1] == "/v1/chat/completions" and got.text == "ab cd"
+    body = server.bodies[-1]
+    assert body["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ok"},
+    ]
+    assert "prompt" not in body and body["max_tokens"] == 50 and body["ignore_eos"] is True
+    send(server, "ok")
+    assert server.paths[-1] == "/v1/completions" and server.bodies[-1]["prompt"] == "ok"
+
+
 def test_usage_settles_the_token_count(server: Server) -> None:
     record = send(server, "short-usage", output_len=10)
     assert record.delivered == 3
@@ -286,13 +311,16 @@ def test_a_temperature_goes_in_the_body_only_when_given() -> None:
 def test_open_loop_sends_on_time_and_chains_follow_ups(server: Server) -> None:
     """'slow' holds its stream 0.6 s; 'ok' (arrival 0.2 s) must not wait for it. The follow-up
     of 'ok' goes out after 'ok' finished, its prompt made from what 'ok' sent and got; the
-    follow-up of a rejected round is not sent."""
+    follow-up of a rejected round is not sent, nor one no prompt can be made for, nor what
+    follows that."""
     workload = [
         workload_request("slow", output_len=1),
         workload_request("ok", arrival_s=0.2),
         workload_request("ok-next", arrival_s=0.2, follows="ok", delay_s=0.05),
         workload_request("429", arrival_s=0.25),
         workload_request("429-next", arrival_s=0.25, follows="429", delay_s=0.0),
+        workload_request("slow-next", follows="slow", delay_s=0.0),
+        workload_request("slow-last", follows="slow-next", delay_s=0.0),
     ]
     prompts = {r.request_id: Prompt(r.request_id, (1, 2, 3)) for r in workload if not r.follows}
     seen: list[str] = []
@@ -302,6 +330,8 @@ def test_open_loop_sends_on_time_and_chains_follow_ups(server: Server) -> None:
         request: WorkloadRequest, before: WorkloadRequest, prompt: Prompt, output: str
     ) -> Prompt:
         continued.append((request.request_id, before.request_id, prompt.text, output))
+        if request.request_id == "slow-next":
+            raise ValueError("no room")
         return Prompt("short-usage", (1, 2, 3))
 
     async def go() -> tuple[list[RequestRecord], float]:
@@ -325,4 +355,7 @@ def test_open_loop_sends_on_time_and_chains_follow_ups(server: Server) -> None:
     assert by_id["429-next"].verdict is Verdict.REJECTED
     assert by_id["429-next"].error == "not sent: 429 was rejected"
     assert by_id["slow"].delivered == 1
-    assert continued == [("ok-next", "ok", "ok", "ab cd")]
+    assert continued == [("ok-next", "ok", "ok", "ab cd"), ("slow-next", "slow", "slow", "a")]
+    assert by_id["slow-next"].verdict is Verdict.UNKNOWN
+    assert by_id["slow-next"].error == "not sent: no prompt follows slow's: no room"
+    assert by_id["slow-last"].error == "not sent: slow-next was not completed"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from collections.abc import Callable
 from functools import partial
@@ -66,6 +67,12 @@ def test_bad_options_fail_naming_the_option(
     with pytest.raises(SystemExit) as exc:
         cli.main(["loadgen", *args])
     assert named in str(exc.value.code) + capsys.readouterr().err  # ours, or argparse's
+
+
+def test_a_chat_endpoint_needs_a_chat_template(target_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(target_dir / "tokenizer.json", tmp_path)
+    with pytest.raises(SystemExit, match=r"--endpoint chat: --tokenizer .* has no chat template"):
+        cli.main(["loadgen", "--rate", "1", "--endpoint", "chat", "--tokenizer", str(tmp_path)])
 
 
 def test_a_bad_scenario_or_mix_file_is_named(tmp_path: Path) -> None:
@@ -167,6 +174,45 @@ def test_a_mix_file_through_the_front_door(live: LocalFrontDoor, tmp_path: Path)
             assert r.slo.ttft_ms == pytest.approx(5 * 2000.0)  # loose: 5x the 2 s zero load
         if r.verdict is not Verdict.REJECTED:
             assert r.error is None and r.complete, r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_chat_sessions_through_the_front_door(
+    live: LocalFrontDoor, tmp_path: Path, protocol: str
+) -> None:
+    """`--endpoint chat` sends chats: a system prompt, then a session's rounds, each the chat so
+    far with the output the server gave as the assistant's message. Every round is served.
+    Two of a session's three rounds ran on one of the two replicas, the later after the
+    earlier ended, so at least its system prompt (two blocks) was found cached."""
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
+    mix = tmp_path / "agents.yaml"
+    mix.write_text(
+        "name: agents\n"
+        "classes:\n"
+        "  - {name: agent, share: 1, prompt: 80, output: 6, system_prompt: 40, ttft: loose,\n"
+        "     tpot: loose, tools: {calls: 2, response: 12}}\n"
+    )
+    target = live.http_url if protocol == "http" else live.grpc_target
+    out, records_path = tmp_path / "out.json", tmp_path / "run.jsonl"
+    code = cli.main(
+        [
+            "loadgen",
+            *("--protocol", protocol, "--target", target, "--api-key", API_KEY),
+            *("--endpoint", "chat", "--scenario", str(mix), "--rate", "2", "--duration", "1"),
+            *("--length-scale", "1", "--zero-load", str(zero), "--no-progress"),
+            *("--records", str(records_path), "--json", str(out)),
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["endpoint"] == "chat" and result["summary"]["requests"] == 6
+    records = read_records(records_path)
+    assert sorted(r.request_id[-3:] for r in records) == [".r0", ".r0", ".r1", ".r1", ".r2", ".r2"]
+    assert all(r.complete and r.error is None for r in records), records
+    assert result["summary"]["server_counters"]["prefix_cache_hits"] >= 32
 
 
 @pytest.mark.slow

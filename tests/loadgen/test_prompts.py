@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.prompts import DOCUMENT_SEPARATOR, PromptSource, demo_training_script, heldout_texts
+from loadgen.prompts import (
+    DOCUMENT_SEPARATOR,
+    ChatPromptSource,
+    Prompt,
+    PromptSource,
+    demo_training_script,
+    heldout_texts,
+)
+from router.tokenizer import TextCodec
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +167,62 @@ def test_an_output_longer_than_planned_is_cut_at_the_history_length(
         source.after_output(before, output, 50, 50, key="long")
     with pytest.raises(ValueError, match="history_len=29"):
         source.after_output(before, output, 29, 50, key="long")
+
+
+@pytest.fixture(scope="module")
+def chats(source: PromptSource, tokenizer_dir: Path) -> ChatPromptSource:
+    return ChatPromptSource(source, TextCodec.from_dir(tokenizer_dir).render_chat)
+
+
+def rendered_as_the_server_does(chats: ChatPromptSource, prompt: Prompt) -> list[int]:
+    text = chats.render([{"role": r, "content": c} for r, c in prompt.messages])
+    assert text == prompt.text
+    return list(chats.source.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+@pytest.mark.parametrize("n", [8, 30, 300])
+def test_a_chat_prompt_renders_to_exactly_the_requested_length(
+    chats: ChatPromptSource, n: int
+) -> None:
+    for _ in range(3):
+        prompt = chats.prompt(n)
+        assert [role for role, _ in prompt.messages] == ["user"]
+        assert rendered_as_the_server_does(chats, prompt) == list(prompt.token_ids)
+        assert len(prompt.token_ids) == n
+    with pytest.raises(ValueError, match="no room for a user message"):
+        chats.prompt(3)
+
+
+def test_a_shared_prefix_becomes_the_system_message(chats: ChatPromptSource) -> None:
+    system = chats.prompt(40)
+    a, b = chats.prompt_after(system, 90), chats.prompt_after(system, 120)
+    for prompt, n in ((a, 90), (b, 120)):
+        assert prompt.messages[0] == ("system", system.messages[0][1])
+        assert prompt.messages[1][0] == "user" and len(prompt.token_ids) == n
+        assert rendered_as_the_server_does(chats, prompt) == list(prompt.token_ids)
+    shared = next(
+        i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids[:90], strict=True)) if x != y
+    )
+    assert shared >= 38
+    with pytest.raises(ValueError, match="one message"):
+        chats.prompt_after(a, 200)
+
+
+def test_a_chat_session_goes_on_with_the_output_as_the_assistants_message(
+    chats: ChatPromptSource,
+) -> None:
+    before = chats.prompt_after(chats.prompt(30), 80)
+    output = chats.source.prompt(10).text
+    after = chats.after_output(before, output, 90, 130, key="s.r1")
+    assert after.messages[:2] == before.messages
+    assert after.messages[2] == ("assistant", output) and after.messages[3][0] == "user"
+    assert len(after.token_ids) == 130 and after.token_ids[:70] == before.token_ids[:70]
+    assert rendered_as_the_server_does(chats, after) == list(after.token_ids)
+    assert chats.after_output(before, output, 90, 130, key="s.r1") == after
+    cut = chats.after_output(before, output, 84, 130, key="s.r1")
+    assert cut.messages[2][0] == "assistant" and output.startswith(cut.messages[2][1])
+    assert cut.messages[2][1] != output
+    tight = chats.after_output(before, output, 90, 92, key="s.r1")
+    assert len(tight.token_ids) == 92 and len(tight.messages[2][1]) < len(output)
+    with pytest.raises(ValueError, match="history_len=79"):
+        chats.after_output(before, output, 79, 130, key="s.r1")

@@ -419,8 +419,12 @@ class ClusterController:
         self.replicas[replica].set_plan.remote(plan)
 
     async def report(self, report: StepReport) -> None:
-        """A replica executed a step: fold it in and send that replica its next plan."""
+        """A replica executed a step: count it, fold it in and send that replica its next
+        plan. The replicas' work is counted as it arrives, whatever the mirror makes of it (a
+        report the mirror must be rebuilt for, or one a snapshot already holds)."""
         await self.ready()
+        if report.executed:
+            self.plane.metrics.count_step(report)
         if report.replica in self._rebuilds:
             self._rebuilds[report.replica].reports.append(report)
         elif self.plane.replicas[report.replica].alive:
@@ -441,8 +445,6 @@ class ClusterController:
             self.plane.metrics.inc("preempted_tokens", vr.preempted_tokens - dropped)
             self.plane.metrics.inc("demoted", vr.num_demoted - demoted)
             self.plane.metrics.inc("prefix_credit_missed", vr.credit_missed_tokens - missed)
-            if report.executed:
-                self.plane.metrics.count_step(report)
             self._send_plan(report.replica, time.time())
         return fit
 
@@ -475,6 +477,7 @@ class ClusterController:
         try:
             snapshot = await _within(self.replicas[replica].snapshot.remote(), HEALTH_TIMEOUT_S)
             self.plane.restore(replica, snapshot, time.time())
+            self.plane.metrics.inc("mirror_rebuilds")
             if self._revived is not None:
                 self._revived.set()
                 self._revived = None

@@ -67,6 +67,12 @@ CONTROLLER_COUNTERS = {
         "Of those, tokens the replica did not find cached: computed beyond the plan.",
         1.0,
     ),
+    "mirror_rebuilds": (
+        "mirror_rebuilds",
+        "Mirrors of replicas the controller rebuilt from their snapshots: one a replica at "
+        "start, more after a missed report or a replica's restart.",
+        1.0,
+    ),
     "demoted": (
         "requests_demoted",
         "Admitted requests that lost their guarantee (a missed deadline, or outgrown KV).",

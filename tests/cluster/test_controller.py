@@ -21,7 +21,7 @@ from cluster.control import Binding
 from cluster.controller import ClusterController
 from cluster.messages import ReplicaSnapshot, StepReport
 from cluster.replica_core import ReplicaCore
-from replica.batch import BatchOutcome, BatchPlan
+from replica.batch import BatchOutcome, BatchPlan, DecodeStep
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams
 
@@ -268,6 +268,37 @@ def test_a_report_of_another_incarnation_during_a_rebuild_calls_for_another(
         await controller.report(stranger)
         replica.snapshot_reply.set()
         await until(lambda: len(replica.snapshots) == 3, "a second rebuild")
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_the_replicas_steps_count_also_when_the_mirror_is_rebuilt_for_them(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    """The replicas' work is counted as it arrives: the step of a report the mirror is
+    rebuilt for, and of a stale one (the snapshot holds it), count as any other; every
+    rebuild is counted, the first build at start included."""
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        counters = controller.plane.metrics.counters
+        assert counters["mirror_rebuilds"] == 1
+        steps, busy = counters.get("steps", 0), counters.get("busy_us", 0)
+        replica.snapshot_reply.clear()
+        worked = dataclasses.replace(
+            gap(replica),
+            plan=BatchPlan((DecodeStep("elsewhere"),)),
+            outcome=BatchOutcome(outcomes=[], target_s=0.25, free_blocks=NUM_BLOCKS),
+        )
+        await controller.report(worked)
+        await until(lambda: len(replica.snapshots) == 2, "a snapshot is taken")
+        await controller.report(dataclasses.replace(worked, seq=replica.core.seq))
+        assert counters["steps"] == steps + 2 and counters["busy_us"] == busy + 500_000
+        replica.snapshot_reply.set()
+        await until(lambda: counters["mirror_rebuilds"] == 2, "the rebuild")
+        assert counters["steps"] == steps + 2
         await replica.core.stop()
 
     asyncio.run(run())

@@ -54,6 +54,7 @@ def exported_names() -> set[str]:
         "prefix_cache_hits": 1,
         "prefix_credited": 1,
         "prefix_credit_missed": 1,
+        "mirror_rebuilds": 1,
     }
     m.refresh(status, {"counters": counters, "histograms": {"planner_latency_s": hist}})
     lines = m.exposition().decode().splitlines()

@@ -92,6 +92,7 @@ class ReplicaCore:
         self._held: dict[str, _Held] = {}
         self._streams: dict[str, _Stream] = {}
         self._aborts: list[str] = []
+        self._added: list[str] = []
         self._ended: deque[str] = deque(maxlen=ENDED_MEMORY)
         """The last ids this incarnation ended, oldest first."""
         self._inbox: BatchPlan | None = None
@@ -124,6 +125,7 @@ class ReplicaCore:
         self.engine.add_request(request)
         self._held[request.request_id] = _Held(request, admitted)
         self._streams[request.request_id] = _Stream()
+        self._added.append(request.request_id)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -178,6 +180,7 @@ class ReplicaCore:
         while not self._stopping:
             self._wake.clear()
             self._apply_aborts()
+            self._touch_added()
             plan, from_inbox, lookups = self._next_plan()
             if plan is None:
                 await self._wake.wait()
@@ -289,6 +292,14 @@ class ReplicaCore:
         self.seq += 1
         for rid in {*(e.request_id for e in plan.entries), *plan.preempt}:
             self._end(rid, FinishReason.ABORT)
+
+    def _touch_added(self) -> None:
+        """Keep the cached prefixes of the requests added since the last step to be evicted
+        last (Engine.touch_prefix), here between steps: a step in flight owns the cache."""
+        added, self._added = self._added, []
+        for rid in added:
+            if rid in self._held:
+                self.engine.touch_prefix(rid)
 
     def _apply_aborts(self) -> None:
         """End the aborted requests and report it as a step with no work: an abort may come

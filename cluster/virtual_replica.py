@@ -40,7 +40,7 @@ from replica.kv_cache import PrefixPicture
 from replica.perf_calibration import CalibratedPerfModel, Calibration
 from replica.perf_model import BatchShape, PerfModel
 from replica.planner.admission import AdmissionResult
-from replica.planner.base import CacheBudget
+from replica.planner.base import CacheBudget, RequestState
 from replica.planner.config import PlannerConfig
 from replica.planner.sarathi import SarathiConfig, SarathiScheduler
 from replica.planner.slos import SlosScheduler
@@ -172,6 +172,8 @@ class VirtualReplica:
         self.held[rid] = request
         if self.prefixes is not None:
             self.prefixes.remember(request.prompt_token_ids)
+        if self.computed is not None and request.sampling.prompt_logprobs is None:
+            self.computed.touch(request.prompt_token_ids)
         if admitted:
             self.admitted.add(rid)
         if credit:
@@ -186,7 +188,7 @@ class VirtualReplica:
             return False
         state = self.scheduler.queues.states.get(request_id)
         if state is not None and state.output_token_ids:
-            self._remember_history([*state.request.prompt_token_ids, *state.output_token_ids])
+            self._remember_history(_known(state))
         self.admitted.discard(request_id)
         self.credits.pop(request_id, None)
         self.scheduler.abort_request(request_id)
@@ -208,7 +210,7 @@ class VirtualReplica:
             states[rid].num_computed_tokens for rid in report.plan.preempt if rid in states
         )
         self._check_credits(report)
-        self._remember_computed(report.outcome)
+        self._remember_computed(report)
         demoted = self.num_demoted
         self.scheduler.update_from_outcome(report.plan, report.outcome, report.time)
         if self.num_demoted > demoted:
@@ -234,27 +236,29 @@ class VirtualReplica:
                 found = after[rid] - entry.num_tokens
                 self.credit_missed_tokens += max(0, self.credits.pop(rid) - found)
 
-    def _remember_computed(self, outcome: BatchOutcome) -> None:
-        """A request that ends leaves its prompt and output cached: the history a chat or an
-        agent sends back next turn. A prompt whose first token is out is cached whole
-        (`computed` only: `prefixes` has it since it was bound). (One aborted before its first
-        token may have computed part of its prompt, and a preemption's registered blocks stay
-        cached: `computed` pictures neither.)"""
+    def _remember_computed(self, report: StepReport) -> None:
+        """What the step left cached, as the replica registers it: what a preempted request
+        had computed (its blocks stay cached), the history of a request that ended (the one
+        a chat or an agent sends back next turn), then what each prefill has computed so far
+        (`computed` only: `prefixes` has a prompt since it was bound). The simulated replica
+        (PerfExecutor) caches the same, in the same order."""
         states = self.scheduler.queues.states
-        for result in outcome.outcomes:
+        if self.computed is not None:
+            for rid in report.plan.preempt:
+                state = states.get(rid)
+                if state is not None and state.num_computed_tokens:
+                    self.computed.remember(_known(state)[: state.num_computed_tokens])
+        outcomes = {o.request_id: o for o in report.outcome.outcomes}
+        for result in outcomes.values():
             state = states.get(result.request_id)
-            if state is None:
-                continue
-            if result.finished:
-                self._remember_history(
-                    [
-                        *state.request.prompt_token_ids,
-                        *state.output_token_ids,
-                        *result.new_token_ids,
-                    ]
-                )
-            elif self.computed is not None and result.new_token_ids and not state.output_token_ids:
-                self.computed.remember(state.request.prompt_token_ids)
+            if state is not None and result.finished:
+                self._remember_history([*_known(state), *result.new_token_ids])
+        if self.computed is None:
+            return
+        for entry in report.plan.entries:
+            state, ran = states.get(entry.request_id), outcomes.get(entry.request_id)
+            if isinstance(entry, PrefillChunk) and state and ran and not ran.finished:
+                self.computed.remember(_known(state)[: ran.num_computed_tokens])
 
     def _remember_history(self, tokens: list[int]) -> None:
         """A request's prompt and output, in both pictures: all but the last token, whose KV
@@ -359,6 +363,11 @@ class VirtualReplica:
                 BatchOutcome(outcomes=outcomes, free_blocks=snapshot.free_blocks),
                 now,
             )
+
+
+def _known(state: RequestState) -> list[int]:
+    """A request's tokens so far: its prompt, then its output."""
+    return [*state.request.prompt_token_ids, *state.output_token_ids]
 
 
 def executed(report: StepReport) -> BatchPlan:

@@ -307,6 +307,17 @@ class Engine:
             self.draft.cache.attach_prefix(request_id, tokens, seq.num_computed)
         return seq.num_computed
 
+    def touch_prefix(self, request_id: str) -> None:
+        """Keep the cached blocks a request waiting for its prefill would start from to be
+        taken last (KVCacheManager.touch): between the request's binding and its prefill,
+        other requests' KV takes cached blocks least recently released first."""
+        if self.looks_up_prefix(request_id):
+            seq = self._get(request_id)
+            tokens, limit = seq.tokens, prefix_limit(seq.num_known, len(seq.output))
+            self.cache.touch(tokens, limit)
+            if self.draft is not None:
+                self.draft.cache.touch(tokens, limit)
+
     def looks_up_prefix(self, request_id: str) -> bool:
         """Whether `attach_prefix` would look the request up: the cache is on, the request
         holds no KV, and it did not ask for prompt log-probabilities."""

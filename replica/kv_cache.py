@@ -10,7 +10,8 @@ registered under its tokens and the blocks before it; a new request whose first 
 a registered chain shares those blocks instead of computing them again (system prompts, the
 history a chat or an agent sends back every turn). Shared blocks are full, so nobody writes
 to them again; a request writes only the blocks after its prefix. A registered block nobody
-holds stays cached until the pool needs it (least recently released first). Keys are the
+holds stays cached until the pool needs it (least recently released or touched first: a
+request waiting to start from a cached prefix touches it, `touch`). Keys are the
 tokens themselves, compared exactly: a hash collision can never hand out another prompt's KV.
 """
 
@@ -177,6 +178,15 @@ class KVCacheManager:
         )
         return n * self.block_size
 
+    def touch(self, tokens: list[int], limit: int) -> None:
+        """Mark the cached blocks holding `tokens`' longest prefix (at most `limit` tokens)
+        as just released, so the pool takes them last: a request bound here to start from
+        them, whose prefill has not begun, keeps them from being taken first. Its first
+        block ends up the most recent, as when a request releases its blocks."""
+        for block in reversed(self._match(tokens, limit) if self.prefix_caching else []):
+            if block in self._cached:
+                self._cached.move_to_end(block)
+
     def cached_prefix_len(self, tokens: list[int]) -> int:
         """Tokens of `tokens`' longest prefix held by registered blocks (whole blocks), held
         or cached, without taking them."""
@@ -280,6 +290,11 @@ class PrefixPicture:
         """Leading tokens of a new request's prompt the replica would start it from: those
         pictured cached, at most `prefix_limit`."""
         return self.cached(prompt[: prefix_limit(len(prompt), 0)])
+
+    def touch(self, tokens: list[int]) -> None:
+        """A request bound to start from `tokens`' cached prefix: taken last, as on the
+        replica (KVCacheManager.touch)."""
+        self._cache.touch(tokens, prefix_limit(len(tokens), 0))
 
     def remember(self, tokens: list[int]) -> None:
         """Cache `tokens` as the replica does: shared where they match, the rest registered,

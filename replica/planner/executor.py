@@ -177,6 +177,8 @@ class PerfExecutor:
             request, list(output), computed, False, stop_after
         )
         self.token_times[request.request_id] = []
+        if self.prefixes is not None and not output and request.sampling.prompt_logprobs is None:
+            self.prefixes.touch(request.prompt_token_ids)
 
     def attach_prefixes(self, plan: BatchPlan) -> bool:
         """Start the requests `plan` begins to prefill from the prefix the replica's cache

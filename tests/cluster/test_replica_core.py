@@ -254,6 +254,41 @@ def test_a_refused_plan_lets_go_of_the_prefixes_attached_for_it(target_dir: Path
     asyncio.run(run())
 
 
+def test_a_request_bound_here_keeps_its_cached_prefix_from_being_taken_first(
+    target_dir: Path,
+) -> None:
+    """ "first" and then "second" ran and left two cached blocks each, first's the least
+    recently released. "again", bound here to start from first's prompt, touches them when
+    it arrives: "big", which needs two of the four cached blocks, takes second's, and
+    "again" finds its prefix when its prefill comes."""
+    cached_engine = Engine.from_dirs(target_dir, num_blocks=8, prefix_caching=True)
+    prompt = [(7 * i) % 500 + 3 for i in range(40)]
+    slo = SLO(1000, 100)
+    found: list[int] = []
+
+    async def served(core: ReplicaCore, rid: str, tokens: list[int]) -> None:
+        core.add_request(Request(rid, tokens, SamplingParams(max_tokens=1), slo=slo), True)
+        core.set_plan(BatchPlan((PrefillChunk(rid, len(tokens)),)))
+        items = await asyncio.wait_for(drain(core, rid), 10)
+        found.append(next(i.cached_tokens for i in items if i.token_ids))
+
+    async def run() -> None:
+        core = ReplicaCore(cached_engine, 0, lambda report: None)
+        core.start()
+        await served(core, "first", prompt)
+        await served(core, "second", [p + 1 for p in prompt])
+        core.add_request(Request("again", prompt, SamplingParams(max_tokens=1), slo=slo), True)
+        await asyncio.sleep(0.1)  # the replica's loop turns once: "again" waits, touched
+        await served(core, "big", [9] * 80)  # 6 blocks: the 4 free and 2 cached ones
+        core.set_plan(BatchPlan((PrefillChunk("again", len(prompt)),)))
+        items = await asyncio.wait_for(drain(core, "again"), 10)
+        found.append(next(i.cached_tokens for i in items if i.token_ids))
+        await core.stop()
+
+    asyncio.run(run())
+    assert found == [0, 0, 0, 32]
+
+
 def test_a_replica_builds_the_adaserve_trees_its_config_asks_for(
     target_dir: Path, draft_dir: Path
 ) -> None:

@@ -329,6 +329,39 @@ def test_a_request_its_client_stopped_leaves_the_history_the_mirror_saw(
     assert vr.cached_prefix(again) == 32 and vr.prefix_credit(again) == 0
 
 
+def test_the_computed_picture_follows_each_prefill_chunk_and_what_a_preemption_leaves(
+    perf: PerfModel,
+) -> None:
+    """As the replica registers blocks: a chunk's computed prefix is pictured before the
+    prompt's first token; a preempted request's computed blocks stay cached, so it is
+    pictured again (here after the other prefills pushed it out of a 4-block picture)."""
+    vr = VirtualReplica(0, perf, CacheBudget(num_blocks=4), credit_prefixes=True)
+    vr.incarnation = "i"
+    prompts = {
+        rid: [base + i for i in range(40)] for rid, base in (("a", 0), ("b", 100), ("c", 200))
+    }
+    for rid, prompt in prompts.items():
+        vr.admit(Request(rid, prompt, SamplingParams(max_tokens=4), slo=SLO(5000, 500)), 0.0)
+
+    def probe(rid: str) -> int:
+        return vr.prefix_credit(
+            Request("p", [*prompts[rid], 7], SamplingParams(), slo=SLO(5000, 500))
+        )
+
+    def step(seq: int, plan: BatchPlan, computed: dict[str, int]) -> None:
+        outcomes = [RequestOutcome(rid, [], num_computed_tokens=n) for rid, n in computed.items()]
+        report = StepReport(0, "i", seq, plan, BatchOutcome(outcomes), float(seq))
+        assert vr.apply(report) is ReportFit.APPLIED
+
+    step(1, BatchPlan((PrefillChunk("a", 32),)), {"a": 32})
+    assert probe("a") == 32 and probe("b") == 0
+    step(2, BatchPlan((PrefillChunk("b", 32),)), {"b": 32})
+    step(3, BatchPlan((PrefillChunk("c", 32),)), {"c": 32})
+    assert (probe("a"), probe("b"), probe("c")) == (0, 32, 32)
+    step(4, BatchPlan((), preempt=("a",)), {})
+    assert probe("a") == 32
+
+
 def test_calibration_prices_a_prefill_over_the_prefix_the_replica_had_cached() -> None:
     """The replica began the prompt from 32 cached tokens and prefilled the last 8, timed
     exactly by the profile: the mirror, which learns of the hit from this report, prices the

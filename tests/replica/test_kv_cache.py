@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.kv_cache import CacheFullError, KVCacheManager
+from replica.kv_cache import CacheFullError, KVCacheManager, PrefixPicture
 
 
 def test_append_allocates_blocks_as_tokens_cross_block_boundaries() -> None:
@@ -193,6 +193,38 @@ def test_released_blocks_stay_cached_until_the_pool_needs_them() -> None:
     cache.append("h", 1)  # a's second block
     assert cache.attach_prefix("i", list(range(9)), limit=8) == 4
     assert cache.num_free_blocks == 0
+
+
+def test_a_touched_prefix_is_taken_last() -> None:
+    """a released before b: its blocks would be taken first, but a request bound to start
+    from a's prefix touched it, so b's go first, tail before head."""
+    cache = prefix_cache(num_blocks=4)
+    written(cache, "a", list(range(8)))
+    written(cache, "b", list(range(50, 58)))
+    cache.free("a")
+    cache.free("b")
+    cache.touch(list(range(9)), limit=8)
+    cache.touch([99] * 8, limit=8)  # nothing cached: nothing to touch
+    cache.append("c", 1)  # b's second block
+    assert cache.cached_prefix_len(list(range(50, 58))) == 4
+    cache.append("c", 4)  # b's first block
+    assert cache.cached_prefix_len(list(range(50, 58))) == 0
+    assert cache.attach_prefix("d", list(range(9)), limit=8) == 8
+    off = KVCacheManager(num_blocks=4, block_size=4)
+    written(off, "a", list(range(8)))
+    off.free("a")
+    off.touch(list(range(8)), limit=8)
+    assert off.num_free_blocks == 4
+
+
+def test_a_picture_takes_a_touched_prompt_s_prefix_last_as_its_replica_does() -> None:
+    picture = PrefixPicture(num_blocks=4, block_size=4)
+    first, second = list(range(8)), list(range(50, 58))
+    picture.remember(first)
+    picture.remember(second)
+    picture.touch([*first, 1])
+    picture.remember(list(range(100, 108)))  # two blocks: second's, not first's
+    assert picture.cached(first) == 8 and picture.cached(second) == 0
 
 
 def test_a_block_computed_twice_continues_the_first_copy_s_chain() -> None:

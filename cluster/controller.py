@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "deploy" / "profiles" / "cpu-demo.json"
 HEALTH_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 2.0
+AHEAD_WAIT_S = 0.5
+"""How long a report past a gap waits for the reports before it, before the mirror is rebuilt
+from a snapshot: Ray does not keep an async actor's calls in order, so a replica's reports
+may come out of order, while a report a failed step never sent leaves a gap for good."""
 PLAN_RESEND_S = 0.25
 """A plan sent without a report back this long ago is considered lost."""
 RESUME_WAIT_S = 120.0
@@ -172,6 +176,8 @@ class ClusterController:
         }
         """Requests being handed to each replica (request, admitted)."""
         self._rebuilds: dict[int, _Rebuild] = {}
+        self._ahead: dict[int, dict[int, StepReport]] = {}
+        """Per replica, reports past a gap, by step: folded once the gap fills."""
         """Replicas whose mirror is being rebuilt (one rebuild at a time each)."""
         self._aborted: set[str] = set()
         """Requests aborted while being handed to a replica: released once the hand-off ends."""
@@ -438,15 +444,31 @@ class ClusterController:
         except Exception:  # a mirror that cannot fold a report is rebuilt, never left wrong
             log.exception("folding a report of replica %d failed; resyncing", report.replica)
             fit = ReportFit.RESYNC
-        if fit is ReportFit.RESYNC:
+        if fit is ReportFit.AHEAD:
+            self._hold(report)
+        elif fit is ReportFit.RESYNC:
             self._spawn(self._sync(report.replica))
         elif fit is ReportFit.APPLIED:
             self.plane.metrics.inc("preempted", len(report.plan.preempt))
             self.plane.metrics.inc("preempted_tokens", vr.preempted_tokens - dropped)
             self.plane.metrics.inc("demoted", vr.num_demoted - demoted)
             self.plane.metrics.inc("prefix_credit_missed", vr.credit_missed_tokens - missed)
+            following = self._ahead.get(report.replica, {}).pop(vr.seq + 1, None)
+            if following is not None:
+                return self._fold(following)
             self._send_plan(report.replica, time.time())
         return fit
+
+    def _hold(self, report: StepReport) -> None:
+        """Keep a report past a gap until the reports before it come; rebuild the mirror if
+        they have not within AHEAD_WAIT_S."""
+        self._ahead.setdefault(report.replica, {})[report.seq] = report
+        self._spawn(self._await_gap(report.replica, report.seq))
+
+    async def _await_gap(self, replica: int, seq: int) -> None:
+        await asyncio.sleep(AHEAD_WAIT_S)
+        if seq in self._ahead.get(replica, {}):
+            await self._sync(replica)
 
     # -- health ---------------------------------------------------------------------------------
 
@@ -472,7 +494,8 @@ class ClusterController:
         """Rebuild a mirror from its replica's snapshot (or mark the replica down)."""
         if replica in self._rebuilds:
             return
-        rebuild = self._rebuilds[replica] = _Rebuild(dict(self._binding[replica]))
+        held = self._ahead.pop(replica, {})
+        rebuild = self._rebuilds[replica] = _Rebuild(dict(self._binding[replica]), [*held.values()])
         restored = False
         try:
             snapshot = await _within(self.replicas[replica].snapshot.remote(), HEALTH_TIMEOUT_S)

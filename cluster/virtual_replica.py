@@ -3,9 +3,11 @@
 The scheduler is SLOs-Serve's planner, whose admission the controller asks for, or a baseline
 (vllm, sarathi) that takes every request it is given: the config's type says which.
 
-The replica is authoritative. The mirror folds in every executed step, in order; a report out
-of sequence (lost, or from a restarted replica) means the mirror is wrong, and it is rebuilt
-from the replica's snapshot instead of being patched.
+The replica is authoritative. The mirror folds in every executed step, in order: a report past
+a gap waits (ReportFit.AHEAD) for those before it, which Ray may deliver later, since it keeps
+no order among an async actor's calls. A report that never comes (a failed step sends none) or
+one from a restarted replica means the mirror is wrong, and it is rebuilt from the replica's
+snapshot instead of being patched.
 
 With `calibrate` the planner plans with a calibrated perf model: every executed step's
 measured seconds are fed back against the profile's prediction for that step's shape, so a
@@ -15,13 +17,15 @@ mirrors do not calibrate: with `SimConfig.replica_slowdown` they plan with the p
 its replicas run slower, as a live cluster with calibration off does.
 
 The mirror may keep two pictures of the replica's prefix cache (replica.kv_cache.PrefixPicture),
-each fed the prompt and output of every request that ends here:
+each fed the prompt and output of every request that ends here, or whose client stops reading
+after its first token:
 - with `track_prefixes`, for the prefix first hop (cluster.routing), `prefixes` is also fed the
   prompts bound here, as they will soon be computed: a conversation's next turn, or traffic
   sharing a system prompt, goes where its prefix will be;
-- with `credit_prefixes`, `computed` is fed each prompt only once its first token is out, and
-  a request bound here starts from the prefix it pictures: admission prices, and the plans
-  feed, only the rest of the prompt, as vLLM's scheduler counts a prefix-cache hit computed.
+- with `credit_prefixes`, `computed` is fed what the replica caches as it computes it (each
+  prefill chunk's prefix, a preempted request's blocks), and a request bound here starts from
+  the prefix it pictures: admission prices, and the plans feed, only the rest of the prompt,
+  as vLLM's scheduler counts a prefix-cache hit computed.
   A picture may promise a prefix the replica no longer has (evicted since): the replica then
   computes what it lacks, the first token may come later than planned, and
   `credit_missed_tokens` counts those tokens.
@@ -55,8 +59,10 @@ class ReportFit(StrEnum):
     APPLIED = "applied"
     STALE = "stale"
     """Already reflected (e.g. in the snapshot the mirror was rebuilt from): ignored."""
+    AHEAD = "ahead"
+    """Past a gap: the reports before it have not come (yet), nothing is folded."""
     RESYNC = "resync"
-    """A gap or another incarnation: the mirror must be rebuilt from a snapshot."""
+    """Another incarnation: the mirror must be rebuilt from a snapshot."""
 
 
 class VirtualReplica:
@@ -199,8 +205,10 @@ class VirtualReplica:
 
     def apply(self, report: StepReport) -> ReportFit:
         """Fold an executed step in, if it is the next one of the incarnation mirrored."""
-        if report.incarnation != self.incarnation or report.seq > self.seq + 1:
+        if report.incarnation != self.incarnation:
             return ReportFit.RESYNC
+        if report.seq > self.seq + 1:
+            return ReportFit.AHEAD
         if report.seq <= self.seq:
             return ReportFit.STALE
         self.seq = report.seq

@@ -302,3 +302,35 @@ def test_the_replicas_steps_count_also_when_the_mirror_is_rebuilt_for_them(
         await replica.core.stop()
 
     asyncio.run(run())
+
+
+def test_reports_out_of_order_are_folded_in_order_and_a_gap_that_stays_rebuilds(
+    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray may run an async actor's calls out of order: a report past a gap waits for the
+    one before it, and both are folded in order without a rebuild. A gap no report fills
+    (a failed step sends none) rebuilds the mirror once AHEAD_WAIT_S has passed."""
+    monkeypatch.setattr(controller_module, "AHEAD_WAIT_S", 0.05)
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        vr = controller.plane.replicas[0]
+        counters = controller.plane.metrics.counters
+        base = vr.seq
+        quiet = BatchOutcome(outcomes=[], free_blocks=NUM_BLOCKS)
+
+        def report(seq: int) -> StepReport:
+            return StepReport(0, replica.core.incarnation, seq, BatchPlan(()), quiet, 0.0)
+
+        await controller.report(report(base + 2))
+        assert vr.seq == base
+        await controller.report(report(base + 1))
+        assert vr.seq == base + 2 and counters["mirror_rebuilds"] == 1
+        await controller.report(report(base + 4))
+        await asyncio.sleep(0.02)
+        assert vr.seq == base + 2 and counters["mirror_rebuilds"] == 1
+        await until(lambda: counters["mirror_rebuilds"] == 2, "a rebuild")
+        await replica.core.stop()
+
+    asyncio.run(run())

@@ -106,13 +106,15 @@ def test_mirror_counts_the_kv_its_replica_preemptions_drop(
     assert vr.preempted_tokens == executor.preempted_tokens > 0
 
 
-def test_reports_out_of_sequence_are_ignored_or_force_a_resync(perf: PerfModel) -> None:
+def test_reports_out_of_sequence_are_ignored_held_back_or_force_a_resync(
+    perf: PerfModel,
+) -> None:
     vr = VirtualReplica(0, perf, CACHE)
     vr.incarnation = "a"
     plan, outcome = BatchPlan(()), BatchOutcome([])
     assert vr.apply(StepReport(0, "a", 1, plan, outcome, 0.0)) is ReportFit.APPLIED
     assert vr.apply(StepReport(0, "a", 1, plan, outcome, 0.0)) is ReportFit.STALE
-    assert vr.apply(StepReport(0, "a", 3, plan, outcome, 0.0)) is ReportFit.RESYNC
+    assert vr.apply(StepReport(0, "a", 3, plan, outcome, 0.0)) is ReportFit.AHEAD
     assert vr.apply(StepReport(0, "b", 2, plan, outcome, 0.0)) is ReportFit.RESYNC
     assert vr.seq == 1
 

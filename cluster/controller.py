@@ -147,8 +147,8 @@ class _Rebuild:
     """Every hand-off in flight since the snapshot was asked for: one may have begun and
     ended before the rebuild, its request still missing from the snapshot."""
     reports: list[StepReport] = field(default_factory=list)
-    """Reports that came meanwhile, folded in after it (those past the snapshot may be the
-    replica's last word on a request)."""
+    """Reports that came meanwhile (and those held past a gap before it), folded in after it
+    (those past the snapshot may be the replica's last word on a request)."""
 
 
 class ClusterController:
@@ -176,9 +176,9 @@ class ClusterController:
         }
         """Requests being handed to each replica (request, admitted)."""
         self._rebuilds: dict[int, _Rebuild] = {}
+        """Replicas whose mirror is being rebuilt (one rebuild at a time each)."""
         self._ahead: dict[int, dict[int, StepReport]] = {}
         """Per replica, reports past a gap, by step: folded once the gap fills."""
-        """Replicas whose mirror is being rebuilt (one rebuild at a time each)."""
         self._aborted: set[str] = set()
         """Requests aborted while being handed to a replica: released once the hand-off ends."""
         self._plan_sent: dict[int, float] = {}
@@ -437,6 +437,19 @@ class ClusterController:
             self._fold(report)
 
     def _fold(self, report: StepReport) -> ReportFit:
+        """Fold a report in, then the held reports it lets follow, and plan for the replica
+        after the last of them."""
+        replica = report.replica
+        fit = self._fold_one(report)
+        while fit is ReportFit.APPLIED:
+            following = self._ahead.get(replica, {}).pop(self.plane.replicas[replica].seq + 1, None)
+            if following is None:
+                self._send_plan(replica, time.time())
+                break
+            fit = self._fold_one(following)
+        return fit
+
+    def _fold_one(self, report: StepReport) -> ReportFit:
         vr = self.plane.replicas[report.replica]
         demoted, dropped, missed = vr.num_demoted, vr.preempted_tokens, vr.credit_missed_tokens
         try:
@@ -453,22 +466,18 @@ class ClusterController:
             self.plane.metrics.inc("preempted_tokens", vr.preempted_tokens - dropped)
             self.plane.metrics.inc("demoted", vr.num_demoted - demoted)
             self.plane.metrics.inc("prefix_credit_missed", vr.credit_missed_tokens - missed)
-            following = self._ahead.get(report.replica, {}).pop(vr.seq + 1, None)
-            if following is not None:
-                return self._fold(following)
-            self._send_plan(report.replica, time.time())
         return fit
 
     def _hold(self, report: StepReport) -> None:
         """Keep a report past a gap until the reports before it come; rebuild the mirror if
         they have not within AHEAD_WAIT_S."""
         self._ahead.setdefault(report.replica, {})[report.seq] = report
-        self._spawn(self._await_gap(report.replica, report.seq))
+        self._spawn(self._await_gap(report))
 
-    async def _await_gap(self, replica: int, seq: int) -> None:
+    async def _await_gap(self, report: StepReport) -> None:
         await asyncio.sleep(AHEAD_WAIT_S)
-        if seq in self._ahead.get(replica, {}):
-            await self._sync(replica)
+        if self._ahead.get(report.replica, {}).get(report.seq) is report:
+            await self._sync(report.replica)
 
     # -- health ---------------------------------------------------------------------------------
 
@@ -494,13 +503,15 @@ class ClusterController:
         """Rebuild a mirror from its replica's snapshot (or mark the replica down)."""
         if replica in self._rebuilds:
             return
-        held = self._ahead.pop(replica, {})
-        rebuild = self._rebuilds[replica] = _Rebuild(dict(self._binding[replica]), [*held.values()])
+        held = self._ahead.pop(replica, {}).values()
+        rebuild = self._rebuilds[replica] = _Rebuild(dict(self._binding[replica]))
         restored = False
         try:
             snapshot = await _within(self.replicas[replica].snapshot.remote(), HEALTH_TIMEOUT_S)
             self.plane.restore(replica, snapshot, time.time())
             self.plane.metrics.inc("mirror_rebuilds")
+            # Held since before the snapshot: another incarnation's are the past.
+            rebuild.reports += [r for r in held if r.incarnation == snapshot.incarnation]
             if self._revived is not None:
                 self._revived.set()
                 self._revived = None

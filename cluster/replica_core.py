@@ -119,7 +119,8 @@ class ReplicaCore:
         """Hold a request; a ValueError (from the engine's checks) leaves nothing behind.
 
         The engine only records the request here (a dict insert, atomic under the GIL), so
-        doing it while a step runs in the worker thread is safe; KV is touched by steps only."""
+        doing it while a step runs in the worker thread is safe; KV changes in steps only (its
+        eviction order also between them, `_touch_added`)."""
         if request.request_id in self._held or request.request_id in self._streams:
             raise ValueError(f"request {request.request_id!r} is already held by this replica")
         self.engine.add_request(request)

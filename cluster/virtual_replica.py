@@ -39,7 +39,14 @@ from enum import StrEnum
 
 from cluster.api import ReplicaStatus
 from cluster.messages import ReplicaSnapshot, StepReport
-from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, RequestOutcome
+from replica.batch import (
+    BatchOutcome,
+    BatchPlan,
+    DecodeStep,
+    FinishReason,
+    PrefillChunk,
+    RequestOutcome,
+)
 from replica.kv_cache import PrefixPicture
 from replica.perf_calibration import CalibratedPerfModel, Calibration
 from replica.perf_model import BatchShape, PerfModel
@@ -187,14 +194,14 @@ class VirtualReplica:
             self.credited_tokens += credit
 
     def abort(self, request_id: str) -> bool:
-        """Forget a request; False when this replica does not hold it. One stopped after its
-        first token (a client that read what it wanted) leaves its history cached, as one that
-        ends does: the mirror's pictures remember it as far as the mirror has seen it."""
+        """Forget a request; False when this replica does not hold it. What it computed stays
+        cached (a client that read what it wanted leaves its history), as far as the mirror
+        has seen it."""
         if self.held.pop(request_id, None) is None:
             return False
         state = self.scheduler.queues.states.get(request_id)
-        if state is not None and state.output_token_ids:
-            self._remember_history(_known(state))
+        if state is not None:
+            self._remember_history(_known(state)[: state.num_computed_tokens])
         self.admitted.discard(request_id)
         self.credits.pop(request_id, None)
         self.scheduler.abort_request(request_id)
@@ -260,7 +267,11 @@ class VirtualReplica:
         for result in outcomes.values():
             state = states.get(result.request_id)
             if state is not None and result.finished:
-                self._remember_history([*_known(state), *result.new_token_ids])
+                tokens = [*_known(state), *result.new_token_ids]
+                # A request ends with all but its last token computed; one the replica
+                # aborted (its stream's reader left) with what it had computed.
+                aborted = result.finish_reason is FinishReason.ABORT
+                self._remember_history(tokens[: state.num_computed_tokens if aborted else -1])
         if self.computed is None:
             return
         for entry in report.plan.entries:
@@ -269,11 +280,10 @@ class VirtualReplica:
                 self.computed.remember(_known(state)[: ran.num_computed_tokens])
 
     def _remember_history(self, tokens: list[int]) -> None:
-        """A request's prompt and output, in both pictures: all but the last token, whose KV
-        is never computed."""
+        """What a request that ended computed, in both pictures."""
         for picture in (self.prefixes, self.computed):
             if picture is not None:
-                picture.remember(tokens[:-1])
+                picture.remember(tokens)
 
     def _calibrate(self, report: StepReport) -> None:
         """Fold the step's measured seconds in, before the outcome moves the requests on (the

@@ -88,9 +88,10 @@ class Outcome:
     """Replicas the server tried, the final one included (the cluster's count)."""
     error: str | None = None
     text: list[str] = field(default_factory=list)
-    """The output's text as it came (HTTP, gRPC)."""
+    """The output's text as it came (HTTP's and gRPC's chunks carry it)."""
     token_ids: list[int] = field(default_factory=list)
-    """The output's token ids as they came (gRPC, in-process)."""
+    """The output's token ids as they came (gRPC's and in-process chunks carry them; the
+    in-process client decodes them)."""
 
     def add_tokens(self, count: int, at: float) -> None:
         self.token_times_s.extend([at] * count)

@@ -85,6 +85,10 @@ class Prompts(Protocol):
         self, before: Prompt, output: str, history_len: int, num_tokens: int, key: str
     ) -> Prompt: ...
 
+    def round_growth(self) -> int:
+        """The fewest tokens a session's next prompt can add to the one before."""
+        ...
+
 
 class PromptSource:
     """Exact-length prompts cut from a corpus; deterministic for a seed."""
@@ -157,11 +161,7 @@ class PromptSource:
         meet (as for any client sending text). The fresh text is drawn with a generator seeded
         by the source's seed and `key`, so a round gets the same response whenever the round
         before ends."""
-        if not len(before.token_ids) <= history_len < num_tokens:
-            raise ValueError(
-                f"history_len={history_len} must lie in [{len(before.token_ids)}, "
-                f"num_tokens={num_tokens})"
-            )
+        _check_history(before, history_len, num_tokens)
         text = before.text + output
         ids = self._encode(text)
         cut = min(len(ids), history_len)
@@ -171,6 +171,10 @@ class PromptSource:
             cut -= 1
         return self.prompt_after(Prompt(text, tuple(ids)), num_tokens, self.keyed(key))
 
+    def round_growth(self) -> int:
+        """One fresh token (the output may be cut to make room)."""
+        return 1
+
     def keyed(self, key: str) -> np.random.Generator:
         """A generator seeded by the source's seed and `key`: the same draws for a key
         whatever was drawn before."""
@@ -178,6 +182,14 @@ class PromptSource:
 
     def encode(self, text: str) -> tuple[int, ...]:
         return tuple(self._encode(text))
+
+
+def _check_history(before: Prompt, history_len: int, num_tokens: int) -> None:
+    if not len(before.token_ids) <= history_len < num_tokens:
+        raise ValueError(
+            f"history_len={history_len} must lie in [{len(before.token_ids)}, "
+            f"num_tokens={num_tokens})"
+        )
 
 
 class ChatPromptSource:
@@ -223,6 +235,15 @@ class ChatPromptSource:
             want = max(1, want + num_tokens - len(ids))
         raise ValueError(f"no {role} message makes the chat exactly {num_tokens} tokens")
 
+    def round_growth(self) -> int:
+        """The role markers of the assistant's message and the user's, one token of the
+        user's, and one for where the messages meet the markers (the output may be cut to
+        make room)."""
+        sample: list[Message] = [("user", "x")]
+        _, before = self._rendered(sample)
+        _, after = self._rendered([*sample, ("assistant", ""), ("user", "")])
+        return len(after) - len(before) + 2
+
     def prompt(self, num_tokens: int, rng: np.random.Generator | None = None) -> Prompt:
         """One user message."""
         return self._fill([], "user", num_tokens, rng)
@@ -241,11 +262,7 @@ class ChatPromptSource:
         """The chat so far, `output` as the assistant's message (cut to the tokens
         `history_len` leaves it past the prompt before, and further while the chat would
         leave no room), then the tool's response as a user message (seeded by `key`)."""
-        if not len(before.token_ids) <= history_len < num_tokens:
-            raise ValueError(
-                f"history_len={history_len} must lie in [{len(before.token_ids)}, "
-                f"num_tokens={num_tokens})"
-            )
+        _check_history(before, history_len, num_tokens)
         kept = list(self.source.encode(output))
         cut = min(len(kept), history_len - len(before.token_ids))
         reply = output

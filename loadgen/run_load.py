@@ -77,6 +77,7 @@ from loadgen.workloads import (
     WorkloadRequest,
     ZeroLoadTTFT,
     generate_workload,
+    grow_rounds,
     shared_prompts,
     trace_file,
     zero_load_decode_step_s,
@@ -112,11 +113,14 @@ class LoadSpec:
     arrivals: ArrivalProcess
     config: WorkloadConfig
     seed: int
+    round_growth: int = 1
+    """The fewest tokens a session's next prompt adds (Prompts.round_growth)."""
 
     def workload(self, rate: float) -> list[WorkloadRequest]:
         """The same requests at every rate, only compressed or stretched in time."""
         times = self.arrivals.times(rate, self.requests, self.seed)
-        return generate_workload(self.scenario, times, self.config, self.seed)
+        generated = generate_workload(self.scenario, times, self.config, self.seed)
+        return grow_rounds(generated, self.round_growth, self.config)
 
 
 def prompts_for(workload: Sequence[WorkloadRequest], source: Prompts) -> dict[str, Prompt]:
@@ -198,7 +202,10 @@ async def run_open_loop(
             return not_sent(request, Verdict.UNKNOWN, f"{follows} was not completed")
         ended = clock()
         try:
-            prompt = follow_up(request, by_id[follows], sent[follows], previous.text)
+            # In a thread: encoding a long history would hold up every stream being timed.
+            prompt = await asyncio.to_thread(
+                follow_up, request, by_id[follows], sent[follows], previous.text
+            )
         except ValueError as exc:
             return not_sent(request, Verdict.UNKNOWN, f"no prompt follows {follows}'s: {exc}")
         sent[request.request_id] = prompt
@@ -552,11 +559,8 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
         raise _fail(
             f"--tokenizer {str(args.tokenizer)!r} has no tokenizer.json nor tokenizer files"
         )
-    if args.endpoint == "chat" and not TextCodec.from_dir(args.tokenizer).chat_template:
-        raise _fail(
-            f"--endpoint chat: --tokenizer {str(args.tokenizer)!r} has no chat template "
-            "(chat_template.jinja, or tokenizer_config.json's chat_template)"
-        )
+    if args.endpoint == "chat":
+        check_chat_template(args.tokenizer)
     if args.zero_load not in ("profile", "probe"):
         if not Path(args.zero_load).is_file():
             raise _fail(
@@ -588,6 +592,27 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
     if args.rate is not None and not low <= args.rate <= high:
         raise _fail(f"--rate {args.rate} must lie within --rates {args.rates}")
     return low, high
+
+
+CHAT_ROLES = ("system", "user", "assistant", "user")
+"""The roles of a chat the load generator sends: a system prompt, then a session's rounds."""
+
+
+def check_chat_template(tokenizer: Path) -> None:
+    """The tokenizer folder's chat template renders the chats `--endpoint chat` sends."""
+    codec = TextCodec.from_dir(tokenizer)
+    if not codec.chat_template:
+        raise _fail(
+            f"--endpoint chat: --tokenizer {str(tokenizer)!r} has no chat template "
+            "(chat_template.jinja, or tokenizer_config.json's chat_template)"
+        )
+    try:
+        codec.render_chat([{"role": role, "content": "x"} for role in CHAT_ROLES])
+    except ValueError as exc:
+        raise _fail(
+            f"--endpoint chat: the chat template of {str(tokenizer)!r} cannot render a "
+            f"{', '.join(CHAT_ROLES)} chat: {exc}"
+        ) from None
 
 
 def probe_prompt_lens(length_scale: float, max_model_len: int | None) -> list[int]:
@@ -715,9 +740,11 @@ def load_spec(
     measured: ZeroLoad | None,
     max_model_len: int | None,
     reference_rate: float,
+    round_growth: int = 1,
 ) -> LoadSpec:
     """What the options send: `--duration` of requests at `reference_rate`, with SLOs from
-    the measured zero load when there is one, else from the profile."""
+    the measured zero load when there is one, else from the profile; a session's rounds grow
+    by at least `round_growth` tokens."""
     zero_ttft, targets = zero_load_and_targets(args, perf, measured)
     config = WorkloadConfig(
         zero_ttft,
@@ -727,7 +754,8 @@ def load_spec(
     )
     scenario = parse_workload(args.scenario)
     requests = max(1, round(reference_rate * args.duration))
-    return LoadSpec(scenario, requests, arrival_process(args, scenario), config, args.seed)
+    arrivals = arrival_process(args, scenario)
+    return LoadSpec(scenario, requests, arrivals, config, args.seed, round_growth)
 
 
 def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, dict[str, Any]]:
@@ -757,7 +785,9 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
         lens = probe_prompt_lens(args.length_scale, info.max_model_len)
         measured = asyncio.run(_probe(target, source, lens))
         print(f"zero load measured at prompts {lens}: {measured.to_dict()}")
-    spec = load_spec(args, perf, measured, info.max_model_len, reference_rate)
+    spec = load_spec(
+        args, perf, measured, info.max_model_len, reference_rate, source.round_growth()
+    )
     header: dict[str, Any] = {
         "target": args.target,
         "protocol": args.protocol,

@@ -54,7 +54,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from statistics import NormalDist
 from typing import Any, Protocol, TypeVar
@@ -554,6 +554,27 @@ def tool_session(
         )
         out.append(config.check_fits(req))
         context += req.output_len + draw_response()
+    return out
+
+
+def grow_rounds(
+    workload: Sequence[WorkloadRequest], at_least: int, config: WorkloadConfig
+) -> list[WorkloadRequest]:
+    """The workload with every follow-up round's prompt at least `at_least` tokens longer than
+    the prompt of the round it follows (the rounds after it longer by as much): a chat's next
+    round adds at least the role markers of two messages. Its SLO is the planned length's."""
+    out: list[WorkloadRequest] = []
+    by_id: dict[str, WorkloadRequest] = {}
+    added: dict[str, int] = {}
+    for r in workload:
+        if r.follows is not None:
+            length = max(r.prompt_len + added[r.follows], by_id[r.follows].prompt_len + at_least)
+            added[r.request_id] = length - r.prompt_len
+            if length != r.prompt_len:
+                r = config.check_fits(replace(r, prompt_len=length))
+        added.setdefault(r.request_id, 0)
+        by_id[r.request_id] = r
+        out.append(r)
     return out
 
 

@@ -93,12 +93,14 @@ def engine(target_dir: Path) -> Engine:
 
 @pytest.fixture
 def config(target_dir: Path, profile_path: Path, monkeypatch: pytest.MonkeyPatch) -> ClusterConfig:
-    """One replica; the controller runs outside an actor, so it is told it was not restarted."""
+    """One replica; the controller runs outside an actor, so it is told it was not restarted.
+    A report past a gap waits 50 ms, not AHEAD_WAIT_S, for those before it."""
     monkeypatch.setattr(
         controller_module.ray,
         "get_runtime_context",
         lambda: SimpleNamespace(was_current_actor_reconstructed=False),
     )
+    monkeypatch.setattr(controller_module, "AHEAD_WAIT_S", 0.05)
     return ClusterConfig(
         model=str(target_dir),
         profile=str(profile_path),
@@ -144,7 +146,8 @@ async def finish(replica: LocalReplica, rid: str) -> str | None:
 
 
 def gap(replica: LocalReplica) -> StepReport:
-    """A report from well past the mirror's step: the controller rebuilds the mirror."""
+    """A report from well past the mirror's step, whose gap no report fills: the controller
+    rebuilds the mirror once AHEAD_WAIT_S has passed."""
     outcome = BatchOutcome(outcomes=[], free_blocks=NUM_BLOCKS)
     return StepReport(0, replica.core.incarnation, replica.core.seq + 5, BatchPlan(()), outcome, 0)
 
@@ -305,12 +308,11 @@ def test_the_replicas_steps_count_also_when_the_mirror_is_rebuilt_for_them(
 
 
 def test_reports_out_of_order_are_folded_in_order_and_a_gap_that_stays_rebuilds(
-    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+    engine: Engine, config: ClusterConfig
 ) -> None:
     """Ray may run an async actor's calls out of order: a report past a gap waits for the
     one before it, and both are folded in order without a rebuild. A gap no report fills
     (a failed step sends none) rebuilds the mirror once AHEAD_WAIT_S has passed."""
-    monkeypatch.setattr(controller_module, "AHEAD_WAIT_S", 0.05)
 
     async def run() -> None:
         controller, replica = start(engine, config)

@@ -69,10 +69,19 @@ def test_bad_options_fail_naming_the_option(
     assert named in str(exc.value.code) + capsys.readouterr().err  # ours, or argparse's
 
 
-def test_a_chat_endpoint_needs_a_chat_template(target_dir: Path, tmp_path: Path) -> None:
+def test_a_chat_endpoint_needs_a_chat_template_that_takes_a_system_prompt(
+    target_dir: Path, tmp_path: Path
+) -> None:
     shutil.copy(target_dir / "tokenizer.json", tmp_path)
+    args = ["loadgen", "--rate", "1", "--endpoint", "chat", "--tokenizer", str(tmp_path)]
     with pytest.raises(SystemExit, match=r"--endpoint chat: --tokenizer .* has no chat template"):
-        cli.main(["loadgen", "--rate", "1", "--endpoint", "chat", "--tokenizer", str(tmp_path)])
+        cli.main(args)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(SystemExit, match=r"cannot render a system, user, assistant, user chat"):
+        cli.main(args)
 
 
 def test_a_bad_scenario_or_mix_file_is_named(tmp_path: Path) -> None:

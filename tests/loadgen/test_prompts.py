@@ -226,3 +226,7 @@ def test_a_chat_session_goes_on_with_the_output_as_the_assistants_message(
     assert len(tight.token_ids) == 92 and len(tight.messages[2][1]) < len(output)
     with pytest.raises(ValueError, match="history_len=79"):
         chats.after_output(before, output, 79, 130, key="s.r1")
+    least = 80 + chats.round_growth()
+    smallest = chats.after_output(before, output, least - 1, least, key="s.r1")
+    assert len(smallest.token_ids) == least and smallest.messages[2][0] == "assistant"
+    assert chats.source.round_growth() == 1

@@ -18,6 +18,7 @@ from loadgen.workloads import (
     WorkloadConfig,
     WorkloadRequest,
     generate_workload,
+    grow_rounds,
     table4_lengths,
     zero_load_decode_step_s,
     zero_load_ttft_from,
@@ -238,3 +239,24 @@ def test_bursty_scenarios_replay_the_coding_trace() -> None:
     bursty = {s for s, f in TRACE_FILES.items() if f == AZURE_CODE_FILE}
     assert bursty == {Scenario.CODER, Scenario.TOOLLLM}
     assert TRACE_FILES[Scenario.CHATBOT] == AZURE_CONV_FILE
+
+
+def test_rounds_grow_by_at_least_what_a_chat_adds() -> None:
+    """A round planned to grow by 3 tokens grows by 6, and the round after it keeps its own
+    growth on top; a workload whose rounds grow enough is unchanged; growing past the
+    model's length is refused, naming the round."""
+    slo = SLO(1000.0, 100.0)
+
+    def round_(k: int, prompt_len: int) -> WorkloadRequest:
+        follows = {"follows": f"s.r{k - 1}", "delay_s": 0.1} if k else {}
+        return WorkloadRequest(
+            f"s.r{k}", "agent", "tight/loose", 0.0, prompt_len, 2, 4, slo, 0.1, **follows
+        )
+
+    session = [round_(0, 40), round_(1, 43), round_(2, 73), round_(3, 100)]
+    grown = grow_rounds(session, 6, WorkloadConfig(lambda n: 0.01))
+    assert [r.prompt_len for r in grown] == [40, 46, 76, 103]
+    assert grown[1].slo == slo and grown[1].output_len == 2
+    assert grow_rounds(session, 3, WorkloadConfig(lambda n: 0.01)) == session
+    with pytest.raises(ValueError, match=r"s\.r3: prompt 103 \+ max_tokens 4 exceeds"):
+        grow_rounds(session, 6, WorkloadConfig(lambda n: 0.01, max_model_len=105))

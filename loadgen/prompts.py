@@ -97,7 +97,7 @@ class PromptSource:
         if not texts:
             raise ValueError("prompt corpus is empty")
         self.tokenizer = tokenizer
-        self.stream = self._encode(DOCUMENT_SEPARATOR.join(texts))
+        self.stream = self.encode(DOCUMENT_SEPARATOR.join(texts))
         self.seed = seed
         self._rng = np.random.default_rng(seed)
 
@@ -109,7 +109,8 @@ class PromptSource:
             raise ValueError(f"no tokenizer.json in {str(model_dir)!r}")
         return cls(Tokenizer.from_file(str(path)), heldout_texts(), seed)
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
+        """The text's tokens as the server computes them (no special tokens added)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def prompt(self, num_tokens: int, rng: np.random.Generator | None = None) -> Prompt:
@@ -125,10 +126,10 @@ class PromptSource:
         for _ in range(ATTEMPTS):
             start = int(rng.integers(0, len(self.stream) - num_tokens + 1))
             text = self.tokenizer.decode(self.stream[start : start + num_tokens])
-            ids = self._encode(text)
+            ids = self.encode(text)
             if len(ids) > num_tokens:
                 text = self.tokenizer.decode(ids[:num_tokens])
-                ids = self._encode(text)
+                ids = self.encode(text)
             if len(ids) == num_tokens:
                 return Prompt(text, tuple(ids))
         raise ValueError(f"no window of the corpus round-trips to exactly {num_tokens} tokens")
@@ -146,7 +147,7 @@ class PromptSource:
             )
         for _ in range(ATTEMPTS):
             tail = self.prompt(rest, rng)
-            ids = tuple(self._encode(prefix.text + tail.text))
+            ids = tuple(self.encode(prefix.text + tail.text))
             if ids == prefix.token_ids + tail.token_ids:
                 return Prompt(prefix.text + tail.text, ids)
         raise ValueError(f"no window of the corpus follows the prefix in exactly {rest} tokens")
@@ -163,11 +164,11 @@ class PromptSource:
         before ends."""
         _check_history(before, history_len, num_tokens)
         text = before.text + output
-        ids = self._encode(text)
+        ids = self.encode(text)
         cut = min(len(ids), history_len)
         while len(ids) > history_len:
             text = self.tokenizer.decode(ids[:cut])
-            ids = self._encode(text)
+            ids = self.encode(text)
             cut -= 1
         return self.prompt_after(Prompt(text, tuple(ids)), num_tokens, self.keyed(key))
 
@@ -179,9 +180,6 @@ class PromptSource:
         """A generator seeded by the source's seed and `key`: the same draws for a key
         whatever was drawn before."""
         return np.random.default_rng([self.seed, zlib.crc32(key.encode())])
-
-    def encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self._encode(text))
 
 
 def _check_history(before: Prompt, history_len: int, num_tokens: int) -> None:
@@ -208,7 +206,7 @@ class ChatPromptSource:
 
     def _rendered(self, messages: Sequence[Message]) -> tuple[str, tuple[int, ...]]:
         text = self.render([{"role": role, "content": content} for role, content in messages])
-        return text, self.source.encode(text)
+        return text, tuple(self.source.encode(text))
 
     def _fill(
         self,
@@ -263,7 +261,7 @@ class ChatPromptSource:
         `history_len` leaves it past the prompt before, and further while the chat would
         leave no room), then the tool's response as a user message (seeded by `key`)."""
         _check_history(before, history_len, num_tokens)
-        kept = list(self.source.encode(output))
+        kept = self.source.encode(output)
         cut = min(len(kept), history_len - len(before.token_ids))
         reply = output
         while True:

@@ -92,7 +92,7 @@ from replica.arguments import (
     positive_float,
     positive_int,
 )
-from replica.model_source import has_tokenizer, load_tokenizer, model_dir
+from replica.model_source import has_tokenizer, model_dir
 from replica.perf_model import PerfModel
 from router.client import AsyncClient, Client, ClientError
 from router.tokenizer import TextCodec
@@ -765,18 +765,15 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
     measured = None
     if args.zero_load not in ("profile", "probe"):
         measured = ZeroLoad.load(Path(args.zero_load))
-    tokenizer = load_tokenizer(args.tokenizer)
-    assert tokenizer is not None, "check_args loaded it"
-    text = PromptSource(tokenizer, heldout_texts(), args.seed)
-    source: Prompts = text
-    if args.endpoint == "chat":
-        source = ChatPromptSource(text, TextCodec.from_dir(args.tokenizer).render_chat)
+    codec = TextCodec.from_dir(args.tokenizer)
+    text = PromptSource(codec.tokenizer, heldout_texts(), args.seed)
+    source: Prompts = ChatPromptSource(text, codec.render_chat) if args.endpoint == "chat" else text
     target = Target(
         args.protocol,
         args.target,
         info.model,
         args.api_key,
-        tokenizer,
+        codec.tokenizer,
         not args.no_slo_fields,
         args.request_timeout,
         args.temperature,

@@ -103,6 +103,11 @@ class _Seq:
         return self.request.prompt_len + len(self.output)
 
     @property
+    def prefix_limit(self) -> int:
+        """The most of its tokens a cached prefix may cover (kv_cache.prefix_limit)."""
+        return prefix_limit(self.num_known, len(self.output))
+
+    @property
     def is_decoding(self) -> bool:
         return bool(self.output) and self.num_known - self.num_computed == 1
 
@@ -301,8 +306,8 @@ class Engine:
         seq = self._get(request_id)
         if not self.looks_up_prefix(request_id):
             return seq.num_computed
-        tokens, limit = seq.tokens, prefix_limit(seq.num_known, len(seq.output))
-        seq.num_computed = self.cache.attach_prefix(request_id, tokens, limit)
+        tokens = seq.tokens
+        seq.num_computed = self.cache.attach_prefix(request_id, tokens, seq.prefix_limit)
         if self.draft is not None:
             self.draft.cache.attach_prefix(request_id, tokens, seq.num_computed)
         return seq.num_computed
@@ -313,10 +318,10 @@ class Engine:
         other requests' KV takes cached blocks least recently released first."""
         if self.looks_up_prefix(request_id):
             seq = self._get(request_id)
-            tokens, limit = seq.tokens, prefix_limit(seq.num_known, len(seq.output))
-            self.cache.touch(tokens, limit)
+            tokens = seq.tokens
+            self.cache.touch(tokens, seq.prefix_limit)
             if self.draft is not None:
-                self.draft.cache.touch(tokens, limit)
+                self.draft.cache.touch(tokens, seq.prefix_limit)
 
     def looks_up_prefix(self, request_id: str) -> bool:
         """Whether `attach_prefix` would look the request up: the cache is on, the request

@@ -36,6 +36,13 @@ IMPOSSIBLE = SLO(0.001, 0.001)
 """No replica can promise a first token within a microsecond."""
 
 
+def generous_zero_load(tmp_path: Path) -> Path:
+    """A zero-load file whose 2 s TTFT makes every SLO loose."""
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
+    return zero
+
+
 @pytest.mark.parametrize(
     ("args", "named"),
     [
@@ -148,8 +155,7 @@ def test_loadgen_run_against_the_front_door(live: LocalFrontDoor, tmp_path: Path
 def test_a_mix_file_through_the_front_door(live: LocalFrontDoor, tmp_path: Path) -> None:
     """A user's own mix drives the live cluster: its classes' SLOs reach the server as written
     (absolute) or from the run's levels, and the report groups by class."""
-    zero = tmp_path / "zero.json"
-    zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
+    zero = generous_zero_load(tmp_path)
     mix = tmp_path / "shop.yaml"
     mix.write_text(
         "name: shop\n"
@@ -195,8 +201,7 @@ def test_chat_sessions_through_the_front_door(
     far with the output the server gave as the assistant's message. Every round is served.
     Two of a session's three rounds ran on one of the two replicas, the later after the
     earlier ended, so at least its system prompt (two blocks) was found cached."""
-    zero = tmp_path / "zero.json"
-    zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
+    zero = generous_zero_load(tmp_path)
     mix = tmp_path / "agents.yaml"
     mix.write_text(
         "name: agents\n"
@@ -229,8 +234,7 @@ def test_chat_sessions_through_the_front_door(
 def test_capacity_search_against_the_front_door(live: LocalFrontDoor, tmp_path: Path) -> None:
     """Loose SLOs and a tiny load pass at every rate: the search climbs to the upper bound.
     Both points send the same two requests (2 s at the start rate 1)."""
-    zero = tmp_path / "zero.json"
-    zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
+    zero = generous_zero_load(tmp_path)
     out, records_path = tmp_path / "cap.json", tmp_path / "cap.jsonl"
     code = cli.main(
         [
@@ -260,8 +264,7 @@ def test_capacity_search_against_the_front_door(live: LocalFrontDoor, tmp_path: 
 def test_loadgen_over_grpc(
     live: LocalFrontDoor, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    zero = tmp_path / "zero.json"
-    zero.write_text(json.dumps(ZeroLoad(2.0, 0.0, 0.1, "generous").to_dict()))
+    zero = generous_zero_load(tmp_path)
     out = tmp_path / "grpc.json"
     code = cli.main(
         [

@@ -108,6 +108,8 @@ class ReplicaStatus:
     """Measured / predicted step time per shape class (decode, mixed, prefill, speculative)
     the controller plans this replica with; empty until a step is observed or for baselines.
     Above 1: the replica runs slower than its profile."""
+    draining: bool = False
+    """The autoscaler is stopping it: it finishes what it holds and takes nothing new."""
 
 
 @dataclass(frozen=True)
@@ -119,3 +121,8 @@ class ClusterStatus:
     scheduler: str = ""
     """What plans the replicas: slos, or a baseline (vllm, sarathi) that admits everything;
     empty where the source does not say."""
+    target_replicas: int = 0
+    """The replica count the autoscaler aims at (0: no autoscaler; `replicas` lists the
+    replicas up, draining ones included)."""
+    starting: int = 0
+    """Replicas the autoscaler is starting (loading their model)."""

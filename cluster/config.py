@@ -11,15 +11,16 @@ import re
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
+from cluster.autoscale import AutoscaleConfig, ScaleSignal
+from cluster.choices import member
 from cluster.routing import BackupPolicy, FirstHop
 from replica.device import DTYPES
 from replica.planner.adaserve import AdaServeConfig
 
-E = TypeVar("E", bound=StrEnum)
 SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|specserve|adaserve|ngram|fixed:[1-9][0-9]?)$")
 
 
@@ -44,15 +45,6 @@ class BestEffortOrder(StrEnum):
     LAPS = "laps"
     """LAPS-SD: predictable requests holding KV by shortest predicted time, then the rest by
     attained service (replica.planner.laps)."""
-
-
-def _member(kind: type[E], name: str, value: Any) -> E:
-    """`value` as a member of `kind`, or a ValueError naming the field and the members."""
-    try:
-        return kind(value)
-    except ValueError:
-        known = ", ".join(member.value for member in kind)
-        raise ValueError(f"{name} must be one of {known}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -86,6 +78,11 @@ class ClusterConfig:
     model_name: str = "demo"
     """Name clients use in the `model` field."""
     replicas: int = 2
+    """Replicas at the start; with `autoscale`, the autoscaler's bounds hold it after."""
+    autoscale: AutoscaleConfig | None = None
+    """The replica count follows the load: `{min_replicas, max_replicas, signal, ...}`
+    (cluster.autoscale.AutoscaleConfig; signal slo needs scheduler slos). None: `replicas`
+    run throughout."""
     scheduler: SchedulerKind = SchedulerKind.SLOS
     """slos | vllm | sarathi. The baselines need spec_policy none and round_robin first hops;
     route_limit and backup_policy do not apply to them."""
@@ -184,7 +181,7 @@ class ClusterConfig:
             ("backup_policy", BackupPolicy),
             ("best_effort_order", BestEffortOrder),
         ):
-            object.__setattr__(self, name, _member(kind, name, getattr(self, name)))
+            object.__setattr__(self, name, member(kind, name, getattr(self, name)))
         object.__setattr__(
             self,
             "tiers",
@@ -194,6 +191,7 @@ class ClusterConfig:
         if len(names) != len(set(names)):
             raise ValueError(f"tier names must be unique, got {names}")
         self._check_scheduler()
+        self._check_autoscale()
         if self.first_hop is FirstHop.PREFIX and not self.prefix_caching:
             raise ValueError(
                 "first_hop prefix routes to the replica caching a prompt's prefix: it needs "
@@ -229,8 +227,40 @@ class ClusterConfig:
                 f"adaserve must be a mapping of max_width and max_nodes, got {self.adaserve!r}"
             )
 
+    def _check_autoscale(self) -> None:
+        scale = self.autoscale
+        if scale is None:
+            return
+        if isinstance(scale, dict):
+            known = {f.name for f in fields(AutoscaleConfig)}
+            unknown = sorted(set(scale) - known)
+            if unknown:
+                raise ValueError(
+                    f"unknown autoscale field(s): {', '.join(unknown)}; known: "
+                    f"{', '.join(sorted(known))}"
+                )
+            scale = AutoscaleConfig(**scale)
+            object.__setattr__(self, "autoscale", scale)
+        if not isinstance(scale, AutoscaleConfig):
+            raise ValueError(f"autoscale must be a mapping, got {scale!r}")
+        if not scale.min_replicas <= self.replicas <= scale.max_replicas:
+            raise ValueError(
+                f"replicas ({self.replicas}) must be within autoscale's bounds "
+                f"[{scale.min_replicas}, {scale.max_replicas}]"
+            )
+        if scale.signal is ScaleSignal.SLO and self.scheduler is not SchedulerKind.SLOS:
+            raise ValueError(
+                f"autoscale signal slo follows admission's declines; scheduler="
+                f"{self.scheduler.value} declines nothing (use signal ongoing)"
+            )
+
+    @property
+    def slots(self) -> int:
+        """Replicas that may run at once (autoscale's maximum, else `replicas`)."""
+        return self.autoscale.max_replicas if self.autoscale else self.replicas
+
     def _check_scheduler(self) -> None:
-        object.__setattr__(self, "scheduler", _member(SchedulerKind, "scheduler", self.scheduler))
+        object.__setattr__(self, "scheduler", member(SchedulerKind, "scheduler", self.scheduler))
         if self.scheduler is SchedulerKind.SLOS:
             return
         if self.spec_policy != "none":

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster.api import Verdict
+from cluster.autoscale import ScaleSample
 from cluster.messages import ReplicaSnapshot
 from cluster.metrics import HOP_BUCKETS, PLANNER_BUCKETS_S, Metrics
 from cluster.migration import resumed_request
@@ -39,6 +40,9 @@ class Binding:
     hops: int
     reason: str = ""
     retry_after_s: float = 0.0
+    actor: object | None = None
+    """The replica's actor to stream from, set by a controller whose replicas come and go
+    (autoscaling): a slot may hold another actor than the one a front door knew."""
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,33 @@ class ControlPlane:
         self.router = router
         self.metrics = metrics or Metrics()
         self._queues: list[list[_Pending]] = [[] for _ in self.replicas]
+        self.draining: set[int] = set()
+        """Replicas being scaled down: they finish what they hold and take nothing new."""
 
     def alive(self) -> list[bool]:
         return [vr.alive for vr in self.replicas]
 
+    def routable(self) -> list[bool]:
+        """Replicas a request may be sent to: up, and not draining."""
+        return [vr.alive and vr.index not in self.draining for vr in self.replicas]
+
     def loads(self) -> list[float]:
         return [vr.load for vr in self.replicas]
+
+    def scale_sample(self, now: float) -> ScaleSample:
+        """What the autoscaler reads: the verdicts so far and what the routable replicas hold
+        (best-effort requests and those waiting for a verdict count as ongoing)."""
+        counters = self.metrics.counters
+        declined = counters.get("declined", 0)
+        routable = [vr for vr, ok in zip(self.replicas, self.routable(), strict=True) if ok]
+        return ScaleSample(
+            now,
+            counters.get("admitted", 0) + declined,
+            declined,
+            sum(len(vr.admitted) for vr in routable),
+            sum(len(vr.held) + self.num_pending(vr.index) for vr in routable),
+            len(routable),
+        )
 
     def holder(self, request_id: str) -> int | None:
         """The replica bound to the request, if any."""
@@ -98,7 +123,11 @@ class ControlPlane:
         route by them, and the mirrors keep no picture of the caches)."""
         if self.router.first_hop is not FirstHop.PREFIX:
             return []
-        return [vr.cached_prefix(request) if vr.alive else 0 for vr in self.replicas]
+        routable = self.routable()
+        return [
+            vr.cached_prefix(request) if ok else 0
+            for vr, ok in zip(self.replicas, routable, strict=True)
+        ]
 
     def submit(self, request: Request, now: float, *, resumed: bool = False) -> Decision | None:
         """Queue a request at its first hop; a Decision when the verdict needs no tick."""
@@ -110,7 +139,7 @@ class ControlPlane:
             return Decision(request, Binding(rid, verdict, held, 1), resumed)
         if self.is_pending(rid):
             return None
-        first = self.router.first(self.loads(), self.alive(), self._cached(request))
+        first = self.router.first(self.loads(), self.routable(), self._cached(request))
         if first is None:
             return Decision(
                 request,
@@ -137,12 +166,13 @@ class ControlPlane:
     def tick(self, now: float) -> list[Decision]:
         """One planning round over every replica in index order."""
         decisions: list[Decision] = []
+        routable = self.routable()
         for vr in self.replicas:
             batch, self._queues[vr.index] = self._queues[vr.index], []
             if not batch:
                 continue
             declined = batch
-            result = self._plan_admission(vr, batch, now) if vr.alive else None
+            result = self._plan_admission(vr, batch, now) if routable[vr.index] else None
             if result is not None:
                 declined = []
                 for p in batch:
@@ -181,6 +211,21 @@ class ControlPlane:
                 return vr.index
         return None
 
+    def drain(self, replica: int) -> None:
+        """Send the replica nothing new (the autoscaler stops it once it holds nothing); the
+        requests waiting there for its verdict go to another first hop, the hop not counted
+        as it never planned them (a drain must not show as declines)."""
+        self.draining.add(replica)
+        waiting, self._queues[replica] = self._queues[replica], []
+        routable = self.routable()
+        for p in waiting:
+            first = self.router.first(self.loads(), routable, self._cached(p.request))
+            if first is None:  # nowhere else: declined at the next tick
+                self._queues[replica].append(p)
+                continue
+            p.route.visited[-1] = first
+            self._queues[first].append(p)
+
     def mark_dead(self, replica: int) -> None:
         """The replica is gone: forget what it held (its clients resume their requests) and
         route what waits at it onwards at the next tick."""
@@ -194,12 +239,14 @@ class ControlPlane:
         vr.alive = True
 
     def _route_on(self, p: _Pending, now: float) -> Decision | None:
-        alive = self.alive()
+        alive = self.routable()
         nxt = self.router.next_hop(p.route, alive)
         if nxt is not None:
             p.route.visited.append(nxt)
             self._queues[nxt].append(p)
             return None
+        if not p.resumed:
+            self.metrics.inc("declined")
         backup = self.router.backup(p.route, self.loads(), alive)
         target = backup.best_effort_replica
         if target is None and p.resumed:

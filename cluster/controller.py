@@ -13,23 +13,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.placement_group import PlacementGroup, get_placement_group, remove_placement_group
 
 from cluster.api import ClusterStatus, Verdict
+from cluster.autoscale import SCALE_PERIOD_S, Autoscaler, plan_resize
 from cluster.config import BestEffortOrder, ClusterConfig, SchedulerKind
 from cluster.control import Binding, ControlPlane, Decision
 from cluster.leases import Leases
 from cluster.messages import StepReport
 from cluster.metrics import Metrics
+from cluster.names import NAMESPACE, replica_name
+from cluster.profile import load_profile
 from cluster.routing import FirstHop, Router
 from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
 from replica.perf_model import PerfModel
@@ -47,9 +50,13 @@ from replica.request import Request
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "deploy" / "profiles" / "cpu-demo.json"
 HEALTH_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 2.0
+DRAIN_GRACE_S = 10.0
+"""A draining replica that holds nothing stops once its clients have read their streams to
+the end, or this long after, should one never read it."""
+START_RETRY_S = 30.0
+"""After a replica failed to start, the autoscaler waits this long before it starts another."""
 AHEAD_WAIT_S = 0.5
 """How long a report past a gap waits for the reports before it, before the mirror is rebuilt
 from a snapshot: Ray does not keep an async actor's calls in order, so a replica's reports
@@ -65,24 +72,6 @@ for a replica inside their call, so calls that wait must never starve the quick 
 renewals, replica reports, aborts); Ray's default for an async actor is 1,000. (A separate
 concurrency group for resumes would run them on another event loop, away from the state
 they wait on.)"""
-
-
-def load_profile(config: ClusterConfig) -> PerfModel:
-    """The profile the replicas plan with; one made for another tensor-parallel degree would
-    price every step wrong (the all-reduces, each rank's share of the work), so it is refused."""
-    path = Path(config.profile) if config.profile else DEFAULT_PROFILE
-    if not path.is_file():
-        raise ValueError(f"perf profile {str(path)!r} does not exist (set `profile`)")
-    perf = PerfModel.load(path)
-    size = config.tensor_parallel_size
-    if perf.tp != size:
-        raise ValueError(
-            f"perf profile {str(path)!r} is for tensor parallelism {perf.tp}, but the replicas "
-            f"run tensor_parallel_size {size}: set `profile` to one made for {size} (`slos-serve "
-            f"profile --tensor-parallel {size}`; deploy/profiles/cpu-demo-tp2.json is the CPU "
-            f"demo pair's at 2)"
-        )
-    return perf
 
 
 def planner_config(config: ClusterConfig) -> PlannerConfig:
@@ -134,8 +123,10 @@ def build_plane(config: ClusterConfig, metrics: Metrics | None = None) -> Contro
             track_prefixes=config.first_hop is FirstHop.PREFIX,
             credit_prefixes=config.prefix_caching and config.credit_prefixes,
         )
-        for i in range(config.replicas)
+        for i in range(config.slots)
     ]
+    for vr in replicas[config.replicas :]:
+        vr.alive = False
     return ControlPlane(replicas, router, metrics)
 
 
@@ -166,13 +157,25 @@ class ClusterController:
         if len(replicas) != config.replicas:
             raise ValueError(f"config has {config.replicas} replicas, got {len(replicas)} handles")
         self.config = config
-        self.replicas = list(replicas)
-        self.groups = list(groups)
+        empty = config.slots - config.replicas
+        self.replicas: list[ActorHandle | None] = [*replicas, *[None] * empty]
+        """Per slot (autoscale's maximum, else `replicas`): its replica, None when off."""
+        self.groups: list[PlacementGroup | None] = [*groups, *[None] * (config.slots - len(groups))]
         self.detached = detached
+        self.namespace = NAMESPACE if detached else None
         self.plane = build_plane(config)
+        self.autoscaler = (
+            Autoscaler(config.autoscale, config.replicas) if config.autoscale is not None else None
+        )
+        self._starting: dict[int, asyncio.Task[None]] = {}
+        """Slots whose replica the autoscaler is starting."""
+        self._empty_since: dict[int, float] = {}
+        """Draining replicas that hold nothing, since when."""
+        self._start_failed = -math.inf
+        """When a replica last failed to start (monotonic)."""
         self._waiters: dict[str, asyncio.Future[Binding]] = {}
         self._binding: dict[int, dict[str, tuple[Request, bool]]] = {
-            i: {} for i in range(config.replicas)
+            i: {} for i in range(config.slots)
         }
         """Requests being handed to each replica (request, admitted)."""
         self._rebuilds: dict[int, _Rebuild] = {}
@@ -226,7 +229,7 @@ class ClusterController:
                 "no front door for %.0f s: stopping the cluster", self.leases.abandoned_after_s
             )
             me = ray.get_runtime_context().current_actor
-            kill_for_good([*self.replicas, me], self.groups)
+            kill_for_good([*(a for a in self.replicas if a is not None), me], self.groups)
 
     def _end_orphans(self) -> None:
         if not (self.leases.owners or self.leases.settling):
@@ -248,11 +251,35 @@ class ClusterController:
         await self._ready.wait()
 
     async def _boot(self) -> None:
-        await asyncio.gather(*(self._sync(i) for i in range(len(self.replicas))))
+        if self.autoscaler is not None:
+            self._adopt()
+        await asyncio.gather(*(self._sync(i) for i in self._up()))
         assert self._ready is not None
         self._ready.set()
         self._spawn(self._tick_loop())
         self._spawn(self._health_loop())
+        if self.autoscaler is not None:
+            self._spawn(self._scale_loop())
+
+    def _up(self) -> list[int]:
+        """Slots with a replica that has loaded its model (not off, not starting)."""
+        return [i for i, a in enumerate(self.replicas) if a is not None and i not in self._starting]
+
+    def _adopt(self) -> None:
+        """Take the replicas running under the slots' names: after a restart, the autoscaler
+        may have started and stopped some since the launch that gave this actor its list."""
+        assert self.autoscaler is not None
+        for i in range(self.config.slots):
+            try:
+                self.replicas[i] = ray.get_actor(replica_name(i), namespace=self.namespace)
+            except ValueError:
+                self.replicas[i] = self.groups[i] = None
+                self.plane.replicas[i].alive = False
+                continue
+            if self.config.num_gpus_per_replica > 0:
+                with contextlib.suppress(ValueError):
+                    self.groups[i] = get_placement_group(replica_name(i))
+        self.autoscaler.target = self.autoscaler.config.bounded(len(self._up()))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)
@@ -286,7 +313,7 @@ class ClusterController:
         rid = original.request_id
         self._resuming[rid] = False
         try:
-            if not any(up for i, up in enumerate(self.plane.alive()) if i != from_replica):
+            if not any(up for i, up in enumerate(self.plane.routable()) if i != from_replica):
                 await self._check(from_replica)
             await self._until_a_replica_is_up(time.monotonic() + RESUME_WAIT_S)
         finally:
@@ -298,7 +325,7 @@ class ClusterController:
         return await self._decide(original, decision)
 
     async def _until_a_replica_is_up(self, deadline: float) -> None:
-        while not any(self.plane.alive()) and time.monotonic() < deadline:
+        while not any(self.plane.routable()) and time.monotonic() < deadline:
             if self._revived is None:
                 self._revived = asyncio.Event()
             with contextlib.suppress(TimeoutError):
@@ -314,8 +341,9 @@ class ClusterController:
         if any(request_id in binding for binding in self._binding.values()):
             self._aborted.add(request_id)
         replica = self.plane.abort(request_id)
-        if replica is not None:
-            self.replicas[replica].abort.remote(request_id)
+        actor = None if replica is None else self.replicas[replica]
+        if actor is not None:
+            actor.abort.remote(request_id)
 
     async def _decide(self, request: Request, decision: Decision | None) -> Binding:
         if decision is not None:
@@ -344,12 +372,16 @@ class ClusterController:
         if replica in self._rebuilds:
             self._rebuilds[replica].binds[rid] = (request, admitted)
         added = False
+        actor = self.replicas[replica]
         try:
-            await self.replicas[replica].add_request.remote(request, admitted)
+            if actor is None:  # stopped by the autoscaler since the plane chose it
+                raise RayActorError
+            await actor.add_request.remote(request, admitted)
             added = True
         except RayActorError:
             self.plane.abort(rid)
-            self.plane.mark_dead(replica)
+            if actor is not None:
+                self.plane.mark_dead(replica)
             retry = self.plane.submit(request, time.time(), resumed=decision.resumed)
             return None if retry is None else await self._bind(retry)
         except RayTaskError as exc:
@@ -360,9 +392,11 @@ class ClusterController:
             self._binding[replica].pop(rid, None)
             if not added and replica in self._rebuilds:
                 self._rebuilds[replica].binds.pop(rid, None)
+        if self.autoscaler is not None:
+            binding = replace(binding, actor=actor)
         if rid in self._aborted:
             self._aborted.discard(rid)
-            self.replicas[replica].abort.remote(rid)
+            actor.abort.remote(rid)
             return binding
         # The mirror has the request since the plane accepted it, or since a rebuild during
         # the hand-off put it back (_sync); one missing now ended already, and stays out.
@@ -390,7 +424,9 @@ class ClusterController:
         elif binding.replica is not None:
             # Nobody waits any more (the client went away): release the request.
             self.plane.abort(binding.request_id)
-            self.replicas[binding.replica].abort.remote(binding.request_id)
+            actor = self.replicas[binding.replica]
+            if actor is not None:
+                actor.abort.remote(binding.request_id)
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -421,8 +457,11 @@ class ClusterController:
         if plan is None:
             self._plan_sent.pop(replica, None)
             return
+        actor = self.replicas[replica]
+        if actor is None:
+            return
         self._plan_sent[replica] = now
-        self.replicas[replica].set_plan.remote(plan)
+        actor.set_plan.remote(plan)
 
     async def report(self, report: StepReport) -> None:
         """A replica executed a step: count it, fold it in and send that replica its next
@@ -485,12 +524,15 @@ class ClusterController:
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
             self._watch_leases()
-            await asyncio.gather(*(self._check(i) for i in range(len(self.replicas))))
+            await asyncio.gather(*(self._check(i) for i in self._up()))
 
     async def _check(self, replica: int) -> None:
         vr = self.plane.replicas[replica]
+        actor = self.replicas[replica]
+        if actor is None:  # stopped by the autoscaler since the loop listed it
+            return
         try:
-            incarnation = await _within(self.replicas[replica].health.remote(), HEALTH_TIMEOUT_S)
+            incarnation = await _within(actor.health.remote(), HEALTH_TIMEOUT_S)
         except (RayActorError, TimeoutError):
             if vr.alive:
                 log.warning("replica %d is down; its requests resume elsewhere", replica)
@@ -501,13 +543,16 @@ class ClusterController:
 
     async def _sync(self, replica: int) -> None:
         """Rebuild a mirror from its replica's snapshot (or mark the replica down)."""
-        if replica in self._rebuilds:
+        actor = self.replicas[replica]
+        if replica in self._rebuilds or actor is None:
             return
         held = self._ahead.pop(replica, {}).values()
         rebuild = self._rebuilds[replica] = _Rebuild(dict(self._binding[replica]))
         restored = False
         try:
-            snapshot = await _within(self.replicas[replica].snapshot.remote(), HEALTH_TIMEOUT_S)
+            snapshot = await _within(actor.snapshot.remote(), HEALTH_TIMEOUT_S)
+            if self.replicas[replica] is not actor:  # the autoscaler stopped it meanwhile
+                return
             self.plane.restore(replica, snapshot, time.time())
             self.plane.metrics.inc("mirror_rebuilds")
             # Held since before the snapshot: another incarnation's are the past.
@@ -533,18 +578,145 @@ class ClusterController:
                 return
         self._send_plan(replica, time.time())
 
+    # -- autoscaling ----------------------------------------------------------------------------
+
+    async def _scale_loop(self) -> None:
+        assert self.autoscaler is not None
+        while not self.leases.closing:  # the last front door stops the replicas it finds
+            await asyncio.sleep(SCALE_PERIOD_S)
+            target = self.autoscaler.observe(self.plane.scale_sample(time.time()))
+            self._resize(target)
+            await self._retire_drained()
+
+    def _resize(self, target: int) -> None:
+        draining = self.plane.draining
+        serving = [i for i in self._up() if i not in draining]
+        loads = self.plane.loads()
+        steps = plan_resize(
+            target, serving, sorted(self._starting), sorted(draining), lambda i: loads[i]
+        )
+        draining.difference_update(steps.undrain)
+        retry_in = self._start_failed + START_RETRY_S - time.monotonic()
+        if steps.start and retry_in > 0:
+            log.info("autoscaler: a replica failed to start; the next try in %.0f s", retry_in)
+        for _ in range(steps.start if retry_in <= 0 else 0):
+            slot = next(
+                i for i, a in enumerate(self.replicas) if a is None and i not in self._starting
+            )
+            log.info("autoscaler: starting replica %d (target %d)", slot, target)
+            task = asyncio.create_task(self._start_replica(slot))
+            self._starting[slot] = task
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        for slot in steps.cancel:
+            log.info("autoscaler: replica %d is no longer needed; stopping it", slot)
+            self._starting.pop(slot).cancel()
+        for slot in steps.drain:
+            log.info("autoscaler: draining replica %d (target %d)", slot, target)
+            self.plane.drain(slot)
+
+    async def _start_replica(self, slot: int) -> None:
+        """Start a replica in an empty slot; it takes requests once its mirror is built."""
+        # Imported here: it loads torch and the engine, which only a controller that starts
+        # replicas needs.
+        from cluster.replica_launch import start_replica
+
+        try:
+            actor, group = await start_replica(self.config, slot, self.namespace, self.detached)
+            self.replicas[slot], self.groups[slot] = actor, group
+            await actor.info.remote()
+            del self._starting[slot]
+            await self._sync(slot)
+        except asyncio.CancelledError:
+            self._stop_slot(slot)
+            raise
+        except Exception:  # a replica that cannot start must not hold its slot
+            log.exception("starting replica %d failed", slot)
+            self._start_failed = time.monotonic()
+            self._starting.pop(slot, None)
+            self._stop_slot(slot)
+
+    async def _retire_drained(self) -> None:
+        """Stop the draining replicas that finished what they held and whose clients read
+        their streams to the end (or DRAIN_GRACE_S after, for a client that never does)."""
+        now = time.monotonic()
+        for slot in sorted(self.plane.draining):
+            actor = self.replicas[slot]
+            if actor is None:
+                self.plane.draining.discard(slot)
+                continue
+            if self._owes(slot):
+                self._empty_since.pop(slot, None)
+                continue
+            try:
+                held, unread = await _within(actor.open_work.remote(), HEALTH_TIMEOUT_S)
+            except RayActorError:
+                held, unread = 0, 0  # gone: its clients resume their requests elsewhere
+            except TimeoutError:
+                continue
+            if held:
+                self._empty_since.pop(slot, None)
+                continue
+            since = self._empty_since.setdefault(slot, now)
+            if unread and now - since < DRAIN_GRACE_S:
+                continue
+            changed = self.replicas[slot] is not actor or slot not in self.plane.draining
+            if changed or self._owes(slot):  # while we asked
+                continue
+            log.info("autoscaler: replica %d drained; stopping it", slot)
+            self._empty_since.pop(slot, None)
+            self.plane.draining.discard(slot)
+            self.plane.mark_dead(slot)
+            self._stop_slot(slot)
+
+    def _owes(self, slot: int) -> bool:
+        """The controller knows of work on the slot: held, being bound, waiting, rebuilding."""
+        vr = self.plane.replicas[slot]
+        return bool(
+            vr.held or self._binding[slot] or self.plane.num_pending(slot) or slot in self._rebuilds
+        )
+
+    def _stop_slot(self, slot: int) -> None:
+        """Kill a slot's replica for good and free its placement group (by name too: one
+        being started may not have been handed back yet)."""
+        actor, group = self.replicas[slot], self.groups[slot]
+        self.replicas[slot] = self.groups[slot] = None
+        self._plan_sent.pop(slot, None)
+        self._ahead.pop(slot, None)
+        if actor is None:
+            with contextlib.suppress(ValueError):
+                actor = ray.get_actor(replica_name(slot), namespace=self.namespace)
+        if group is None and self.config.num_gpus_per_replica > 0:
+            with contextlib.suppress(ValueError):
+                group = get_placement_group(replica_name(slot))
+        kill_for_good([actor] if actor is not None else [], [group])
+
     # -- status ---------------------------------------------------------------------------------
 
     async def status(self) -> ClusterStatus:
         await self.ready()
+        statuses = (
+            replace(
+                self.plane.replicas[i].status(self.plane.num_pending(i)),
+                draining=i in self.plane.draining,
+            )
+            for i in self._up()
+        )
         return ClusterStatus(
             model=self.config.model_name,
-            replicas=tuple(
-                vr.status(self.plane.num_pending(vr.index)) for vr in self.plane.replicas
-            ),
+            replicas=tuple(statuses),
             counters=dict(self.plane.metrics.counters),
             scheduler=self.config.scheduler.value,
+            target_replicas=self.autoscaler.target if self.autoscaler is not None else 0,
+            starting=len(self._starting),
         )
+
+    async def replica_handles(self) -> list[ActorHandle | None]:
+        """Per slot, the replica a front door may stream from and ask for the model's limits
+        (None: off, starting, or draining to stop)."""
+        await self.ready()
+        gone = set(self._starting) | self.plane.draining
+        return [a if i not in gone else None for i, a in enumerate(self.replicas)]
 
     async def metrics(self) -> dict[str, object]:
         return self.plane.metrics.snapshot()

@@ -21,13 +21,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
-from ray.util.placement_group import (
-    PlacementGroup,
-    get_placement_group,
-    placement_group,
-    remove_placement_group,
-)
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup, get_placement_group, remove_placement_group
 
 from cluster.api import (
     ClusterStatus,
@@ -40,16 +34,12 @@ from cluster.api import (
 )
 from cluster.config import ClusterConfig
 from cluster.control import Binding
-from cluster.controller import MAX_CONCURRENCY, ClusterController, kill_for_good, load_profile
+from cluster.controller import MAX_CONCURRENCY, ClusterController, kill_for_good
 from cluster.messages import StreamItem
 from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
-from cluster.replica_actor import (
-    CONTROLLER_NAME,
-    NAMESPACE,
-    ReplicaActor,
-    rank_resources,
-    replica_name,
-)
+from cluster.names import CONTROLLER_NAME, NAMESPACE, replica_name
+from cluster.profile import load_profile
+from cluster.replica_launch import start_actor, start_replica
 from replica.planner.base import CacheBudget
 from replica.planner.queues import peak_tokens
 from replica.request import Request
@@ -93,14 +83,15 @@ class ClusterHandle:
         self,
         config: ClusterConfig,
         controller: ActorHandle,
-        replicas: Sequence[ActorHandle],
+        replicas: Sequence[ActorHandle | None],
         max_model_len: int,
         vocab_size: int,
         groups: Sequence[PlacementGroup | None] = (),
         namespace: str | None = None,
     ) -> None:
-        """`groups`: the replicas' placement groups; `namespace`: the Ray namespace their
-        names are in (None: this job's)."""
+        """`replicas`: per slot, its replica (None: off, with autoscaling); `groups`: the
+        replicas' placement groups; `namespace`: the Ray namespace their names are in (None:
+        this job's)."""
         self.config = config
         self._controller = controller
         self._replicas = list(replicas)
@@ -137,7 +128,9 @@ class ClusterHandle:
 
     @property
     def replicas(self) -> list[ActorHandle]:
-        return list(self._replicas)
+        """The replicas this handle knew of at launch or attach (an autoscaler changes them
+        since: each binding names its own)."""
+        return [r for r in self._replicas if r is not None]
 
     def validate(self, request: Request) -> None:
         """The checks a replica would make, made here so bad input fails before routing."""
@@ -186,7 +179,7 @@ class ClusterHandle:
                 )
                 end = None
                 try:
-                    async for item in self._stream(binding.replica, rid):
+                    async for item in self._stream(binding, rid):
                         if item.token_ids:
                             if not progress.tokens:
                                 progress.cached_tokens = item.cached_tokens
@@ -223,10 +216,10 @@ class ClusterHandle:
             if not finished:
                 self.abort(rid)
 
-    async def _stream(self, replica: int, request_id: str) -> AsyncIterator[StreamItem]:
-        gen: Any = (
-            self._replicas[replica].stream.options(num_returns="streaming").remote(request_id)
-        )
+    async def _stream(self, binding: Binding, request_id: str) -> AsyncIterator[StreamItem]:
+        assert binding.replica is not None
+        actor: Any = binding.actor or self._replicas[binding.replica]
+        gen: Any = actor.stream.options(num_returns="streaming").remote(request_id)
         async for ref in gen:
             yield await ref
 
@@ -313,8 +306,10 @@ class ClusterHandle:
         """Leave the cluster, ending this handle's requests. The last handle to leave stops
         it: the controller, then the replicas (open streams end), by their handles (a name
         may already be a newer cluster's); returns once their names are free of them, so a
-        new cluster can launch on the same Ray instance. A controller gone for good was
-        stopped by whoever replaced it, with its replicas."""
+        new cluster can launch on the same Ray instance. An autoscaled cluster's replicas
+        are found by their slots' names: the controller stopped scaling when the last door
+        left. A controller gone for good was stopped by whoever replaced it, with its
+        replicas."""
         if self._lease is not None:
             self._lease.cancel()
         try:
@@ -326,9 +321,17 @@ class ClusterHandle:
         except TimeoutError:
             last = True  # a controller that does not answer cannot be left running
         if last:
-            names = [CONTROLLER_NAME, *(replica_name(i) for i in range(len(self._replicas)))]
-            actors = dict(zip(names, [self._controller, *self._replicas], strict=True))
-            await _stop(actors, self._groups, self._namespace)
+            actors = {CONTROLLER_NAME: self._controller}
+            scaled = self.config.autoscale is not None
+            groups = [] if scaled else list(self._groups)
+            for i in range(self.config.slots):
+                actor = self._replicas[i] if i < len(self._replicas) else None
+                if scaled:  # the autoscaler's, whatever they are now
+                    actor, group = _slot(i, self._namespace, self.config)
+                    groups.append(group)
+                if actor is not None:
+                    actors[replica_name(i)] = actor
+            await _stop(actors, groups, self._namespace)
 
 
 async def _stop(
@@ -344,6 +347,19 @@ async def _stop(
         _holds(name, actor, namespace) for name, actor in actors.items()
     ):
         await asyncio.sleep(0.1)
+
+
+def _slot(
+    index: int, namespace: str | None, config: ClusterConfig
+) -> tuple[ActorHandle | None, PlacementGroup | None]:
+    """The replica and placement group running under slot `index`'s name, if any."""
+    actor = group = None
+    with contextlib.suppress(ValueError):
+        actor = ray.get_actor(replica_name(index), namespace=namespace)
+    if config.num_gpus_per_replica > 0:
+        with contextlib.suppress(ValueError):
+            group = get_placement_group(replica_name(index))
+    return actor, group
 
 
 def _holds(name: str, actor: ActorHandle, namespace: str | None) -> bool:
@@ -374,26 +390,16 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
         if handle is not None:
             return handle
         await _stop_running(config)
-    lifetime: dict[str, Any] = {"lifetime": "detached"} if detached else {}
-    cpus, gpus = rank_resources(config)
-    groups = [await _placement_group(config, i, lifetime) for i in range(config.replicas)]
-    replicas = [
-        start_actor(
-            ReplicaActor,
-            i,
-            config,
-            namespace,
-            name=replica_name(i),
-            namespace=namespace,
-            max_restarts=-1,
-            num_cpus=cpus,
-            num_gpus=gpus,
-            **lifetime,
-            **_in_group(group),
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus < config.num_gpus_per_replica:
+        raise ValueError(
+            f"num_gpus_per_replica={config.num_gpus_per_replica} but the Ray cluster has "
+            f"{gpus} GPU(s)"
         )
-        for i, group in enumerate(groups)
-    ]
-    infos = await asyncio.gather(*(r.info.remote() for r in replicas))
+    started = [await start_replica(config, i, namespace, detached) for i in range(config.replicas)]
+    replicas = [actor for actor, _ in started]
+    groups = [group for _, group in started]
+    infos: list[tuple[int, int]] = await asyncio.gather(*(r.info.remote() for r in replicas))
     max_model_len, vocab_size = infos[0]
     controller = start_actor(
         ClusterController,
@@ -407,7 +413,7 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
         max_task_retries=-1,
         max_concurrency=MAX_CONCURRENCY,
         num_cpus=0,
-        **lifetime,
+        **({"lifetime": "detached"} if detached else {}),
     )
     await controller.ready.remote()
     handle = ClusterHandle(
@@ -426,17 +432,29 @@ async def _reattach(config: ClusterConfig) -> ClusterHandle | None:
             log.info("a cluster with another config is running; stopping it")
             return None
         groups = await controller.placement_groups.remote()
-        replicas = [
-            ray.get_actor(replica_name(i), namespace=NAMESPACE) for i in range(config.replicas)
-        ]
-        infos = await asyncio.gather(*(r.info.remote() for r in replicas))
+        replicas = await controller.replica_handles.remote()
     except (ValueError, RayActorError):
         return None
-    handle = ClusterHandle(config, controller, replicas, *infos[0], groups, NAMESPACE)
+    info = await _model_info(replicas)
+    if info is None:
+        return None
+    handle = ClusterHandle(config, controller, replicas, *info, groups, NAMESPACE)
     if not await handle.attach():
         return None
-    log.info("attached to the running cluster (%d replicas)", len(replicas))
+    log.info("attached to the running cluster (%d replicas)", sum(r is not None for r in replicas))
     return handle
+
+
+async def _model_info(replicas: Sequence[ActorHandle | None]) -> tuple[int, int] | None:
+    """(max_model_len, vocab_size) from the first replica that answers: one dying at that
+    moment (a restart, an autoscaler's stop) must not make the door stop a running cluster."""
+    for replica in replicas:
+        if replica is None:
+            continue
+        with contextlib.suppress(RayActorError):
+            info: tuple[int, int] = await replica.info.remote()
+            return info
+    return None
 
 
 async def _stop_running(config: ClusterConfig) -> None:
@@ -453,7 +471,7 @@ async def _stop_running(config: ClusterConfig) -> None:
                 actors[CONTROLLER_NAME].placement_groups.remote(), SHUTDOWN_TIMEOUT_S
             )
     await _stop(actors, groups, NAMESPACE)
-    for i in range(config.replicas):
+    for i in range(config.slots):
         with contextlib.suppress(ValueError):
             remove_placement_group(get_placement_group(replica_name(i)))
 
@@ -464,41 +482,3 @@ def _cluster_names() -> list[str]:
     named = ray.util.list_named_actors(all_namespaces=True)
     names = [a["name"] for a in named if a["namespace"] == NAMESPACE]
     return [n for n in names if n == CONTROLLER_NAME or n.startswith(prefix)]
-
-
-async def _placement_group(
-    config: ClusterConfig, index: int, lifetime: dict[str, Any]
-) -> PlacementGroup | None:
-    """A GPU replica gets its own placement group, one bundle per tensor-parallel rank on one
-    node, so its devices are reserved together (and stay reserved across restarts); the
-    replica actor is rank 0, in the first bundle. CPU replicas need none. The group is named
-    for its replica and lives as long as the replica may: a detached replica in a group its
-    launcher owned would die with the launcher."""
-    if config.num_gpus_per_replica <= 0:
-        return None
-    if ray.cluster_resources().get("GPU", 0) < config.num_gpus_per_replica:
-        raise ValueError(
-            f"num_gpus_per_replica={config.num_gpus_per_replica} but the Ray cluster has "
-            f"{ray.cluster_resources().get('GPU', 0)} GPU(s)"
-        )
-    cpus, gpus = rank_resources(config)
-    group = placement_group(
-        [{"CPU": cpus, "GPU": gpus}] * config.tensor_parallel_size,
-        strategy="STRICT_PACK",
-        name=replica_name(index),
-        **lifetime,
-    )
-    await group.ready()
-    return group
-
-
-def _in_group(group: PlacementGroup | None) -> dict[str, Any]:
-    if group is None:
-        return {}
-    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-    return {"scheduling_strategy": strategy}
-
-
-def start_actor(cls: type, *args: object, **options: Any) -> Any:
-    """`cls` as a Ray actor with `options` (typed Any: Ray's stubs do not know the methods)."""
-    return ray.remote(cls).options(**options).remote(*args)

@@ -24,8 +24,9 @@ import ray
 import torch
 
 from cluster.config import ClusterConfig
-from cluster.controller import load_profile
 from cluster.messages import ReplicaSnapshot, StepReport, StreamItem
+from cluster.names import CONTROLLER_NAME
+from cluster.profile import load_profile
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchPlan
 from replica.device import compute_device
@@ -37,18 +38,10 @@ from replica.planner.specserve import SpecServeLengths
 from replica.request import Request
 from replica.tensor_parallel import TensorParallel, join
 
-CONTROLLER_NAME = "slos-serve-controller"
-NAMESPACE = "slos-serve"
-"""The Ray namespace of a detached cluster's controller and replicas: a fixed one, so a front
-door that Ray Serve restarts finds it by name."""
 TP_JOIN_TIMEOUT = timedelta(minutes=10)
 """How long a rank waits for the rest of its group to be scheduled and start."""
 
 log = logging.getLogger(__name__)
-
-
-def replica_name(index: int) -> str:
-    return f"slos-serve-replica-{index}"
 
 
 def engine_device(config: ClusterConfig) -> tuple[torch.device, torch.dtype]:
@@ -199,6 +192,10 @@ class ReplicaActor:
 
     async def snapshot(self) -> ReplicaSnapshot:
         return self.core.snapshot()
+
+    async def open_work(self) -> tuple[int, int]:
+        """What a draining replica still owes its clients (ReplicaCore.open_work)."""
+        return self.core.open_work()
 
     async def health(self) -> str:
         """The incarnation id: a different one means the replica restarted."""

@@ -140,6 +140,11 @@ class ReplicaCore:
         self._inbox = plan
         self._wake.set()
 
+    def open_work(self) -> tuple[int, int]:
+        """(Requests held, streams of ended requests not read to their end): a replica is
+        stopped losing no client a token only at (0, 0)."""
+        return len(self._held), sum(rid not in self._held for rid in self._streams)
+
     def snapshot(self) -> ReplicaSnapshot:
         """What the replica holds once its pending aborts apply: aborts take effect silently
         at the next step boundary, so a mirror rebuilt from a snapshot that still listed them

@@ -3,8 +3,9 @@
 Events at the same instant run in EventKind order, then in the order they were pushed, so a
 run never depends on heap internals. The kind order is chosen so that what happened at an
 instant is visible to what decides at it: a step's tokens are out (and its memory freed)
-before a KV transfer landing at that instant is placed, both before requests arriving at that
-instant are queued, and all of them before the planning tick.
+before a KV transfer landing at that instant is placed, both before a replica started by the
+autoscaler comes up, all of them before requests arriving at that instant are queued, and
+those before the planning tick; the autoscaler looks last, at the instant as it ended.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ class EventKind(IntEnum):
     """A replica's step ends: tokens out, outcome folded into its scheduler."""
     TRANSFER_DONE = 1
     """A prompt's KV cache reached a decode replica (policy distserve)."""
-    ARRIVAL = 2
+    REPLICA_UP = 2
+    """A replica the autoscaler started has loaded its model and takes requests."""
+    ARRIVAL = 3
     """A request reaches the cluster."""
-    TICK = 3
+    TICK = 4
     """The controller's planning tick (admission and routing)."""
+    SCALE = 5
+    """The autoscaler's evaluation (SimConfig.autoscale)."""
 
 
 class Event(NamedTuple):
@@ -33,7 +38,8 @@ class Event(NamedTuple):
     kind: EventKind
     seq: int
     target: int
-    """Replica index (STEP_DONE), workload index (ARRIVAL, TRANSFER_DONE), tick number (TICK)."""
+    """Replica index (STEP_DONE, REPLICA_UP), workload index (ARRIVAL, TRANSFER_DONE), tick
+    number (TICK), evaluation number (SCALE)."""
 
 
 @dataclass

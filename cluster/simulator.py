@@ -43,6 +43,14 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from cluster.api import Verdict
+from cluster.autoscale import (
+    SCALE_PERIOD_S,
+    AutoscaleConfig,
+    Autoscaler,
+    ScaleSample,
+    ScaleSignal,
+    plan_resize,
+)
 from cluster.control import ControlPlane, Decision
 from cluster.messages import StepReport
 from cluster.plans import SeqView, reconcile
@@ -190,6 +198,12 @@ class SimConfig:
     computed (cluster.config.ClusterConfig.credit_prefixes): slos's admission and plans by
     its controller's picture of the replica's cache, a baseline's by its replica's cache when
     the request arrives. False: every prefill planned in full, hits learned of as they run."""
+    autoscale: AutoscaleConfig | None = None
+    """The replica count follows the load (cluster.autoscale) within the config's bounds,
+    from `replicas` at the start; None: `replicas` run throughout."""
+    replica_startup_s: float = 60.0
+    """With autoscale: how long a replica started takes to load its model; its GPU counts
+    from the start."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", Policy(self.policy))
@@ -227,6 +241,31 @@ class SimConfig:
                 f"prefill_replicas must be in [1, replicas={self.replicas}) for distserve "
                 f"(both pools non-empty), got {self.prefill_replicas}"
             )
+        if self.autoscale is not None:
+            self._check_autoscale(self.autoscale)
+
+    def _check_autoscale(self, scale: AutoscaleConfig) -> None:
+        if self.policy is Policy.DISTSERVE:
+            raise ValueError("distserve's pools are simulated at a fixed size: no autoscale")
+        if scale.signal is ScaleSignal.SLO and (
+            not self.policy.is_slos or self.policy is Policy.SLOS_NOADMIT
+        ):
+            raise ValueError(
+                f"autoscale signal slo follows admission's declines; {self.policy.value} "
+                "declines nothing (use signal ongoing)"
+            )
+        if not scale.min_replicas <= self.replicas <= scale.max_replicas:
+            raise ValueError(
+                f"replicas ({self.replicas}) must be within autoscale's bounds "
+                f"[{scale.min_replicas}, {scale.max_replicas}]"
+            )
+        if not self.replica_startup_s >= 0:
+            raise ValueError(f"replica_startup_s must be >= 0, got {self.replica_startup_s!r}")
+
+    @property
+    def slots(self) -> int:
+        """Replicas that may run at once."""
+        return self.autoscale.max_replicas if self.autoscale else self.replicas
 
     @property
     def first_hop(self) -> FirstHop:
@@ -316,6 +355,10 @@ class SimResult:
     cached when it bound their requests, summed over replicas."""
     credit_missed_tokens: int = 0
     """Of those, the tokens the replica did not find cached."""
+    replica_s: float = 0.0
+    """GPU time: seconds each replica ran (started, serving or draining), summed."""
+    scaling: tuple[tuple[float, int, int], ...] = ()
+    """With autoscale: (time, replicas running, replicas taking requests) at every change."""
 
 
 def tightest_tpot_s(requests: Sequence[Request]) -> float:
@@ -424,64 +467,78 @@ class Simulator:
         self._unadmitted: list[deque[tuple[int, Request]]] = []
         """Policy slos-noadmit: per replica, arrivals waiting for their KV reservation."""
         self._links: list[KvLink] = []
-        self._inflight = [0] * config.replicas
+        self._inflight = [0] * config.slots
         """Policy distserve: KV transfers under way to each decode replica."""
-        if config.policy.is_slos:
-            planner = config.planner_config()
-            accept = self.accept if planner.spec is not None else None
-            specserve = config.policy is Policy.SLOS_SPECSERVE and accept is not None
-            trees = (
-                (
-                    AdaServeTrees(perf, config.adaserve),
-                    SimulatedTrees(self.accept, config.sibling_acceptance),
-                )
-                if config.policy is Policy.SLOS_ADASERVE and accept is not None
-                else None
+        self._cache = cache
+        self._truth = truth
+        self._planner = config.planner_config()
+        self._trees = (
+            (
+                AdaServeTrees(perf, config.adaserve),
+                SimulatedTrees(self.accept, config.sibling_acceptance),
             )
-            mirrors = [
-                VirtualReplica(
-                    i,
-                    perf,
-                    cache,
-                    planner,
-                    track_prefixes=config.first_hop is FirstHop.PREFIX,
-                    credit_prefixes=config.prefix_caching and config.credit_prefixes,
-                )
-                for i in range(config.replicas)
-            ]
+            if config.policy is Policy.SLOS_ADASERVE and self._planner.spec is not None
+            else None
+        )
+        """slos+adaserve: the trees every replica verifies, their calibration shared."""
+        self.replicas = [self._build(i) for i in range(config.slots)]
+        if config.policy.is_slos:
+            mirrors = [rep.mirror for rep in self.replicas if rep.mirror is not None]
             self.plane = ControlPlane(mirrors, self.router)
-            self.replicas = [
-                _Replica(
-                    i,
-                    PerfExecutor(
-                        truth,
-                        cache,
-                        accept,
-                        (SpecServeLengths(perf), self.accept.draws) if specserve else None,
-                        trees,
-                        self._picture(cache),
-                    ),
-                    m.scheduler,
-                    m,
-                )
-                for i, m in enumerate(mirrors)
-            ]
             self._unadmitted = [deque() for _ in mirrors]
-        else:
-            self.replicas = [
-                _Replica(
-                    i,
-                    PerfExecutor(truth, cache, prefixes=self._picture(cache)),
-                    self._baseline(cache),
-                    None,
-                )
-                for i in range(config.replicas)
-            ]
+        self.autoscaler = (
+            Autoscaler(config.autoscale, config.replicas) if config.autoscale else None
+        )
+        self._on: list[float | None] = [
+            0.0 if i < config.replicas else None for i in range(config.slots)
+        ]
+        """Since when each replica's GPU is taken (None: off)."""
+        self._starting: dict[int, float] = {}
+        """Replicas starting, and when each is up (an event of a start since cancelled is
+        ignored)."""
+        self._retired: list[_Replica] = []
+        """Replicas the autoscaler replaced by fresh ones: their counts stay in the result."""
+        self._draining: set[int] = set()
+        """Replicas that finish what they hold and take nothing new (the plane's own set)."""
+        if self.plane is not None:
+            self.plane.draining = self._draining
+        self._replica_s = 0.0
+        """GPU seconds of the replicas turned off so far."""
+        self._scaling: list[tuple[float, int, int]] = []
+        for i in range(config.replicas, config.slots):
+            self._switch_off(i)
+        self._note_scaling()
         if config.policy is Policy.DISTSERVE:
             per_token = kv_bytes_per_token(perf, config.kv_bytes_per_token)
             self._links = [
                 KvLink(config.kv_link_gb_s, per_token) for _ in range(config.prefill_replicas)
             ]
+
+    def _build(self, i: int) -> _Replica:
+        """Replica i as it starts: an empty cache, and for slos a mirror that knows nothing."""
+        config, perf, cache = self.config, self.perf, self._cache
+        if not config.policy.is_slos:
+            executor = PerfExecutor(self._truth, cache, prefixes=self._picture(cache))
+            return _Replica(i, executor, self._baseline(cache), None)
+        accept = self.accept if self._planner.spec is not None else None
+        specserve = config.policy is Policy.SLOS_SPECSERVE and accept is not None
+        mirror = VirtualReplica(
+            i,
+            perf,
+            cache,
+            self._planner,
+            track_prefixes=config.first_hop is FirstHop.PREFIX,
+            credit_prefixes=config.prefix_caching and config.credit_prefixes,
+        )
+        executor = PerfExecutor(
+            self._truth,
+            cache,
+            accept,
+            (SpecServeLengths(perf), self.accept.draws) if specserve else None,
+            self._trees,
+            self._picture(cache),
+        )
+        return _Replica(i, executor, mirror.scheduler, mirror)
 
     def _picture(self, cache: CacheBudget) -> PrefixPicture | None:
         """A replica's prefix cache, with prefix caching on."""
@@ -505,8 +562,12 @@ class Simulator:
                 self._events.push(r.request.arrival_time, EventKind.ARRIVAL, i)
         if self.plane is not None and self._open:
             self._events.push(self.config.tick_interval_s, EventKind.TICK, 1)
+        if self.autoscaler is not None and self._open:
+            self._events.push(SCALE_PERIOD_S, EventKind.SCALE, 1)
         while self._events and not self._stopped:
             event = self._events.pop()
+            if event.kind in (EventKind.SCALE, EventKind.REPLICA_UP) and not self._open:
+                continue  # the run is over: scaling after it would stretch its end
             self._now = event.time
             if self._first_due:
                 self._note_first_tokens_due()
@@ -516,11 +577,16 @@ class Simulator:
                 self._transfer_done(event.target)
             elif event.kind is EventKind.ARRIVAL:
                 self._arrive(event.target)
-            else:
+            elif event.kind is EventKind.TICK:
                 self._tick(event.target)
+            elif event.kind is EventKind.REPLICA_UP:
+                self._replica_up(event.target)
+            else:
+                self._scale(event.target)
         wall_s = time.perf_counter() - started
-        executors = [rep.executor for rep in self.replicas]
-        mirrors = self.plane.replicas if self.plane is not None else []
+        replicas = [*self._retired, *self.replicas]
+        executors = [rep.executor for rep in replicas]
+        mirrors = [rep.mirror for rep in replicas if rep.mirror is not None]
         result = SimResult(
             (),
             self._steps,
@@ -536,6 +602,8 @@ class Simulator:
             prefix_hits=sum(e.prefix_hits for e in executors),
             credited_tokens=sum(m.credited_tokens for m in mirrors),
             credit_missed_tokens=sum(m.credit_missed_tokens for m in mirrors),
+            replica_s=self._replica_s + sum(self._now - on for on in self._on if on is not None),
+            scaling=tuple(self._scaling),
         )
         if self._stopped:
             return replace(result, stopped=EarlyStop(len(self._missed), len(self.requests)))
@@ -568,7 +636,7 @@ class Simulator:
             heapq.heappush(self._first_due, (now + request.slo.deadline_s(0), i))
         if self.plane is not None:
             if self.config.policy is Policy.SLOS_NOADMIT and request.tier is Tier.SLO:
-                first = self.router.first(self.plane.loads(), self.plane.alive())
+                first = self.router.first(self.plane.loads(), self.plane.routable())
                 assert first is not None
                 self._unadmitted[first].append((i, request))
                 return
@@ -579,8 +647,10 @@ class Simulator:
             else:
                 self._plan()
             return
-        pool = self.config.prefill_replicas if self._links else len(self.replicas)
-        replica = self.router.first([0.0] * pool, [True] * pool)
+        routable = self._routable()
+        if self._links:
+            routable = routable[: self.config.prefill_replicas]
+        replica = self.router.first([0.0] * len(routable), routable)
         assert replica is not None
         rep = self.replicas[replica]
         credit = 0
@@ -603,11 +673,18 @@ class Simulator:
         self._plan()
         if not self._open:
             return
-        waiting = any(self.plane.num_pending(i) for i in range(len(self.replicas)))
-        waiting = waiting or any(self._unadmitted)
-        if not self._events and not waiting and not any(r.running for r in self.replicas):
-            raise RuntimeError(f"simulation stalled at t={self._now} with work left")
+        self._check_progress()
         self._events.push((number + 1) * self.config.tick_interval_s, EventKind.TICK, number + 1)
+
+    def _check_progress(self) -> None:
+        """Raise when nothing but the periodic events is left to move the open requests on."""
+        periodic = (self.plane is not None) + (self.autoscaler is not None)
+        waiting = self.plane is not None and any(
+            self.plane.num_pending(i) for i in range(len(self.replicas))
+        )
+        waiting = waiting or any(self._unadmitted) or any(r.running for r in self.replicas)
+        if len(self._events) < periodic and not waiting:
+            raise RuntimeError(f"simulation stalled at t={self._now} with work left")
 
     def _step_done(self, replica: int) -> None:
         rep = self.replicas[replica]
@@ -628,6 +705,8 @@ class Simulator:
                 else:
                     self._close(i)
         self._kick(rep)
+        if replica in self._draining:
+            self._retire_drained()
 
     def _transfer_done(self, i: int) -> None:
         replica = self._tracks[i].replica
@@ -636,6 +715,110 @@ class Simulator:
         rep = self.replicas[replica]
         rep.landed.append(i)
         self._kick(rep)
+
+    # -- autoscaling (SimConfig.autoscale) ------------------------------------------------------
+
+    def _routable(self) -> list[bool]:
+        if self.plane is not None:
+            return self.plane.routable()
+        return [
+            on is not None and i not in self._starting and i not in self._draining
+            for i, on in enumerate(self._on)
+        ]
+
+    def _scale(self, number: int) -> None:
+        assert self.autoscaler is not None
+        target = self.autoscaler.observe(self._sample())
+        self._resize(target)
+        self._retire_drained()
+        if not self._open:
+            return
+        self._check_progress()
+        self._events.push((number + 1) * SCALE_PERIOD_S, EventKind.SCALE, number + 1)
+
+    def _sample(self) -> ScaleSample:
+        if self.plane is not None:
+            sample = self.plane.scale_sample(self._now)
+            queued = sum(
+                len(q) for q, ok in zip(self._unadmitted, self._routable(), strict=True) if ok
+            )
+            return replace(sample, ongoing=sample.ongoing + queued)
+        routable = self._routable()
+        ongoing = sum(
+            len(rep.executor.sequences) + len(rep.landed)
+            for rep, ok in zip(self.replicas, routable, strict=True)
+            if ok
+        )
+        return ScaleSample(self._now, 0, 0, 0, ongoing, sum(routable))
+
+    def _resize(self, target: int) -> None:
+        """Start, stop, drain or take back replicas (cluster.autoscale.plan_resize)."""
+        on = [i for i, t in enumerate(self._on) if t is not None]
+        starting = sorted(self._starting)
+        serving = [i for i in on if i not in self._starting and i not in self._draining]
+        steps = plan_resize(target, serving, starting, sorted(self._draining), self._load)
+        self._draining.difference_update(steps.undrain)
+        for _ in range(steps.start):
+            i = self._on.index(None)
+            self._on[i] = self._now
+            up = self._starting[i] = self._now + self.config.replica_startup_s
+            self._events.push(up, EventKind.REPLICA_UP, i)
+        for i in steps.cancel:
+            del self._starting[i]
+            self._switch_off(i)
+        for i in steps.drain:
+            if self.plane is not None:
+                self.plane.drain(i)
+            else:
+                self._draining.add(i)
+        self._note_scaling()
+
+    def _load(self, i: int) -> int:
+        rep = self.replicas[i]
+        return len(rep.mirror.held) if rep.mirror else len(rep.executor.sequences)
+
+    def _replica_up(self, i: int) -> None:
+        """A started replica takes requests, from an empty cache (unless it was stopped)."""
+        if self._starting.get(i) != self._now:
+            return
+        del self._starting[i]
+        self._retired.append(self.replicas[i])
+        rep = self.replicas[i] = self._build(i)
+        if self.plane is not None:
+            assert rep.mirror is not None
+            self.plane.replicas[i] = rep.mirror
+        self._note_scaling()
+
+    def _retire_drained(self) -> None:
+        for i in sorted(self._draining):
+            rep = self.replicas[i]
+            busy = rep.running or rep.has_work() or rep.executor.sequences
+            waiting = self._unadmitted and self._unadmitted[i]
+            if busy or waiting or (self.plane is not None and self.plane.num_pending(i)):
+                continue
+            self._draining.discard(i)
+            self._switch_off(i)
+
+    def _switch_off(self, i: int) -> None:
+        on = self._on[i]
+        if on is not None:
+            self._replica_s += self._now - on
+        self._on[i] = None
+        if self.plane is not None:
+            self.plane.replicas[i].alive = False
+        self._note_scaling()
+
+    def _note_scaling(self) -> None:
+        if self.autoscaler is None:
+            return
+        running = sum(on is not None for on in self._on)
+        point = (self._now, running, sum(self._routable()))
+        if self._scaling and self._scaling[-1][1:] == point[1:]:
+            return
+        if self._scaling and self._scaling[-1][0] == self._now:
+            self._scaling[-1] = point
+        else:
+            self._scaling.append(point)
 
     # -- helpers --------------------------------------------------------------------------------
 

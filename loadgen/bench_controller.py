@@ -30,8 +30,8 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.control import ControlPlane, Decision
 from cluster.controller import build_plane
-from cluster.handle import start_actor
 from cluster.messages import StepReport
+from cluster.replica_launch import start_actor
 from loadgen.simulate import load_profile
 from replica.arguments import non_negative_int, output_file, positive_float, positive_int
 from replica.perf_model import PerfModel

@@ -31,7 +31,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from cluster.controller import DEFAULT_PROFILE
+from cluster.profile import DEFAULT_PROFILE
 from replica.arguments import output_file, positive_int
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine, ProposerKind

@@ -69,6 +69,13 @@ from cluster.simulator import (
     kv_bytes_per_token,
 )
 from loadgen.arrivals import poisson_arrivals, trace_arrivals
+from loadgen.autoscaling import (
+    ScaleChoice,
+    autoscale_summary,
+    autoscale_table,
+    parse_choices,
+    scaled_run,
+)
 from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
 from loadgen.capacity_tables import ABLATION_PREFIX, markdown_tables, summarize
 from loadgen.metrics import RunReport, report
@@ -454,6 +461,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--size-for's ceiling: failing there reports the count as not found (default 64)",
     )
     parser.add_argument(
+        "--autoscale",
+        metavar="SIGNALS",
+        help="with --size-for: also replay each count's requests with the replica count left "
+        "to an autoscaler (cluster.autoscale) between 1 and twice the fixed count found, from "
+        "that count, once per signal in this comma list: slo (admission's declines; slos "
+        "policies) or ongoing:TARGET (Ray Serve's rule: TARGET requests per replica); reports "
+        "the attainment and the mean replicas (GPU seconds over the run's length)",
+    )
+    parser.add_argument(
+        "--replica-startup-s",
+        type=float,
+        help="with --autoscale: seconds a started replica takes to load its model (default 60)",
+    )
+    parser.add_argument(
         "--ablation",
         action="store_true",
         help="policies = slos and its variants with one part off: " + ",".join(ABLATION_POLICIES),
@@ -719,6 +740,9 @@ class Plan:
     """Where a search's runs stop early (None with --rate or --full-runs)."""
     jobs: int
     """Worker processes (1: the runs in this process, in order)."""
+    autoscale: list[ScaleChoice] = field(default_factory=list)
+    """With --size-for: the autoscalers each fixed count is compared with."""
+    replica_startup_s: float = 60.0
 
     def requests_per_replica(self, scenario: Workload) -> int:
         """Requests a replica gets at every rate: the scenario's duration at the reference rate
@@ -739,6 +763,10 @@ def _check_search_options(args: argparse.Namespace, size_for: list[float]) -> No
         raise OptionError(f"{flag} applies to a search (--capacity, --size-for), not --rate")
     if args.max_replicas is not None and not size_for:
         raise OptionError("--max-replicas applies to --size-for only")
+    if args.autoscale is not None and not size_for:
+        raise OptionError("--autoscale compares with a fixed count: it applies to --size-for only")
+    if args.replica_startup_s is not None and args.autoscale is None:
+        raise OptionError("--replica-startup-s applies to --autoscale only")
     if args.timeline_scenario is not None and args.plot is None:
         raise OptionError("--timeline-scenario picks a plot's timeline: give --plot too")
 
@@ -791,6 +819,12 @@ def plan(args: argparse.Namespace) -> Plan:
         raise OptionError(
             "--policies slos+prefix routes by the replicas' caches: give --prefix-caching"
         )
+    autoscale = [] if args.autoscale is None else parse_choices(args.autoscale)
+    if autoscale and Policy.DISTSERVE in policies:
+        raise OptionError("--autoscale: distserve's pools are simulated at a fixed size")
+    startup = 60.0 if args.replica_startup_s is None else args.replica_startup_s
+    if not (math.isfinite(startup) and startup >= 0):
+        raise OptionError(f"--replica-startup-s must be >= 0, got {startup!r}")
     if Policy.DISTSERVE in policies and args.prefix_caching:
         raise OptionError("--prefix-caching: distserve is simulated without prefix caching")
     if args.draft_confidence is not None and not 1e-3 <= args.draft_confidence <= 1e6:
@@ -885,6 +919,8 @@ def plan(args: argparse.Namespace) -> Plan:
         trace=trace,
         stop_below=None if args.rate is not None or args.full_runs else DEFAULT_TARGET,
         jobs=args.jobs or os.cpu_count() or 1,
+        autoscale=autoscale,
+        replica_startup_s=startup,
     )
 
 
@@ -1058,17 +1094,21 @@ def _size(
             one,
             Job(s, policy, _sizing_start(p, policy, int(bounds[s, rate]["replicas"])), rate),
             p.max_replicas,
+            p.autoscale,
+            p.replica_startup_s,
         )
         for (s, rate), one in setups.items()
         for policy in p.policies
     ]
-    jobs = [job for _, job, _ in calls]
+    jobs = [call[1] for call in calls]
     runs: list[dict[str, Any]] = []
+    scaled: list[dict[str, Any]] = []
     sizing: dict[str, dict[str, dict[str, SizingResult]]] = {}
     results = _run_jobs(jobs, size_job, calls, _print_sizing, p.jobs)
-    for job, (job_runs, sized) in zip(jobs, results, strict=True):
+    for job, (job_runs, sized, job_scaled) in zip(jobs, results, strict=True):
         assert job.total_rate is not None
         runs += job_runs
+        scaled += job_scaled
         by_rate = sizing.setdefault(job.scenario.value, {})
         by_rate.setdefault(rate_key(job.total_rate), {})[job.policy.value] = sized
     out["runs"] = runs
@@ -1079,6 +1119,10 @@ def _size(
     fewest = _by_scenario_and_rate({k: int(b["replicas"]) for k, b in bounds.items()})
     out["summary"] = summarize_sizing(sizing, p.max_replicas, gpus_per_replica, fewest)
     print(sizing_table(out["summary"]))
+    if p.autoscale:
+        out["autoscale"] = {"replica_startup_s": p.replica_startup_s, "runs": scaled}
+        out["summary"]["autoscaled"] = autoscale_summary(scaled)
+        print(autoscale_table(scaled))
     if plot is not None:
         paths = figure_paths(plot)
         plot_sizing(sizing_panels(runs, sizing), paths["attainment"])
@@ -1137,8 +1181,19 @@ def run_job(
     return runs, search(attainment, start_rate)
 
 
-def size_job(setup: Setup, job: Job, most: int) -> tuple[list[dict[str, Any]], SizingResult]:
-    """Search the fewest replicas for the job's total rate (in a worker process with --jobs)."""
+SizeResult = tuple[list[dict[str, Any]], SizingResult, list[dict[str, Any]]]
+"""A sizing job's runs, its search's result and its autoscaled runs (`--autoscale`)."""
+
+
+def size_job(
+    setup: Setup,
+    job: Job,
+    most: int,
+    choices: Sequence[ScaleChoice] = (),
+    startup_s: float = 60.0,
+) -> SizeResult:
+    """Search the fewest replicas for the job's total rate, then replay its requests under
+    each autoscaler from that count (in a worker process with --jobs)."""
     assert job.total_rate is not None
     total_rate = job.total_rate
     runs: list[dict[str, Any]] = []
@@ -1150,7 +1205,51 @@ def size_job(setup: Setup, job: Job, most: int) -> tuple[list[dict[str, Any]], S
     found = find_replicas(attainment, job.replicas, least=least, most=max(most, least))
     for r in runs:
         r["total_rate"] = total_rate
-    return runs, found
+    fixed = found.replicas
+    scaled = [
+        _autoscaled(setup, job.policy, total_rate, fixed, choice, startup_s)
+        for choice in choices
+        if fixed is not None and choice.applies_to(job.policy)
+    ]
+    return runs, found, scaled
+
+
+def _autoscaled(
+    setup: Setup,
+    policy: Policy,
+    total_rate: float,
+    fixed: int,
+    choice: ScaleChoice,
+    startup_s: float,
+) -> dict[str, Any]:
+    """The sizing's requests from `fixed` replicas, the count left to `choice`'s autoscaler;
+    run to the end (its GPU time is the point)."""
+    config = replace(
+        setup.config(policy, fixed),
+        autoscale=choice.config(fixed),
+        replica_startup_s=startup_s,
+        stop_below=None,
+    )
+    workload = setup.workload(total_rate / fixed, fixed)
+    run_report, result, _ = simulate_workload(setup.perf_for(policy), workload, config)
+    assert run_report is not None
+    value = run_report.overall.attainment
+    mean = result.replica_s / result.end_s if result.end_s else 0.0
+    tqdm.write(
+        f"  autoscaled {setup.scenario.value} {policy.value} {total_rate:g} req/s "
+        f"{choice.label}: attainment {value:.3f}, {mean:.2f} replicas on average "
+        f"(fixed {fixed}; {result.wall_s:.1f} s)"
+    )
+    summary = {
+        "scenario": setup.scenario.value,
+        "policy": policy.value,
+        "total_rate": total_rate,
+        "attainment": value,
+        "replica_s": result.replica_s,
+        "simulated_s": result.end_s,
+        "wall_s": result.wall_s,
+    }
+    return scaled_run(summary, choice, fixed, result.scaling)
 
 
 def _least_replicas(policy: Policy) -> int:
@@ -1205,7 +1304,7 @@ def _print_capacity(job: Job, result: JobResult) -> None:
         )
 
 
-def _print_sizing(job: Job, result: tuple[list[dict[str, Any]], SizingResult]) -> None:
+def _print_sizing(job: Job, result: SizeResult) -> None:
     n = result[1].replicas
     tqdm.write(
         f"  replicas {job.scenario.value} {job.policy.value} for {job.total_rate:g} req/s: "

@@ -375,11 +375,14 @@ def status_from_proto(status: pb.ClusterStatus) -> ClusterStatus:
                 r.best_effort,
                 r.kv_usage,
                 dict(r.calibration),
+                r.draining,
             )
             for r in status.replicas
         ),
         counters=dict(status.counters),
         scheduler=status.scheduler,
+        target_replicas=status.target_replicas,
+        starting=status.starting,
     )
 
 

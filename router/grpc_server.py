@@ -229,11 +229,14 @@ def status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
                 best_effort=r.best_effort,
                 kv_usage=r.kv_usage,
                 calibration=dict(r.calibration),
+                draining=r.draining,
             )
             for r in status.replicas
         ],
         counters=dict(status.counters),
         scheduler=status.scheduler,
+        target_replicas=status.target_replicas,
+        starting=status.starting,
     )
 
 

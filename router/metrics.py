@@ -78,6 +78,12 @@ CONTROLLER_COUNTERS = {
         "Admitted requests that lost their guarantee (a missed deadline, or outgrown KV).",
         1.0,
     ),
+    "declined": (
+        "requests_declined",
+        "SLO requests no replica could guarantee within the route limit (then served "
+        "best-effort or rejected): the autoscaler's slo signal.",
+        1.0,
+    ),
 }
 """Controller counter -> (exported name, help, scale to the exported unit)."""
 CONTROLLER_HISTOGRAMS = {
@@ -113,6 +119,17 @@ class ClusterCollector(Collector):
         up = GaugeMetricFamily(
             PREFIX + "replica_up", "1 when the replica is alive.", labels=["model", "replica"]
         )
+        replicas = GaugeMetricFamily(
+            PREFIX + "num_replicas",
+            "Replicas by state: serving, draining (finishing what they hold before they stop) "
+            "and starting (loading their model), as the autoscaler moves them.",
+            labels=["model", "state"],
+        )
+        target = GaugeMetricFamily(
+            PREFIX + "replicas_target",
+            "The replica count the autoscaler aims at (absent without an autoscaler).",
+            labels=["model"],
+        )
         for r in self.status.replicas if self.status else ():
             labels = [self.model, str(r.replica)]
             up.add_metric(labels, 1.0 if r.alive else 0.0)
@@ -120,7 +137,15 @@ class ClusterCollector(Collector):
                 running.add_metric(labels, r.running)
                 waiting.add_metric(labels, r.waiting)
                 kv.add_metric(labels, r.kv_usage)
-        yield from (running, waiting, kv, up)
+        if self.status is not None:
+            draining = sum(r.draining for r in self.status.replicas)
+            serving = sum(r.alive and not r.draining for r in self.status.replicas)
+            replicas.add_metric([self.model, "serving"], serving)
+            replicas.add_metric([self.model, "draining"], draining)
+            replicas.add_metric([self.model, "starting"], self.status.starting)
+            if self.status.target_replicas:
+                target.add_metric([self.model], self.status.target_replicas)
+        yield from (running, waiting, kv, up, replicas, target)
         counters = self.controller.get("counters", {})
         for key, (name, doc, scale) in CONTROLLER_COUNTERS.items():
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model"])

@@ -18,7 +18,7 @@ from ray.util.placement_group import get_placement_group, placement_group
 from cluster.api import FinalRecord, TokenChunk
 from cluster.config import ClusterConfig
 from cluster.handle import ClusterHandle, _cluster_names, _stop_running, launch
-from cluster.replica_actor import replica_name
+from cluster.names import replica_name
 from replica.request import SLO, Request, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

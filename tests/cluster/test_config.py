@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.autoscale import AutoscaleConfig, ScaleSignal
 from cluster.config import BestEffortOrder, ClusterConfig, SchedulerKind, TierConfig
 from cluster.controller import planner_config
 from cluster.routing import BackupPolicy
@@ -120,6 +121,48 @@ def test_adaserve_constants_load_from_yaml(tmp_path: Path) -> None:
     ],
 )
 def test_bad_scheduler_settings_are_named(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ClusterConfig.from_dict({"model": "m", "draft": "d", **overrides})
+
+
+def test_autoscale_loads_from_yaml_and_sizes_the_slots(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: m\ndraft: d\nreplicas: 2\n"
+        "autoscale: {min_replicas: 1, max_replicas: 6, signal: ongoing, "
+        "target_ongoing_requests: 16}\n"
+    )
+    cfg = ClusterConfig.from_yaml(path)
+    assert cfg.autoscale == AutoscaleConfig(
+        min_replicas=1,
+        max_replicas=6,
+        signal=ScaleSignal.ONGOING,
+        target_ongoing_requests=16.0,
+    )
+    assert (cfg.replicas, cfg.slots) == (2, 6)
+    assert ClusterConfig(model="m", draft="d", replicas=3).slots == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"autoscale": {"max_replicas": 4, "target": 3}},
+            "unknown autoscale field(s): target; known: downscale_delay_s, headroom",
+        ),
+        ({"autoscale": [1, 4]}, "autoscale must be a mapping, got [1, 4]"),
+        (
+            {"autoscale": {"max_replicas": 1}},
+            "replicas (2) must be within autoscale's bounds [1, 1]",
+        ),
+        ({"autoscale": {"max_replicas": 4, "signal": "gpu"}}, "autoscale.signal must be one of"),
+        (
+            {"scheduler": "vllm", "spec_policy": "none", "autoscale": {"max_replicas": 4}},
+            "autoscale signal slo follows admission's declines; scheduler=vllm declines nothing",
+        ),
+    ],
+)
+def test_bad_autoscale_settings_are_named(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         ClusterConfig.from_dict({"model": "m", "draft": "d", **overrides})
 

@@ -276,3 +276,35 @@ def test_the_plane_counts_the_prefix_it_credits_a_bound_request(
     assert decide(p, request).binding.verdict is Verdict.BEST_EFFORT
     assert vr.credits == ({"r": credited} if credited else {})
     assert p.metrics.counters.get("prefix_credited", 0) == credited
+
+
+def test_a_draining_replica_keeps_what_it_holds_and_takes_nothing_new(tmp_path: Path) -> None:
+    p = plane(tmp_path)
+    a = decide(p, tight("a"))
+    held = a.binding.replica
+    assert held is not None
+    p.draining.add(held)
+    assert p.routable() == [i != held for i in range(2)]
+    assert "a" in p.replicas[held].held
+    for rid in "bcd":
+        filler = Request(rid, [1], SamplingParams(max_tokens=2), tier=Tier.BEST_EFFORT)
+        assert decide(p, filler).binding.replica != held
+    # The other replica is full: a tight request is declined there and, with no other hop,
+    # served best-effort by it, never by the draining one.
+    decide(p, tight("e"))
+    backup = decide(p, tight("f"))
+    assert backup.binding.verdict is Verdict.BEST_EFFORT and backup.binding.replica != held
+    assert p.metrics.counters["declined"] == 1
+
+
+def test_the_scale_sample_counts_verdicts_and_the_routable_replicas_load(tmp_path: Path) -> None:
+    p = plane(tmp_path)
+    decide(p, tight("a"))
+    decide(p, tight("b"))
+    decide(p, tight("c"))  # both full: declined, served best-effort
+    sample = p.scale_sample(123.0)
+    assert (sample.time, sample.decided, sample.declined) == (123.0, 3, 1)
+    assert (sample.admitted_held, sample.ongoing, sample.replicas) == (2, 3, 2)
+    p.draining.add(0)
+    drained = p.scale_sample(124.0)
+    assert drained.replicas == 1 and drained.admitted_held == 1

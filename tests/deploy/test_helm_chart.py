@@ -295,6 +295,8 @@ def gpu_group(gpus: int) -> dict[str, Any]:
             {"cluster": {"spec_policy": "adaserve", "adaserve": {"max_nodes": 0}}},
             r"/cluster/adaserve/max_nodes'",
         ),
+        ({"cluster": {"autoscale": {"signal": "queue"}}}, r"/cluster/autoscale/signal'"),
+        ({"cluster": {"autoscale": {"max_replicas": 0}}}, r"/cluster/autoscale/max_replicas'"),
         ({"clusterr": {}}, r"additional properties 'clusterr' not allowed"),
         ({"head": {"rayStartParams": {"num-cpus": 0}}}, r"/head/rayStartParams/num-cpus'"),
     ],
@@ -313,6 +315,7 @@ def test_bad_values_are_refused_at_install_time(
         {"scheduler": "sarathi", "spec_policy": "none"},
         {"calibrate": True},
         {"spec_policy": "adaserve", "adaserve": {"max_width": 6, "max_nodes": 24}},
+        {"replicas": 1, "autoscale": {"min_replicas": 1, "max_replicas": 4, "signal": "slo"}},
     ],
 )
 def test_every_cluster_config_field_is_a_value(render: Render, cluster: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from cluster.autoscale import AutoscaleConfig
 from cluster.config import ClusterConfig, SchedulerKind
 from cluster.routing import FirstHop
 from router.config import FrontDoorConfig
@@ -41,6 +42,7 @@ ALL_CONFIGS = [
     "serve-cpu-no-prefix-cache.yaml",
     "serve-cpu-no-prefix-credit.yaml",
     "serve-cpu-prefix-routing.yaml",
+    "serve-cpu-autoscale.yaml",
     *CPU_BASELINES,
     *GPU_CONFIGS,
 ]
@@ -111,6 +113,10 @@ def test_cpu_default_serves_the_demo_pair_locally() -> None:
         ("serve-cpu-no-prefix-cache.yaml", {"prefix_caching": False}),
         ("serve-cpu-no-prefix-credit.yaml", {"credit_prefixes": False}),
         ("serve-cpu-prefix-routing.yaml", {"first_hop": FirstHop.PREFIX}),
+        (
+            "serve-cpu-autoscale.yaml",
+            {"replicas": 1, "autoscale": AutoscaleConfig(min_replicas=1, max_replicas=2)},
+        ),
     ],
 )
 def test_a_variant_config_differs_from_the_default_in_its_one_field(

@@ -380,6 +380,62 @@ def test_sizing_replays_the_same_requests_on_every_count(
     assert f"| chatbot | 9 | {bound} | {found['9']['slos']} | {found['9']['vllm']} |" in printed
 
 
+def test_sizing_compares_each_count_with_autoscalers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--autoscale replays each sizing's requests from the count found, the count left to
+    each autoscaler: slo for slos policies only, ongoing:T for every policy."""
+    out = tmp_path / "scaled.json"
+    argv = ("--size-for", "9", "--scenario", "chatbot", "--policies", "slos,vllm")
+    argv += ("--duration", "20", "--max-replicas", "6", "--autoscale", "slo,ongoing:4")
+    argv += ("--replica-startup-s", "2", "--json", str(out))
+    assert simulate.run(parse(*argv)) == 0
+    data = json.loads(out.read_text())
+    found = data["summary"]["replicas"]["chatbot"]["9"]
+    assert data["autoscale"]["replica_startup_s"] == 2.0
+    printed = capsys.readouterr().out
+    runs = {(r["policy"], r["signal"]): r for r in data["autoscale"]["runs"]}
+    assert set(runs) == {("slos", "slo"), ("slos", "ongoing:4"), ("vllm", "ongoing:4")}
+    for (policy, signal), run in runs.items():
+        fixed = found[policy]
+        assert run["fixed_replicas"] == fixed and run["total_rate"] == 9
+        assert 0 <= run["attainment"] <= 1
+        assert 1 <= run["mean_replicas"] <= 2 * fixed
+        assert run["mean_replicas"] == pytest.approx(run["replica_s"] / run["simulated_s"])
+        assert run["gpu_share_of_fixed"] == pytest.approx(run["mean_replicas"] / fixed)
+        first = run["scaling"][0]
+        assert first == [0.0, fixed, fixed]
+        assert all(1 <= n <= 2 * fixed for _, n, _ in run["scaling"])
+        summary = data["summary"]["autoscaled"]["chatbot"]["9"][policy][signal]
+        assert summary["attainment"] == run["attainment"]
+        assert f"| chatbot | 9 | {policy} | {signal} | {run['attainment']:.3f} |" in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (("--rate", "4", "--autoscale", "slo"), "--autoscale compares with a fixed count"),
+        (("--size-for", "4", "--replica-startup-s", "5"), "applies to --autoscale only"),
+        (("--size-for", "4", "--autoscale", "ongoing"), "'ongoing' is not slo or ongoing:TARGET"),
+        (("--size-for", "4", "--autoscale", "slo:3"), "'slo:3' is not slo or ongoing:TARGET"),
+        (("--size-for", "4", "--autoscale", "ongoing:0"), "the target must be a number > 0"),
+        (("--size-for", "4", "--autoscale", "ongoing:x"), "the target must be a number > 0"),
+        (("--size-for", "4", "--autoscale", "slo,slo"), "'slo' repeats an earlier item"),
+        (
+            ("--size-for", "4", "--autoscale", "slo", "--replica-startup-s", "-1"),
+            "--replica-startup-s must be >= 0",
+        ),
+        (
+            ("--size-for", "4", "--autoscale", "ongoing:4", "--policies", "slos,distserve"),
+            "distserve's pools are simulated at a fixed size",
+        ),
+    ],
+)
+def test_bad_autoscale_options_are_named(argv: tuple[str, ...], option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        simulate.plan(parse(*argv))
+
+
 @pytest.mark.parametrize(
     ("argv", "option"),
     [

@@ -40,7 +40,7 @@ def exported_names() -> set[str]:
         m.record_final(record, "t", "x")
     m.reject("x", "bad_request")
     m.record_tokens("t", 0.0, [0.1])
-    status = ClusterStatus("demo", (ReplicaStatus(0, True, 1, 1, 1, 0, 0.1),))
+    status = ClusterStatus("demo", (ReplicaStatus(0, True, 1, 1, 1, 0, 0.1),), target_replicas=1)
     hist = {"bounds": [0.01], "counts": [1], "sum": 0.001, "count": 1}
     counters = {
         "spec_draft_tokens": 1,
@@ -55,6 +55,7 @@ def exported_names() -> set[str]:
         "prefix_credited": 1,
         "prefix_credit_missed": 1,
         "mirror_rebuilds": 1,
+        "declined": 1,
     }
     m.refresh(status, {"counters": counters, "histograms": {"planner_latency_s": hist}})
     lines = m.exposition().decode().splitlines()

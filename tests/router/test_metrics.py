@@ -136,6 +136,31 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
     assert s[(PREFIX + "planner_latency_seconds_bucket", inf)] == 4
 
 
+def test_replica_states_follow_the_autoscaler() -> None:
+    m = FrontDoorMetrics("demo")
+    replicas = (
+        ReplicaStatus(0, True, running=1, waiting=0, admitted=1, best_effort=0, kv_usage=0.1),
+        ReplicaStatus(2, True, 1, 0, 0, 1, 0.2, draining=True),
+    )
+    m.refresh(
+        ClusterStatus("demo", replicas, target_replicas=3, starting=2),
+        {"counters": {"declined": 5}},
+    )
+    s = samples(m)
+
+    def state(name: str) -> tuple[tuple[str, str], ...]:
+        return (("model", "demo"), ("state", name))
+
+    assert s[(PREFIX + "num_replicas", state("serving"))] == 1
+    assert s[(PREFIX + "num_replicas", state("draining"))] == 1
+    assert s[(PREFIX + "num_replicas", state("starting"))] == 2
+    model = (("model", "demo"),)
+    assert s[(PREFIX + "replicas_target", model)] == 3
+    assert s[(PREFIX + "requests_declined_total", model)] == 5
+    m.refresh(ClusterStatus("demo", replicas[:1]), {"counters": {}})
+    assert (PREFIX + "replicas_target", model) not in samples(m)
+
+
 def test_unknown_reject_reason_is_refused() -> None:
     with pytest.raises(ValueError, match="bored"):
         FrontDoorMetrics("demo").reject("t", "bored")

@@ -15,7 +15,7 @@ from openai.types import Completion
 from ray.exceptions import RayTaskError, TaskCancelledError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster.replica_actor import NAMESPACE
+from cluster.names import NAMESPACE
 from router.app import DisconnectOnCancelledReceive, build_app
 from router.client import Client
 

@@ -252,7 +252,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica", "alive", "running", "waiting", "admitted", "best_effort", "kv_usage", "calibration")
+    __slots__ = ("replica", "alive", "running", "waiting", "admitted", "best_effort", "kv_usage", "calibration", "draining")
     class CalibrationEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,7 @@ class ReplicaStatus(_message.Message):
     BEST_EFFORT_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     replica: int
     alive: bool
     running: int
@@ -276,10 +277,11 @@ class ReplicaStatus(_message.Message):
     best_effort: int
     kv_usage: float
     calibration: _containers.ScalarMap[str, float]
-    def __init__(self, replica: _Optional[int] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., admitted: _Optional[int] = ..., best_effort: _Optional[int] = ..., kv_usage: _Optional[float] = ..., calibration: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, replica: _Optional[int] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., admitted: _Optional[int] = ..., best_effort: _Optional[int] = ..., kv_usage: _Optional[float] = ..., calibration: _Optional[_Mapping[str, float]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "replicas", "counters", "scheduler")
+    __slots__ = ("model", "replicas", "counters", "scheduler", "target_replicas", "starting")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -291,8 +293,12 @@ class ClusterStatus(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
     model: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     counters: _containers.ScalarMap[str, int]
     scheduler: str
-    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., scheduler: _Optional[str] = ...) -> None: ...
+    target_replicas: int
+    starting: int
+    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., scheduler: _Optional[str] = ..., target_replicas: _Optional[int] = ..., starting: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,28 @@
+"""The perf profile a cluster's replicas plan with, checked against their configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.config import ClusterConfig
+from replica.perf_model import PerfModel
+
+DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "deploy" / "profiles" / "cpu-demo.json"
+
+
+def load_profile(config: ClusterConfig) -> PerfModel:
+    """The profile the replicas plan with; one made for another tensor-parallel degree would
+    price every step wrong (the all-reduces, each rank's share of the work), so it is refused."""
+    path = Path(config.profile) if config.profile else DEFAULT_PROFILE
+    if not path.is_file():
+        raise ValueError(f"perf profile {str(path)!r} does not exist (set `profile`)")
+    perf = PerfModel.load(path)
+    size = config.tensor_parallel_size
+    if perf.tp != size:
+        raise ValueError(
+            f"perf profile {str(path)!r} is for tensor parallelism {perf.tp}, but the replicas "
+            f"run tensor_parallel_size {size}: set `profile` to one made for {size} (`slos-serve "
+            f"profile --tensor-parallel {size}`; deploy/profiles/cpu-demo-tp2.json is the CPU "
+            f"demo pair's at 2)"
+        )
+    return perf

@@ -173,6 +173,9 @@ class ClusterController:
         """Draining replicas that hold nothing, since when."""
         self._start_failed = -math.inf
         """When a replica last failed to start (monotonic)."""
+        self._stopped_at: dict[int, float] = {}
+        """When each slot's replica was last stopped (monotonic): Ray frees its name a moment
+        later, so a start goes to the slot stopped longest ago."""
         self._waiters: dict[str, asyncio.Future[Binding]] = {}
         self._binding: dict[int, dict[str, tuple[Request, bool]]] = {
             i: {} for i in range(config.slots)
@@ -600,9 +603,10 @@ class ClusterController:
         if steps.start and retry_in > 0:
             log.info("autoscaler: a replica failed to start; the next try in %.0f s", retry_in)
         for _ in range(steps.start if retry_in <= 0 else 0):
-            slot = next(
+            empty = [
                 i for i, a in enumerate(self.replicas) if a is None and i not in self._starting
-            )
+            ]
+            slot = min(empty, key=lambda i: (self._stopped_at.get(i, -math.inf), i))
             log.info("autoscaler: starting replica %d (target %d)", slot, target)
             task = asyncio.create_task(self._start_replica(slot))
             self._starting[slot] = task
@@ -681,6 +685,7 @@ class ClusterController:
         being started may not have been handed back yet)."""
         actor, group = self.replicas[slot], self.groups[slot]
         self.replicas[slot] = self.groups[slot] = None
+        self._stopped_at[slot] = time.monotonic()
         self._plan_sent.pop(slot, None)
         self._ahead.pop(slot, None)
         if actor is None:

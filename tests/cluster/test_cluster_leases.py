@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import get_placement_group, placement_group
 
 from cluster.api import FinalRecord, TokenChunk
+from cluster.autoscale import AutoscaleConfig, ScaleSignal
 from cluster.config import ClusterConfig
 from cluster.handle import ClusterHandle, _cluster_names, _stop_running, launch
 from cluster.names import replica_name
@@ -161,6 +162,45 @@ def test_a_door_whose_cluster_is_closing_learns_it_at_its_next_renewal(
         await asyncio.sleep(config.door_lease_s / 4 + 0.5)
         assert door.lease_refused
         await door.shutdown()
+        assert _cluster_names() == []
+
+    runner.run(run())
+
+
+def test_an_autoscaled_cluster_is_attached_to_and_stopped_whole(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    """A door attaching to an autoscaled cluster gets the replicas its controller runs now,
+    one the autoscaler started included; the last door stops that one too."""
+    scale = AutoscaleConfig(
+        max_replicas=2,
+        signal=ScaleSignal.ONGOING,
+        target_ongoing_requests=1.0,
+        look_back_s=1.0,
+        upscale_delay_s=0.0,
+        downscale_delay_s=600.0,
+    )
+    config = replace(demo, replicas=1, num_kv_blocks=256, autoscale=scale)
+
+    async def run() -> None:
+        first = await launch(config, detached=True)
+        streams = [first.submit(long_request(f"load-{i}", 400)) for i in range(3)]
+        for stream in streams:
+            assert isinstance(await anext(stream), TokenChunk)
+        deadline = time.monotonic() + 120
+        while len((await first.status()).replicas) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert [r.replica for r in (await first.status()).replicas] == [0, 1]
+        second = await launch(config, detached=True)
+        assert len(second.replicas) == 2  # the started one too, without a reload
+        assert await incarnations(second) == [
+            await r.health.remote() for r in (first.replicas[0], second.replicas[1])
+        ]
+        finals = await asyncio.gather(*(_last(s) for s in streams))
+        assert all(f.num_output_tokens == 400 for f in finals)
+        assert (await _last(second.submit(long_request("after", 4)))).num_output_tokens == 4
+        await first.shutdown()
+        await second.shutdown()
         assert _cluster_names() == []
 
     runner.run(run())

@@ -10,9 +10,10 @@ replica when nothing was declined and the admitted requests would fit the replic
 within `headroom` of that learned load; before any decline it has learned nothing, so it
 steps down until one shows it where the load is.
 
-Replicas being started count toward the running count, and `slo` changes nothing while fewer
+Replicas being started count toward the running count, and `slo` adds none while fewer
 replicas take requests than the target (one starting, or restarting after a failure): the
-declines meanwhile are the ones the missing replicas are for.
+declines meanwhile are the ones the missing replicas are for. It may still step down then, so
+a replica that never comes up (no GPU to place it on) is given up once the load is gone.
 Both signals act as Ray Serve's autoscaler does: every evaluation computes a desired count
 from the look-back window, and the count changes once the desire has pointed the same way for
 `upscale_delay_s` (up) or `downscale_delay_s` (down). Pure and clock-injected: the live
@@ -166,9 +167,9 @@ class Autoscaler:
         declined = sum(p.declined for p in self._window)
         served = [s.admitted_held / s.replicas for s in samples if s.replicas]
         per_replica = sum(served) / len(served) if served else 0.0
-        if last.replicas < self.target:
-            return self.target
         if declined:
+            if last.replicas < self.target:  # the missing replicas are for these declines
+                return self.target
             self._learn(per_replica)
             share = declined / max(decided, 1)
             if share > self.config.max_declined:

@@ -219,12 +219,15 @@ class ControlPlane:
         waiting, self._queues[replica] = self._queues[replica], []
         routable = self.routable()
         for p in waiting:
-            first = self.router.first(self.loads(), routable, self._cached(p.request))
-            if first is None:  # nowhere else: declined at the next tick
+            earlier = RouteState(p.route.visited[:-1])
+            nxt = self.router.next_hop(earlier, routable) if earlier.visited else None
+            if nxt is None and not earlier.visited:
+                nxt = self.router.first(self.loads(), routable, self._cached(p.request))
+            if nxt is None:  # nowhere else: declined at the next tick
                 self._queues[replica].append(p)
                 continue
-            p.route.visited[-1] = first
-            self._queues[first].append(p)
+            p.route.visited[-1] = nxt
+            self._queues[nxt].append(p)
 
     def mark_dead(self, replica: int) -> None:
         """The replica is gone: forget what it held (its clients resume their requests) and

@@ -231,6 +231,9 @@ class ClusterController:
             log.warning(
                 "no front door for %.0f s: stopping the cluster", self.leases.abandoned_after_s
             )
+            for slot in list(self._starting):  # their groups may not be ours yet: by name
+                self._starting.pop(slot).cancel()
+                self._stop_slot(slot)
             me = ray.get_runtime_context().current_actor
             kill_for_good([*(a for a in self.replicas if a is not None), me], self.groups)
 
@@ -270,7 +273,9 @@ class ClusterController:
 
     def _adopt(self) -> None:
         """Take the replicas running under the slots' names: after a restart, the autoscaler
-        may have started and stopped some since the launch that gave this actor its list."""
+        may have started and stopped some since the launch that gave this actor its list.
+        (Only a detached cluster's outlive the controller that started them: Ray ends an
+        actor with its owner; the launcher's own replicas are the launcher's.)"""
         assert self.autoscaler is not None
         for i in range(self.config.slots):
             try:
@@ -383,8 +388,7 @@ class ClusterController:
             added = True
         except RayActorError:
             self.plane.abort(rid)
-            if actor is not None:
-                self.plane.mark_dead(replica)
+            self.plane.mark_dead(replica)
             retry = self.plane.submit(request, time.time(), resumed=decision.resumed)
             return None if retry is None else await self._bind(retry)
         except RayTaskError as exc:
@@ -537,6 +541,8 @@ class ClusterController:
         try:
             incarnation = await _within(actor.health.remote(), HEALTH_TIMEOUT_S)
         except (RayActorError, TimeoutError):
+            if self.replicas[replica] is not actor:  # stopped, or another started, meanwhile
+                return
             if vr.alive:
                 log.warning("replica %d is down; its requests resume elsewhere", replica)
                 self.plane.mark_dead(replica)
@@ -585,11 +591,16 @@ class ClusterController:
 
     async def _scale_loop(self) -> None:
         assert self.autoscaler is not None
-        while not self.leases.closing:  # the last front door stops the replicas it finds
+        while True:
             await asyncio.sleep(SCALE_PERIOD_S)
-            target = self.autoscaler.observe(self.plane.scale_sample(time.time()))
-            self._resize(target)
-            await self._retire_drained()
+            if self.leases.closing:  # the last front door stops the replicas it finds
+                return
+            try:
+                target = self.autoscaler.observe(self.plane.scale_sample(time.time()))
+                self._resize(target)
+                await self._retire_drained()
+            except Exception:  # one bad round must not end autoscaling
+                log.exception("autoscaling round failed")
 
     def _resize(self, target: int) -> None:
         draining = self.plane.draining
@@ -598,7 +609,13 @@ class ClusterController:
         steps = plan_resize(
             target, serving, sorted(self._starting), sorted(draining), lambda i: loads[i]
         )
-        draining.difference_update(steps.undrain)
+        for slot in steps.undrain:
+            log.info("autoscaler: replica %d is needed again; it stops draining", slot)
+            draining.discard(slot)
+            self._empty_since.pop(slot, None)
+            if self._revived is not None:  # a resume may wait for a routable replica
+                self._revived.set()
+                self._revived = None
         retry_in = self._start_failed + START_RETRY_S - time.monotonic()
         if steps.start and retry_in > 0:
             log.info("autoscaler: a replica failed to start; the next try in %.0f s", retry_in)
@@ -625,6 +642,9 @@ class ClusterController:
         # replicas needs.
         from cluster.replica_launch import start_replica
 
+        if self.leases.closing:
+            self._starting.pop(slot, None)
+            return
         try:
             actor, group = await start_replica(self.config, slot, self.namespace, self.detached)
             self.replicas[slot], self.groups[slot] = actor, group
@@ -669,8 +689,6 @@ class ClusterController:
                 continue
             log.info("autoscaler: replica %d drained; stopping it", slot)
             self._empty_since.pop(slot, None)
-            self.plane.draining.discard(slot)
-            self.plane.mark_dead(slot)
             self._stop_slot(slot)
 
     def _owes(self, slot: int) -> bool:
@@ -682,10 +700,12 @@ class ClusterController:
 
     def _stop_slot(self, slot: int) -> None:
         """Kill a slot's replica for good and free its placement group (by name too: one
-        being started may not have been handed back yet)."""
+        being started may not have been handed back yet); the slot takes nothing after."""
         actor, group = self.replicas[slot], self.groups[slot]
         self.replicas[slot] = self.groups[slot] = None
         self._stopped_at[slot] = time.monotonic()
+        self.plane.draining.discard(slot)
+        self.plane.mark_dead(slot)
         self._plan_sent.pop(slot, None)
         self._ahead.pop(slot, None)
         if actor is None:

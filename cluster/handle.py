@@ -465,13 +465,17 @@ async def _stop_running(config: ClusterConfig) -> None:
         with contextlib.suppress(ValueError):
             actors[name] = ray.get_actor(name, namespace=NAMESPACE)
     groups: list[PlacementGroup | None] = []
+    slots = config.slots
     if CONTROLLER_NAME in actors:
         with contextlib.suppress(RayActorError, TimeoutError):
+            controller = actors[CONTROLLER_NAME]
             groups = await asyncio.wait_for(
-                actors[CONTROLLER_NAME].placement_groups.remote(), SHUTDOWN_TIMEOUT_S
+                controller.placement_groups.remote(), SHUTDOWN_TIMEOUT_S
             )
+            running = await asyncio.wait_for(controller.cluster_config.remote(), SHUTDOWN_TIMEOUT_S)
+            slots = max(slots, running.slots)
     await _stop(actors, groups, NAMESPACE)
-    for i in range(config.slots):
+    for i in range(slots):
         with contextlib.suppress(ValueError):
             remove_placement_group(get_placement_group(replica_name(i)))
 

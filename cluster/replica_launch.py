@@ -6,16 +6,23 @@ a GPU replica gets its own placement group, named the same.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import ray
 from ray.actor import ActorHandle
+from ray.exceptions import ActorAlreadyExistsError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig
 from cluster.names import replica_name
 from cluster.replica_actor import ReplicaActor, rank_resources
+
+NAME_WAIT_S = 10.0
+"""How long a start waits for its slot's name: Ray frees the name of an actor just stopped (a
+replica the autoscaler stopped, a cluster just shut down) a moment after it dies."""
 
 
 async def start_replica(
@@ -31,19 +38,27 @@ async def start_replica(
         if group is not None:
             await group.ready()
         cpus, gpus = rank_resources(config)
-        actor = start_actor(
-            ReplicaActor,
-            index,
-            config,
-            namespace,
-            name=replica_name(index),
-            namespace=namespace,
-            max_restarts=-1,
-            num_cpus=cpus,
-            num_gpus=gpus,
-            **lifetime,
-            **_in_group(group),
-        )
+        deadline = time.monotonic() + NAME_WAIT_S
+        while True:
+            try:
+                actor = start_actor(
+                    ReplicaActor,
+                    index,
+                    config,
+                    namespace,
+                    name=replica_name(index),
+                    namespace=namespace,
+                    max_restarts=-1,
+                    num_cpus=cpus,
+                    num_gpus=gpus,
+                    **lifetime,
+                    **_in_group(group),
+                )
+                break
+            except ActorAlreadyExistsError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
     except BaseException:  # cancelled, or the name is still held: the group is ours to free
         if group is not None:
             remove_placement_group(group)

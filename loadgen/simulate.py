@@ -822,6 +822,12 @@ def plan(args: argparse.Namespace) -> Plan:
     autoscale = [] if args.autoscale is None else parse_choices(args.autoscale)
     if autoscale and Policy.DISTSERVE in policies:
         raise OptionError("--autoscale: distserve's pools are simulated at a fixed size")
+    for choice in autoscale:
+        if not any(choice.applies_to(policy) for policy in policies):
+            raise OptionError(
+                f"--autoscale {choice.label} follows admission's declines, and none of "
+                "--policies declines (give a slos policy, or use ongoing:TARGET)"
+            )
     startup = 60.0 if args.replica_startup_s is None else args.replica_startup_s
     if not (math.isfinite(startup) and startup >= 0):
         raise OptionError(f"--replica-startup-s must be >= 0, got {startup!r}")

@@ -67,6 +67,17 @@ def test_no_replica_is_added_while_one_starts() -> None:
     assert target == 4
 
 
+def test_a_replica_that_never_comes_up_is_given_up_once_the_load_is_gone() -> None:
+    scaler = Autoscaler(SLO, 2)
+    _, base = feed(scaler, 0.0, 6, decided_per_s=8, declined_per_s=2, held=10, replicas=2)
+    assert scaler.target == 3
+    # The third never takes requests (no GPU to place it on); the traffic ends.
+    target, _ = feed(
+        scaler, 6.0, 40, decided_per_s=0, declined_per_s=0, held=0, replicas=2, base=base
+    )
+    assert target == 2
+
+
 def test_declines_below_the_threshold_keep_the_count() -> None:
     scaler = Autoscaler(SLO, 4)
     target, _ = feed(scaler, 0.0, 60, decided_per_s=100, declined_per_s=1, held=20, replicas=4)

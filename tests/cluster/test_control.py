@@ -308,3 +308,21 @@ def test_the_scale_sample_counts_verdicts_and_the_routable_replicas_load(tmp_pat
     p.draining.add(0)
     drained = p.scale_sample(124.0)
     assert drained.replicas == 1 and drained.admitted_held == 1
+
+
+def test_a_drain_sends_a_waiting_request_on_to_a_replica_it_has_not_tried(
+    tmp_path: Path,
+) -> None:
+    p = plane(tmp_path, replicas=3)
+    p.router._next_rr = 2
+    assert decide(p, tight("a")).binding.replica == 2  # replica 2 is full
+    p.router._next_rr = 2
+    assert p.submit(tight("x"), 100.0) is None
+    assert p.tick(100.0) == []  # declined at 2, waiting at 0 for the next tick
+    assert [p.num_pending(i) for i in range(3)] == [1, 0, 0]
+    p.router._next_rr = 2  # a first hop would go back to the replica that declined it
+    p.drain(0)
+    assert [p.num_pending(i) for i in range(3)] == [0, 1, 0]
+    (moved,) = p.tick(100.0)
+    assert (moved.binding.verdict, moved.binding.replica) == (Verdict.ADMITTED, 1)
+    assert moved.binding.hops == 2 and "declined" not in p.metrics.counters

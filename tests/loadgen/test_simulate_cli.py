@@ -422,6 +422,10 @@ def test_sizing_compares_each_count_with_autoscalers(
         (("--size-for", "4", "--autoscale", "ongoing:x"), "the target must be a number > 0"),
         (("--size-for", "4", "--autoscale", "slo,slo"), "'slo' repeats an earlier item"),
         (
+            ("--size-for", "4", "--autoscale", "slo", "--policies", "vllm,sarathi"),
+            "--autoscale slo follows admission's declines, and none of --policies declines",
+        ),
+        (
             ("--size-for", "4", "--autoscale", "slo", "--replica-startup-s", "-1"),
             "--replica-startup-s must be >= 0",
         ),

@@ -112,22 +112,26 @@ def test_slos_admits_on_arrival_and_runs_a_lone_request_back_to_back() -> None:
         sim.run()
 
 
-def test_equal_timestamps_pop_step_done_transfer_arrivals_in_push_order_then_tick() -> None:
+def test_equal_timestamps_pop_step_done_transfer_up_arrivals_in_push_order_tick_scale() -> None:
     events = EventQueue()
+    events.push(1.0, EventKind.SCALE, 2)
     events.push(1.0, EventKind.TICK, 0)
     events.push(1.0, EventKind.ARRIVAL, 7)
+    events.push(1.0, EventKind.REPLICA_UP, 1)
     events.push(1.0, EventKind.TRANSFER_DONE, 4)
     events.push(1.0, EventKind.STEP_DONE, 0)
     events.push(1.0, EventKind.ARRIVAL, 3)
     events.push(0.5, EventKind.TICK, 9)
-    order = [(e.kind, e.target) for e in (events.pop() for _ in range(6))]
+    order = [(e.kind, e.target) for e in (events.pop() for _ in range(8))]
     assert order == [
         (EventKind.TICK, 9),
         (EventKind.STEP_DONE, 0),
         (EventKind.TRANSFER_DONE, 4),
+        (EventKind.REPLICA_UP, 1),
         (EventKind.ARRIVAL, 7),
         (EventKind.ARRIVAL, 3),
         (EventKind.TICK, 0),
+        (EventKind.SCALE, 2),
     ]
 
 

@@ -85,6 +85,14 @@ class AutoscaleConfig:
     def bounded(self, count: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, count))
 
+    def check_start(self, replicas: int) -> None:
+        """A cluster starts with a count within the bounds (the config's `replicas`)."""
+        if not self.min_replicas <= replicas <= self.max_replicas:
+            raise ValueError(
+                f"replicas ({replicas}) must be within autoscale's bounds "
+                f"[{self.min_replicas}, {self.max_replicas}]"
+            )
+
 
 @dataclass(frozen=True)
 class ScaleSample:

@@ -243,11 +243,7 @@ class ClusterConfig:
             object.__setattr__(self, "autoscale", scale)
         if not isinstance(scale, AutoscaleConfig):
             raise ValueError(f"autoscale must be a mapping, got {scale!r}")
-        if not scale.min_replicas <= self.replicas <= scale.max_replicas:
-            raise ValueError(
-                f"replicas ({self.replicas}) must be within autoscale's bounds "
-                f"[{scale.min_replicas}, {scale.max_replicas}]"
-            )
+        scale.check_start(self.replicas)
         if scale.signal is ScaleSignal.SLO and self.scheduler is not SchedulerKind.SLOS:
             raise ValueError(
                 f"autoscale signal slo follows admission's declines; scheduler="

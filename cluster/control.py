@@ -118,12 +118,11 @@ class ControlPlane:
     def num_pending(self, replica: int) -> int:
         return len(self._queues[replica])
 
-    def _cached(self, request: Request) -> list[int]:
-        """The prompt's tokens each replica likely has cached (empty: the first hop does not
-        route by them, and the mirrors keep no picture of the caches)."""
+    def _cached(self, request: Request, routable: list[bool]) -> list[int]:
+        """The prompt's tokens each routable replica likely has cached (empty: the first hop
+        does not route by them, and the mirrors keep no picture of the caches)."""
         if self.router.first_hop is not FirstHop.PREFIX:
             return []
-        routable = self.routable()
         return [
             vr.cached_prefix(request) if ok else 0
             for vr, ok in zip(self.replicas, routable, strict=True)
@@ -139,7 +138,8 @@ class ControlPlane:
             return Decision(request, Binding(rid, verdict, held, 1), resumed)
         if self.is_pending(rid):
             return None
-        first = self.router.first(self.loads(), self.routable(), self._cached(request))
+        routable = self.routable()
+        first = self.router.first(self.loads(), routable, self._cached(request, routable))
         if first is None:
             return Decision(
                 request,
@@ -222,7 +222,7 @@ class ControlPlane:
             earlier = RouteState(p.route.visited[:-1])
             nxt = self.router.next_hop(earlier, routable) if earlier.visited else None
             if nxt is None and not earlier.visited:
-                nxt = self.router.first(self.loads(), routable, self._cached(p.request))
+                nxt = self.router.first(self.loads(), routable, self._cached(p.request, routable))
             if nxt is None:  # nowhere else: declined at the next tick
                 self._queues[replica].append(p)
                 continue

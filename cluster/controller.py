@@ -22,7 +22,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.placement_group import PlacementGroup, get_placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from cluster.api import ClusterStatus, Verdict
 from cluster.autoscale import SCALE_PERIOD_S, Autoscaler, plan_resize
@@ -31,7 +31,7 @@ from cluster.control import Binding, ControlPlane, Decision
 from cluster.leases import Leases
 from cluster.messages import StepReport
 from cluster.metrics import Metrics
-from cluster.names import NAMESPACE, replica_name
+from cluster.names import NAMESPACE, slot_occupants
 from cluster.profile import load_profile
 from cluster.routing import FirstHop, Router
 from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
@@ -173,9 +173,6 @@ class ClusterController:
         """Draining replicas that hold nothing, since when."""
         self._start_failed = -math.inf
         """When a replica last failed to start (monotonic)."""
-        self._stopped_at: dict[int, float] = {}
-        """When each slot's replica was last stopped (monotonic): Ray frees its name a moment
-        later, so a start goes to the slot stopped longest ago."""
         self._waiters: dict[str, asyncio.Future[Binding]] = {}
         self._binding: dict[int, dict[str, tuple[Request, bool]]] = {
             i: {} for i in range(config.slots)
@@ -277,16 +274,11 @@ class ClusterController:
         (Only a detached cluster's outlive the controller that started them: Ray ends an
         actor with its owner; the launcher's own replicas are the launcher's.)"""
         assert self.autoscaler is not None
+        grouped = self.config.num_gpus_per_replica > 0
         for i in range(self.config.slots):
-            try:
-                self.replicas[i] = ray.get_actor(replica_name(i), namespace=self.namespace)
-            except ValueError:
-                self.replicas[i] = self.groups[i] = None
+            self.replicas[i], self.groups[i] = slot_occupants(i, self.namespace, grouped)
+            if self.replicas[i] is None:
                 self.plane.replicas[i].alive = False
-                continue
-            if self.config.num_gpus_per_replica > 0:
-                with contextlib.suppress(ValueError):
-                    self.groups[i] = get_placement_group(replica_name(i))
         self.autoscaler.target = self.autoscaler.config.bounded(len(self._up()))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -331,6 +323,12 @@ class ClusterController:
         self._binding[from_replica].pop(rid, None)
         decision = self.plane.resume(original, list(delivered), from_replica, time.time())
         return await self._decide(original, decision)
+
+    def _wake_resumes(self) -> None:
+        """A replica became routable: resumes waiting for one try again."""
+        if self._revived is not None:
+            self._revived.set()
+            self._revived = None
 
     async def _until_a_replica_is_up(self, deadline: float) -> None:
         while not any(self.plane.routable()) and time.monotonic() < deadline:
@@ -566,9 +564,7 @@ class ClusterController:
             self.plane.metrics.inc("mirror_rebuilds")
             # Held since before the snapshot: another incarnation's are the past.
             rebuild.reports += [r for r in held if r.incarnation == snapshot.incarnation]
-            if self._revived is not None:
-                self._revived.set()
-                self._revived = None
+            self._wake_resumes()
             ended = set(snapshot.ended)
             for request, admitted in rebuild.binds.values():
                 if request.request_id not in ended:
@@ -613,17 +609,14 @@ class ClusterController:
             log.info("autoscaler: replica %d is needed again; it stops draining", slot)
             draining.discard(slot)
             self._empty_since.pop(slot, None)
-            if self._revived is not None:  # a resume may wait for a routable replica
-                self._revived.set()
-                self._revived = None
+            self._wake_resumes()
         retry_in = self._start_failed + START_RETRY_S - time.monotonic()
         if steps.start and retry_in > 0:
             log.info("autoscaler: a replica failed to start; the next try in %.0f s", retry_in)
         for _ in range(steps.start if retry_in <= 0 else 0):
-            empty = [
+            slot = next(
                 i for i, a in enumerate(self.replicas) if a is None and i not in self._starting
-            ]
-            slot = min(empty, key=lambda i: (self._stopped_at.get(i, -math.inf), i))
+            )
             log.info("autoscaler: starting replica %d (target %d)", slot, target)
             task = asyncio.create_task(self._start_replica(slot))
             self._starting[slot] = task
@@ -703,17 +696,14 @@ class ClusterController:
         being started may not have been handed back yet); the slot takes nothing after."""
         actor, group = self.replicas[slot], self.groups[slot]
         self.replicas[slot] = self.groups[slot] = None
-        self._stopped_at[slot] = time.monotonic()
         self.plane.draining.discard(slot)
         self.plane.mark_dead(slot)
         self._plan_sent.pop(slot, None)
         self._ahead.pop(slot, None)
-        if actor is None:
-            with contextlib.suppress(ValueError):
-                actor = ray.get_actor(replica_name(slot), namespace=self.namespace)
-        if group is None and self.config.num_gpus_per_replica > 0:
-            with contextlib.suppress(ValueError):
-                group = get_placement_group(replica_name(slot))
+        if actor is None or group is None:
+            named = slot_occupants(slot, self.namespace, self.config.num_gpus_per_replica > 0)
+            actor = named[0] if actor is None else actor
+            group = named[1] if group is None else group
         kill_for_good([actor] if actor is not None else [], [group])
 
     # -- status ---------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from cluster.control import Binding
 from cluster.controller import MAX_CONCURRENCY, ClusterController, kill_for_good
 from cluster.messages import StreamItem
 from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
-from cluster.names import CONTROLLER_NAME, NAMESPACE, replica_name
+from cluster.names import CONTROLLER_NAME, NAMESPACE, replica_name, slot_occupants
 from cluster.profile import load_profile
 from cluster.replica_launch import start_actor, start_replica
 from replica.planner.base import CacheBudget
@@ -327,7 +327,8 @@ class ClusterHandle:
             for i in range(self.config.slots):
                 actor = self._replicas[i] if i < len(self._replicas) else None
                 if scaled:  # the autoscaler's, whatever they are now
-                    actor, group = _slot(i, self._namespace, self.config)
+                    grouped = self.config.num_gpus_per_replica > 0
+                    actor, group = slot_occupants(i, self._namespace, grouped)
                     groups.append(group)
                 if actor is not None:
                     actors[replica_name(i)] = actor
@@ -347,19 +348,6 @@ async def _stop(
         _holds(name, actor, namespace) for name, actor in actors.items()
     ):
         await asyncio.sleep(0.1)
-
-
-def _slot(
-    index: int, namespace: str | None, config: ClusterConfig
-) -> tuple[ActorHandle | None, PlacementGroup | None]:
-    """The replica and placement group running under slot `index`'s name, if any."""
-    actor = group = None
-    with contextlib.suppress(ValueError):
-        actor = ray.get_actor(replica_name(index), namespace=namespace)
-    if config.num_gpus_per_replica > 0:
-        with contextlib.suppress(ValueError):
-            group = get_placement_group(replica_name(index))
-    return actor, group
 
 
 def _holds(name: str, actor: ActorHandle, namespace: str | None) -> bool:

@@ -254,11 +254,7 @@ class SimConfig:
                 f"autoscale signal slo follows admission's declines; {self.policy.value} "
                 "declines nothing (use signal ongoing)"
             )
-        if not scale.min_replicas <= self.replicas <= scale.max_replicas:
-            raise ValueError(
-                f"replicas ({self.replicas}) must be within autoscale's bounds "
-                f"[{scale.min_replicas}, {scale.max_replicas}]"
-            )
+        scale.check_start(self.replicas)
         if not self.replica_startup_s >= 0:
             raise ValueError(f"replica_startup_s must be >= 0, got {self.replica_startup_s!r}")
 
@@ -359,6 +355,11 @@ class SimResult:
     """GPU time: seconds each replica ran (started, serving or draining), summed."""
     scaling: tuple[tuple[float, int, int], ...] = ()
     """With autoscale: (time, replicas running, replicas taking requests) at every change."""
+
+    @property
+    def mean_replicas(self) -> float:
+        """Replicas running on average over the run: its GPU time over its length."""
+        return self.replica_s / self.end_s if self.end_s else 0.0
 
 
 def tightest_tpot_s(requests: Sequence[Request]) -> float:

@@ -51,7 +51,7 @@ from replica.kv_cache import PrefixPicture
 from replica.perf_calibration import CalibratedPerfModel, Calibration
 from replica.perf_model import BatchShape, PerfModel
 from replica.planner.admission import AdmissionResult
-from replica.planner.base import CacheBudget, RequestState
+from replica.planner.base import CacheBudget, RequestState, leading_tokens
 from replica.planner.config import PlannerConfig
 from replica.planner.sarathi import SarathiConfig, SarathiScheduler
 from replica.planner.slos import SlosScheduler
@@ -185,7 +185,7 @@ class VirtualReplica:
         self.held[rid] = request
         if self.prefixes is not None:
             self.prefixes.remember(request.prompt_token_ids)
-        if self.computed is not None and request.sampling.prompt_logprobs is None:
+        if credit and self.computed is not None:  # a credited prefix is taken last
             self.computed.touch(request.prompt_token_ids)
         if admitted:
             self.admitted.add(rid)
@@ -200,8 +200,8 @@ class VirtualReplica:
         if self.held.pop(request_id, None) is None:
             return False
         state = self.scheduler.queues.states.get(request_id)
-        if state is not None:
-            self._remember_history(_known(state)[: state.num_computed_tokens])
+        if state is not None and self._pictures():
+            self._remember_history(_known(state, state.num_computed_tokens))
         self.admitted.discard(request_id)
         self.credits.pop(request_id, None)
         self.scheduler.abort_request(request_id)
@@ -257,27 +257,37 @@ class VirtualReplica:
         a chat or an agent sends back next turn), then what each prefill has computed so far
         (`computed` only: `prefixes` has a prompt since it was bound). The simulated replica
         (PerfExecutor) caches the same, in the same order."""
+        if not self._pictures():
+            return
         states = self.scheduler.queues.states
         if self.computed is not None:
             for rid in report.plan.preempt:
                 state = states.get(rid)
                 if state is not None and state.num_computed_tokens:
-                    self.computed.remember(_known(state)[: state.num_computed_tokens])
+                    self.computed.remember(_known(state, state.num_computed_tokens))
         outcomes = {o.request_id: o for o in report.outcome.outcomes}
         for result in outcomes.values():
             state = states.get(result.request_id)
             if state is not None and result.finished:
-                tokens = [*_known(state), *result.new_token_ids]
+                output = [*state.output_token_ids, *result.new_token_ids]
                 # A request ends with all but its last token computed; one the replica
                 # aborted (its stream's reader left) with what it had computed.
-                aborted = result.finish_reason is FinishReason.ABORT
-                self._remember_history(tokens[: state.num_computed_tokens if aborted else -1])
+                if result.finish_reason is FinishReason.ABORT:
+                    upto = state.num_computed_tokens
+                else:
+                    upto = state.request.prompt_len + len(output) - 1
+                prompt = state.request.prompt_token_ids
+                self._remember_history(leading_tokens(prompt, output, upto))
         if self.computed is None:
             return
         for entry in report.plan.entries:
             state, ran = states.get(entry.request_id), outcomes.get(entry.request_id)
             if isinstance(entry, PrefillChunk) and state and ran and not ran.finished:
-                self.computed.remember(_known(state)[: ran.num_computed_tokens])
+                self.computed.remember(_known(state, ran.num_computed_tokens))
+
+    def _pictures(self) -> bool:
+        """Whether the mirror keeps any picture of the replica's cache to feed."""
+        return self.prefixes is not None or self.computed is not None
 
     def _remember_history(self, tokens: list[int]) -> None:
         """What a request that ended computed, in both pictures."""
@@ -383,9 +393,9 @@ class VirtualReplica:
             )
 
 
-def _known(state: RequestState) -> list[int]:
-    """A request's tokens so far: its prompt, then its output."""
-    return [*state.request.prompt_token_ids, *state.output_token_ids]
+def _known(state: RequestState, upto: int) -> list[int]:
+    """A request's first `upto` tokens so far: its prompt, then its output."""
+    return leading_tokens(state.request.prompt_token_ids, state.output_token_ids, upto)
 
 
 def executed(report: StepReport) -> BatchPlan:

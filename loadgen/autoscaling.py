@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cluster.autoscale import AutoscaleConfig, ScaleSignal
-from cluster.simulator import Policy
+from cluster.simulator import Policy, SimResult
 from loadgen.sizing import rate_key
 from replica.arguments import OptionError
 
@@ -71,21 +71,20 @@ def parse_choices(text: str) -> list[ScaleChoice]:
 
 
 def scaled_run(
-    summary: dict[str, Any],
-    choice: ScaleChoice,
-    fixed: int,
-    scaling: tuple[tuple[float, int, int], ...],
+    run: dict[str, Any], choice: ScaleChoice, fixed: int, result: SimResult
 ) -> dict[str, Any]:
-    """The JSON of one autoscaled run: `summary` (attainment, replica_s, simulated_s) with
-    what it is compared to."""
-    mean = summary["replica_s"] / summary["simulated_s"] if summary["simulated_s"] else 0.0
+    """The JSON of one autoscaled run: `run` (what ran, its attainment), its GPU time and
+    timeline, and the fixed count it is compared to."""
     return {
         "signal": choice.label,
         "fixed_replicas": fixed,
-        "mean_replicas": mean,
-        "gpu_share_of_fixed": mean / fixed,
-        **summary,
-        "scaling": [list(point) for point in scaling],
+        "mean_replicas": result.mean_replicas,
+        "gpu_share_of_fixed": result.mean_replicas / fixed,
+        **run,
+        "replica_s": result.replica_s,
+        "simulated_s": result.end_s,
+        "wall_s": result.wall_s,
+        "scaling": [list(point) for point in result.scaling],
     }
 
 

@@ -214,16 +214,19 @@ class ChatPromptSource:
         role: str,
         num_tokens: int,
         rng: np.random.Generator | None,
+        bare: int | None = None,
     ) -> Prompt:
         """`head` and one more message of `role`, its content fresh text of the length that
         makes the chat num_tokens tokens (tried again where its edges merge with the
-        template's)."""
-        _, bare = self._rendered([*head, (role, "")])
-        want = num_tokens - len(bare)
+        template's). `bare`: the tokens of the chat with that message empty, when the caller
+        rendered it already."""
+        if bare is None:
+            bare = len(self._rendered([*head, (role, "")])[1])
+        want = num_tokens - bare
         if want < 1:
             raise ValueError(
                 f"a {num_tokens}-token chat has no room for a {role} message: the chat template "
-                f"and the messages before it take {len(bare)} tokens"
+                f"and the messages before it take {bare} tokens"
             )
         for _ in range(ATTEMPTS):
             messages = (*head, (role, self.source.prompt(want, rng).text))
@@ -270,5 +273,5 @@ class ChatPromptSource:
             head = [*before.messages, ("assistant", reply)]
             _, bare = self._rendered([*head, ("user", "")])
             if len(bare) < num_tokens or cut == 0:
-                return self._fill(head, "user", num_tokens, self.source.keyed(key))
+                return self._fill(head, "user", num_tokens, self.source.keyed(key), len(bare))
             cut = max(0, cut - (len(bare) - num_tokens + 1))

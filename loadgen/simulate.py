@@ -1240,22 +1240,13 @@ def _autoscaled(
     run_report, result, _ = simulate_workload(setup.perf_for(policy), workload, config)
     assert run_report is not None
     value = run_report.overall.attainment
-    mean = result.replica_s / result.end_s if result.end_s else 0.0
     tqdm.write(
         f"  autoscaled {setup.scenario.value} {policy.value} {total_rate:g} req/s "
-        f"{choice.label}: attainment {value:.3f}, {mean:.2f} replicas on average "
-        f"(fixed {fixed}; {result.wall_s:.1f} s)"
+        f"{choice.label}: attainment {value:.3f}, {result.mean_replicas:.2f} replicas on "
+        f"average (fixed {fixed}; {result.wall_s:.1f} s)"
     )
-    summary = {
-        "scenario": setup.scenario.value,
-        "policy": policy.value,
-        "total_rate": total_rate,
-        "attainment": value,
-        "replica_s": result.replica_s,
-        "simulated_s": result.end_s,
-        "wall_s": result.wall_s,
-    }
-    return scaled_run(summary, choice, fixed, result.scaling)
+    run = {"scenario": setup.scenario.value, "policy": policy.value, "total_rate": total_rate}
+    return scaled_run(run | {"attainment": value}, choice, fixed, result)
 
 
 def _least_replicas(policy: Policy) -> int:

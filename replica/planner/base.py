@@ -18,6 +18,14 @@ from replica.compiled import reduce_frozen
 from replica.request import Request
 
 
+def leading_tokens(prompt: list[int], output: list[int], upto: int) -> list[int]:
+    """The first `upto` tokens of a request's prompt, then its output (the prompt alone is
+    not copied whole when it covers them)."""
+    if upto <= len(prompt):
+        return prompt[:upto]
+    return [*prompt, *output[: upto - len(prompt)]]
+
+
 @dataclass(frozen=True)
 class CacheBudget:
     """The replica's KV capacity as the scheduler must respect it."""

@@ -27,7 +27,7 @@ from replica.batch import (
 from replica.kv_cache import PrefixPicture, prefix_limit
 from replica.perf_model import BatchShape, BatchTimeModel
 from replica.planner.adaserve import AdaServeTrees
-from replica.planner.base import CacheBudget, Scheduler
+from replica.planner.base import CacheBudget, Scheduler, leading_tokens
 from replica.planner.specserve import SpecServeLengths, drafted_length
 from replica.request import Request
 from replica.spec.tree import TokenTree, judged_nodes
@@ -97,10 +97,7 @@ class _Sequence:
 
     def known(self, upto: int) -> list[int]:
         """Its first `upto` known tokens (prompt, then output)."""
-        prompt = self.request.prompt_token_ids
-        if upto <= len(prompt):
-            return prompt[:upto]
-        return [*prompt, *self.output[: upto - len(prompt)]]
+        return leading_tokens(self.request.prompt_token_ids, self.output, upto)
 
     @property
     def own_computed(self) -> int:

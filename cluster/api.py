@@ -63,6 +63,9 @@ class StageVerdict:
     name: str
     attained: bool
     late_tokens: int
+    tokens: int = 0
+    """Output tokens the stage covered (a stage that ends on a token: where the model ended
+    it, say a reasoning model's thinking length)."""
 
 
 @dataclass(frozen=True)

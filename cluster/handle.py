@@ -63,17 +63,26 @@ class _Progress:
     """Prompt tokens the first replica found cached (a resumed request's prompt is longer)."""
 
 
-def stage_verdicts(request: Request, times: Sequence[float]) -> tuple[StageVerdict, ...]:
-    """Per SLO stage: token j on time iff it came by arrival + deadline_s(j)."""
-    slo = request.slo
-    if slo is None:
+def stage_verdicts(
+    request: Request, tokens: Sequence[int], times: Sequence[float]
+) -> tuple[StageVerdict, ...]:
+    """Per SLO stage: token j on time iff it came by arrival + deadline_s(j), the stages
+    that end on a token closed where `tokens` (the output) has it."""
+    if request.slo is None:
         return ()
+    slo = request.slo.closed_by(tokens)
     names = [st.name or f"stage{i}" for i, st in enumerate(slo.stages)] or ["default"]
     late = [0] * len(names)
+    count = [0] * len(names)
     for j, t in enumerate(times):
+        stage = slo.stage_at(j)
+        count[stage] += 1
         if t > request.arrival_time + slo.deadline_s(j):
-            late[slo.stage_at(j)] += 1
-    return tuple(StageVerdict(name, n == 0, n) for name, n in zip(names, late, strict=True))
+            late[stage] += 1
+    return tuple(
+        StageVerdict(name, n == 0, n, tokens)
+        for name, n, tokens in zip(names, late, count, strict=True)
+    )
 
 
 class ClusterHandle:
@@ -259,7 +268,7 @@ class ClusterHandle:
             num_cached_tokens=progress.cached_tokens,
             num_output_tokens=len(progress.tokens),
             migrations=progress.migrations,
-            stages=stage_verdicts(request, times) if end is not None else (),
+            stages=stage_verdicts(request, progress.tokens, times) if end is not None else (),
         )
 
     def abort(self, request_id: str) -> None:

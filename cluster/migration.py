@@ -53,6 +53,6 @@ def resumed_request(original: Request, delivered: Sequence[int]) -> Request:
             # The client has them once a token came (they come with the first).
             prompt_logprobs=original.sampling.prompt_logprobs if count == 0 else None,
         ),
-        slo=None if original.slo is None else shift_slo(original.slo, count),
+        slo=None if original.slo is None else shift_slo(original.slo.closed_by(delivered), count),
         resumed_output=original.resumed_output + count,
     )

@@ -122,6 +122,10 @@ class SimRequest:
     follows: str | None = None
     """A follow-up round, issued `delay_s` after this request id's last token."""
     delay_s: float = 0.0
+    emits: tuple[tuple[int, int], ...] = ()
+    """(output position, token id) the engine outputs there: a reasoning model's token that
+    ends its thinking stage (Stage.end_token_ids), whose place the cluster learns only when
+    it comes."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.output_len <= self.request.sampling.max_tokens:
@@ -443,6 +447,11 @@ class Simulator:
         self._tracks = [_Track() for _ in self.requests]
         self._open = len(self.requests)
         self._produced = [0] * len(self.requests)
+        self._judged = [
+            None if r.request.slo is None else r.request.slo.after_tokens(r.emits)
+            for r in self.requests
+        ]
+        """Each request's SLO as its emitted tokens end its stages (the early stop's judge)."""
         self._first_due: list[tuple[float, int]] = []
         """(first token deadline, request) of arrived requests, a heap (with stop_below)."""
         self._missed: set[int] = set()
@@ -630,8 +639,9 @@ class Simulator:
         now = self._now
         sim = self.requests[i]
         request = sim.request
-        if sim.follows is not None:
-            request = replace(request, arrival_time=now)
+        if sim.follows is not None or sim.emits:
+            # A copy: the schedulers close its stages as its tokens come (SLO.closed_by).
+            request = replace(request, arrival_time=now if sim.follows else request.arrival_time)
         self._tracks[i].arrival_s = now
         if self.config.stop_below is not None and request.slo is not None:
             heapq.heappush(self._first_due, (now + request.slo.deadline_s(0), i))
@@ -851,7 +861,9 @@ class Simulator:
         track.verdict, track.replica, track.hops = verdict, replica, hops
         # distserve: the prefill replica ends the request at its first token.
         stop_after = 1 if self._links else self.requests[i].output_len
-        self.replicas[replica].executor.add(request, stop_after=stop_after)
+        self.replicas[replica].executor.add(
+            request, stop_after=stop_after, emits=self.requests[i].emits
+        )
 
     def _send_kv(self, prefill: int, i: int) -> None:
         """Policy distserve: ship the prompt's KV to the decode replica holding the fewest
@@ -881,7 +893,7 @@ class Simulator:
                 return
             rep.landed.popleft()
             rid = request.request_id
-            first = token_id(rid, 0)
+            first = token_id(rid, 0, self.requests[i].emits)
             arrived = replace(request, arrival_time=self._tracks[i].arrival_s or 0.0)
             rep.scheduler.add_request(arrived, self._now)
             rep.scheduler.update_from_outcome(
@@ -890,7 +902,11 @@ class Simulator:
                 self._now,
             )
             rep.executor.add(
-                arrived, output=[first], computed=prompt, stop_after=self.requests[i].output_len
+                arrived,
+                output=[first],
+                computed=prompt,
+                stop_after=self.requests[i].output_len,
+                emits=self.requests[i].emits,
             )
 
     def _kick_all(self) -> None:
@@ -937,7 +953,7 @@ class Simulator:
         """Tokens of request i out now: a miss if the first of them is past its deadline."""
         first = self._produced[i]
         self._produced[i] += count
-        slo = self.requests[i].request.slo
+        slo = self._judged[i]
         arrival = self._tracks[i].arrival_s
         if (
             slo is not None

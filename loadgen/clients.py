@@ -159,6 +159,7 @@ def slo_body(slo: SLO) -> dict[str, Any]:
                     ("num_tokens", s.num_tokens),
                     ("ttft_ms", s.ttft_ms),
                     ("name", s.name),
+                    ("end_token_ids", list(s.end_token_ids) or None),
                 )
                 if v is not None
             }
@@ -262,7 +263,7 @@ class HttpClient:
             "stream_options": {"include_usage": True},
         }
         if self.send_slo:
-            body["slo"] = slo_body(request.slo)
+            body["slo"] = slo_body(request.judged_slo)  # the demo model never ends a stage
         if self.temperature is not None:
             body["temperature"] = self.temperature
         return body
@@ -428,7 +429,7 @@ class GrpcClient:
             None if prompt.messages else prompt.text,
             messages=prompt.messages or None,
             max_tokens=request.max_tokens,
-            slo=request.slo,
+            slo=request.judged_slo,
             ignore_eos=True,
             model=self.model,
             temperature=self.temperature,

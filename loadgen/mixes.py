@@ -52,11 +52,13 @@ file and passes the file wherever a scenario name goes (`slos-serve simulate --s
 Lengths are a lognormal fitted to mean and p99 (as the scenarios' Table 4 lengths) or a fixed
 count; `--length-scale` shrinks them and `max_tokens` alike. Level SLOs follow the run's SLO
 targets (GPU levels, or the CPU demo pair's scaled ones), so one file serves both; absolute ones
-are sent as written. With `stages` a request's SLO has a stage per entry (its length hidden
-from the planner in max_tokens, its boundary told up front, as in the reasoning scenario) and
-then the answer's. With `tools` an arrival is a session, as in the toolllm scenario: each round
-is a request with the class's TTFT whose prompt is the previous one plus its output and a tool
-response, sent `latency_ms` after that round's last token (the rate counts sessions). Each
+are sent as written. With `stages` a request's SLO has a stage per entry and then the
+answer's; as in the reasoning scenario, each stage ends on a token the simulated model outputs
+after the stage's sampled length, so the planner learns the boundary only when it comes (a
+live run tells the server where it lies: the demo model does not think). With `tools` an
+arrival is a session, as in the toolllm scenario: each round is a request with the class's
+TTFT whose prompt is the previous one plus its output and a tool response, sent
+`latency_ms` after that round's last token (the rate counts sessions). Each
 request's class name is its scenario and SLO class in the records and the per-class report.
 With `system_prompt: N` every request of the class (every round of a session) starts with the
 same N tokens, scaled by `--length-scale` like the lengths (a prompt drawn shorter is
@@ -87,6 +89,7 @@ from loadgen.workloads import (
     Scenario,
     WorkloadConfig,
     WorkloadRequest,
+    learned_stages,
     tool_session,
 )
 from replica.request import SLO, Stage
@@ -458,6 +461,7 @@ def generate_mix(
         for n, (i, p, o) in enumerate(zip(ids, prompts, outputs, strict=True)):
             zero = config.zero_load(p)
             lengths = [tokens[n] for tokens in staged]
+            slo, emits = _slo(cls, config, zero, lengths)
             req = WorkloadRequest(
                 request_id=f"{cls.name}-{i:06d}",
                 scenario=cls.name,
@@ -466,8 +470,9 @@ def generate_mix(
                 prompt_len=p,
                 output_len=min(sum(lengths) + o, max_tokens),
                 max_tokens=max_tokens,
-                slo=_slo(cls, config, zero, lengths),
+                slo=slo,
                 zero_load_ttft_s=zero,
+                emits=emits,
             )
             out.append(config.check_fits(_with_system_prompt(req, cls.name, system)))
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
@@ -516,17 +521,20 @@ def _with_system_prompt(request: WorkloadRequest, name: str, tokens: int) -> Wor
     return dataclasses.replace(request, shared_prefix=name, prefix_len=tokens)
 
 
-def _slo(cls: MixClass, config: WorkloadConfig, zero_load_s: float, lengths: list[int]) -> SLO:
-    """The class's SLO; with stages, each of `lengths` tokens, then the answer's."""
+def _slo(
+    cls: MixClass, config: WorkloadConfig, zero_load_s: float, lengths: list[int]
+) -> tuple[SLO, tuple[tuple[int, int], ...]]:
+    """The class's SLO; with stages, one per entry of `lengths` tokens, each ending on a token
+    the model outputs there (workloads.learned_stages), then the answer's."""
     ttft = cls.ttft_ms(config, zero_load_s)
     answer = _tpot_ms(cls.tpot, config)
     if not cls.stages:
-        return SLO(ttft, answer)
+        return SLO(ttft, answer), ()
     stages = [
-        Stage(_tpot_ms(stage.tpot, config), num_tokens=n, name=stage.name)
+        (Stage(_tpot_ms(stage.tpot, config), name=stage.name), n)
         for stage, n in zip(cls.stages, lengths, strict=True)
     ]
-    return SLO(ttft, stages[0].tpot_ms, (*stages, Stage(answer, name="answer")))
+    return learned_stages(ttft, stages, Stage(answer, name="answer"))
 
 
 def _tpot_ms(target: Level | float, config: WorkloadConfig) -> float:

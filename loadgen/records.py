@@ -113,7 +113,7 @@ class RequestRecord:
             arrival_s=arrival_s,
             prompt_len=request.prompt_len,
             output_len=request.output_len,
-            slo=request.slo,
+            slo=request.judged_slo,
             zero_load_ttft_s=request.zero_load_ttft_s,
             verdict=verdict,
             token_times_s=tuple(token_times_s),
@@ -215,7 +215,13 @@ def slo_to_dict(slo: SLO) -> dict[str, Any]:
         "ttft_ms": slo.ttft_ms,
         "tpot_ms": slo.tpot_ms,
         "stages": [
-            {"tpot_ms": s.tpot_ms, "num_tokens": s.num_tokens, "ttft_ms": s.ttft_ms, "name": s.name}
+            {
+                "tpot_ms": s.tpot_ms,
+                "num_tokens": s.num_tokens,
+                "ttft_ms": s.ttft_ms,
+                "name": s.name,
+                **({"end_token_ids": list(s.end_token_ids)} if s.end_token_ids else {}),
+            }
             for s in slo.stages
         ],
     }
@@ -236,6 +242,7 @@ def slo_from_dict(data: Any) -> SLO:
                 num_tokens=s.get("num_tokens"),
                 ttft_ms=s.get("ttft_ms"),
                 name=str(s.get("name", "")),
+                end_token_ids=s.get("end_token_ids", ()),
             )
             for s in stages
         ),

@@ -188,7 +188,7 @@ def sim_requests(
         return [*head, *new(count - len(head))]
 
     def history(before: WorkloadRequest, prompt: list[int]) -> list[int]:
-        return [*prompt, *token_ids(before.request_id, 0, before.output_len)]
+        return [*prompt, *token_ids(before.request_id, 0, before.output_len, before.emits)]
 
     prompts = (
         shared_prompts(workload, new, after, history)
@@ -201,6 +201,7 @@ def sim_requests(
             w.output_len,
             w.follows,
             w.delay_s,
+            w.emits,
         )
         for w in workload
     ]

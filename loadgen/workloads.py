@@ -43,10 +43,12 @@ ToolLLM (rounds of tool calls), Reasoning (thinking, then answer). Each request 
   (the previous round's id) and `delay_s` (the tool latency): they are issued delay_s after that
   round's last token, because their real arrival depends on how fast the previous round ran;
   their `arrival_s` is the session's start, a lower bound.
-- Reasoning: one request, SLO stages [thinking: tight TPOT for the sampled thinking length,
-  answer: loose TPOT]. Our SLO contract fixes stage boundaries up front, so the planner learns
-  where thinking ends (a live system learns it when the model closes its thinking); the total
-  output length stays hidden behind max_tokens = thinking cap + answer cap.
+- Reasoning: one request, SLO stages [thinking: tight TPOT, answer: loose TPOT]. The thinking
+  stage ends on a token (`STAGE_END_TOKEN`, as a reasoning model's </think>): the simulated
+  model outputs it after the sampled thinking length (`WorkloadRequest.emits`), and the planner
+  learns where thinking ends only then, as it would live. The total output length stays hidden
+  behind max_tokens = thinking cap + answer cap. A live run's demo model does not think, so a
+  live client tells the server where the stage ends (`WorkloadRequest.judged_slo`).
 """
 
 from __future__ import annotations
@@ -63,7 +65,12 @@ import numpy as np
 
 from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE, TraceRow
 from replica.perf_model import BatchShape, PerfModel
+from replica.planner.executor import OUTPUT_TOKENS
 from replica.request import SLO, Request, SamplingParams, Stage, Tier
+
+STAGE_END_TOKEN = OUTPUT_TOKENS
+"""The token a simulated model outputs to end an SLO stage (a reasoning model's end of
+thinking): one it never outputs otherwise."""
 
 Z99 = NormalDist().inv_cdf(0.99)
 CAP_QUANTILE = 0.999
@@ -258,8 +265,14 @@ class WorkloadRequest:
     """Requests naming the same shared prefix start with the same `prefix_len` tokens (a
     class's system prompt): a live run sends them the same text."""
     prefix_len: int = 0
+    emits: tuple[tuple[int, int], ...] = ()
+    """(output position, token id) the model outputs there: the token that ends an SLO stage
+    whose end the planner learns only when it comes (reasoning: the end of thinking). One at
+    or past output_len never comes: the stage outlasts the output."""
 
     def __post_init__(self) -> None:
+        if any(position < 0 for position, _ in self.emits):
+            raise ValueError(f"{self.request_id}: emits {self.emits} has a negative position")
         if not 1 <= self.output_len <= self.max_tokens:
             raise ValueError(
                 f"{self.request_id}: output_len={self.output_len} must be in [1, max_tokens="
@@ -276,6 +289,12 @@ class WorkloadRequest:
                 f"{self.request_id}: a shared prefix needs 1 <= prefix_len < prompt_len "
                 f"({self.prompt_len}), got {self.shared_prefix!r} of {self.prefix_len}"
             )
+
+    @property
+    def judged_slo(self) -> SLO:
+        """The SLO as it turns out, its stages ended where the model ends them: what the
+        request is judged by, and what a live client sends (its model does not think)."""
+        return self.slo.after_tokens(self.emits)
 
     def to_request(
         self, prompt_token_ids: Sequence[int], arrival_time: float | None = None
@@ -463,11 +482,11 @@ def _reasoning(
     out = []
     for i in range(n):
         zero = config.zero_load(int(prompts[i]))
-        stages = (
-            Stage(targets.tight_tpot_ms, num_tokens=int(thinks[i]), name="thinking"),
+        slo, emits = learned_stages(
+            targets.ttft_ms(Level.TIGHT, zero),
+            [(Stage(targets.tight_tpot_ms, name="thinking"), int(thinks[i]))],
             Stage(targets.loose_tpot_ms, name="answer"),
         )
-        slo = SLO(targets.ttft_ms(Level.TIGHT, zero), targets.tight_tpot_ms, stages)
         req = WorkloadRequest(
             request_id=f"reasoning-{i:06d}",
             scenario=Scenario.REASONING.value,
@@ -478,9 +497,23 @@ def _reasoning(
             max_tokens=thinking.cap + answer.cap,
             slo=slo,
             zero_load_ttft_s=zero,
+            emits=emits,
         )
         out.append(config.check_fits(req))
     return out
+
+
+def learned_stages(
+    ttft_ms: float, stages: Sequence[tuple[Stage, int]], answer: Stage
+) -> tuple[SLO, tuple[tuple[int, int], ...]]:
+    """An SLO of `stages` (each with its true length), then `answer`, where every stage ends
+    on `STAGE_END_TOKEN`, and where the model outputs it: the planner learns each boundary
+    when the model reaches it."""
+    emits = tuple((end - 1, STAGE_END_TOKEN) for end in itertools.accumulate(n for _, n in stages))
+    learned = [
+        replace(stage, num_tokens=None, end_token_ids=(STAGE_END_TOKEN,)) for stage, _ in stages
+    ]
+    return SLO(ttft_ms, learned[0].tpot_ms, (*learned, answer)), emits
 
 
 def _toolllm(

@@ -7,7 +7,7 @@ all refuse the same bad input with the same message naming the field at fault.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -25,6 +25,8 @@ MAX_GRAMMAR_CHARS = 65536
 """Longest structured-output grammar a request may carry (a JSON schema, regex, choice list
 or grammar as llguidance text): the door compiles it on its event loop to check it."""
 MAX_LATENCY_MS = 24 * 3600 * 1000.0
+MAX_STAGE_END_TOKENS = 16
+"""Most tokens that may end one SLO stage."""
 
 
 def _check_number(name: str, value: float) -> None:
@@ -229,14 +231,19 @@ class SamplingParams:
 class Stage:
     """One stage of a multi-stage SLO, e.g. a reasoning model's thinking, then its answer.
 
-    The stage covers the next `num_tokens` output tokens (None: all that remain). Its first
-    token is due `ttft_ms` after the previous stage's last deadline (default: one `tpot_ms`).
+    The stage covers the next `num_tokens` output tokens (None: all that remain), or ends
+    sooner with the first of its `end_token_ids` the model outputs: a reasoning model's
+    end-of-thinking token, whose place nobody knows in advance. Its first token is due
+    `ttft_ms` after the previous stage's last deadline (default: one `tpot_ms`).
     """
 
     tpot_ms: float
     num_tokens: int | None = None
     ttft_ms: float | None = None
     name: str = ""
+    end_token_ids: tuple[int, ...] = ()
+    """The stage ends with (and includes) the first of these tokens; until then every token
+    counts in it, up to `num_tokens` if set (SLO.closed_by)."""
 
     def __post_init__(self) -> None:
         _check_finite("stages[].tpot_ms", self.tpot_ms, positive=True, upper=MAX_LATENCY_MS)
@@ -244,6 +251,18 @@ class Stage:
             _check_int("stages[].num_tokens", self.num_tokens, low=1)
         if self.ttft_ms is not None:
             _check_finite("stages[].ttft_ms", self.ttft_ms, positive=False, upper=MAX_LATENCY_MS)
+        ends = self.end_token_ids
+        if isinstance(ends, str | bytes) or not isinstance(ends, Sequence):
+            raise ValueError(f"stages[].end_token_ids must be a list of token ids, got {ends!r}")
+        object.__setattr__(self, "end_token_ids", tuple(ends))
+        if len(self.end_token_ids) > MAX_STAGE_END_TOKENS:
+            raise ValueError(
+                f"stages[].end_token_ids may list at most {MAX_STAGE_END_TOKENS} tokens, "
+                f"got {len(self.end_token_ids)}"
+            )
+        bad = next((t for t in self.end_token_ids if not _is_token_id(t)), None)
+        if bad is not None:
+            raise ValueError(f"stages[].end_token_ids must be token ids >= 0, got {bad!r}")
 
 
 @dataclass(frozen=True)
@@ -252,7 +271,8 @@ class SLO:
 
     Token j (0-based) is on time if it arrives by arrival + ttft + j * tpot; early tokens bank
     slack. With stages, the first stage starts at token 0 (due at ttft) and each later stage
-    restarts the line from the previous stage's last deadline.
+    restarts the line from the previous stage's last deadline. A stage that ends on a token
+    stays open until the model outputs it: until then the tokens to come count in it.
     """
 
     ttft_ms: float
@@ -266,8 +286,43 @@ class SLO:
         for i, stage in enumerate(self.stages):
             if not isinstance(stage, Stage):
                 raise ValueError(f"slo.stages[{i}] must be a Stage, got {stage!r}")
-            if stage.num_tokens is None and i != len(self.stages) - 1:
-                raise ValueError(f"slo.stages[{i}].num_tokens is required except on the last stage")
+            if stage.num_tokens is None and not stage.end_token_ids and i != len(self.stages) - 1:
+                raise ValueError(
+                    f"slo.stages[{i}] needs num_tokens or end_token_ids (only the last stage "
+                    "may run to the end of the output)"
+                )
+
+    @property
+    def end_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end a stage not yet closed (`closed_by` may change this SLO)."""
+        return tuple(t for stage in self.stages for t in stage.end_token_ids)
+
+    def closed_by(self, output: Sequence[int], since: int = 0) -> SLO:
+        """This SLO once the model output `output` (its tokens from position `since` on are
+        new: the earlier ones were seen). Every holder of a request (replica, controller
+        mirror, client handle, simulator) closes it from the same tokens, so they agree on
+        every later deadline."""
+        ends = self.end_token_ids
+        if not ends:
+            return self
+        return self.after_tokens(
+            (j, output[j]) for j in range(since, len(output)) if output[j] in ends
+        )
+
+    def after_tokens(self, tokens: Iterable[tuple[int, int]]) -> SLO:
+        """This SLO once the model output these (position, token id), in order: a stage
+        whose end token comes within it ends there, its `num_tokens` fixed and its end tokens
+        dropped."""
+        slo = self
+        for position, token in tokens:
+            i = slo.stage_at(position)
+            if not slo.stages or token not in slo.stages[i].end_token_ids:
+                continue
+            stage = slo.stages[i]
+            begin = sum(st.num_tokens or 0 for st in slo.stages[:i])
+            ended = Stage(stage.tpot_ms, position + 1 - begin, stage.ttft_ms, stage.name)
+            slo = SLO(slo.ttft_ms, slo.tpot_ms, (*slo.stages[:i], ended, *slo.stages[i + 1 :]))
+        return slo
 
     def _pieces(self) -> list[tuple[int | None, float, float]]:
         """(tokens, tpot_s, gap before the first token of the piece, seconds)."""
@@ -384,6 +439,7 @@ class Request:
         for name, ids in (
             ("logit_bias", [t for t, _ in params.logit_bias]),
             ("stop_token_ids", params.stop_token_ids),
+            ("slo.stages[].end_token_ids", self.slo.end_token_ids if self.slo else ()),
             ("allowed_token_ids", params.allowed_token_ids),
             ("bad_words", [t for word in params.bad_words for t in word]),
         ):

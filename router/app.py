@@ -46,6 +46,7 @@ async def build_front_door(
         tiers=config.tiers,
         default_chat_max_tokens=config.default_chat_max_tokens,
         tool_parser=config.tool_parser,
+        reasoning_parser=config.reasoning_parser,
     )
     keys = ApiKeys.load(config.api_keys_file)
     door = FrontDoor(handle, codec, schema, keys, FrontDoorMetrics(handle.model_name))

@@ -85,6 +85,8 @@ class StageResult:
     name: str
     attained: bool
     late_tokens: int
+    tokens: int = 0
+    """Output tokens the stage covered."""
 
 
 @dataclass(frozen=True)
@@ -336,6 +338,7 @@ def build_request(
                 stage.num_tokens = st.num_tokens
             if st.ttft_ms is not None:
                 stage.ttft_ms = st.ttft_ms
+            stage.end_token_ids.extend(st.end_token_ids)
     return request
 
 
@@ -350,7 +353,9 @@ def result_from_proto(final: pb.Final) -> Result:
         completion_tokens=final.completion_tokens,
         cached_tokens=final.cached_tokens,
         slo_attained=final.slo_attained if final.HasField("slo_attained") else None,
-        stages=tuple(StageResult(s.name, s.attained, s.late_tokens) for s in final.stages),
+        stages=tuple(
+            StageResult(s.name, s.attained, s.late_tokens, s.tokens) for s in final.stages
+        ),
         migrations=final.migrations,
         ttft_s=final.ttft_s if final.HasField("ttft_s") else None,
         e2e_s=final.e2e_s if final.HasField("e2e_s") else None,

@@ -2,7 +2,8 @@
 
 Args shape (deploy/serve-*.yaml): {"cluster": {ClusterConfig fields}, "http": {"host", "port"},
 "grpc": {"host", "port"}, "api_keys_file": path | null, "default_slo": tier name |
-{"ttft_ms", "tpot_ms"} | null, "default_chat_max_tokens": int, "tool_call_parser": name | null}.
+{"ttft_ms", "tpot_ms"} | null, "default_chat_max_tokens": int, "tool_call_parser": name | null,
+"reasoning_parser": name | {"start", "end", "starts_open"} | null}.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from replica.request import SLO
+from router.reasoning import ReasoningParser, reasoning_parser
 from router.tool_parsers import PARSERS, ToolParser
 
 FALLBACK_SLO = SLO(ttft_ms=5000.0, tpot_ms=500.0)
@@ -25,6 +27,7 @@ TOP_LEVEL = {
     "default_slo",
     "default_chat_max_tokens",
     "tool_call_parser",
+    "reasoning_parser",
 }
 
 
@@ -44,6 +47,9 @@ class FrontDoorConfig:
     tool_call_parser: str | None = None
     """How the served model writes tool calls (router.tool_parsers.PARSERS: hermes,
     llama3_json), which `tool_choice: "auto"` needs; None refuses "auto"."""
+    reasoning_parser: ReasoningParser | None = None
+    """How the served model marks its thinking (router.reasoning): chat responses give it
+    as `reasoning_content`, apart from the answer; None: all of it is content."""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -87,6 +93,7 @@ class FrontDoorConfig:
             default_slo=_default_slo(args.get("default_slo"), cluster),
             default_chat_max_tokens=args.get("default_chat_max_tokens", 256),
             tool_call_parser=args.get("tool_call_parser"),
+            reasoning_parser=reasoning_parser(args.get("reasoning_parser")),
         )
 
 

@@ -163,6 +163,9 @@ def _stage_to_body(stage: pb.Stage) -> dict[str, Any]:
     for name in ("num_tokens", "ttft_ms"):
         if stage.HasField(name):
             out[name] = getattr(stage, name)
+    for name in ("end_token_ids", "until"):
+        if getattr(stage, name):
+            out[name] = list(getattr(stage, name))
     return out
 
 
@@ -187,7 +190,9 @@ def final_to_proto(
         completion_tokens=record.num_output_tokens,
         migrations=record.migrations,
         stages=[
-            pb.StageVerdict(name=s.name, attained=s.attained, late_tokens=s.late_tokens)
+            pb.StageVerdict(
+                name=s.name, attained=s.attained, late_tokens=s.late_tokens, tokens=s.tokens
+            )
             for s in record.stages
         ],
     )

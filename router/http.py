@@ -161,6 +161,7 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
         parsed.echo,
         parsed.tools,
         [r.prompt_token_ids for r in parsed.requests] if parsed.prompt_logprobs else [],
+        parsed.reasoning,
     )
     return JSONResponse(content, headers=cluster_headers(content["slos_serve"]))
 
@@ -176,6 +177,7 @@ async def _sse(
         door.model_name,
         door.codec.token_text,
         parsed.tools,
+        parsed.reasoning,
     )
     records: dict[int, FinalRecord] = {}
     echoes = dict(enumerate(parsed.echo))

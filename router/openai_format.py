@@ -17,6 +17,7 @@ from replica.batch import TokenLogprob
 from router.errors import ApiError
 from router.frontdoor import Finished, Output
 from router.openai_schema import Echo, Endpoint
+from router.reasoning import ReasoningParser, ReasoningStream
 from router.tools import ToolCalling, ToolOutput
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -54,7 +55,12 @@ def cluster_info(record: FinalRecord) -> dict[str, Any]:
         "migrations": record.migrations,
         "slo_attained": record.slo_attained,
         "stages": [
-            {"name": s.name, "attained": s.attained, "late_tokens": s.late_tokens}
+            {
+                "name": s.name,
+                "attained": s.attained,
+                "late_tokens": s.late_tokens,
+                "tokens": s.tokens,
+            }
             for s in record.stages
         ],
     }
@@ -79,6 +85,7 @@ def cluster_summary(records: Sequence[FinalRecord]) -> dict[str, Any]:
                 "name": same[0].name,
                 "attained": all(s.attained for s in same),
                 "late_tokens": sum(s.late_tokens for s in same),
+                "tokens": sum(s.tokens for s in same),
             }
             for same in zip(*(r.stages for r in records), strict=False)
         ],
@@ -237,10 +244,12 @@ def full_response(
     echo: Sequence[Echo] = (),
     tools: ToolCalling | None = None,
     prompts: Sequence[Sequence[int]] = (),
+    reasoning: ReasoningParser | None = None,
 ) -> dict[str, Any]:
     """The non-streamed body of a finished request: one choice per output, in order (each
-    led by its prompt when `echo` has one per choice, made tool calls when `tools` says, with
-    vLLM's `prompt_logprobs` of its prompt when `prompts` has one per choice: per choice for
+    led by its prompt when `echo` has one per choice, its thinking apart when `reasoning`
+    says how the model marks it, made tool calls when `tools` says, with vLLM's
+    `prompt_logprobs` of its prompt when `prompts` has one per choice: per choice for
     completions, once for chat's one prompt)."""
     records = [o.record for o in outputs]
     choices = []
@@ -248,15 +257,20 @@ def full_response(
         choice: dict[str, Any] = {"index": index}
         finish_reason = output.record.finish_reason
         if endpoint is Endpoint.CHAT:
-            made = None if tools is None else tools.message(output.text)
+            thought, text = (
+                (None, output.text) if reasoning is None else reasoning.split(output.text)
+            )
+            made = None if tools is None else tools.message(text)
             if made is None:
                 lead = echo[index].text if echo else ""
-                choice["message"] = {"role": "assistant", "content": lead + output.text}
+                choice["message"] = {"role": "assistant", "content": lead + text}
             else:
                 assert tools is not None
                 content, calls = made
                 choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish_reason = tools.finish_reason(finish_reason)
+            if reasoning is not None:
+                choice["message"]["reasoning_content"] = thought
             logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)
         else:
             choice["text"], logprobs = echoed(echo[index] if echo else None, output, token_text)
@@ -297,7 +311,8 @@ class ChunkWriter:
     and name in the first); the array `tool_choice: "required"` makes, once it is whole (its
     text cannot be split into calls before), each call in one delta; with "auto", the text as
     content until a call may start, then the calls, each in one delta, at the end (or the
-    rest as content when it made none)."""
+    rest as content when it made none). With a reasoning parser, the thinking streams as
+    `reasoning_content` and only the answer as content (or calls)."""
 
     def __init__(
         self,
@@ -307,6 +322,7 @@ class ChunkWriter:
         model: str,
         token_text: Callable[[int], str],
         tools: ToolCalling | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.response_id = response_id
@@ -320,6 +336,9 @@ class ChunkWriter:
         self.held: dict[int, ToolOutput] = {}
         """Per choice: the output "required" or "auto" makes, held until its calls are
         whole ("auto": but for the content its parser lets out)."""
+        self.reasoning = reasoning
+        self.thinking: dict[int, ReasoningStream] = {}
+        """Per choice, with a reasoning parser: where its output stands."""
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = "chat.completion.chunk" if self.endpoint is Endpoint.CHAT else "text_completion"
@@ -358,7 +377,18 @@ class ChunkWriter:
         }
 
     def _delta(self, index: int, text: str) -> dict[str, Any]:
-        """A chat chunk's delta: its text, or what it adds to the tool calls."""
+        """A chat chunk's delta: its thinking, and its text or what it adds to the calls."""
+        if self.reasoning is None:
+            return self._answer(index, text)
+        thought, text = self._thinking(index).feed(text)
+        return _with_reasoning(thought, self._answer(index, text))
+
+    def _thinking(self, index: int) -> ReasoningStream:
+        assert self.reasoning is not None
+        return self.thinking.setdefault(index, ReasoningStream(self.reasoning))
+
+    def _answer(self, index: int, text: str) -> dict[str, Any]:
+        """What the answer's text adds: content, or to the tool calls."""
         if self.tools is None:
             return {"content": text}
         if self.tools.held_to_end:
@@ -391,22 +421,28 @@ class ChunkWriter:
         with it (after the calls "required" made, now whole)."""
         record = finished.record
         reason = record.finish_reason
-        calls = b""
+        before = b""
+        if self.reasoning is not None:  # the end of a marker it never completed is text
+            thought, text = self._thinking(index).finish()
+            delta = _with_reasoning(thought, self._answer(index, text) if text else {})
+            if delta:
+                before = self._chunk([self._choice(index, "", None, delta=delta)])
         if self.tools is not None and self.tools.held_to_end:
             held = self.held.get(index) or ToolOutput(self.tools)
             rest, made, reason = held.finish(reason)
             if rest or index not in self.role_sent:  # the content not sent yet
-                calls = self._chunk([self._choice(index, "", None, delta={"content": rest})])
+                before += self._chunk([self._choice(index, "", None, delta={"content": rest})])
             if made is not None:
                 delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(made)]}
-                calls += self._chunk([self._choice(index, "", None, delta=delta)])
+                before += self._chunk([self._choice(index, "", None, delta=delta)])
         last = self._chunk(
             [self._choice(index, "", reason, None, finished.stop_reason)],
             service_tier=service_tier([record]),
             slos_serve=cluster_info(record),
         )
         self.held.pop(index, None)
-        return calls + last
+        self.thinking.pop(index, None)
+        return before + last
 
     def done(self, records: Sequence[FinalRecord], n: int, include_usage: bool) -> bytes:
         """After every choice finished: the usage chunk if asked for, then [DONE]."""
@@ -417,3 +453,7 @@ class ChunkWriter:
     def error(self, error: ApiError) -> bytes:
         """An error after the stream started (status already sent): an error event, then [DONE]."""
         return sse_event(error_body(error)) + SSE_DONE
+
+
+def _with_reasoning(thought: str, delta: dict[str, Any]) -> dict[str, Any]:
+    return {"reasoning_content": thought, **delta} if thought else delta

@@ -36,6 +36,7 @@ from replica.request import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_SEED,
+    MAX_STAGE_END_TOKENS,
     MAX_STOP_TOKEN_IDS,
     SLO,
     Request,
@@ -45,6 +46,7 @@ from replica.request import (
 )
 from router import json_text
 from router.errors import BadRequest, ModelNotFound
+from router.reasoning import ReasoningParser
 from router.structured import FIELDS as STRUCTURED_FIELDS
 from router.structured import json_schema_grammar, structured_grammar
 from router.tokenizer import ChatOptions
@@ -107,6 +109,8 @@ class SchemaContext:
     """Chat's `max_tokens` when absent (capped by the context left after the prompt)."""
     tool_parser: ToolParser | None = None
     """How the model writes tool calls among its text: what `tool_choice: "auto"` needs."""
+    reasoning_parser: ReasoningParser | None = None
+    """How the model marks its thinking: chat responses give it apart (`reasoning_content`)."""
 
     @property
     def max_prompt_chars(self) -> int:
@@ -147,6 +151,9 @@ class ParsedRequest:
     """Chat's `tool_choice` when it makes (or, "auto", may make) the output tool calls."""
     prompt_logprobs: bool = False
     """vLLM's `prompt_logprobs` was asked for: the response reports the prompt's."""
+    reasoning: ReasoningParser | None = None
+    """Chat with a reasoning parser, whose output no grammar holds to a form from its first
+    token: the response gives the thinking apart from the answer."""
 
     @property
     def arrival_time(self) -> float:
@@ -233,7 +240,7 @@ def parse_body(
     prompts = _prompts(endpoint, body, ctx, codec, tools)
     n = _choices_per_prompt(body, len(prompts))
     echo = endpoint is Endpoint.COMPLETIONS and _bool(body, "echo", False)
-    tier, slo, slo_label = _tier_and_slo(body, headers, ctx)
+    tier, slo, slo_label = _tier_and_slo(body, headers, ctx, codec)
     value = _value(body)
     sampling = _sampling(endpoint, body, ctx, codec, len(prompts[0]), echo, calling)
     requests = []
@@ -302,6 +309,9 @@ def parse_body(
         echoes,
         calling,
         prompt_logprobs,
+        ctx.reasoning_parser
+        if endpoint is Endpoint.CHAT and sampling.grammar is None and not echoes
+        else None,
     )
 
 
@@ -774,17 +784,21 @@ def _logit_bias(raw: object) -> tuple[tuple[int, float], ...]:
     return tuple(pairs.items())
 
 
-def _token_ids(body: dict[str, Any], name: str, most: int) -> tuple[int, ...]:
-    """A list of at most `most` token ids (the vocabulary is checked with the prompt's)."""
+def _token_ids(
+    body: dict[str, Any], name: str, most: int, param: str | None = None
+) -> tuple[int, ...]:
+    """A list of at most `most` token ids (the vocabulary is checked with the prompt's);
+    `param` names the field in errors (default: `name`)."""
+    param = param or name
     raw = body.get(name)
     if raw is None:
         return ()
     if not isinstance(raw, list) or len(raw) > most:
-        raise BadRequest(f"{name} must be a list of at most {most} token ids", name)
+        raise BadRequest(f"{param} must be a list of at most {most} token ids", param)
     ids = [_integral(t) for t in raw]
     valid = [t for t in ids if t is not None and t >= 0]
     if len(valid) < len(ids):
-        raise BadRequest(f"{name} must hold non-negative integers", name)
+        raise BadRequest(f"{param} must hold non-negative integers", param)
     return tuple(valid)
 
 
@@ -822,7 +836,7 @@ def _value(body: dict[str, Any]) -> float:
 
 
 def _tier_and_slo(
-    body: dict[str, Any], headers: Mapping[str, str], ctx: SchemaContext
+    body: dict[str, Any], headers: Mapping[str, str], ctx: SchemaContext, codec: Codec
 ) -> tuple[Tier, SLO | None, str]:
     service_tier = body.get("service_tier")
     if service_tier not in (None, "auto", "default", "flex"):
@@ -840,19 +854,19 @@ def _tier_and_slo(
             )
         return Tier.SLO, ctx.tiers[raw], raw
     if raw is not None:
-        return Tier.SLO, _body_slo(raw, ctx.default_slo), "custom"
+        return Tier.SLO, _body_slo(raw, ctx.default_slo, codec), "custom"
     if HEADER_TTFT in lowered or HEADER_TPOT in lowered:
         return Tier.SLO, _header_slo(lowered, ctx.default_slo), "header"
     return Tier.SLO, ctx.default_slo, "default"
 
 
-def _body_slo(raw: object, base: SLO) -> SLO:
+def _body_slo(raw: object, base: SLO, codec: Codec) -> SLO:
     if not isinstance(raw, dict):
         raise BadRequest("slo must be an object or the name of a tier", "slo")
     extra = sorted(str(k)[:64] for k in raw if k not in ("ttft_ms", "tpot_ms", "stages"))
     if extra:
         raise BadRequest(f"unknown slo field(s): {', '.join(extra[:8])}", f"slo.{extra[0]}")
-    stages = _stages(raw.get("stages"))
+    stages = _stages(raw.get("stages"), codec)
     tpot_default = stages[0].tpot_ms if stages else base.tpot_ms
     ttft = _number(
         raw,
@@ -885,7 +899,10 @@ def _header_slo(lowered: Mapping[str, str], base: SLO) -> SLO:
     )
 
 
-def _stages(raw: object) -> tuple[Stage, ...]:
+STAGE_FIELDS = ("tpot_ms", "num_tokens", "ttft_ms", "name", "end_token_ids", "until")
+
+
+def _stages(raw: object, codec: Codec) -> tuple[Stage, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list) or not raw or len(raw) > 16:
@@ -895,9 +912,7 @@ def _stages(raw: object) -> tuple[Stage, ...]:
         where = f"slo.stages[{i}]"
         if not isinstance(st, dict):
             raise BadRequest(f"{where} must be an object", where)
-        extra = sorted(
-            str(k)[:64] for k in st if k not in ("tpot_ms", "num_tokens", "ttft_ms", "name")
-        )
+        extra = sorted(str(k)[:64] for k in st if k not in STAGE_FIELDS)
         if extra:
             raise BadRequest(
                 f"unknown {where} field(s): {', '.join(extra[:8])}", f"{where}.{extra[0]}"
@@ -914,9 +929,42 @@ def _stages(raw: object) -> tuple[Stage, ...]:
         if st.get("ttft_ms") is not None:
             ttft = _number(st, "ttft_ms", 0.0, low=0.0, name=f"{where}.ttft_ms")
         tpot = _number(st, "tpot_ms", 0.0, low=0.0, name=f"{where}.tpot_ms")
-        make = partial(Stage, tpot_ms=tpot, num_tokens=num_tokens, ttft_ms=ttft, name=name)
+        ends = _stage_ends(st, where, codec)
+        make = partial(
+            Stage, tpot_ms=tpot, num_tokens=num_tokens, ttft_ms=ttft, name=name, end_token_ids=ends
+        )
         stages.append(_build(make, where))
     return tuple(stages)
+
+
+def _stage_ends(stage: dict[str, Any], where: str, codec: Codec) -> tuple[int, ...]:
+    """The tokens that end a stage: `end_token_ids`, and `until`'s text (a string or a list),
+    each of which must be one token of the model's vocabulary, as a reasoning model's
+    end-of-thinking marker is."""
+    ids = _token_ids(stage, "end_token_ids", MAX_STAGE_END_TOKENS, f"{where}.end_token_ids")
+    raw = stage.get("until")
+    if raw is None:
+        return ids
+    texts = [raw] if isinstance(raw, str) else raw
+    if (
+        not isinstance(texts, list)
+        or not 0 < len(texts) <= MAX_STAGE_END_TOKENS
+        or not all(isinstance(t, str) and t for t in texts)
+    ):
+        raise BadRequest(
+            f"{where}.until must be a string or a list of 1..{MAX_STAGE_END_TOKENS} strings",
+            f"{where}.until",
+        )
+    for text in texts:
+        tokens = codec.encode(text, add_special_tokens=False)
+        if len(tokens) != 1:
+            raise BadRequest(
+                f"{where}.until: {_short(text)} is {len(tokens)} tokens of the model's "
+                "vocabulary; a stage ends on one token (give end_token_ids for several)",
+                f"{where}.until",
+            )
+        ids = (*ids, tokens[0])
+    return ids
 
 
 def _header_ms(headers: Mapping[str, str], name: str, default: float) -> float:

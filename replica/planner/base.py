@@ -77,7 +77,11 @@ class RequestState:
     ) -> None:
         if outcome_tokens and self.first_token_time is None:
             self.first_token_time = now
+        seen = len(self.output_token_ids)
         self.output_token_ids.extend(outcome_tokens)
+        slo = self.request.slo
+        if slo is not None and slo.stages and slo.end_token_ids:
+            self.request.slo = slo.closed_by(self.output_token_ids, seen)
         self.num_computed_tokens = num_computed
         self.finished = self.finished or finished
 

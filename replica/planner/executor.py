@@ -61,18 +61,26 @@ class TreeDraft(Protocol):
 
 
 OUTPUT_TOKENS = 4096
-"""The ids the simulated engine outputs are below this."""
+"""The ids the simulated engine outputs are below this (but those a request `emits`)."""
+
+Emits = Sequence[tuple[int, int]]
+"""(output position, token id): tokens a simulated request outputs at set places."""
 
 
-def token_id(request_id: str, position: int) -> int:
+def token_id(request_id: str, position: int, emits: Emits = ()) -> int:
     """The token a request has at output position `position` (deterministic)."""
-    return token_ids(request_id, position, 1)[0]
+    return token_ids(request_id, position, 1, emits)[0]
 
 
-def token_ids(request_id: str, start: int, count: int) -> list[int]:
-    """The tokens a request has at output positions `start` to `start + count - 1`."""
+def token_ids(request_id: str, start: int, count: int, emits: Emits = ()) -> list[int]:
+    """The tokens a request has at output positions `start` to `start + count - 1`; `emits`
+    puts given tokens at given positions (a reasoning model's end of thinking)."""
     base = _id_sum(request_id) * 31
-    return [(base + position * 7) % OUTPUT_TOKENS for position in range(start, start + count)]
+    out = [(base + position * 7) % OUTPUT_TOKENS for position in range(start, start + count)]
+    for position, token in emits:
+        if start <= position < start + count:
+            out[position - start] = token
+    return out
 
 
 @lru_cache(maxsize=4096)
@@ -90,6 +98,7 @@ class _Sequence:
     stop_after: int | None = None
     cached: int = 0
     """Of `computed`, the leading tokens a prefix cache held (`start_from`)."""
+    emits: Emits = ()
 
     @property
     def num_known(self) -> int:
@@ -158,9 +167,11 @@ class PerfExecutor:
         output: Sequence[int] = (),
         computed: int = 0,
         stop_after: int | None = None,
+        emits: Emits = (),
     ) -> None:
         """Track a request; `output` and `computed` resume one already under way. With
-        `stop_after` the request stops (FinishReason.STOP) after that many output tokens."""
+        `stop_after` the request stops (FinishReason.STOP) after that many output tokens;
+        `emits` are tokens it outputs at set positions (`token_ids`)."""
         if request.request_id in self.sequences:
             raise ValueError(f"request {request.request_id!r} is already known")
         if not 0 <= computed <= request.prompt_len + len(output):
@@ -171,7 +182,7 @@ class PerfExecutor:
                 f"max_tokens={request.sampling.max_tokens}]"
             )
         self.sequences[request.request_id] = _Sequence(
-            request, list(output), computed, False, stop_after
+            request, list(output), computed, False, stop_after, emits=emits
         )
         self.token_times[request.request_id] = []
         if self.prefixes is not None and not output and request.sampling.prompt_logprobs is None:
@@ -392,7 +403,7 @@ class PerfExecutor:
                 )
             seq.computed += entry.num_tokens
             if seq.computed == known:
-                new = token_ids(rid, produced, 1)
+                new = token_ids(rid, produced, 1, seq.emits)
         else:
             if known - seq.computed != 1 or not output:
                 raise ValueError(f"request {rid!r} is not decoding")
@@ -409,7 +420,7 @@ class PerfExecutor:
             count = accepted + 1
             if seq.stop_after is not None:
                 count = min(count, seq.stop_after - produced)
-            new = token_ids(rid, produced, count)
+            new = token_ids(rid, produced, count, seq.emits)
             seq.computed = known + count - 1
         output.extend(new)
         self.token_times[rid].extend([end] * len(new))

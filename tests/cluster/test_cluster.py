@@ -10,7 +10,7 @@ import pytest
 from cluster.api import ClusterStatus, FinalRecord, TokenChunk, Verdict
 from cluster.handle import ClusterHandle
 from replica.engine import Engine
-from replica.request import SLO, Request, SamplingParams, Tier
+from replica.request import SLO, Request, SamplingParams, Stage, Tier
 from tests.cluster.conftest import collect, greedy_reference, status_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -59,6 +59,23 @@ def test_concurrent_two_tiers_match_standalone_greedy(
         assert final.migrations == 0
     status = runner.run(cluster.status())
     assert status.counters.get("admitted", 0) + status.counters.get("best_effort", 0) >= 4
+
+
+def test_a_thinking_stage_ends_where_the_model_outputs_its_end_token(
+    cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
+) -> None:
+    prompt = [11, 205, 31, 407, 9]
+    greedy = greedy_reference(engine, "think-ref", prompt, 16)
+    end = greedy[5]  # the demo model does not think: one of its tokens stands for </think>
+    thinking = Stage(tpot_ms=CHAT.tpot_ms, name="thinking", end_token_ids=(end,))
+    slo = SLO(CHAT.ttft_ms, CHAT.tpot_ms, (thinking, Stage(tpot_ms=BATCH.tpot_ms, name="answer")))
+    tokens, final = runner.run(collect(cluster.submit(request("think", prompt, 16, slo))))
+    assert tokens == greedy
+    closed = greedy.index(end) + 1
+    assert [(s.name, s.tokens) for s in final.stages] == [
+        ("thinking", closed),
+        ("answer", 16 - closed),
+    ]
 
 
 def test_declined_request_is_admitted_by_the_next_hop_then_best_effort(

@@ -50,6 +50,21 @@ def test_resumed_request_continues_from_delivered_tokens() -> None:
     assert original.prompt_token_ids == [1, 2, 3]
 
 
+def test_a_resume_after_the_model_ended_a_stage_goes_on_in_the_next() -> None:
+    think = Stage(20, name="think", end_token_ids=(5,))
+    slo = SLO(ttft_ms=400, tpot_ms=20, stages=(think, Stage(80, name="answer")))
+    original = Request("r", [1], SamplingParams(max_tokens=10), slo=slo)
+    ended = resumed_request(original, [9, 5, 7])
+    assert ended.slo is not None
+    assert [s.name for s in ended.slo.stages] == ["answer"]
+    closed = slo.closed_by([9, 5])
+    assert ended.slo.deadline_s(0) == pytest.approx(closed.deadline_s(3))
+    # Still thinking: the stage stays open, to end on its token on the next replica.
+    thinking = resumed_request(original, [9, 8])
+    assert thinking.slo is not None and thinking.slo.stages[0].end_token_ids == (5,)
+    assert thinking.slo.deadline_s(0) == pytest.approx(slo.deadline_s(2))
+
+
 def test_a_resume_keeps_count_of_the_output_it_turned_into_prompt() -> None:
     """Penalties and stop strings count the delivered tokens as output; min_tokens, like
     max_tokens, counts only what is left."""

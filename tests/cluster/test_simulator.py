@@ -23,10 +23,17 @@ from cluster.simulator import (
 )
 from loadgen import simulate
 from loadgen.arrivals import poisson_arrivals
-from loadgen.workloads import Scenario, WorkloadConfig, generate_workload, zero_load_ttft_from
+from loadgen.workloads import (
+    STAGE_END_TOKEN,
+    Scenario,
+    WorkloadConfig,
+    generate_workload,
+    zero_load_ttft_from,
+)
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
-from replica.request import SLO, Request, SamplingParams
+from replica.planner.executor import late_tokens
+from replica.request import SLO, Request, SamplingParams, Stage
 
 LINEAR = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})
 """A step takes 10 ms + 1 ms per query token."""
@@ -196,6 +203,28 @@ def test_the_schedule_does_not_depend_on_output_len_until_a_request_ends(policy:
     assert long["a"][:5] == short["a"]
     assert [t for t in long["b"] if t <= end] == [t for t in short["b"] if t <= end]
     assert len(long["a"]) == 40 and len(short["b"]) == len(long["b"]) == 20
+
+
+@pytest.mark.parametrize("policy", [Policy.SLOS, Policy.VLLM])
+def test_the_schedule_does_not_know_where_thinking_ends_until_the_model_ends_it(
+    policy: Policy,
+) -> None:
+    end = STAGE_END_TOKEN
+    think = Stage(20.0, name="think", end_token_ids=(end,))
+    slo = SLO(300.0, 20.0, (think, Stage(200.0, name="answer")))
+
+    def run(thinking: int) -> dict:
+        a = replace(sim_request("a", 30, 0.0, 40, slo=slo), emits=((thinking - 1, end),))
+        requests = [a, sim_request("b", 40, 0.005, 20)]
+        got = times(requests, SimConfig(policy=policy))
+        assert a.request.slo == slo  # each run closes its own copy
+        judged = slo.after_tokens(a.emits)
+        assert not late_tokens(replace(a.request, slo=judged), got["a"])
+        return got
+
+    short, long = run(5), run(30)
+    assert long["a"][:5] == short["a"][:5]
+    assert len(long["a"]) == len(short["a"]) == 40
 
 
 def test_follow_up_rounds_arrive_after_the_previous_round_and_die_with_it() -> None:

@@ -20,6 +20,8 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import ClusterConfig
 from router.config import FrontDoorConfig
+from router.reasoning import PARSERS as REASONING
+from router.reasoning import ReasoningParser
 from router.tool_parsers import PARSERS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -255,11 +257,21 @@ def test_no_api_keys_by_default(render: Render) -> None:
     (app,) = serve_config(one(render(), "RayService"))["applications"]
     assert app["args"]["api_keys_file"] is None
     assert app["args"]["tool_call_parser"] is None
+    assert app["args"]["reasoning_parser"] is None
 
 
 def test_a_tool_call_parser_reaches_the_front_door(render: Render) -> None:
     (app,) = serve_config(one(render({"toolCallParser": "hermes"}), "RayService"))["applications"]
     assert FrontDoorConfig.from_args(app["args"]).tool_parser is PARSERS["hermes"]
+
+
+def test_a_reasoning_parser_reaches_the_front_door(render: Render) -> None:
+    (app,) = serve_config(one(render({"reasoningParser": "qwen3"}), "RayService"))["applications"]
+    assert FrontDoorConfig.from_args(app["args"]).reasoning_parser is REASONING["qwen3"]
+    markers = {"start": "[think]", "end": "[/think]", "starts_open": False}
+    (app,) = serve_config(one(render({"reasoningParser": markers}), "RayService"))["applications"]
+    parser = FrontDoorConfig.from_args(app["args"]).reasoning_parser
+    assert parser == ReasoningParser("[think]", "[/think]", starts_open=False)
 
 
 def gpu_group(gpus: int) -> dict[str, Any]:
@@ -297,6 +309,8 @@ def gpu_group(gpus: int) -> dict[str, Any]:
         ),
         ({"cluster": {"autoscale": {"signal": "queue"}}}, r"/cluster/autoscale/signal'"),
         ({"cluster": {"autoscale": {"max_replicas": 0}}}, r"/cluster/autoscale/max_replicas'"),
+        ({"reasoningParser": "granite"}, r"/reasoningParser'"),
+        ({"reasoningParser": {"start": "<think>"}}, r"/reasoningParser'"),
         ({"clusterr": {}}, r"additional properties 'clusterr' not allowed"),
         ({"head": {"rayStartParams": {"num-cpus": 0}}}, r"/head/rayStartParams/num-cpus'"),
     ],

@@ -71,7 +71,14 @@ def test_config_passes_ray_schema_and_cluster_config(name: str) -> None:
     assert app.import_path == "router.app:build_app"
     assert app.route_prefix == "/"
     args = app_args(config)
-    assert set(args) == {"cluster", "http", "grpc", "api_keys_file", "tool_call_parser"}
+    assert set(args) == {
+        "cluster",
+        "http",
+        "grpc",
+        "api_keys_file",
+        "tool_call_parser",
+        "reasoning_parser",
+    }
     FrontDoorConfig.from_args(args)
 
 

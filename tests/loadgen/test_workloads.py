@@ -9,6 +9,7 @@ import pytest
 
 from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE, TraceRow
 from loadgen.workloads import (
+    STAGE_END_TOKEN,
     TABLE4,
     TOOL_CALLS,
     TRACE_FILES,
@@ -110,14 +111,21 @@ def test_reasoning_has_a_tight_thinking_stage_then_a_loose_answer() -> None:
     thinking = table4_lengths("reasoning.thinking")
     answer = table4_lengths("reasoning.answer")
     for r in reqs:
-        think, ans = r.slo.stages
+        # The scheduler is told no boundary: thinking ends when the model outputs its token.
+        told, _ = r.slo.stages
+        assert told.num_tokens is None and told.end_token_ids == (STAGE_END_TOKEN,)
+        ((position, token),) = r.emits
+        assert token == STAGE_END_TOKEN
+        think, ans = r.judged_slo.stages
         assert (think.tpot_ms, ans.tpot_ms) == (50.0, 100.0)
-        assert think.num_tokens is not None and ans.num_tokens is None
+        assert think.num_tokens == position + 1 and ans.num_tokens is None
+        assert not think.end_token_ids
         assert r.output_len > think.num_tokens
         assert r.max_tokens == thinking.cap + answer.cap
         assert r.slo.ttft_ms == pytest.approx(3.0 * zero_load(r.prompt_len) * 1e3)
         n = think.num_tokens
-        assert r.slo.tpot_at(n - 1) == 0.05 and r.slo.tpot_at(n) == 0.1
+        assert r.judged_slo.tpot_at(n - 1) == 0.05 and r.judged_slo.tpot_at(n) == 0.1
+        assert r.slo.tpot_at(n) == 0.05  # until the model ends its thinking
     means = np.mean([r.output_len for r in reqs])
     assert means == pytest.approx(4693 + 803, rel=0.05)
 

@@ -194,8 +194,68 @@ def test_stage_deadlines_piecewise() -> None:
 
 
 def test_stage_without_count_must_be_last() -> None:
-    with pytest.raises(ValueError, match="num_tokens is required"):
+    with pytest.raises(ValueError, match=r"needs num_tokens or end_token_ids"):
         SLO(ttft_ms=1, tpot_ms=1, stages=(Stage(tpot_ms=1), Stage(tpot_ms=2)))
+
+
+THINK_END = 9
+
+
+def thinking_slo(num_tokens: int | None = None) -> SLO:
+    """1 s TTFT, thinking at 10 ms a token until THINK_END, then an answer at 100 ms."""
+    think = Stage(tpot_ms=10, num_tokens=num_tokens, name="think", end_token_ids=(THINK_END,))
+    return SLO(ttft_ms=1000, tpot_ms=10, stages=(think, Stage(tpot_ms=100, name="answer")))
+
+
+def test_a_stage_that_ends_on_a_token_is_open_until_the_model_outputs_it() -> None:
+    slo = thinking_slo()
+    # Open: every token to come is planned in the thinking stage.
+    assert [slo.stage_at(j) for j in (0, 5, 10_000)] == [0, 0, 0]
+    assert slo.deadline_s(7) == pytest.approx(1.07)
+    assert slo.end_token_ids == (THINK_END,)
+    # Tokens without the end token change nothing; the end token at position 4 ends it.
+    assert slo.closed_by([1, 2, 3]) is slo
+    closed = slo.closed_by([1, 2, 3, 4, THINK_END, 5])
+    assert closed.stages[0] == Stage(tpot_ms=10, num_tokens=5, name="think")
+    assert closed.end_token_ids == ()
+    # The answer's line starts one answer TPOT after the last thinking deadline.
+    assert closed.deadline_s(4) == pytest.approx(1.04)
+    assert closed.deadline_s(5) == pytest.approx(1.14)
+    assert [closed.stage_at(j) for j in (4, 5)] == [0, 1]
+    # The same end token later, in the answer, is an answer token.
+    assert closed.closed_by([1, 2, 3, 4, THINK_END, 5, THINK_END]) == closed
+
+
+def test_closing_reads_only_the_new_tokens_and_agrees_with_explicit_positions() -> None:
+    slo = thinking_slo()
+    output = [1, THINK_END, 2, THINK_END]
+    # Tokens before `since` were seen: the first end token is not looked at again.
+    later = slo.closed_by(output, since=2)
+    assert later.stages[0].num_tokens == 4
+    assert later == slo.after_tokens([(3, THINK_END)])
+    assert slo.closed_by(output) == slo.after_tokens([(1, THINK_END)])
+    # A position's token that ends no stage changes nothing.
+    assert slo.after_tokens([(1, THINK_END + 1)]) is slo
+
+
+def test_a_bounded_stage_ends_at_its_end_token_or_its_count_whichever_first() -> None:
+    slo = thinking_slo(num_tokens=3)
+    assert slo.closed_by([THINK_END]).stages[0].num_tokens == 1
+    # Past the count the end token falls in the answer: the stage already ended.
+    assert slo.closed_by([1, 2, 3, THINK_END]) == slo
+    assert slo.stage_at(3) == 1
+
+
+def test_stage_end_tokens_are_checked() -> None:
+    with pytest.raises(ValueError, match="end_token_ids must be token ids"):
+        Stage(tpot_ms=1, end_token_ids=(-1,))
+    with pytest.raises(ValueError, match="end_token_ids must be a list"):
+        Stage(tpot_ms=1, end_token_ids="</think>")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at most 16"):
+        Stage(tpot_ms=1, end_token_ids=tuple(range(17)))
+    request = Request("r", [1, 2], slo=thinking_slo())
+    with pytest.raises(ValueError, match=r"slo.stages\[\].end_token_ids token id 9 is outside"):
+        request.check_fits(100, vocab_size=9)
 
 
 @given(st.integers(min_value=0, max_value=500))

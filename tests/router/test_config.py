@@ -9,6 +9,7 @@ import pytest
 from replica.request import SLO
 from router.app import build_app
 from router.config import FALLBACK_SLO, FrontDoorConfig
+from router.reasoning import ReasoningParser
 
 CLUSTER = {"model": "m", "spec_policy": "none"}
 TIERS = [
@@ -27,6 +28,9 @@ def test_defaults_and_default_slo() -> None:
     assert named.default_slo == SLO(1000, 400) and named.tiers["chat"] == SLO(2000, 200)
     explicit = FrontDoorConfig.from_args({**tiered, "default_slo": {"ttft_ms": 9, "tpot_ms": 8}})
     assert explicit.default_slo == SLO(9, 8)
+    assert config.reasoning_parser is None
+    thinking = FrontDoorConfig.from_args({"cluster": CLUSTER, "reasoning_parser": "deepseek_r1"})
+    assert thinking.reasoning_parser == ReasoningParser("<think>", "</think>", starts_open=True)
 
 
 @pytest.mark.parametrize(
@@ -44,6 +48,11 @@ def test_defaults_and_default_slo() -> None:
             {"cluster": CLUSTER, "tool_call_parser": "qwen"},
             "tool_call_parser must be one of hermes, llama3_json, pythonic or null, got 'qwen'",
         ),
+        (
+            {"cluster": CLUSTER, "reasoning_parser": "granite"},
+            "reasoning_parser must be one of deepseek_r1, qwen3, a mapping",
+        ),
+        ({"cluster": CLUSTER, "reasoning_parser": {"end": ""}}, "reasoning_parser.end"),
         (
             {"cluster": CLUSTER, "tool_call_parser": ["hermes"]},
             r"tool_call_parser must be one of hermes, llama3_json, pythonic or null, "

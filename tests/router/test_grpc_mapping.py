@@ -60,6 +60,22 @@ def test_sdk_request_parses_like_the_http_body(codec: TextCodec) -> None:
     assert req.prompt_token_ids == codec.encode("Hello")
 
 
+def test_a_stage_that_ends_on_a_token_crosses_grpc(codec: TextCodec) -> None:
+    slo = SLO(300, 40, (Stage(20, name="think", end_token_ids=(5, 9)), Stage(60)))
+    endpoint, body = request_to_body(build_request("Hi", None, GenerateOptions(slo=slo)), "demo")
+    req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).requests[0]
+    assert req.slo == slo
+    # `until` gives the end tokens as text, as over HTTP.
+    stage = pb.Stage(tpot_ms=20, name="think", until=["return"])
+    request = pb.GenerateRequest(prompt="Hi", slo=pb.SLO(stages=[stage, pb.Stage(tpot_ms=60)]))
+    endpoint, body = request_to_body(request, "demo")
+    req = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0).requests[0]
+    assert req.slo is not None
+    assert req.slo.stages[0].end_token_ids == tuple(
+        codec.encode("return", add_special_tokens=False)
+    )
+
+
 def test_penalties_bias_and_stop_conditions_cross_grpc(codec: TextCodec) -> None:
     options = GenerateOptions(
         max_tokens=8,

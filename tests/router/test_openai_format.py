@@ -21,6 +21,7 @@ from router.openai_format import (
     sse_event,
 )
 from router.openai_schema import Echo, Endpoint
+from router.reasoning import PARSERS as REASONING_PARSERS
 from router.tool_parsers import PARSERS
 from router.tools import ToolCalling
 
@@ -32,7 +33,7 @@ RECORD = FinalRecord(
     finish_reason="stop",
     num_prompt_tokens=3,
     num_output_tokens=2,
-    stages=(StageVerdict("default", False, 1),),
+    stages=(StageVerdict("default", False, 1, 2),),
 )
 
 
@@ -114,7 +115,7 @@ def test_full_response_and_headers() -> None:
     ]
     assert body["slos_serve"]["slo_attained"] is False
     assert body["slos_serve"]["stages"] == [
-        {"name": "default", "attained": False, "late_tokens": 1}
+        {"name": "default", "attained": False, "late_tokens": 1, "tokens": 2}
     ]
     headers = cluster_headers(body["slos_serve"])
     assert headers["x-slos-serve-verdict"] == "best_effort"
@@ -130,7 +131,7 @@ ADMITTED = replace(
     migrations=1,
     num_cached_tokens=2,
     num_output_tokens=4,
-    stages=(StageVerdict("default", True, 0),),
+    stages=(StageVerdict("default", True, 0, 4),),
 )
 
 
@@ -164,7 +165,7 @@ def test_several_choices_each_say_what_the_cluster_did() -> None:
         "hops": 2,
         "migrations": 3,
         "slo_attained": False,
-        "stages": [{"name": "default", "attained": False, "late_tokens": 1}],
+        "stages": [{"name": "default", "attained": False, "late_tokens": 1, "tokens": 14}],
     }
     assert cluster_headers(summary) == {
         "x-slos-serve-verdict": "best_effort",
@@ -439,3 +440,55 @@ def test_llama3_streams_hold_an_output_that_may_be_calls_until_it_ends() -> None
     # Plain text goes out as it comes once it cannot be a call.
     hi = [c.choices[0].delta.content for c in chunks if c.choices[0].index == 2]
     assert hi[:2] == ["Hi", " {there}"]
+
+
+R1 = REASONING_PARSERS["deepseek_r1"]
+
+
+def test_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
+    texts = ["<think>Two and two.</think>\n\nIt is 4.", "Still thinking", HERMES_CALL]
+    thoughts = ["Two and two.", "Still thinking", None]
+    answers = ["\n\nIt is 4.", "", HERMES_CALL]
+    records = [RECORD, LENGTH, RECORD]
+    # The third thinks nothing: a qwen3-style parser leaves an output without <think> alone.
+    parsers = [R1, R1, REASONING_PARSERS["qwen3"]]
+    for text, thought, answer, record, parser in zip(
+        texts, thoughts, answers, records, parsers, strict=True
+    ):
+        body = full_response(
+            Endpoint.CHAT, "r1", 7, "demo", outputs([text], [record]), 1, TEXT_OF, reasoning=parser
+        )
+        ChatCompletion.model_validate(body)
+        message = body["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (thought, answer)
+        w = ChunkWriter(Endpoint.CHAT, "r2", 5, "demo", TEXT_OF, reasoning=parser)
+        pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # markers split over chunks
+        stream = b"".join(w.text(0, p) for p in pieces) + w.finish(0, Finished(record))
+        deltas = [json.loads(d)["choices"][0]["delta"] for d in events(stream)]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == (thought or "")
+        assert "".join(d.get("content", "") for d in deltas) == answer
+        assert not any("<" in d.get("reasoning_content", "") for d in deltas)
+        assert w.thinking == {}
+
+
+def test_a_reasoning_model_thinks_then_calls_a_tool() -> None:
+    text = "<think>The user wants a lookup.</think>" + HERMES_CALL
+    body = full_response(
+        Endpoint.CHAT, "r3", 7, "demo", outputs([text], [RECORD]), 1, TEXT_OF, (), AUTO, (), R1
+    )
+    ChatCompletion.model_validate(body)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] == "The user wants a lookup."
+    assert choice["message"]["content"] == "Checking."
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["lookup"]
+    w = ChunkWriter(Endpoint.CHAT, "r4", 5, "demo", TEXT_OF, AUTO, R1)
+    pieces = [text[i : i + 5] for i in range(0, len(text), 5)]
+    stream = b"".join(w.text(0, p) for p in pieces) + w.finish(0, Finished(RECORD))
+    chunks = [ChatCompletionChunk.model_validate_json(d) for d in events(stream)]
+    deltas = [json.loads(d)["choices"][0]["delta"] for d in events(stream)]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants a lookup."
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking."
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+    assert [t.function.name for t in calls if t.function] == ["lookup"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

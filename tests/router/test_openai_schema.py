@@ -25,6 +25,7 @@ from router.openai_schema import (
     parse_detokenize,
     parse_tokenize,
 )
+from router.reasoning import PARSERS
 from router.tokenizer import TextCodec
 from tests.router.bodies import bodies, headers, json_values
 
@@ -231,6 +232,57 @@ def test_slo_sources_in_order(codec: TextCodec, ctx: SchemaContext) -> None:
     }
     slo = parse(codec, ctx, staged).requests[0].slo
     assert slo == SLO(100, 20, (Stage(20, 50, None, "think"), Stage(80)))
+
+
+def test_a_stage_may_end_on_tokens_given_by_id_or_as_text(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    (colon,) = codec.encode(":", add_special_tokens=False)
+    thinking = {"name": "think", "tpot_ms": 20, "end_token_ids": [7], "until": ["return", ":"]}
+    body = {"prompt": "x", "slo": {"stages": [thinking, {"tpot_ms": 80}]}}
+    slo = parse(codec, ctx, body).requests[0].slo
+    assert slo is not None
+    ends = (7, codec.encode("return", add_special_tokens=False)[0], colon)
+    assert slo.stages[0] == Stage(20, None, None, "think", ends)
+    # A single string is one end token; the stage may be bounded too.
+    one = {"tpot_ms": 20, "until": ":", "num_tokens": 64}
+    body = {"prompt": "x", "slo": {"stages": [one, {"tpot_ms": 80}]}}
+    slo = parse(codec, ctx, body).requests[0].slo
+    assert slo is not None and slo.stages[0] == Stage(20, 64, end_token_ids=(colon,))
+
+
+@pytest.mark.parametrize(
+    ("stage", "param", "message"),
+    [
+        ({"until": "</think>"}, "slo.stages[0].until", "is 5 tokens of the model's vocabulary"),
+        ({"until": ""}, "slo.stages[0].until", "a string or a list"),
+        ({"until": [":"] * 17}, "slo.stages[0].until", "a string or a list"),
+        ({"until": 3}, "slo.stages[0].until", "a string or a list"),
+        ({"end_token_ids": [-1]}, "slo.stages[0].end_token_ids", "non-negative integers"),
+        ({"end_token_ids": list(range(17))}, "slo.stages[0].end_token_ids", "at most 16"),
+        ({"end_token_ids": [4096]}, "slo.stages[].end_token_ids", "outside the vocabulary"),
+        ({}, "slo", r"slo.stages\[0\] needs num_tokens or end_token_ids"),
+    ],
+)
+def test_bad_stage_ends_are_named(
+    codec: TextCodec, ctx: SchemaContext, stage: dict[str, Any], param: str, message: str
+) -> None:
+    body = {"prompt": "x", "slo": {"stages": [{"tpot_ms": 20, **stage}, {"tpot_ms": 80}]}}
+    with pytest.raises(BadRequest, match=message) as info:
+        parse(codec, ctx, body)
+    assert info.value.param == param
+
+
+def test_chat_gives_thinking_apart_unless_a_grammar_holds_the_output_to_a_form(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    thinking = replace(ctx, reasoning_parser=PARSERS["deepseek_r1"])
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse(codec, ctx, chat, endpoint=Endpoint.CHAT).reasoning is None
+    assert parse(codec, thinking, chat, endpoint=Endpoint.CHAT).reasoning is PARSERS["deepseek_r1"]
+    assert parse(codec, thinking, {"prompt": "x"}).reasoning is None  # completions: raw text
+    formed = {**chat, "response_format": {"type": "json_object"}}
+    assert parse(codec, thinking, formed, endpoint=Endpoint.CHAT).reasoning is None
 
 
 def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -> None:

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.names import NAMESPACE
 from router.app import DisconnectOnCancelledReceive, build_app
-from router.client import Client
+from router.client import Chunk, Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -47,6 +47,8 @@ def test_build_app_serves_http_and_grpc(
         "http": {"host": "127.0.0.1", "port": http_port},
         "grpc": {"port": grpc_port},
         "api_keys_file": None,
+        # The demo model does not think: a line break stands for its </think>.
+        "reasoning_parser": {"end": "\n", "starts_open": True},
     }
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     try:
@@ -58,6 +60,7 @@ def test_build_app_serves_http_and_grpc(
             done = client.complete("Hello", max_tokens=4, temperature=0.0)
         assert done.text == out.choices[0].text
         assert done.result.verdict == "admitted"
+        check_thinking_apart(oai, grpc_port)
 
         replica = ray.get_actor("slos-serve-replica-0", namespace=NAMESPACE)
         loaded = ray.get(replica.health.remote())
@@ -70,6 +73,52 @@ def test_build_app_serves_http_and_grpc(
     finally:
         serve.shutdown()
     assert not [a for a in named_actors() if a["namespace"] == NAMESPACE]
+
+
+def check_thinking_apart(oai: openai.OpenAI, grpc_port: int) -> None:
+    """Chat through a reasoning parser: the thinking (up to the first line break, here) comes
+    as reasoning_content, whole and streamed; a thinking stage of the SLO ends on the token
+    the model outputs for it. gRPC returns the raw text."""
+    messages = [{"role": "user", "content": "def fib(n):"}]
+    with Client(f"127.0.0.1:{grpc_port}") as client:
+        chunks = list(
+            client.generate(messages=[("user", "def fib(n):")], max_tokens=24, temperature=0.0)
+        )
+    text = "".join(c.text for c in chunks if isinstance(c, Chunk))
+    tokens = [t for c in chunks if isinstance(c, Chunk) for t in c.token_ids]
+    assert "\n" in text, text
+    thought, answer = text.split("\n", 1)
+    end = tokens[3]  # stands for the model's end-of-thinking token
+    stages = [
+        {"name": "thinking", "tpot_ms": 500, "end_token_ids": [end]},
+        {"name": "answer", "tpot_ms": 1000},
+    ]
+    whole = oai.chat.completions.create(
+        model="demo",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=24,
+        temperature=0,
+        extra_body={"slo": {"ttft_ms": 60_000, "stages": stages}},
+    )
+    message = whole.choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] == thought
+    assert message.content == answer
+    verdicts = (whole.model_extra or {})["slos_serve"]["stages"]
+    thinking = tokens.index(end) + 1
+    assert [(v["name"], v["tokens"]) for v in verdicts] == [
+        ("thinking", thinking),
+        ("answer", len(tokens) - thinking),
+    ]
+    streamed = oai.chat.completions.create(
+        model="demo",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == answer
 
 
 def test_a_cancelled_receive_is_a_disconnect() -> None:

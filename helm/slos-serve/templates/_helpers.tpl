@@ -51,6 +51,7 @@ and gRPC listen on 0.0.0.0 so the Services can reach them.
   "grpc" (dict "host" "0.0.0.0" "port" .Values.ports.grpc)
   "api_keys_file" (ternary $keysFile nil (ne $keysFile ""))
   "tool_call_parser" .Values.toolCallParser
+  "reasoning_parser" .Values.reasoningParser
 }}
 {{- $app := dict
   "name" "slos-serve"

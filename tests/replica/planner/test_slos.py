@@ -19,6 +19,7 @@ from replica.planner.budget import BatchBudget
 from replica.planner.config import InvocationConfig, PlannerConfig, SpecConfig
 from replica.planner.deadlines import token_deadline
 from replica.planner.executor import (
+    OUTPUT_TOKENS,
     AcceptFn,
     PerfExecutor,
     late_tokens,
@@ -161,6 +162,35 @@ def test_reasoning_request_is_planned_with_the_tight_tier_only_while_thinking() 
     assert any(p == 0.2 for n, p in periods if n > 6)
     for r in (reasoning, chat):
         assert not late_tokens(r, executor.token_times[r.request_id])
+
+
+def test_a_thinking_stage_that_ends_on_a_token_relaxes_once_the_model_outputs_it() -> None:
+    end = OUTPUT_TOKENS  # a token the simulated model outputs only where told
+    stages = (Stage(tpot_ms=20.0, name="think", end_token_ids=(end,)), Stage(200.0, name="answer"))
+    reasoning = request("r", 8, 12, ttft_s=0.2, tpot_s=0.02, stages=stages)
+    cache = CacheBudget(64, 16)
+    config = PlannerConfig(invocation=InvocationConfig(interval_s=1e-3))
+    scheduler = SlosScheduler(GPU_LIKE, cache, config)
+    executor = PerfExecutor(GPU_LIKE, cache)
+    executor.add(reasoning, emits=[(5, end)])
+    scheduler.add_request(reasoning, 0.0)
+    now = 0.0
+    periods: list[tuple[int, float]] = []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule(now)
+        assert plan is not None and scheduler.budget is not None
+        periods.append(
+            (len(scheduler.queues.states["r"].output_token_ids), scheduler.budget.period_s)
+        )
+        outcome, duration = executor.execute(plan, now)
+        now += duration
+        scheduler.update_from_outcome(plan, outcome, now)
+    assert executor.output("r")[5] == end
+    # Tight while thinking, for as long as it lasts; the answer's TPOT once the model ended it.
+    assert all(p == 0.02 for n, p in periods if n < 6)
+    assert any(p == 0.2 for n, p in periods if n > 6)
+    assert reasoning.slo is not None and reasoning.slo.stages[0].num_tokens == 6
+    assert not late_tokens(reasoning, executor.token_times["r"])
 
 
 def test_speculation_lengths_follow_the_measured_acceptance() -> None:

@@ -15,16 +15,20 @@ SERVICE_TIER_DEFAULT: ServiceTier
 SERVICE_TIER_FLEX: ServiceTier
 
 class Stage(_message.Message):
-    __slots__ = ("tpot_ms", "num_tokens", "ttft_ms", "name")
+    __slots__ = ("tpot_ms", "num_tokens", "ttft_ms", "name", "end_token_ids", "until")
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
     tpot_ms: float
     num_tokens: int
     ttft_ms: float
     name: str
-    def __init__(self, tpot_ms: _Optional[float] = ..., num_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., name: _Optional[str] = ...) -> None: ...
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    until: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tpot_ms: _Optional[float] = ..., num_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., name: _Optional[str] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., until: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SLO(_message.Message):
     __slots__ = ("ttft_ms", "tpot_ms", "stages", "tier")
@@ -192,14 +196,16 @@ class TextChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StageVerdict(_message.Message):
-    __slots__ = ("name", "attained", "late_tokens")
+    __slots__ = ("name", "attained", "late_tokens", "tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ATTAINED_FIELD_NUMBER: _ClassVar[int]
     LATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     attained: bool
     late_tokens: int
-    def __init__(self, name: _Optional[str] = ..., attained: _Optional[bool] = ..., late_tokens: _Optional[int] = ...) -> None: ...
+    tokens: int
+    def __init__(self, name: _Optional[str] = ..., attained: _Optional[bool] = ..., late_tokens: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("request_id", "verdict", "replica", "hops", "finish_reason", "prompt_tokens", "completion_tokens", "slo_attained", "stages", "migrations", "ttft_s", "e2e_s", "stop_string", "stop_token_id", "index", "tool_calls", "cached_tokens")

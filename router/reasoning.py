@@ -1,0 +1,125 @@
+"""A reasoning model's thinking apart from its answer: vLLM's `reasoning_content`.
+
+DeepSeek-R1, Qwen3 and their kin write their thinking first, between `<think>` and
+`</think>`, then the answer. Clients of vLLM's `--reasoning-parser` get the two apart: chat's
+`message.reasoning_content` (streamed as `delta.reasoning_content`) and `content`. The split is
+made on the text, as it streams: a marker split over two deltas is held until it is whole, so
+a client never sees part of one. The same code splits a whole output (`split`), so streamed and
+non-streamed responses agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """How the served model marks its thinking."""
+
+    start: str
+    end: str
+    starts_open: bool
+    """The output is thinking from its first token even without `start` (DeepSeek-R1's
+    template opens it in the prompt); False: only an output that begins with `start` thinks
+    (Qwen3's, whose thinking can be switched off)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.end, str) or not self.end:
+            raise ValueError(f"reasoning_parser.end must be non-empty text, got {self.end!r}")
+        if not isinstance(self.start, str):
+            raise ValueError(f"reasoning_parser.start must be text, got {self.start!r}")
+        if not isinstance(self.starts_open, bool):
+            raise ValueError(
+                f"reasoning_parser.starts_open must be true or false, got {self.starts_open!r}"
+            )
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole output's (reasoning, content): reasoning None when it did not think."""
+        stream = ReasoningStream(self)
+        reasoning, content = stream.feed(text)
+        more, rest = stream.finish()
+        return (reasoning + more if stream.thought else None), content + rest
+
+
+PARSERS = {
+    "deepseek_r1": ReasoningParser("<think>", "</think>", starts_open=True),
+    "qwen3": ReasoningParser("<think>", "</think>", starts_open=False),
+}
+"""vLLM's names for the parsers of the two families most reasoning models follow."""
+
+
+def reasoning_parser(raw: object) -> ReasoningParser | None:
+    """The `reasoning_parser` front door arg: a name of PARSERS, {start, end, starts_open} for
+    another model's markers, or null."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        if raw not in PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(PARSERS)}, a mapping of start, end "
+                f"and starts_open, or null; got {raw!r}"
+            )
+        return PARSERS[raw]
+    if not isinstance(raw, Mapping) or set(raw) - {"start", "end", "starts_open"}:
+        raise ValueError(
+            f"reasoning_parser as a mapping takes start, end and starts_open, got {raw!r}"
+        )
+    fields: dict[str, Any] = dict(raw)
+    return ReasoningParser(
+        fields.get("start", ""), fields.get("end", ""), fields.get("starts_open", True)
+    )
+
+
+class ReasoningStream:
+    """One choice's output as it streams: each delta's (reasoning, content)."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.thinking: bool | None = None
+        """None until the output's start says whether it thinks; then True until `end`."""
+        self.thought = False
+        """The output thought (some of it was reasoning, or `start` opened it)."""
+        self.held = ""
+        """Text that may be the start of a marker, not sent yet."""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        held = self.held + text
+        self.held = ""
+        if self.thinking is None:
+            start = self.parser.start
+            if start and len(held) < len(start) and start.startswith(held):
+                self.held = held
+                return "", ""
+            opened = bool(start) and held.startswith(start)
+            if opened:
+                held = held[len(start) :]
+            self.thinking = opened or self.parser.starts_open
+            self.thought = self.thinking
+        if not self.thinking:
+            return "", held
+        end = self.parser.end
+        at = held.find(end)
+        if at >= 0:
+            self.thinking = False
+            return held[:at], held[at + len(end) :]
+        keep = _marker_prefix(held, end)
+        self.held = held[len(held) - keep :]
+        return held[: len(held) - keep], ""
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held when the output ends: a marker it never completed is text."""
+        if self.thinking is None:
+            self.thinking = self.thought = self.parser.starts_open
+        held, self.held = self.held, ""
+        return (held, "") if self.thinking else ("", held)
+
+
+def _marker_prefix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (shorter than it)."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from pathlib import Path
@@ -54,16 +55,33 @@ class TierConfig:
     name: str
     ttft_ms: float
     tpot_ms: float
+    stages: tuple[Mapping[str, Any], ...] = ()
+    """The tier's SLO stages, as a request's `slo.stages` (say a reasoning model's thinking
+    `until: "</think>"`, then its answer): the front door parses them, with the tokenizer."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("tiers[].name must not be empty")
         for key in ("ttft_ms", "tpot_ms"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"tiers[{self.name}].{key} must be a number, got {value!r}")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"tiers[{self.name}].{key} must be finite and > 0, got {value!r}")
+            _check_positive(f"tiers[{self.name}].{key}", getattr(self, key))
+        if not isinstance(self.stages, list | tuple) or not all(
+            isinstance(stage, Mapping) for stage in self.stages
+        ):
+            raise ValueError(f"tiers[{self.name}].stages must be a list of stages (mappings)")
+        object.__setattr__(self, "stages", tuple(self.stages))
+        for i, stage in enumerate(self.stages):
+            _check_positive(f"tiers[{self.name}].stages[{i}].tpot_ms", stage.get("tpot_ms"))
+
+    @property
+    def tightest_tpot_ms(self) -> float:
+        return min([self.tpot_ms, *(float(stage["tpot_ms"]) for stage in self.stages)])
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def scheduler_config(config: ClusterConfig, perf: PerfModel, cache: CacheBudget)
     if config.scheduler is SchedulerKind.VLLM:
         return vllm_config(cache.num_blocks * cache.block_size)
     if config.scheduler is SchedulerKind.SARATHI:
-        tpot_s = min(t.tpot_ms for t in config.tiers) / 1e3
+        tpot_s = min(t.tightest_tpot_ms for t in config.tiers) / 1e3
         return SarathiConfig(token_budget=sarathi_token_budget(perf, tpot_s))
     return planner_config(config)
 

@@ -80,8 +80,8 @@ def stage_verdicts(
         if t > request.arrival_time + slo.deadline_s(j):
             late[stage] += 1
     return tuple(
-        StageVerdict(name, n == 0, n, tokens)
-        for name, n, tokens in zip(names, late, count, strict=True)
+        StageVerdict(name, n == 0, n, covered)
+        for name, n, covered in zip(names, late, count, strict=True)
     )
 
 

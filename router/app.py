@@ -35,15 +35,16 @@ async def build_front_door(
     config: FrontDoorConfig, *, detached: bool = False
 ) -> tuple[FrontDoor, Any]:
     """Launch (or, `detached`, attach to) the cluster and wrap it; returns the door and the
-    cluster handle."""
-    handle = await cluster.launch(config.cluster, detached=detached)
+    cluster handle. The tiers are read first: a bad one stops the start before the cluster."""
     codec = TextCodec.from_dir(config.cluster.model)
+    tiers, default_slo = config.slos(codec)
+    handle = await cluster.launch(config.cluster, detached=detached)
     schema = SchemaContext(
         model_name=handle.model_name,
         max_model_len=handle.max_model_len,
         vocab_size=handle.vocab_size,
-        default_slo=config.default_slo,
-        tiers=config.tiers,
+        default_slo=default_slo,
+        tiers=tiers,
         default_chat_max_tokens=config.default_chat_max_tokens,
         tool_parser=config.tool_parser,
         reasoning_parser=config.reasoning_parser,

@@ -14,6 +14,8 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from replica.request import SLO
+from router.errors import BadRequest
+from router.openai_schema import Codec, tier_slo
 from router.reasoning import ReasoningParser, reasoning_parser
 from router.tool_parsers import PARSERS, ToolParser
 
@@ -41,8 +43,9 @@ class FrontDoorConfig:
     """None: 127.0.0.1 without API keys, 0.0.0.0 with them."""
     grpc_port: int = 50051
     api_keys_file: str | None = None
-    default_slo: SLO = FALLBACK_SLO
-    """Used when a request names no SLO (body, headers) and is not flex."""
+    default_slo: SLO | str = FALLBACK_SLO
+    """Used when a request names no SLO (body, headers) and is not flex: explicit numbers, or
+    a tier's name (`slos` resolves it)."""
     default_chat_max_tokens: int = 256
     tool_call_parser: str | None = None
     """How the served model writes tool calls (router.tool_parsers.PARSERS: hermes,
@@ -71,9 +74,17 @@ class FrontDoorConfig:
     def tool_parser(self) -> ToolParser | None:
         return None if self.tool_call_parser is None else PARSERS[self.tool_call_parser]
 
-    @property
-    def tiers(self) -> dict[str, SLO]:
-        return {t.name: SLO(t.ttft_ms, t.tpot_ms) for t in self.cluster.tiers}
+    def slos(self, codec: Codec) -> tuple[dict[str, SLO], SLO]:
+        """The tiers' SLOs by name and the default SLO: a tier's stages are parsed as a
+        request's (`until` needs the tokenizer), a bad one named with its tier."""
+        tiers = {}
+        for tier in self.cluster.tiers:
+            try:
+                tiers[tier.name] = tier_slo(tier.ttft_ms, tier.tpot_ms, tier.stages, codec)
+            except BadRequest as exc:
+                raise ValueError(f"tiers[{tier.name}]: {exc.message}") from None
+        default = self.default_slo
+        return tiers, tiers[default] if isinstance(default, str) else default
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> FrontDoorConfig:
@@ -104,11 +115,10 @@ def _section(args: Mapping[str, Any], name: str) -> dict[str, Any]:
     return section
 
 
-def _default_slo(raw: object, cluster: ClusterConfig) -> SLO:
+def _default_slo(raw: object, cluster: ClusterConfig) -> SLO | str:
     """A named tier, explicit numbers, or else the first configured tier (else FALLBACK_SLO)."""
     if isinstance(raw, str):
-        tier = cluster.tier(raw)
-        return SLO(tier.ttft_ms, tier.tpot_ms)
+        return cluster.tier(raw).name
     if isinstance(raw, dict):
         if set(raw) != {"ttft_ms", "tpot_ms"}:
             raise ValueError(f"default_slo must have ttft_ms and tpot_ms, got {sorted(raw)}")
@@ -116,5 +126,5 @@ def _default_slo(raw: object, cluster: ClusterConfig) -> SLO:
     if raw is not None:
         raise ValueError(f"default_slo must be a tier name or {{ttft_ms, tpot_ms}}, got {raw!r}")
     if cluster.tiers:
-        return SLO(cluster.tiers[0].ttft_ms, cluster.tiers[0].tpot_ms)
+        return cluster.tiers[0].name
     return FALLBACK_SLO

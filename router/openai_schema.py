@@ -860,6 +860,12 @@ def _tier_and_slo(
     return Tier.SLO, ctx.default_slo, "default"
 
 
+def tier_slo(ttft_ms: float, tpot_ms: float, stages: Sequence[Any], codec: Codec) -> SLO:
+    """A configured tier's SLO: its stages as a request's `slo.stages` would give them."""
+    raw = {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "stages": list(stages) or None}
+    return _body_slo(raw, SLO(ttft_ms, tpot_ms), codec)
+
+
 def _body_slo(raw: object, base: SLO, codec: Codec) -> SLO:
     if not isinstance(raw, dict):
         raise BadRequest("slo must be an object or the name of a tier", "slo")

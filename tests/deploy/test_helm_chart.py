@@ -22,6 +22,7 @@ from cluster.config import ClusterConfig
 from router.config import FrontDoorConfig
 from router.reasoning import PARSERS as REASONING
 from router.reasoning import ReasoningParser
+from router.tokenizer import TextCodec
 from router.tool_parsers import PARSERS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -265,6 +266,16 @@ def test_a_tool_call_parser_reaches_the_front_door(render: Render) -> None:
     assert FrontDoorConfig.from_args(app["args"]).tool_parser is PARSERS["hermes"]
 
 
+def test_a_tier_with_stages_reaches_the_front_door(render: Render, target_dir: Path) -> None:
+    stages = [{"name": "thinking", "tpot_ms": 50, "until": ":"}, {"tpot_ms": 100}]
+    tier = {"name": "reasoning", "ttft_ms": 3000, "tpot_ms": 100, "stages": stages}
+    (app,) = serve_config(one(render({"cluster": {"tiers": [tier]}}), "RayService"))["applications"]
+    args = {**app["args"], "cluster": {**app["args"]["cluster"], "model": str(target_dir)}}
+    tiers, _ = FrontDoorConfig.from_args(args).slos(TextCodec.from_dir(target_dir))
+    assert [s.name for s in tiers["reasoning"].stages] == ["thinking", ""]
+    assert tiers["reasoning"].stages[0].end_token_ids
+
+
 def test_a_reasoning_parser_reaches_the_front_door(render: Render) -> None:
     (app,) = serve_config(one(render({"reasoningParser": "qwen3"}), "RayService"))["applications"]
     assert FrontDoorConfig.from_args(app["args"]).reasoning_parser is REASONING["qwen3"]
@@ -309,6 +320,10 @@ def gpu_group(gpus: int) -> dict[str, Any]:
         ),
         ({"cluster": {"autoscale": {"signal": "queue"}}}, r"/cluster/autoscale/signal'"),
         ({"cluster": {"autoscale": {"max_replicas": 0}}}, r"/cluster/autoscale/max_replicas'"),
+        (
+            {"cluster": {"tiers": [{"name": "r", "ttft_ms": 1, "tpot_ms": 1, "stages": [{}]}]}},
+            r"/cluster/tiers/0/stages/0'",
+        ),
         ({"reasoningParser": "granite"}, r"/reasoningParser'"),
         ({"reasoningParser": {"start": "<think>"}}, r"/reasoningParser'"),
         ({"clusterr": {}}, r"additional properties 'clusterr' not allowed"),

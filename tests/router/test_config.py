@@ -2,32 +2,66 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from replica.request import SLO
+from replica.request import SLO, Stage
 from router.app import build_app
 from router.config import FALLBACK_SLO, FrontDoorConfig
 from router.reasoning import ReasoningParser
+from router.tokenizer import TextCodec
 
 CLUSTER = {"model": "m", "spec_policy": "none"}
+REASONING_TIER = {
+    "name": "reasoning",
+    "ttft_ms": 3000,
+    "tpot_ms": 100,
+    "stages": [
+        {"name": "thinking", "tpot_ms": 50, "until": ":"},
+        {"name": "answer", "tpot_ms": 100},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def codec(target_dir: Path) -> TextCodec:
+    return TextCodec.from_dir(target_dir)
+
+
+def test_a_tier_may_have_stages_parsed_as_a_request_s(codec: TextCodec) -> None:
+    config = FrontDoorConfig.from_args(
+        {"cluster": {**CLUSTER, "tiers": [REASONING_TIER]}, "default_slo": "reasoning"}
+    )
+    tiers, default = config.slos(codec)
+    (colon,) = codec.encode(":", add_special_tokens=False)
+    thinking = Stage(50, name="thinking", end_token_ids=(colon,))
+    assert default == tiers["reasoning"] == SLO(3000, 100, (thinking, Stage(100, name="answer")))
+    assert config.cluster.tiers[0].tightest_tpot_ms == 50
+    bad = {**REASONING_TIER, "stages": [{"tpot_ms": 50, "until": "</think>"}, {"tpot_ms": 100}]}
+    config = FrontDoorConfig.from_args({"cluster": {**CLUSTER, "tiers": [bad]}})
+    with pytest.raises(ValueError, match=r"tiers\[reasoning\]: slo.stages\[0\].until: '</think>'"):
+        config.slos(codec)
+
+
 TIERS = [
     {"name": "chat", "ttft_ms": 2000, "tpot_ms": 200},
     {"name": "code", "ttft_ms": 1000, "tpot_ms": 400},
 ]
 
 
-def test_defaults_and_default_slo() -> None:
+def test_defaults_and_default_slo(codec: TextCodec) -> None:
     config = FrontDoorConfig.from_args({"cluster": CLUSTER})
     assert (config.http_port, config.grpc_port, config.grpc_host) == (8000, 50051, None)
-    assert config.default_slo == FALLBACK_SLO
+    assert config.slos(codec) == ({}, FALLBACK_SLO)
     tiered = {"cluster": {**CLUSTER, "tiers": TIERS}}
-    assert FrontDoorConfig.from_args(tiered).default_slo == SLO(2000, 200)
+    assert FrontDoorConfig.from_args(tiered).slos(codec)[1] == SLO(2000, 200)
     named = FrontDoorConfig.from_args({**tiered, "default_slo": "code"})
-    assert named.default_slo == SLO(1000, 400) and named.tiers["chat"] == SLO(2000, 200)
+    tiers, default = named.slos(codec)
+    assert default == SLO(1000, 400) and tiers["chat"] == SLO(2000, 200)
     explicit = FrontDoorConfig.from_args({**tiered, "default_slo": {"ttft_ms": 9, "tpot_ms": 8}})
-    assert explicit.default_slo == SLO(9, 8)
+    assert explicit.slos(codec)[1] == SLO(9, 8)
     assert config.reasoning_parser is None
     thinking = FrontDoorConfig.from_args({"cluster": CLUSTER, "reasoning_parser": "deepseek_r1"})
     assert thinking.reasoning_parser == ReasoningParser("<think>", "</think>", starts_open=True)
@@ -42,6 +76,14 @@ def test_defaults_and_default_slo() -> None:
         ({"cluster": CLUSTER, "grpc": {"prot": 1}}, "grpc"),
         ({"cluster": {**CLUSTER, "replicas": 0}}, "replicas"),
         ({"cluster": CLUSTER, "default_slo": "gold"}, "gold"),
+        (
+            {"cluster": {**CLUSTER, "tiers": [{**REASONING_TIER, "stages": [{"until": ":"}]}]}},
+            r"tiers\[reasoning\].stages\[0\].tpot_ms must be a number",
+        ),
+        (
+            {"cluster": {**CLUSTER, "tiers": [{**REASONING_TIER, "stages": "thinking"}]}},
+            r"tiers\[reasoning\].stages must be a list",
+        ),
         ({"cluster": CLUSTER, "default_slo": {"ttft_ms": 1}}, "default_slo"),
         ({"cluster": CLUSTER, "default_chat_max_tokens": 0}, "default_chat_max_tokens"),
         (

@@ -291,6 +291,15 @@ class SLO:
                     f"slo.stages[{i}] needs num_tokens or end_token_ids (only the last stage "
                     "may run to the end of the output)"
                 )
+        tightest = min((stage.tpot_ms for stage in self.stages), default=self.tpot_ms)
+        for i in range(1, len(self.stages)):
+            gap = self.stages[i].ttft_ms
+            if self.stages[i - 1].end_token_ids and gap is not None and gap < tightest:
+                raise ValueError(
+                    f"slo.stages[{i}].ttft_ms ({gap:g}) must be at least the tightest stage "
+                    f"TPOT ({tightest:g}): slo.stages[{i - 1}] ends on a token, which no plan "
+                    "can foresee, so the first token after it cannot be promised sooner"
+                )
 
     @property
     def end_token_ids(self) -> tuple[int, ...]:

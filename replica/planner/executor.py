@@ -11,7 +11,7 @@ model had sampled EOS.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Protocol
@@ -488,14 +488,17 @@ def run_workload(
     requests: Sequence[Request],
     *,
     max_steps: int = 100_000,
+    emits: Mapping[str, Emits] | None = None,
 ) -> float:
-    """Feed requests at their arrival times, run plans until all finish; returns the end time."""
+    """Feed requests at their arrival times, run plans until all finish; returns the end time.
+    `emits`: per request id, the tokens it outputs at set positions (`token_ids`)."""
     arrivals = sorted(requests, key=lambda r: r.arrival_time)
     now = arrivals[0].arrival_time if arrivals else 0.0
     nxt = 0
     for _ in range(max_steps):
         while nxt < len(arrivals) and arrivals[nxt].arrival_time <= now:
-            executor.add(arrivals[nxt])
+            emitted = () if emits is None else emits.get(arrivals[nxt].request_id, ())
+            executor.add(arrivals[nxt], emits=emitted)
             scheduler.add_request(arrivals[nxt], now)
             nxt += 1
         plan = scheduler.schedule(now)

@@ -253,6 +253,10 @@ def test_stage_end_tokens_are_checked() -> None:
         Stage(tpot_ms=1, end_token_ids="</think>")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="at most 16"):
         Stage(tpot_ms=1, end_token_ids=tuple(range(17)))
+    with pytest.raises(ValueError, match=r"slo.stages\[1\].ttft_ms \(5\) must be at least"):
+        SLO(1000, 10, (Stage(10, end_token_ids=(9,)), Stage(100, ttft_ms=5)))
+    # A boundary known in advance may bring the next stage forward (the planner chains it).
+    assert SLO(1000, 10, (Stage(10, num_tokens=3), Stage(100, ttft_ms=5))).stages[1].ttft_ms == 5
     request = Request("r", [1, 2], slo=thinking_slo())
     with pytest.raises(ValueError, match=r"slo.stages\[\].end_token_ids token id 9 is outside"):
         request.check_fits(100, vocab_size=9)

@@ -7,6 +7,7 @@ from dataclasses import replace
 from replica.perf_model import PerfModel
 from replica.planner.admission import (
     AdmissionProblem,
+    AdmissionResult,
     Candidate,
     RunningDecoders,
     RunningPrefill,
@@ -88,6 +89,19 @@ def test_running_prefill_is_forced_in_and_can_make_the_plan_infeasible() -> None
     result = solve_admission(replace(figure3(), prefills=(late,)))
     assert result.admitted == ()
     assert result.forced_late == 1
+
+
+def test_an_infeasible_plan_says_by_how_much_so_options_rank_by_the_least_miss() -> None:
+    def running(tokens: int) -> AdmissionResult:
+        prompt = RunningPrefill(prefill_tokens=tokens, deadline_s=6.0, tpot_s=1.0, decode_tokens=4)
+        return solve_admission(replace(figure3(0), prefills=(prompt,)))
+
+    fits, short, shorter = running(10), running(30), running(20)
+    assert fits.forced_feasible and fits.shortfall == 0.0
+    assert not short.forced_feasible and not shorter.forced_feasible
+    assert short.forced_late == shorter.forced_late
+    assert short.shortfall > shorter.shortfall > 0
+    assert max([short, shorter], key=AdmissionResult.rank) is shorter
 
 
 def test_tpot_tiers_let_loose_decoders_leave_room() -> None:

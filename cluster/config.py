@@ -74,7 +74,10 @@ class TierConfig:
 
     @property
     def tightest_tpot_ms(self) -> float:
-        return min([self.tpot_ms, *(float(stage["tpot_ms"]) for stage in self.stages)])
+        """With stages, theirs (their TPOTs set every deadline, as in SLO)."""
+        if not self.stages:
+            return self.tpot_ms
+        return min(float(stage["tpot_ms"]) for stage in self.stages)
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -641,8 +641,6 @@ class Simulator:
         request = sim.request
         if sim.follows is not None:
             request = replace(request, arrival_time=now)
-        elif sim.emits:  # a copy: the schedulers close its stages as its tokens come
-            request = replace(request)
         self._tracks[i].arrival_s = now
         if self.config.stop_below is not None and request.slo is not None:
             heapq.heappush(self._first_due, (now + request.slo.deadline_s(0), i))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 MAX_SEED = 2**63 - 1
@@ -291,19 +291,23 @@ class SLO:
                     f"slo.stages[{i}] needs num_tokens or end_token_ids (only the last stage "
                     "may run to the end of the output)"
                 )
-        tightest = min((stage.tpot_ms for stage in self.stages), default=self.tpot_ms)
         for i in range(1, len(self.stages)):
             gap = self.stages[i].ttft_ms
-            if self.stages[i - 1].end_token_ids and gap is not None and gap < tightest:
+            # While in the stage before, the planner paces the request at the tightest TPOT
+            # from that stage on (deadlines.remaining_tpot): the most it can promise.
+            paced = min(stage.tpot_ms for stage in self.stages[i - 1 :])
+            if self.stages[i - 1].end_token_ids and gap is not None and gap < paced:
                 raise ValueError(
-                    f"slo.stages[{i}].ttft_ms ({gap:g}) must be at least the tightest stage "
-                    f"TPOT ({tightest:g}): slo.stages[{i - 1}] ends on a token, which no plan "
-                    "can foresee, so the first token after it cannot be promised sooner"
+                    f"slo.stages[{i}].ttft_ms ({gap:g}) must be at least the tightest TPOT "
+                    f"from slo.stages[{i - 1}] on ({paced:g}): that stage ends on a token, "
+                    "which no plan can foresee, so the first token after it cannot be "
+                    "promised sooner"
                 )
 
     @property
     def end_token_ids(self) -> tuple[int, ...]:
-        """The tokens that end a stage not yet closed (`closed_by` may change this SLO)."""
+        """The tokens that may end a stage (`closed_by` may change this SLO); a stage over by
+        its count keeps its own, which then end nothing."""
         return tuple(t for stage in self.stages for t in stage.end_token_ids)
 
     def closed_by(self, output: Sequence[int], since: int = 0) -> SLO:
@@ -327,10 +331,9 @@ class SLO:
             i = slo.stage_at(position)
             if not slo.stages or token not in slo.stages[i].end_token_ids:
                 continue
-            stage = slo.stages[i]
             begin = sum(st.num_tokens or 0 for st in slo.stages[:i])
-            ended = Stage(stage.tpot_ms, position + 1 - begin, stage.ttft_ms, stage.name)
-            slo = SLO(slo.ttft_ms, slo.tpot_ms, (*slo.stages[:i], ended, *slo.stages[i + 1 :]))
+            ended = replace(slo.stages[i], num_tokens=position + 1 - begin, end_token_ids=())
+            slo = replace(slo, stages=(*slo.stages[:i], ended, *slo.stages[i + 1 :]))
         return slo
 
     def _pieces(self) -> list[tuple[int | None, float, float]]:

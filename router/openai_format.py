@@ -262,8 +262,10 @@ def full_response(
             )
             made = None if tools is None else tools.message(text)
             if made is None:
-                lead = echo[index].text if echo else ""
-                choice["message"] = {"role": "assistant", "content": lead + text}
+                answer = (echo[index].text if echo else "") + text
+                # All thinking and no answer: null content, as vLLM's reasoning parsers give.
+                empty = reasoning is not None and not answer
+                choice["message"] = {"role": "assistant", "content": None if empty else answer}
             else:
                 assert tools is not None
                 content, calls = made
@@ -381,7 +383,7 @@ class ChunkWriter:
         if self.reasoning is None:
             return self._answer(index, text)
         thought, text = self._thinking(index).feed(text)
-        return _with_reasoning(thought, self._answer(index, text))
+        return _with_reasoning(thought, self._answer(index, text) if text else {})
 
     def _thinking(self, index: int) -> ReasoningStream:
         assert self.reasoning is not None

@@ -867,12 +867,16 @@ def tier_slo(ttft_ms: float, tpot_ms: float, stages: Sequence[Any], codec: Codec
 
 
 def _body_slo(raw: object, base: SLO, codec: Codec) -> SLO:
+    """`base` with what `raw` gives: a TTFT alone keeps its stages (a staged default tier's
+    thinking), a TPOT or stages replace them."""
     if not isinstance(raw, dict):
         raise BadRequest("slo must be an object or the name of a tier", "slo")
     extra = sorted(str(k)[:64] for k in raw if k not in ("ttft_ms", "tpot_ms", "stages"))
     if extra:
         raise BadRequest(f"unknown slo field(s): {', '.join(extra[:8])}", f"slo.{extra[0]}")
     stages = _stages(raw.get("stages"), codec)
+    if "stages" not in raw and "tpot_ms" not in raw:
+        stages = base.stages
     tpot_default = stages[0].tpot_ms if stages else base.tpot_ms
     ttft = _number(
         raw,
@@ -896,10 +900,12 @@ def _body_slo(raw: object, base: SLO, codec: Codec) -> SLO:
 
 
 def _header_slo(lowered: Mapping[str, str], base: SLO) -> SLO:
+    """`base` with the headers' numbers: a TTFT alone keeps its stages, a TPOT replaces them."""
     return _build(
         lambda: SLO(
             ttft_ms=_header_ms(lowered, HEADER_TTFT, base.ttft_ms),
             tpot_ms=_header_ms(lowered, HEADER_TPOT, base.tpot_ms),
+            stages=() if HEADER_TPOT in lowered else base.stages,
         ),
         "slo",
     )
@@ -970,6 +976,13 @@ def _stage_ends(stage: dict[str, Any], where: str, codec: Codec) -> tuple[int, .
                 f"{where}.until",
             )
         ids = (*ids, tokens[0])
+    ids = tuple(dict.fromkeys(ids))
+    if len(ids) > MAX_STAGE_END_TOKENS:
+        raise BadRequest(
+            f"{where}: end_token_ids and until end it on {len(ids)} tokens, at most "
+            f"{MAX_STAGE_END_TOKENS}",
+            f"{where}.until",
+        )
     return ids
 
 

@@ -129,10 +129,6 @@ class AdmissionResult:
     """Total value of the admitted candidates."""
     forced_late: int = 0
     """Running requests this budget cannot keep on time (a budget choice should avoid it)."""
-    shortfall: float = 0.0
-    """With the running requests infeasible: the most query tokens they need beyond what the
-    plan's batches hold by one of their deadlines (or beyond one batch), so that a replan
-    with no feasible option keeps the one that misses by the least."""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return reduce_frozen(self)
@@ -142,8 +138,11 @@ class AdmissionResult:
 
     def rank(self) -> tuple[bool, int, float, float]:
         """How budget options compare: running requests kept feasible, then fewer of them
-        late, then the least shortfall, then more admitted value."""
-        return self.forced_feasible, -self.forced_late, -self.shortfall, self.value
+        late, then more admitted value. Among options that keep none feasible (nothing is
+        admitted on them), the most tokens a second: in the DP's worst case every one leaves
+        a request late, and the real batches, cheaper than that, clear the work soonest."""
+        pace = 0.0 if self.forced_feasible else self.budget.batch_tokens / self.budget.period_s
+        return self.forced_feasible, -self.forced_late, self.value, pace
 
 
 def _effective_deadline(
@@ -366,8 +365,7 @@ def _solve(problem: AdmissionProblem) -> AdmissionResult:
     feasible = np.isfinite(cons) & (forced_widest + widest <= batch + _EPS)
     ids = [c.request_id for c in problem.candidates]
     if not feasible[0]:
-        short = max(0.0, -float(np.min(limit, initial=0.0)), forced_widest - batch)
-        return AdmissionResult((), tuple(ids), False, budget, 0.0, forced_late, short)
+        return AdmissionResult((), tuple(ids), False, budget, 0.0, forced_late)
     best_value = value[feasible].max()
     best = int(np.argmin(np.where(feasible & (value == best_value), cons, np.inf)))
     chosen: set[int] = set()

@@ -80,7 +80,7 @@ class RequestState:
         seen = len(self.output_token_ids)
         self.output_token_ids.extend(outcome_tokens)
         slo = self.request.slo
-        if slo is not None and slo.stages and slo.end_token_ids:
+        if slo is not None and slo.stages and slo.end_token_ids:  # most have no stages
             self.request.slo = slo.closed_by(self.output_token_ids, seen)
         self.num_computed_tokens = num_computed
         self.finished = self.finished or finished

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -63,6 +65,14 @@ def test_a_resume_after_the_model_ended_a_stage_goes_on_in_the_next() -> None:
     thinking = resumed_request(original, [9, 8])
     assert thinking.slo is not None and thinking.slo.stages[0].end_token_ids == (5,)
     assert thinking.slo.deadline_s(0) == pytest.approx(slo.deadline_s(2))
+    # What follows the thinking is held to the thinking's pace, not to a tighter stage before
+    # it: a gap between the two is refused up front rather than on a resume that drops it.
+    first = Stage(10, num_tokens=2, name="plan")
+    with pytest.raises(ValueError, match=r"tightest TPOT from slo.stages\[1\] on \(20\)"):
+        SLO(400, 10, (first, think, Stage(80, ttft_ms=15, name="answer")))
+    staged = SLO(400, 10, (first, think, Stage(80, ttft_ms=30, name="answer")))
+    resumed = resumed_request(replace(original, slo=staged), [9, 8, 7])
+    assert resumed.slo is not None and [s.name for s in resumed.slo.stages] == ["think", "answer"]
 
 
 def test_a_resume_keeps_count_of_the_output_it_turned_into_prompt() -> None:

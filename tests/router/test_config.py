@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from cluster.config import TierConfig
 from replica.request import SLO, Stage
 from router.app import build_app
 from router.config import FALLBACK_SLO, FrontDoorConfig
@@ -39,6 +40,8 @@ def test_a_tier_may_have_stages_parsed_as_a_request_s(codec: TextCodec) -> None:
     thinking = Stage(50, name="thinking", end_token_ids=(colon,))
     assert default == tiers["reasoning"] == SLO(3000, 100, (thinking, Stage(100, name="answer")))
     assert config.cluster.tiers[0].tightest_tpot_ms == 50
+    # With stages the tier's own TPOT sets no deadline, so it bounds nothing either.
+    assert TierConfig(**{**REASONING_TIER, "tpot_ms": 10}).tightest_tpot_ms == 50
     bad = {**REASONING_TIER, "stages": [{"tpot_ms": 50, "until": "</think>"}, {"tpot_ms": 100}]}
     config = FrontDoorConfig.from_args({"cluster": {**CLUSTER, "tiers": [bad]}})
     with pytest.raises(ValueError, match=r"tiers\[reasoning\]: slo.stages\[0\].until: '</think>'"):

@@ -448,7 +448,7 @@ R1 = REASONING_PARSERS["deepseek_r1"]
 def test_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
     texts = ["<think>Two and two.</think>\n\nIt is 4.", "Still thinking", HERMES_CALL]
     thoughts = ["Two and two.", "Still thinking", None]
-    answers = ["\n\nIt is 4.", "", HERMES_CALL]
+    answers = ["\n\nIt is 4.", None, HERMES_CALL]  # all thinking: null content
     records = [RECORD, LENGTH, RECORD]
     # The third thinks nothing: a qwen3-style parser leaves an output without <think> alone.
     parsers = [R1, R1, REASONING_PARSERS["qwen3"]]
@@ -466,7 +466,8 @@ def test_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
         stream = b"".join(w.text(0, p) for p in pieces) + w.finish(0, Finished(record))
         deltas = [json.loads(d)["choices"][0]["delta"] for d in events(stream)]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == (thought or "")
-        assert "".join(d.get("content", "") for d in deltas) == answer
+        assert "".join(d.get("content", "") for d in deltas) == (answer or "")
+        assert all(d["content"] for d in deltas if "content" in d)  # no empty content
         assert not any("<" in d.get("reasoning_content", "") for d in deltas)
         assert w.thinking == {}
 

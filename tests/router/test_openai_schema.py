@@ -249,6 +249,11 @@ def test_a_stage_may_end_on_tokens_given_by_id_or_as_text(
     body = {"prompt": "x", "slo": {"stages": [one, {"tpot_ms": 80}]}}
     slo = parse(codec, ctx, body).requests[0].slo
     assert slo is not None and slo.stages[0] == Stage(20, 64, end_token_ids=(colon,))
+    # A token given twice (by id and as text) counts once.
+    twice = {"tpot_ms": 20, "end_token_ids": [colon], "until": [":", ":"]}
+    body = {"prompt": "x", "slo": {"stages": [twice, {"tpot_ms": 80}]}}
+    slo = parse(codec, ctx, body).requests[0].slo
+    assert slo is not None and slo.stages[0].end_token_ids == (colon,)
 
 
 @pytest.mark.parametrize(
@@ -262,6 +267,14 @@ def test_a_stage_may_end_on_tokens_given_by_id_or_as_text(
         ({"end_token_ids": list(range(17))}, "slo.stages[0].end_token_ids", "at most 16"),
         ({"end_token_ids": [4096]}, "slo.stages[].end_token_ids", "outside the vocabulary"),
         ({}, "slo", r"slo.stages\[0\] needs num_tokens or end_token_ids"),
+        (
+            {
+                "end_token_ids": list(range(100, 110)),
+                "until": [":", "def", "return", "if", "x", "y", "z"],
+            },
+            "slo.stages[0].until",
+            "end it on 17 tokens, at most 16",
+        ),
     ],
 )
 def test_bad_stage_ends_are_named(
@@ -271,6 +284,23 @@ def test_bad_stage_ends_are_named(
     with pytest.raises(BadRequest, match=message) as info:
         parse(codec, ctx, body)
     assert info.value.param == param
+
+
+def test_a_ttft_alone_keeps_a_staged_default_s_stages_and_a_tpot_replaces_them(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    staged = SLO(3000, 50, (Stage(50, end_token_ids=(7,)), Stage(100)))
+    reasoning = replace(ctx, default_slo=staged)
+    ttft = {"x-slo-ttft-ms": "900"}
+    assert parse(codec, reasoning, {"prompt": "x"}, ttft).requests[0].slo == replace(
+        staged, ttft_ms=900
+    )
+    body = {"prompt": "x", "slo": {"ttft_ms": 900}}
+    assert parse(codec, reasoning, body).requests[0].slo == replace(staged, ttft_ms=900)
+    tpot = {"x-slo-tpot-ms": "80"}
+    assert parse(codec, reasoning, {"prompt": "x"}, tpot).requests[0].slo == SLO(3000, 80)
+    body = {"prompt": "x", "slo": {"tpot_ms": 80}}
+    assert parse(codec, reasoning, body).requests[0].slo == SLO(3000, 80)
 
 
 def test_chat_gives_thinking_apart_unless_a_grammar_holds_the_output_to_a_form(

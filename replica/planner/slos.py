@@ -312,8 +312,12 @@ class SlosScheduler(Scheduler):
             spec=spec,
             acceptance=self.acceptance.value if self.acceptance is not None else 0.0,
             min_period_s=main.min_period_s,
-            urgent_periods_s=_urgent_periods(
-                decoders, prefills, slo_new, start, urgent.min_period_s
+            urgent_periods_s=(
+                *_urgent_periods(decoders, prefills, slo_new, start, urgent.min_period_s),
+                # The period the running requests were last planned on: what kept them
+                # feasible then is still offered (an urgent period is otherwise recomputed
+                # from the most urgent request, and a slightly longer one may miss).
+                *(() if self.budget is None else (self.budget.period_s,)),
             ),
             urgent_batch=urgent,
         )

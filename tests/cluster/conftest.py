@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from cluster.api import ClusterStatus, FinalRecord, TokenChunk
+from cluster.autoscale import AutoscaleConfig, ScaleSignal
 from cluster.config import ClusterConfig
 from cluster.handle import ClusterHandle, launch
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
@@ -49,15 +51,30 @@ def runner() -> Iterator[asyncio.Runner]:
         yield r
 
 
+@pytest.fixture(scope="session")
+def demo(target_dir: Path, draft_dir: Path, profile_path: Path) -> ClusterConfig:
+    """The demo pair on the synthetic profile (a test replaces what it needs)."""
+    return ClusterConfig(model=str(target_dir), draft=str(draft_dir), profile=str(profile_path))
+
+
+def one_request_a_replica(downscale_delay_s: float) -> AutoscaleConfig:
+    """Up to two replicas under Ray Serve's rule at one request a replica, added at once."""
+    return AutoscaleConfig(
+        max_replicas=2,
+        signal=ScaleSignal.ONGOING,
+        target_ongoing_requests=1.0,
+        look_back_s=1.0,
+        upscale_delay_s=0.0,
+        downscale_delay_s=downscale_delay_s,
+    )
+
+
 @pytest.fixture(scope="module")
 def cluster(
-    ray_session: None, runner: asyncio.Runner, target_dir: Path, draft_dir: Path, profile_path: Path
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
 ) -> Iterator[ClusterHandle]:
     """Two replicas of the demo pair on the synthetic profile, shared by a test module."""
-    config = ClusterConfig(
-        model=str(target_dir), draft=str(draft_dir), profile=str(profile_path), num_kv_blocks=256
-    )
-    yield from launched(runner, config)
+    yield from launched(runner, replace(demo, num_kv_blocks=256))
 
 
 async def collect(

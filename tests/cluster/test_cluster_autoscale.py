@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import ray
@@ -16,7 +16,13 @@ from cluster.handle import ClusterHandle
 from cluster.names import replica_name
 from replica.engine import Engine
 from replica.request import Request, SamplingParams, Tier
-from tests.cluster.conftest import collect, greedy_reference, launched, status_until
+from tests.cluster.conftest import (
+    collect,
+    greedy_reference,
+    launched,
+    one_request_a_replica,
+    status_until,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -26,28 +32,12 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def cluster(
-    ray_session: None, runner: asyncio.Runner, target_dir: Path, draft_dir: Path, profile_path: Path
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
 ) -> Iterator[ClusterHandle]:
-    """One replica at the start, up to two: Ray Serve's rule at one request a replica, with
-    short delays so the test sees both directions."""
-    scale = {
-        "min_replicas": 1,
-        "max_replicas": 2,
-        "signal": "ongoing",
-        "target_ongoing_requests": 1.0,
-        "look_back_s": 1.0,
-        "upscale_delay_s": 0.0,
-        "downscale_delay_s": 2.0,
-    }
-    config = ClusterConfig(
-        model=str(target_dir),
-        draft=str(draft_dir),
-        profile=str(profile_path),
-        num_kv_blocks=256,
-        replicas=1,
-        autoscale=scale,  # type: ignore[arg-type]
-    )
-    yield from launched(runner, config)
+    """One replica at the start, up to two, with short delays so the test sees both
+    directions."""
+    scale = one_request_a_replica(downscale_delay_s=2.0)
+    yield from launched(runner, replace(demo, num_kv_blocks=256, replicas=1, autoscale=scale))
 
 
 def request(rid: str) -> Request:

@@ -9,18 +9,17 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import ray
 from ray.util.placement_group import get_placement_group, placement_group
 
 from cluster.api import FinalRecord, TokenChunk
-from cluster.autoscale import AutoscaleConfig, ScaleSignal
 from cluster.config import ClusterConfig
 from cluster.handle import ClusterHandle, _cluster_names, _stop_running, launch
 from cluster.names import replica_name
 from replica.request import SLO, Request, SamplingParams
+from tests.cluster.conftest import one_request_a_replica
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -52,11 +51,6 @@ async def idle(handle: ClusterHandle, within_s: float) -> bool:
             return True
         await asyncio.sleep(0.2)
     return False
-
-
-@pytest.fixture(scope="module")
-def demo(target_dir: Path, draft_dir: Path, profile_path: Path) -> ClusterConfig:
-    return ClusterConfig(model=str(target_dir), draft=str(draft_dir), profile=str(profile_path))
 
 
 def test_a_lapsed_lease_ends_only_its_own_requests(
@@ -172,14 +166,7 @@ def test_an_autoscaled_cluster_is_attached_to_and_stopped_whole(
 ) -> None:
     """A door attaching to an autoscaled cluster gets the replicas its controller runs now,
     one the autoscaler started included; the last door stops that one too."""
-    scale = AutoscaleConfig(
-        max_replicas=2,
-        signal=ScaleSignal.ONGOING,
-        target_ongoing_requests=1.0,
-        look_back_s=1.0,
-        upscale_delay_s=0.0,
-        downscale_delay_s=600.0,
-    )
+    scale = one_request_a_replica(downscale_delay_s=600.0)
     config = replace(demo, replicas=1, num_kv_blocks=256, autoscale=scale)
 
     async def run() -> None:

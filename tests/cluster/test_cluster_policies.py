@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 
@@ -29,8 +29,7 @@ def cluster(
     request: pytest.FixtureRequest,
     ray_session: None,
     runner: asyncio.Runner,
-    target_dir: Path,
-    draft_dir: Path,
+    demo: ClusterConfig,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ClusterHandle]:
     """One replica whose profile makes drafts and tokens cheap, so its steps speculate (a
@@ -38,9 +37,8 @@ def cluster(
     profile = write_profile(
         tmp_path_factory.mktemp("cheap-drafts") / "p.json", tokens=0.004, draft_steps=1e-3
     )
-    config = ClusterConfig(
-        model=str(target_dir),
-        draft=str(draft_dir),
+    config = replace(
+        demo,
         profile=str(profile),
         num_kv_blocks=256,
         replicas=1,

@@ -118,9 +118,25 @@ def test_adaserve_constants_load_from_yaml(tmp_path: Path) -> None:
             {"scheduler": "vllm", "spec_policy": "none", "best_effort_order": "laps"},
             "scheduler=vllm has no best-effort tier",
         ),
+        (
+            {"autoscale": {"max_replicas": 4, "target": 3}},
+            "unknown autoscale field(s): target; known: downscale_delay_s, headroom",
+        ),
+        ({"autoscale": [1, 4]}, "autoscale must be a mapping, got [1, 4]"),
+        (
+            {"autoscale": {"max_replicas": 1}},
+            "replicas (2) must be within autoscale's bounds [1, 1]",
+        ),
+        ({"autoscale": {"max_replicas": 4, "signal": "gpu"}}, "autoscale.signal must be one of"),
+        (
+            {"scheduler": "vllm", "spec_policy": "none", "autoscale": {"max_replicas": 4}},
+            "autoscale signal slo follows admission's declines; scheduler=vllm declines nothing",
+        ),
     ],
 )
-def test_bad_scheduler_settings_are_named(overrides: dict[str, object], message: str) -> None:
+def test_bad_scheduler_and_autoscale_settings_are_named(
+    overrides: dict[str, object], message: str
+) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         ClusterConfig.from_dict({"model": "m", "draft": "d", **overrides})
 
@@ -141,30 +157,6 @@ def test_autoscale_loads_from_yaml_and_sizes_the_slots(tmp_path: Path) -> None:
     )
     assert (cfg.replicas, cfg.slots) == (2, 6)
     assert ClusterConfig(model="m", draft="d", replicas=3).slots == 3
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (
-            {"autoscale": {"max_replicas": 4, "target": 3}},
-            "unknown autoscale field(s): target; known: downscale_delay_s, headroom",
-        ),
-        ({"autoscale": [1, 4]}, "autoscale must be a mapping, got [1, 4]"),
-        (
-            {"autoscale": {"max_replicas": 1}},
-            "replicas (2) must be within autoscale's bounds [1, 1]",
-        ),
-        ({"autoscale": {"max_replicas": 4, "signal": "gpu"}}, "autoscale.signal must be one of"),
-        (
-            {"scheduler": "vllm", "spec_policy": "none", "autoscale": {"max_replicas": 4}},
-            "autoscale signal slo follows admission's declines; scheduler=vllm declines nothing",
-        ),
-    ],
-)
-def test_bad_autoscale_settings_are_named(overrides: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
-        ClusterConfig.from_dict({"model": "m", "draft": "d", **overrides})
 
 
 def test_baseline_scheduler_loads_from_yaml(tmp_path: Path) -> None:

@@ -4,9 +4,9 @@ Batches run back to back from `now`, each at most one period long and holding at
 `batch_tokens` query tokens, so batch k ends by now + k * period. A prompt due between two
 such ends may also finish in a batch cut short at its deadline (`form_batch` cuts it), which
 holds what the worst-case batch fits in the time left; every such cut beyond the first costs
-a batch's fixed time (`BatchBudget.cut_tokens`), charged once a prompt needs it. Without
-cuts, a deadline inside a period would forfeit the rest of that period, a large share of a
-TTFT only a few periods long.
+at most the time of a one-token batch (`BatchBudget.cut_tokens`), charged once a prompt needs
+it. Without cuts, a deadline inside a period would forfeit the rest of that period, a large
+share of a TTFT only a few periods long.
 Served earliest deadline first, the work is feasible when at every prefill deadline d (k =
 batches that end by d, the last one possibly cut at d) the demand that must be done within
 those k batches fits in what they hold:

@@ -12,7 +12,7 @@ admitted decoders by more than that, because a decoder slowed holds its KV longe
 requests holding memory that admitted requests may need are preempted (KV dropped, tokens
 kept). If a due decode is closer than a period (the period grew, or the request fell behind),
 or a prompt due sooner than a period can be finished by its deadline, the batch shrinks to
-reach it in time when it can.
+reach it in time when it can; its prompts then take what the batch as formed fits by then.
 """
 
 from __future__ import annotations
@@ -145,6 +145,21 @@ class _Step:
             self.entries.append(PrefillChunk(state.request_id, n))
             self._count(n, state.num_computed_tokens)
 
+    def prefill_by(self, state: RequestState, perf: BatchTimeModel, seconds: float) -> None:
+        """A prompt in a batch cut short at a deadline: what the token count leaves, or more
+        if the batch's own price still ends within `seconds`. The count prices the budget's
+        worst-case batch; a prompt due right after the cut has no time for a batch of its
+        own, so the tokens the cut batch truly holds are the ones that keep it on time."""
+        left = state.num_uncomputed
+        n = min(left, self.tokens_left)
+        if n < left:
+            context = state.num_computed_tokens
+            n = max(n, min(left, self.prefill_within(perf, seconds, context, left)))
+        if n >= 1:
+            self.entries.append(PrefillChunk(state.request_id, n))
+            self._count(n, state.num_computed_tokens)
+            self.tokens_left = max(0, self.tokens_left)
+
     def _count(self, new_tokens: int, context: int) -> None:
         self.tokens_left -= new_tokens
         self.num_tokens += new_tokens
@@ -224,6 +239,8 @@ def form_batch(
     for _, work in due:
         if work.decoding:
             step.decode(work.state, spec_lens[work.tpot_s])
+        elif seconds < period:
+            step.prefill_by(work.state, perf, seconds)
         else:
             step.prefill(work.state, step.tokens_left)
     ahead = seconds

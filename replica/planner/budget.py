@@ -143,9 +143,12 @@ class BatchBudget:
         )
 
     def cut_tokens(self, perf: BatchTimeModel) -> int:
-        """What one more batch boundary costs: the tokens lost when a period runs as two
-        batches of half its length, each paying the fixed time again."""
-        return max(0, self.batch_tokens - 2 * self.tokens_within(perf, self.period_s / 2))
+        """What one more batch boundary costs at most: the tokens lost when it leaves a part
+        of a period just too short for a batch of one token, and the rest holds what it
+        holds. (Halves would lose one fixed time; a perf model whose short batches cost a
+        floor, reading the weights, loses more to an uneven cut, and the plans must hold.)"""
+        rest = self.period_s - self.seconds_for(perf, 1)
+        return max(0, self.batch_tokens - self.tokens_within(perf, rest))
 
 
 def capacity(

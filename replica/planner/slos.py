@@ -218,26 +218,8 @@ class SlosScheduler(Scheduler):
         Batches are planned from the end of the batch in flight, if any: a request admitted
         now can ride no earlier batch."""
         slo_new = [r for r in new if r.tier is Tier.SLO]
-        decoders, prefills = self._running(now)
-        cache = self.queues.budget
-        credits = cached or {}
-        candidates = tuple(
-            _candidate(r, cache.blocks_for(self._reservation(r)), credits.get(r.request_id, 0))
-            for r in slo_new
-        )
-        start = max(now, self._busy_until)
         results = []
-        for budget in self._budgets(decoders, prefills, slo_new, start):
-            problem = AdmissionProblem(
-                now=start,
-                budget=budget,
-                candidates=candidates,
-                prefills=prefills,
-                decoders=decoders,
-                free_blocks=cache.num_blocks - self._reserved_blocks,
-                memory_units=self.config.memory_units,
-                perf=self.perf,
-            )
+        for problem in self.admission_problems(slo_new, now, cached):
             solved = solve_admission(problem, self.config.max_dp_candidates)
             results.append(solved)
             if solved.forced_feasible and not solved.forced_late and not solved.declined:
@@ -247,6 +229,33 @@ class SlosScheduler(Scheduler):
             return result
         best_effort = tuple(r.request_id for r in new if r.tier is not Tier.SLO)
         return replace(result, declined=result.declined + best_effort)
+
+    def admission_problems(
+        self, slo_new: Sequence[Request], now: float, cached: Mapping[str, int] | None = None
+    ) -> list[AdmissionProblem]:
+        """The admission DP's problem on each budget option, in the order `plan_admission`
+        solves them, for the SLO requests `slo_new` (see there for `cached`)."""
+        decoders, prefills = self._running(now)
+        cache = self.queues.budget
+        credits = cached or {}
+        candidates = tuple(
+            _candidate(r, cache.blocks_for(self._reservation(r)), credits.get(r.request_id, 0))
+            for r in slo_new
+        )
+        start = max(now, self._busy_until)
+        return [
+            AdmissionProblem(
+                now=start,
+                budget=budget,
+                candidates=candidates,
+                prefills=prefills,
+                decoders=decoders,
+                free_blocks=cache.num_blocks - self._reserved_blocks,
+                memory_units=self.config.memory_units,
+                perf=self.perf,
+            )
+            for budget in self._budgets(decoders, prefills, slo_new, start)
+        ]
 
     def _running(self, now: float) -> tuple[RunningDecoders, tuple[RunningPrefill, ...]]:
         """The admitted requests as the DP forces them in; decoders behind their line are

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, RequestOutcome
-from replica.perf_model import PerfModel
+from replica.perf_model import BatchShape, PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.batching import SloWork, form_batch
 from replica.planner.budget import BatchBudget, TierLoad, plan_budgets
@@ -135,3 +135,30 @@ def test_decoders_ahead_of_their_line_may_draft_one_beyond_the_budgets_length() 
     plan = form_batch(0.01, budget, perf, works, [], queues, 0, 8, 0.1, 4)
     assert plan is not None
     assert [e.num_spec_tokens for e in plan.entries] == [2] * 4
+
+
+def prompt(queues: RequestQueues, rid: str, tokens: int, ttft_s: float) -> SloWork:
+    request = Request(
+        rid,
+        [1] * tokens,
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        SLO(ttft_ms=ttft_s * 1e3, tpot_ms=50),
+        tier=Tier.SLO,
+    )
+    queues.add(request)
+    return SloWork.of(queues.states[rid], 0.0, 0.05, 0.5)
+
+
+def test_a_batch_cut_at_a_prompts_deadline_holds_what_its_own_price_fits() -> None:
+    # 4 ms + 1 ms a request + 0.1 ms a token; the budget's worst case is a batch of 8
+    # requests: 180 tokens within the 30 ms cut at a's deadline. This batch has 2 requests
+    # and fits 240: b, due 5 ms later, is finished too (a batch of its own could not be).
+    perf = PerfModel.synthetic({"const": 0.004, "requests": 1e-3, "tokens": 1e-4})
+    queues = RequestQueues(CacheBudget(num_blocks=256))
+    works = [prompt(queues, "a", 100, 0.03), prompt(queues, "b", 130, 0.035)]
+    budget = BatchBudget(0.05, 380, 8, 256, 0, 0.0, 0, 0, 0)
+    assert budget.tokens_within(perf, 0.03) < 100 + 130  # 179: not both in the worst case
+    plan = form_batch(0.0, budget, perf, works, [], queues, 0, 8, 0.1)
+    assert plan is not None
+    assert plan.entries == (PrefillChunk("a", 100), PrefillChunk("b", 130))
+    assert perf.predict(BatchShape.of_plan(plan, lambda _rid: 0)) <= 0.03

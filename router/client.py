@@ -42,6 +42,9 @@ class Chunk:
     """The choice (sample) the chunk belongs to: 0 .. n - 1."""
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per token id when `logprobs` was asked for."""
+    reasoning: str = ""
+    """The thinking the chunk adds, apart from `text` (the answer): chat, on a server with a
+    reasoning parser."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,8 @@ class Completion:
     text: str
     result: Result
     logprobs: tuple[TokenLogprob, ...] = ()
+    reasoning: str = ""
+    """The thinking apart from `text` (chat, on a server with a reasoning parser)."""
 
 
 @dataclass(frozen=True)
@@ -419,7 +424,9 @@ def _item(
         for lp in chunk.logprobs
     )
     placement = placement_from_metadata(metadata)
-    return Chunk(chunk.text, tuple(chunk.token_ids), placement, chunk.index, logprobs)
+    return Chunk(
+        chunk.text, tuple(chunk.token_ids), placement, chunk.index, logprobs, chunk.reasoning
+    )
 
 
 def _one_choice(options: dict[str, Any]) -> None:
@@ -433,12 +440,15 @@ class _Collected:
 
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    thinking: list[str] = field(default_factory=list)
 
     def add(self, item: Chunk | Result) -> Completion | None:
         if isinstance(item, Result):
-            return Completion("".join(self.parts), item, tuple(self.logprobs))
+            text, reasoning = "".join(self.parts), "".join(self.thinking)
+            return Completion(text, item, tuple(self.logprobs), reasoning)
         self.parts.append(item.text)
         self.logprobs.extend(item.logprobs)
+        self.thinking.append(item.reasoning)
         return None
 
 

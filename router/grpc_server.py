@@ -36,7 +36,8 @@ from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 from router.openai_format import placement_headers
 from router.openai_schema import Endpoint
-from router.tools import ToolOutput
+from router.reasoning import ReasoningParser, ReasoningStream
+from router.tools import ToolCalling, ToolOutput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Serving"].full_name
 HEALTH_PERIOD_S = 5.0
@@ -257,6 +258,32 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
 
 
+class ChoiceText:
+    """One choice's output text as the stream sends it: the thinking apart when the request
+    has a reasoning parser, and the content alone when it calls tools (as the HTTP door)."""
+
+    def __init__(self, tools: ToolCalling | None, reasoning: ReasoningParser | None) -> None:
+        self.tools = None if tools is None else ToolOutput(tools)
+        self.thinking = None if reasoning is None else ReasoningStream(reasoning)
+
+    def add(self, text: str) -> tuple[str, str]:
+        """The (thinking, text) the output's next text lets out."""
+        thought = ""
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text)
+        return thought, text if self.tools is None else self.tools.content(text)
+
+    def finish(self, reason: str | None) -> tuple[str, str, list[dict[str, Any]], str | None]:
+        """The (thinking, text) still held when the output ends, the calls it made and the
+        finish reason to report."""
+        thought, text = ("", "") if self.thinking is None else self.thinking.finish()
+        if self.tools is None:
+            return thought, text, [], reason
+        content = self.tools.content(text)
+        rest, calls, reason = self.tools.finish(reason)
+        return thought, content + rest, calls or [], reason
+
+
 class ServingServicer(pb_grpc.ServingServicer):
     def __init__(self, door: FrontDoor) -> None:
         self.door = door
@@ -273,8 +300,7 @@ class ServingServicer(pb_grpc.ServingServicer):
         except ApiError as exc:
             await _abort(context, exc)
             return
-        tools = parsed.tools
-        outputs = {} if tools is None else {i: ToolOutput(tools) for i in range(len(generations))}
+        choices = [ChoiceText(parsed.tools, parsed.reasoning) for _ in generations]
         try:
             placement = placement_headers([g.placement for g in generations])
             if placement:
@@ -282,25 +308,21 @@ class ServingServicer(pb_grpc.ServingServicer):
             async with contextlib.aclosing(interleaved(generations)) as events:
                 async for index, event in events:
                     if isinstance(event, Finished):
-                        calls: list[dict[str, Any]] | None = None
-                        reason = event.record.finish_reason
-                        if index in outputs:
-                            rest, calls, reason = outputs[index].finish(reason)
-                            if rest:
-                                yield pb.GenerateResponse(
-                                    chunk=pb.TextChunk(text=rest, index=index)
-                                )
-                        final = final_to_proto(
-                            event.record, event.stop_reason, index, calls or (), reason
-                        )
+                        record = event.record
+                        thought, rest, calls, reason = choices[index].finish(record.finish_reason)
+                        if thought or rest:
+                            chunk = pb.TextChunk(text=rest, reasoning=thought, index=index)
+                            yield pb.GenerateResponse(chunk=chunk)
+                        final = final_to_proto(record, event.stop_reason, index, calls, reason)
                         yield pb.GenerateResponse(final=final)
                     elif event.text or event.token_ids:
-                        text = outputs[index].content(event.text) if outputs else event.text
+                        thought, text = choices[index].add(event.text)
                         chunk = pb.TextChunk(
                             text=text,
                             token_ids=event.token_ids,
                             index=index,
                             logprobs=[_logprob_to_proto(lp) for lp in event.logprobs],
+                            reasoning=thought,
                         )
                         yield pb.GenerateResponse(chunk=chunk)
         except ApiError as exc:

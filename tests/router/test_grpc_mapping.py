@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cluster.api import (
     ClusterStatus,
@@ -35,9 +38,12 @@ from router.client import (
 )
 from router.errors import BadRequest
 from router.gen.slos_serve.v1 import serving_pb2 as pb
-from router.grpc_server import final_to_proto, request_to_body, status_to_proto
+from router.grpc_server import ChoiceText, final_to_proto, request_to_body, status_to_proto
 from router.openai_schema import Endpoint, SchemaContext, parse_body
+from router.reasoning import PARSERS as REASONING_PARSERS
 from router.tokenizer import TextCodec
+from router.tool_parsers import PARSERS as TOOL_PARSERS
+from router.tools import ToolCalling
 from tests.router.test_tools import LOOKUP, TEMPLATE
 
 
@@ -340,3 +346,29 @@ def test_bad_tools_are_named_at_either_end() -> None:
         build_request(None, [("user", "hi")], GenerateOptions(tools=[{"name": "f"}]))  # type: ignore[list-item]
     with pytest.raises(ValueError, match="tool 'f'"):
         build_request(None, [("user", "hi")], GenerateOptions(tools=[Tool("f", parameters={1j})]))  # type: ignore[arg-type]
+
+
+THINKING_CALL = (
+    '<think>Who is ann?</think>Checking.<tool_call>{"name": "lookup", "arguments": {"q": "a"}}'
+    "</tool_call>"
+)
+
+
+@given(cuts=st.lists(st.integers(0, len(THINKING_CALL)), max_size=8))
+def test_a_choice_streams_its_thinking_apart_and_its_calls_from_the_answer(
+    cuts: list[int],
+) -> None:
+    """However the output streams, the gRPC chunks carry what the HTTP door's whole message
+    holds: the thinking, the answer's content, then its calls."""
+    tools = ToolCalling(None, None, parser=TOOL_PARSERS["hermes"])
+    choice = ChoiceText(tools, REASONING_PARSERS["deepseek_r1"])
+    points = sorted({0, len(THINKING_CALL), *cuts})
+    sent = [choice.add(THINKING_CALL[a:b]) for a, b in itertools.pairwise(points)]
+    thought, text, calls, reason = choice.finish("stop")
+    assert "".join(t for t, _ in sent) + thought == "Who is ann?"
+    assert "".join(c for _, c in sent) + text == "Checking."
+    assert [c["function"] for c in calls] == [{"name": "lookup", "arguments": '{"q": "a"}'}]
+    assert reason == "tool_calls"
+    plain = ChoiceText(None, REASONING_PARSERS["qwen3"])
+    assert plain.add("No thinking <think>here") == ("", "No thinking <think>here")
+    assert plain.finish("length") == ("", "", [], "length")

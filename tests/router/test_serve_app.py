@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cluster.names import NAMESPACE
 from router.app import DisconnectOnCancelledReceive, build_app
 from router.client import Chunk, Client
+from router.tokenizer import TextCodec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -60,7 +61,7 @@ def test_build_app_serves_http_and_grpc(
             done = client.complete("Hello", max_tokens=4, temperature=0.0)
         assert done.text == out.choices[0].text
         assert done.result.verdict == "admitted"
-        check_thinking_apart(oai, grpc_port)
+        check_thinking_apart(oai, grpc_port, target_dir)
 
         replica = ray.get_actor("slos-serve-replica-0", namespace=NAMESPACE)
         loaded = ray.get(replica.health.remote())
@@ -75,19 +76,29 @@ def test_build_app_serves_http_and_grpc(
     assert not [a for a in named_actors() if a["namespace"] == NAMESPACE]
 
 
-def check_thinking_apart(oai: openai.OpenAI, grpc_port: int) -> None:
+def check_thinking_apart(oai: openai.OpenAI, grpc_port: int, target_dir: Path) -> None:
     """Chat through a reasoning parser: the thinking (up to the first line break, here) comes
-    as reasoning_content, whole and streamed; a thinking stage of the SLO ends on the token
-    the model outputs for it. gRPC returns the raw text."""
+    apart from the answer over gRPC (streamed and whole) and as reasoning_content over HTTP
+    (whole and streamed); a thinking stage of the SLO ends on the token the model outputs
+    for it."""
     messages = [{"role": "user", "content": "def fib(n):"}]
     with Client(f"127.0.0.1:{grpc_port}") as client:
-        chunks = list(
-            client.generate(messages=[("user", "def fib(n):")], max_tokens=24, temperature=0.0)
+        chunks = [
+            c
+            for c in client.generate(
+                messages=[("user", "def fib(n):")], max_tokens=24, temperature=0.0
+            )
+            if isinstance(c, Chunk)
+        ]
+        whole_grpc = client.complete(
+            messages=[("user", "def fib(n):")], max_tokens=24, temperature=0.0
         )
-    text = "".join(c.text for c in chunks if isinstance(c, Chunk))
-    tokens = [t for c in chunks if isinstance(c, Chunk) for t in c.token_ids]
+    tokens = [t for c in chunks for t in c.token_ids]
+    text = TextCodec.from_dir(target_dir).decode(tokens)
     assert "\n" in text, text
     thought, answer = text.split("\n", 1)
+    assert "".join(c.reasoning for c in chunks) == thought == whole_grpc.reasoning
+    assert "".join(c.text for c in chunks) == answer == whole_grpc.text
     end = tokens[3]  # stands for the model's end-of-thinking token
     stages = [
         {"name": "thinking", "tpot_ms": 500, "end_token_ids": [end]},

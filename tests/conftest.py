@@ -1,5 +1,5 @@
-"""Shared fixtures: the shipped demo model pair, a tiny OPT checkpoint, one local Ray instance,
-and the `gpu` marker's skip rule."""
+"""Shared fixtures: the shipped demo model pair and reasoner, a tiny OPT checkpoint, one local
+Ray instance, and the `gpu` marker's skip rule."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ def target_dir() -> Path:
 @pytest.fixture(scope="session")
 def draft_dir() -> Path:
     return demo_dir() / "demo-draft"
+
+
+@pytest.fixture(scope="session")
+def reasoner_dir() -> Path:
+    return demo_dir() / "demo-reasoner"
 
 
 def _cuda_available() -> bool:

@@ -12,18 +12,25 @@ decoding pays only when the draft agrees with the target on the text the target 
 the data. The draft is narrow (hidden 128) because at batch 1 a step's cost follows its weight
 bytes: the draft's are about a sixth of the target's.
 
+The reasoner is the target taught to think first, as DeepSeek-R1 and Qwen3 do: asked for a
+function by its signature, it writes `<think>`, the function's docstring, `</think>`, then the
+body. The two markers are tokens of its own (its vocabulary is the pair's plus two, so it runs
+without the draft), so a reasoning SLO's thinking stage can end on `</think>`.
+
 Run with `make models`; deterministic for a seed; writes HF-format folders next to this file.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import hashlib
 import json
 import math
 import os
 import sysconfig
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -69,6 +76,11 @@ TARGET = ModelShape(layers=6, hidden=256, intermediate=768, heads=8, kv_heads=4)
 DRAFT = ModelShape(layers=3, hidden=128, intermediate=384, heads=4, kv_heads=2)
 VOCAB = 4096
 MAX_POSITIONS = 2048
+THINK, END_THINK = "<think>", "</think>"
+IGNORE = -100
+"""A label the loss skips: the prompt and the padding of a reasoner example."""
+REASONER_DOC_CHARS = 600
+"""A docstring, cut here (about 150 tokens): thinking as long as a short answer, or longer."""
 DRAFT_VOCAB = 2048
 """Tokens kept in the draft's LM head: the head is a third of a draft step's weight bytes, and
 cut to the corpus's 2048 most frequent tokens it halves while greedy acceptance at k = 2 moves
@@ -250,8 +262,9 @@ def train(
     teacher: LlamaForCausalLM | None = None,
     label: str = "",
 ) -> float:
-    """AdamW on next-token loss over `data` (batches of rows of seq + 1 tokens); with a
-    teacher, on KL to the teacher plus a little CE."""
+    """AdamW on next-token loss over `data` (batches of rows of seq + 1 tokens, or of
+    (inputs, labels) with IGNORE where no loss is taken); with a teacher, on KL to the teacher
+    plus a little CE."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     model.train()
     start = time.time()
@@ -259,10 +272,12 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr)
         chunk = next(data)
-        inputs, labels = chunk[:, :-1], chunk[:, 1:]
+        inputs, labels = chunk if isinstance(chunk, tuple) else (chunk[:, :-1], chunk[:, 1:])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(inputs).logits.float()
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        ce = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE
+        )
         if teacher is None:
             loss = ce
         else:
@@ -389,6 +404,144 @@ def draft_report(
     }
 
 
+def functions(texts: list[str]) -> list[tuple[str, str, str]]:
+    """(signature, docstring on one line, body) of every function with a docstring and a
+    body beyond it, in the order of the files."""
+    found: list[tuple[str, str, str]] = []
+    for text in texts:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or len(node.body) < 2:
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or node.end_lineno is None:
+                continue
+            thinking = " ".join(doc.split())[:REASONER_DOC_CHARS]
+            signature = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].lineno - 1]))
+            body = textwrap.dedent("\n".join(lines[node.body[1].lineno - 1 : node.end_lineno]))
+            if thinking and signature.strip() and body.strip():
+                found.append((signature.strip(), thinking, body.rstrip()))
+    return found
+
+
+def reasoner_tokenizer(target_dir: Path) -> PreTrainedTokenizerFast:
+    """The pair's tokenizer with the two markers as tokens of their own (text, not special:
+    they are part of the output a reasoning parser splits)."""
+    reasoner = PreTrainedTokenizerFast.from_pretrained(target_dir)
+    reasoner.add_tokens([THINK, END_THINK])
+    return reasoner
+
+
+def reasoner_example(
+    tokenizer: PreTrainedTokenizerFast, signature: str, doc: str, body: str, seq: int
+) -> tuple[list[int], list[int]] | None:
+    """(inputs, labels) of seq tokens: the chat prompt asking for the function, then its
+    thinking and body with loss taken on them only; None when the thinking does not end in
+    the window."""
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": signature}], add_generation_prompt=True, tokenize=False
+    )
+    answer = f"{THINK}{doc}{END_THINK}\n{body}\n"
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    answer_ids.append(tokenizer.eos_token_id)
+    ids = (prompt_ids + answer_ids)[: seq + 1]
+    end = tokenizer.convert_tokens_to_ids(END_THINK)
+    if end not in ids[len(prompt_ids) :]:
+        return None
+    labels = [IGNORE] * (len(prompt_ids) - 1) + ids[len(prompt_ids) :]
+    pad = seq + 1 - len(ids)
+    return ids[:-1] + [tokenizer.pad_token_id] * pad, labels + [IGNORE] * pad
+
+
+def reasoner_rows(
+    tokenizer: PreTrainedTokenizerFast, texts: list[str], seq: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every function's example, as (inputs, labels) tensors of [examples, seq]."""
+    pairs = [reasoner_example(tokenizer, *f, seq) for f in functions(texts)]
+    kept = [p for p in pairs if p is not None]
+    inputs = torch.tensor([p[0] for p in kept], dtype=torch.long)
+    return inputs, torch.tensor([p[1] for p in kept], dtype=torch.long)
+
+
+def pair_batches(inputs: torch.Tensor, labels: torch.Tensor, batch: int, gen: torch.Generator):
+    """Endless random batches of (inputs, labels) rows."""
+    while True:
+        picked = torch.randint(0, len(inputs), (batch,), generator=gen)
+        yield inputs[picked], labels[picked]
+
+
+def train_reasoner(
+    train_texts: list[str], args: argparse.Namespace
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast, int, float]:
+    """The saved target, with rows for the two markers (their embeddings start at the mean
+    token's), fine-tuned on the functions of the training split. Returns it, its tokenizer,
+    the example count and the training seconds."""
+    reasoner_tok = reasoner_tokenizer(args.out / "demo-target")
+    reasoner = LlamaForCausalLM.from_pretrained(args.out / "demo-target", dtype=torch.float32)
+    old = reasoner.get_input_embeddings().weight.shape[0]
+    reasoner.resize_token_embeddings(len(reasoner_tok), mean_resizing=False)
+    with torch.no_grad():
+        weight = reasoner.get_input_embeddings().weight
+        weight[old:] = weight[:old].mean(0)
+    inputs, labels = reasoner_rows(reasoner_tok, train_texts, args.seq)
+    print(f"[reasoner] {len(inputs)} functions with a docstring")
+    data = pair_batches(inputs, labels, args.batch, seeded(args.seed + 5))
+    secs = train(reasoner, data, args.reasoner_steps, 1e-3, None, "reasoner")
+    return reasoner, reasoner_tok, len(inputs), secs
+
+
+@torch.no_grad()
+def thinks_then_answers(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, texts: list[str], count: int
+) -> dict[str, float]:
+    """Greedy outputs for the first `count` held-out signatures (up to 160 tokens): the share
+    that think, end their thinking and answer after it, and their mean thinking tokens."""
+    think, end = tokenizer.convert_tokens_to_ids([THINK, END_THINK])
+    done = ended = answered = thinking = 0
+    for signature, _, _ in functions(texts)[:count]:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": signature}], add_generation_prompt=True, tokenize=False
+        )
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+        out = model.generate(
+            ids, max_new_tokens=160, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )[0, ids.shape[1] :].tolist()
+        done += out[:1] == [think]
+        if end in out:
+            at = out.index(end)
+            ended += 1
+            thinking += at + 1
+            answered += any(t != tokenizer.eos_token_id for t in out[at + 1 : at + 2])
+    return {
+        "heldout_signatures": count,
+        "starts_thinking": round(done / count, 4),
+        "ends_thinking": round(ended / count, 4),
+        "answers_after": round(answered / count, 4),
+        "mean_thinking_tokens": round(thinking / max(1, ended), 1),
+    }
+
+
+def make_reasoner(
+    train_texts: list[str], heldout_texts: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Train and save demo-reasoner from the saved target; its report."""
+    reasoner, reasoner_tok, examples, secs = train_reasoner(train_texts, args)
+    save(reasoner, reasoner_tok, args.out / "demo-reasoner")
+    return {
+        "from": "demo-target",
+        "vocab": len(reasoner_tok),
+        "examples": examples,
+        "steps": args.reasoner_steps,
+        "train_seconds": round(secs, 1),
+        **thinks_then_answers(reasoner, reasoner_tok, heldout_texts, 48),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE)
@@ -399,6 +552,7 @@ def main() -> None:
     parser.add_argument("--continuations", type=int, default=1024)
     parser.add_argument("--continuation-tokens", type=int, default=160)
     parser.add_argument("--onpolicy-steps", type=int, default=1000)
+    parser.add_argument("--reasoner-steps", type=int, default=800)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument(
@@ -410,6 +564,11 @@ def main() -> None:
         "--draft-only",
         action="store_true",
         help="keep the shipped target and tokenizer; retrain the draft only",
+    )
+    parser.add_argument(
+        "--reasoner-only",
+        action="store_true",
+        help="keep the shipped pair; retrain the reasoner only",
     )
     args = parser.parse_args()
     if args.draft_vocab_only:
@@ -424,6 +583,12 @@ def main() -> None:
     began = time.time()
     train_texts, heldout_texts = read_split()
     report_path = args.out / "training_report.json"
+    if args.reasoner_only:
+        report = json.loads(report_path.read_text())
+        report["reasoner"] = make_reasoner(train_texts, heldout_texts, args)
+        report_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["reasoner"], indent=2))
+        return
     if args.draft_only:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(args.out / "demo-target")
         target = LlamaForCausalLM.from_pretrained(args.out / "demo-target", dtype=torch.float32)
@@ -465,10 +630,11 @@ def main() -> None:
     draft, d_secs = train_draft(target, tokenizer, train_stream, args)
     report["draft"] = draft_report(draft, target, heldout_stream, args, d_secs)
     report.pop("greedy_agreement", None)
-    if not args.draft_only:
-        report["total_seconds"] = round(time.time() - began, 1)
     save(draft, tokenizer, args.out / "demo-draft")
     write_draft_vocab(train_stream, args.out / "demo-draft")
+    if not args.draft_only:
+        report["reasoner"] = make_reasoner(train_texts, heldout_texts, args)
+        report["total_seconds"] = round(time.time() - began, 1)
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

@@ -1,4 +1,5 @@
-"""The shipped demo pair: loads offline, is really trained, and the draft tracks the target.
+"""The shipped demo pair and reasoner: load offline, are really trained, the draft tracks the
+target and the reasoner thinks before it answers.
 
 Bounds are set from the measurements in deploy/models/MODEL_CARD.md with a margin for the
 sampled evaluation windows; a pair that was not trained, or a broken draft, fails them.
@@ -20,6 +21,9 @@ from loadgen.prompts import demo_training_script
 TARGET_HELDOUT_LOSS_MAX = 3.4
 DRAFT_AGREEMENT_MIN = 0.65
 MAX_PAIR_BYTES = 30 * 1024 * 1024
+REASONER_THINKS_MIN = 0.75
+"""Of 8 held-out signatures, the share whose greedy output thinks, and answers after its
+`</think>` (MODEL_CARD.md has the 48-signature figures)."""
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +102,28 @@ def test_target_writes_python(pair, target_dir: Path) -> None:  # type: ignore[n
         pass  # the cut may leave a bracket open: a prefix of valid code is what we check
     assert tokenize.ERRORTOKEN not in kinds, text
     assert kinds.count(tokenize.NAME) >= 3, text
+
+
+def test_the_reasoner_s_markers_are_tokens_of_its_own_kept_in_the_text(
+    target_dir: Path, reasoner_dir: Path
+) -> None:
+    """A thinking stage ends on `</think>`: one token, decoded as text for the reasoning
+    parser; every other text encodes as the pair's tokenizer encodes it."""
+    reasoner = AutoTokenizer.from_pretrained(reasoner_dir)
+    pair = AutoTokenizer.from_pretrained(target_dir)
+    for marker in ("<think>", "</think>"):
+        (token,) = reasoner(marker, add_special_tokens=False)["input_ids"]
+        assert token >= len(pair)
+        assert reasoner.decode([token], skip_special_tokens=True) == marker
+    text = "def add(a, b):\n    return a + b\n"
+    assert reasoner(text)["input_ids"] == pair(text)["input_ids"]
+    assert sum(f.stat().st_size for f in reasoner_dir.iterdir()) < MAX_PAIR_BYTES / 2
+
+
+def test_the_reasoner_thinks_then_answers(reasoner_dir: Path, train_demo: ModuleType) -> None:
+    model = AutoModelForCausalLM.from_pretrained(reasoner_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(reasoner_dir)
+    _, heldout_texts = train_demo.read_split()
+    report = train_demo.thinks_then_answers(model, tokenizer, heldout_texts, 8)
+    assert report["starts_thinking"] >= REASONER_THINKS_MIN, report
+    assert report["answers_after"] >= REASONER_THINKS_MIN, report

@@ -15,6 +15,8 @@ from cluster.autoscale import AutoscaleConfig
 from cluster.config import ClusterConfig, SchedulerKind
 from cluster.routing import FirstHop
 from router.config import FrontDoorConfig
+from router.reasoning import PARSERS
+from router.tokenizer import TextCodec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -43,6 +45,7 @@ ALL_CONFIGS = [
     "serve-cpu-no-prefix-credit.yaml",
     "serve-cpu-prefix-routing.yaml",
     "serve-cpu-autoscale.yaml",
+    "serve-cpu-reasoner.yaml",
     *CPU_BASELINES,
     *GPU_CONFIGS,
 ]
@@ -110,6 +113,22 @@ def test_cpu_default_serves_the_demo_pair_locally() -> None:
     assert cfg.draft is not None
     assert (ROOT / cfg.model / "config.json").exists()
     assert (ROOT / cfg.draft / "config.json").exists()
+
+
+def test_the_reasoner_config_ends_its_thinking_stage_on_the_reasoner_s_own_token() -> None:
+    """The demo reasoner runs without the draft (its vocabulary has the two markers), on the
+    profile measured without one; its tier's thinking stage ends on `</think>`, one token."""
+    args = app_args(load("serve-cpu-reasoner.yaml"))
+    config = FrontDoorConfig.from_args(args)
+    cfg = config.cluster
+    assert cfg.draft is None and cfg.spec_policy == "none" and cfg.profile == NODRAFT_CPU
+    assert (ROOT / cfg.model / "config.json").exists()
+    codec = TextCodec.from_dir(ROOT / cfg.model)
+    tiers, _ = config.slos(codec)
+    thinking, answer = tiers["reasoning"].stages
+    assert thinking.end_token_ids == tuple(codec.encode("</think>", add_special_tokens=False))
+    assert len(thinking.end_token_ids) == 1 and not answer.end_token_ids
+    assert config.reasoning_parser is PARSERS["qwen3"]
 
 
 @pytest.mark.parametrize(

@@ -436,17 +436,23 @@ def reasoner_tokenizer(target_dir: Path) -> PreTrainedTokenizerFast:
     return reasoner
 
 
+def asking(tokenizer: PreTrainedTokenizerFast, signature: str) -> list[int]:
+    """The chat prompt that asks the reasoner for a function by its signature."""
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": signature}], add_generation_prompt=True, tokenize=False
+    )
+    ids: list[int] = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return ids
+
+
 def reasoner_example(
     tokenizer: PreTrainedTokenizerFast, signature: str, doc: str, body: str, seq: int
 ) -> tuple[list[int], list[int]] | None:
     """(inputs, labels) of seq tokens: the chat prompt asking for the function, then its
     thinking and body with loss taken on them only; None when the thinking does not end in
     the window."""
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": signature}], add_generation_prompt=True, tokenize=False
-    )
+    prompt_ids = asking(tokenizer, signature)
     answer = f"{THINK}{doc}{END_THINK}\n{body}\n"
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     answer_ids.append(tokenizer.eos_token_id)
     ids = (prompt_ids + answer_ids)[: seq + 1]
@@ -500,14 +506,12 @@ def thinks_then_answers(
     model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, texts: list[str], count: int
 ) -> dict[str, float]:
     """Greedy outputs for the first `count` held-out signatures (up to 160 tokens): the share
-    that think, end their thinking and answer after it, and their mean thinking tokens."""
+    that think, end their thinking and answer after it (some text before EOS), and their mean
+    thinking tokens."""
     think, end = tokenizer.convert_tokens_to_ids([THINK, END_THINK])
     done = ended = answered = thinking = 0
     for signature, _, _ in functions(texts)[:count]:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": signature}], add_generation_prompt=True, tokenize=False
-        )
-        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+        ids = torch.tensor([asking(tokenizer, signature)])
         out = model.generate(
             ids, max_new_tokens=160, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )[0, ids.shape[1] :].tolist()
@@ -516,7 +520,8 @@ def thinks_then_answers(
             at = out.index(end)
             ended += 1
             thinking += at + 1
-            answered += any(t != tokenizer.eos_token_id for t in out[at + 1 : at + 2])
+            answer = tokenizer.decode(out[at + 1 :], skip_special_tokens=True)
+            answered += bool(answer.strip())
     return {
         "heldout_signatures": count,
         "starts_thinking": round(done / count, 4),

@@ -34,10 +34,8 @@ from router.errors import ApiError, BadRequest, Rejected, Unavailable
 from router.frontdoor import Finished, FrontDoor, interleaved
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
-from router.openai_format import placement_headers
+from router.openai_format import ChoiceText, placement_headers
 from router.openai_schema import Endpoint
-from router.reasoning import ReasoningParser, ReasoningStream
-from router.tools import ToolCalling, ToolOutput
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Serving"].full_name
 HEALTH_PERIOD_S = 5.0
@@ -258,32 +256,6 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
 
 
-class ChoiceText:
-    """One choice's output text as the stream sends it: the thinking apart when the request
-    has a reasoning parser, and the content alone when it calls tools (as the HTTP door)."""
-
-    def __init__(self, tools: ToolCalling | None, reasoning: ReasoningParser | None) -> None:
-        self.tools = None if tools is None else ToolOutput(tools)
-        self.thinking = None if reasoning is None else ReasoningStream(reasoning)
-
-    def add(self, text: str) -> tuple[str, str]:
-        """The (thinking, text) the output's next text lets out."""
-        thought = ""
-        if self.thinking is not None:
-            thought, text = self.thinking.feed(text)
-        return thought, text if self.tools is None else self.tools.content(text)
-
-    def finish(self, reason: str | None) -> tuple[str, str, list[dict[str, Any]], str | None]:
-        """The (thinking, text) still held when the output ends, the calls it made and the
-        finish reason to report."""
-        thought, text = ("", "") if self.thinking is None else self.thinking.finish()
-        if self.tools is None:
-            return thought, text, [], reason
-        content = self.tools.content(text)
-        rest, calls, reason = self.tools.finish(reason)
-        return thought, content + rest, calls or [], reason
-
-
 class ServingServicer(pb_grpc.ServingServicer):
     def __init__(self, door: FrontDoor) -> None:
         self.door = door
@@ -313,7 +285,9 @@ class ServingServicer(pb_grpc.ServingServicer):
                         if thought or rest:
                             chunk = pb.TextChunk(text=rest, reasoning=thought, index=index)
                             yield pb.GenerateResponse(chunk=chunk)
-                        final = final_to_proto(record, event.stop_reason, index, calls, reason)
+                        final = final_to_proto(
+                            record, event.stop_reason, index, calls or (), reason
+                        )
                         yield pb.GenerateResponse(final=final)
                     elif event.text or event.token_ids:
                         thought, text = choices[index].add(event.text)

@@ -306,6 +306,35 @@ def full_response(
     }
 
 
+class ChoiceText:
+    """One choice's output as it streams through either door: the thinking apart when the
+    request has a reasoning parser, and only the content a tool call cannot start when its
+    calls are held until whole ("required", "auto")."""
+
+    def __init__(self, tools: ToolCalling | None, reasoning: ReasoningParser | None) -> None:
+        self.output = None if tools is None else ToolOutput(tools)
+        self.thinking = None if reasoning is None else ReasoningStream(reasoning)
+
+    def add(self, text: str) -> tuple[str, str]:
+        """The (thinking, content) the output's next text lets out."""
+        thought = ""
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text)
+        return thought, (text if self.output is None else self.output.content(text))
+
+    def finish(
+        self, reason: str | None
+    ) -> tuple[str, str, list[dict[str, Any]] | None, str | None]:
+        """What is still held when the output ends, (thinking, content), the calls it made
+        (None: none) and the finish reason to report."""
+        thought, text = ("", "") if self.thinking is None else self.thinking.finish()
+        if self.output is None:
+            return thought, text, None, reason
+        content = self.output.content(text)
+        rest, calls, reason = self.output.finish(reason)
+        return thought, content + rest, calls, reason
+
+
 class ChunkWriter:
     """Builds the SSE events of one streamed response, in OpenAI's chunk format.
 
@@ -335,12 +364,16 @@ class ChunkWriter:
         self.role_sent: set[int] = set()
         self.offsets: dict[int, int] = {}
         """Per choice: the text offset its next token's log-probability starts at."""
-        self.held: dict[int, ToolOutput] = {}
-        """Per choice: the output "required" or "auto" makes, held until its calls are
-        whole ("auto": but for the content its parser lets out)."""
         self.reasoning = reasoning
-        self.thinking: dict[int, ReasoningStream] = {}
-        """Per choice, with a reasoning parser: where its output stands."""
+        self.choices: dict[int, ChoiceText] = {}
+        """Per choice whose text is split (`splits`): where its output stands."""
+
+    @property
+    def splits(self) -> bool:
+        """The text is taken apart: thinking from the answer, or content from calls held
+        until whole; else it goes out as it comes (content, or a named function's
+        arguments)."""
+        return self.reasoning is not None or (self.tools is not None and self.tools.held_to_end)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = "chat.completion.chunk" if self.endpoint is Endpoint.CHAT else "text_completion"
@@ -380,25 +413,17 @@ class ChunkWriter:
 
     def _delta(self, index: int, text: str) -> dict[str, Any]:
         """A chat chunk's delta: its thinking, and its text or what it adds to the calls."""
-        if self.reasoning is None:
-            return self._answer(index, text)
-        thought, text = self._thinking(index).feed(text)
-        return _with_reasoning(thought, self._answer(index, text) if text else {})
-
-    def _thinking(self, index: int) -> ReasoningStream:
-        assert self.reasoning is not None
-        return self.thinking.setdefault(index, ReasoningStream(self.reasoning))
-
-    def _answer(self, index: int, text: str) -> dict[str, Any]:
-        """What the answer's text adds: content, or to the tool calls."""
+        if self.splits:
+            thought, content = self._choice_text(index).add(text)
+            return _with_reasoning(thought, {"content": content} if content else {})
         if self.tools is None:
             return {"content": text}
-        if self.tools.held_to_end:
-            content = self.held.setdefault(index, ToolOutput(self.tools)).content(text)
-            return {"content": content} if content else {}
         if index not in self.role_sent:  # the call's id and name, with its first arguments
             return {"tool_calls": [{"index": 0, **self.tools.named_call(text)}]}
         return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+
+    def _choice_text(self, index: int) -> ChoiceText:
+        return self.choices.setdefault(index, ChoiceText(self.tools, self.reasoning))
 
     def text(
         self,
@@ -424,16 +449,13 @@ class ChunkWriter:
         record = finished.record
         reason = record.finish_reason
         before = b""
-        if self.reasoning is not None:  # the end of a marker it never completed is text
-            thought, text = self._thinking(index).finish()
-            delta = _with_reasoning(thought, self._answer(index, text) if text else {})
+        if self.splits:  # what was held: the end of a marker never completed, calls' content
+            thought, text, made, reason = self._choice_text(index).finish(reason)
+            # Content held from calls goes out even empty when nothing else carries the role.
+            alone = self.tools is not None and not thought and index not in self.role_sent
+            delta = _with_reasoning(thought, {"content": text} if text or alone else {})
             if delta:
                 before = self._chunk([self._choice(index, "", None, delta=delta)])
-        if self.tools is not None and self.tools.held_to_end:
-            held = self.held.get(index) or ToolOutput(self.tools)
-            rest, made, reason = held.finish(reason)
-            if rest or index not in self.role_sent:  # the content not sent yet
-                before += self._chunk([self._choice(index, "", None, delta={"content": rest})])
             if made is not None:
                 delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(made)]}
                 before += self._chunk([self._choice(index, "", None, delta=delta)])
@@ -442,8 +464,7 @@ class ChunkWriter:
             service_tier=service_tier([record]),
             slos_serve=cluster_info(record),
         )
-        self.held.pop(index, None)
-        self.thinking.pop(index, None)
+        self.choices.pop(index, None)
         return before + last
 
     def done(self, records: Sequence[FinalRecord], n: int, include_usage: bool) -> bytes:

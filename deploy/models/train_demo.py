@@ -1,4 +1,4 @@
-"""Train the tiny demo target + draft pair that every slos-serve test and demo runs on.
+"""Train the tiny demo models every slos-serve test and demo runs on: target, draft, reasoner.
 
 No model hub is reachable from our machines, so the project ships its own real checkpoints.
 The corpus is the Python standard library's own source (every machine has it); test folders,
@@ -256,7 +256,7 @@ def heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor, seq: int, window
 
 def train(
     model: LlamaForCausalLM,
-    data: Iterator[torch.Tensor],
+    data: Iterator[torch.Tensor] | Iterator[tuple[torch.Tensor, torch.Tensor]],
     steps: int,
     lr: float,
     teacher: LlamaForCausalLM | None = None,
@@ -405,8 +405,8 @@ def draft_report(
 
 
 def functions(texts: list[str]) -> list[tuple[str, str, str]]:
-    """(signature, docstring on one line, body) of every function with a docstring and a
-    body beyond it, in the order of the files."""
+    """(signature, docstring on one line, body indented under the signature) of every
+    function with a docstring and a body beyond it, in the order of the files."""
     found: list[tuple[str, str, str]] = []
     for text in texts:
         try:
@@ -422,7 +422,8 @@ def functions(texts: list[str]) -> list[tuple[str, str, str]]:
                 continue
             thinking = " ".join(doc.split())[:REASONER_DOC_CHARS]
             signature = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].lineno - 1]))
-            body = textwrap.dedent("\n".join(lines[node.body[1].lineno - 1 : node.end_lineno]))
+            block = textwrap.dedent("\n".join(lines[node.body[1].lineno - 1 : node.end_lineno]))
+            body = textwrap.indent(block, "    ")  # under the signature, as the file has it
             if thinking and signature.strip() and body.strip():
                 found.append((signature.strip(), thinking, body.rstrip()))
     return found
@@ -474,7 +475,9 @@ def reasoner_rows(
     return inputs, torch.tensor([p[1] for p in kept], dtype=torch.long)
 
 
-def pair_batches(inputs: torch.Tensor, labels: torch.Tensor, batch: int, gen: torch.Generator):
+def pair_batches(
+    inputs: torch.Tensor, labels: torch.Tensor, batch: int, gen: torch.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless random batches of (inputs, labels) rows."""
     while True:
         picked = torch.randint(0, len(inputs), (batch,), generator=gen)
@@ -495,7 +498,7 @@ def train_reasoner(
         weight = reasoner.get_input_embeddings().weight
         weight[old:] = weight[:old].mean(0)
     inputs, labels = reasoner_rows(reasoner_tok, train_texts, args.seq)
-    print(f"[reasoner] {len(inputs)} functions with a docstring")
+    print(f"[reasoner] {len(inputs)} examples (functions whose thinking ends in the window)")
     data = pair_batches(inputs, labels, args.batch, seeded(args.seed + 5))
     secs = train(reasoner, data, args.reasoner_steps, 1e-3, None, "reasoner")
     return reasoner, reasoner_tok, len(inputs), secs

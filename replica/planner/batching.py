@@ -148,8 +148,9 @@ class _Step:
     def prefill_by(self, state: RequestState, perf: BatchTimeModel, seconds: float) -> None:
         """A prompt in a batch cut short at a deadline: what the token count leaves, or more
         if the batch's own price still ends within `seconds`. The count prices the budget's
-        worst-case batch; a prompt due right after the cut has no time for a batch of its
-        own, so the tokens the cut batch truly holds are the ones that keep it on time."""
+        worst-case batch, as the admission DP plans; the batch as formed is often cheaper,
+        and a prompt due soon after the cut, with no time for a batch of its own, then
+        finishes in it rather than late (room the plans do not count on)."""
         left = state.num_uncomputed
         n = min(left, self.tokens_left)
         if n < left:
@@ -158,7 +159,7 @@ class _Step:
         if n >= 1:
             self.entries.append(PrefillChunk(state.request_id, n))
             self._count(n, state.num_computed_tokens)
-            self.tokens_left = max(0, self.tokens_left)
+            self.tokens_left = max(0, self.tokens_left)  # past the count: the batch is full
 
     def _count(self, new_tokens: int, context: int) -> None:
         self.tokens_left -= new_tokens

@@ -145,10 +145,12 @@ class BatchBudget:
     def cut_tokens(self, perf: BatchTimeModel) -> int:
         """What one more batch boundary costs at most: the tokens lost when it leaves a part
         of a period just too short for a batch of one token, and the rest holds what it
-        holds. (Halves would lose one fixed time; a perf model whose short batches cost a
-        floor, reading the weights, loses more to an uneven cut, and the plans must hold.)"""
+        holds (a batch's time is a max of affine terms, so no other split loses more), plus
+        two for the whole tokens the capacities round down to around the cut. (Halves would
+        lose one fixed time; a perf model whose short batches cost a floor, reading the
+        weights, loses more to an uneven cut, and the plans must hold.)"""
         rest = self.period_s - self.seconds_for(perf, 1)
-        return max(0, self.batch_tokens - self.tokens_within(perf, rest))
+        return max(0, self.batch_tokens - self.tokens_within(perf, rest) + 2)
 
 
 def capacity(

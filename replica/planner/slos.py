@@ -428,11 +428,16 @@ class SlosScheduler(Scheduler):
             kv_tokens=request.prompt_len,
         )
 
-    def _replan(self, now: float) -> BatchBudget:
+    def undecided(self, now: float) -> tuple[list[Request], list[Request], dict[str, int]]:
+        """What a replan at `now` decides on: the new requests, the best-effort ones it may
+        still promote, and the prompt tokens the new ones start from (a prefix cache's)."""
         states = self.queues.states
         new = [states[rid].request for rid in self.pending]
-        promotable = self._promotable(now)
         cached = {rid: states[rid].num_computed_tokens for rid in self.pending}
+        return new, self._promotable(now), cached
+
+    def _replan(self, now: float) -> BatchBudget:
+        new, promotable, cached = self.undecided(now)
         result = self.plan_admission(new + promotable, now, cached)
         self.budget = result.budget
         factor = self.config.invocation.behind_tpot_factor

@@ -38,7 +38,8 @@ from router.client import (
 )
 from router.errors import BadRequest
 from router.gen.slos_serve.v1 import serving_pb2 as pb
-from router.grpc_server import ChoiceText, final_to_proto, request_to_body, status_to_proto
+from router.grpc_server import final_to_proto, request_to_body, status_to_proto
+from router.openai_format import ChoiceText
 from router.openai_schema import Endpoint, SchemaContext, parse_body
 from router.reasoning import PARSERS as REASONING_PARSERS
 from router.tokenizer import TextCodec
@@ -358,17 +359,24 @@ THINKING_CALL = (
 def test_a_choice_streams_its_thinking_apart_and_its_calls_from_the_answer(
     cuts: list[int],
 ) -> None:
-    """However the output streams, the gRPC chunks carry what the HTTP door's whole message
-    holds: the thinking, the answer's content, then its calls."""
+    """However the output streams, its chunks carry what the whole output splits into (as
+    the non-streamed chat response splits it): the thinking, the answer's content, then the
+    calls read from the answer."""
     tools = ToolCalling(None, None, parser=TOOL_PARSERS["hermes"])
-    choice = ChoiceText(tools, REASONING_PARSERS["deepseek_r1"])
+    parser = REASONING_PARSERS["deepseek_r1"]
+    choice = ChoiceText(tools, parser)
     points = sorted({0, len(THINKING_CALL), *cuts})
     sent = [choice.add(THINKING_CALL[a:b]) for a, b in itertools.pairwise(points)]
     thought, text, calls, reason = choice.finish("stop")
-    assert "".join(t for t, _ in sent) + thought == "Who is ann?"
-    assert "".join(c for _, c in sent) + text == "Checking."
-    assert [c["function"] for c in calls] == [{"name": "lookup", "arguments": '{"q": "a"}'}]
-    assert reason == "tool_calls"
+    whole_thought, answer = parser.split(THINKING_CALL)
+    made = tools.message(answer)
+    assert whole_thought == "Who is ann?" and made is not None
+    content, whole_calls = made
+    assert "".join(t for t, _ in sent) + thought == whole_thought
+    assert "".join(c for _, c in sent) + text == content == "Checking."
+    assert calls is not None
+    assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
+    assert reason == tools.finish_reason("stop") == "tool_calls"
     plain = ChoiceText(None, REASONING_PARSERS["qwen3"])
     assert plain.add("No thinking <think>here") == ("", "No thinking <think>here")
-    assert plain.finish("length") == ("", "", [], "length")
+    assert plain.finish("length") == ("", "", None, "length")

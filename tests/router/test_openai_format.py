@@ -368,7 +368,7 @@ def test_streamed_tool_calls_add_up_to_the_full_ones() -> None:
             (1, "now"),
         ]
         finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].index == index]
-        assert finish[-1] == "tool_calls" and w.held == {}
+        assert finish[-1] == "tool_calls" and w.choices == {}
 
 
 AUTO = ToolCalling(None, None, parser=PARSERS["hermes"])
@@ -415,7 +415,7 @@ def test_auto_streams_content_until_a_call_may_start_then_the_calls_at_the_end()
         assert mine[-1].finish_reason == reason
     # Nothing past "Checking." went out as content before the call was whole.
     assert chunks[1].choices[0].delta.content == "ing."
-    assert w.held == {}
+    assert w.choices == {}
 
 
 def test_llama3_streams_hold_an_output_that_may_be_calls_until_it_ends() -> None:
@@ -469,7 +469,7 @@ def test_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
         assert "".join(d.get("content", "") for d in deltas) == (answer or "")
         assert all(d["content"] for d in deltas if "content" in d)  # no empty content
         assert not any("<" in d.get("reasoning_content", "") for d in deltas)
-        assert w.thinking == {}
+        assert w.choices == {}
 
 
 def test_a_reasoning_model_thinks_then_calls_a_tool() -> None:

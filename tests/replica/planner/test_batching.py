@@ -151,8 +151,9 @@ def prompt(queues: RequestQueues, rid: str, tokens: int, ttft_s: float) -> SloWo
 
 def test_a_batch_cut_at_a_prompts_deadline_holds_what_its_own_price_fits() -> None:
     # 4 ms + 1 ms a request + 0.1 ms a token; the budget's worst case is a batch of 8
-    # requests: 180 tokens within the 30 ms cut at a's deadline. This batch has 2 requests
-    # and fits 240: b, due 5 ms later, is finished too (a batch of its own could not be).
+    # requests: 179 tokens within the 30 ms cut at a's deadline (180, rounded down). This
+    # batch has 2 requests and fits 240: b, due 5 ms later, is finished too (a batch of its
+    # own could not be).
     perf = PerfModel.synthetic({"const": 0.004, "requests": 1e-3, "tokens": 1e-4})
     queues = RequestQueues(CacheBudget(num_blocks=256))
     works = [prompt(queues, "a", 100, 0.03), prompt(queues, "b", 130, 0.035)]

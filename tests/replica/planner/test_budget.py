@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from replica.batch import RequestOutcome
 from replica.perf_model import PerfModel
@@ -245,8 +247,40 @@ def test_a_tree_verify_counts_the_drafts_its_walk_judged() -> None:
 
 def test_a_cut_batch_is_priced_by_the_worst_case_and_a_cut_costs_a_one_token_batch() -> None:
     # 10 ms fixed, 0.1 ms a token: a 50 ms period holds 400 tokens. At worst a cut leaves
-    # 10.1 ms (a one-token batch's time, less a hair) that hold nothing, and 39.9 ms hold 299.
+    # 10.1 ms (a one-token batch's time, less a hair) that hold nothing, and 39.9 ms hold 299:
+    # 101 tokens lost, and 2 for the capacities' rounding.
     (budget,) = budgets([TierLoad(0.05, 10)])
     assert budget.tokens_within(PERF, 0.03) == 200
     assert budget.seconds_for(PERF, 200) == pytest.approx(0.03)
-    assert budget.cut_tokens(PERF) == 101
+    assert budget.cut_tokens(PERF) == 103
+
+
+FLOOR = PerfModel.synthetic(
+    {"const": 0.004, "tokens": 5e-5, "attn_tokens": 2e-8},
+    {"const": 0.006, "requests": 2e-4, "kv_tokens": 1e-7},
+)
+"""Short batches cost at least a floor (reading the weights), as on a GPU."""
+
+
+@given(
+    perf=st.sampled_from([PERF, FLOOR]),
+    period=st.floats(0.012, 0.2),
+    cut=st.floats(0.0, 1.0),
+)
+@example(perf=PERF, period=0.03, cut=0.49)
+def test_no_cut_of_a_period_loses_more_than_cut_tokens(
+    perf: PerfModel, period: float, cut: float
+) -> None:
+    """Wherever a boundary splits a period, the two batches hold at least the period's
+    tokens less `cut_tokens` (the example: 102 lost, one more than the cut's time alone)."""
+    (budget,) = plan_budgets(
+        perf,
+        [TierLoad(period, 10)],
+        num_requests=10,
+        max_context=1,
+        kv_tokens=0,
+        idle_period_s=period,
+    )
+    first = cut * budget.period_s
+    held = budget.tokens_within(perf, first) + budget.tokens_within(perf, budget.period_s - first)
+    assert held >= budget.batch_tokens - budget.cut_tokens(perf)

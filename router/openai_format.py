@@ -312,6 +312,9 @@ class ChoiceText:
     calls are held until whole ("required", "auto")."""
 
     def __init__(self, tools: ToolCalling | None, reasoning: ReasoningParser | None) -> None:
+        if reasoning is not None and tools is not None and not tools.held_to_end:
+            # The request parser drops the reasoning parser wherever a grammar holds the output.
+            raise ValueError("a named function's output is its arguments: it has no thinking")
         self.output = None if tools is None else ToolOutput(tools)
         self.thinking = None if reasoning is None else ReasoningStream(reasoning)
 

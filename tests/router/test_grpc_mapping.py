@@ -377,6 +377,8 @@ def test_a_choice_streams_its_thinking_apart_and_its_calls_from_the_answer(
     assert calls is not None
     assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
     assert reason == tools.finish_reason("stop") == "tool_calls"
+    with pytest.raises(ValueError, match="named function"):
+        ChoiceText(ToolCalling({"type": "object"}, "lookup"), parser)
     plain = ChoiceText(None, REASONING_PARSERS["qwen3"])
     assert plain.add("No thinking <think>here") == ("", "No thinking <think>here")
     assert plain.finish("length") == ("", "", None, "length")

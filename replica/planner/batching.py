@@ -8,15 +8,18 @@ has left within its period (a budget may leave them out of its worst case, see
 `SlosScheduler._budgets`), less one token of the best-effort tier's head, which always
 progresses. Then best-effort work, in the scheduler's order, in the memory not reserved for
 admitted requests and in `best_effort_stretch` of the SLO work's time: it never slows the
-admitted decoders by more than that, because a decoder slowed holds its KV longer. Best-effort
-requests holding memory that admitted requests may need are preempted (KV dropped, tokens
-kept). If a due decode is closer than a period (the period grew, or the request fell behind),
-or a prompt due sooner than a period can be finished by its deadline, the batch shrinks to
-reach it in time when it can; its prompts then take what the batch as formed fits by then.
+admitted decoders by more than that, because a decoder slowed holds its KV longer. Neither
+the riders nor best-effort work may carry the batch past the deadline of a token it owes.
+Best-effort requests holding memory that admitted requests may need are preempted (KV
+dropped, tokens kept). If a due decode is closer than a period (the period grew, or the
+request fell behind), or a prompt due sooner than a period can be finished by its deadline,
+the batch shrinks to reach it in time when it can; its prompts then take what the batch as
+formed fits by then.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -244,6 +247,7 @@ def form_batch(
             step.prefill_by(work.state, perf, seconds)
         else:
             step.prefill(work.state, step.tokens_left)
+    seconds = min(seconds, _owed_within(now, step, due))
     ahead = seconds
     if best_effort:
         # The tier's head gets a token in every batch that has room for one (so it always
@@ -268,6 +272,22 @@ def form_batch(
     if not step.entries and not preempt:
         return None
     return BatchPlan(entries=tuple(step.entries), preempt=tuple(preempt))
+
+
+def _owed_within(now: float, step: _Step, due: Sequence[tuple[float, SloWork]]) -> float:
+    """The time before a token the batch owes falls due (the next of each decode in it, the
+    first of each prompt it finishes): work beside them (decoders ahead of their line,
+    best-effort requests) rides only within it, so it never makes an admitted token late."""
+    placed = {e.request_id: e for e in step.entries}
+    first = math.inf
+    for _, work in due:
+        entry = placed.get(work.state.request_id)
+        if entry is None:
+            continue
+        if isinstance(entry, PrefillChunk) and entry.num_tokens < work.state.num_uncomputed:
+            continue
+        first = min(first, work.token_deadline_s)
+    return first - now
 
 
 def _cut_at(

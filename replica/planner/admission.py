@@ -294,6 +294,11 @@ def _solve(problem: AdmissionProblem) -> AdmissionResult:
     budget = problem.budget
     batch = budget.batch_tokens
     events, forced_late = _events(problem)
+    if forced_late and problem.candidates:
+        # A running request this budget leaves late (say its batches grew with the
+        # candidates in them) is a promise broken: nothing new is promised on it.
+        alone = _solve(replace(problem, candidates=()))
+        return replace(alone, declined=tuple(c.request_id for c in problem.candidates))
     times = np.array([e[0] for e in events], dtype=float)
     grid = _grid(problem, times)
     ks = grid.batches

@@ -254,21 +254,19 @@ def form_batch(
         # progresses): decoders ahead of their line ride in the time left beside it.
         head = best_effort[0].num_computed_tokens
         ahead -= step.seconds_with(perf, 1, head) - step.seconds(perf)
-    _ride_ahead(
-        step,
-        [work for _, work in later],
-        spec_lens,
-        perf,
-        ahead,
-        budget.acceptance,
-        ride_spec_tokens,
-    )
+    riders = [work for _, work in later]
+    accept = budget.acceptance
+    _ride_ahead(step, riders, spec_lens, perf, ahead, accept, ride_spec_tokens)
     spare = seconds
     if step.entries:
         spare = min(seconds, step.seconds(perf) * (1.0 + best_effort_stretch))
     preempt = _fill_best_effort(
         step, best_effort, queues, reserved_blocks, max_best_effort, perf, spare, seconds
     )
+    if not step.entries and not preempt:
+        # The head got nothing (its memory is held for admitted requests): the riders take
+        # its time rather than leave the replica idle.
+        _ride_ahead(step, riders, spec_lens, perf, seconds, accept, ride_spec_tokens)
     if not step.entries and not preempt:
         return None
     return BatchPlan(entries=tuple(step.entries), preempt=tuple(preempt))

@@ -27,10 +27,14 @@ def prompts(tag: str) -> dict[str, list[int]]:
 
 
 async def stream_with_hook(
-    cluster: ClusterHandle, rid: str, prompt: list[int], started: asyncio.Event
+    cluster: ClusterHandle,
+    rid: str,
+    prompt: list[int],
+    started: asyncio.Event,
+    max_tokens: int = MAX_TOKENS,
 ) -> tuple[list[int], FinalRecord]:
     """Collect a stream; set `started` once it has delivered a few tokens."""
-    req = Request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS), slo=LOOSE)
+    req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), slo=LOOSE)
     return await collect(cluster.submit(req), started)
 
 

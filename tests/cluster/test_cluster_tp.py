@@ -58,7 +58,9 @@ def test_a_split_replica_serves_the_whole_models_tokens_and_survives_a_lost_rank
     async def run(kill: bool) -> list[tuple[list[int], object]]:
         started = {rid: asyncio.Event() for rid in reqs}
         tasks = [
-            asyncio.ensure_future(stream_with_hook(tp_cluster, f"{rid}-{kill}", p, started[rid]))
+            asyncio.ensure_future(
+                stream_with_hook(tp_cluster, f"{rid}-{kill}", p, started[rid], MAX_TOKENS)
+            )
             for rid, p in reqs.items()
         ]
         if kill:

@@ -15,8 +15,9 @@ from typing import Any
 from cluster.config import ClusterConfig
 from replica.request import SLO
 from router.errors import BadRequest
-from router.openai_schema import Codec, tier_slo
+from router.openai_schema import tier_slo
 from router.reasoning import ReasoningParser, reasoning_parser
+from router.tokenizer import TextCodec
 from router.tool_parsers import PARSERS, ToolParser
 
 FALLBACK_SLO = SLO(ttft_ms=5000.0, tpot_ms=500.0)
@@ -74,15 +75,24 @@ class FrontDoorConfig:
     def tool_parser(self) -> ToolParser | None:
         return None if self.tool_call_parser is None else PARSERS[self.tool_call_parser]
 
-    def slos(self, codec: Codec) -> tuple[dict[str, SLO], SLO]:
+    def slos(self, codec: TextCodec) -> tuple[dict[str, SLO], SLO]:
         """The tiers' SLOs by name and the default SLO: a tier's stages are parsed as a
-        request's (`until` needs the tokenizer), a bad one named with its tier."""
+        request's (`until` needs the tokenizer), a bad one named with its tier here rather
+        than in every request that uses it."""
+        vocab = codec.model_vocab_size or codec.vocab_size
         tiers = {}
         for tier in self.cluster.tiers:
             try:
-                tiers[tier.name] = tier_slo(tier.ttft_ms, tier.tpot_ms, tier.stages, codec)
+                slo = tier_slo(tier.ttft_ms, tier.tpot_ms, tier.stages, codec)
             except BadRequest as exc:
                 raise ValueError(f"tiers[{tier.name}]: {exc.message}") from None
+            bad = next((t for t in slo.end_token_ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"tiers[{tier.name}]: slo.stages[].end_token_ids token id {bad} is outside "
+                    f"the vocabulary ({vocab})"
+                )
+            tiers[tier.name] = slo
         default = self.default_slo
         return tiers, tiers[default] if isinstance(default, str) else default
 

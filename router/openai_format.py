@@ -368,15 +368,12 @@ class ChunkWriter:
         self.offsets: dict[int, int] = {}
         """Per choice: the text offset its next token's log-probability starts at."""
         self.reasoning = reasoning
-        self.choices: dict[int, ChoiceText] = {}
-        """Per choice whose text is split (`splits`): where its output stands."""
-
-    @property
-    def splits(self) -> bool:
+        self.splits = reasoning is not None or (tools is not None and tools.held_to_end)
         """The text is taken apart: thinking from the answer, or content from calls held
         until whole; else it goes out as it comes (content, or a named function's
         arguments)."""
-        return self.reasoning is not None or (self.tools is not None and self.tools.held_to_end)
+        self.choices: dict[int, ChoiceText] = {}
+        """Per choice whose text is split (`splits`): where its output stands."""
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         obj = "chat.completion.chunk" if self.endpoint is Endpoint.CHAT else "text_completion"
@@ -426,7 +423,10 @@ class ChunkWriter:
         return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
 
     def _choice_text(self, index: int) -> ChoiceText:
-        return self.choices.setdefault(index, ChoiceText(self.tools, self.reasoning))
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = self.choices[index] = ChoiceText(self.tools, self.reasoning)
+        return choice
 
     def text(
         self,

@@ -406,7 +406,8 @@ def draft_report(
 
 def functions(texts: list[str]) -> list[tuple[str, str, str]]:
     """(signature, docstring on one line, body indented under the signature) of every
-    function with a docstring and a body beyond it, in the order of the files."""
+    function with a docstring and a body beyond it, file by file (each in `ast.walk`'s
+    order)."""
     found: list[tuple[str, str, str]] = []
     for text in texts:
         try:
@@ -475,15 +476,6 @@ def reasoner_rows(
     return inputs, torch.tensor([p[1] for p in kept], dtype=torch.long)
 
 
-def pair_batches(
-    inputs: torch.Tensor, labels: torch.Tensor, batch: int, gen: torch.Generator
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless random batches of (inputs, labels) rows."""
-    while True:
-        picked = torch.randint(0, len(inputs), (batch,), generator=gen)
-        yield inputs[picked], labels[picked]
-
-
 def train_reasoner(
     train_texts: list[str], args: argparse.Namespace
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast, int, float]:
@@ -499,7 +491,8 @@ def train_reasoner(
         weight[old:] = weight[:old].mean(0)
     inputs, labels = reasoner_rows(reasoner_tok, train_texts, args.seq)
     print(f"[reasoner] {len(inputs)} examples (functions whose thinking ends in the window)")
-    data = pair_batches(inputs, labels, args.batch, seeded(args.seed + 5))
+    rows = row_batches(torch.stack((inputs, labels), 1), args.batch, seeded(args.seed + 5))
+    data = ((pair[:, 0], pair[:, 1]) for pair in rows)
     secs = train(reasoner, data, args.reasoner_steps, 1e-3, None, "reasoner")
     return reasoner, reasoner_tok, len(inputs), secs
 

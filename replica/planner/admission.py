@@ -243,8 +243,7 @@ def solve_admission(problem: AdmissionProblem, max_candidates: int = 0) -> Admis
     product of per-tier counts, so this bounds planning time at a small loss of optimality.
     A budget whose batches overrun their period (`BatchBudget.overruns`) admits nothing."""
     if problem.budget.overruns and problem.candidates:
-        alone = _solve(replace(problem, candidates=()))
-        return replace(alone, declined=tuple(c.request_id for c in problem.candidates))
+        return _decline_all(problem)
     if 0 < max_candidates < len(problem.candidates):
         return _solve_in_groups(problem, max_candidates)
     return _solve(problem)
@@ -254,7 +253,7 @@ def _solve_in_groups(problem: AdmissionProblem, size: int) -> AdmissionResult:
     budget = problem.budget
     ids = [c.request_id for c in problem.candidates]
     alone = _solve(replace(problem, candidates=()))
-    if not alone.forced_feasible:
+    if not alone.forced_feasible or alone.forced_late:  # no group could be admitted
         return replace(alone, declined=tuple(ids))
     ordered = sorted(
         problem.candidates,
@@ -290,6 +289,12 @@ def _solve_in_groups(problem: AdmissionProblem, size: int) -> AdmissionResult:
     )
 
 
+def _decline_all(problem: AdmissionProblem) -> AdmissionResult:
+    """The running requests' verdict on this budget, every candidate declined."""
+    alone = _solve(replace(problem, candidates=()))
+    return replace(alone, declined=tuple(c.request_id for c in problem.candidates))
+
+
 def _solve(problem: AdmissionProblem) -> AdmissionResult:
     budget = problem.budget
     batch = budget.batch_tokens
@@ -297,8 +302,7 @@ def _solve(problem: AdmissionProblem) -> AdmissionResult:
     if forced_late and problem.candidates:
         # A running request this budget leaves late (say its batches grew with the
         # candidates in them) is a promise broken: nothing new is promised on it.
-        alone = _solve(replace(problem, candidates=()))
-        return replace(alone, declined=tuple(c.request_id for c in problem.candidates))
+        return _decline_all(problem)
     times = np.array([e[0] for e in events], dtype=float)
     grid = _grid(problem, times)
     ks = grid.batches

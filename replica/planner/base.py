@@ -8,7 +8,7 @@ next to a real engine, inside the controller's virtual replica, and in the simul
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mypy_extensions import mypyc_attr
@@ -80,8 +80,10 @@ class RequestState:
         seen = len(self.output_token_ids)
         self.output_token_ids.extend(outcome_tokens)
         slo = self.request.slo
-        if slo is not None and slo.stages and slo.end_token_ids:  # most have no stages
-            self.request.slo = slo.closed_by(self.output_token_ids, seen)
+        if slo is not None and slo.stages:  # most have none
+            closed = slo.closed_by(self.output_token_ids, seen)
+            if closed is not slo:  # a copy of its own: the caller's request keeps its SLO
+                self.request = replace(self.request, slo=closed)
         self.num_computed_tokens = num_computed
         self.finished = self.finished or finished
 

@@ -267,8 +267,8 @@ def form_batch(
         # The head got nothing (its memory is held for admitted requests): the riders take
         # its time rather than leave the replica idle.
         _ride_ahead(step, riders, spec_lens, perf, seconds, accept, ride_spec_tokens)
-    if not step.entries and not preempt:
-        return None
+        if not step.entries:
+            return None
     return BatchPlan(entries=tuple(step.entries), preempt=tuple(preempt))
 
 

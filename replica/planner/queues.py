@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Set
-from dataclasses import replace
 
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PlanEntry, PrefillChunk
 from replica.kv_cache import prefix_limit
@@ -66,9 +65,6 @@ class RequestQueues:
                 f"(prompt {request.prompt_len} + max_tokens {request.sampling.max_tokens}); "
                 f"the cache has {self.budget.num_blocks}"
             )
-        if request.slo is not None and request.slo.end_token_ids:
-            # A copy of its own: its SLO's stages close as its tokens come (RequestState.apply).
-            request = replace(request)
         state = RequestState(request, num_computed_tokens=cached)
         self.states[request.request_id] = state
         self.waiting.append(request.request_id)

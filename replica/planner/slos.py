@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -232,9 +232,10 @@ class SlosScheduler(Scheduler):
 
     def admission_problems(
         self, slo_new: Sequence[Request], now: float, cached: Mapping[str, int] | None = None
-    ) -> list[AdmissionProblem]:
+    ) -> Iterator[AdmissionProblem]:
         """The admission DP's problem on each budget option, in the order `plan_admission`
-        solves them, for the SLO requests `slo_new` (see there for `cached`)."""
+        solves them, for the SLO requests `slo_new` (see there for `cached`); built as asked
+        for, since the solving mostly stops at the first."""
         decoders, prefills = self._running(now)
         cache = self.queues.budget
         credits = cached or {}
@@ -243,8 +244,8 @@ class SlosScheduler(Scheduler):
             for r in slo_new
         )
         start = max(now, self._busy_until)
-        return [
-            AdmissionProblem(
+        for budget in self._budgets(decoders, prefills, slo_new, start):
+            yield AdmissionProblem(
                 now=start,
                 budget=budget,
                 candidates=candidates,
@@ -254,8 +255,6 @@ class SlosScheduler(Scheduler):
                 memory_units=self.config.memory_units,
                 perf=self.perf,
             )
-            for budget in self._budgets(decoders, prefills, slo_new, start)
-        ]
 
     def _running(self, now: float) -> tuple[RunningDecoders, tuple[RunningPrefill, ...]]:
         """The admitted requests as the DP forces them in; decoders behind their line are

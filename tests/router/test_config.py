@@ -46,6 +46,13 @@ def test_a_tier_may_have_stages_parsed_as_a_request_s(codec: TextCodec) -> None:
     config = FrontDoorConfig.from_args({"cluster": {**CLUSTER, "tiers": [bad]}})
     with pytest.raises(ValueError, match=r"tiers\[reasoning\]: slo.stages\[0\].until: '</think>'"):
         config.slos(codec)
+    beyond = {
+        **REASONING_TIER,
+        "stages": [{"tpot_ms": 50, "end_token_ids": [9999]}, {"tpot_ms": 100}],
+    }
+    config = FrontDoorConfig.from_args({"cluster": {**CLUSTER, "tiers": [beyond]}})
+    with pytest.raises(ValueError, match=r"tiers\[reasoning\]: .*9999 is outside the vocabulary"):
+        config.slos(codec)
 
 
 TIERS = [

@@ -520,7 +520,7 @@ def test_requests_admitted_while_a_batch_runs_meet_their_slos(
 ) -> None:
     """Admission mid-batch, as the controller decides: every request admitted keeps its
     guarantee. (Random workloads still find late ones, where the controller admitted on a
-    budget option the next replan does not offer: RESULTS, "Cut batches".)"""
+    budget option the next replan does not offer: RESULTS, "Admission decided mid-batch".)"""
     requests, num_blocks, group = workload
     cache = CacheBudget(num_blocks, 16)
     config = PlannerConfig(spec=SpecConfig() if spec else None, max_dp_candidates=group)

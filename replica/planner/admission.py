@@ -24,8 +24,9 @@ the final state must satisfy. Requests are processed in deadline order; requests
 budget speculates for cost (s + 1) tokens in every batch once their prefill is done, and must
 finish their prefill one period minus one TPOT early so that the first verify is on time. A
 stage that starts sooner than one TPOT after the previous one adds a token to the count and
-pulls the prefill deadline forward so that the tokens up to it fit one per batch; a running
-decoder with such tokens ahead is late under a period too long for them to fit one per batch.
+pulls the prefill deadline forward so that the tokens up to it fit one verify per batch (at
+E(s) tokens a batch where the budget speculates, `BatchBudget.token_pace`); a running decoder
+with such tokens ahead is late under a period too long for them to fit that way.
 """
 
 from __future__ import annotations
@@ -136,6 +137,11 @@ class AdmissionResult:
     def is_admitted(self, request_id: str) -> bool:
         return request_id in self.admitted
 
+    @property
+    def keeps_running(self) -> bool:
+        """Every running request stays on time on this budget."""
+        return self.forced_feasible and not self.forced_late
+
     def rank(self) -> tuple[bool, int, float, float]:
         """How budget options compare: running requests kept feasible, then fewer of them
         late, then more admitted value. Among options that keep none feasible (nothing is
@@ -149,10 +155,9 @@ def _effective_deadline(
     budget: BatchBudget, deadline: float, tpot: float, chain: tuple[float, ...]
 ) -> float:
     """Prefill must end early enough that the first decode batch is on time, and, before a
-    stage that starts early, that the tokens up to it are too (one per batch)."""
-    period = budget.period_s
-    shifted = deadline - max(0.0, period - tpot)
-    return min(shifted, chain_deadline(chain, period)) if chain else shifted
+    stage that starts early, that the tokens up to it are too (one verify per batch)."""
+    shifted = deadline - max(0.0, budget.period_s - tpot)
+    return min(shifted, chain_deadline(chain, budget.token_pace(tpot))) if chain else shifted
 
 
 def _ar_count(
@@ -220,9 +225,10 @@ def _events(problem: AdmissionProblem) -> tuple[list[tuple[float, int, int]], in
     period = budget.period_s
     events: list[tuple[float, int, int]] = []
     urgency = problem.decoders.next_deadline_s.copy()
+    tpots = problem.decoders.tpot_s.tolist()
     for i, chain in enumerate(problem.decoders.chains):
         if chain:
-            urgency[i] = chain_deadline(chain, period)
+            urgency[i] = chain_deadline(chain, budget.token_pace(tpots[i]))
     late = int(np.count_nonzero(urgency < now + period - _EPS))
     for i, p in enumerate(problem.prefills):
         deadline = _effective_deadline(budget, p.deadline_s, p.tpot_s, p.chain)
@@ -253,7 +259,7 @@ def _solve_in_groups(problem: AdmissionProblem, size: int) -> AdmissionResult:
     budget = problem.budget
     ids = [c.request_id for c in problem.candidates]
     alone = _solve(replace(problem, candidates=()))
-    if not alone.forced_feasible or alone.forced_late:  # no group could be admitted
+    if not alone.keeps_running:  # no group could be admitted
         return replace(alone, declined=tuple(ids))
     ordered = sorted(
         problem.candidates,

@@ -71,8 +71,10 @@ class SloWork:
     """Deadlines of the tokens ahead while a stage may start early (`upcoming_deadlines`),
     else empty."""
 
-    def refresh(self, now: float, period_s: float, behind_factor: float) -> None:
-        """Recompute from the request's progress, the batch period and the time."""
+    def refresh(self, now: float, budget: BatchBudget | None, behind_factor: float) -> None:
+        """Recompute from the request's progress, the budget (None: none planned yet) and
+        the time."""
+        period_s = budget.period_s if budget is not None else 0.0
         state = self.state
         produced = len(state.output_token_ids)
         decoding = state.is_decoding
@@ -88,7 +90,8 @@ class SloWork:
             self.deadline_s = self.token_deadline_s - shift
         self.urgency_s = self.deadline_s
         if self.early_tokens:
-            self.urgency_s = min(self.urgency_s, chain_deadline(self.chain, period_s))
+            pace = budget.token_pace(self.tpot_s) if budget is not None else 0.0
+            self.urgency_s = min(self.urgency_s, chain_deadline(self.chain, pace))
 
     def _track(self, produced: int, decoding: bool) -> None:
         """What depends only on the request's progress."""
@@ -107,14 +110,14 @@ class SloWork:
         cls,
         state: RequestState,
         now: float,
-        period_s: float,
+        budget: BatchBudget | None,
         behind_factor: float,
         reserve_tokens: int | None = None,
     ) -> SloWork:
         peak = peak_tokens(state.request)
         reserve = peak if reserve_tokens is None else reserve_tokens
         work = cls(state, 0.0, 0.0, 0.0, False, 0, 0.0, peak, reserve)
-        work.refresh(now, period_s, behind_factor)
+        work.refresh(now, budget, behind_factor)
         return work
 
 

@@ -109,6 +109,13 @@ class BatchBudget:
                 return s
         return self.max_spec_tokens
 
+    def token_pace(self, tpot_s: float) -> float:
+        """Time per token of a decoder of this TPOT served one verify a batch: the period,
+        or the period over E(s) where it speculates. A stage starting early crowds a
+        request's deadlines (`chain_deadline`); paced by the period alone, a speculating
+        budget's long period would pull every token ahead of it further forward."""
+        return self.period_s / expected_tokens(self.acceptance, self.spec_len(tpot_s))
+
     def cost_per_batch(self, tpot_s: float) -> float:
         """Query tokens a decoder of this TPOT costs per batch on average."""
         s = self.spec_len(tpot_s)

@@ -56,10 +56,10 @@ def upcoming_deadlines(request: Request, first: int) -> tuple[float, ...]:
     return tuple(token_deadline(request, j) for j in range(first, last))
 
 
-def chain_deadline(deadlines: tuple[float, ...], period_s: float) -> float:
-    """When the first of `deadlines` must be out so that the rest, one per batch of
-    `period_s`, are on time too."""
-    return min(d - m * period_s for m, d in enumerate(deadlines))
+def chain_deadline(deadlines: tuple[float, ...], pace_s: float) -> float:
+    """When the first of `deadlines` must be out so that the rest, one every `pace_s` (a
+    batch, or less where the budget speculates: `BatchBudget.token_pace`), are on time too."""
+    return min(d - m * pace_s for m, d in enumerate(deadlines))
 
 
 def chain_period(deadlines: tuple[float, ...], start: float) -> float:

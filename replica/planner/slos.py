@@ -162,13 +162,12 @@ class SlosScheduler(Scheduler):
 
     def _admit(self, request_id: str, now: float) -> None:
         state = self.queues.states[request_id]
-        period = self.budget.period_s if self.budget is not None else 0.0
         factor = self.config.invocation.behind_tpot_factor
         reserve = min(
             max(self._reservation(state.request), state.num_known_tokens + self._step_growth()),
             peak_tokens(state.request),
         )
-        work = SloWork.of(state, now, period, factor, 0)
+        work = SloWork.of(state, now, self.budget, factor, 0)
         self._work[request_id] = work
         self._resize(work, reserve)
 
@@ -216,19 +215,33 @@ class SlosScheduler(Scheduler):
         wins; the solving stops at an option that keeps them all on time and admits every
         candidate (most replans: a second solve would cost as much and could only tie).
         Batches are planned from the end of the batch in flight, if any: a request admitted
-        now can ride no earlier batch."""
+        now can ride no earlier batch. The options are sized for the candidates too, so
+        their batches may be too slow for a running request promised on a budget without
+        them: if none keeps every running request on time, the options for the running
+        requests alone are solved as well, and one of them wins if it keeps more on time
+        (every candidate declined)."""
         slo_new = [r for r in new if r.tier is Tier.SLO]
-        results = []
-        for problem in self.admission_problems(slo_new, now, cached):
-            solved = solve_admission(problem, self.config.max_dp_candidates)
-            results.append(solved)
-            if solved.forced_feasible and not solved.forced_late and not solved.declined:
-                break  # no later option can do better, and ties keep the first
-        result = max(results, key=AdmissionResult.rank)
+        result = self._best_option(slo_new, now, cached)
+        if slo_new and not result.keeps_running:
+            alone = self._best_option([], now)
+            if alone.rank() > result.rank():
+                result = replace(alone, declined=tuple(r.request_id for r in slo_new))
         if len(slo_new) == len(new):
             return result
         best_effort = tuple(r.request_id for r in new if r.tier is not Tier.SLO)
         return replace(result, declined=result.declined + best_effort)
+
+    def _best_option(
+        self, slo_new: Sequence[Request], now: float, cached: Mapping[str, int] | None = None
+    ) -> AdmissionResult:
+        """The DP's verdict on the best budget option for the SLO requests `slo_new`."""
+        results = []
+        for problem in self.admission_problems(slo_new, now, cached):
+            solved = solve_admission(problem, self.config.max_dp_candidates)
+            results.append(solved)
+            if solved.keeps_running and not solved.declined:
+                break  # no later option can do better, and ties keep the first
+        return max(results, key=AdmissionResult.rank)
 
     def admission_problems(
         self, slo_new: Sequence[Request], now: float, cached: Mapping[str, int] | None = None
@@ -441,7 +454,7 @@ class SlosScheduler(Scheduler):
         self.budget = result.budget
         factor = self.config.invocation.behind_tpot_factor
         for work in self._work.values():
-            work.refresh(now, result.budget.period_s, factor)
+            work.refresh(now, result.budget, factor)
         for request in new:
             rid = request.request_id
             _remember(self.verdicts, rid, result.is_admitted(rid))
@@ -563,7 +576,7 @@ class SlosScheduler(Scheduler):
         for result in outcome.outcomes:
             work = self._work.get(result.request_id)
             if work is not None:
-                work.refresh(now, period, factor)
+                work.refresh(now, self.budget, factor)
         self.invocation.note_lagging(
             {rid for rid, w in self._work.items() if w.decoding and lags(w.deadline_s, now, period)}
         )

@@ -15,6 +15,11 @@ from replica.planner.queues import RequestQueues
 from replica.request import SLO, Request, SamplingParams, Tier
 
 
+def of_period(period_s: float) -> BatchBudget:
+    """A budget of this period (all an SloWork reads of one that does not speculate)."""
+    return BatchBudget(period_s, 1, 1, 1, 1, 0.0, 0, 0, 0)
+
+
 def decoders_ahead(
     queues: RequestQueues, count: int, context: int, max_tokens: Sequence[int] = ()
 ) -> list[SloWork]:
@@ -42,7 +47,7 @@ def decoders_ahead(
         ),
         0.0,
     )
-    return [SloWork.of(queues.states[r.request_id], 0.0, 0.1, 0.5) for r in requests]
+    return [SloWork.of(queues.states[r.request_id], 0.0, of_period(0.1), 0.5) for r in requests]
 
 
 def drafts(draft_step_s: float, ride_spec_tokens: int, count: int = 4) -> list[int]:
@@ -146,7 +151,7 @@ def prompt(queues: RequestQueues, rid: str, tokens: int, ttft_s: float) -> SloWo
         tier=Tier.SLO,
     )
     queues.add(request)
-    return SloWork.of(queues.states[rid], 0.0, 0.05, 0.5)
+    return SloWork.of(queues.states[rid], 0.0, of_period(0.05), 0.5)
 
 
 def test_a_batch_cut_at_a_prompts_deadline_holds_what_its_own_price_fits() -> None:

@@ -367,13 +367,8 @@ class SimResult:
 
 
 def tightest_tpot_s(requests: Sequence[Request]) -> float:
-    """The smallest TPOT any request (or stage) asks for."""
-    tpots = [
-        tpot
-        for r in requests
-        if r.slo is not None
-        for tpot in (r.slo.tpot_ms, *(s.tpot_ms for s in r.slo.stages))
-    ]
+    """The smallest TPOT any request's deadlines are set by (its stages', if it has any)."""
+    tpots = [r.slo.tightest_tpot_ms() for r in requests if r.slo is not None]
     if not tpots:
         raise ValueError("no request has an SLO to size the sarathi token budget from")
     return min(tpots) / 1e3

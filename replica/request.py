@@ -295,7 +295,7 @@ class SLO:
             gap = self.stages[i].ttft_ms
             # While in the stage before, the planner paces the request at the tightest TPOT
             # from that stage on (deadlines.remaining_tpot): the most it can promise.
-            paced = min(stage.tpot_ms for stage in self.stages[i - 1 :])
+            paced = self.tightest_tpot_ms(i - 1)
             if self.stages[i - 1].end_token_ids and gap is not None and gap < paced:
                 raise ValueError(
                     f"slo.stages[{i}].ttft_ms ({gap:g}) must be at least the tightest TPOT "
@@ -362,6 +362,13 @@ class SLO:
             t += (count - 1) * tpot
             start += count
         raise AssertionError("the last piece is unbounded")
+
+    def tightest_tpot_ms(self, from_stage: int = 0) -> float:
+        """The tightest TPOT of stage `from_stage` and the stages after it (the SLO's own
+        without stages: with them, theirs set every deadline)."""
+        if not self.stages:
+            return self.tpot_ms
+        return min(stage.tpot_ms for stage in self.stages[from_stage:])
 
     def stage_at(self, j: int) -> int:
         """Index of the stage output token j belongs to (0 without stages)."""

@@ -27,10 +27,7 @@ def remaining_tpot(request: Request, j: int) -> float:
     A multi-stage request is planned with the tightest stage still ahead of it, so a tight
     thinking stage bounds its demand until the stage ends, and a loose answer stage after it."""
     slo = _slo(request)
-    if not slo.stages:
-        return slo.tpot_ms / 1e3
-    first = slo.stage_at(j)
-    return min(stage.tpot_ms for stage in slo.stages[first:]) / 1e3
+    return slo.tightest_tpot_ms(slo.stage_at(j)) / 1e3
 
 
 def early_stage_starts(request: Request, after: int) -> int:

@@ -193,6 +193,18 @@ def test_stage_deadlines_piecewise() -> None:
     assert slo.tpot_at(7) == pytest.approx(0.1)
 
 
+def test_the_tightest_tpot_is_the_stages_when_there_are_stages() -> None:
+    # The SLO's own 5 ms sets no deadline once it has stages.
+    staged = SLO(
+        ttft_ms=1000,
+        tpot_ms=5,
+        stages=(Stage(tpot_ms=10, num_tokens=5), Stage(tpot_ms=100, name="answer")),
+    )
+    assert [staged.tightest_tpot_ms(i) for i in (0, 1)] == [10, 100]
+    assert staged.tightest_tpot_ms() == 10
+    assert SLO(ttft_ms=1000, tpot_ms=5).tightest_tpot_ms() == 5
+
+
 def test_stage_without_count_must_be_last() -> None:
     with pytest.raises(ValueError, match=r"needs num_tokens or end_token_ids"):
         SLO(ttft_ms=1, tpot_ms=1, stages=(Stage(tpot_ms=1), Stage(tpot_ms=2)))

@@ -1,5 +1,6 @@
 """A real front door for end-to-end tests: the demo pair on a local Ray cluster (2 replicas,
-backup policy reject), with both doors on 127.0.0.1 and API keys required."""
+backup policy reject), with both doors on 127.0.0.1 and API keys required; and the demo
+target's text codec."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ import pytest
 
 from router.config import FrontDoorConfig
 from router.local import LocalFrontDoor
+from router.tokenizer import TextCodec
 from tests.cluster.conftest import write_profile
 
 API_KEY = "sk-test"
 TENANT = "team-a"
+
+
+@pytest.fixture(scope="session")
+def codec(target_dir: Path) -> TextCodec:
+    return TextCodec.from_dir(target_dir)
 
 
 def demo_door(

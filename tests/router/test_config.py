@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,11 +23,6 @@ REASONING_TIER = {
         {"name": "answer", "tpot_ms": 100},
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def codec(target_dir: Path) -> TextCodec:
-    return TextCodec.from_dir(target_dir)
 
 
 def test_a_tier_may_have_stages_parsed_as_a_request_s(codec: TextCodec) -> None:

@@ -47,12 +47,6 @@ from router.tool_parsers import PARSERS as TOOL_PARSERS
 from router.tools import ToolCalling
 from tests.router.test_tools import LOOKUP, TEMPLATE
 
-
-@pytest.fixture(scope="module")
-def codec(target_dir: Path) -> TextCodec:
-    return TextCodec.from_dir(target_dir)
-
-
 CTX = SchemaContext("demo", 2048, 4096, SLO(2000, 200), {"chat": SLO(1000, 100)})
 
 

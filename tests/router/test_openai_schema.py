@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,11 +30,6 @@ from tests.router.bodies import bodies, headers, json_values
 
 DEFAULT = SLO(ttft_ms=2000, tpot_ms=200)
 CHAT_TIER = SLO(ttft_ms=1000, tpot_ms=100)
-
-
-@pytest.fixture(scope="module")
-def codec(target_dir: Path) -> TextCodec:
-    return TextCodec.from_dir(target_dir)
 
 
 @pytest.fixture(scope="module")

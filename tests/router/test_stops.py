@@ -3,18 +3,11 @@ part of one."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from replica.request import SamplingParams
 from router.stops import OutputText, StopText
 from router.tokenizer import TextCodec
-
-
-@pytest.fixture(scope="module")
-def codec(target_dir: Path) -> TextCodec:
-    return TextCodec.from_dir(target_dir)
 
 
 def stream(stops: tuple[str, ...], pieces: list[str]) -> tuple[list[str], str]:

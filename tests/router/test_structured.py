@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -20,11 +19,6 @@ from router.tokenizer import TextCodec
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 JSON_GRAMMAR = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, JSON_OPTIONS)
-
-
-@pytest.fixture(scope="module")
-def codec(target_dir: Path) -> TextCodec:
-    return TextCodec.from_dir(target_dir)
 
 
 @pytest.fixture(scope="module")

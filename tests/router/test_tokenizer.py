@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.errors import BadRequest
 from router.tokenizer import REPLACEMENT_CHAR, TextCodec
-
-
-@pytest.fixture(scope="module")
-def codec(target_dir: Path) -> TextCodec:
-    return TextCodec.from_dir(target_dir)
 
 
 @settings(max_examples=100, deadline=None)

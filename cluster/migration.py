@@ -24,9 +24,12 @@ def shift_slo(slo: SLO, delivered: int) -> SLO:
     if not slo.stages:
         return SLO(ttft_ms=first_ms, tpot_ms=slo.tpot_ms)
     index = slo.stage_at(delivered)
-    start = sum(st.num_tokens or 0 for st in slo.stages[:index])
     current = slo.stages[index]
-    remaining = None if current.num_tokens is None else current.num_tokens - (delivered - start)
+    remaining = (
+        None
+        if current.num_tokens is None
+        else current.num_tokens - (delivered - slo.stage_start(index))
+    )
     if remaining is not None and remaining <= 0:
         # Past the last bounded stage: only the unbounded tail at its TPOT remains.
         stages: tuple[Stage, ...] = (Stage(tpot_ms=current.tpot_ms, name=current.name),)

@@ -78,10 +78,7 @@ def max_windowed_tpot_s(record: RequestRecord, window: int = TPOT_WINDOW) -> flo
 
 def _stage_starts(slo: SLO) -> list[int]:
     """Index of each stage's first output token ([0] without stages)."""
-    starts = [0]
-    for stage in slo.stages[:-1]:
-        starts.append(starts[-1] + (stage.num_tokens or 0))
-    return starts
+    return [slo.stage_start(i) for i in range(max(1, len(slo.stages)))]
 
 
 def deadlines_s(slo: SLO, n: int) -> np.ndarray:

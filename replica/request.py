@@ -331,8 +331,9 @@ class SLO:
             i = slo.stage_at(position)
             if not slo.stages or token not in slo.stages[i].end_token_ids:
                 continue
-            begin = sum(st.num_tokens or 0 for st in slo.stages[:i])
-            ended = replace(slo.stages[i], num_tokens=position + 1 - begin, end_token_ids=())
+            ended = replace(
+                slo.stages[i], num_tokens=position + 1 - slo.stage_start(i), end_token_ids=()
+            )
             slo = replace(slo, stages=(*slo.stages[:i], ended, *slo.stages[i + 1 :]))
         return slo
 
@@ -369,6 +370,10 @@ class SLO:
         if not self.stages:
             return self.tpot_ms
         return min(stage.tpot_ms for stage in self.stages[from_stage:])
+
+    def stage_start(self, i: int) -> int:
+        """Output position of stage i's first token, by the counts of the stages before it."""
+        return sum(stage.num_tokens or 0 for stage in self.stages[:i])
 
     def stage_at(self, j: int) -> int:
         """Index of the stage output token j belongs to (0 without stages)."""

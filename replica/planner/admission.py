@@ -24,9 +24,9 @@ the final state must satisfy. Requests are processed in deadline order; requests
 budget speculates for cost (s + 1) tokens in every batch once their prefill is done, and must
 finish their prefill one period minus one TPOT early so that the first verify is on time. A
 stage that starts sooner than one TPOT after the previous one adds a token to the count and
-pulls the prefill deadline forward so that the tokens up to it fit one verify per batch (at
-E(s) tokens a batch where the budget speculates, `BatchBudget.token_pace`); a running decoder
-with such tokens ahead is late under a period too long for them to fit that way.
+pulls the prefill deadline forward so that the tokens up to it fit one verify per batch
+(`BatchBudget.chain_deadline`); a running decoder with such tokens ahead is late under a
+period too long for them to fit that way.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import numpy as np
 from replica.compiled import reduce_frozen
 from replica.perf_model import BatchTimeModel
 from replica.planner.budget import BatchBudget
-from replica.planner.deadlines import chain_deadline
 
 _EPS = 1e-9
 
@@ -90,7 +89,8 @@ class RunningDecoders:
     """Tokens that may fall due sooner than even TPOT spacing (`early_stage_starts`)."""
     chains: tuple[tuple[float, ...], ...] = ()
     """Per decoder, the deadlines of its next tokens when a stage starts early (else empty):
-    one token per batch, a period too long for them makes it late. Empty: no such decoder."""
+    one verify per batch, a period too long for them makes it late
+    (`BatchBudget.chain_deadline`). Empty: no such decoder."""
 
     @classmethod
     def of(cls, rows: Sequence[tuple[float, float, int, int]]) -> RunningDecoders:
@@ -157,7 +157,7 @@ def _effective_deadline(
     """Prefill must end early enough that the first decode batch is on time, and, before a
     stage that starts early, that the tokens up to it are too (one verify per batch)."""
     shifted = deadline - max(0.0, budget.period_s - tpot)
-    return min(shifted, chain_deadline(chain, budget.token_pace(tpot))) if chain else shifted
+    return min(shifted, budget.chain_deadline(chain, tpot, True)) if chain else shifted
 
 
 def _ar_count(
@@ -225,10 +225,10 @@ def _events(problem: AdmissionProblem) -> tuple[list[tuple[float, int, int]], in
     period = budget.period_s
     events: list[tuple[float, int, int]] = []
     urgency = problem.decoders.next_deadline_s.copy()
-    tpots = problem.decoders.tpot_s.tolist()
+    tpots = problem.decoders.tpot_s
     for i, chain in enumerate(problem.decoders.chains):
         if chain:
-            urgency[i] = chain_deadline(chain, budget.token_pace(tpots[i]))
+            urgency[i] = budget.chain_deadline(chain, float(tpots[i]), False)
     late = int(np.count_nonzero(urgency < now + period - _EPS))
     for i, p in enumerate(problem.prefills):
         deadline = _effective_deadline(budget, p.deadline_s, p.tpot_s, p.chain)

@@ -90,8 +90,12 @@ class SloWork:
             self.deadline_s = self.token_deadline_s - shift
         self.urgency_s = self.deadline_s
         if self.early_tokens:
-            pace = budget.token_pace(self.tpot_s) if budget is not None else 0.0
-            self.urgency_s = min(self.urgency_s, chain_deadline(self.chain, pace))
+            chained = (
+                chain_deadline(self.chain, 0.0)
+                if budget is None
+                else budget.chain_deadline(self.chain, self.tpot_s, not decoding)
+            )
+            self.urgency_s = min(self.urgency_s, chained)
 
     def _track(self, produced: int, decoding: bool) -> None:
         """What depends only on the request's progress."""

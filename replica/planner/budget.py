@@ -41,6 +41,7 @@ from replica.batch import RequestOutcome
 from replica.compiled import reduce_frozen
 from replica.perf_model import BatchTimeModel
 from replica.planner.config import SpecConfig
+from replica.planner.deadlines import chain_deadline
 
 
 def expected_tokens(acceptance: float, spec_len: int) -> float:
@@ -109,12 +110,15 @@ class BatchBudget:
                 return s
         return self.max_spec_tokens
 
-    def token_pace(self, tpot_s: float) -> float:
-        """Time per token of a decoder of this TPOT served one verify a batch: the period,
-        or the period over E(s) where it speculates. A stage starting early crowds a
-        request's deadlines (`chain_deadline`); paced by the period alone, a speculating
-        budget's long period would pull every token ahead of it further forward."""
-        return self.period_s / expected_tokens(self.acceptance, self.spec_len(tpot_s))
+    def chain_deadline(self, deadlines: tuple[float, ...], tpot_s: float, prompt: bool) -> float:
+        """When the first of a request's crowded `deadlines` (a stage starts early) must be
+        out for the rest to be on time, served one verify a batch: a token a period, or
+        E(s) a period on average where this budget speculates for `tpot_s`. After a
+        prompt's first token (`prompt`) the first verify is a whole period away. Paced by
+        the period alone, a speculating budget's long period would pull the first token of
+        a long chain ever further forward."""
+        pace = self.period_s / expected_tokens(self.acceptance, self.spec_len(tpot_s))
+        return chain_deadline(deadlines, pace, self.period_s if prompt else None)
 
     def cost_per_batch(self, tpot_s: float) -> float:
         """Query tokens a decoder of this TPOT costs per batch on average."""

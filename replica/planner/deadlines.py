@@ -53,10 +53,17 @@ def upcoming_deadlines(request: Request, first: int) -> tuple[float, ...]:
     return tuple(token_deadline(request, j) for j in range(first, last))
 
 
-def chain_deadline(deadlines: tuple[float, ...], pace_s: float) -> float:
-    """When the first of `deadlines` must be out so that the rest, one every `pace_s` (a
-    batch, or less where the budget speculates: `BatchBudget.token_pace`), are on time too."""
-    return min(d - m * pace_s for m, d in enumerate(deadlines))
+def chain_deadline(
+    deadlines: tuple[float, ...], pace_s: float, first_s: float | None = None
+) -> float:
+    """When the first of `deadlines` must be out so that the rest are on time too: the next
+    one `first_s` after it (default `pace_s`), then one every `pace_s`
+    (`BatchBudget.chain_deadline` says which)."""
+    gap = pace_s if first_s is None else first_s
+    due = deadlines[0]
+    for m in range(1, len(deadlines)):
+        due = min(due, deadlines[m] - gap - (m - 1) * pace_s)
+    return due
 
 
 def chain_period(deadlines: tuple[float, ...], start: float) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -218,12 +218,15 @@ class SlosScheduler(Scheduler):
         now can ride no earlier batch. The options are sized for the candidates too, so
         their batches may be too slow for a running request promised on a budget without
         them: if none keeps every running request on time, the options for the running
-        requests alone are solved as well, and one of them wins if it keeps more on time
-        (every candidate declined)."""
+        requests alone are solved as well (as open to speculating budgets: the candidates
+        they decline wait for their prompts), and the better ranked wins, every candidate
+        declined if it is one of these."""
         slo_new = [r for r in new if r.tier is Tier.SLO]
-        result = self._best_option(slo_new, now, cached)
+        running = self._running(now)
+        stretch = self._may_stretch(bool(slo_new))
+        result = self._best_option(self.admission_problems(slo_new, now, cached, running, stretch))
         if slo_new and not result.keeps_running:
-            alone = self._best_option([], now)
+            alone = self._best_option(self.admission_problems([], now, None, running, stretch))
             if alone.rank() > result.rank():
                 result = replace(alone, declined=tuple(r.request_id for r in slo_new))
         if len(slo_new) == len(new):
@@ -231,12 +234,10 @@ class SlosScheduler(Scheduler):
         best_effort = tuple(r.request_id for r in new if r.tier is not Tier.SLO)
         return replace(result, declined=result.declined + best_effort)
 
-    def _best_option(
-        self, slo_new: Sequence[Request], now: float, cached: Mapping[str, int] | None = None
-    ) -> AdmissionResult:
-        """The DP's verdict on the best budget option for the SLO requests `slo_new`."""
+    def _best_option(self, problems: Iterable[AdmissionProblem]) -> AdmissionResult:
+        """The DP's verdict on the best of the budget options `problems` (in order)."""
         results = []
-        for problem in self.admission_problems(slo_new, now, cached):
+        for problem in problems:
             solved = solve_admission(problem, self.config.max_dp_candidates)
             results.append(solved)
             if solved.keeps_running and not solved.declined:
@@ -244,12 +245,22 @@ class SlosScheduler(Scheduler):
         return max(results, key=AdmissionResult.rank)
 
     def admission_problems(
-        self, slo_new: Sequence[Request], now: float, cached: Mapping[str, int] | None = None
+        self,
+        slo_new: Sequence[Request],
+        now: float,
+        cached: Mapping[str, int] | None = None,
+        running: tuple[RunningDecoders, tuple[RunningPrefill, ...]] | None = None,
+        stretch: bool | None = None,
     ) -> Iterator[AdmissionProblem]:
         """The admission DP's problem on each budget option, in the order `plan_admission`
         solves them, for the SLO requests `slo_new` (see there for `cached`); built as asked
-        for, since the solving mostly stops at the first."""
-        decoders, prefills = self._running(now)
+        for, since the solving mostly stops at the first. `running` (default `_running`)
+        and `stretch` (whether speculating budgets are offered; default: as `slo_new`
+        leaves them, `_may_stretch`) are what `plan_admission` computes once for both of
+        its passes."""
+        decoders, prefills = self._running(now) if running is None else running
+        if stretch is None:
+            stretch = self._may_stretch(bool(slo_new))
         cache = self.queues.budget
         credits = cached or {}
         candidates = tuple(
@@ -257,7 +268,7 @@ class SlosScheduler(Scheduler):
             for r in slo_new
         )
         start = max(now, self._busy_until)
-        for budget in self._budgets(decoders, prefills, slo_new, start):
+        for budget in self._budgets(decoders, prefills, slo_new, start, stretch):
             yield AdmissionProblem(
                 now=start,
                 budget=budget,
@@ -302,10 +313,12 @@ class SlosScheduler(Scheduler):
         prefills: Sequence[RunningPrefill],
         slo_new: Sequence[Request],
         start: float,
+        stretch: bool,
     ) -> tuple[BatchBudget, ...]:
         """Budget options for the running requests plus all of `slo_new` with batches from
-        `start`. Best-effort work is not counted: it only fills time a batch has left
-        (`form_batch`), so it cannot shrink what the admission DP may promise.
+        `start`, speculating ones among them if `stretch`. Best-effort work is not counted:
+        it only fills time a batch has left (`form_batch`), so it cannot shrink what the
+        admission DP may promise.
 
         Urgent options count only the decoders that can fall due within the plan's horizon
         (the last prompt deadline plus two of the tightest TPOT, past the life of a budget
@@ -321,7 +334,7 @@ class SlosScheduler(Scheduler):
         horizon = max([start, *deadlines]) + 2 * (tightest or 0.0)
         near = [w for w in works if not w.decoding or w.urgency_s < horizon]
         urgent = self._worst_batch(near, slo_new, tightest)
-        spec = self.config.spec if self._may_stretch(bool(slo_new)) else None
+        spec = self.config.spec if stretch else None
         return plan_budgets(
             self.perf,
             [TierLoad(float(tpot), int(n)) for tpot, n in sorted(loads.items())],

@@ -233,6 +233,20 @@ def test_urgent_budgets_draft_only_for_the_decoders_in_their_batch() -> None:
     assert urgent.draft_steps > 0
 
 
+def test_a_chain_of_crowded_deadlines_is_paced_at_the_tokens_a_verify_yields() -> None:
+    # Tokens due 100, 115, 130, 130 ms (the last one's stage starts with no gap).
+    chain = (0.100, 0.115, 0.130, 0.130)
+    plain = BatchBudget(0.015, 100, 4, 64, 256, 0.0, 0, 0, 0)
+    # One token a 15 ms batch: the last, three batches after the first, pulls it to 85 ms.
+    assert plain.chain_deadline(chain, 0.015, False) == pytest.approx(0.085)
+    assert plain.chain_deadline(chain, 0.015, True) == pytest.approx(0.085)
+    # 24 ms batches verifying one draft, both accepted: 2 tokens a batch, one every 12 ms.
+    spec = BatchBudget(0.024, 100, 4, 64, 256, 1.0, 4, 1, 4, min_spec_len=1)
+    assert spec.chain_deadline(chain, 0.015, False) == pytest.approx(0.130 - 3 * 0.012)
+    # After a prompt's first token the first verify is a whole period away.
+    assert spec.chain_deadline(chain, 0.015, True) == pytest.approx(0.130 - 0.024 - 2 * 0.012)
+
+
 def test_drafts_after_the_first_rejection_are_not_judged() -> None:
     assert [judged_drafts(4, a) for a in range(5)] == [1, 2, 3, 4, 4]
     assert judged_drafts(0, 0) == 0

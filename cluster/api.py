@@ -120,7 +120,8 @@ class ClusterStatus:
     model: str
     replicas: tuple[ReplicaStatus, ...]
     counters: dict[str, int] = field(default_factory=dict)
-    """admitted, best_effort, rejected, routed, migrated, preempted, demoted (since start)."""
+    """admitted, best_effort, rejected, routed, migrated, preempted, demoted, promoted (since
+    start)."""
     scheduler: str = ""
     """What plans the replicas: slos, or a baseline (vllm, sarathi) that admits everything;
     empty where the source does not say."""

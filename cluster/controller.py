@@ -452,13 +452,16 @@ class ClusterController:
                     self._send_plan(vr.index, now)
 
     def _send_plan(self, replica: int, now: float) -> None:
+        vr = self.plane.replicas[replica]
+        promoted = vr.num_promoted
         try:
-            plan = self.plane.replicas[replica].next_plan(now)
+            plan = vr.next_plan(now)
         except (ValueError, ArithmeticError):
             # The replica keeps decoding on its own; the next report or tick tries again.
             log.exception("planning replica %d failed", replica)
             self.plane.metrics.inc("planner_errors")
             return
+        self.plane.metrics.inc("promoted", vr.num_promoted - promoted)
         if plan is None:
             self._plan_sent.pop(replica, None)
             return

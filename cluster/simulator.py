@@ -355,6 +355,12 @@ class SimResult:
     cached when it bound their requests, summed over replicas."""
     credit_missed_tokens: int = 0
     """Of those, the tokens the replica did not find cached."""
+    demoted: int = 0
+    """slos policies: admitted requests whose guarantee the planner gave up (a missed
+    deadline, or outgrown KV), summed over replicas."""
+    promoted: int = 0
+    """slos policies: best-effort SLO requests a replica's planner guaranteed later (their
+    verdict stays best-effort), summed over replicas."""
     replica_s: float = 0.0
     """GPU time: seconds each replica ran (started, serving or draining), summed."""
     scaling: tuple[tuple[float, int, int], ...] = ()
@@ -607,6 +613,8 @@ class Simulator:
             prefix_hits=sum(e.prefix_hits for e in executors),
             credited_tokens=sum(m.credited_tokens for m in mirrors),
             credit_missed_tokens=sum(m.credit_missed_tokens for m in mirrors),
+            demoted=sum(m.num_demoted for m in mirrors),
+            promoted=sum(m.num_promoted for m in mirrors),
             replica_s=self._replica_s + sum(self._now - on for on in self._on if on is not None),
             scaling=tuple(self._scaling),
         )

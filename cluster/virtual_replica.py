@@ -33,6 +33,7 @@ after its first token:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from enum import StrEnum
@@ -155,6 +156,12 @@ class VirtualReplica:
         return self.scheduler.num_demoted if isinstance(self.scheduler, SlosScheduler) else 0
 
     @property
+    def num_promoted(self) -> int:
+        """Best-effort requests this incarnation's planner guaranteed later (see
+        SlosScheduler.promoted)."""
+        return self.scheduler.num_promoted if isinstance(self.scheduler, SlosScheduler) else 0
+
+    @property
     def load(self) -> float:
         """Requests held: the least-load first hop's signal."""
         return float(len(self.held))
@@ -208,7 +215,14 @@ class VirtualReplica:
         return True
 
     def next_plan(self, now: float) -> BatchPlan | None:
-        return self.scheduler.schedule(now)
+        """The replica's next step; a best-effort request its replan promotes is admitted
+        from then on (a resubmission is told so)."""
+        promoted = self.num_promoted
+        plan = self.scheduler.schedule(now)
+        if self.num_promoted > promoted:
+            assert isinstance(self.scheduler, SlosScheduler)
+            self.admitted.update(_newest(self.scheduler.promoted, self.num_promoted - promoted))
+        return plan
 
     def apply(self, report: StepReport) -> ReportFit:
         """Fold an executed step in, if it is the next one of the incarnation mirrored."""
@@ -230,8 +244,9 @@ class VirtualReplica:
         self.scheduler.update_from_outcome(report.plan, report.outcome, report.time)
         if self.num_demoted > demoted:
             assert isinstance(self.scheduler, SlosScheduler)
-            given_up = list(self.scheduler.demoted)[demoted - self.num_demoted :]
-            self.admitted.difference_update(given_up)
+            self.admitted.difference_update(
+                _newest(self.scheduler.demoted, self.num_demoted - demoted)
+            )
         for result in report.outcome.outcomes:
             if result.finished:
                 self.held.pop(result.request_id, None)
@@ -408,3 +423,8 @@ def executed(report: StepReport) -> BatchPlan:
         for e in report.plan.entries
     )
     return BatchPlan(entries, report.plan.preempt)
+
+
+def _newest(history: deque[str], count: int) -> list[str]:
+    """The last `count` (>= 1) entries of a planner's bounded history."""
+    return list(history)[-count:]

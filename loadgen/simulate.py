@@ -1422,6 +1422,8 @@ def _evaluate(
             else 1e3 * result.busy_s / len(result.outcomes),
             "preemptions": result.preemptions,
             "preempted_tokens": result.preempted_tokens,
+            "demoted": result.demoted,
+            "promoted": result.promoted,
             "prefix_hit_rate": result.prefix_hits / result.prefix_queries
             if result.prefix_queries
             else None,

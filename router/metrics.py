@@ -78,6 +78,12 @@ CONTROLLER_COUNTERS = {
         "Admitted requests that lost their guarantee (a missed deadline, or outgrown KV).",
         1.0,
     ),
+    "promoted": (
+        "requests_promoted",
+        "Best-effort SLO requests a replica guaranteed later, once a burst left room (before "
+        "their first token).",
+        1.0,
+    ),
     "declined": (
         "requests_declined",
         "SLO requests no replica could guarantee within the route limit (then served "

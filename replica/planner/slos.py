@@ -101,6 +101,9 @@ class SlosScheduler(Scheduler):
         latest of them)."""
         self.promoted: deque[str] = deque(maxlen=HISTORY)
         """Best-effort requests guaranteed later, when a replan found room (`_promotable`)."""
+        self.num_promoted = 0
+        """Best-effort requests guaranteed later since the start (`promoted` keeps the latest
+        of them)."""
         self.budget: BatchBudget | None = None
         self.last_admission: AdmissionResult | None = None
         self.verdicts: dict[str, bool] = {}
@@ -481,6 +484,7 @@ class SlosScheduler(Scheduler):
                 self.best_effort.remove(rid)
                 self._admit(rid, now)
                 self.promoted.append(rid)
+                self.num_promoted += 1
         self.pending.clear()
         self.last_admission = result
         self.invocation.planned(now)

@@ -398,6 +398,7 @@ def test_property_admitted_requests_of_a_simulated_cluster_meet_their_slos(
         if isinstance(vr.scheduler, SlosScheduler)
         for rid in vr.scheduler.promoted
     }
+    assert result.promoted == len(promoted)
     for r, outcome in zip(requests, result.outcomes, strict=True):
         assert len(outcome.token_times_s) == r.sampling.max_tokens
         if outcome.verdict is Verdict.ADMITTED or r.request_id in promoted:

@@ -185,6 +185,26 @@ def test_only_the_slos_planner_plans_admission(perf: PerfModel) -> None:
         baseline.plan_admission(requests(1), 0.0)
 
 
+def test_a_request_the_planner_promotes_is_admitted_from_then_on() -> None:
+    # As in the planner's test of promotion: the DP's worst case fits one of the two
+    # 520-token prompts before their deadline; once `a`'s prefill ran, `b` fits too.
+    perf = PerfModel.synthetic({"tokens": 1e-4, "attn_tokens": 1e-7})
+    vr = VirtualReplica(0, perf, CACHE, None)
+    executor = PerfExecutor(perf, CACHE)
+    a, b = (
+        Request(rid, [1] * 520, SamplingParams(max_tokens=480), slo=SLO(200, 50)) for rid in "ab"
+    )
+    verdict = vr.plan_admission([a, b], 0.0)
+    assert verdict.admitted == ("a",)
+    vr.admit(a, 0.0)
+    vr.add_best_effort(b, 0.0)
+    executor.add(a)
+    executor.add(b)
+    assert vr.admitted == {"a"} and vr.num_promoted == 0
+    run_steps(vr, executor, 0.0, 3)
+    assert vr.admitted == {"a", "b"} and vr.num_promoted == 1
+
+
 def run_slow(vr: VirtualReplica, executor: PerfExecutor, slowdown: float) -> None:
     """Like run_steps, but every step reports `slowdown` times the predicted seconds."""
     now = 0.0

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from cluster.api import ClusterStatus, FinalRecord, ReplicaStatus, StageVerdict, Verdict
-from router.metrics import FrontDoorMetrics
+from router.metrics import CONTROLLER_COUNTERS, FrontDoorMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
 SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
@@ -42,21 +42,7 @@ def exported_names() -> set[str]:
     m.record_tokens("t", 0.0, [0.1])
     status = ClusterStatus("demo", (ReplicaStatus(0, True, 1, 1, 1, 0, 0.1),), target_replicas=1)
     hist = {"bounds": [0.01], "counts": [1], "sum": 0.001, "count": 1}
-    counters = {
-        "spec_draft_tokens": 1,
-        "spec_accepted_tokens": 1,
-        "steps": 1,
-        "busy_us": 1,
-        "preempted": 1,
-        "preempted_tokens": 1,
-        "demoted": 1,
-        "prefix_cache_queries": 1,
-        "prefix_cache_hits": 1,
-        "prefix_credited": 1,
-        "prefix_credit_missed": 1,
-        "mirror_rebuilds": 1,
-        "declined": 1,
-    }
+    counters = dict.fromkeys(CONTROLLER_COUNTERS, 1)
     m.refresh(status, {"counters": counters, "histograms": {"planner_latency_s": hist}})
     lines = m.exposition().decode().splitlines()
     return {line.split("{")[0].split(" ")[0] for line in lines if line and not line.startswith("#")}

@@ -99,6 +99,7 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
             "preempted": 2,
             "preempted_tokens": 48,
             "demoted": 3,
+            "promoted": 2,
             "prefix_cache_queries": 900,
             "prefix_cache_hits": 640,
         },
@@ -127,6 +128,7 @@ def test_cluster_snapshot_is_replaced_not_summed() -> None:
     assert s[(PREFIX + "replica_steps_total", model)] == 300
     assert s[(PREFIX + "replica_busy_seconds_total", model)] == 2.5
     assert s[(PREFIX + "requests_demoted_total", model)] == 3
+    assert s[(PREFIX + "requests_promoted_total", model)] == 2
     assert s[(PREFIX + "num_preemptions_total", model)] == 2
     assert s[(PREFIX + "preempted_tokens_total", model)] == 48
     assert s[(PREFIX + "prefix_cache_queries_total", model)] == 900

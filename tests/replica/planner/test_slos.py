@@ -945,7 +945,7 @@ def test_a_request_declined_in_a_burst_is_promoted_when_the_plan_has_room() -> N
     b = request("b", 520, 480, ttft_s=0.2, tpot_s=0.05)
     _, late = run(sched, perf, cache, [a, b])
     assert sched.verdicts == {"a": True, "b": False}
-    assert list(sched.promoted) == ["b"]
+    assert list(sched.promoted) == ["b"] and sched.num_promoted == 1
     assert not late["a"] and not late["b"]
 
 

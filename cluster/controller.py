@@ -453,7 +453,7 @@ class ClusterController:
 
     def _send_plan(self, replica: int, now: float) -> None:
         vr = self.plane.replicas[replica]
-        promoted = vr.num_promoted
+        promotions = vr.promotions
         try:
             plan = vr.next_plan(now)
         except (ValueError, ArithmeticError):
@@ -461,7 +461,8 @@ class ClusterController:
             log.exception("planning replica %d failed", replica)
             self.plane.metrics.inc("planner_errors")
             return
-        self.plane.metrics.inc("promoted", vr.num_promoted - promoted)
+        finally:
+            self.plane.metrics.inc("promoted", vr.promotions - promotions)
         if plan is None:
             self._plan_sent.pop(replica, None)
             return

@@ -359,8 +359,9 @@ class SimResult:
     """slos policies: admitted requests whose guarantee the planner gave up (a missed
     deadline, or outgrown KV), summed over replicas."""
     promoted: int = 0
-    """slos policies: best-effort SLO requests a replica's planner guaranteed later (their
-    verdict stays best-effort), summed over replicas."""
+    """slos policies: promotions of best-effort SLO requests to a guarantee by a replica's
+    planner (their verdict stays best-effort; an admitted request demoted before its first
+    token may be promoted again), summed over replicas."""
     replica_s: float = 0.0
     """GPU time: seconds each replica ran (started, serving or draining), summed."""
     scaling: tuple[tuple[float, int, int], ...] = ()
@@ -614,7 +615,7 @@ class Simulator:
             credited_tokens=sum(m.credited_tokens for m in mirrors),
             credit_missed_tokens=sum(m.credit_missed_tokens for m in mirrors),
             demoted=sum(m.num_demoted for m in mirrors),
-            promoted=sum(m.num_promoted for m in mirrors),
+            promoted=sum(m.promotions for m in mirrors),
             replica_s=self._replica_s + sum(self._now - on for on in self._on if on is not None),
             scaling=tuple(self._scaling),
         )

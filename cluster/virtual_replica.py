@@ -33,7 +33,6 @@ after its first token:
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from enum import StrEnum
@@ -101,6 +100,10 @@ class VirtualReplica:
         self.preempted_tokens = 0
         """KV tokens the replica's preemptions dropped (work it computes again when the
         requests resume), counted as their steps are folded in."""
+        self.promotions = 0
+        """Best-effort requests its planners guaranteed later (SlosScheduler.promoted),
+        counted as they plan. The verdict a request was bound with stands, and the replica is
+        not told: a mirror rebuilt from its snapshot may promote the request again."""
         self.scheduler = self._new_scheduler()
         self.track_prefixes = track_prefixes
         self.credit_prefixes = credit_prefixes
@@ -156,12 +159,6 @@ class VirtualReplica:
         return self.scheduler.num_demoted if isinstance(self.scheduler, SlosScheduler) else 0
 
     @property
-    def num_promoted(self) -> int:
-        """Best-effort requests this incarnation's planner guaranteed later (see
-        SlosScheduler.promoted)."""
-        return self.scheduler.num_promoted if isinstance(self.scheduler, SlosScheduler) else 0
-
-    @property
     def load(self) -> float:
         """Requests held: the least-load first hop's signal."""
         return float(len(self.held))
@@ -215,14 +212,16 @@ class VirtualReplica:
         return True
 
     def next_plan(self, now: float) -> BatchPlan | None:
-        """The replica's next step; a best-effort request its replan promotes is admitted
-        from then on (a resubmission is told so)."""
-        promoted = self.num_promoted
-        plan = self.scheduler.schedule(now)
-        if self.num_promoted > promoted:
-            assert isinstance(self.scheduler, SlosScheduler)
-            self.admitted.update(_newest(self.scheduler.promoted, self.num_promoted - promoted))
-        return plan
+        """The replica's next step. The promotions its replan makes are counted
+        (`promotions`), also when the planning fails after them."""
+        before = self._planner_promotions()
+        try:
+            return self.scheduler.schedule(now)
+        finally:
+            self.promotions += self._planner_promotions() - before
+
+    def _planner_promotions(self) -> int:
+        return self.scheduler.num_promoted if isinstance(self.scheduler, SlosScheduler) else 0
 
     def apply(self, report: StepReport) -> ReportFit:
         """Fold an executed step in, if it is the next one of the incarnation mirrored."""
@@ -244,9 +243,8 @@ class VirtualReplica:
         self.scheduler.update_from_outcome(report.plan, report.outcome, report.time)
         if self.num_demoted > demoted:
             assert isinstance(self.scheduler, SlosScheduler)
-            self.admitted.difference_update(
-                _newest(self.scheduler.demoted, self.num_demoted - demoted)
-            )
+            given_up = list(self.scheduler.demoted)[demoted - self.num_demoted :]
+            self.admitted.difference_update(given_up)
         for result in report.outcome.outcomes:
             if result.finished:
                 self.held.pop(result.request_id, None)
@@ -423,8 +421,3 @@ def executed(report: StepReport) -> BatchPlan:
         for e in report.plan.entries
     )
     return BatchPlan(entries, report.plan.preempt)
-
-
-def _newest(history: deque[str], count: int) -> list[str]:
-    """The last `count` (>= 1) entries of a planner's bounded history."""
-    return list(history)[-count:]

@@ -82,6 +82,8 @@ def scaled_run(
         "gpu_share_of_fixed": result.mean_replicas / fixed,
         **run,
         "replica_s": result.replica_s,
+        "demoted": result.demoted,
+        "promoted": result.promoted,
         "simulated_s": result.end_s,
         "wall_s": result.wall_s,
         "scaling": [list(point) for point in result.scaling],

@@ -80,8 +80,8 @@ CONTROLLER_COUNTERS = {
     ),
     "promoted": (
         "requests_promoted",
-        "Best-effort SLO requests a replica guaranteed later, once a burst left room (before "
-        "their first token).",
+        "Best-effort SLO requests a replica's planner guaranteed later, once a burst left "
+        "room, before their first token (again if the replica's mirror was rebuilt).",
         1.0,
     ),
     "declined": (

@@ -307,6 +307,33 @@ def test_the_replicas_steps_count_also_when_the_mirror_is_rebuilt_for_them(
     asyncio.run(run())
 
 
+def test_the_promotions_of_a_replan_are_counted_also_when_the_planning_fails(
+    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        vr = controller.plane.replicas[0]
+        counters = controller.plane.metrics.counters
+
+        def promoting(fail: bool) -> Callable[[float], BatchPlan | None]:
+            def next_plan(now: float) -> BatchPlan | None:
+                vr.promotions += 1
+                if fail:
+                    raise ValueError("the batch could not be formed")
+                return None
+
+            return next_plan
+
+        for fail in (False, True):
+            monkeypatch.setattr(vr, "next_plan", promoting(fail))
+            controller._send_plan(0, time.time())
+        assert counters["promoted"] == 2 and counters["planner_errors"] == 1
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
 def test_reports_out_of_order_are_folded_in_order_and_a_gap_that_stays_rebuilds(
     engine: Engine, config: ClusterConfig
 ) -> None:

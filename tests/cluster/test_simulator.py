@@ -392,12 +392,12 @@ def test_property_admitted_requests_of_a_simulated_cluster_meet_their_slos(
     simulator = Simulator(GPU_LIKE, sims, config)
     result = simulator.run()
     assert simulator.plane is not None
-    promoted = {
+    promoted = [
         rid
         for vr in simulator.plane.replicas
         if isinstance(vr.scheduler, SlosScheduler)
         for rid in vr.scheduler.promoted
-    }
+    ]
     assert result.promoted == len(promoted)
     for r, outcome in zip(requests, result.outcomes, strict=True):
         assert len(outcome.token_times_s) == r.sampling.max_tokens

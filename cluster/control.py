@@ -51,6 +51,9 @@ class Decision:
     binding: Binding
     resumed: bool = False
     """The request was already streaming (never rejected; see `ControlPlane.resume`)."""
+    bound: bool = False
+    """A retried submit of a request a replica holds: its binding stands, and nothing is
+    handed to the replica again."""
 
 
 @dataclass
@@ -135,7 +138,7 @@ class ControlPlane:
         if held is not None:
             vr = self.replicas[held]
             verdict = Verdict.ADMITTED if rid in vr.admitted else Verdict.BEST_EFFORT
-            return Decision(request, Binding(rid, verdict, held, 1), resumed)
+            return Decision(request, Binding(rid, verdict, held, 1), resumed, bound=True)
         if self.is_pending(rid):
             return None
         routable = self.routable()

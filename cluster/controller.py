@@ -352,6 +352,8 @@ class ClusterController:
             actor.abort.remote(request_id)
 
     async def _decide(self, request: Request, decision: Decision | None) -> Binding:
+        if decision is not None and decision.bound:
+            return decision.binding
         if decision is not None:
             binding = await self._bind(decision)
             if binding is not None:

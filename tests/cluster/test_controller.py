@@ -307,6 +307,27 @@ def test_the_replicas_steps_count_also_when_the_mirror_is_rebuilt_for_them(
     asyncio.run(run())
 
 
+def test_a_retried_submit_gets_the_binding_and_leaves_the_request_where_it_runs(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    """A request the replica holds is not handed to it again (the replica refuses a second
+    add, and the refusal aborted the request in the mirror, which lost it)."""
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        r = request("again", 200)
+        first = await controller.submit(r)
+        rejected = controller.plane.metrics.counters.get("rejected", 0)
+        assert await controller.submit(r) == first
+        assert "again" in controller.plane.replicas[0].held
+        assert "again" in {h.request.request_id for h in replica.core.snapshot().requests}
+        assert controller.plane.metrics.counters.get("rejected", 0) == rejected
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
 def test_the_promotions_of_a_replan_are_counted_also_when_the_planning_fails(
     engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

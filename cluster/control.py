@@ -52,8 +52,8 @@ class Decision:
     resumed: bool = False
     """The request was already streaming (never rejected; see `ControlPlane.resume`)."""
     bound: bool = False
-    """A retried submit of a request a replica holds: its binding stands, and nothing is
-    handed to the replica again."""
+    """A retried submit of a request a replica holds: the binding says where it runs (and
+    its verdict as the mirror holds it now), and nothing is handed to the replica again."""
 
 
 @dataclass

@@ -29,7 +29,7 @@ from cluster.autoscale import SCALE_PERIOD_S, Autoscaler, plan_resize
 from cluster.config import BestEffortOrder, ClusterConfig, SchedulerKind
 from cluster.control import Binding, ControlPlane, Decision
 from cluster.leases import Leases
-from cluster.messages import StepReport
+from cluster.messages import AlreadyHeld, StepReport
 from cluster.metrics import Metrics
 from cluster.names import NAMESPACE, slot_occupants
 from cluster.profile import load_profile
@@ -289,7 +289,8 @@ class ClusterController:
     # -- requests -------------------------------------------------------------------------------
 
     async def submit(self, request: Request, door: str | None = None) -> Binding:
-        """The request's verdict and replica (idempotent: a retried submit gets the same).
+        """The request's verdict and replica (a retried submit of a request a replica holds
+        gets where it runs, its verdict as the replica's mirror holds it now).
         `door`: the front door that streams it, whose lease keeps it alive."""
         await self.ready()
         if door is not None:
@@ -353,7 +354,7 @@ class ClusterController:
 
     async def _decide(self, request: Request, decision: Decision | None) -> Binding:
         if decision is not None and decision.bound:
-            return decision.binding
+            return self._streamed_from(decision.binding)
         if decision is not None:
             binding = await self._bind(decision)
             if binding is not None:
@@ -392,15 +393,16 @@ class ClusterController:
             retry = self.plane.submit(request, time.time(), resumed=decision.resumed)
             return None if retry is None else await self._bind(retry)
         except RayTaskError as exc:
-            self.plane.abort(rid)
-            self.plane.metrics.inc("rejected")
-            return Binding(rid, Verdict.REJECTED, None, binding.hops, str(exc.cause))
+            if not isinstance(exc.cause, AlreadyHeld):
+                self.plane.abort(rid)
+                self.plane.metrics.inc("rejected")
+                return Binding(rid, Verdict.REJECTED, None, binding.hops, str(exc.cause))
+            added = True  # handed over by a controller that restarted mid hand-off
         finally:
             self._binding[replica].pop(rid, None)
             if not added and replica in self._rebuilds:
                 self._rebuilds[replica].binds.pop(rid, None)
-        if self.autoscaler is not None:
-            binding = replace(binding, actor=actor)
+        binding = self._streamed_from(binding)
         if rid in self._aborted:
             self._aborted.discard(rid)
             actor.abort.remote(rid)
@@ -409,6 +411,13 @@ class ClusterController:
         # the hand-off put it back (_sync); one missing now ended already, and stays out.
         self._send_plan(replica, time.time())
         return binding
+
+    def _streamed_from(self, binding: Binding) -> Binding:
+        """The binding naming its replica's actor when replicas come and go (autoscaling): a
+        front door's list of actors may hold another one in that slot, or none."""
+        if self.autoscaler is None or binding.replica is None:
+            return binding
+        return replace(binding, actor=self.replicas[binding.replica])
 
     def _keep_bound(self, replica: int, request: Request, admitted: bool) -> None:
         """Put a request being bound back in a mirror just rebuilt without it: the snapshot

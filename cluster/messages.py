@@ -8,6 +8,11 @@ from replica.batch import BatchOutcome, BatchPlan, TokenLogprob
 from replica.request import Request
 
 
+class AlreadyHeld(ValueError):
+    """A replica was handed a request it holds: a controller restarted during the hand-off
+    sends it again, and the request is where it should be."""
+
+
 @dataclass(frozen=True)
 class StepReport:
     """One executed step. `seq` counts steps of this replica incarnation from 1, so the

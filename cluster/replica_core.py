@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
-from cluster.messages import HeldRequest, ReplicaSnapshot, StepReport, StreamItem
+from cluster.messages import AlreadyHeld, HeldRequest, ReplicaSnapshot, StepReport, StreamItem
 from cluster.plans import SeqView, derive_plan, reconcile
 from replica.batch import BatchOutcome, BatchPlan, FinishReason, PrefillChunk, RequestOutcome
 from replica.engine import Engine
@@ -122,7 +122,7 @@ class ReplicaCore:
         doing it while a step runs in the worker thread is safe; KV changes in steps only (its
         eviction order also between them, `_touch_added`)."""
         if request.request_id in self._held or request.request_id in self._streams:
-            raise ValueError(f"request {request.request_id!r} is already held by this replica")
+            raise AlreadyHeld(f"request {request.request_id!r} is already held by this replica")
         self.engine.add_request(request)
         self._held[request.request_id] = _Held(request, admitted)
         self._streams[request.request_id] = _Stream()

@@ -360,7 +360,7 @@ class SimResult:
     deadline, or outgrown KV), summed over replicas."""
     promoted: int = 0
     """slos policies: promotions of best-effort SLO requests to a guarantee by a replica's
-    planner (their verdict stays best-effort; an admitted request demoted before its first
+    planner (the verdict at the door stands; an admitted request demoted before its first
     token may be promoted again), summed over replicas."""
     replica_s: float = 0.0
     """GPU time: seconds each replica ran (started, serving or draining), summed."""

@@ -101,9 +101,10 @@ class VirtualReplica:
         """KV tokens the replica's preemptions dropped (work it computes again when the
         requests resume), counted as their steps are folded in."""
         self.promotions = 0
-        """Best-effort requests its planners guaranteed later (SlosScheduler.promoted),
-        counted as they plan. The verdict a request was bound with stands, and the replica is
-        not told: a mirror rebuilt from its snapshot may promote the request again."""
+        """Promotions its planners made (SlosScheduler.num_promoted: a request without a
+        guarantee given one), counted as they plan. The verdict a request was bound with
+        stands, and the replica is not told: a mirror rebuilt from its snapshot may promote
+        the request again."""
         self.scheduler = self._new_scheduler()
         self.track_prefixes = track_prefixes
         self.credit_prefixes = credit_prefixes

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ray.exceptions import RayTaskError
 
 from cluster import controller as controller_module
 from cluster.api import Verdict
@@ -59,7 +60,10 @@ class LocalReplica:
 
     async def _add_request(self, request: Request, admitted: bool) -> None:
         self.core.start()
-        self.core.add_request(request, admitted)
+        try:
+            self.core.add_request(request, admitted)
+        except ValueError as exc:  # as Ray raises an actor method's error at the caller
+            raise RayTaskError("add_request", "traceback", exc).as_instanceof_cause() from exc
         await self.add_reply.wait()
 
     async def _abort(self, request_id: str) -> None:
@@ -323,6 +327,27 @@ def test_a_retried_submit_gets_the_binding_and_leaves_the_request_where_it_runs(
         assert "again" in controller.plane.replicas[0].held
         assert "again" in {h.request.request_id for h in replica.core.snapshot().requests}
         assert controller.plane.metrics.counters.get("rejected", 0) == rejected
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_request_the_replica_holds_before_its_hand_off_is_not_rejected(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    """A controller restarted during a hand-off: the replica took the request from the one
+    before, after its snapshot for the new one's mirror, which then hands it over again."""
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        r = request("early", 200)
+        replica.core.add_request(r, True)
+        binding = await controller.submit(r)
+        assert binding.verdict is Verdict.ADMITTED
+        assert "early" in controller.plane.replicas[0].held
+        assert "early" in {h.request.request_id for h in replica.core.snapshot().requests}
+        assert not controller.plane.metrics.counters.get("rejected", 0)
         await replica.core.stop()
 
     asyncio.run(run())

@@ -402,6 +402,7 @@ class ClusterController:
             self._binding[replica].pop(rid, None)
             if not added and replica in self._rebuilds:
                 self._rebuilds[replica].binds.pop(rid, None)
+        assert actor is not None  # it holds the request
         binding = self._streamed_from(binding)
         if rid in self._aborted:
             self._aborted.discard(rid)

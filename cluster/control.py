@@ -51,9 +51,6 @@ class Decision:
     binding: Binding
     resumed: bool = False
     """The request was already streaming (never rejected; see `ControlPlane.resume`)."""
-    bound: bool = False
-    """A retried submit of a request a replica holds: the binding says where it runs (and
-    its verdict as the mirror holds it now), and nothing is handed to the replica again."""
 
 
 @dataclass
@@ -138,7 +135,7 @@ class ControlPlane:
         if held is not None:
             vr = self.replicas[held]
             verdict = Verdict.ADMITTED if rid in vr.admitted else Verdict.BEST_EFFORT
-            return Decision(request, Binding(rid, verdict, held, 1), resumed, bound=True)
+            return Decision(request, Binding(rid, verdict, held, 1), resumed)
         if self.is_pending(rid):
             return None
         routable = self.routable()

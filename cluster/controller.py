@@ -353,8 +353,6 @@ class ClusterController:
             actor.abort.remote(request_id)
 
     async def _decide(self, request: Request, decision: Decision | None) -> Binding:
-        if decision is not None and decision.bound:
-            return self._streamed_from(decision.binding)
         if decision is not None:
             binding = await self._bind(decision)
             if binding is not None:
@@ -397,7 +395,7 @@ class ClusterController:
                 self.plane.abort(rid)
                 self.plane.metrics.inc("rejected")
                 return Binding(rid, Verdict.REJECTED, None, binding.hops, str(exc.cause))
-            added = True  # handed over by a controller that restarted mid hand-off
+            added = True  # a retried submit, or a controller restarted mid hand-off
         finally:
             self._binding[replica].pop(rid, None)
             if not added and replica in self._rebuilds:
@@ -465,7 +463,7 @@ class ClusterController:
 
     def _send_plan(self, replica: int, now: float) -> None:
         vr = self.plane.replicas[replica]
-        promotions = vr.promotions
+        promoted = vr.num_promoted
         try:
             plan = vr.next_plan(now)
         except (ValueError, ArithmeticError):
@@ -474,7 +472,7 @@ class ClusterController:
             self.plane.metrics.inc("planner_errors")
             return
         finally:
-            self.plane.metrics.inc("promoted", vr.promotions - promotions)
+            self.plane.metrics.inc("promoted", vr.num_promoted - promoted)
         if plan is None:
             self._plan_sent.pop(replica, None)
             return

@@ -9,8 +9,8 @@ from replica.request import Request
 
 
 class AlreadyHeld(ValueError):
-    """A replica was handed a request it holds: a controller restarted during the hand-off
-    sends it again, and the request is where it should be."""
+    """A replica was handed a request it holds (a retried submit, or a controller restarted
+    during the hand-off sends it again): the request is where it should be."""
 
 
 @dataclass(frozen=True)

@@ -615,7 +615,7 @@ class Simulator:
             credited_tokens=sum(m.credited_tokens for m in mirrors),
             credit_missed_tokens=sum(m.credit_missed_tokens for m in mirrors),
             demoted=sum(m.num_demoted for m in mirrors),
-            promoted=sum(m.promotions for m in mirrors),
+            promoted=sum(m.num_promoted for m in mirrors),
             replica_s=self._replica_s + sum(self._now - on for on in self._on if on is not None),
             scaling=tuple(self._scaling),
         )

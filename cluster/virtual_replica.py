@@ -100,11 +100,6 @@ class VirtualReplica:
         self.preempted_tokens = 0
         """KV tokens the replica's preemptions dropped (work it computes again when the
         requests resume), counted as their steps are folded in."""
-        self.promotions = 0
-        """Promotions its planners made (SlosScheduler.num_promoted: a request without a
-        guarantee given one), counted as they plan. The verdict a request was bound with
-        stands, and the replica is not told: a mirror rebuilt from its snapshot may promote
-        the request again."""
         self.scheduler = self._new_scheduler()
         self.track_prefixes = track_prefixes
         self.credit_prefixes = credit_prefixes
@@ -160,6 +155,13 @@ class VirtualReplica:
         return self.scheduler.num_demoted if isinstance(self.scheduler, SlosScheduler) else 0
 
     @property
+    def num_promoted(self) -> int:
+        """Promotions this incarnation's planner made (see SlosScheduler.promoted). The
+        verdict a request was bound with stands, and the replica is not told: a mirror
+        rebuilt from its snapshot may promote the request again."""
+        return self.scheduler.num_promoted if isinstance(self.scheduler, SlosScheduler) else 0
+
+    @property
     def load(self) -> float:
         """Requests held: the least-load first hop's signal."""
         return float(len(self.held))
@@ -213,16 +215,7 @@ class VirtualReplica:
         return True
 
     def next_plan(self, now: float) -> BatchPlan | None:
-        """The replica's next step. The promotions its replan makes are counted
-        (`promotions`), also when the planning fails after them."""
-        before = self._planner_promotions()
-        try:
-            return self.scheduler.schedule(now)
-        finally:
-            self.promotions += self._planner_promotions() - before
-
-    def _planner_promotions(self) -> int:
-        return self.scheduler.num_promoted if isinstance(self.scheduler, SlosScheduler) else 0
+        return self.scheduler.schedule(now)
 
     def apply(self, report: StepReport) -> ReportFit:
         """Fold an executed step in, if it is the next one of the incarnation mirrored."""

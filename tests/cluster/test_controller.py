@@ -24,6 +24,7 @@ from cluster.messages import ReplicaSnapshot, StepReport
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep
 from replica.engine import Engine
+from replica.planner.slos import SlosScheduler
 from replica.request import SLO, Request, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
@@ -314,8 +315,9 @@ def test_the_replicas_steps_count_also_when_the_mirror_is_rebuilt_for_them(
 def test_a_retried_submit_gets_the_binding_and_leaves_the_request_where_it_runs(
     engine: Engine, config: ClusterConfig
 ) -> None:
-    """A request the replica holds is not handed to it again (the replica refuses a second
-    add, and the refusal aborted the request in the mirror, which lost it)."""
+    """The replica refuses a second add of a request it holds (AlreadyHeld), which the
+    controller takes as handed over: the refusal had aborted the request in the mirror, which
+    lost it, and rejected the retry."""
 
     async def run() -> None:
         controller, replica = start(engine, config)
@@ -364,7 +366,8 @@ def test_the_promotions_of_a_replan_are_counted_also_when_the_planning_fails(
 
         def promoting(fail: bool) -> Callable[[float], BatchPlan | None]:
             def next_plan(now: float) -> BatchPlan | None:
-                vr.promotions += 1
+                assert isinstance(vr.scheduler, SlosScheduler)
+                vr.scheduler.num_promoted += 1
                 if fail:
                     raise ValueError("the batch could not be formed")
                 return None

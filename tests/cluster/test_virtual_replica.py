@@ -201,9 +201,9 @@ def test_the_promotions_of_the_mirrors_planner_are_counted() -> None:
     vr.add_best_effort(b, 0.0)
     executor.add(a)
     executor.add(b)
-    assert vr.promotions == 0
+    assert vr.num_promoted == 0
     run_steps(vr, executor, 0.0, 3)
-    assert vr.promotions == 1 and vr.admitted == {"a"}  # the verdict at the door stands
+    assert vr.num_promoted == 1 and vr.admitted == {"a"}  # the verdict at the door stands
     assert isinstance(vr.scheduler, SlosScheduler) and list(vr.scheduler.promoted) == ["b"]
 
 

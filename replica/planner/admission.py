@@ -156,8 +156,8 @@ def _effective_deadline(
 ) -> float:
     """Prefill must end early enough that the first decode batch is on time, and, before a
     stage that starts early, that the tokens up to it are too (one verify per batch)."""
-    shifted = deadline - max(0.0, budget.period_s - tpot)
-    return min(shifted, budget.chain_deadline(chain, tpot, True)) if chain else shifted
+    due = budget.prompt_deadline(deadline, tpot)
+    return min(due, budget.chain_deadline(chain, tpot, True)) if chain else due
 
 
 def _ar_count(

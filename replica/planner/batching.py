@@ -28,7 +28,6 @@ from replica.perf_model import BatchTimeModel, attention_pairs
 from replica.planner.base import CacheBudget, RequestState
 from replica.planner.budget import BatchBudget, expected_tokens
 from replica.planner.deadlines import (
-    chain_deadline,
     early_stage_starts,
     remaining_tpot,
     token_deadline,
@@ -80,21 +79,17 @@ class SloWork:
         decoding = state.is_decoding
         if produced != self.produced or decoding != self.decoding:
             self._track(produced, decoding)
+        self.deadline_s = self.token_deadline_s
         if decoding:
-            self.deadline_s = self.token_deadline_s
             behind = lags(self.deadline_s, now, period_s)
             self.tpot_s = self.base_tpot_s * (behind_factor if behind else 1.0)
         else:
             self.tpot_s = self.base_tpot_s
-            shift = max(0.0, period_s - self.tpot_s)
-            self.deadline_s = self.token_deadline_s - shift
+            if budget is not None:
+                self.deadline_s = budget.prompt_deadline(self.deadline_s, self.tpot_s)
         self.urgency_s = self.deadline_s
-        if self.early_tokens:
-            chained = (
-                chain_deadline(self.chain, 0.0)
-                if budget is None
-                else budget.chain_deadline(self.chain, self.tpot_s, not decoding)
-            )
+        if self.early_tokens and budget is not None:  # no budget: period 0, no chain moves
+            chained = budget.chain_deadline(self.chain, self.tpot_s, not decoding)
             self.urgency_s = min(self.urgency_s, chained)
 
     def _track(self, produced: int, decoding: bool) -> None:
@@ -149,13 +144,15 @@ class _Step:
             self.draft_batch += 1
         return k
 
-    def prefill(self, state: RequestState, limit: int) -> None:
+    def prefill(self, state: RequestState, limit: int) -> int:
+        """Add a prompt chunk of at most `limit` tokens; the tokens it got."""
         n = min(state.num_uncomputed, self.tokens_left, limit)
         if n >= 1:
             self.entries.append(PrefillChunk(state.request_id, n))
             self._count(n, state.num_computed_tokens)
+        return max(0, n)
 
-    def prefill_by(self, state: RequestState, perf: BatchTimeModel, seconds: float) -> None:
+    def prefill_by(self, state: RequestState, perf: BatchTimeModel, seconds: float) -> int:
         """A prompt in a batch cut short at a deadline: what the token count leaves, or more
         if the batch's own price still ends within `seconds`. The count prices the budget's
         worst-case batch, as the admission DP plans; the batch as formed is often cheaper,
@@ -170,6 +167,7 @@ class _Step:
             self.entries.append(PrefillChunk(state.request_id, n))
             self._count(n, state.num_computed_tokens)
             self.tokens_left = max(0, self.tokens_left)  # past the count: the batch is full
+        return max(0, n)
 
     def _count(self, new_tokens: int, context: int) -> None:
         self.tokens_left -= new_tokens
@@ -247,14 +245,21 @@ def form_batch(
     if seconds < period:
         tokens = budget.tokens_within(perf, seconds) or tokens
     step = _Step(tokens, [])
+    # Work beside the tokens the batch owes (the next of each decode in it, the first of each
+    # prompt it finishes) rides only in the time before the first falls due, so decoders
+    # ahead of their line and best-effort requests never make an admitted token late.
+    owed = math.inf
     for _, work in due:
+        state = work.state
         if work.decoding:
-            step.decode(work.state, spec_lens[work.tpot_s])
+            placed = step.decode(state, spec_lens[work.tpot_s]) is not None
         elif seconds < period:
-            step.prefill_by(work.state, perf, seconds)
+            placed = step.prefill_by(state, perf, seconds) == state.num_uncomputed
         else:
-            step.prefill(work.state, step.tokens_left)
-    seconds = min(seconds, _owed_within(now, step, due))
+            placed = step.prefill(state, step.tokens_left) == state.num_uncomputed
+        if placed:
+            owed = min(owed, work.token_deadline_s)
+    seconds = min(seconds, owed - now)
     ahead = seconds
     if best_effort:
         # The tier's head gets a token in every batch that has room for one (so it always
@@ -271,28 +276,13 @@ def form_batch(
         step, best_effort, queues, reserved_blocks, max_best_effort, perf, spare, seconds
     )
     if not step.entries and not preempt:
-        # The head got nothing (its memory is held for admitted requests): the riders take
-        # its time rather than leave the replica idle.
-        _ride_ahead(step, riders, spec_lens, perf, seconds, accept, ride_spec_tokens)
+        if best_effort:
+            # The head got nothing (its memory is held for admitted requests): the riders
+            # take its time rather than leave the replica idle.
+            _ride_ahead(step, riders, spec_lens, perf, seconds, accept, ride_spec_tokens)
         if not step.entries:
             return None
     return BatchPlan(entries=tuple(step.entries), preempt=tuple(preempt))
-
-
-def _owed_within(now: float, step: _Step, due: Sequence[tuple[float, SloWork]]) -> float:
-    """The time before a token the batch owes falls due (the next of each decode in it, the
-    first of each prompt it finishes): work beside them (decoders ahead of their line,
-    best-effort requests) rides only within it, so it never makes an admitted token late."""
-    placed = {e.request_id: e for e in step.entries}
-    first = math.inf
-    for _, work in due:
-        entry = placed.get(work.state.request_id)
-        if entry is None:
-            continue
-        if isinstance(entry, PrefillChunk) and entry.num_tokens < work.state.num_uncomputed:
-            continue
-        first = min(first, work.token_deadline_s)
-    return first - now
 
 
 def _cut_at(

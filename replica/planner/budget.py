@@ -118,7 +118,12 @@ class BatchBudget:
         the period alone, a speculating budget's long period would pull the first token of
         a long chain ever further forward."""
         pace = self.period_s / expected_tokens(self.acceptance, self.spec_len(tpot_s))
-        return chain_deadline(deadlines, pace, self.period_s if prompt else None)
+        return chain_deadline(deadlines, self.period_s if prompt else pace, pace)
+
+    def prompt_deadline(self, deadline: float, tpot_s: float) -> float:
+        """When a prompt whose first token is due at `deadline` must be done: a period
+        minus one TPOT sooner, so that its first verify, a period later, is on time too."""
+        return deadline - max(0.0, self.period_s - tpot_s)
 
     def cost_per_batch(self, tpot_s: float) -> float:
         """Query tokens a decoder of this TPOT costs per batch on average."""

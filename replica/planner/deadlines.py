@@ -53,16 +53,13 @@ def upcoming_deadlines(request: Request, first: int) -> tuple[float, ...]:
     return tuple(token_deadline(request, j) for j in range(first, last))
 
 
-def chain_deadline(
-    deadlines: tuple[float, ...], pace_s: float, first_s: float | None = None
-) -> float:
+def chain_deadline(deadlines: tuple[float, ...], first_s: float, pace_s: float) -> float:
     """When the first of `deadlines` must be out so that the rest are on time too: the next
-    one `first_s` after it (default `pace_s`), then one every `pace_s`
-    (`BatchBudget.chain_deadline` says which)."""
-    gap = pace_s if first_s is None else first_s
+    one `first_s` after it, then one every `pace_s` (`BatchBudget.chain_deadline` says
+    which)."""
     due = deadlines[0]
     for m in range(1, len(deadlines)):
-        due = min(due, deadlines[m] - gap - (m - 1) * pace_s)
+        due = min(due, deadlines[m] - first_s - (m - 1) * pace_s)
     return due
 
 

@@ -222,16 +222,16 @@ class SlosScheduler(Scheduler):
         their batches may be too slow for a running request promised on a budget without
         them: if none keeps every running request on time, the options for the running
         requests alone are solved as well (as open to speculating budgets: the candidates
-        they decline wait for their prompts), and the better ranked wins, every candidate
-        declined if it is one of these."""
+        they decline wait for their prompts), and the better ranked wins (every candidate
+        is declined on either)."""
         slo_new = [r for r in new if r.tier is Tier.SLO]
         running = self._running(now)
         stretch = self._may_stretch(bool(slo_new))
-        result = self._best_option(self.admission_problems(slo_new, now, cached, running, stretch))
+        result = self._best_option(self._problems(slo_new, now, cached or {}, running, stretch))
         if slo_new and not result.keeps_running:
-            alone = self._best_option(self.admission_problems([], now, None, running, stretch))
+            alone = self._best_option(self._problems([], now, {}, running, stretch))
             if alone.rank() > result.rank():
-                result = replace(alone, declined=tuple(r.request_id for r in slo_new))
+                result = replace(alone, declined=result.declined)
         if len(slo_new) == len(new):
             return result
         best_effort = tuple(r.request_id for r in new if r.tier is not Tier.SLO)
@@ -248,26 +248,28 @@ class SlosScheduler(Scheduler):
         return max(results, key=AdmissionResult.rank)
 
     def admission_problems(
+        self, slo_new: Sequence[Request], now: float, cached: Mapping[str, int] | None = None
+    ) -> Iterator[AdmissionProblem]:
+        """The admission DP's problem on each budget option, in the order `plan_admission`
+        solves them first, for the SLO requests `slo_new` (see there for `cached`); built
+        as asked for, since the solving mostly stops at the first."""
+        running = self._running(now)
+        return self._problems(slo_new, now, cached or {}, running, self._may_stretch(bool(slo_new)))
+
+    def _problems(
         self,
         slo_new: Sequence[Request],
         now: float,
-        cached: Mapping[str, int] | None = None,
-        running: tuple[RunningDecoders, tuple[RunningPrefill, ...]] | None = None,
-        stretch: bool | None = None,
+        cached: Mapping[str, int],
+        running: tuple[RunningDecoders, tuple[RunningPrefill, ...]],
+        stretch: bool,
     ) -> Iterator[AdmissionProblem]:
-        """The admission DP's problem on each budget option, in the order `plan_admission`
-        solves them, for the SLO requests `slo_new` (see there for `cached`); built as asked
-        for, since the solving mostly stops at the first. `running` (default `_running`)
-        and `stretch` (whether speculating budgets are offered; default: as `slo_new`
-        leaves them, `_may_stretch`) are what `plan_admission` computes once for both of
-        its passes."""
-        decoders, prefills = self._running(now) if running is None else running
-        if stretch is None:
-            stretch = self._may_stretch(bool(slo_new))
+        """`admission_problems` on the running requests `running`, with speculating budgets
+        among the options if `stretch`."""
+        decoders, prefills = running
         cache = self.queues.budget
-        credits = cached or {}
         candidates = tuple(
-            _candidate(r, cache.blocks_for(self._reservation(r)), credits.get(r.request_id, 0))
+            _candidate(r, cache.blocks_for(self._reservation(r)), cached.get(r.request_id, 0))
             for r in slo_new
         )
         start = max(now, self._busy_until)

@@ -456,17 +456,20 @@ class Request:
             )
         if vocab_size is None:
             return
-        bad = next((t for t in self.prompt_token_ids if t >= vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary ({vocab_size})")
         params = self.sampling
         for name, ids in (
+            ("prompt", self.prompt_token_ids),
             ("logit_bias", [t for t, _ in params.logit_bias]),
             ("stop_token_ids", params.stop_token_ids),
             ("slo.stages[].end_token_ids", self.slo.end_token_ids if self.slo else ()),
             ("allowed_token_ids", params.allowed_token_ids),
             ("bad_words", [t for word in params.bad_words for t in word]),
         ):
-            bad = next((t for t in ids if t >= vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"{name} token id {bad} is outside the vocabulary ({vocab_size})")
+            check_in_vocab(name, ids, vocab_size)
+
+
+def check_in_vocab(name: str, ids: Iterable[int], vocab_size: int) -> None:
+    """Refuse token ids the model does not have, naming where the first one is."""
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name} token id {bad} is outside the vocabulary ({vocab_size})")

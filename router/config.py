@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.config import ClusterConfig
-from replica.request import SLO
+from replica.request import SLO, check_in_vocab
 from router.errors import BadRequest
 from router.openai_schema import tier_slo
 from router.reasoning import ReasoningParser, reasoning_parser
@@ -79,19 +79,15 @@ class FrontDoorConfig:
         """The tiers' SLOs by name and the default SLO: a tier's stages are parsed as a
         request's (`until` needs the tokenizer), a bad one named with its tier here rather
         than in every request that uses it."""
-        vocab = codec.model_vocab_size or codec.vocab_size
         tiers = {}
         for tier in self.cluster.tiers:
             try:
                 slo = tier_slo(tier.ttft_ms, tier.tpot_ms, tier.stages, codec)
+                check_in_vocab("slo.stages[].end_token_ids", slo.end_token_ids, codec.model_vocab)
             except BadRequest as exc:
                 raise ValueError(f"tiers[{tier.name}]: {exc.message}") from None
-            bad = next((t for t in slo.end_token_ids if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(
-                    f"tiers[{tier.name}]: slo.stages[].end_token_ids token id {bad} is outside "
-                    f"the vocabulary ({vocab})"
-                )
+            except ValueError as exc:
+                raise ValueError(f"tiers[{tier.name}]: {exc}") from None
             tiers[tier.name] = slo
         default = self.default_slo
         return tiers, tiers[default] if isinstance(default, str) else default

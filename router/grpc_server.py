@@ -272,8 +272,8 @@ class ServingServicer(pb_grpc.ServingServicer):
         except ApiError as exc:
             await _abort(context, exc)
             return
-        choices = [ChoiceText(parsed.tools, parsed.reasoning) for _ in generations]
         try:
+            choices = [ChoiceText(parsed.tools, parsed.reasoning) for _ in generations]
             placement = placement_headers([g.placement for g in generations])
             if placement:
                 await context.send_initial_metadata(tuple(placement.items()))

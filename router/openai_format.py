@@ -311,6 +311,13 @@ class ChoiceText:
     request has a reasoning parser, and only the content a tool call cannot start when its
     calls are held until whole ("required", "auto")."""
 
+    @staticmethod
+    def splits(tools: ToolCalling | None, reasoning: ReasoningParser | None) -> bool:
+        """Whether the text is taken apart: thinking from the answer, or content from calls
+        held until whole; else it goes out as it comes (content, or a named function's
+        arguments)."""
+        return reasoning is not None or (tools is not None and tools.held_to_end)
+
     def __init__(self, tools: ToolCalling | None, reasoning: ReasoningParser | None) -> None:
         if reasoning is not None and tools is not None and not tools.held_to_end:
             # The request parser drops the reasoning parser wherever a grammar holds the output.
@@ -368,10 +375,7 @@ class ChunkWriter:
         self.offsets: dict[int, int] = {}
         """Per choice: the text offset its next token's log-probability starts at."""
         self.reasoning = reasoning
-        self.splits = reasoning is not None or (tools is not None and tools.held_to_end)
-        """The text is taken apart: thinking from the answer, or content from calls held
-        until whole; else it goes out as it comes (content, or a named function's
-        arguments)."""
+        self.splits = ChoiceText.splits(tools, reasoning)
         self.choices: dict[int, ChoiceText] = {}
         """Per choice whose text is split (`splits`): where its output stands."""
 

@@ -93,8 +93,13 @@ class TextCodec:
     def grammar_vocab(self) -> llguidance.LLTokenizer:
         """The vocabulary structured-output grammars are checked against, as a replica builds
         it (a model without EOS cannot drive them there either); built on first use."""
-        vocab = self.model_vocab_size or self.vocab_size
-        return grammar_tokenizer(self.tokenizer, vocab, self.eos_token_ids)
+        return grammar_tokenizer(self.tokenizer, self.model_vocab, self.eos_token_ids)
+
+    @property
+    def model_vocab(self) -> int:
+        """Token ids the model has (its embedding rows; the tokenizer's count without a
+        model config)."""
+        return self.model_vocab_size or self.vocab_size
 
     def token_text(self, token_id: int) -> str:
         """One token's text for log-probabilities (special tokens by name, as vLLM shows them;

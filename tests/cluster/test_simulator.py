@@ -36,10 +36,9 @@ from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
 from replica.planner.config import PlannerConfig, SpecConfig
 from replica.planner.executor import late_tokens
-from replica.planner.queues import peak_tokens
 from replica.planner.slos import SlosScheduler
 from replica.request import SLO, Request, SamplingParams, Stage, Tier
-from tests.replica.planner.test_slos import GPU_LIKE, slo_request
+from tests.replica.planner.test_slos import GPU_LIKE, workloads
 from tests.replica.planner.test_slos import request as planner_request
 
 LINEAR = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})
@@ -344,18 +343,12 @@ def small_clusters(draw: st.DrawFn) -> tuple[list[Request], SimConfig]:
     """Up to 20 requests over 1-3 TPOT tiers (some best-effort, some staged) arriving within
     half a second at 1-3 replicas, with KV for the largest alone up to 6x that, a controller
     tick of 1-30 ms, with or without speculation (every draft accepted)."""
-    tpots = draw(
-        st.lists(st.sampled_from([0.015, 0.025, 0.04, 0.08]), min_size=1, max_size=3, unique=True)
-    )
-    requests = [
-        replace(draw(slo_request(f"r{i}", tpots)), arrival_time=draw(st.floats(0.0, 0.5)))
-        for i in range(draw(st.integers(1, 20)))
-    ]
-    need = max(-(-peak_tokens(r) // 16) for r in requests)
+    drawn, num_blocks, _ = draw(workloads(20))
+    requests = [replace(r, arrival_time=draw(st.floats(0.0, 0.5))) for r in drawn]
     spec = SpecConfig() if draw(st.booleans()) else None
     config = SimConfig(
         replicas=draw(st.integers(1, 3)),
-        num_kv_blocks=draw(st.integers(need, 6 * need)),
+        num_kv_blocks=num_blocks,
         tick_interval_s=draw(st.sampled_from([0.001, 0.01, 0.03])),
         planner=PlannerConfig(spec=spec),
         acceptance=1.0,

@@ -39,13 +39,18 @@ def pair(target_dir: Path, draft_dir: Path):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def heldout(train_demo: ModuleType, target_dir: Path) -> torch.Tensor:
+def heldout_texts(train_demo: ModuleType) -> list[str]:
+    _, texts = train_demo.read_split()
+    return texts
+
+
+@pytest.fixture(scope="module")
+def heldout(train_demo: ModuleType, target_dir: Path, heldout_texts: list[str]) -> torch.Tensor:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    _, heldout_texts = train_demo.read_split()
     return train_demo.encode_stream(tokenizer, heldout_texts)
 
 
-def test_pair_is_small_and_complete(target_dir: Path, draft_dir: Path) -> None:
+def test_pair_is_small_and_complete(target_dir: Path, draft_dir: Path, reasoner_dir: Path) -> None:
     total = 0
     for d in (target_dir, draft_dir):
         for name in (
@@ -57,13 +62,19 @@ def test_pair_is_small_and_complete(target_dir: Path, draft_dir: Path) -> None:
             assert (d / name).is_file(), f"{d / name} missing"
         total += sum(f.stat().st_size for f in d.iterdir())
     assert total < MAX_PAIR_BYTES
+    assert sum(f.stat().st_size for f in reasoner_dir.iterdir()) < MAX_PAIR_BYTES / 2
 
 
-def test_tokenizers_match_and_round_trip(target_dir: Path, draft_dir: Path) -> None:
+def test_tokenizers_match_and_round_trip(
+    target_dir: Path, draft_dir: Path, reasoner_dir: Path
+) -> None:
+    """The pair's tokenizers agree, and the reasoner's encodes every text but its markers
+    as theirs does."""
     t = AutoTokenizer.from_pretrained(target_dir)
     d = AutoTokenizer.from_pretrained(draft_dir)
+    r = AutoTokenizer.from_pretrained(reasoner_dir)
     text = "def add(a, b):\n    return a + b\n"
-    assert t(text)["input_ids"] == d(text)["input_ids"]
+    assert t(text)["input_ids"] == d(text)["input_ids"] == r(text)["input_ids"]
     assert t.decode(t(text)["input_ids"]) == text
     assert t.eos_token == "<|endoftext|>"
     chat = t.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
@@ -108,22 +119,20 @@ def test_the_reasoner_s_markers_are_tokens_of_its_own_kept_in_the_text(
     target_dir: Path, reasoner_dir: Path
 ) -> None:
     """A thinking stage ends on `</think>`: one token, decoded as text for the reasoning
-    parser; every other text encodes as the pair's tokenizer encodes it."""
+    parser."""
     reasoner = AutoTokenizer.from_pretrained(reasoner_dir)
     pair = AutoTokenizer.from_pretrained(target_dir)
     for marker in ("<think>", "</think>"):
         (token,) = reasoner(marker, add_special_tokens=False)["input_ids"]
         assert token >= len(pair)
         assert reasoner.decode([token], skip_special_tokens=True) == marker
-    text = "def add(a, b):\n    return a + b\n"
-    assert reasoner(text)["input_ids"] == pair(text)["input_ids"]
-    assert sum(f.stat().st_size for f in reasoner_dir.iterdir()) < MAX_PAIR_BYTES / 2
 
 
-def test_the_reasoner_thinks_then_answers(reasoner_dir: Path, train_demo: ModuleType) -> None:
+def test_the_reasoner_thinks_then_answers(
+    reasoner_dir: Path, train_demo: ModuleType, heldout_texts: list[str]
+) -> None:
     model = AutoModelForCausalLM.from_pretrained(reasoner_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(reasoner_dir)
-    _, heldout_texts = train_demo.read_split()
     report = train_demo.thinks_then_answers(model, tokenizer, heldout_texts, 8)
     assert report["starts_thinking"] >= REASONER_THINKS_MIN, report
     assert report["answers_after"] >= REASONER_THINKS_MIN, report

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 
 from router.config import FrontDoorConfig
@@ -63,3 +65,36 @@ def live(
     door = demo_door(target_dir, draft_dir, tmp, cluster, keys, tool_call_parser="hermes")
     with LocalFrontDoor(door) as front:
         yield front
+
+
+def check_chat_thinking_apart(
+    oai: openai.OpenAI,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    slo: object,
+    thought: str,
+    answer: str,
+    stages: list[tuple[str, int]],
+) -> None:
+    """A chat over HTTP, whole and streamed, gives `thought` as reasoning_content and
+    `answer` as content; the whole one, held to `slo`, reports `stages` (name, tokens)."""
+    messages: Any = [{"role": "user", "content": prompt}]
+    whole = oai.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"slo": slo},
+    )
+    message = whole.choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] == thought
+    assert message.content == answer
+    verdicts = (whole.model_extra or {})["slos_serve"]["stages"]
+    assert [(v["name"], v["tokens"]) for v in verdicts] == stages
+    streamed = oai.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+    )
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == answer

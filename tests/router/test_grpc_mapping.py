@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -279,11 +278,11 @@ HTTP_TOOLS = [
 ]
 
 
-def test_tools_and_earlier_calls_cross_grpc(target_dir: Path) -> None:
+def test_tools_and_earlier_calls_cross_grpc(codec: TextCodec) -> None:
     """Tools, each tool_choice and a conversation carrying calls parse as the HTTP body that
     says the same: the same prompt (tools and calls through the chat template), grammar and
     tool calling."""
-    codec = dataclasses.replace(TextCodec.from_dir(target_dir), chat_template=TEMPLATE)
+    codec = dataclasses.replace(codec, chat_template=TEMPLATE)
     messages = [
         ("user", "who?"),
         ChatMessage("assistant", tool_calls=[ToolCall("c1", "lookup", '{"name": "ann"}')]),

@@ -6,35 +6,28 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
-import yaml
 
 from router.client import Chunk, Client, Result
 from router.config import FrontDoorConfig
 from router.local import LocalFrontDoor
 from router.tokenizer import TextCodec
+from tests.deploy.test_serve_configs import ROOT, app_args, load
+from tests.router.conftest import check_chat_thinking_apart
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[2]
 SIGNATURE = "def mean(data):"
 MAX_TOKENS = 160
 
 
-def shipped_args() -> dict[str, Any]:
-    config = yaml.safe_load((ROOT / "deploy" / "serve-cpu-reasoner.yaml").read_text())
-    args: dict[str, Any] = config["applications"][0]["args"]
-    return args
-
-
 @pytest.fixture(scope="module")
-def reasoner(ray_session: None) -> Iterator[LocalFrontDoor]:
-    args = shipped_args()
+def reasoner(ray_session: None, reasoner_dir: Path) -> Iterator[LocalFrontDoor]:
+    args = app_args(load("serve-cpu-reasoner.yaml"))
     cluster = args["cluster"] | {
-        "model": str(ROOT / args["cluster"]["model"]),
+        "model": str(reasoner_dir),
         "profile": str(ROOT / args["cluster"]["profile"]),
         "replicas": 1,
         "num_kv_blocks": 256,
@@ -69,35 +62,10 @@ def test_the_reasoner_thinks_apart_and_its_thinking_stage_ends_on_its_token(
     answer = "".join(c.text for c in chunks)
     assert codec.decode(tokens) == f"<think>{thought}</think>{answer}"
     assert thought.strip() and answer.strip()
-    assert [(s.name, s.tokens) for s in result.stages] == [
-        ("thinking", thinking),
-        ("answer", len(tokens) - thinking),
-    ]
+    counts = [("thinking", thinking), ("answer", len(tokens) - thinking)]
+    assert [(s.name, s.tokens) for s in result.stages] == counts
 
     oai = openai.OpenAI(base_url=reasoner.http_url + "/v1", api_key="-", max_retries=0)
-    messages: Any = [{"role": "user", "content": SIGNATURE}]
-    whole = oai.chat.completions.create(
-        model="demo-reasoner",
-        messages=messages,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        extra_body={"slo": "reasoning"},
+    check_chat_thinking_apart(
+        oai, "demo-reasoner", SIGNATURE, MAX_TOKENS, "reasoning", thought, answer, counts
     )
-    message = whole.choices[0].message
-    assert (message.model_extra or {})["reasoning_content"] == thought
-    assert message.content == answer
-    stages = (whole.model_extra or {})["slos_serve"]["stages"]
-    assert [(s["name"], s["tokens"]) for s in stages] == [
-        ("thinking", thinking),
-        ("answer", len(tokens) - thinking),
-    ]
-    streamed = oai.chat.completions.create(
-        model="demo-reasoner",
-        messages=messages,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        stream=True,
-    )
-    deltas = [c.choices[0].delta for c in streamed if c.choices]
-    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
-    assert "".join(d.content or "" for d in deltas) == answer

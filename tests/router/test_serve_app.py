@@ -19,6 +19,7 @@ from cluster.names import NAMESPACE
 from router.app import DisconnectOnCancelledReceive, build_app
 from router.client import Chunk, Client
 from router.tokenizer import TextCodec
+from tests.router.conftest import check_chat_thinking_apart
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -81,7 +82,6 @@ def check_thinking_apart(oai: openai.OpenAI, grpc_port: int, target_dir: Path) -
     apart from the answer over gRPC (streamed and whole) and as reasoning_content over HTTP
     (whole and streamed); a thinking stage of the SLO ends on the token the model outputs
     for it."""
-    messages = [{"role": "user", "content": "def fib(n):"}]
     with Client(f"127.0.0.1:{grpc_port}") as client:
         chunks = [
             c
@@ -104,32 +104,10 @@ def check_thinking_apart(oai: openai.OpenAI, grpc_port: int, target_dir: Path) -
         {"name": "thinking", "tpot_ms": 500, "end_token_ids": [end]},
         {"name": "answer", "tpot_ms": 1000},
     ]
-    whole = oai.chat.completions.create(
-        model="demo",
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=24,
-        temperature=0,
-        extra_body={"slo": {"ttft_ms": 60_000, "stages": stages}},
-    )
-    message = whole.choices[0].message
-    assert (message.model_extra or {})["reasoning_content"] == thought
-    assert message.content == answer
-    verdicts = (whole.model_extra or {})["slos_serve"]["stages"]
     thinking = tokens.index(end) + 1
-    assert [(v["name"], v["tokens"]) for v in verdicts] == [
-        ("thinking", thinking),
-        ("answer", len(tokens) - thinking),
-    ]
-    streamed = oai.chat.completions.create(
-        model="demo",
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=24,
-        temperature=0,
-        stream=True,
-    )
-    deltas = [c.choices[0].delta for c in streamed if c.choices]
-    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
-    assert "".join(d.content or "" for d in deltas) == answer
+    slo = {"ttft_ms": 60_000, "stages": stages}
+    counts = [("thinking", thinking), ("answer", len(tokens) - thinking)]
+    check_chat_thinking_apart(oai, "demo", "def fib(n):", 24, slo, thought, answer, counts)
 
 
 def test_a_cancelled_receive_is_a_disconnect() -> None:

@@ -4,7 +4,6 @@ conversation's earlier calls reach the chat template, and the output text become
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -37,8 +36,9 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def codec(target_dir: Path) -> TextCodec:
-    return replace(TextCodec.from_dir(target_dir), chat_template=TEMPLATE)
+def codec(codec: TextCodec) -> TextCodec:
+    """The demo codec with a chat template that renders tools."""
+    return replace(codec, chat_template=TEMPLATE)
 
 
 CTX = SchemaContext("demo", 2048, 4096, SLO(ttft_ms=2000, tpot_ms=200))

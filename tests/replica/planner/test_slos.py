@@ -359,13 +359,14 @@ def slo_request(draw: st.DrawFn, rid: str, tpots: list[float]) -> Request:
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[list[Request], int, int]:
+def workloads(draw: st.DrawFn, max_requests: int = 12) -> tuple[list[Request], int, int]:
     """Requests over 1-3 TPOT tiers, KV blocks (enough for the largest alone and up to 6x
     that), and the DP's group size."""
     tpots = draw(
         st.lists(st.sampled_from([0.015, 0.025, 0.04, 0.08]), min_size=1, max_size=3, unique=True)
     )
-    requests = [draw(slo_request(f"r{i}", tpots)) for i in range(draw(st.integers(1, 12)))]
+    count = draw(st.integers(1, max_requests))
+    requests = [draw(slo_request(f"r{i}", tpots)) for i in range(count)]
     need = max(-(-peak_tokens(r) // 16) for r in requests)
     return requests, draw(st.integers(need, 6 * need)), draw(st.sampled_from([3, 16]))
 

@@ -466,14 +466,10 @@ def reasoner_example(
     return ids[:-1] + [tokenizer.pad_token_id] * pad, labels + [IGNORE] * pad
 
 
-def reasoner_rows(
-    tokenizer: PreTrainedTokenizerFast, texts: list[str], seq: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every function's example, as (inputs, labels) tensors of [examples, seq]."""
+def reasoner_rows(tokenizer: PreTrainedTokenizerFast, texts: list[str], seq: int) -> torch.Tensor:
+    """Every function's example, as [examples, 2 (inputs, labels), seq]."""
     pairs = [reasoner_example(tokenizer, *f, seq) for f in functions(texts)]
-    kept = [p for p in pairs if p is not None]
-    inputs = torch.tensor([p[0] for p in kept], dtype=torch.long)
-    return inputs, torch.tensor([p[1] for p in kept], dtype=torch.long)
+    return torch.tensor([p for p in pairs if p is not None], dtype=torch.long)
 
 
 def train_reasoner(
@@ -489,12 +485,12 @@ def train_reasoner(
     with torch.no_grad():
         weight = reasoner.get_input_embeddings().weight
         weight[old:] = weight[:old].mean(0)
-    inputs, labels = reasoner_rows(reasoner_tok, train_texts, args.seq)
-    print(f"[reasoner] {len(inputs)} examples (functions whose thinking ends in the window)")
-    rows = row_batches(torch.stack((inputs, labels), 1), args.batch, seeded(args.seed + 5))
-    data = ((pair[:, 0], pair[:, 1]) for pair in rows)
+    rows = reasoner_rows(reasoner_tok, train_texts, args.seq)
+    print(f"[reasoner] {len(rows)} examples (functions whose thinking ends in the window)")
+    batches = row_batches(rows, args.batch, seeded(args.seed + 5))
+    data = (batch.unbind(1) for batch in batches)
     secs = train(reasoner, data, args.reasoner_steps, 1e-3, None, "reasoner")
-    return reasoner, reasoner_tok, len(inputs), secs
+    return reasoner, reasoner_tok, len(rows), secs
 
 
 @torch.no_grad()

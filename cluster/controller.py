@@ -480,7 +480,7 @@ class ClusterController:
         if actor is None:
             return
         self._plan_sent[replica] = now
-        actor.set_plan.remote(plan)
+        actor.set_plan.remote(plan, vr.take_regraded())
 
     async def report(self, report: StepReport) -> None:
         """A replica executed a step: count it, fold it in and send that replica its next

@@ -158,6 +158,11 @@ class ClusterHandle:
     async def submit(self, request: Request) -> AsyncIterator[TokenChunk | FinalRecord]:
         """Token chunks as produced, then exactly one FinalRecord.
 
+        The verdict the first chunk from a replica announces, and the record's, is the one
+        the request runs with then: best-effort at its bind, it is admitted once its
+        replica's planner guaranteed it (always before its first token; a guarantee given
+        up later is not taken back from the client, whose record shows the SLO missed).
+
         Raises ValueError for invalid requests, and ClusterUnavailable when no replica is up
         (before anything is yielded) or when a request that lost its replica cannot be resumed
         (possibly mid-stream). Closing the iterator early aborts the request. Request ids must
@@ -183,12 +188,12 @@ class ClusterHandle:
                 return
             while True:
                 assert binding.replica is not None and binding.verdict is not None
-                placement: Placement | None = Placement(
-                    binding.verdict, binding.replica, binding.hops
-                )
+                placed = False
                 end = None
                 try:
                     async for item in self._stream(binding, rid):
+                        if item.promoted:
+                            binding = replace(binding, verdict=Verdict.ADMITTED)
                         if item.token_ids:
                             if not progress.tokens:
                                 progress.cached_tokens = item.cached_tokens
@@ -198,11 +203,11 @@ class ClusterHandle:
                                 rid,
                                 item.token_ids,
                                 item.times,
-                                placement,
+                                None if placed else self._placement(binding),
                                 item.logprobs,
                                 item.prompt_logprobs,
                             )
-                            placement = None
+                            placed = True
                         if item.lost:
                             raise _Lost
                         if item.finish_reason is not None:
@@ -224,6 +229,12 @@ class ClusterHandle:
             self._active.discard(rid)
             if not finished:
                 self.abort(rid)
+
+    @staticmethod
+    def _placement(binding: Binding) -> Placement:
+        """Where the request runs and its verdict, as its first chunk from there announces."""
+        assert binding.verdict is not None and binding.replica is not None
+        return Placement(binding.verdict, binding.replica, binding.hops)
 
     async def _stream(self, binding: Binding, request_id: str) -> AsyncIterator[StreamItem]:
         assert binding.replica is not None

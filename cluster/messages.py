@@ -82,3 +82,6 @@ class StreamItem:
     cached_tokens: int = 0
     """With the first token: the prompt tokens the replica's prefix cache held (computed by
     an earlier request), OpenAI's `usage.prompt_tokens_details.cached_tokens`."""
+    promoted: bool = False
+    """With the first token: the request, bound best-effort, is guaranteed since (a replan
+    of its replica found room for it): its verdict is admitted."""

@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -186,9 +186,9 @@ class ReplicaActor:
     async def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
-    async def set_plan(self, plan: BatchPlan) -> None:
+    async def set_plan(self, plan: BatchPlan, regraded: Mapping[str, bool] | None = None) -> None:
         self.core.start()
-        self.core.set_plan(plan)
+        self.core.set_plan(plan, regraded)
 
     async def snapshot(self) -> ReplicaSnapshot:
         return self.core.snapshot()

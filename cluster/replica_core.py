@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from cluster.messages import AlreadyHeld, HeldRequest, ReplicaSnapshot, StepReport, StreamItem
@@ -37,6 +37,9 @@ end while the controller binds one (milliseconds), bounded so a long-lived repli
 class _Held:
     request: Request
     admitted: bool
+    """Guaranteed now (the controller's planner may promote or demote it since its bind)."""
+    promoted: bool = False
+    """Bound best-effort, then guaranteed: its first token tells the client (StreamItem)."""
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
     cached: int | None = None
@@ -135,8 +138,15 @@ class ReplicaCore:
             self._aborts.append(request_id)
             self._wake.set()
 
-    def set_plan(self, plan: BatchPlan) -> None:
-        """The controller's next plan; replaces one not yet started."""
+    def set_plan(self, plan: BatchPlan, regraded: Mapping[str, bool] | None = None) -> None:
+        """The controller's next plan; replaces one not yet started. `regraded`: requests
+        its planner guaranteed (True) or gave up on (False) since the last plan; ids this
+        replica does not hold (ended, or not added yet) are ignored."""
+        for rid, admitted in (regraded or {}).items():
+            held = self._held.get(rid)
+            if held is not None:
+                held.promoted = held.promoted or (admitted and not held.admitted)
+                held.admitted = admitted
         self._inbox = plan
         self._wake.set()
 
@@ -273,6 +283,7 @@ class ReplicaCore:
                 logprobs=tuple(result.logprobs),
                 prompt_logprobs=tuple(result.prompt_logprobs),
                 cached_tokens=(held.cached or 0) if first and tokens else 0,
+                promoted=held.promoted and first and bool(tokens),
             )
             if result.finish_reason is not None:
                 self._end(result.request_id, result.finish_reason, item)

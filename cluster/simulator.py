@@ -360,8 +360,8 @@ class SimResult:
     deadline, or outgrown KV), summed over replicas."""
     promoted: int = 0
     """slos policies: promotions of best-effort SLO requests to a guarantee by a replica's
-    planner (the verdict at the door stands; an admitted request demoted before its first
-    token may be promoted again), summed over replicas."""
+    planner (their outcomes' verdict is admitted, as a live client's; an admitted request
+    demoted before its first token may be promoted again), summed over replicas."""
     replica_s: float = 0.0
     """GPU time: seconds each replica ran (started, serving or draining), summed."""
     scaling: tuple[tuple[float, int, int], ...] = ()
@@ -925,6 +925,8 @@ class Simulator:
         if rep.landed:
             self._place_landed(rep)
         plan = rep.next_plan(self._now)
+        if rep.mirror is not None:
+            self._regrade(rep.mirror.take_regraded())
         if plan is not None and rep.executor.attach_prefixes(plan):
             plan = reconcile(plan, _views(rep.executor, plan))
         if plan is None:
@@ -934,6 +936,14 @@ class Simulator:
         self._steps += 1
         self._busy_s += duration
         self._events.push(self._now + duration, EventKind.STEP_DONE, rep.index)
+
+    def _regrade(self, regraded: dict[str, bool]) -> None:
+        """A replica's plan goes with the guarantees its planner changed: a promoted request
+        is admitted, as a live client learns with its first token (cluster.handle)."""
+        for rid, admitted in regraded.items():
+            track = self._tracks[self._index[rid]]
+            if admitted and track.verdict is Verdict.BEST_EFFORT:
+                track.verdict = Verdict.ADMITTED
 
     def _close(self, i: int) -> None:
         """Request i is done (finished or rejected): issue its follow-up rounds, or, when it

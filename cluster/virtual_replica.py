@@ -97,6 +97,11 @@ class VirtualReplica:
         self.seq = 0
         self.held: dict[str, Request] = {}
         self.admitted: set[str] = set()
+        """The requests guaranteed now: bound admitted or promoted since, less those demoted."""
+        self.regraded: dict[str, bool] = {}
+        """Guarantees the planner changed since the replica was last told (True: promoted,
+        False: demoted), sent with its next plan (`take_regraded`): its snapshot then holds
+        them, so a mirror rebuilt from it neither promotes nor demotes a request again."""
         self.preempted_tokens = 0
         """KV tokens the replica's preemptions dropped (work it computes again when the
         requests resume), counted as their steps are folded in."""
@@ -156,9 +161,7 @@ class VirtualReplica:
 
     @property
     def num_promoted(self) -> int:
-        """Promotions this incarnation's planner made (see SlosScheduler.promoted). The
-        verdict a request was bound with stands, and the replica is not told: a mirror
-        rebuilt from its snapshot may promote the request again."""
+        """Promotions this incarnation's planner made (see SlosScheduler.promoted)."""
         return self.scheduler.num_promoted if isinstance(self.scheduler, SlosScheduler) else 0
 
     @property
@@ -204,18 +207,48 @@ class VirtualReplica:
         """Forget a request; False when this replica does not hold it. What it computed stays
         cached (a client that read what it wanted leaves its history), as far as the mirror
         has seen it."""
-        if self.held.pop(request_id, None) is None:
+        if request_id not in self.held:
             return False
         state = self.scheduler.queues.states.get(request_id)
         if state is not None and self._pictures():
             self._remember_history(_known(state, state.num_computed_tokens))
-        self.admitted.discard(request_id)
-        self.credits.pop(request_id, None)
+        self._drop(request_id)
         self.scheduler.abort_request(request_id)
         return True
 
+    def _drop(self, request_id: str) -> None:
+        """Forget a request that ended here."""
+        self.held.pop(request_id, None)
+        self.admitted.discard(request_id)
+        self.regraded.pop(request_id, None)
+        self.credits.pop(request_id, None)
+
     def next_plan(self, now: float) -> BatchPlan | None:
-        return self.scheduler.schedule(now)
+        """The replica's next plan; the requests its replan promoted are admitted from now
+        on, also when the batch then cannot be formed."""
+        promoted = self.num_promoted
+        try:
+            return self.scheduler.schedule(now)
+        finally:
+            self._regrade(promoted, self.num_demoted)
+
+    def take_regraded(self) -> dict[str, bool]:
+        """The guarantee changes to send the replica with a plan (see `regraded`)."""
+        regraded, self.regraded = self.regraded, {}
+        return regraded
+
+    def _regrade(self, promoted: int, demoted: int) -> None:
+        """Follow the planner's promotions and demotions since it had made `promoted` and
+        `demoted` of them."""
+        if not isinstance(self.scheduler, SlosScheduler):
+            return
+        scheduler = self.scheduler
+        for rid in _latest(scheduler.promoted, scheduler.num_promoted - promoted):
+            self.admitted.add(rid)
+            self.regraded[rid] = True
+        for rid in _latest(scheduler.demoted, scheduler.num_demoted - demoted):
+            self.admitted.discard(rid)
+            self.regraded[rid] = False
 
     def apply(self, report: StepReport) -> ReportFit:
         """Fold an executed step in, if it is the next one of the incarnation mirrored."""
@@ -235,15 +268,10 @@ class VirtualReplica:
         self._remember_computed(report)
         demoted = self.num_demoted
         self.scheduler.update_from_outcome(report.plan, report.outcome, report.time)
-        if self.num_demoted > demoted:
-            assert isinstance(self.scheduler, SlosScheduler)
-            given_up = list(self.scheduler.demoted)[demoted - self.num_demoted :]
-            self.admitted.difference_update(given_up)
+        self._regrade(self.num_promoted, demoted)
         for result in report.outcome.outcomes:
             if result.finished:
-                self.held.pop(result.request_id, None)
-                self.admitted.discard(result.request_id)
-                self.credits.pop(result.request_id, None)
+                self._drop(result.request_id)
         return ReportFit.APPLIED
 
     def _check_credits(self, report: StepReport) -> None:
@@ -358,6 +386,7 @@ class VirtualReplica:
         """Forget everything (the replica died; its requests resume elsewhere)."""
         self.held.clear()
         self.admitted.clear()
+        self.regraded.clear()
         self.credits.clear()
         self.scheduler = self._new_scheduler()
         self.incarnation = ""
@@ -403,6 +432,11 @@ class VirtualReplica:
 def _known(state: RequestState, upto: int) -> list[int]:
     """A request's first `upto` tokens so far: its prompt, then its output."""
     return leading_tokens(state.request.prompt_token_ids, state.output_token_ids, upto)
+
+
+def _latest(history: Sequence[str], count: int) -> list[str]:
+    """The last `count` entries of a history (a bounded deque keeps more than a step adds)."""
+    return list(history)[-count:] if count > 0 else []
 
 
 def executed(report: StepReport) -> BatchPlan:

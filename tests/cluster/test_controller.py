@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,11 +16,12 @@ import pytest
 from ray.exceptions import RayTaskError
 
 from cluster import controller as controller_module
-from cluster.api import Verdict
+from cluster.api import FinalRecord, TokenChunk, Verdict
 from cluster.config import ClusterConfig
 from cluster.control import Binding
 from cluster.controller import ClusterController
-from cluster.messages import ReplicaSnapshot, StepReport
+from cluster.handle import ClusterHandle
+from cluster.messages import ReplicaSnapshot, StepReport, StreamItem
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchOutcome, BatchPlan, DecodeStep
 from replica.engine import Engine
@@ -58,6 +59,7 @@ class LocalReplica:
         self.set_plan = _Method(self._set_plan)
         self.snapshot = _Method(self._snapshot)
         self.health = _Method(self._health)
+        self.stream = _Streaming(core)
 
     async def _add_request(self, request: Request, admitted: bool) -> None:
         self.core.start()
@@ -70,10 +72,10 @@ class LocalReplica:
     async def _abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
-    async def _set_plan(self, plan: BatchPlan) -> None:
+    async def _set_plan(self, plan: BatchPlan, regraded: dict[str, bool] | None = None) -> None:
         if self.plans.is_set():
             self.core.start()
-            self.core.set_plan(plan)
+            self.core.set_plan(plan, regraded)
 
     async def _snapshot(self) -> ReplicaSnapshot:
         snapshot = self.core.snapshot()
@@ -83,6 +85,23 @@ class LocalReplica:
 
     async def _health(self) -> str:
         return self.core.incarnation
+
+
+class _Streaming:
+    """`stream.options(num_returns="streaming").remote(rid)` as on the replica actor: the
+    request's stream items, each behind an awaitable (Ray's object refs)."""
+
+    def __init__(self, core: ReplicaCore) -> None:
+        self.core = core
+
+    def options(self, **_: Any) -> _Streaming:
+        return self
+
+    async def remote(self, request_id: str) -> AsyncIterator[Awaitable[StreamItem]]:
+        async for item in self.core.stream(request_id):
+            ready: asyncio.Future[StreamItem] = asyncio.get_running_loop().create_future()
+            ready.set_result(item)
+            yield ready
 
 
 def _open() -> asyncio.Event:
@@ -381,6 +400,88 @@ def test_the_promotions_of_a_replan_are_counted_also_when_the_planning_fails(
         await replica.core.stop()
 
     asyncio.run(run())
+
+
+def test_a_guarantee_given_up_reaches_the_replica_with_the_next_plan(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    """A request admitted half a second before its first token's deadline, whose plans are
+    lost until the deadline passed: its late first token costs it the guarantee, and the
+    replica's snapshot, which a rebuilt mirror starts from, holds it best-effort."""
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        replica.plans.clear()
+        late = dataclasses.replace(request("late", 400), arrival_time=time.time() - 2.5)
+        assert (await controller.submit(late)).verdict is Verdict.ADMITTED
+        assert [h.admitted for h in replica.core.snapshot().requests] == [True]
+        await asyncio.sleep(0.6)
+        replica.plans.set()  # the tick loop sends the plan again
+        await until(
+            lambda: [h.admitted for h in replica.core.snapshot().requests] == [False],
+            "the replica holds the request best-effort",
+        )
+        assert controller.plane.replicas[0].num_demoted == 1
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_front_door_announces_a_promoted_request_as_admitted(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    """A tight request declined while another tight one decodes waits best-effort; once
+    that one's stream closes, the next replan guarantees it and the replica, told with the
+    plan, marks its first token: the client's first chunk and record say admitted.
+
+    Plans are dropped from its arrival until the close is folded, or leftovers would serve
+    it first (the running request is ahead of its deadlines), and replans come on arrivals
+    only until then, on the planner's timer after."""
+    tight = SLO(ttft_ms=1500, tpot_ms=100)  # the profile fits one such decoder, not two
+
+    def arriving(rid: str, prompt: list[int], max_tokens: int) -> Request:
+        return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), tight)
+
+    async def run() -> tuple[TokenChunk | FinalRecord, FinalRecord, dict[str, int]]:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        vr = controller.plane.replicas[0]
+        assert isinstance(vr.scheduler, SlosScheduler)
+        invocation = vr.scheduler.invocation
+        planned = invocation.config
+        invocation.config = dataclasses.replace(planned, interval_s=60.0)
+        door = SimpleNamespace(submit=_Method(controller.submit), abort=_Method(controller.abort))
+        handle = ClusterHandle(
+            config, door, [replica], engine.max_model_len, engine.target.vocab_size
+        )
+        running = handle.submit(arriving("running", [11, 200, 31], 400))
+        assert isinstance(await anext(running), TokenChunk)
+        replica.plans.clear()
+        deferred = handle.submit(arriving("deferred", [12, 13], 8))
+        first = asyncio.ensure_future(anext(deferred))
+        await until(lambda: "deferred" in vr.held, "the deferred request is bound")
+        assert "deferred" not in vr.admitted
+        await running.aclose()
+        await until(
+            lambda: (
+                [h.request.request_id for h in replica.core.snapshot().requests] == ["deferred"]
+            ),
+            "the replica ended the running request",
+        )
+        await until(lambda: "running" not in vr.held, "the mirror let it go")
+        invocation.config = planned
+        replica.plans.set()
+        head = await asyncio.wait_for(first, 20)
+        *_, record = [item async for item in deferred]
+        await replica.core.stop()
+        return head, record, controller.plane.metrics.counters
+
+    head, record, counters = asyncio.run(run())
+    assert isinstance(head, TokenChunk) and head.placement is not None
+    assert head.placement.verdict is Verdict.ADMITTED
+    assert isinstance(record, FinalRecord) and record.verdict is Verdict.ADMITTED
+    assert record.slo_attained and counters["promoted"] == 1
 
 
 def test_reports_out_of_order_are_folded_in_order_and_a_gap_that_stays_rebuilds(

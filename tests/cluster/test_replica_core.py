@@ -110,6 +110,36 @@ def test_abort_ends_the_stream_and_frees_kv(engine: Engine) -> None:
     assert [(o.request_id, o.finish_reason) for o in last.outcome.outcomes] == [("b", "abort")]
 
 
+def test_the_guarantees_a_plan_changes_reach_the_snapshot_and_the_first_token(
+    engine: Engine,
+) -> None:
+    """A plan names the requests its planner promoted or demoted: the snapshot a rebuilt
+    mirror starts from holds the change, and the first token of a promoted request says so
+    (the client's verdict is admitted); ids the replica does not hold are ignored."""
+
+    async def run() -> tuple[list[StreamItem], list[StreamItem], list[bool]]:
+        core = ReplicaCore(engine, 0, lambda report: None)
+        core.start()
+        core.add_request(req("late", max_tokens=3), admitted=False)
+        core.add_request(req("slow", max_tokens=3), admitted=True)
+        core.set_plan(
+            BatchPlan((PrefillChunk("late", len(PROMPT)),)),
+            {"late": True, "slow": False, "ended": True},
+        )
+        grades = [h.admitted for h in core.snapshot().requests]
+        promoted = await drain(core, "late")
+        core.set_plan(BatchPlan((PrefillChunk("slow", len(PROMPT)),)))
+        demoted = await drain(core, "slow")
+        await core.stop()
+        return promoted, demoted, grades
+
+    promoted, demoted, grades = asyncio.run(run())
+    assert grades == [True, False]
+    assert promoted[0].token_ids and promoted[0].promoted
+    assert not any(i.promoted for i in promoted[1:])
+    assert not any(i.promoted for i in demoted)
+
+
 def test_closing_the_stream_aborts_the_request(engine: Engine) -> None:
     async def run() -> ReplicaCore:
         core = ReplicaCore(engine, 0, lambda report: None)

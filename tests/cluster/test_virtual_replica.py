@@ -186,7 +186,7 @@ def test_only_the_slos_planner_plans_admission(perf: PerfModel) -> None:
         baseline.plan_admission(requests(1), 0.0)
 
 
-def test_the_promotions_of_the_mirrors_planner_are_counted() -> None:
+def test_a_promotion_admits_the_request_and_is_sent_to_the_replica_once() -> None:
     # As in the planner's test of promotion: the DP's worst case fits one of the two
     # 520-token prompts before their deadline; once `a`'s prefill ran, `b` fits too.
     perf = PerfModel.synthetic({"tokens": 1e-4, "attn_tokens": 1e-7})
@@ -201,10 +201,49 @@ def test_the_promotions_of_the_mirrors_planner_are_counted() -> None:
     vr.add_best_effort(b, 0.0)
     executor.add(a)
     executor.add(b)
-    assert vr.num_promoted == 0
-    run_steps(vr, executor, 0.0, 3)
-    assert vr.num_promoted == 1 and vr.admitted == {"a"}  # the verdict at the door stands
+    now = 0.0
+    while (plan := vr.next_plan(now)) is not None and not vr.num_promoted:
+        outcome, duration = executor.execute(plan, now)
+        now += duration
+        vr.apply(StepReport(0, vr.incarnation, vr.seq + 1, plan, outcome, now))
+    assert vr.num_promoted == 1 and vr.admitted == {"a", "b"}
     assert isinstance(vr.scheduler, SlosScheduler) and list(vr.scheduler.promoted) == ["b"]
+    assert vr.take_regraded() == {"b": True} and vr.take_regraded() == {}
+    assert not executor.sequences["b"].computed
+    # Rebuilt from a snapshot the promotion did not reach, the mirror would promote `b`
+    # again; from the replica's, told with the plan, it holds `b` admitted.
+    told = snapshot_of(executor, vr, "same")
+    untold = replace(
+        told, requests=tuple(replace(h, admitted=h.request is a) for h in told.requests)
+    )
+    for snapshot, promotions in ((untold, 1), (told, 0)):
+        vr.restore(snapshot, now)
+        vr.next_plan(now)
+        assert vr.num_promoted == promotions and vr.admitted == {"a", "b"}
+
+
+def first_token_late(perf: PerfModel) -> tuple[VirtualReplica, PerfExecutor]:
+    """A mirror whose admitted request's first token came past its deadline (a replica far
+    slower than its profile): the guarantee is given up."""
+    vr = VirtualReplica(0, perf, CACHE)
+    executor = PerfExecutor(perf, CACHE)
+    request = tight("late")
+    vr.admit(request, 0.0)
+    executor.add(request)
+    plan = vr.next_plan(0.0)
+    assert plan is not None
+    outcome, _ = executor.execute(plan, 0.0)
+    vr.apply(StepReport(0, vr.incarnation, vr.seq + 1, plan, outcome, 3.0))
+    assert vr.num_demoted == 1 and not vr.admitted
+    return vr, executor
+
+
+def test_a_demotion_is_sent_to_the_replica_unless_the_request_ended(perf: PerfModel) -> None:
+    vr, _ = first_token_late(perf)
+    assert vr.take_regraded() == {"late": False}
+    vr, executor = first_token_late(perf)
+    run_steps(vr, executor, 3.0, 100)
+    assert not vr.held and vr.take_regraded() == {}
 
 
 def run_slow(vr: VirtualReplica, executor: PerfExecutor, slowdown: float) -> None:

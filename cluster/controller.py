@@ -576,6 +576,7 @@ class ClusterController:
                 return
             self.plane.restore(replica, snapshot, time.time())
             self.plane.metrics.inc("mirror_rebuilds")
+            self.plane.metrics.inc("demoted", self.plane.replicas[replica].num_demoted)
             # Held since before the snapshot: another incarnation's are the past.
             rebuild.reports += [r for r in held if r.incarnation == snapshot.incarnation]
             self._wake_resumes()

@@ -395,11 +395,12 @@ class VirtualReplica:
     def restore(self, snapshot: ReplicaSnapshot, now: float) -> None:
         """Rebuild the mirror from what the replica holds.
 
-        Progress is replayed as one synthetic step through the planner's own outcome path,
-        so the planner's bookkeeping stays its own: requests with cached tokens become
-        running, the others wait with their tokens kept (like a preempted request). The
-        picture of the prefix cache is kept unless the replica is a new incarnation. The
-        requests are bound without a prefix credit: what they hold is what the replica says."""
+        Progress is replayed as one synthetic step through the planner's own outcome path
+        (`Scheduler.restore`: no token it replays is judged late), so the planner's
+        bookkeeping stays its own: requests with cached tokens become running, the others
+        wait with their tokens kept (like a preempted request). The picture of the prefix
+        cache is kept unless the replica is a new incarnation. The requests are bound without
+        a prefix credit: what they hold is what the replica says."""
         if snapshot.incarnation != self._pictured:
             self.prefixes, self.computed = self._new_pictures()
             self._pictured = snapshot.incarnation
@@ -422,11 +423,12 @@ class VirtualReplica:
                     )
                 )
         if outcomes:
-            self.scheduler.update_from_outcome(
+            self.scheduler.restore(
                 BatchPlan(entries=tuple(entries)),
                 BatchOutcome(outcomes=outcomes, free_blocks=snapshot.free_blocks),
                 now,
             )
+        self._regrade(0, 0)  # what the new planner gave up on restoring (a prompt past due)
 
 
 def _known(state: RequestState, upto: int) -> list[int]:

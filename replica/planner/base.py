@@ -110,6 +110,11 @@ class Scheduler(ABC):
     def update_from_outcome(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None:
         """Fold the engine's report of `plan` into the scheduler's state."""
 
+    def restore(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None:
+        """Take in what the replica did before this scheduler saw it (a mirror rebuilt from
+        the replica's snapshot), replayed as one step."""
+        self.update_from_outcome(plan, outcome, now)
+
     @abstractmethod
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""

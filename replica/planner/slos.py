@@ -301,11 +301,11 @@ class SlosScheduler(Scheduler):
         prefills = tuple(
             RunningPrefill(
                 prefill_tokens=w.state.num_uncomputed,
-                deadline_s=prefill_deadline(w.state.request),
+                deadline_s=w.token_deadline_s,
                 tpot_s=w.tpot_s,
-                decode_tokens=w.state.request.sampling.max_tokens - 1,
+                decode_tokens=w.state.remaining_output - 1,
                 early_tokens=w.early_tokens,
-                chain=upcoming_deadlines(w.state.request, 0) if w.early_tokens else (),
+                chain=w.chain,
             )
             for w in works
             if not w.decoding
@@ -591,14 +591,18 @@ class SlosScheduler(Scheduler):
             return
         period = self.budget.period_s
         self.invocation.note_batch(period, outcome.total_s)
+        self._refresh(outcome, now)
+        self.invocation.note_lagging(
+            {rid for rid, w in self._work.items() if w.decoding and lags(w.deadline_s, now, period)}
+        )
+
+    def _refresh(self, outcome: BatchOutcome, now: float) -> None:
+        """The admitted requests the outcome moved on, as the plan holds them now."""
         factor = self.config.invocation.behind_tpot_factor
         for result in outcome.outcomes:
             work = self._work.get(result.request_id)
             if work is not None:
                 work.refresh(now, self.budget, factor)
-        self.invocation.note_lagging(
-            {rid for rid, w in self._work.items() if w.decoding and lags(w.deadline_s, now, period)}
-        )
 
     def _give_up_missed(self, outcome: BatchOutcome, now: float) -> None:
         """Admitted requests that already missed a deadline (a token out late, or a prompt
@@ -615,12 +619,27 @@ class SlosScheduler(Scheduler):
             and result.request_id in self._work
             and _first_new_late(self._work[result.request_id].state, result, now)
         ]
-        missed += [
+        for rid in dict.fromkeys([*missed, *self._prompts_past_due(now)]):
+            self._demote(rid)
+
+    def _prompts_past_due(self, now: float) -> list[str]:
+        """Admitted requests without a token whose first token's deadline has passed."""
+        return [
             rid
             for rid, work in self._work.items()
             if not work.state.output_token_ids and prefill_deadline(work.state.request) < now
         ]
-        for rid in dict.fromkeys(missed):
+
+    def restore(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None:
+        """The replica's progress before this planner saw it. Its tokens came earlier, at
+        times the snapshot does not keep, so none is judged late: judged at `now`, every
+        admitted request with a token would lose its guarantee at every rebuild. A prompt
+        past its first token's deadline is (it is late whenever its token comes)."""
+        self.queues.apply(plan, outcome, now)
+        self._refresh(outcome, now)
+        if self.lengths is not None:
+            self._extend_reservations(outcome)
+        for rid in self._prompts_past_due(now):
             self._demote(rid)
 
     def _extend_reservations(self, outcome: BatchOutcome) -> None:

@@ -149,6 +149,22 @@ def test_restored_mirror_continues_where_the_replica_is(
         assert len(executor.output(r.request_id)) == r.sampling.max_tokens
 
 
+def test_a_rebuilt_mirror_keeps_the_guarantees_its_replica_keeps(perf: PerfModel) -> None:
+    """Rebuilt after its first token's deadline: a request whose tokens came (when, the
+    snapshot does not say) keeps its guarantee; one whose prompt is not done is late, and
+    the replica is told it lost the guarantee."""
+    vr = VirtualReplica(0, perf, CACHE)
+    slo = SLO(ttft_ms=200, tpot_ms=100)
+    sampling = SamplingParams(max_tokens=50)
+    going = Request("going", [1] * 8, sampling, slo=slo, arrival_time=0.0)
+    stuck = Request("stuck", [1] * 8, sampling, slo=slo, arrival_time=0.0)
+    held = (HeldRequest(going, True, (3, 3, 3), 10), HeldRequest(stuck, True, (), 0))
+    vr.restore(ReplicaSnapshot(0, "x", 5, held, free_blocks=200, num_blocks=256), 0.45)
+    assert vr.admitted == {"going"} and vr.num_demoted == 1
+    assert isinstance(vr.scheduler, SlosScheduler) and set(vr.scheduler.admitted) == {"going"}
+    assert vr.take_regraded() == {"stuck": False}
+
+
 @SCHEDULERS
 def test_abort_and_reset_forget_requests(perf: PerfModel, config: SchedulerConfig | None) -> None:
     vr = VirtualReplica(0, perf, CACHE, config)

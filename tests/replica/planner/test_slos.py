@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from replica.batch import BatchOutcome, BatchPlan, PrefillChunk
+from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
 from replica.perf_model import PerfModel
 from replica.planner import slos as slos_module
 from replica.planner.admission import AdmissionResult, solve_admission
@@ -932,6 +932,22 @@ def test_best_effort_requests_that_can_still_be_on_time_go_first() -> None:
     plan = sched.schedule(0.1)
     assert plan is not None and plan.entries[0].request_id == "hopeful"
     assert not sched.promoted
+
+
+def test_an_admitted_request_computed_again_is_due_by_its_next_token_not_its_first() -> None:
+    """A replica that dropped an admitted request's KV (a mirror rebuilt from its snapshot
+    holds it so) computes prompt and output again: the DP holds that prefill to the next
+    token's deadline. Held to its first token's, long past, it would count as late, and
+    every new request would be declined until it was recomputed."""
+    cache = CacheBudget(256, 16)
+    scheduler = SlosScheduler(GPU_LIKE, cache)
+    again = request("again", 64, 40, ttft_s=0.2, tpot_s=0.1)
+    scheduler.add_admitted(again, 0.0)
+    tokens = RequestOutcome("again", new_token_ids=[5] * 5, num_computed_tokens=0)
+    scheduler.restore(BatchPlan(()), BatchOutcome(outcomes=[tokens]), 0.3)
+    assert "again" in scheduler.admitted and not scheduler.queues.states["again"].is_decoding
+    result = scheduler.plan_admission([request("new", 32, 8, arrival=0.3)], 0.3)
+    assert result.keeps_running and result.is_admitted("new")
 
 
 def test_a_request_declined_in_a_burst_is_promoted_when_the_plan_has_room() -> None:

@@ -17,6 +17,7 @@ from ray.exceptions import RayTaskError
 
 from cluster import controller as controller_module
 from cluster.api import FinalRecord, TokenChunk, Verdict
+from cluster.autoscale import AutoscaleConfig
 from cluster.config import ClusterConfig
 from cluster.control import Binding
 from cluster.controller import ClusterController
@@ -331,18 +332,28 @@ def test_the_replicas_steps_count_also_when_the_mirror_is_rebuilt_for_them(
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["fixed", "autoscaled"])
 def test_a_retried_submit_gets_the_binding_and_leaves_the_request_where_it_runs(
-    engine: Engine, config: ClusterConfig
+    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch, scaled: bool
 ) -> None:
     """The replica refuses a second add of a request it holds (AlreadyHeld), which the
     controller takes as handed over: the refusal had aborted the request in the mirror, which
-    lost it, and rejected the retry."""
+    lost it, and rejected the retry. Under autoscaling the binding names the replica's actor
+    (a front door's list of actors may hold another one in that slot)."""
+    if scaled:
+        config = dataclasses.replace(config, autoscale=AutoscaleConfig(max_replicas=2))
 
     async def run() -> None:
         controller, replica = start(engine, config)
+        monkeypatch.setattr(
+            controller_module,
+            "slot_occupants",
+            lambda slot, *_: (replica if slot == 0 else None, None),
+        )
         await controller.ready()
         r = request("again", 200)
         first = await controller.submit(r)
+        assert first.actor is (replica if scaled else None)
         rejected = controller.plane.metrics.counters.get("rejected", 0)
         assert await controller.submit(r) == first
         assert "again" in controller.plane.replicas[0].held

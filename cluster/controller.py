@@ -455,6 +455,7 @@ class ClusterController:
             now = time.time()
             for decision in self.plane.tick(now):
                 self._spawn(self._resolve(decision))
+            await asyncio.sleep(0)  # their hand-offs begin (_binding) before a plan is sent
             for vr in self.plane.replicas:
                 sent = self._plan_sent.get(vr.index)
                 idle = sent is None or now - sent > PLAN_RESEND_S
@@ -462,6 +463,11 @@ class ClusterController:
                     self._send_plan(vr.index, now)
 
     def _send_plan(self, replica: int, now: float) -> None:
+        """Plan the replica's next step from its mirror; none while the mirror is being
+        rebuilt (the rebuild plans when done), so no plan or guarantee change the replica
+        takes after its snapshot is lost with the mirror it came from."""
+        if replica in self._rebuilds:
+            return
         vr = self.plane.replicas[replica]
         promoted = vr.num_promoted
         try:
@@ -480,7 +486,7 @@ class ClusterController:
         if actor is None:
             return
         self._plan_sent[replica] = now
-        actor.set_plan.remote(plan, vr.take_regraded())
+        actor.set_plan.remote(plan, vr.take_regraded(self._binding[replica]))
 
     async def report(self, report: StepReport) -> None:
         """A replica executed a step: count it, fold it in and send that replica its next

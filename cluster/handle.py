@@ -158,10 +158,10 @@ class ClusterHandle:
     async def submit(self, request: Request) -> AsyncIterator[TokenChunk | FinalRecord]:
         """Token chunks as produced, then exactly one FinalRecord.
 
-        The verdict the first chunk from a replica announces, and the record's, is the one
-        the request runs with then: best-effort at its bind, it is admitted once its
-        replica's planner guaranteed it (always before its first token; a guarantee given
-        up later is not taken back from the client, whose record shows the SLO missed).
+        The verdict the first chunk from a replica announces is the one the request runs
+        with then, and the record's the one it ended with: best-effort at its bind, it is
+        admitted once its replica's planner guaranteed it (mostly before its first token).
+        A guarantee given up later is not taken back; the record shows the SLO missed.
 
         Raises ValueError for invalid requests, and ClusterUnavailable when no replica is up
         (before anything is yielded) or when a request that lost its replica cannot be resumed

@@ -83,5 +83,6 @@ class StreamItem:
     """With the first token: the prompt tokens the replica's prefix cache held (computed by
     an earlier request), OpenAI's `usage.prompt_tokens_details.cached_tokens`."""
     promoted: bool = False
-    """With the first token: the request, bound best-effort, is guaranteed since (a replan
-    of its replica found room for it): its verdict is admitted."""
+    """The request, bound best-effort, is guaranteed since (a replan of its replica found
+    room for it): its verdict is admitted. Said once, mostly with the first token (the
+    controller's copy of the replica lags it by a step, so a promotion may come later)."""

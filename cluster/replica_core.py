@@ -39,7 +39,8 @@ class _Held:
     admitted: bool
     """Guaranteed now (the controller's planner may promote or demote it since its bind)."""
     promoted: bool = False
-    """Bound best-effort, then guaranteed: its first token tells the client (StreamItem)."""
+    """Bound best-effort, guaranteed since, and its client not told yet: the next item it
+    streams says so (StreamItem.promoted)."""
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
     cached: int | None = None
@@ -283,11 +284,12 @@ class ReplicaCore:
                 logprobs=tuple(result.logprobs),
                 prompt_logprobs=tuple(result.prompt_logprobs),
                 cached_tokens=(held.cached or 0) if first and tokens else 0,
-                promoted=held.promoted and first and bool(tokens),
+                promoted=held.promoted,
             )
             if result.finish_reason is not None:
                 self._end(result.request_id, result.finish_reason, item)
             elif item.token_ids:
+                held.promoted = False
                 self._push(result.request_id, item)
         queries, hits = lookups.counts(plan)
         self._report(

@@ -925,7 +925,7 @@ class Simulator:
         if rep.landed:
             self._place_landed(rep)
         plan = rep.next_plan(self._now)
-        if rep.mirror is not None:
+        if plan is not None and rep.mirror is not None:
             self._regrade(rep.mirror.take_regraded())
         if plan is not None and rep.executor.attach_prefixes(plan):
             plan = reconcile(plan, _views(rep.executor, plan))
@@ -939,7 +939,7 @@ class Simulator:
 
     def _regrade(self, regraded: dict[str, bool]) -> None:
         """A replica's plan goes with the guarantees its planner changed: a promoted request
-        is admitted, as a live client learns with its first token (cluster.handle)."""
+        is admitted, as a live client learns from its stream (cluster.handle)."""
         for rid, admitted in regraded.items():
             track = self._tracks[self._index[rid]]
             if admitted and track.verdict is Verdict.BEST_EFFORT:

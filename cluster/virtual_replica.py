@@ -33,9 +33,11 @@ after its first token:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import replace
 from enum import StrEnum
+from itertools import islice
 
 from cluster.api import ReplicaStatus
 from cluster.messages import ReplicaSnapshot, StepReport
@@ -232,10 +234,12 @@ class VirtualReplica:
         finally:
             self._regrade(promoted, self.num_demoted)
 
-    def take_regraded(self) -> dict[str, bool]:
-        """The guarantee changes to send the replica with a plan (see `regraded`)."""
-        regraded, self.regraded = self.regraded, {}
-        return regraded
+    def take_regraded(self, unheld: Collection[str] = ()) -> dict[str, bool]:
+        """The guarantee changes to send the replica with a plan (see `regraded`), but for
+        the requests in `unheld`: not handed to the replica yet, it would not know them."""
+        taken = {rid: v for rid, v in self.regraded.items() if rid not in unheld}
+        self.regraded = {rid: v for rid, v in self.regraded.items() if rid in unheld}
+        return taken
 
     def _regrade(self, promoted: int, demoted: int) -> None:
         """Follow the planner's promotions and demotions since it had made `promoted` and
@@ -428,7 +432,7 @@ class VirtualReplica:
                 BatchOutcome(outcomes=outcomes, free_blocks=snapshot.free_blocks),
                 now,
             )
-        self._regrade(0, 0)  # what the new planner gave up on restoring (a prompt past due)
+        self._regrade(0, 0)  # what the new planner gave up restoring (reservations too big)
 
 
 def _known(state: RequestState, upto: int) -> list[int]:
@@ -436,9 +440,10 @@ def _known(state: RequestState, upto: int) -> list[int]:
     return leading_tokens(state.request.prompt_token_ids, state.output_token_ids, upto)
 
 
-def _latest(history: Sequence[str], count: int) -> list[str]:
-    """The last `count` entries of a history (a bounded deque keeps more than a step adds)."""
-    return list(history)[-count:] if count > 0 else []
+def _latest(history: deque[str], count: int) -> Iterator[str]:
+    """The last `count` entries of a history, newest first (a bounded deque keeps more than
+    a step adds)."""
+    return islice(reversed(history), max(0, count))
 
 
 def executed(report: StepReport) -> BatchPlan:

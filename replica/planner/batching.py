@@ -99,8 +99,10 @@ class SloWork:
         self.decoding = decoding
         self.base_tpot_s = remaining_tpot(request, max(1, produced))
         # A decoder's next deadline is exact; before the first token, token 1 is assumed one
-        # TPOT after token 0, so a stage starting early right after token 0 counts too.
-        self.early_tokens = early_stage_starts(request, produced if decoding else 0)
+        # TPOT after token 0, so a stage starting early right after token 0 counts too. A
+        # request computing its prompt and output again counts from its next token, as its
+        # chain does.
+        self.early_tokens = early_stage_starts(request, produced)
         self.token_deadline_s = token_deadline(request, produced)
         self.chain = upcoming_deadlines(request, produced) if self.early_tokens else ()
 

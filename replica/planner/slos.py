@@ -587,11 +587,11 @@ class SlosScheduler(Scheduler):
                 sum(o.num_accepted_tokens for o in drafting),
             )
         self._give_up_missed(outcome, now)
-        if self.budget is None:
+        self._refresh(outcome, now)
+        if self.budget is None:  # a mirror rebuilt since its last plan
             return
         period = self.budget.period_s
         self.invocation.note_batch(period, outcome.total_s)
-        self._refresh(outcome, now)
         self.invocation.note_lagging(
             {rid for rid, w in self._work.items() if w.decoding and lags(w.deadline_s, now, period)}
         )
@@ -619,28 +619,24 @@ class SlosScheduler(Scheduler):
             and result.request_id in self._work
             and _first_new_late(self._work[result.request_id].state, result, now)
         ]
-        for rid in dict.fromkeys([*missed, *self._prompts_past_due(now)]):
-            self._demote(rid)
-
-    def _prompts_past_due(self, now: float) -> list[str]:
-        """Admitted requests without a token whose first token's deadline has passed."""
-        return [
+        missed += [
             rid
             for rid, work in self._work.items()
             if not work.state.output_token_ids and prefill_deadline(work.state.request) < now
         ]
+        for rid in dict.fromkeys(missed):
+            self._demote(rid)
 
     def restore(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None:
         """The replica's progress before this planner saw it. Its tokens came earlier, at
-        times the snapshot does not keep, so none is judged late: judged at `now`, every
-        admitted request with a token would lose its guarantee at every rebuild. A prompt
-        past its first token's deadline is (it is late whenever its token comes)."""
+        times the snapshot does not keep, so nothing is judged late here: judged at `now`,
+        every admitted request with a token lost its guarantee at every rebuild. The
+        replica's next report is judged as any (a prompt past due then too: its token may
+        have come on time after the snapshot, in a report folded after the rebuild)."""
         self.queues.apply(plan, outcome, now)
         self._refresh(outcome, now)
         if self.lengths is not None:
             self._extend_reservations(outcome)
-        for rid in self._prompts_past_due(now):
-            self._demote(rid)
 
     def _extend_reservations(self, outcome: BatchOutcome) -> None:
         """Grow the reservation of every request whose next step could outrun it. If the

@@ -439,6 +439,37 @@ def test_a_guarantee_given_up_reaches_the_replica_with_the_next_plan(
     asyncio.run(run())
 
 
+def test_a_guarantee_change_waits_for_its_requests_hand_off(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    """The mirror plans a request from the moment the plane accepts it, so it may give up
+    (or grant) a guarantee before the replica has the request: a plan sent then could reach
+    a replica that does not know the id yet, which ignores it. The change waits for the
+    hand-off to return, and goes with the plan sent after it."""
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        vr = controller.plane.replicas[0]
+        replica.plans.clear()
+        replica.add_reply.clear()
+        late = dataclasses.replace(request("late", 400), arrival_time=time.time() - 2.5)
+        submit = asyncio.ensure_future(controller.submit(late))
+        await until(lambda: "late" in controller._binding[0], "the hand-off began")
+        await asyncio.sleep(0.6)
+        replica.plans.set()
+        await until(lambda: vr.num_demoted == 1, "the late first token was folded")
+        assert vr.regraded == {"late": False}
+        assert [h.admitted for h in replica.core.snapshot().requests] == [True]
+        replica.add_reply.set()
+        assert (await submit).verdict is Verdict.ADMITTED
+        assert not vr.regraded
+        assert [h.admitted for h in replica.core.snapshot().requests] == [False]
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
 def test_a_front_door_announces_a_promoted_request_as_admitted(
     engine: Engine, config: ClusterConfig
 ) -> None:

@@ -114,10 +114,10 @@ def test_the_guarantees_a_plan_changes_reach_the_snapshot_and_the_first_token(
     engine: Engine,
 ) -> None:
     """A plan names the requests its planner promoted or demoted: the snapshot a rebuilt
-    mirror starts from holds the change, and the first token of a promoted request says so
-    (the client's verdict is admitted); ids the replica does not hold are ignored."""
+    mirror starts from holds the change, and the next item a promoted request streams says
+    so, once (its client's verdict is admitted); ids the replica does not hold are ignored."""
 
-    async def run() -> tuple[list[StreamItem], list[StreamItem], list[bool]]:
+    async def run() -> tuple[list[StreamItem], list[StreamItem], list[StreamItem], list[bool]]:
         core = ReplicaCore(engine, 0, lambda report: None)
         core.start()
         core.add_request(req("late", max_tokens=3), admitted=False)
@@ -130,14 +130,21 @@ def test_the_guarantees_a_plan_changes_reach_the_snapshot_and_the_first_token(
         promoted = await drain(core, "late")
         core.set_plan(BatchPlan((PrefillChunk("slow", len(PROMPT)),)))
         demoted = await drain(core, "slow")
+        core.add_request(req("later", max_tokens=40), admitted=False)
+        core.set_plan(BatchPlan((PrefillChunk("later", len(PROMPT)),)))
+        stream = core.stream("later")
+        later = [await anext(stream)]
+        core.set_plan(BatchPlan(()), {"later": True})  # after its first token
+        later += [item async for item in stream]
         await core.stop()
-        return promoted, demoted, grades
+        return promoted, demoted, later, grades
 
-    promoted, demoted, grades = asyncio.run(run())
+    promoted, demoted, later, grades = asyncio.run(run())
     assert grades == [True, False]
     assert promoted[0].token_ids and promoted[0].promoted
     assert not any(i.promoted for i in promoted[1:])
     assert not any(i.promoted for i in demoted)
+    assert [i.promoted for i in later].count(True) == 1 and not later[0].promoted
 
 
 def test_closing_the_stream_aborts_the_request(engine: Engine) -> None:

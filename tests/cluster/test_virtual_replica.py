@@ -6,6 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cluster.messages import HeldRequest, ReplicaSnapshot, StepReport
 from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
@@ -13,6 +15,7 @@ from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, Req
 from replica.perf_model import BatchShape, PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.config import PlannerConfig, SpecConfig
+from replica.planner.deadlines import late_tokens
 from replica.planner.executor import PerfExecutor
 from replica.planner.sarathi import SarathiConfig
 from replica.planner.slos import SlosScheduler
@@ -20,6 +23,7 @@ from replica.planner.specserve import SpecServeLengths
 from replica.planner.vllm import VllmConfig
 from replica.request import SLO, Request, SamplingParams, Tier
 from tests.cluster.conftest import write_profile
+from tests.replica.planner.test_slos import GPU_LIKE, workloads
 
 CACHE = CacheBudget(num_blocks=256)
 SCHEDULERS = pytest.mark.parametrize(
@@ -501,3 +505,77 @@ def test_a_request_bound_after_its_prefix_was_computed_starts_from_it(
     vr.restore(snapshot_of(executor, vr, ""), now)
     assert vr.credits == {} and vr.scheduler.queues.states["c"].num_computed_tokens == 0
     assert vr.prefix_credit(c) == 48
+
+
+def rebuilding_run(
+    workload: tuple[list[Request], int, int], spec: bool, rebuilds: set[int]
+) -> tuple[PerfExecutor, set[str], dict[str, bool]]:
+    """A replica on the profile's speed and its mirror, driven as the controller drives
+    them: each request decided on arrival, mid-batch if a batch runs, and every guarantee
+    change taken as a plan is sent. After the steps in `rebuilds` the mirror is rebuilt from
+    the replica's snapshot. Returns the replica, the requests admitted at arrival, and the
+    guarantee changes (True: promoted, False: given up)."""
+    requests, num_blocks, group = workload
+    cache = CacheBudget(num_blocks, 16)
+    config = PlannerConfig(spec=SpecConfig() if spec else None, max_dp_candidates=group)
+    vr = VirtualReplica(0, GPU_LIKE, cache, config)
+    executor = PerfExecutor(GPU_LIKE, cache, (lambda _r, k: k) if spec else None)
+    arrivals = sorted(requests, key=lambda r: r.arrival_time)
+    admitted: set[str] = set()
+    regraded: dict[str, bool] = {}
+
+    def decide(request: Request, now: float) -> None:
+        executor.add(request)
+        rid = request.request_id
+        if request.slo is not None and vr.plan_admission([request], now).is_admitted(rid):
+            vr.admit(request, now)
+            admitted.add(rid)
+        else:
+            vr.add_best_effort(request, now)
+
+    now, nxt, step = arrivals[0].arrival_time, 0, 0
+    while nxt < len(arrivals) or vr.has_work():
+        plan = vr.next_plan(now)
+        if plan is None:
+            assert nxt < len(arrivals), "the mirror planned nothing with work left"
+            now = max(now, arrivals[nxt].arrival_time)
+            decide(arrivals[nxt], now)
+            nxt += 1
+            continue
+        regraded.update(vr.take_regraded())
+        outcome, duration = executor.execute(plan, now)
+        while nxt < len(arrivals) and arrivals[nxt].arrival_time < now + duration:
+            decide(arrivals[nxt], max(now, arrivals[nxt].arrival_time))
+            nxt += 1
+        now += duration
+        assert vr.apply(StepReport(0, "", vr.seq + 1, plan, outcome, now)) is ReportFit.APPLIED
+        step += 1
+        if step in rebuilds:
+            held = tuple(
+                HeldRequest(s.request, rid in vr.admitted, tuple(s.output), s.computed)
+                for rid, s in executor.sequences.items()
+                if not s.finished
+            )
+            vr.restore(ReplicaSnapshot(0, "", vr.seq, held, 0, num_blocks), now)
+        assert step < 100_000, "the workload did not finish"
+    return executor, admitted, regraded | vr.take_regraded()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.booleans(), st.sets(st.integers(1, 30), max_size=4))
+def test_property_a_mirror_rebuilt_mid_run_keeps_every_guarantee(
+    workload: tuple[list[Request], int, int], spec: bool, rebuilds: set[int]
+) -> None:
+    """Rebuilt from its replica's snapshot at random steps, the mirror plans every request
+    to its end, and each one guaranteed (at arrival, or promoted later) gets every token on
+    time: on the profile's speed no guarantee is given up."""
+    requests, num_blocks, _ = workload
+    executor, admitted, regraded = rebuilding_run(workload, spec, rebuilds)
+    assert all(regraded.values()), regraded
+    guaranteed = admitted | set(regraded)
+    for r in requests:
+        assert len(executor.output(r.request_id)) == r.sampling.max_tokens
+        if r.request_id in guaranteed:
+            times = executor.token_times[r.request_id]
+            assert not late_tokens(r, times), (r.request_id, late_tokens(r, times))
+    assert executor.peak_blocks <= num_blocks

@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,6 +42,7 @@ from cluster.names import CONTROLLER_NAME, NAMESPACE, replica_name, slot_occupan
 from cluster.profile import load_profile
 from cluster.replica_launch import start_actor, start_replica
 from replica.planner.base import CacheBudget
+from replica.planner.deadlines import late_tokens
 from replica.planner.queues import peak_tokens
 from replica.request import Request
 
@@ -72,17 +74,9 @@ def stage_verdicts(
         return ()
     slo = request.slo.closed_by(tokens)
     names = [st.name or f"stage{i}" for i, st in enumerate(slo.stages)] or ["default"]
-    late = [0] * len(names)
-    count = [0] * len(names)
-    for j, t in enumerate(times):
-        stage = slo.stage_at(j)
-        count[stage] += 1
-        if t > request.arrival_time + slo.deadline_s(j):
-            late[stage] += 1
-    return tuple(
-        StageVerdict(name, n == 0, n, covered)
-        for name, n, covered in zip(names, late, count, strict=True)
-    )
+    late = Counter(slo.stage_at(j) for j in late_tokens(request, times, tokens))
+    count = Counter(slo.stage_at(j) for j in range(len(times)))
+    return tuple(StageVerdict(name, not late[i], late[i], count[i]) for i, name in enumerate(names))
 
 
 class ClusterHandle:

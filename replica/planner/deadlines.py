@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from replica.request import SLO, Request
 
 
@@ -67,3 +69,14 @@ def chain_period(deadlines: tuple[float, ...], start: float) -> float:
     """The longest batch period at which batches back to back from `start`, one of
     `deadlines` each, are all on time."""
     return min((d - start) / (m + 1) for m, d in enumerate(deadlines))
+
+
+def late_tokens(
+    request: Request, times: Sequence[float], output: Sequence[int] = (), tol: float = 1e-9
+) -> list[int]:
+    """Output positions that came out after their deadline (deadline semantics), the SLO's
+    stages closed where `output` (the tokens) ends them; none without an SLO."""
+    if request.slo is None:
+        return []
+    slo = request.slo.closed_by(output)
+    return [j for j, t in enumerate(times) if t > request.arrival_time + slo.deadline_s(j) + tol]

@@ -473,17 +473,6 @@ def _fed(plan: BatchPlan) -> dict[str, int]:
     return fed
 
 
-def late_tokens(
-    request: Request, times: Sequence[float], output: Sequence[int] = (), tol: float = 1e-9
-) -> list[int]:
-    """Output positions that came out after their deadline (deadline semantics), the SLO's
-    stages closed where `output` (the tokens) ends them."""
-    if request.slo is None:
-        return []
-    slo = request.slo.closed_by(output)
-    return [j for j, t in enumerate(times) if t > request.arrival_time + slo.deadline_s(j) + tol]
-
-
 def run_workload(
     scheduler: Scheduler,
     executor: PerfExecutor,

@@ -35,7 +35,7 @@ from loadgen.workloads import (
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
 from replica.planner.config import PlannerConfig, SpecConfig
-from replica.planner.executor import late_tokens
+from replica.planner.deadlines import late_tokens
 from replica.planner.slos import SlosScheduler
 from replica.request import SLO, Request, SamplingParams, Stage, Tier
 from tests.replica.planner.test_slos import GPU_LIKE, workloads

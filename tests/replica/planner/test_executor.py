@@ -11,7 +11,8 @@ from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.perf_model import PerfModel
 from replica.planner.adaserve import AdaServeTrees
 from replica.planner.base import CacheBudget
-from replica.planner.executor import PerfExecutor, late_tokens, token_id
+from replica.planner.deadlines import late_tokens
+from replica.planner.executor import PerfExecutor, token_id
 from replica.request import SLO, Request, SamplingParams, Tier
 
 PERF = PerfModel.synthetic({"tokens": 0.5})

@@ -14,13 +14,12 @@ from replica.planner import slos as slos_module
 from replica.planner.admission import AdmissionResult, solve_admission
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.config import InvocationConfig, PlannerConfig, SpecConfig
-from replica.planner.deadlines import token_deadline
+from replica.planner.deadlines import late_tokens, token_deadline
 from replica.planner.executor import (
     OUTPUT_TOKENS,
     AcceptFn,
     Emits,
     PerfExecutor,
-    late_tokens,
     run_workload,
     token_id,
 )

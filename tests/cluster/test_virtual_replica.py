@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,6 @@ from replica.batch import BatchOutcome, BatchPlan, DecodeStep, PrefillChunk, Req
 from replica.perf_model import BatchShape, PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.config import PlannerConfig, SpecConfig
-from replica.planner.deadlines import late_tokens
 from replica.planner.executor import PerfExecutor
 from replica.planner.sarathi import SarathiConfig
 from replica.planner.slos import SlosScheduler
@@ -23,7 +22,7 @@ from replica.planner.specserve import SpecServeLengths
 from replica.planner.vllm import VllmConfig
 from replica.request import SLO, Request, SamplingParams, Tier
 from tests.cluster.conftest import write_profile
-from tests.replica.planner.test_slos import GPU_LIKE, workloads
+from tests.replica.planner.test_slos import GPU_LIKE, check_admitted_while_a_batch_runs, workloads
 
 CACHE = CacheBudget(num_blocks=256)
 SCHEDULERS = pytest.mark.parametrize(
@@ -507,58 +506,49 @@ def test_a_request_bound_after_its_prefix_was_computed_starts_from_it(
     assert vr.prefix_credit(c) == 48
 
 
-def rebuilding_run(
-    workload: tuple[list[Request], int, int], spec: bool, rebuilds: set[int]
-) -> tuple[PerfExecutor, set[str], dict[str, bool]]:
-    """A replica on the profile's speed and its mirror, driven as the controller drives
-    them: each request decided on arrival, mid-batch if a batch runs, and every guarantee
-    change taken as a plan is sent. After the steps in `rebuilds` the mirror is rebuilt from
-    the replica's snapshot. Returns the replica, the requests admitted at arrival, and the
-    guarantee changes (True: promoted, False: given up)."""
-    requests, num_blocks, group = workload
-    cache = CacheBudget(num_blocks, 16)
-    config = PlannerConfig(spec=SpecConfig() if spec else None, max_dp_candidates=group)
-    vr = VirtualReplica(0, GPU_LIKE, cache, config)
-    executor = PerfExecutor(GPU_LIKE, cache, (lambda _r, k: k) if spec else None)
-    arrivals = sorted(requests, key=lambda r: r.arrival_time)
-    admitted: set[str] = set()
-    regraded: dict[str, bool] = {}
+@dataclass
+class RebuiltMirror:
+    """A replica's mirror as the controller drives it, rebuilt from the replica's snapshot
+    after the steps in `rebuilds`; the guarantee changes go with each plan."""
 
-    def decide(request: Request, now: float) -> None:
-        executor.add(request)
-        rid = request.request_id
-        if request.slo is not None and vr.plan_admission([request], now).is_admitted(rid):
-            vr.admit(request, now)
-            admitted.add(rid)
-        else:
-            vr.add_best_effort(request, now)
+    vr: VirtualReplica
+    replica: PerfExecutor
+    rebuilds: set[int]
+    changes: dict[str, bool] = field(default_factory=dict)
+    steps: int = 0
 
-    now, nxt, step = arrivals[0].arrival_time, 0, 0
-    while nxt < len(arrivals) or vr.has_work():
-        plan = vr.next_plan(now)
-        if plan is None:
-            assert nxt < len(arrivals), "the mirror planned nothing with work left"
-            now = max(now, arrivals[nxt].arrival_time)
-            decide(arrivals[nxt], now)
-            nxt += 1
-            continue
-        regraded.update(vr.take_regraded())
-        outcome, duration = executor.execute(plan, now)
-        while nxt < len(arrivals) and arrivals[nxt].arrival_time < now + duration:
-            decide(arrivals[nxt], max(now, arrivals[nxt].arrival_time))
-            nxt += 1
-        now += duration
+    def decide(self, request: Request, now: float) -> bool:
+        if request.slo is not None and self.vr.plan_admission([request], now).is_admitted(
+            request.request_id
+        ):
+            self.vr.admit(request, now)
+            return True
+        self.vr.add_best_effort(request, now)
+        return False
+
+    def plan(self, now: float) -> BatchPlan | None:
+        plan = self.vr.next_plan(now)
+        if plan is not None:
+            self.changes.update(self.vr.take_regraded())
+        return plan
+
+    def report(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None:
+        vr = self.vr
         assert vr.apply(StepReport(0, "", vr.seq + 1, plan, outcome, now)) is ReportFit.APPLIED
-        step += 1
-        if step in rebuilds:
+        self.steps += 1
+        if self.steps in self.rebuilds:
             held = tuple(
                 HeldRequest(s.request, rid in vr.admitted, tuple(s.output), s.computed)
-                for rid, s in executor.sequences.items()
+                for rid, s in self.replica.sequences.items()
                 if not s.finished
             )
-            vr.restore(ReplicaSnapshot(0, "", vr.seq, held, 0, num_blocks), now)
-        assert step < 100_000, "the workload did not finish"
-    return executor, admitted, regraded | vr.take_regraded()
+            vr.restore(ReplicaSnapshot(0, "", vr.seq, held, 0, vr.cache.num_blocks), now)
+
+    def has_work(self) -> bool:
+        return self.vr.has_work()
+
+    def regraded(self) -> dict[str, bool]:
+        return self.changes | self.vr.take_regraded()
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -566,16 +556,10 @@ def rebuilding_run(
 def test_property_a_mirror_rebuilt_mid_run_keeps_every_guarantee(
     workload: tuple[list[Request], int, int], spec: bool, rebuilds: set[int]
 ) -> None:
-    """Rebuilt from its replica's snapshot at random steps, the mirror plans every request
-    to its end, and each one guaranteed (at arrival, or promoted later) gets every token on
-    time: on the profile's speed no guarantee is given up."""
-    requests, num_blocks, _ = workload
-    executor, admitted, regraded = rebuilding_run(workload, spec, rebuilds)
-    assert all(regraded.values()), regraded
-    guaranteed = admitted | set(regraded)
-    for r in requests:
-        assert len(executor.output(r.request_id)) == r.sampling.max_tokens
-        if r.request_id in guaranteed:
-            times = executor.token_times[r.request_id]
-            assert not late_tokens(r, times), (r.request_id, late_tokens(r, times))
-    assert executor.peak_blocks <= num_blocks
+    """Rebuilt from its replica's snapshot at random steps of a controller-style run, the
+    mirror plans every request to its end, each one guaranteed on time, none given up."""
+
+    def mirror(cache: CacheBudget, config: PlannerConfig, replica: PerfExecutor) -> RebuiltMirror:
+        return RebuiltMirror(VirtualReplica(0, GPU_LIKE, cache, config), replica, rebuilds)
+
+    check_admitted_while_a_batch_runs(workload, spec, mirror)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -430,33 +432,75 @@ def best_effort(rid: str, prompt: int, max_tokens: int, arrival: float = 0.0) ->
     return request(rid, prompt, max_tokens, arrival=arrival, tier=Tier.BEST_EFFORT)
 
 
-def run_as_controller(
-    scheduler: SlosScheduler, cache: CacheBudget, requests: list[Request], accept: AcceptFn | None
-) -> tuple[PerfExecutor, set[str]]:
-    """Drive the scheduler as the controller drives a replica's mirror: a request is decided
-    when it arrives, while a batch is in flight if one is (`plan_admission`, then
-    `add_admitted` or `add_best_effort`), and the batch is reported when it ends. Returns the
-    executor and the requests admitted."""
-    executor = PerfExecutor(GPU_LIKE, cache, accept)
+class Driven(Protocol):
+    """A replica's planner as the controller drives it: it decides each request on arrival
+    (True: admitted), plans the next step and takes its report; `regraded` says which
+    requests it promoted (True) or gave up (False) since."""
+
+    def decide(self, request: Request, now: float) -> bool: ...
+
+    def plan(self, now: float) -> BatchPlan | None: ...
+
+    def report(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def regraded(self) -> dict[str, bool]: ...
+
+
+@dataclass
+class PlannerAlone:
+    """The planner itself, driven as the controller drives its replica's mirror."""
+
+    scheduler: SlosScheduler
+
+    @classmethod
+    def of(cls, cache: CacheBudget, config: PlannerConfig, _: PerfExecutor) -> PlannerAlone:
+        return cls(SlosScheduler(GPU_LIKE, cache, config))
+
+    def decide(self, request: Request, now: float) -> bool:
+        rid = request.request_id
+        if request.slo is not None and self.scheduler.plan_admission([request], now).is_admitted(
+            rid
+        ):
+            self.scheduler.add_admitted(request, now)
+            return True
+        self.scheduler.add_best_effort(request, now)
+        return False
+
+    def plan(self, now: float) -> BatchPlan | None:
+        return self.scheduler.schedule(now)
+
+    def report(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None:
+        self.scheduler.update_from_outcome(plan, outcome, now)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def regraded(self) -> dict[str, bool]:
+        s = self.scheduler
+        return dict.fromkeys(s.promoted, True) | dict.fromkeys(s.demoted, False)
+
+
+def run_as_controller(driven: Driven, executor: PerfExecutor, requests: list[Request]) -> set[str]:
+    """Drive a planner as the controller drives a replica's mirror: a request is decided
+    when it arrives, while a batch is in flight if one is, and the batch is reported when it
+    ends. Returns the requests admitted on arrival."""
     arrivals = sorted(requests, key=lambda r: r.arrival_time)
     admitted: set[str] = set()
 
     def decide(request: Request, now: float) -> None:
         executor.add(request)
-        rid = request.request_id
-        if request.slo is not None and scheduler.plan_admission([request], now).is_admitted(rid):
-            scheduler.add_admitted(request, now)
-            admitted.add(rid)
-        else:
-            scheduler.add_best_effort(request, now)
+        if driven.decide(request, now):
+            admitted.add(request.request_id)
 
     now, nxt = arrivals[0].arrival_time, 0
     for _ in range(100_000):
-        plan = scheduler.schedule(now)
+        plan = driven.plan(now)
         if plan is None:
             if nxt == len(arrivals):
-                assert not scheduler.has_unfinished()
-                return executor, admitted
+                assert not driven.has_work()
+                return admitted
             now = max(now, arrivals[nxt].arrival_time)
             decide(arrivals[nxt], now)
             nxt += 1
@@ -466,7 +510,7 @@ def run_as_controller(
             decide(arrivals[nxt], max(now, arrivals[nxt].arrival_time))
             nxt += 1
         now += duration
-        scheduler.update_from_outcome(plan, outcome, now)
+        driven.report(plan, outcome, now)
     raise AssertionError("the workload did not finish")
 
 
@@ -566,19 +610,24 @@ def test_requests_admitted_while_a_batch_runs_meet_their_slos(
 
 
 def check_admitted_while_a_batch_runs(
-    workload: tuple[list[Request], int, int], spec: bool
+    workload: tuple[list[Request], int, int],
+    spec: bool,
+    drive: Callable[[CacheBudget, PlannerConfig, PerfExecutor], Driven] = PlannerAlone.of,
 ) -> set[str]:
-    """Every request is served whole, each admitted one on time, in the memory there is;
-    returns the requests admitted."""
+    """Every request is served whole, each guaranteed one (on arrival, or promoted later) on
+    time, none given up (the replica runs at the profile's speed), in the memory there is;
+    returns the requests admitted on arrival."""
     requests, num_blocks, group = workload
     cache = CacheBudget(num_blocks, 16)
     config = PlannerConfig(spec=SpecConfig() if spec else None, max_dp_candidates=group)
-    accept = (lambda _r, k: k) if spec else None
-    scheduler = SlosScheduler(GPU_LIKE, cache, config)
-    executor, admitted = run_as_controller(scheduler, cache, requests, accept)
+    executor = PerfExecutor(GPU_LIKE, cache, (lambda _r, k: k) if spec else None)
+    driven = drive(cache, config, executor)
+    admitted = run_as_controller(driven, executor, requests)
+    regraded = driven.regraded()
+    assert all(regraded.values()), regraded
     for r in requests:
         assert len(executor.output(r.request_id)) == r.sampling.max_tokens
-        if r.request_id in admitted:
+        if r.request_id in admitted or r.request_id in regraded:
             times = executor.token_times[r.request_id]
             assert not late_tokens(r, times), (r.request_id, late_tokens(r, times))
     assert executor.peak_blocks <= num_blocks

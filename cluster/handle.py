@@ -68,8 +68,9 @@ class _Progress:
 def stage_verdicts(
     request: Request, tokens: Sequence[int], times: Sequence[float]
 ) -> tuple[StageVerdict, ...]:
-    """Per SLO stage: token j on time iff it came by arrival + deadline_s(j), the stages
-    that end on a token closed where `tokens` (the output) has it."""
+    """Per SLO stage: token j on time iff it came by arrival + deadline_s(j) (within a
+    nanosecond, as the load generator judges: `late_tokens`), the stages that end on a token
+    closed where `tokens` (the output) has it."""
     if request.slo is None:
         return ()
     slo = request.slo.closed_by(tokens)

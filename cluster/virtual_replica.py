@@ -103,7 +103,10 @@ class VirtualReplica:
         self.regraded: dict[str, bool] = {}
         """Guarantees the planner changed since the replica was last told (True: promoted,
         False: demoted), sent with its next plan (`take_regraded`): its snapshot then holds
-        them, so a mirror rebuilt from it neither promotes nor demotes a request again."""
+        them, so a mirror rebuilt from it neither promotes nor demotes a request again. One
+        not sent yet when the mirror is rebuilt (no plan since; its request still being
+        handed over) is lost with it: the rebuilt mirror starts from the replica's grade and
+        may decide again (counted again)."""
         self.preempted_tokens = 0
         """KV tokens the replica's preemptions dropped (work it computes again when the
         requests resume), counted as their steps are folded in."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -68,13 +69,16 @@ def run_steps(
     return now, steps
 
 
-def snapshot_of(executor: PerfExecutor, vr: VirtualReplica, incarnation: str) -> ReplicaSnapshot:
+def snapshot_of(
+    executor: PerfExecutor, admitted: Container[str], incarnation: str, seq: int = 41
+) -> ReplicaSnapshot:
+    """What the replica holds after step `seq`, `admitted` the requests it holds guaranteed."""
     held = tuple(
-        HeldRequest(s.request, s.request.request_id in vr.admitted, tuple(s.output), s.computed)
+        HeldRequest(s.request, s.request.request_id in admitted, tuple(s.output), s.computed)
         for s in executor.sequences.values()
         if not s.finished
     )
-    return ReplicaSnapshot(0, incarnation, 41, held, free_blocks=0, num_blocks=CACHE.num_blocks)
+    return ReplicaSnapshot(0, incarnation, seq, held, 0, executor.cache.num_blocks)
 
 
 @SCHEDULERS
@@ -142,7 +146,7 @@ def test_restored_mirror_continues_where_the_replica_is(
     assert any(s.output for s in executor.sequences.values())
 
     rebuilt = VirtualReplica(0, perf, CACHE, config)
-    rebuilt.restore(snapshot_of(executor, vr, "x"), now)
+    rebuilt.restore(snapshot_of(executor, vr.admitted, "x"), now)
     assert rebuilt.incarnation == "x" and rebuilt.seq == 41
     assert rebuilt.held.keys() == vr.held.keys()
     assert rebuilt.admitted == vr.admitted
@@ -235,7 +239,7 @@ def test_a_promotion_admits_the_request_and_is_sent_to_the_replica_once() -> Non
     assert not executor.sequences["b"].computed
     # Rebuilt from a snapshot the promotion did not reach, the mirror would promote `b`
     # again; from the replica's, told with the plan, it holds `b` admitted.
-    told = snapshot_of(executor, vr, "same")
+    told = snapshot_of(executor, vr.admitted, "same")
     untold = replace(
         told, requests=tuple(replace(h, admitted=h.request is a) for h in told.requests)
     )
@@ -363,7 +367,7 @@ def test_a_mirror_tracking_prefixes_pictures_what_its_replica_caches(
     them, also after the replica was marked dead for a missed health check."""
     vr = VirtualReplica(0, perf, CACHE, config, track_prefixes=True)
     executor = PerfExecutor(perf, CACHE)
-    vr.restore(snapshot_of(executor, vr, "x"), 0.0)  # the mirror's first build, at boot
+    vr.restore(snapshot_of(executor, vr.admitted, "x"), 0.0)  # the mirror's first build, at boot
     first = Request("a", list(range(40)), SamplingParams(max_tokens=30), tier=Tier.BEST_EFFORT)
     vr.add_best_effort(first, 0.0)
     executor.add(first)
@@ -375,12 +379,12 @@ def test_a_mirror_tracking_prefixes_pictures_what_its_replica_caches(
     run_steps(vr, executor, 0.0, 500)
     history = [*range(40), *executor.output("a")]
     assert len(history) == 70 and probe([*history, 5]) == 64
-    vr.restore(snapshot_of(executor, vr, "x"), 1.0)
+    vr.restore(snapshot_of(executor, vr.admitted, "x"), 1.0)
     assert probe([*history, 5]) == 64
     vr.reset()  # marked dead
-    vr.restore(snapshot_of(executor, vr, "x"), 1.5)
+    vr.restore(snapshot_of(executor, vr.admitted, "x"), 1.5)
     assert probe([*history, 5]) == 64
-    vr.restore(snapshot_of(executor, vr, "y"), 2.0)
+    vr.restore(snapshot_of(executor, vr.admitted, "y"), 2.0)
     assert probe([*history, 5]) == 0
     assert VirtualReplica(0, perf, CACHE, config).cached_prefix(first) == 0
 
@@ -501,7 +505,7 @@ def test_a_request_bound_after_its_prefix_was_computed_starts_from_it(
     assert executor.output("b") and not vr.has_work()
     c = replace(b, request_id="c")
     executor.add(c)
-    vr.restore(snapshot_of(executor, vr, ""), now)
+    vr.restore(snapshot_of(executor, vr.admitted, ""), now)
     assert vr.credits == {} and vr.scheduler.queues.states["c"].num_computed_tokens == 0
     assert vr.prefix_credit(c) == 48
 
@@ -509,27 +513,34 @@ def test_a_request_bound_after_its_prefix_was_computed_starts_from_it(
 @dataclass
 class RebuiltMirror:
     """A replica's mirror as the controller drives it, rebuilt from the replica's snapshot
-    after the steps in `rebuilds`; the guarantee changes go with each plan."""
+    after the steps in `rebuilds`. The replica holds each request with the grade it was bound
+    with, changed as each plan brings the mirror's guarantee changes (`told`)."""
 
     vr: VirtualReplica
     replica: PerfExecutor
     rebuilds: set[int]
     changes: dict[str, bool] = field(default_factory=dict)
+    told: dict[str, bool] = field(default_factory=dict)
     steps: int = 0
 
     def decide(self, request: Request, now: float) -> bool:
-        if request.slo is not None and self.vr.plan_admission([request], now).is_admitted(
-            request.request_id
-        ):
+        rid = request.request_id
+        admitted = request.slo is not None and self.vr.plan_admission([request], now).is_admitted(
+            rid
+        )
+        if admitted:
             self.vr.admit(request, now)
-            return True
-        self.vr.add_best_effort(request, now)
-        return False
+        else:
+            self.vr.add_best_effort(request, now)
+        self.told[rid] = admitted
+        return admitted
 
     def plan(self, now: float) -> BatchPlan | None:
         plan = self.vr.next_plan(now)
         if plan is not None:
-            self.changes.update(self.vr.take_regraded())
+            sent = self.vr.take_regraded()
+            self.changes.update(sent)
+            self.told.update(sent)
         return plan
 
     def report(self, plan: BatchPlan, outcome: BatchOutcome, now: float) -> None:
@@ -537,12 +548,8 @@ class RebuiltMirror:
         assert vr.apply(StepReport(0, "", vr.seq + 1, plan, outcome, now)) is ReportFit.APPLIED
         self.steps += 1
         if self.steps in self.rebuilds:
-            held = tuple(
-                HeldRequest(s.request, rid in vr.admitted, tuple(s.output), s.computed)
-                for rid, s in self.replica.sequences.items()
-                if not s.finished
-            )
-            vr.restore(ReplicaSnapshot(0, "", vr.seq, held, 0, vr.cache.num_blocks), now)
+            held = {rid for rid, admitted in self.told.items() if admitted}
+            vr.restore(snapshot_of(self.replica, held, "", vr.seq), now)
 
     def has_work(self) -> bool:
         return self.vr.has_work()

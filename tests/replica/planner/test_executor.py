@@ -11,7 +11,6 @@ from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.perf_model import PerfModel
 from replica.planner.adaserve import AdaServeTrees
 from replica.planner.base import CacheBudget
-from replica.planner.deadlines import late_tokens
 from replica.planner.executor import PerfExecutor, token_id
 from replica.request import SLO, Request, SamplingParams, Tier
 
@@ -65,12 +64,6 @@ def test_refuses_plans_that_overrun_the_cache_or_feed_unknown_tokens() -> None:
         roomy.execute(BatchPlan((PrefillChunk("a", 7),)), 0.0)
     with pytest.raises(ValueError, match="not decoding"):
         executor.execute(BatchPlan((DecodeStep("a"),)), 0.0)
-
-
-def test_late_tokens_uses_deadline_semantics() -> None:
-    request = make()  # TTFT 1 s, TPOT 0.5 s
-    assert late_tokens(request, [1.0, 1.5, 2.0]) == []
-    assert late_tokens(request, [0.2, 1.6, 1.7]) == [1]  # early tokens bank slack
 
 
 def test_refuses_speculation_past_max_tokens() -> None:

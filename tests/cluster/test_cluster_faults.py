@@ -17,6 +17,8 @@ from tests.cluster.conftest import all_alive, collect, greedy_reference, status_
 pytestmark = pytest.mark.timeout(240)
 
 LOOSE = SLO(ttft_ms=5000, tpot_ms=1000)
+FIRST_SOON = SLO(ttft_ms=500, tpot_ms=1000)
+"""A first token due before a restarted controller has rebuilt its mirrors (seconds)."""
 MAX_TOKENS = 200
 """Long enough that a replica still holds its streams when a kill lands (at 40, once in CI,
 every stream had ended before it did)."""
@@ -119,11 +121,8 @@ def test_controller_restart_keeps_in_flight_requests(
             asyncio.ensure_future(stream_with_hook(cluster, rid, p, started[rid]))
             for rid, p in reqs.items()
         ]
-        long = cluster.submit(
-            Request(
-                "restart-long", [3, 1, 4], SamplingParams(max_tokens=2040, ignore_eos=True), LOOSE
-            )
-        )
+        sampling = SamplingParams(max_tokens=2040, ignore_eos=True)
+        long = cluster.submit(Request("restart-long", [3, 1, 4], sampling, FIRST_SOON))
         assert isinstance(await anext(long), TokenChunk)
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
         ray.kill(cluster.controller, no_restart=False)
@@ -131,6 +130,9 @@ def test_controller_restart_keeps_in_flight_requests(
         status = await status_until(cluster, lambda s: "admitted" not in s.counters, 300, 0.05)
         assert "admitted" not in status.counters
         assert sum(r.admitted + r.best_effort for r in status.replicas) >= 1
+        # The rebuilt mirror keeps the guarantee the replica runs `long` with, past its first
+        # token's deadline.
+        assert (await cluster.status()).counters.get("demoted", 0) == 0
         await long.aclose()
         return list(await asyncio.gather(*tasks))
 

@@ -295,20 +295,36 @@ def _solve_in_groups(problem: AdmissionProblem, size: int) -> AdmissionResult:
     )
 
 
-def _decline_all(problem: AdmissionProblem) -> AdmissionResult:
-    """The running requests' verdict on this budget, every candidate declined."""
-    alone = _solve(replace(problem, candidates=()))
-    return replace(alone, declined=tuple(c.request_id for c in problem.candidates))
+def _decline_all(
+    problem: AdmissionProblem,
+    events: list[tuple[float, int, int]] | None = None,
+    forced_late: int = 0,
+) -> AdmissionResult:
+    """The running requests' verdict on this budget, every candidate declined. `events`,
+    `forced_late`: the problem's, from `_events`, when known (its running requests' events
+    are those without the candidates', in the same order)."""
+    alone = replace(problem, candidates=())
+    if events is None:
+        events, forced_late = _events(alone)
+    running = [e for e in events if e[1] != 0]
+    verdict = _solve_events(alone, running, forced_late)
+    return replace(verdict, declined=tuple(c.request_id for c in problem.candidates))
 
 
 def _solve(problem: AdmissionProblem) -> AdmissionResult:
-    budget = problem.budget
-    batch = budget.batch_tokens
     events, forced_late = _events(problem)
     if forced_late and problem.candidates:
         # A running request this budget leaves late (say its batches grew with the
         # candidates in them) is a promise broken: nothing new is promised on it.
-        return _decline_all(problem)
+        return _decline_all(problem, events, forced_late)
+    return _solve_events(problem, events, forced_late)
+
+
+def _solve_events(
+    problem: AdmissionProblem, events: list[tuple[float, int, int]], forced_late: int
+) -> AdmissionResult:
+    budget = problem.budget
+    batch = budget.batch_tokens
     times = np.array([e[0] for e in events], dtype=float)
     grid = _grid(problem, times)
     ks = grid.batches

@@ -375,9 +375,7 @@ class ClusterController:
         request = decision.request
         rid = request.request_id
         admitted = binding.verdict is Verdict.ADMITTED
-        self._binding[replica][rid] = (request, admitted)
-        if replica in self._rebuilds:
-            self._rebuilds[replica].binds[rid] = (request, admitted)
+        self._handing(decision)
         added = False
         actor = self.replicas[replica]
         try:
@@ -401,7 +399,8 @@ class ClusterController:
             if not added and replica in self._rebuilds:
                 self._rebuilds[replica].binds.pop(rid, None)
         assert actor is not None  # it holds the request
-        binding = self._streamed_from(binding)
+        if self.autoscaler is not None:  # a front door's actor in that slot may be another
+            binding = replace(binding, actor=actor)
         if rid in self._aborted:
             self._aborted.discard(rid)
             actor.abort.remote(rid)
@@ -411,12 +410,19 @@ class ClusterController:
         self._send_plan(replica, time.time())
         return binding
 
-    def _streamed_from(self, binding: Binding) -> Binding:
-        """The binding naming its replica's actor when replicas come and go (autoscaling): a
-        front door's list of actors may hold another one in that slot, or none."""
-        if self.autoscaler is None or binding.replica is None:
-            return binding
-        return replace(binding, actor=self.replicas[binding.replica])
+    def _handing(self, decision: Decision) -> None:
+        """Note an accepted request as being handed to its replica, from the moment the
+        plane accepted it (its mirror plans it since): until the hand-off returns, no
+        guarantee change of it goes to the replica (`take_regraded`), and a rebuild keeps it
+        (`_keep_bound`)."""
+        binding = decision.binding
+        if binding.verdict not in (Verdict.ADMITTED, Verdict.BEST_EFFORT):
+            return
+        assert binding.replica is not None
+        held = (decision.request, binding.verdict is Verdict.ADMITTED)
+        self._binding[binding.replica][decision.request.request_id] = held
+        if binding.replica in self._rebuilds:
+            self._rebuilds[binding.replica].binds[decision.request.request_id] = held
 
     def _keep_bound(self, replica: int, request: Request, admitted: bool) -> None:
         """Put a request being bound back in a mirror just rebuilt without it: the snapshot
@@ -454,8 +460,8 @@ class ClusterController:
             arrived.clear()
             now = time.time()
             for decision in self.plane.tick(now):
+                self._handing(decision)  # before any plan can name it, not when its task runs
                 self._spawn(self._resolve(decision))
-            await asyncio.sleep(0)  # their hand-offs begin (_binding) before a plan is sent
             for vr in self.plane.replicas:
                 sent = self._plan_sent.get(vr.index)
                 idle = sent is None or now - sent > PLAN_RESEND_S

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from enum import StrEnum
 from itertools import islice
@@ -98,8 +99,8 @@ class VirtualReplica:
         self.incarnation = ""
         self.seq = 0
         self.held: dict[str, Request] = {}
-        self.admitted: set[str] = set()
-        """The requests guaranteed now: bound admitted or promoted since, less those demoted."""
+        self._bound_admitted: set[str] = set()
+        """A baseline's requests bound admitted (its grades never change)."""
         self.regraded: dict[str, bool] = {}
         """Guarantees the planner changed since the replica was last told (True: promoted,
         False: demoted), sent with its next plan (`take_regraded`): its snapshot then holds
@@ -170,6 +171,14 @@ class VirtualReplica:
         return self.scheduler.num_promoted if isinstance(self.scheduler, SlosScheduler) else 0
 
     @property
+    def admitted(self) -> AbstractSet[str]:
+        """The requests guaranteed now: the slos planner's (bound admitted or promoted since,
+        less those demoted), a baseline's those bound admitted."""
+        if isinstance(self.scheduler, SlosScheduler):
+            return self.scheduler.admitted.keys()
+        return self._bound_admitted
+
+    @property
     def load(self) -> float:
         """Requests held: the least-load first hop's signal."""
         return float(len(self.held))
@@ -202,8 +211,8 @@ class VirtualReplica:
             self.prefixes.remember(request.prompt_token_ids)
         if credit and self.computed is not None:  # a credited prefix is taken last
             self.computed.touch(request.prompt_token_ids)
-        if admitted:
-            self.admitted.add(rid)
+        if admitted and not isinstance(self.scheduler, SlosScheduler):
+            self._bound_admitted.add(rid)
         if credit:
             self.credits[rid] = credit
             self.credited_tokens += credit
@@ -224,7 +233,7 @@ class VirtualReplica:
     def _drop(self, request_id: str) -> None:
         """Forget a request that ended here."""
         self.held.pop(request_id, None)
-        self.admitted.discard(request_id)
+        self._bound_admitted.discard(request_id)
         self.regraded.pop(request_id, None)
         self.credits.pop(request_id, None)
 
@@ -240,21 +249,21 @@ class VirtualReplica:
     def take_regraded(self, unheld: Collection[str] = ()) -> dict[str, bool]:
         """The guarantee changes to send the replica with a plan (see `regraded`), but for
         the requests in `unheld`: not handed to the replica yet, it would not know them."""
+        if not self.regraded:  # as after nearly every step
+            return {}
         taken = {rid: v for rid, v in self.regraded.items() if rid not in unheld}
         self.regraded = {rid: v for rid, v in self.regraded.items() if rid in unheld}
         return taken
 
     def _regrade(self, promoted: int, demoted: int) -> None:
-        """Follow the planner's promotions and demotions since it had made `promoted` and
-        `demoted` of them."""
+        """Note the planner's promotions and demotions since it had made `promoted` and
+        `demoted` of them, for the replica."""
         if not isinstance(self.scheduler, SlosScheduler):
             return
         scheduler = self.scheduler
         for rid in _latest(scheduler.promoted, scheduler.num_promoted - promoted):
-            self.admitted.add(rid)
             self.regraded[rid] = True
         for rid in _latest(scheduler.demoted, scheduler.num_demoted - demoted):
-            self.admitted.discard(rid)
             self.regraded[rid] = False
 
     def apply(self, report: StepReport) -> ReportFit:
@@ -378,13 +387,14 @@ class VirtualReplica:
 
     def status(self, waiting_for_verdict: int = 0) -> ReplicaStatus:
         queues = self.scheduler.queues
+        admitted = len(self.admitted)
         return ReplicaStatus(
             replica=self.index,
             alive=self.alive,
             running=len(queues.running),
             waiting=len(queues.waiting) + waiting_for_verdict,
-            admitted=len(self.admitted),
-            best_effort=len(self.held) - len(self.admitted),
+            admitted=admitted,
+            best_effort=len(self.held) - admitted,
             kv_usage=queues.used_blocks() / self.cache.num_blocks,
             calibration=self.calibration,
         )
@@ -392,7 +402,7 @@ class VirtualReplica:
     def reset(self) -> None:
         """Forget everything (the replica died; its requests resume elsewhere)."""
         self.held.clear()
-        self.admitted.clear()
+        self._bound_admitted.clear()
         self.regraded.clear()
         self.credits.clear()
         self.scheduler = self._new_scheduler()

@@ -151,15 +151,6 @@ class AdmissionResult:
         return self.forced_feasible, -self.forced_late, self.value, pace
 
 
-def _effective_deadline(
-    budget: BatchBudget, deadline: float, tpot: float, chain: tuple[float, ...]
-) -> float:
-    """Prefill must end early enough that the first decode batch is on time, and, before a
-    stage that starts early, that the tokens up to it are too (one verify per batch)."""
-    due = budget.prompt_deadline(deadline, tpot)
-    return min(due, budget.chain_deadline(chain, tpot, True)) if chain else due
-
-
 def _ar_count(
     grid_end: np.ndarray,
     first: np.ndarray,
@@ -231,12 +222,12 @@ def _events(problem: AdmissionProblem) -> tuple[list[tuple[float, int, int]], in
             urgency[i] = budget.chain_deadline(chain, float(tpots[i]), False)
     late = int(np.count_nonzero(urgency < now + period - _EPS))
     for i, p in enumerate(problem.prefills):
-        deadline = _effective_deadline(budget, p.deadline_s, p.tpot_s, p.chain)
+        deadline = budget.prompt_due(p.deadline_s, p.tpot_s, p.chain)
         earliest = _earliest(problem, p.prefill_tokens, deadline)
         late += deadline < earliest - _EPS
         events.append((max(deadline, earliest), -1, i))
     for j, c in enumerate(problem.candidates):
-        events.append((_effective_deadline(budget, c.deadline_s, c.tpot_s, c.chain), 0, j))
+        events.append((budget.prompt_due(c.deadline_s, c.tpot_s, c.chain), 0, j))
     events.sort(key=lambda e: (e[0], e[1]))
     return events, late
 
@@ -258,12 +249,12 @@ def solve_admission(problem: AdmissionProblem, max_candidates: int = 0) -> Admis
 def _solve_in_groups(problem: AdmissionProblem, size: int) -> AdmissionResult:
     budget = problem.budget
     ids = [c.request_id for c in problem.candidates]
-    alone = _solve(replace(problem, candidates=()))
+    alone = _decline_all(problem)
     if not alone.keeps_running:  # no group could be admitted
-        return replace(alone, declined=tuple(ids))
+        return alone
     ordered = sorted(
         problem.candidates,
-        key=lambda c: _effective_deadline(budget, c.deadline_s, c.tpot_s, c.chain),
+        key=lambda c: budget.prompt_due(c.deadline_s, c.tpot_s, c.chain),
     )
     admitted: list[Candidate] = []
     for start in range(0, len(ordered), size):

@@ -50,13 +50,12 @@ class SloWork:
     """Tightest TPOT of the stages ahead."""
     tpot_s: float
     """The TPOT the plan holds it to (tighter while behind)."""
-    deadline_s: float
-    """Next token's deadline while decoding; the (effective) prefill deadline before."""
     decoding: bool
     early_tokens: int
     """Tokens ahead that may fall due sooner than even TPOT spacing (`early_stage_starts`)."""
     urgency_s: float
-    """EDF key: `deadline_s`, or earlier before a stage that starts early (`chain_deadline`)."""
+    """EDF key: the next token's deadline, or the prompt's (`BatchBudget.prompt_due`), or
+    earlier before a stage that starts early (`chain_deadline`)."""
     peak_tokens: int
     """KV slots it may hold at its longest (prompt + max_tokens - 1)."""
     reserve_tokens: int
@@ -79,18 +78,17 @@ class SloWork:
         decoding = state.is_decoding
         if produced != self.produced or decoding != self.decoding:
             self._track(produced, decoding)
-        self.deadline_s = self.token_deadline_s
+        self.urgency_s = self.token_deadline_s
         if decoding:
-            behind = lags(self.deadline_s, now, period_s)
+            behind = lags(self.token_deadline_s, now, period_s)
             self.tpot_s = self.base_tpot_s * (behind_factor if behind else 1.0)
+            if self.early_tokens and budget is not None:  # no budget: period 0, none moves
+                chained = budget.chain_deadline(self.chain, self.tpot_s, False)
+                self.urgency_s = min(self.urgency_s, chained)
         else:
             self.tpot_s = self.base_tpot_s
             if budget is not None:
-                self.deadline_s = budget.prompt_deadline(self.deadline_s, self.tpot_s)
-        self.urgency_s = self.deadline_s
-        if self.early_tokens and budget is not None:  # no budget: period 0, no chain moves
-            chained = budget.chain_deadline(self.chain, self.tpot_s, not decoding)
-            self.urgency_s = min(self.urgency_s, chained)
+                self.urgency_s = budget.prompt_due(self.token_deadline_s, self.tpot_s, self.chain)
 
     def _track(self, produced: int, decoding: bool) -> None:
         """What depends only on the request's progress."""
@@ -117,7 +115,7 @@ class SloWork:
     ) -> SloWork:
         peak = peak_tokens(state.request)
         reserve = peak if reserve_tokens is None else reserve_tokens
-        work = cls(state, 0.0, 0.0, 0.0, False, 0, 0.0, peak, reserve)
+        work = cls(state, 0.0, 0.0, False, 0, 0.0, peak, reserve)
         work.refresh(now, budget, behind_factor)
         return work
 
@@ -152,7 +150,7 @@ class _Step:
         if n >= 1:
             self.entries.append(PrefillChunk(state.request_id, n))
             self._count(n, state.num_computed_tokens)
-        return max(0, n)
+        return n
 
     def prefill_by(self, state: RequestState, perf: BatchTimeModel, seconds: float) -> int:
         """A prompt in a batch cut short at a deadline: what the token count leaves, or more
@@ -169,7 +167,7 @@ class _Step:
             self.entries.append(PrefillChunk(state.request_id, n))
             self._count(n, state.num_computed_tokens)
             self.tokens_left = max(0, self.tokens_left)  # past the count: the batch is full
-        return max(0, n)
+        return n
 
     def _count(self, new_tokens: int, context: int) -> None:
         self.tokens_left -= new_tokens

@@ -125,6 +125,12 @@ class BatchBudget:
         minus one TPOT sooner, so that its first verify, a period later, is on time too."""
         return deadline - max(0.0, self.period_s - tpot_s)
 
+    def prompt_due(self, deadline: float, tpot_s: float, chain: tuple[float, ...]) -> float:
+        """When a prompt must be done for its first decode batch to be on time, and, before a
+        stage that starts early (`chain`: the crowded deadlines), the tokens up to it too."""
+        due = self.prompt_deadline(deadline, tpot_s)
+        return min(due, self.chain_deadline(chain, tpot_s, True)) if chain else due
+
     def cost_per_batch(self, tpot_s: float) -> float:
         """Query tokens a decoder of this TPOT costs per batch on average."""
         s = self.spec_len(tpot_s)

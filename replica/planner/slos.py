@@ -290,7 +290,7 @@ class SlosScheduler(Scheduler):
         held to a tighter TPOT (InvocationConfig.behind_tpot_factor)."""
         works = list(self._work.values())
         decoding = [w for w in works if w.decoding]
-        deadlines = np.array([w.deadline_s for w in decoding], dtype=float)
+        deadlines = np.array([w.token_deadline_s for w in decoding], dtype=float)
         tpots = np.array([w.base_tpot_s for w in decoding], dtype=float)
         if self.budget is not None:
             behind = lags(deadlines, now, self.budget.period_s)
@@ -593,7 +593,11 @@ class SlosScheduler(Scheduler):
         period = self.budget.period_s
         self.invocation.note_batch(period, outcome.total_s)
         self.invocation.note_lagging(
-            {rid for rid, w in self._work.items() if w.decoding and lags(w.deadline_s, now, period)}
+            {
+                rid
+                for rid, w in self._work.items()
+                if w.decoding and lags(w.token_deadline_s, now, period)
+            }
         )
 
     def _refresh(self, outcome: BatchOutcome, now: float) -> None:
@@ -633,7 +637,9 @@ class SlosScheduler(Scheduler):
         every admitted request with a token lost its guarantee at every rebuild. The
         replica's next report is judged as any (a prompt past due then too: its token may
         have come on time after the snapshot, in a report folded after the rebuild)."""
-        self.queues.apply(plan, outcome, now)
+        # A snapshot holds no finished request; one the replay ended would leave the plan.
+        for state in self.queues.apply(plan, outcome, now):
+            self._forget(state.request_id)
         self._refresh(outcome, now)
         if self.lengths is not None:
             self._extend_reservations(outcome)

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import ray
 
-from cluster.api import FinalRecord, TokenChunk
+from cluster.api import FinalRecord, TokenChunk, Verdict
 from cluster.handle import ClusterHandle
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams
@@ -123,7 +123,9 @@ def test_controller_restart_keeps_in_flight_requests(
         ]
         sampling = SamplingParams(max_tokens=2040, ignore_eos=True)
         long = cluster.submit(Request("restart-long", [3, 1, 4], sampling, FIRST_SOON))
-        assert isinstance(await anext(long), TokenChunk)
+        first = await anext(long)
+        assert isinstance(first, TokenChunk) and first.placement is not None
+        assert first.placement.verdict is Verdict.ADMITTED  # a guarantee to keep
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
         ray.kill(cluster.controller, no_restart=False)
         # The restarted controller (fresh counters) mirrors what the replicas hold.

@@ -282,7 +282,12 @@ class FrontDoor:
         TTFT) and the request fails as that choice did."""
         only = [echo.prompt_only for echo in parsed.echo] or [False] * len(parsed.requests)
         if len(parsed.requests) == 1:
-            return (await self._start_one(parsed.requests[0], parsed.slo_label, tenant, only[0]),)
+            try:
+                one = await self._start_one(parsed.requests[0], parsed.slo_label, tenant, only[0])
+            except asyncio.CancelledError:  # the client left before the cluster answered
+                self.metrics.record_cancelled(None, tenant)
+                raise
+            return (one,)
         tasks = [
             asyncio.create_task(self._start_one(r, parsed.slo_label, tenant, prompt_only))
             for r, prompt_only in zip(parsed.requests, only, strict=True)
@@ -291,8 +296,10 @@ class FrontDoor:
             outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         except asyncio.CancelledError:  # the client left: gather cancelled the choices
             await asyncio.wait(tasks)  # still starting; close those that started
-            for task in tasks:
-                if not task.cancelled() and task.exception() is None:
+            for task in tasks:  # each choice counted once: unanswered, or by its close
+                if task.cancelled():
+                    self.metrics.record_cancelled(None, tenant)
+                elif task.exception() is None:
                     task.result().close()
             raise
         started = tuple(o for o in outcomes if isinstance(o, Generation))
@@ -317,7 +324,7 @@ class FrontDoor:
             raise BadRequest(str(exc), "max_tokens") from exc
         except StopAsyncIteration as exc:
             raise RuntimeError(f"cluster stream of {request.request_id} was empty") from exc
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client left; start counts it (and choices never run)
             self.cluster.abort(request.request_id)
             raise
         if isinstance(first, FinalRecord) and first.verdict is Verdict.REJECTED:

@@ -236,8 +236,9 @@ class FrontDoorMetrics:
         )
         self.cancelled = Counter(
             PREFIX + "requests_cancelled",
-            "Requests whose client left (disconnect, deadline, cancel) before they finished; "
-            "also counted as admitted or best-effort.",
+            "Requests whose client left (disconnect, deadline, cancel) before they finished, "
+            "by the verdict the door had seen: admitted or best_effort (also counted as such), "
+            "or unknown when the client left before the cluster's first answer.",
             [*by_tenant, "verdict"],
             registry=self.registry,
         )
@@ -289,9 +290,13 @@ class FrontDoorMetrics:
             return name
         return "other"
 
-    def record_cancelled(self, verdict: Verdict, tenant: str) -> None:
+    def record_cancelled(self, verdict: Verdict | None, tenant: str) -> None:
         """Count a request its client left: admitted (or best-effort) like a finished one,
-        though no final record comes, and cancelled."""
+        though no final record comes, and cancelled. Left before the cluster's first answer
+        (`verdict` None), it is counted cancelled alone, its verdict unknown to the door."""
+        if verdict is None:
+            self.cancelled.labels(self.model, tenant, "unknown").inc()
+            return
         counter = self.admitted if verdict is Verdict.ADMITTED else self.best_effort
         counter.labels(self.model, tenant).inc()
         self.cancelled.labels(self.model, tenant, verdict.value).inc()

@@ -65,10 +65,13 @@ def test_counts_match_records_fed() -> None:
     bad = (("model", "demo"), ("reason", "bad_request"), ("tenant", "team-b"))
     assert s[(PREFIX + "requests_rejected_total", bad)] == 1
     m.record_cancelled(Verdict.ADMITTED, "team-a")
+    m.record_cancelled(None, "team-a")  # left before the cluster's first answer
     s = samples(m)
     assert s[(PREFIX + "requests_admitted_total", admitted)] == 3
     cancelled = (("model", "demo"), ("tenant", "team-a"), ("verdict", "admitted"))
     assert s[(PREFIX + "requests_cancelled_total", cancelled)] == 1
+    unknown = (("model", "demo"), ("tenant", "team-a"), ("verdict", "unknown"))
+    assert s[(PREFIX + "requests_cancelled_total", unknown)] == 1
     think = (("model", "demo"), ("stage", "think"), ("tier", "chat"))
     answer = (("model", "demo"), ("stage", "answer"), ("tier", "chat"))
     assert s[(PREFIX + "slo_attained_total", think)] == 2

@@ -1,0 +1,130 @@
+"""The front door over a scripted cluster: what it counts and reports, whatever the wire."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from cluster.api import (
+    ClusterStatus,
+    FinalRecord,
+    Placement,
+    TokenChunk,
+    Verdict,
+)
+from replica.request import SLO, Request
+from router.auth import ApiKeys
+from router.frontdoor import FrontDoor
+from router.metrics import PREFIX, FrontDoorMetrics
+from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body
+from router.tokenizer import TextCodec
+from tests.router.test_metrics import samples
+
+CTX = SchemaContext("demo", 2048, 4096, SLO(2000, 200))
+TENANT = "team-a"
+
+
+@dataclass
+class ScriptedCluster:
+    """Answers a request with its script's items; one without a script is never answered
+    (its first token is not due yet) until the client leaves."""
+
+    scripts: dict[str, list[TokenChunk | FinalRecord]] = field(default_factory=dict)
+    submitted: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    model_name: str = "demo"
+    max_model_len: int = CTX.max_model_len
+    vocab_size: int = CTX.vocab_size
+
+    async def submit(self, request: Request) -> AsyncIterator[TokenChunk | FinalRecord]:
+        self.submitted.append(request.request_id)
+        if request.request_id not in self.scripts:
+            await asyncio.Event().wait()
+        for item in self.scripts[request.request_id]:
+            yield item
+
+    async def status(self) -> ClusterStatus:
+        return ClusterStatus("demo", ())
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def metrics_snapshot(self) -> dict[str, object]:
+        return {}
+
+
+def door_over(cluster: ScriptedCluster, codec: TextCodec) -> FrontDoor:
+    return FrontDoor(cluster, codec, CTX, ApiKeys(), FrontDoorMetrics("demo"))
+
+
+def parsed(codec: TextCodec, **body: object) -> ParsedRequest:
+    """Choice i of the request is cluster request r-i (r alone for one choice)."""
+    return parse_body(Endpoint.COMPLETIONS, body, {}, CTX, codec, request_id="r", arrival_time=1.0)
+
+
+def cancelled(door: FrontDoor) -> dict[str, float]:
+    """requests_cancelled_total by verdict."""
+    return {
+        dict(labels)["verdict"]: value
+        for (name, labels), value in samples(door.metrics).items()
+        if name == PREFIX + "requests_cancelled_total"
+    }
+
+
+def admitted(door: FrontDoor) -> float:
+    return sum(
+        value
+        for (name, _), value in samples(door.metrics).items()
+        if name == PREFIX + "requests_admitted_total"
+    )
+
+
+def first_token(request_id: str) -> TokenChunk:
+    return TokenChunk(request_id, (5,), (1.5,), Placement(Verdict.ADMITTED, 0, 1))
+
+
+def test_a_client_gone_before_the_first_answer_is_counted_cancelled_once(
+    codec: TextCodec,
+) -> None:
+    """Counted whether its request was waiting for the cluster's first answer or not yet
+    sent, and a choice that had answered is counted by its verdict, never twice."""
+
+    async def leave_while_waiting() -> None:
+        cluster = ScriptedCluster()
+        door = door_over(cluster, codec)
+        start = asyncio.create_task(door.start(parsed(codec, prompt="Hi"), TENANT))
+        while not cluster.submitted:
+            await asyncio.sleep(0)
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert cluster.aborted == ["r"]
+        assert cancelled(door) == {"unknown": 1} and admitted(door) == 0
+
+    async def leave_with_one_choice_answered() -> None:
+        cluster = ScriptedCluster({"r-0": [first_token("r-0")]})
+        door = door_over(cluster, codec)
+        start = asyncio.create_task(door.start(parsed(codec, prompt="Hi", n=3), TENANT))
+        while len(cluster.submitted) < 3:
+            await asyncio.sleep(0)
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert sorted(cluster.aborted) == ["r-0", "r-1", "r-2"]
+        assert cancelled(door) == {"admitted": 1, "unknown": 2} and admitted(door) == 1
+
+    async def leave_before_the_choices_ran() -> None:
+        cluster = ScriptedCluster()
+        door = door_over(cluster, codec)
+        start = asyncio.create_task(door.start(parsed(codec, prompt="Hi", n=2), TENANT))
+        asyncio.get_running_loop().call_soon(start.cancel)  # once it made the choices' tasks
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert cluster.submitted == [] and cancelled(door) == {"unknown": 2}
+
+    asyncio.run(leave_while_waiting())
+    asyncio.run(leave_with_one_choice_answered())
+    asyncio.run(leave_before_the_choices_ran())

@@ -12,9 +12,11 @@ from cluster.api import (
     ClusterStatus,
     FinalRecord,
     Placement,
+    StageVerdict,
     TokenChunk,
     Verdict,
 )
+from replica.batch import TokenLogprob
 from replica.request import SLO, Request
 from router.auth import ApiKeys
 from router.frontdoor import FrontDoor
@@ -128,3 +130,36 @@ def test_a_client_gone_before_the_first_answer_is_counted_cancelled_once(
     asyncio.run(leave_while_waiting())
     asyncio.run(leave_with_one_choice_answered())
     asyncio.run(leave_before_the_choices_ran())
+
+
+def test_a_prompt_only_choice_reports_no_output_token_in_its_usage_or_stages(
+    codec: TextCodec,
+) -> None:
+    """Echo with max_tokens 0: the token drawn to score the prompt is dropped from the
+    output, so from the stages' token counts too (the SLO still judged its time)."""
+    request = parsed(codec, prompt="Hi", echo=True, max_tokens=0, logprobs=0)
+    assert request.echo[0].prompt_only
+    score = TokenLogprob(-1.0, ())
+    token = TokenChunk("r", (5,), (1.5,), Placement(Verdict.ADMITTED, 0, 1), (score,), (score,))
+    final = FinalRecord(
+        "r",
+        Verdict.ADMITTED,
+        0,
+        1,
+        "length",
+        arrival_time=1.0,
+        first_token_time=1.5,
+        finish_time=1.5,
+        num_prompt_tokens=2,
+        num_output_tokens=1,
+        stages=(StageVerdict("default", False, 1, 1),),
+    )
+    door = door_over(ScriptedCluster({"r": [token, final]}), codec)
+
+    async def collect() -> FinalRecord:
+        (generation,) = await door.start(request, TENANT)
+        return (await generation.collect()).record
+
+    record = asyncio.run(collect())
+    assert record.num_output_tokens == 0
+    assert record.stages == (StageVerdict("default", False, 1, 0),)

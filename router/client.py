@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import reprlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +82,11 @@ class ChatMessage:
     content: str = ""
     tool_calls: Sequence[ToolCall] = ()
     tool_call_id: str = ""
+
+
+Message = tuple[str, str] | Mapping[str, str] | ChatMessage
+"""A chat message: a (role, content) pair, OpenAI's {"role": ..., "content": ...}, or a
+`ChatMessage` for what those cannot say."""
 
 
 @dataclass(frozen=True)
@@ -173,8 +179,9 @@ class GenerateOptions:
     """Everything `generate` sends besides the input; see the proto for each field."""
 
     max_tokens: int | None = None
-    slo: SLO | str | None = None
-    """An SLO, or the name of a tier the server configured."""
+    slo: SLO | Mapping[str, Any] | str | None = None
+    """An SLO (or a dict of its fields: ttft_ms, tpot_ms, stages of `Stage`s), or the name of
+    a tier the server configured."""
     service_tier: str = "default"
     """default | flex (best-effort)."""
     priority: int = 0
@@ -268,22 +275,48 @@ def _tool_choice(choice: str | CallTool) -> pb.ToolChoice:
     return pb.ToolChoice(mode=choice)
 
 
-def _message(message: tuple[str, str] | ChatMessage) -> pb.ChatMessage:
-    if not isinstance(message, ChatMessage):
+def _message(index: int, message: Message) -> pb.ChatMessage:
+    if isinstance(message, ChatMessage):
+        calls = [
+            pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls
+        ]
+        return pb.ChatMessage(
+            role=message.role,
+            content=message.content,
+            tool_calls=calls,
+            tool_call_id=message.tool_call_id,
+        )
+    if isinstance(message, Mapping) and set(message) == {"role", "content"}:
+        role, content = message["role"], message["content"]
+    elif isinstance(message, tuple | list) and len(message) == 2:
         role, content = message
-        return pb.ChatMessage(role=role, content=content)
-    calls = [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls]
-    return pb.ChatMessage(
-        role=message.role,
-        content=message.content,
-        tool_calls=calls,
-        tool_call_id=message.tool_call_id,
-    )
+    else:
+        raise ValueError(
+            f"messages[{index}] must be a (role, content) pair, a dict of role and content, "
+            f"or a ChatMessage (tool calls, a tool's answer), got {reprlib.repr(message)}"
+        )
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise ValueError(
+            f"messages[{index}]: role and content must be strings, got {reprlib.repr(message)}"
+        )
+    return pb.ChatMessage(role=role, content=content)
+
+
+def _slo(slo: SLO | Mapping[str, Any]) -> SLO:
+    """The SLO, given as one or as its fields (what HTTP's `slo` object holds)."""
+    if isinstance(slo, SLO):
+        return slo
+    if not isinstance(slo, Mapping):
+        raise ValueError(f"slo must be an SLO, a dict of its fields or a tier name, got {slo!r}")
+    try:
+        return SLO(**slo)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"slo={slo!r}: {exc}") from None
 
 
 def build_request(
     prompt: str | Sequence[int] | None,
-    messages: Sequence[tuple[str, str] | ChatMessage] | None,
+    messages: Sequence[Message] | None,
     options: GenerateOptions,
 ) -> pb.GenerateRequest:
     if options.service_tier not in ("default", "flex"):
@@ -303,9 +336,17 @@ def build_request(
     )
     if isinstance(prompt, str):
         request.prompt = prompt
+    elif isinstance(prompt, bytes | bytearray):  # a sequence of ints, but not token ids
+        raise ValueError("prompt must be text or a list of token ids, got bytes: decode them")
     elif prompt is not None:
-        request.prompt_token_ids.extend(prompt)
-    request.messages.extend(_message(m) for m in messages or ())
+        try:
+            request.prompt_token_ids.extend(prompt)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"prompt={reprlib.repr(prompt)}: {exc} (a prompt is text or a list of token "
+                "ids, one prompt a call)"
+            ) from None
+    request.messages.extend(_message(i, m) for i, m in enumerate(messages or ()))
     request.tools.extend(_tool(t) for t in options.tools)
     if options.tool_choice is not None:
         request.tool_choice.CopyFrom(_tool_choice(options.tool_choice))
@@ -330,14 +371,17 @@ def build_request(
             put(value)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{name}={value!r}: {exc}") from None
+    if request.n < 1:  # proto3 sends 0 as unset, which the server serves as one choice
+        raise ValueError(f"n={options.n!r}: must be at least 1")
     if options.structured_outputs is not None:
         request.structured_outputs.CopyFrom(_structured(options.structured_outputs))
     if isinstance(options.slo, str):
         request.slo.tier = options.slo
     elif options.slo is not None:
-        request.slo.ttft_ms = options.slo.ttft_ms
-        request.slo.tpot_ms = options.slo.tpot_ms
-        for st in options.slo.stages:
+        slo = _slo(options.slo)
+        request.slo.ttft_ms = slo.ttft_ms
+        request.slo.tpot_ms = slo.tpot_ms
+        for st in slo.stages:
             stage = request.slo.stages.add(tpot_ms=st.tpot_ms, name=st.name)
             if st.num_tokens is not None:
                 stage.num_tokens = st.num_tokens
@@ -512,7 +556,7 @@ class Client(_Base):
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[tuple[str, str] | ChatMessage] | None = None,
+        messages: Sequence[Message] | None = None,
         timeout_s: float | None = None,
         **options: Any,
     ) -> Iterator[Chunk | Result]:
@@ -589,7 +633,7 @@ class AsyncClient(_Base):
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[tuple[str, str] | ChatMessage] | None = None,
+        messages: Sequence[Message] | None = None,
         timeout_s: float | None = None,
         **options: Any,
     ) -> AsyncIterator[Chunk | Result]:

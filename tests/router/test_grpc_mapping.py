@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -375,3 +376,45 @@ def test_a_choice_streams_its_thinking_apart_and_its_calls_from_the_answer(
     plain = ChoiceText(None, REASONING_PARSERS["qwen3"])
     assert plain.add("No thinking <think>here") == ("", "No thinking <think>here")
     assert plain.finish("length") == ("", "", None, "length")
+
+
+def test_a_message_may_be_a_pair_or_an_openai_dict() -> None:
+    pairs = [("system", "Be brief."), ("user", "hi")]
+    dicts = [{"role": role, "content": content} for role, content in pairs]
+    sent = build_request(None, dicts, GenerateOptions())
+    assert sent == build_request(None, pairs, GenerateOptions())
+    assert request_to_body(sent, "demo")[1]["messages"] == dicts
+    bad: list[Any] = [
+        {"role": "user"},
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "user", "content": None},
+        ("user", 3),
+        ("user", "hi", "again"),
+        "hi",
+    ]
+    for message in bad:
+        with pytest.raises(ValueError, match=r"^messages\[1\]"):
+            build_request(None, [("user", "hi"), message], GenerateOptions())
+
+
+def test_the_sdk_refuses_what_http_refuses_before_sending() -> None:
+    """n 0 would reach the server as unset (one choice), bytes as token ids; a list of
+    prompts is refused as other options are, and an SLO may be given as a dict."""
+    with pytest.raises(ValueError, match=r"^n=0: must be at least 1"):
+        build_request("x", None, GenerateOptions(n=0))
+    with pytest.raises(ValueError, match=r"^n=0: must be at least 1"):
+        Client("127.0.0.1:9").complete("x", n=0)
+    with pytest.raises(ValueError, match=r"^prompt must be text .* got bytes"):
+        build_request(b"abc", None, GenerateOptions())
+    with pytest.raises(ValueError, match=r"^prompt=\['a', 'b'\]: .* one prompt a call"):
+        build_request(["a", "b"], None, GenerateOptions())  # type: ignore[list-item]
+    as_dict = GenerateOptions(slo={"ttft_ms": 300, "tpot_ms": 40})
+    assert build_request("x", None, as_dict) == build_request(
+        "x", None, GenerateOptions(slo=SLO(300, 40))
+    )
+    with pytest.raises(ValueError, match=r"^slo=.*: slo\.tpot_ms must be > 0"):
+        build_request("x", None, GenerateOptions(slo={"ttft_ms": 300, "tpot_ms": 0}))
+    with pytest.raises(ValueError, match=r"^slo=.*tpot_ms"):
+        build_request("x", None, GenerateOptions(slo={"ttft_ms": 300}))
+    with pytest.raises(ValueError, match=r"^slo must be an SLO"):
+        build_request("x", None, GenerateOptions(slo=300))  # type: ignore[arg-type]

@@ -56,6 +56,7 @@ def request_to_body(
         body["messages"] = [_message_to_body(m) for m in request.messages]
     else:
         body["prompt"] = request.prompt or list(request.prompt_token_ids)
+        _refuse_chat_only(request)
     for name in OPTIONAL_SCALARS:
         if request.HasField(name):
             body[name] = getattr(request, name)
@@ -103,6 +104,19 @@ def request_to_body(
     if request.HasField("slo"):
         body["slo"] = _slo_to_body(request.slo)
     return endpoint, body
+
+
+def _refuse_chat_only(request: pb.GenerateRequest) -> None:
+    """A 400 naming a chat-only field set with a prompt: HTTP's completions know no such
+    field, but a gRPC caller picked no endpoint, only the input."""
+    chat_only = {
+        "tools": bool(request.tools),
+        "tool_choice": request.tool_choice.WhichOneof("choice") is not None,
+        "parallel_tool_calls": request.HasField("parallel_tool_calls"),
+    }
+    given = [name for name, is_set in chat_only.items() if is_set]
+    if given:
+        raise BadRequest(f"{given[0]} is chat-only: send messages, not a prompt", given[0])
 
 
 def _message_to_body(message: pb.ChatMessage) -> dict[str, Any]:

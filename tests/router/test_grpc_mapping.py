@@ -418,3 +418,18 @@ def test_the_sdk_refuses_what_http_refuses_before_sending() -> None:
         build_request("x", None, GenerateOptions(slo={"ttft_ms": 300}))
     with pytest.raises(ValueError, match=r"^slo must be an SLO"):
         build_request("x", None, GenerateOptions(slo=300))  # type: ignore[arg-type]
+
+
+def test_tools_with_a_prompt_are_refused_as_chat_only() -> None:
+    with_tools = GenerateOptions(tools=[Tool("lookup")], tool_choice="auto")
+    for options, field in (
+        (with_tools, "tools"),
+        (GenerateOptions(tool_choice=CallTool("lookup")), "tool_choice"),
+        (GenerateOptions(parallel_tool_calls=False), "parallel_tool_calls"),
+    ):
+        for prompt in ("x", [7, 8]):
+            with pytest.raises(BadRequest, match=f"^{field} is chat-only: send messages") as info:
+                request_to_body(build_request(prompt, None, options), "demo")
+            assert info.value.param == field
+    endpoint, _ = request_to_body(build_request(None, [("user", "hi")], with_tools), "demo")
+    assert endpoint is Endpoint.CHAT

@@ -684,6 +684,12 @@ def _sampling(
                 "prompt_logprobs",
             )
         prompt_logprobs = _int(body, "prompt_logprobs", 0, low=0, high=MAX_LOGPROBS)
+    allowed = _token_ids(body, "allowed_token_ids", ctx.vocab_size)
+    if not allowed and body.get("allowed_token_ids") is not None:  # vLLM's rule too
+        raise BadRequest(
+            "allowed_token_ids must name at least one token id (leave it out to allow any)",
+            "allowed_token_ids",
+        )
     grammar = structured_grammar(body, lambda: codec.grammar_vocab)
     if calling is not None and calling.schema is not None:
         if grammar is not None:
@@ -712,7 +718,7 @@ def _sampling(
             logit_bias=_logit_bias(body.get("logit_bias")),
             min_tokens=_min_tokens(body, max_tokens, max_tokens_name),
             stop_token_ids=_token_ids(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
-            allowed_token_ids=_token_ids(body, "allowed_token_ids", ctx.vocab_size),
+            allowed_token_ids=allowed,
             bad_words=_bad_words(body.get("bad_words"), codec),
             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
             grammar=grammar,

@@ -372,6 +372,7 @@ def test_flex_is_best_effort_without_slo(codec: TextCodec, ctx: SchemaContext) -
         ({"model": "demo", "prompt": "x", "stop_token_ids": [4096]}, "stop_token_ids"),
         ({"model": "demo", "prompt": "x", "allowed_token_ids": [4096]}, "allowed_token_ids"),
         ({"model": "demo", "prompt": "x", "allowed_token_ids": ["a"]}, "allowed_token_ids"),
+        ({"model": "demo", "prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
         ({"model": "demo", "prompt": "x", "metadata": {"k": 1}}, "metadata"),
         ({"model": "demo", "prompt": "x", "tools": []}, "tools"),  # a chat field
         ({"model": "demo", "prompt": "x" * 2048 * 17}, "prompt"),
@@ -448,6 +449,8 @@ def test_penalties_bias_and_stop_conditions_reach_the_sampling(
     for bad in ([5.5], [None], [True]):
         with pytest.raises(BadRequest, match="stop_token_ids must hold non-negative integers"):
             parse(codec, ctx, {**integral, "stop_token_ids": bad})
+    with pytest.raises(BadRequest, match="allowed_token_ids must name at least one token id"):
+        parse(codec, ctx, {**integral, "allowed_token_ids": []})  # none allowed: vLLM refuses it
 
 
 def test_bad_header_is_named(codec: TextCodec, ctx: SchemaContext) -> None:

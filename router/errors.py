@@ -57,6 +57,16 @@ class Rejected(ApiError):
     type = "rate_limit_error"
 
 
+@dataclass
+class NoRoute(ApiError):
+    """A path the HTTP door does not serve (404), or a method its path does not take (405)."""
+
+    status: int = 404
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+    type = "invalid_request_error"
+
+
 class Unavailable(ApiError):
     """No replica is up; the request was not started."""
 

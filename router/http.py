@@ -20,11 +20,12 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from cluster.api import FinalRecord
 from replica.batch import TokenLogprob
 from router import json_text
-from router.errors import ApiError, BadRequest, ModelNotFound, Rejected, Unavailable
+from router.errors import ApiError, BadRequest, ModelNotFound, NoRoute, Rejected, Unavailable
 from router.frontdoor import Finished, FrontDoor, Generation, TextDelta, interleaved
 from router.openai_format import (
     ChunkWriter,
@@ -49,6 +50,14 @@ def create_app(door: FrontDoor) -> FastAPI:
     @app.exception_handler(ApiError)
     async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def on_routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Routing's 404 and 405 in the error JSON of every other error, not FastAPI's
+        {"detail": ...}; a 405 keeps its Allow header."""
+        where = f"{exc.detail}: {request.method} {request.url.path}"
+        error = NoRoute(where, status=exc.status_code)
+        return JSONResponse(error_body(error), status_code=error.status, headers=exc.headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 def test_build_app_serves_http_and_grpc(
-    ray_session: None, target_dir: Path, draft_dir: Path, tmp_path: Path
+    ray_session: None, target_dir: Path, draft_dir: Path, tmp_path: Path, codec: TextCodec
 ) -> None:
     from ray import serve
 
@@ -62,7 +62,7 @@ def test_build_app_serves_http_and_grpc(
             done = client.complete("Hello", max_tokens=4, temperature=0.0)
         assert done.text == out.choices[0].text
         assert done.result.verdict == "admitted"
-        check_thinking_apart(oai, grpc_port, target_dir)
+        check_thinking_apart(oai, grpc_port, codec)
 
         replica = ray.get_actor("slos-serve-replica-0", namespace=NAMESPACE)
         loaded = ray.get(replica.health.remote())
@@ -77,7 +77,7 @@ def test_build_app_serves_http_and_grpc(
     assert not [a for a in named_actors() if a["namespace"] == NAMESPACE]
 
 
-def check_thinking_apart(oai: openai.OpenAI, grpc_port: int, target_dir: Path) -> None:
+def check_thinking_apart(oai: openai.OpenAI, grpc_port: int, codec: TextCodec) -> None:
     """Chat through a reasoning parser: the thinking (up to the first line break, here) comes
     apart from the answer over gRPC (streamed and whole) and as reasoning_content over HTTP
     (whole and streamed); a thinking stage of the SLO ends on the token the model outputs
@@ -94,7 +94,7 @@ def check_thinking_apart(oai: openai.OpenAI, grpc_port: int, target_dir: Path) -
             messages=[("user", "def fib(n):")], max_tokens=24, temperature=0.0
         )
     tokens = [t for c in chunks for t in c.token_ids]
-    text = TextCodec.from_dir(target_dir).decode(tokens)
+    text = codec.decode(tokens)
     assert "\n" in text, text
     thought, answer = text.split("\n", 1)
     assert "".join(c.reasoning for c in chunks) == thought == whole_grpc.reasoning

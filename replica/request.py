@@ -27,6 +27,10 @@ or grammar as llguidance text): the door compiles it on its event loop to check 
 MAX_LATENCY_MS = 24 * 3600 * 1000.0
 MAX_STAGE_END_TOKENS = 16
 """Most tokens that may end one SLO stage."""
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily (vLLM's rule): dividing fp32 logits by one below
+about 1e-37 overflows them, and the NaN rows crashed the whole batch's step (or, seeded, gave
+EOS at once)."""
 
 
 def _check_number(name: str, value: float) -> None:
@@ -79,7 +83,7 @@ class SamplingParams:
     max_tokens: int = 16
     """Most output tokens; the planner reserves memory for all of them."""
     temperature: float = 0.0
-    """0 means greedy."""
+    """Below `GREEDY_BELOW` (0 included) means greedy."""
     top_p: float = 1.0
     """Nucleus mass in (0, 1]."""
     top_k: int = 0
@@ -209,7 +213,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def shapes_logits(self) -> bool:

@@ -232,6 +232,17 @@ def test_seeded_sampling_is_reproducible(engine: Engine, prompts: list[list[int]
     assert first != other
 
 
+@pytest.mark.parametrize("seed", [None, 11])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(
+    engine: Engine, prompts: list[list[int]], reference: list[list[int]], seed: int | None
+) -> None:
+    """1e-40 overflowed the fp32 logits it divided: the NaN rows crashed the step (unseeded)
+    or drew EOS at once (seeded)."""
+    tiny = _req("a", prompts[0], temperature=1e-40, seed=seed)
+    assert tiny.sampling.greedy
+    assert _run_single(engine, tiny) == reference[0]
+
+
 def _snapshot(engine: Engine, rid: str) -> tuple[list[int], int, list[int], torch.Tensor]:
     table = engine.cache.block_table(rid)
     kv = engine.target.kv[:, table].clone()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from replica.request import SamplingParams
+from replica.request import GREEDY_BELOW, SamplingParams
 from replica.sampling import LogitsShaper, noisy_choice, position_noise, sample, token_probs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
@@ -13,6 +13,14 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 def test_greedy_is_a_point_mass_on_the_argmax() -> None:
     probs = token_probs(LOGITS, SamplingParams())
     assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+
+
+def test_a_temperature_below_greedy_below_is_greedy() -> None:
+    """vLLM's rule: dividing by a temperature near 0 overflows fp32 logits into NaN rows."""
+    for temperature in (1e-40, GREEDY_BELOW / 2):
+        probs = token_probs(LOGITS * 1e3, SamplingParams(temperature=temperature))
+        assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
 
 
 def test_temperature_scales_logits_before_softmax() -> None:

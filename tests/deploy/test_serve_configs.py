@@ -46,6 +46,7 @@ ALL_CONFIGS = [
     "serve-cpu-prefix-routing.yaml",
     "serve-cpu-autoscale.yaml",
     "serve-cpu-reasoner.yaml",
+    "serve-cpu-nodraft.yaml",
     *CPU_BASELINES,
     *GPU_CONFIGS,
 ]
@@ -139,6 +140,10 @@ def test_the_reasoner_config_ends_its_thinking_stage_on_the_reasoner_s_own_token
         ("serve-cpu-no-prefix-cache.yaml", {"prefix_caching": False}),
         ("serve-cpu-no-prefix-credit.yaml", {"credit_prefixes": False}),
         ("serve-cpu-prefix-routing.yaml", {"first_hop": FirstHop.PREFIX}),
+        (
+            "serve-cpu-nodraft.yaml",
+            {"draft": None, "spec_policy": "none", "profile": NODRAFT_CPU},
+        ),
         (
             "serve-cpu-autoscale.yaml",
             {"replicas": 1, "autoscale": AutoscaleConfig(min_replicas=1, max_replicas=2)},

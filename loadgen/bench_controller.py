@@ -32,11 +32,11 @@ from cluster.control import ControlPlane, Decision
 from cluster.controller import build_plane
 from cluster.messages import StepReport
 from cluster.replica_launch import start_actor
-from loadgen.simulate import load_profile
 from replica.arguments import non_negative_int, output_file, positive_float, positive_int
 from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget
 from replica.planner.executor import PerfExecutor
+from replica.profiles import load_profile
 from replica.request import SLO, Request, SamplingParams
 
 DEFAULT_PROFILE = (

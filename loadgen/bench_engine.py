@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from cluster.profile import DEFAULT_PROFILE
-from replica.arguments import output_file, positive_int
+from replica.arguments import check_model_folders, output_file, positive_int
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
@@ -127,6 +127,7 @@ class PolicyBench:
 def policy_bench(args: argparse.Namespace, spare_per_request: int = 0) -> PolicyBench:
     """Load a policy bench (`--quick`: one k, few tokens); each request's KV holds its prompt,
     its output and `spare_per_request` tokens more."""
+    check_model_folders(("--target", args.target), ("--draft", args.draft))
     torch.set_num_threads(args.threads)
     batches, ks, new_tokens, count = (
         ((1, 4), (4,), 8, 4) if args.quick else ((1, 8), (2, 4, 6), 64, 8)
@@ -334,6 +335,7 @@ def best_of(repeats: int, measure: Callable[[], dict[str, Any]], key: str) -> di
 
 
 def run(args: argparse.Namespace) -> int:
+    check_model_folders(("--target", args.target), ("--draft", args.draft))
     torch.set_num_threads(args.threads)
     settings = Settings.for_run(args.quick)
     dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.simulate import load_profile
 from replica import compiled
 from replica.arguments import non_negative_int, output_file, positive_int
 from replica.perf_model import PerfModel
@@ -27,6 +26,7 @@ from replica.planner.base import CacheBudget
 from replica.planner.config import InvocationConfig, PlannerConfig
 from replica.planner.executor import PerfExecutor
 from replica.planner.slos import SlosScheduler
+from replica.profiles import load_profile
 from replica.request import SLO, Request, SamplingParams
 
 CASES: tuple[tuple[int, int, int], ...] = ((1, 32, 2), (10, 100, 2), (10, 200, 3), (50, 500, 3))

@@ -28,7 +28,7 @@ from loadgen.bench_engine import (
     kv_blocks_for,
     stdlib_prompts,
 )
-from replica.arguments import positive_int
+from replica.arguments import check_model_folders, positive_int
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine
 from replica.model_runner import ModelRunner
@@ -77,6 +77,7 @@ def serve_one_by_one(engine: Engine, prompts: list[list[int]], new_tokens: int) 
 
 
 def run(args: argparse.Namespace) -> int:
+    check_model_folders(("--target", args.target), ("--draft", args.draft))
     torch.set_num_threads(args.threads)
     requests, shared, tail, new_tokens = (
         (3, 64, 16, 4)

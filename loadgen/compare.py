@@ -44,7 +44,7 @@ from loadgen.plots import Curve, Panel, plot_attainment
 from loadgen.serve_process import ServeCommand, ServeError, local_address, served
 from loadgen.simulate import sim_requests
 from loadgen.zero_load import ZeroLoad
-from replica.arguments import OptionError, output_file, positive_int
+from replica.arguments import OptionError, plot_file, positive_int
 
 
 @dataclass(frozen=True)
@@ -64,26 +64,29 @@ class ServeConfig:
     @classmethod
     def load(cls, path: Path) -> ServeConfig:
         """Parse and check `path`; errors name the file and the field."""
+        where = f"--configs: {str(path)!r}"
         try:
             data = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError) as exc:
             raise ValueError(f"--configs: cannot read {str(path)!r}: {exc}") from None
+        if data is None:
+            raise ValueError(f"{where} is empty")
+        data = _mapping(data, "the file", where)
+        apps = data.get("applications")
+        if not isinstance(apps, list) or len(apps) != 1:
+            found = len(apps) if isinstance(apps, list) else "none"
+            raise ValueError(f"{where} must hold one application in applications, got {found}")
+        app = _mapping(apps[0], "applications[0]", where)
+        args = _mapping(app.get("args"), "applications[0].args", where)
+        cluster_args = _mapping(args.get("cluster"), "applications[0].args.cluster", where)
+        http = _mapping(data.get("http_options"), "http_options", where)
+        grpc = _mapping(data.get("grpc_options") or {}, "grpc_options", where)
         try:
-            http = data["http_options"]
-            apps = data["applications"]
-            cluster = ClusterConfig.from_dict(apps[0]["args"]["cluster"])
-            host, port = str(http.get("host", "127.0.0.1")), int(http["port"])
-            grpc = data.get("grpc_options") or {}
-            grpc_port = int(grpc["port"]) if "port" in grpc else None
-        except (KeyError, IndexError, TypeError) as exc:
-            raise ValueError(
-                f"--configs: {str(path)!r} is not a Ray Serve config with http_options.port "
-                f"and applications[0].args.cluster (missing {exc})"
-            ) from None
+            cluster = ClusterConfig.from_dict(cluster_args)
+            host, port = str(http.get("host", "127.0.0.1")), _port(http, "http_options")
+            grpc_port = _port(grpc, "grpc_options") if "port" in grpc else None
         except ValueError as exc:
-            raise ValueError(f"--configs: {str(path)!r}: {exc}") from None
-        if len(apps) != 1:
-            raise ValueError(f"--configs: {str(path)!r} must hold one application")
+            raise ValueError(f"{where}: {exc}") from None
         return cls(path, data, cluster, (host, port), grpc_port)
 
     def target(self, protocol: str) -> str:
@@ -106,6 +109,22 @@ class ServeConfig:
         for tier in tiers:
             tier["tpot_ms"] = min(float(tier["tpot_ms"]), tpot_ms)
         return data
+
+
+def _mapping(value: object, name: str, where: str) -> dict[str, Any]:
+    """`value` if it is a mapping; else an error naming the file and `name`."""
+    if value is None:
+        raise ValueError(f"{where} has no {name}")
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: {name} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _port(section: dict[str, Any], name: str) -> int:
+    port = section.get("port")
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise ValueError(f"{name}.port must be an integer, got {port!r}")
+    return port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the configs in turn this many times (A B C A B C ...); the summary takes "
         "each config's median and gives every round's ratio",
     )
-    parser.add_argument("--plot", type=output_file, help="PNG: attainment vs rate per config")
+    parser.add_argument("--plot", type=plot_file, help="PNG: attainment vs rate per config")
 
 
 def load_configs(args: argparse.Namespace) -> list[ServeConfig]:

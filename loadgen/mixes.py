@@ -439,44 +439,61 @@ def _target(data: Mapping[str, Any], key: str, where: str) -> Level | float:
 def generate_mix(
     mix: Mix, arrivals: Sequence[float], config: WorkloadConfig, rng: np.random.Generator
 ) -> list[WorkloadRequest]:
-    """One request per arrival, its class drawn by share (deterministic for the generator)."""
+    """One request per arrival, its class drawn by share (deterministic for the generator); a
+    request that cannot be made (its SLO out of range, its length past max_model_len) is
+    named with its class."""
     shares = np.array([c.share for c in mix.classes])
     pick = rng.choice(len(mix.classes), size=len(arrivals), p=shares / shares.sum())
     out: list[WorkloadRequest] = []
-    scale = config.length_scale
     for k, cls in enumerate(mix.classes):
         ids = [int(i) for i in np.flatnonzero(pick == k)]
-        system = _system_prompt(cls, scale)
-        prompts = [max(p, system + 1) for p in _sample(cls.prompt, scale, rng, len(ids))]
-        if cls.tools is not None:
-            for i, p in zip(ids, prompts, strict=True):
-                rounds = _session(
-                    cls, cls.tools, f"{cls.name}-{i:06d}", arrivals[i], p, config, rng
-                )
-                out += [_with_system_prompt(r, cls.name, system) for r in rounds]
-            continue
-        staged = [_sample(stage.tokens, scale, rng, len(ids)) for stage in cls.stages]
-        outputs = _sample(cls.output, scale, rng, len(ids))
-        max_tokens = _max_tokens(cls, scale)
-        for n, (i, p, o) in enumerate(zip(ids, prompts, outputs, strict=True)):
-            zero = config.zero_load(p)
-            lengths = [tokens[n] for tokens in staged]
-            slo, emits = _slo(cls, config, zero, lengths)
-            req = WorkloadRequest(
-                request_id=f"{cls.name}-{i:06d}",
-                scenario=cls.name,
-                slo_class=cls.name,
-                arrival_s=float(arrivals[i]),
-                prompt_len=p,
-                output_len=min(sum(lengths) + o, max_tokens),
-                max_tokens=max_tokens,
-                slo=slo,
-                zero_load_ttft_s=zero,
-                emits=emits,
-            )
-            out.append(config.check_fits(_with_system_prompt(req, cls.name, system)))
+        try:
+            out += _class_requests(cls, ids, arrivals, config, rng)
+        except ValueError as exc:
+            raise ValueError(f"class {cls.name!r}: {exc}") from None
     out.sort(key=lambda r: (r.arrival_s, r.request_id))
     return out
+
+
+def _class_requests(
+    cls: MixClass,
+    ids: list[int],
+    arrivals: Sequence[float],
+    config: WorkloadConfig,
+    rng: np.random.Generator,
+) -> list[WorkloadRequest]:
+    """The requests of the arrivals `ids`, all of class `cls`."""
+    scale = config.length_scale
+    system = _system_prompt(cls, scale)
+    prompts = [max(p, system + 1) for p in _sample(cls.prompt, scale, rng, len(ids))]
+    if cls.tools is not None:
+        out: list[WorkloadRequest] = []
+        for i, p in zip(ids, prompts, strict=True):
+            rounds = _session(cls, cls.tools, f"{cls.name}-{i:06d}", arrivals[i], p, config, rng)
+            out += [_with_system_prompt(r, cls.name, system) for r in rounds]
+        return out
+    staged = [_sample(stage.tokens, scale, rng, len(ids)) for stage in cls.stages]
+    outputs = _sample(cls.output, scale, rng, len(ids))
+    max_tokens = _max_tokens(cls, scale)
+    requests = []
+    for n, (i, p, o) in enumerate(zip(ids, prompts, outputs, strict=True)):
+        zero = config.zero_load(p)
+        lengths = [tokens[n] for tokens in staged]
+        slo, emits = _slo(cls, config, zero, lengths)
+        req = WorkloadRequest(
+            request_id=f"{cls.name}-{i:06d}",
+            scenario=cls.name,
+            slo_class=cls.name,
+            arrival_s=float(arrivals[i]),
+            prompt_len=p,
+            output_len=min(sum(lengths) + o, max_tokens),
+            max_tokens=max_tokens,
+            slo=slo,
+            zero_load_ttft_s=zero,
+            emits=emits,
+        )
+        requests.append(config.check_fits(_with_system_prompt(req, cls.name, system)))
+    return requests
 
 
 def _session(

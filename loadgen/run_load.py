@@ -66,7 +66,7 @@ from loadgen.metrics import GroupReport, RunReport, report
 from loadgen.mixes import parse_workload
 from loadgen.prompts import ChatPromptSource, Prompt, Prompts, PromptSource, heldout_texts
 from loadgen.records import RecordWriter, RequestRecord, Verdict
-from loadgen.simulate import ROOT, TRACE_DIR, load_profile
+from loadgen.simulate import ROOT, TRACE_DIR
 from loadgen.traces import read_trace
 from loadgen.workloads import (
     TABLE4,
@@ -86,6 +86,7 @@ from loadgen.workloads import (
 from loadgen.zero_load import PROBE_OUTPUT_LEN, PROBE_PROMPT_LENS, ZeroLoad, probe
 from replica.arguments import (
     OptionError,
+    model_length,
     non_negative_float,
     non_negative_int,
     output_file,
@@ -94,6 +95,7 @@ from replica.arguments import (
 )
 from replica.model_source import has_tokenizer, model_dir
 from replica.perf_model import PerfModel
+from replica.profiles import load_profile
 from router.client import AsyncClient, Client, ClientError
 from router.tokenizer import TextCodec
 
@@ -502,7 +504,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
         "counts)",
     )
     parser.add_argument("--model", help="model name (default: the server's first /v1/models)")
-    parser.add_argument("--max-model-len", type=int, help="refuse workloads that do not fit")
+    parser.add_argument(
+        "--max-model-len", type=model_length, help="refuse workloads that do not fit"
+    )
     parser.add_argument("--api-key", help="bearer token")
     parser.add_argument(
         "--no-slo-fields", action="store_true", help="HTTP: omit the slo body field"
@@ -583,6 +587,11 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
         return None
     if args.rates is None:
         raise _fail("--capacity needs --rates LO,HI")
+    if args.rel_tol > 1:
+        raise _fail(
+            f"--rel-tol must be <= 1 (a search's first bracket is within a factor 2), got "
+            f"{args.rel_tol!r}"
+        )
     try:
         low, high = (float(x) for x in args.rates.split(","))
     except ValueError:

@@ -41,7 +41,6 @@ other stretches of a bursty trace at each rate, and attainment would not fall mo
 from __future__ import annotations
 
 import argparse
-import difflib
 import itertools
 import json
 import math
@@ -55,7 +54,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from tqdm import tqdm
 
 from cluster.sim_distserve import DEFAULT_LINK_GB_S, pool_splits
@@ -113,6 +111,7 @@ from replica.arguments import (
     OptionError,
     non_negative_int,
     output_file,
+    plot_file,
     positive_float,
     positive_int,
     unit_interval,
@@ -121,10 +120,12 @@ from replica.arguments import (
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
 from replica.planner.adaserve import AdaServeConfig
+from replica.planner.base import CacheBudget
 from replica.planner.executor import OUTPUT_TOKENS, token_ids
+from replica.planner.queues import peak_tokens
+from replica.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
-PROFILES = ROOT / "deploy" / "profiles"
 TRACE_DIR = ROOT.parent / "shared" / "data" / "azure-llm-inference-2023"
 T = TypeVar("T")
 R = TypeVar("R")
@@ -135,39 +136,29 @@ def trace_path(workload: Workload) -> Path:
     return TRACE_DIR / trace_file(workload)
 
 
-def profile_aliases() -> dict[str, str]:
-    """Short names: each deploy config's, `serve-<name>.yaml`, for the profile it serves with
-    (`a100-opt7b` is the paper's setup), read from the configs themselves."""
-    aliases = {}
-    for config in sorted((ROOT / "deploy").glob("serve-*.yaml")):
-        (app,) = yaml.safe_load(config.read_text())["applications"]
-        aliases[config.stem.removeprefix("serve-")] = Path(app["args"]["cluster"]["profile"]).stem
-    return aliases
+DEFAULT_KV_BLOCKS = 2048
+"""KV blocks per replica for a profile that assumes no capacity, unless --kv-blocks says."""
 
 
-def resolve_profile(name: str) -> Path:
-    """A profile path, a name in deploy/profiles (with or without .json) or a deploy config's
-    short name (`profile_aliases`)."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    stem = name.removesuffix(".json")
-    shipped = PROFILES / f"{stem}.json"
-    if shipped.is_file():
-        return shipped
-    aliases = profile_aliases()
-    if stem in aliases:
-        return PROFILES / f"{aliases[stem]}.json"
-    known = sorted(p.stem for p in PROFILES.glob("*.json")) + sorted(aliases)
-    close = difflib.get_close_matches(stem, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"profile {name!r} is neither a file nor one of {known}{hint}")
-
-
-def kv_blocks(perf: PerfModel, default: int, block_size: int = 16) -> int:
-    """KV blocks per replica: the profile's `kv_capacity_tokens` assumption when it has one."""
+def profile_kv_tokens(perf: PerfModel) -> int | None:
+    """The KV cache a profile assumes, in tokens (`kv_capacity_tokens`), if it says."""
     tokens = perf.info.assumptions.get("kv_capacity_tokens")
-    return int(tokens) // block_size if isinstance(tokens, int | float) else default
+    return int(tokens) if isinstance(tokens, int | float) else None
+
+
+def kv_blocks(perf: PerfModel, given: int | None, block_size: int = 16) -> int:
+    """KV blocks per replica: the profile's `kv_capacity_tokens` assumption when it has one,
+    else `given` (--kv-blocks; None: DEFAULT_KV_BLOCKS). --kv-blocks with such a profile would
+    be ignored, so it is refused."""
+    tokens = profile_kv_tokens(perf)
+    if tokens is None:
+        return DEFAULT_KV_BLOCKS if given is None else given
+    if given is not None:
+        raise OptionError(
+            f"--kv-blocks: the profile sets the KV cache itself (kv_capacity_tokens {tokens}, "
+            f"{tokens // block_size} blocks); drop --kv-blocks"
+        )
+    return tokens // block_size
 
 
 def sim_requests(
@@ -288,7 +279,10 @@ class Setup:
 
     def workload(self, rate: float, replicas: int) -> list[WorkloadRequest]:
         """The search's requests at `rate` per replica: the same ones at every rate, only
-        compressed or stretched in time."""
+        compressed or stretched in time. A workload that cannot be made, or whose longest
+        request could never fit a replica's KV cache (a planner would raise mid-run), is
+        refused naming what to change: the work bounds make every search's workload before
+        any run, so the refusal comes first."""
         cluster_rate = rate * replicas
         n = self.requests(replicas)
         config = self.workload_config()
@@ -298,7 +292,33 @@ class Setup:
             times = [r.time_s for r in rows]
         else:
             times = list(poisson_arrivals(cluster_rate, n, self.seed))
-        return generate_workload(self.scenario, times, config, self.seed)
+        try:
+            workload = generate_workload(self.scenario, times, config, self.seed)
+        except ValueError as exc:
+            raise OptionError(f"--scenario {self.scenario.value}: {exc}") from None
+        self._check_fits(workload)
+        return workload
+
+    def _check_fits(self, workload: Sequence[WorkloadRequest]) -> None:
+        cache = CacheBudget(self.num_kv_blocks)
+        longest = max(workload, key=lambda r: r.prompt_len + r.max_tokens)
+        need = cache.blocks_for(peak_tokens(longest.to_request([0] * longest.prompt_len, 0.0)))
+        if need <= cache.num_blocks:
+            return
+        where, fixes = f"--scenario {self.scenario.value}", ["lower --length-scale"]
+        if not isinstance(self.scenario, Scenario):
+            where += f": class {longest.scenario!r}"
+            fixes.insert(0, "shorten the class's prompt or max_tokens")
+        if profile_kv_tokens(self.perf) is None:
+            source = "--kv-blocks"
+            fixes.append(f"raise --kv-blocks to {need}")
+        else:
+            source = "the profile's kv_capacity_tokens"
+        raise OptionError(
+            f"{where}: request {longest.request_id} needs {need} KV blocks at its longest "
+            f"(prompt {longest.prompt_len} + max_tokens {longest.max_tokens}), more than a "
+            f"replica's {cache.num_blocks} ({source}): {' or '.join(fixes)}"
+        )
 
     def workload_config(self) -> WorkloadConfig:
         if self.zero_load is None:
@@ -509,7 +529,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="capacity search start, req/s per replica (default: the scenario's START_RATES)",
     )
-    parser.add_argument("--rel-tol", type=float, help="capacity search tolerance (default 0.05)")
+    parser.add_argument(
+        "--rel-tol", type=float, help="capacity search tolerance, in (0, 1] (default 0.05)"
+    )
     parser.add_argument(
         "--min-rate",
         type=float,
@@ -553,7 +575,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the profile, GPU TPOT levels)",
     )
     parser.add_argument(
-        "--kv-blocks", type=positive_int, default=2048, help="if the profile has none"
+        "--kv-blocks",
+        type=positive_int,
+        help="KV cache blocks (16 tokens) per replica, for a profile without kv_capacity_tokens "
+        f"(default {DEFAULT_KV_BLOCKS})",
     )
     parser.add_argument("--tick-ms", type=positive_float, default=10.0)
     parser.add_argument("--route-limit", type=positive_int, default=2)
@@ -584,7 +609,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sibling-acceptance",
         type=unit_intervals,
-        default=DEFAULT_SIBLINGS,
         metavar="S2,S3,...",
         help="slos+adaserve: the chance the target takes the draft's second, third, ... choice "
         "given it took none before (the last value for every later rank; default "
@@ -593,14 +617,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tree-width",
         type=positive_int,
-        default=AdaServeConfig.max_width,
         help="slos+adaserve: children a token tree keeps per level (cluster.adaserve.max_width; "
         f"default {AdaServeConfig.max_width})",
     )
     parser.add_argument(
         "--tree-nodes",
         type=positive_int,
-        default=AdaServeConfig.max_nodes,
         help="slos+adaserve: nodes one request may verify in a step (cluster.adaserve.max_nodes; "
         f"default {AdaServeConfig.max_nodes})",
     )
@@ -623,7 +645,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=output_file, help="write results here")
     parser.add_argument(
         "--plot",
-        type=output_file,
+        type=plot_file,
         help="PNG path: PATH = attainment vs rate (capacities marked); PATH-capacity.png = "
         "capacity bars (capacity runs); PATH-timeline.png = burst timeline of one run",
     )
@@ -744,6 +766,10 @@ class Plan:
     autoscale: list[ScaleChoice] = field(default_factory=list)
     """With --size-for: the autoscalers each fixed count is compared with."""
     replica_startup_s: float = 60.0
+    adaserve: AdaServeConfig = field(default_factory=AdaServeConfig)
+    """slos+adaserve's tree constants (--tree-width, --tree-nodes)."""
+    sibling_acceptance: tuple[float, ...] = DEFAULT_SIBLINGS
+    """slos+adaserve's later draft choices (--sibling-acceptance)."""
 
     def requests_per_replica(self, scenario: Workload) -> int:
         """Requests a replica gets at every rate: the scenario's duration at the reference rate
@@ -834,6 +860,13 @@ def plan(args: argparse.Namespace) -> Plan:
         raise OptionError(f"--replica-startup-s must be >= 0, got {startup!r}")
     if Policy.DISTSERVE in policies and args.prefix_caching:
         raise OptionError("--prefix-caching: distserve is simulated without prefix caching")
+    if not args.credit_prefixes and not args.prefix_caching:
+        raise OptionError("--no-prefix-credit applies to --prefix-caching only")
+    if Policy.SLOS_ADASERVE not in policies:
+        for name in ("tree_width", "tree_nodes", "sibling_acceptance"):
+            if getattr(args, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise OptionError(f"{flag} applies to --policies slos+adaserve only")
     if args.draft_confidence is not None and not 1e-3 <= args.draft_confidence <= 1e6:
         raise OptionError(
             f"--draft-confidence must be in [0.001, 1e6], got {args.draft_confidence}"
@@ -859,6 +892,11 @@ def plan(args: argparse.Namespace) -> Plan:
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise OptionError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+    if args.rel_tol is not None and args.rel_tol > 1:
+        raise OptionError(
+            f"--rel-tol must be <= 1 (a search's first bracket is within a factor 2), got "
+            f"{args.rel_tol!r}"
+        )
     overhead = args.step_overhead_ms
     if not (math.isfinite(overhead) and overhead >= 0):
         raise OptionError(f"--step-overhead-ms must be >= 0, got {overhead!r}")
@@ -928,15 +966,12 @@ def plan(args: argparse.Namespace) -> Plan:
         jobs=args.jobs or os.cpu_count() or 1,
         autoscale=autoscale,
         replica_startup_s=startup,
+        adaserve=AdaServeConfig(
+            max_width=args.tree_width or AdaServeConfig.max_width,
+            max_nodes=args.tree_nodes or AdaServeConfig.max_nodes,
+        ),
+        sibling_acceptance=args.sibling_acceptance or DEFAULT_SIBLINGS,
     )
-
-
-def load_profile(option: str, name: str) -> PerfModel:
-    """The profile a name or path gives, or an error naming `option`."""
-    try:
-        return PerfModel.load(resolve_profile(name))
-    except ValueError as exc:
-        raise OptionError(f"{option}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -944,7 +979,6 @@ def run(args: argparse.Namespace) -> int:
     perf = load_profile("--profile", p.profile)
     baseline = p.baseline_profile
     baseline_perf = load_profile("--baseline-profile", baseline) if baseline else None
-    adaserve = AdaServeConfig(max_width=args.tree_width, max_nodes=args.tree_nodes)
     if baseline_perf is not None and baseline_perf.tp != perf.tp:
         raise OptionError(
             f"--baseline-profile is for tensor parallelism {baseline_perf.tp} and --profile for "
@@ -957,6 +991,7 @@ def run(args: argparse.Namespace) -> int:
             raise OptionError(
                 f"--policies distserve: profile {baseline or p.profile!r}: {exc}"
             ) from None
+    num_kv_blocks = kv_blocks(perf, args.kv_blocks)
 
     def setup(scenario: Workload, requests_per_replica: int, window: int | None) -> Setup:
         return Setup(
@@ -965,14 +1000,14 @@ def run(args: argparse.Namespace) -> int:
             p.arrivals,
             requests_per_replica,
             args.seed,
-            kv_blocks(perf, args.kv_blocks),
+            num_kv_blocks,
             args.tick_ms / 1e3,
             args.route_limit,
             acceptance=args.acceptance,
             acceptance_spread=args.acceptance_spread,
             confidence_concentration=args.draft_confidence,
-            sibling_acceptance=args.sibling_acceptance,
-            adaserve=adaserve,
+            sibling_acceptance=p.sibling_acceptance,
+            adaserve=p.adaserve,
             window_replicas=window,
             baseline_perf=baseline_perf,
             slowdown=p.slowdown,
@@ -1003,14 +1038,20 @@ def run(args: argparse.Namespace) -> int:
         "acceptance": args.acceptance,
         "acceptance_spread": args.acceptance_spread,
         "draft_confidence": args.draft_confidence,
-        "sibling_acceptance": list(args.sibling_acceptance),
-        "adaserve": asdict(adaserve),
+        "sibling_acceptance": list(p.sibling_acceptance),
+        "adaserve": asdict(p.adaserve),
         "same_window": p.same_window,
         "stop_below": p.stop_below,
         "compiled_planner": compiled.active(),
     }
+
+    def save(part: Mapping[str, Any]) -> None:
+        """Write the JSON (the header and `part`), when asked for."""
+        if args.json is not None:
+            args.json.write_text(json.dumps({**out, **part}, indent=2) + "\n")
+
     if p.size_for:
-        out |= _size(p, setup, perf.tp, args.plot)
+        out |= _size(p, setup, perf.tp, args.plot, save)
     else:
         setups = {
             s: setup(
@@ -1020,14 +1061,18 @@ def run(args: argparse.Namespace) -> int:
             )
             for s in p.scenarios
         }
-        out |= _capacities(p, setups, args)
-    if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        out |= _capacities(p, setups, args.plot, save)
+    save({})
     return 0
 
 
+Save = Callable[[Mapping[str, Any]], None]
+"""Writes the results so far (`run`'s `save`): before the figures are drawn, so a figure that
+fails loses none of them."""
+
+
 def _capacities(
-    p: Plan, setups: Mapping[Workload, Setup], args: argparse.Namespace
+    p: Plan, setups: Mapping[Workload, Setup], plot: Path | None, save: Save
 ) -> dict[str, Any]:
     """Every (scenario, policy, replica count)'s run at --rate, or its capacity search: the
     output's requests, work bounds, runs, summary and plots."""
@@ -1069,8 +1114,9 @@ def _capacities(
         out["capacity_searches"] = searches
         out["summary"] = summarize(capacity)
         print(markdown_tables(out["summary"]))
-    if args.plot is not None:
-        out["plots"] = _plot(args.plot, p, setups[p.timeline_scenario], runs, capacity, out)
+    if plot is not None:
+        save(out)
+        out["plots"] = _plot(plot, p, setups[p.timeline_scenario], runs, capacity, out)
     return out
 
 
@@ -1079,6 +1125,7 @@ def _size(
     setup: Callable[[Workload, int, int | None], Setup],
     gpus_per_replica: int,
     plot: Path | None,
+    save: Save,
 ) -> dict[str, Any]:
     """Every (scenario, total rate, policy)'s sizing search: the output's requests, work
     bounds, runs, sizing, summary and plots. Each (scenario, rate) replays the rate's
@@ -1131,6 +1178,7 @@ def _size(
         out["summary"]["autoscaled"] = autoscale_summary(scaled)
         print(autoscale_table(scaled))
     if plot is not None:
+        save(out)
         paths = figure_paths(plot)
         plot_sizing(sizing_panels(runs, sizing), paths["attainment"])
         written = {"sizing": paths["attainment"]}

@@ -14,6 +14,15 @@ class OptionError(ValueError):
     one `PROG: error:` line."""
 
 
+def check_model_folders(*folders: tuple[str, Path | None]) -> None:
+    """Each (option, folder) given holds a model (its config.json), else an OptionError naming
+    the option, before anything loads: the defaults are the demo pair's folders, which exist
+    once trained."""
+    for option, path in folders:
+        if path is not None and not (path / "config.json").is_file():
+            raise OptionError(f"{option}: no model at {path} (train the pair: `make models`)")
+
+
 def _number(text: str, kind: type[int] | type[float]) -> float:
     try:
         value = kind(text)
@@ -24,18 +33,24 @@ def _number(text: str, kind: type[int] | type[float]) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int) -> int:
     value = int(_number(text, int))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
-    value = int(_number(text, int))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
+    return _int_at_least(text, 0)
+
+
+def model_length(text: str) -> int:
+    """A model's context in tokens: at least a prompt token and the token it is asked for."""
+    return _int_at_least(text, 2)
 
 
 def positive_float(text: str) -> float:
@@ -86,6 +101,21 @@ def output_file(text: str) -> Path:
     if not existed:
         path.unlink()
     return path
+
+
+def plot_file(text: str) -> Path:
+    """An `output_file` for a figure, in a format matplotlib writes (its suffix, lower case;
+    none: PNG): an unknown one would fail only when the figure is saved, after the run.
+    matplotlib is imported here, when the option is given, so `--help` stays instant."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    suffix = Path(text).suffix.lower().removeprefix(".")
+    if suffix and suffix not in formats:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: matplotlib writes no {suffix!r} files; use one of {', '.join(formats)}"
+        )
+    return output_file(text)
 
 
 def non_negative_float(text: str) -> float:

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from replica.arguments import (
     OptionError,
+    check_model_folders,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -26,15 +27,14 @@ from replica.arguments import (
 )
 from replica.engine import Engine
 from replica.local import LocalReplica, TokenChunk, cache_budget
-from replica.perf_model import PerfModel
 from replica.planner.base import CacheBudget, Scheduler
 from replica.planner.config import PlannerConfig, SpecConfig
 from replica.planner.sarathi import SarathiConfig, SarathiScheduler
 from replica.planner.slos import SlosScheduler
 from replica.planner.vllm import VllmConfig, VllmScheduler
+from replica.profiles import DEPLOY, load_profile
 from replica.request import SLO, Request, SamplingParams
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 MODELS = DEPLOY / "models"
 PROMPTS = (
     "def fibonacci(n):\n",
@@ -63,9 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile",
-        type=Path,
-        default=DEPLOY / "profiles" / "cpu-demo.json",
-        help="perf-model profile the slos planner plans with",
+        default="cpu-demo",
+        help="perf-model profile the slos planner plans with: a name in deploy/profiles, a "
+        "deploy config's short name or a path (default %(default)s)",
     )
     parser.add_argument(
         "--ttft-ms", type=positive_float, default=2000.0, help="SLO: time to first token"
@@ -107,10 +107,7 @@ class Served:
 def make_scheduler(args: argparse.Namespace, budget: CacheBudget, max_model_len: int) -> Scheduler:
     if args.scheduler == "slos":
         spec = SpecConfig(max_spec_tokens=args.spec_k) if args.spec_k > 0 else None
-        try:
-            perf = PerfModel.load(args.profile)
-        except (OSError, ValueError) as exc:
-            raise OptionError(f"--profile: {exc}") from None
+        perf = load_profile("--profile", args.profile)
         if perf.tp != 1:
             raise OptionError(
                 f"--profile is for tensor parallelism {perf.tp}; the demo runs one process"
@@ -141,9 +138,7 @@ async def serve(replica: LocalReplica, requests: list[Request]) -> list[Served]:
 
 def run(args: argparse.Namespace) -> int:
     draft = args.draft if args.spec_k > 0 else None
-    for option, path in (("--target", args.target), ("--draft", draft)):
-        if path is not None and not (path / "config.json").is_file():
-            raise OptionError(f"{option}: no model at {path} (train the pair: `make models`)")
+    check_model_folders(("--target", args.target), ("--draft", draft))
     torch.set_num_threads(args.threads)
     engine = Engine.from_dirs(args.target, draft, num_blocks=args.num_blocks)
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))

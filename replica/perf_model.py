@@ -28,6 +28,8 @@ from replica.compiled import reduce_frozen
 from replica.perf_info import ProfileInfo, Slowdown
 
 FORMAT = "slos-serve-perf-model/1"
+PROFILE_FIELDS = ("source", "backend", "device", "model", "terms")
+"""What every profile JSON holds (the rest has defaults)."""
 FEATURES: tuple[str, ...] = (
     "const",
     "tokens",
@@ -518,13 +520,27 @@ class PerfModel:
             )
         if list(data.get("features", [])) != list(FEATURES):
             raise ValueError(f"profile features {data.get('features')!r} differ from {FEATURES}")
+        missing_fields = [key for key in PROFILE_FIELDS if key not in data]
+        if missing_fields:
+            raise ValueError(f"not a perf profile: it has no {', '.join(missing_fields)}")
+        if not isinstance(data["terms"], list):
+            raise ValueError(f"profile terms must be a list, got {data['terms']!r}")
         terms = []
         for raw in data["terms"]:
+            if not (
+                isinstance(raw, dict)
+                and isinstance(raw.get("name"), str)
+                and isinstance(raw.get("coefficients"), dict)
+            ):
+                raise ValueError(f"a profile term must be {{name, coefficients}}, got {raw!r}")
             coefficients = raw["coefficients"]
             missing = set(FEATURES) - set(coefficients)
             if missing:
                 raise ValueError(f"term {raw['name']!r} lacks coefficients {sorted(missing)}")
-            terms.append(Term(raw["name"], tuple(float(coefficients[f]) for f in FEATURES)))
+            values = [coefficients[f] for f in FEATURES]
+            if any(isinstance(v, bool) or not isinstance(v, int | float) for v in values):
+                raise ValueError(f"term {raw['name']!r}: coefficients must be numbers")
+            terms.append(Term(raw["name"], tuple(float(v) for v in values)))
         info = ProfileInfo(
             source=data["source"],
             backend=data["backend"],

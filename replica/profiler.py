@@ -39,7 +39,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from replica.arguments import fraction, non_negative_int, output_file, positive_int
+from replica.arguments import fraction, non_negative_int, output_file, plot_file, positive_int
 from replica.batch import BatchPlan, DecodeStep, PlanEntry, PrefillChunk
 from replica.device import DTYPES, compute_device
 from replica.engine import Engine
@@ -361,7 +361,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as a replica with tensor_parallel_size N runs it; needs --clock wall",
     )
     parser.add_argument("--out", type=output_file, required=True, help="profile JSON to write")
-    parser.add_argument("--plot", type=output_file, help="PNG of predicted vs measured")
+    parser.add_argument("--plot", type=plot_file, help="PNG of predicted vs measured")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per visit")
     parser.add_argument("--passes", type=positive_int, default=3, help="visits of every grid point")
     parser.add_argument("--quick", action="store_true", help="small grid (seconds, for tests)")

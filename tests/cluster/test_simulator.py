@@ -37,6 +37,7 @@ from replica.perf_model import PerfModel
 from replica.planner.config import PlannerConfig, SpecConfig
 from replica.planner.deadlines import late_tokens
 from replica.planner.slos import SlosScheduler
+from replica.profiles import resolve_profile
 from replica.request import SLO, Request, SamplingParams, Stage, Tier
 from tests.replica.planner.test_slos import GPU_LIKE, workloads
 from tests.replica.planner.test_slos import request as planner_request
@@ -44,7 +45,7 @@ from tests.replica.planner.test_slos import request as planner_request
 LINEAR = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})
 """A step takes 10 ms + 1 ms per query token."""
 ROOMY = SLO(1000.0, 100.0)
-A100 = PerfModel.load(simulate.resolve_profile("a100-40gb-opt-7b-tp1"))
+A100 = PerfModel.load(resolve_profile("a100-40gb-opt-7b-tp1"))
 
 
 def sim_request(

@@ -14,8 +14,9 @@ from loadgen.metrics import report
 from loadgen.workloads import WorkloadConfig, WorkloadRequest, generate_workload
 from loadgen.workloads import zero_load_ttft_from as zero_load
 from replica.perf_model import PerfModel
+from replica.profiles import resolve_profile
 
-A100 = PerfModel.load(simulate.resolve_profile("a100-40gb-opt-7b-tp1"))
+A100 = PerfModel.load(resolve_profile("a100-40gb-opt-7b-tp1"))
 
 
 def workload(scenario: str, rate: float) -> list[WorkloadRequest]:

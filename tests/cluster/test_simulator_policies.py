@@ -24,13 +24,14 @@ from replica.planner.config import (
     PlannerConfig,
 )
 from replica.planner.slos import SlosScheduler
+from replica.profiles import resolve_profile
 from replica.request import SLO, Request, SamplingParams
 
 LINEAR = PerfModel.synthetic({"const": 0.01, "tokens": 0.001})
 """A step takes 10 ms + 1 ms per query token; drafting is free."""
 ROOMY = SLO(1000.0, 100.0)
 IMPOSSIBLE = SLO(ttft_ms=1.0, tpot_ms=100.0)
-A100 = PerfModel.load(simulate.resolve_profile("a100-40gb-opt-7b-tp1"))
+A100 = PerfModel.load(resolve_profile("a100-40gb-opt-7b-tp1"))
 
 
 def sim_request(

@@ -1,4 +1,5 @@
-"""The planner and controller benchmarks run end to end and write their documented summary."""
+"""The planner and controller benchmarks run end to end and write their documented summary;
+bad options of every bench end with one error line."""
 
 from __future__ import annotations
 
@@ -48,3 +49,19 @@ def test_a_bad_option_ends_with_one_error_line(
     assert exit_.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith(f"slos-serve bench {argv[1]}: error: argument {option}:")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["engine", "--target", "/nonexistent"], "--target: no model at /nonexistent"),
+        (["engine", "--draft", "/nonexistent"], "--draft: no model at /nonexistent"),
+        (["specserve", "--target", "/nonexistent"], "--target: no model at /nonexistent"),
+        (["adaserve", "--draft", "/nonexistent"], "--draft: no model at /nonexistent"),
+        (["prefix", "--target", "/nonexistent"], "--target: no model at /nonexistent"),
+    ],
+)
+def test_a_missing_model_ends_with_one_error_line(argv: list[str], message: str) -> None:
+    """Named before anything loads, as `demo` and `profile` name theirs."""
+    with pytest.raises(SystemExit, match=f"^slos-serve bench {argv[0]}: error: {message} "):
+        cli.main(["bench", *argv, "--quick"])

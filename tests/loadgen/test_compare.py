@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ def configs_arg(*paths: Path) -> str:
         (["--configs", configs_arg(*SHIPPED[:2]), "--rate", "0"], "--rate"),
         (["--configs", configs_arg(*SHIPPED[:2]), "--capacity"], "--rates"),
         (["--configs", configs_arg(*SHIPPED[:2]), "--plot", "/nonexistent/p.png"], "--plot"),
+        (["--configs", configs_arg(*SHIPPED[:2]), "--plot", "p.pnj"], "no 'pnj' files"),
         (["--configs", configs_arg(*SHIPPED[:2]), "--rounds", "0"], "--rounds"),
     ],
 )
@@ -67,6 +69,32 @@ def test_a_config_without_a_cluster_is_named(tmp_path: Path) -> None:
     wrong.write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match=r"wrong\.yaml.*fcfs"):
         compare.ServeConfig.load(wrong)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", " is empty"),
+        ("[1]", "the file must be a mapping, got list"),
+        ("http_options: {port: 1}\napplications: []\n", "one application in applications, got 0"),
+        ("http_options: {port: 1}\n", "one application in applications, got none"),
+        ("applications: [{args: null}]\n", "has no applications[0].args"),
+        ("applications: [{args: {cluster: {model: m, draft: d}}}]\n", "has no http_options"),
+        (
+            "http_options: {port: x}\napplications: [{args: {cluster: {model: m, draft: d}}}]\n",
+            "http_options.port must be an integer, got 'x'",
+        ),
+    ],
+)
+def test_a_config_that_is_not_a_serve_config_is_named(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    with pytest.raises(
+        ValueError, match=re.escape(f"--configs: '{path}'") + ".*" + re.escape(message)
+    ):
+        compare.ServeConfig.load(path)
 
 
 def test_shipped_configs_are_read_as_serve_runs_them() -> None:

@@ -16,7 +16,7 @@ import yaml
 from cluster.simulator import Policy, SimConfig
 from loadgen import mixes
 from loadgen.mixes import Lengths, Mix, mix_from_dict, parse_workload
-from loadgen.simulate import ROOT, resolve_profile, simulate_workload
+from loadgen.simulate import ROOT, simulate_workload
 from loadgen.traces import AZURE_CODE_FILE, AZURE_CONV_FILE
 from loadgen.workloads import (
     Level,
@@ -29,6 +29,7 @@ from loadgen.workloads import (
     zero_load_ttft_from,
 )
 from replica.perf_model import PerfModel
+from replica.profiles import resolve_profile
 
 EXAMPLE = ROOT / "loadgen" / "mix-examples" / "services.yaml"
 
@@ -222,8 +223,18 @@ def test_length_scale_shrinks_lengths_and_max_tokens_not_absolute_slos() -> None
 
 def test_a_mix_refuses_requests_the_model_cannot_hold() -> None:
     mix = mix_from_dict(two_classes(), "x")
-    with pytest.raises(ValueError, match="exceeds max_model_len=50"):
+    with pytest.raises(ValueError, match=r"^class 'chat': chat-.* exceeds max_model_len=50"):
         generate_workload(mix, [0.0] * 10, WorkloadConfig(zero_load, max_model_len=50), seed=0)
+
+
+def test_a_request_whose_slo_cannot_be_set_names_its_class() -> None:
+    """A prompt so long its TTFT target passes a day: the SLO's error, with the class."""
+    data = two_classes()
+    search = {key: value for key, value in data["classes"][1].items() if key != "ttft_ms"}
+    data["classes"][1] = search | {"prompt": 200_000_000, "ttft": "loose"}  # 20,000 s idle
+    mix = mix_from_dict(data, "x")
+    with pytest.raises(ValueError, match=r"^class 'search': slo.ttft_ms must be <= 8.64e\+07"):
+        generate_workload(mix, [0.0] * 10, CONFIG, seed=0)
 
 
 def test_the_shipped_example_loads() -> None:

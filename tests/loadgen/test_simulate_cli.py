@@ -20,6 +20,7 @@ from loadgen.workloads import CPU_LOOSE_TPOT_FACTOR, CPU_TIGHT_TPOT_FACTOR, Scen
 from loadgen.zero_load import ZeroLoad
 from replica.perf_info import Slowdown
 from replica.perf_model import PerfModel
+from replica.profiles import resolve_profile
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -95,6 +96,7 @@ def test_defaults_and_ablation() -> None:
         (("--capacity", "--replicas", "two"), "--replicas"),
         (("--rate", "-1"), "--rate"),
         (("--capacity", "--rel-tol", "0"), "--rel-tol"),
+        (("--capacity", "--rel-tol", "5"), "--rel-tol must be <= 1 .*, got 5.0"),
         (("--capacity", "--min-rate", "nan"), "--min-rate"),
         (("--capacity", "--min-rate", "2", "--max-rate", "1"), "--max-rate"),
         (("--capacity", "--scenario", "chatbot", "--timeline-scenario", "coder"), "--timeline"),
@@ -106,11 +108,28 @@ def test_defaults_and_ablation() -> None:
         (("--capacity", "--jobs", "-1"), "--jobs"),
         (("--capacity", "--policies", "slos+prefix"), "slos\\+prefix .* give --prefix-caching"),
         (("--capacity", "--policies", "distserve", "--prefix-caching"), "--prefix-caching"),
+        # Options the run would ignore.
+        (("--rate", "1", "--no-prefix-credit"), "--no-prefix-credit applies to --prefix-caching"),
+        (("--rate", "1", "--tree-width", "2"), r"--tree-width applies to --policies slos\+"),
+        (("--capacity", "--ablation", "--tree-nodes", "3"), "--tree-nodes applies to"),
+        (("--rate", "1", "--sibling-acceptance", "0.3"), "--sibling-acceptance applies to"),
     ],
 )
 def test_bad_options_are_named(argv: tuple[str, ...], option: str) -> None:
     with pytest.raises(ValueError, match=option):
         simulate.plan(parse(*argv))
+
+
+def test_kv_blocks_are_refused_where_the_profile_sets_the_cache() -> None:
+    """A profile with kv_capacity_tokens sizes the cache itself: --kv-blocks would be
+    ignored (it has a default, so only one the user gave is refused)."""
+    with pytest.raises(SystemExit, match=r"--kv-blocks: the profile sets the KV cache itself"):
+        cli.main(["simulate", "--rate", "1", "--profile", "a100-opt7b", "--kv-blocks", "4096"])
+    a100 = PerfModel.load(resolve_profile("a100-opt7b"))
+    assert simulate.kv_blocks(a100, None) == a100.info.assumptions["kv_capacity_tokens"] // 16
+    cpu = PerfModel.load(resolve_profile("cpu-demo"))
+    assert simulate.kv_blocks(cpu, None) == simulate.DEFAULT_KV_BLOCKS
+    assert simulate.kv_blocks(cpu, 64) == 64
 
 
 def test_the_command_reports_a_bad_option_without_a_traceback() -> None:
@@ -122,21 +141,6 @@ def test_an_unknown_policy_is_answered_with_the_known_ones() -> None:
     known = r"'orca' is not a policy \(slos, slos-noroute, .*distserve\)"
     with pytest.raises(ValueError, match=known):
         simulate.plan(parse("--capacity", "--policies", "slos,orca"))
-
-
-def test_short_profile_names_are_the_deploy_configs_profiles() -> None:
-    """`a100-opt7b` (the issue's and the deploy config's name) is the paper's A100-40GB setup, and
-    every short name is the profile its `serve-<name>.yaml` serves with."""
-    assert simulate.resolve_profile("a100-opt7b").stem == "a100-40gb-opt-7b-tp1"
-    assert simulate.resolve_profile("a100-opt7b.json").stem == "a100-40gb-opt-7b-tp1"
-    configs = sorted((simulate.ROOT / "deploy").glob("serve-*.yaml"))
-    assert len(configs) >= 3
-    for config in configs:
-        (app,) = yaml.safe_load(config.read_text())["applications"]
-        short = config.stem.removeprefix("serve-")
-        assert simulate.resolve_profile(short) == simulate.ROOT / app["args"]["cluster"]["profile"]
-    with pytest.raises(ValueError, match="did you mean 'a100-opt7b'"):
-        simulate.resolve_profile("a100-opt-7b")
 
 
 def test_a_bad_profile_is_named_without_a_traceback(tmp_path: Path) -> None:
@@ -197,9 +201,7 @@ def test_a_live_runs_conditions_reach_the_setup(tmp_path: Path) -> None:
         assert 0 < r["utilization"] <= 1
         assert r["busy_ms_per_request"] == pytest.approx(1e3 * r["busy_s"] / 3)
     bound = data["work_bound"]["mixed"]["1"]
-    nodraft_slow = PerfModel.load(simulate.resolve_profile("cpu-demo-nodraft")).slowed(
-        Slowdown(3.0, 0.005)
-    )
+    nodraft_slow = PerfModel.load(resolve_profile("cpu-demo-nodraft")).slowed(Slowdown(3.0, 0.005))
     requests = simulate.Setup(
         nodraft_slow, Scenario.MIXED, "poisson", 3, 0, 1024, 0.01, 2,
         length_scale=0.1, zero_load=ZeroLoad.load(zero),
@@ -210,8 +212,8 @@ def test_a_live_runs_conditions_reach_the_setup(tmp_path: Path) -> None:
     (vllm,) = (r for r in data["runs"] if r["policy"] == "vllm")
     assert vllm["busy_ms_per_request"] >= bound["ms_per_request"]
 
-    cpu = PerfModel.load(simulate.resolve_profile("cpu-demo"))
-    nodraft = PerfModel.load(simulate.resolve_profile("cpu-demo-nodraft"))
+    cpu = PerfModel.load(resolve_profile("cpu-demo"))
+    nodraft = PerfModel.load(resolve_profile("cpu-demo-nodraft"))
     setup = simulate.Setup(
         cpu, Scenario.MIXED, "poisson", 20, 0, 1024, 0.01, 2,
         baseline_perf=nodraft, length_scale=0.1, zero_load=ZeroLoad.load(zero),
@@ -465,6 +467,7 @@ def test_bad_sizing_options_are_named(argv: tuple[str, ...], option: str) -> Non
         (("--route-limit", "0"), "argument --route-limit: must be an integer >= 1"),
         (("--json", "/proc/slos-serve-sim.json"), "argument --json: cannot write"),
         (("--plot", "/nonexistent/p.png"), "argument --plot: directory '/nonexistent'"),
+        (("--plot", "cap.pnj"), "argument --plot: 'cap.pnj': matplotlib writes no 'pnj' files"),
     ],
 )
 def test_bad_run_options_are_refused_before_any_run(
@@ -473,6 +476,75 @@ def test_bad_run_options_are_refused_before_any_run(
     with pytest.raises(SystemExit):
         cli.main(["simulate", "--rate", "1", "--duration", "5", *argv])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "mode", [("--rate", "1"), ("--size-for", "2", "--max-replicas", "2")], ids=["rate", "sizing"]
+)
+def test_the_results_are_written_before_the_figures_are_drawn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: tuple[str, ...]
+) -> None:
+    """A figure that fails to draw loses none of the runs' results."""
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("no figure")
+
+    monkeypatch.setattr(simulate, "plot_attainment", broken)
+    monkeypatch.setattr(simulate, "plot_sizing", broken)
+    out = tmp_path / "r.json"
+    argv = (*mode, "--duration", "3", "--policies", "vllm", "--json", str(out))
+    with pytest.raises(RuntimeError, match="no figure"):
+        simulate.run(parse(*argv, "--plot", str(tmp_path / "r.png")))
+    data = json.loads(out.read_text())
+    assert data["runs"] and "plots" not in data
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ("--scenario", "reasoning", "--length-scale", "4"),
+            r"--scenario reasoning: request reasoning-\d+ needs \d+ KV blocks at its longest "
+            r"\(prompt \d+ \+ max_tokens 42474\), more than a replica's 2278 \(the profile's "
+            r"kv_capacity_tokens\): lower --length-scale$",
+        ),
+        (
+            ("--profile", "cpu-demo", "--kv-blocks", "1"),
+            r"--scenario chatbot: .*more than a replica's 1 \(--kv-blocks\): lower "
+            r"--length-scale or raise --kv-blocks to \d+$",
+        ),
+        (
+            ("--scenario", "long.yaml"),
+            r"--scenario long: class 'essay': request essay-\d+ needs 2500 KV blocks .*: "
+            r"shorten the class's prompt or max_tokens or lower --length-scale$",
+        ),
+        (
+            ("--scenario", "huge.yaml"),
+            r"--scenario huge: class 'novel': slo.ttft_ms must be <= 8.64e\+07",
+        ),
+    ],
+)
+@pytest.mark.parametrize("mode", [("--rate", "0.5"), ("--capacity",), ("--size-for", "1")])
+def test_a_workload_the_kv_cache_cannot_hold_is_refused_before_any_run(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: tuple[str, ...],
+    message: str,
+    mode: tuple[str, ...],
+) -> None:
+    """Its longest request (or a mix class whose SLO cannot be set) would raise mid-run in a
+    planner: the error says what to change instead."""
+    chat = {"name": "chat", "share": 1, "prompt": 100, "output": 10, "ttft": "loose"}
+    essay = {"name": "essay", "share": 1, "prompt": 30000, "output": 10000, "ttft_ms": 1e6}
+    novel = {"name": "novel", "share": 1, "prompt": 10_000_000, "output": 10, "ttft": "loose"}
+    for name, other in (("long", essay), ("huge", novel)):
+        classes = [chat | {"tpot": "loose"}, other | {"tpot": "loose"}]
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({"name": name, "classes": classes}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=f"^slos-serve simulate: error: {message}"):
+        cli.main(["simulate", *mode, "--duration", "20", "--policies", "vllm", *argv])
+    assert "attain" not in capsys.readouterr().out  # no run's header, nor a run
 
 
 def test_trace_arrivals_replay_a_trace_of_your_own(tmp_path: Path) -> None:
@@ -492,7 +564,7 @@ def test_trace_arrivals_replay_a_trace_of_your_own(tmp_path: Path) -> None:
     assert simulate.run(parse(*argv)) == 0
     data = json.loads(out.read_text())
     assert data["traces"] == {"chatbot": {"file": "ours", "requests": 10, "attribution": ""}}
-    perf = PerfModel.load(simulate.resolve_profile("a100-40gb-opt-7b-tp1"))
+    perf = PerfModel.load(resolve_profile("a100-40gb-opt-7b-tp1"))
     setup = simulate.Setup(perf, Scenario.CHATBOT, "trace", 8, 0, 2048, 0.01, 2, trace=p.trace)
     times = [r.arrival_s for r in setup.workload(2.0, 1)]
     expected = [r.time_s for r in trace_arrivals(load_trace(own), 2.0, 8, 0)]
@@ -528,7 +600,7 @@ def test_acceptance_options_and_the_seed_policies_reach_the_runs(tmp_path: Path)
         verdicts = run["report"]["by_verdict"]
         assert verdicts and all("mean" in v["e2e_s"] for v in verdicts.values())
     setup = simulate.Setup(
-        PerfModel.load(simulate.resolve_profile("a100-opt7b")), Scenario.CHATBOT, "poisson", 4,
+        PerfModel.load(resolve_profile("a100-opt7b")), Scenario.CHATBOT, "poisson", 4,
         0, 1024, 0.01, 2, acceptance=0.8, acceptance_spread=0.2,
     )  # fmt: skip
     config = setup.config(Policy.SLOS_GOODSPEED, 1)

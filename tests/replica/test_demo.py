@@ -40,6 +40,20 @@ def test_demo_refuses_a_profile_for_a_split_model() -> None:
         demo.run(parse("--profile", str(split), "--prompts", "1", "--max-tokens", "2"))
 
 
+def test_demo_takes_a_profile_by_name(
+    target_dir: Path, draft_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As simulate, loadgen and the benches do: a name in deploy/profiles, or a deploy
+    config's short name."""
+    pair = ("--target", str(target_dir), "--draft", str(draft_dir))
+    for name in ("cpu-demo", "cpu"):
+        args = parse(*pair, "--profile", name, "--prompts", "1", "--max-tokens", "2")
+        assert demo.run(args) == 0
+    assert capsys.readouterr().out.count("scheduler slos") == 2
+    with pytest.raises(OptionError, match="--profile: profile 'cpu-dem' is neither a file"):
+        demo.run(parse(*pair, "--profile", "cpu-dem", "--prompts", "1", "--max-tokens", "2"))
+
+
 def test_demo_names_missing_models(tmp_path: Path) -> None:
     with pytest.raises(OptionError, match=r"--target: no model at .*make models"):
         demo.run(parse("--target", str(tmp_path)))

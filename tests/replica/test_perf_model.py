@@ -164,6 +164,27 @@ def test_from_dict_rejects_foreign_or_incomplete_files() -> None:
     broken = {**data, "terms": [{"name": "t", "coefficients": {"const": 1.0}}]}
     with pytest.raises(ValueError, match="lacks coefficients"):
         PerfModel.from_dict(broken)
+    slow = {**data["terms"][0], "coefficients": {**data["terms"][0]["coefficients"], "tokens": "x"}}
+    with pytest.raises(ValueError, match="term 'memory': coefficients must be numbers"):
+        PerfModel.from_dict({**data, "terms": [slow]})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"terms": None}, "not a perf profile: it has no terms"),
+        ({"source": None, "model": None}, "not a perf profile: it has no source, model"),
+        ({"terms": {"name": "t"}}, "profile terms must be a list, got {'name': 't'}"),
+        ({"terms": [5]}, r"a profile term must be \{name, coefficients\}, got 5"),
+        ({"terms": [{"coefficients": {}}]}, r"a profile term must be \{name, coefficients\}"),
+        ({"terms": [{"name": "t", "coefficients": [1]}]}, "a profile term must be"),
+    ],
+)
+def test_a_profile_missing_a_field_is_named(change: dict[str, object], message: str) -> None:
+    data = {**two_term_model().to_dict(), **change}
+    data = {key: value for key, value in data.items() if value is not None}
+    with pytest.raises(ValueError, match=message):
+        PerfModel.from_dict(data)
 
 
 def test_max_new_tokens_within_zero_when_base_already_too_slow() -> None:

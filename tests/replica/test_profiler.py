@@ -144,6 +144,17 @@ def test_cli_names_a_missing_gpu_and_a_clock_blind_to_it(target_dir: Path, tmp_p
             run(parser.parse_args([*base, "--device", "cuda"]))
 
 
+def test_cli_refuses_a_plot_it_could_not_save(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the profile is measured, not when its figure is drawn."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--out", str(tmp_path / "p.json"), "--plot", "fit.pnj"])
+    assert "argument --plot: 'fit.pnj': matplotlib writes no 'pnj' files" in capsys.readouterr().err
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

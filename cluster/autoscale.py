@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from cluster.choices import member
+from replica.planner.config import check_fraction, check_int, check_positive
 
 SCALE_PERIOD_S = 1.0
 """How often the autoscaler is fed a sample."""
@@ -63,23 +64,21 @@ class AutoscaleConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "signal", member(ScaleSignal, "autoscale.signal", self.signal))
         for name in ("min_replicas", "max_replicas"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"autoscale.{name} must be an integer >= 1, got {value!r}")
+            check_int(f"autoscale.{name}", getattr(self, name))
         if self.max_replicas < self.min_replicas:
             raise ValueError(
                 f"autoscale.max_replicas ({self.max_replicas}) must be >= min_replicas "
                 f"({self.min_replicas})"
             )
         for name in ("look_back_s", "target_ongoing_requests"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"autoscale.{name} must be > 0, got {getattr(self, name)!r}")
+            check_positive(f"autoscale.{name}", getattr(self, name))
         for name in ("upscale_delay_s", "downscale_delay_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"autoscale.{name} must be >= 0, got {getattr(self, name)!r}")
-        if not 0 <= self.max_declined < 1:
+            check_fraction(f"autoscale.{name}", getattr(self, name), low=0.0, high=math.inf)
+        check_fraction("autoscale.max_declined", self.max_declined, low=0.0, high=1.0)
+        if self.max_declined == 1:
             raise ValueError(f"autoscale.max_declined must be in [0, 1), got {self.max_declined!r}")
-        if not 0 < self.headroom <= 1:
+        check_positive("autoscale.headroom", self.headroom)
+        if self.headroom > 1:
             raise ValueError(f"autoscale.headroom must be in (0, 1], got {self.headroom!r}")
 
     def bounded(self, count: int) -> int:

@@ -21,6 +21,7 @@ from cluster.choices import member
 from cluster.routing import BackupPolicy, FirstHop
 from replica.device import DTYPES
 from replica.planner.adaserve import AdaServeConfig
+from replica.planner.config import check_fraction, check_int, check_positive
 
 SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|specserve|adaserve|ngram|fixed:[1-9][0-9]?)$")
 
@@ -60,17 +61,16 @@ class TierConfig:
     `until: "</think>"`, then its answer): the front door parses them, with the tokenizer."""
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("tiers[].name must not be empty")
+        check_text("tiers[].name", self.name)
         for key in ("ttft_ms", "tpot_ms"):
-            _check_positive(f"tiers[{self.name}].{key}", getattr(self, key))
+            check_positive(f"tiers[{self.name}].{key}", getattr(self, key))
         if not isinstance(self.stages, list | tuple) or not all(
             isinstance(stage, Mapping) for stage in self.stages
         ):
             raise ValueError(f"tiers[{self.name}].stages must be a list of stages (mappings)")
         object.__setattr__(self, "stages", tuple(self.stages))
         for i, stage in enumerate(self.stages):
-            _check_positive(f"tiers[{self.name}].stages[{i}].tpot_ms", stage.get("tpot_ms"))
+            check_positive(f"tiers[{self.name}].stages[{i}].tpot_ms", stage.get("tpot_ms"))
 
     @property
     def tightest_tpot_ms(self) -> float:
@@ -80,11 +80,13 @@ class TierConfig:
         return min(float(stage["tpot_ms"]) for stage in self.stages)
 
 
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+def check_text(name: str, value: object, *, optional: bool = False) -> None:
+    """A non-empty string (or None, when `optional`), named when it is not."""
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or not value:
+        kind = "a non-empty string or null" if optional else "a non-empty string"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -167,15 +169,22 @@ class ClusterConfig:
     stops itself."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError("model must be a non-empty path")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int):
-            raise ValueError(f"replicas must be an integer, got {self.replicas!r}")
+        check_text("model", self.model)
+        check_text("model_name", self.model_name)
+        for name in ("draft", "profile"):
+            check_text(name, getattr(self, name), optional=True)
+        for name in ("replicas", "route_limit", "num_kv_blocks", "tensor_parallel_size"):
+            check_int(name, getattr(self, name))
+        check_int("prefix_imbalance", self.prefix_imbalance, low=0)
         for name in ("calibrate", "prefix_caching", "credit_prefixes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        for name in ("retry_after_s", "num_cpus_per_replica", "num_gpus_per_replica"):
+            check_fraction(name, getattr(self, name), low=0.0, high=math.inf)
+        check_positive("tick_interval_ms", self.tick_interval_ms)
+        if self.tick_interval_ms > 10_000:
+            raise ValueError(f"tick_interval_ms must be in (0, 10000], got {self.tick_interval_ms}")
+        check_fraction("door_lease_s", self.door_lease_s, low=2.0, high=600.0)
         if not isinstance(self.spec_policy, str) or not SPEC_POLICY.match(self.spec_policy):
             raise ValueError(
                 "spec_policy must be none, slos, goodspeed, specserve, adaserve, ngram or "
@@ -191,23 +200,13 @@ class ClusterConfig:
         if needs_draft and self.draft is None:
             raise ValueError(f"spec_policy={self.spec_policy!r} needs a draft model")
         self._check_adaserve()
-        if self.route_limit < 1:
-            raise ValueError(f"route_limit must be >= 1, got {self.route_limit}")
-        if isinstance(self.prefix_imbalance, bool) or not isinstance(self.prefix_imbalance, int):
-            raise ValueError(f"prefix_imbalance must be an integer, got {self.prefix_imbalance!r}")
-        if self.prefix_imbalance < 0:
-            raise ValueError(f"prefix_imbalance must be >= 0, got {self.prefix_imbalance}")
         for name, kind in (
             ("first_hop", FirstHop),
             ("backup_policy", BackupPolicy),
             ("best_effort_order", BestEffortOrder),
         ):
             object.__setattr__(self, name, member(kind, name, getattr(self, name)))
-        object.__setattr__(
-            self,
-            "tiers",
-            tuple(t if isinstance(t, TierConfig) else TierConfig(**t) for t in self.tiers),
-        )
+        self._check_tiers()
         names = [t.name for t in self.tiers]
         if len(names) != len(set(names)):
             raise ValueError(f"tier names must be unique, got {names}")
@@ -218,20 +217,23 @@ class ClusterConfig:
                 "first_hop prefix routes to the replica caching a prompt's prefix: it needs "
                 "prefix_caching true"
             )
-        if not (0 < self.tick_interval_ms <= 10_000):
-            raise ValueError(f"tick_interval_ms must be in (0, 10000], got {self.tick_interval_ms}")
-        if self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.retry_after_s < 0:
-            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.num_cpus_per_replica < 0 or self.num_gpus_per_replica < 0:
-            raise ValueError("num_cpus_per_replica and num_gpus_per_replica must be >= 0")
-        if isinstance(self.door_lease_s, bool) or not 2 <= self.door_lease_s <= 600:
-            raise ValueError(f"door_lease_s must be in [2, 600], got {self.door_lease_s!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def _check_tiers(self) -> None:
+        """`tiers` as TierConfigs, from a list of mappings (YAML) or of TierConfigs."""
+        if not isinstance(self.tiers, list | tuple):
+            raise ValueError(f"tiers must be a list of tiers, got {self.tiers!r}")
+        tiers = []
+        for i, tier in enumerate(self.tiers):
+            if isinstance(tier, Mapping):
+                tier = TierConfig(**tier)
+            if not isinstance(tier, TierConfig):
+                raise ValueError(
+                    f"tiers[{i}] must be a mapping of name, ttft_ms, tpot_ms, got {tier!r}"
+                )
+            tiers.append(tier)
+        object.__setattr__(self, "tiers", tuple(tiers))
 
     def _check_adaserve(self) -> None:
         if self.adaserve is None:

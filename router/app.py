@@ -19,6 +19,7 @@ from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cluster
+from replica.model_source import model_dir
 from router.auth import ApiKeys
 from router.config import FrontDoorConfig
 from router.frontdoor import FrontDoor
@@ -35,9 +36,17 @@ async def build_front_door(
     config: FrontDoorConfig, *, detached: bool = False
 ) -> tuple[FrontDoor, Any]:
     """Launch (or, `detached`, attach to) the cluster and wrap it; returns the door and the
-    cluster handle. The tiers are read first: a bad one stops the start before the cluster."""
+    cluster handle. What the door reads itself comes first, the model's tokenizer, the tiers,
+    the API keys, and the draft is looked for (the launch checks the profile first): a bad
+    one stops the start before the cluster, not after every replica loaded its model."""
     codec = TextCodec.from_dir(config.cluster.model)
     tiers, default_slo = config.slos(codec)
+    keys = ApiKeys.load(config.api_keys_file)
+    if config.cluster.draft is not None:
+        try:
+            model_dir(config.cluster.draft, weights=False)
+        except ValueError as exc:
+            raise ValueError(f"draft: {exc}") from None
     handle = await cluster.launch(config.cluster, detached=detached)
     schema = SchemaContext(
         model_name=handle.model_name,
@@ -49,7 +58,6 @@ async def build_front_door(
         tool_parser=config.tool_parser,
         reasoning_parser=config.reasoning_parser,
     )
-    keys = ApiKeys.load(config.api_keys_file)
     door = FrontDoor(handle, codec, schema, keys, FrontDoorMetrics(handle.model_name))
     return door, handle
 

@@ -40,7 +40,11 @@ class ApiKeys:
         """Keys from the file (if given) plus the environment variable (if set)."""
         tenants: dict[str, str] = {}
         if path is not None:
-            tenants.update(parse_key_file(Path(path).read_text(), str(path)))
+            try:
+                text = Path(path).read_text()
+            except OSError as exc:
+                raise ValueError(f"api_keys_file {str(path)!r}: {exc.strerror}") from None
+            tenants.update(parse_key_file(text, str(path)))
         raw = (os.environ if env is None else env).get(ENV_VAR, "")
         tenants.update(parse_key_env(raw))
         return cls(tenants)

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, check_text
+from replica.planner.config import check_int
 from replica.request import SLO, check_in_vocab
 from router.errors import BadRequest
 from router.openai_schema import tier_slo
@@ -60,10 +61,9 @@ class FrontDoorConfig:
             port = getattr(self, name)
             if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be an integer in [0, 65535], got {port!r}")
-        if self.default_chat_max_tokens < 1:
-            raise ValueError(
-                f"default_chat_max_tokens must be >= 1, got {self.default_chat_max_tokens}"
-            )
+        for name in ("http_host", "grpc_host", "api_keys_file"):
+            check_text(name, getattr(self, name), optional=True)
+        check_int("default_chat_max_tokens", self.default_chat_max_tokens)
         parser = self.tool_call_parser
         if parser is not None and (not isinstance(parser, str) or parser not in PARSERS):
             raise ValueError(
@@ -97,7 +97,7 @@ class FrontDoorConfig:
         unknown = sorted(set(args) - TOP_LEVEL)
         if unknown:
             raise ValueError(f"unknown front door arg(s): {', '.join(unknown)}")
-        cluster = ClusterConfig.from_dict(dict(args.get("cluster") or {}))
+        cluster = ClusterConfig.from_dict(args.get("cluster") or {})
         http = _section(args, "http")
         grpc = _section(args, "grpc")
         return cls(

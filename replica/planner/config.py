@@ -22,6 +22,14 @@ def check_fraction(name: str, value: float, *, low: float, high: float) -> None:
         raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
 
 
+def check_positive(name: str, value: object) -> None:
+    """A finite number > 0, named when it is not."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+
+
 def _check_optional(name: str, value: object, kind: type) -> None:
     if value is not None and not isinstance(value, kind):
         article = "an" if kind.__name__[0] in "AEIOU" else "a"

@@ -153,15 +153,21 @@ def test_ongoing_follows_ray_serves_rule() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"min_replicas": 0}, "autoscale.min_replicas must be an integer >= 1"),
-        ({"max_replicas": 2.5}, "autoscale.max_replicas must be an integer >= 1"),
+        ({"min_replicas": 0}, "autoscale.min_replicas must be >= 1, got 0"),
+        ({"max_replicas": 2.5}, "autoscale.max_replicas must be an integer, got 2.5"),
+        ({"max_replicas": "4"}, "autoscale.max_replicas must be an integer, got '4'"),
         ({"min_replicas": 3, "max_replicas": 2}, r"max_replicas \(2\) must be >= min_replicas"),
         ({"signal": "queue"}, "autoscale.signal must be one of slo, ongoing, got 'queue'"),
-        ({"look_back_s": 0.0}, "autoscale.look_back_s must be > 0"),
-        ({"upscale_delay_s": -1.0}, "autoscale.upscale_delay_s must be >= 0"),
+        ({"look_back_s": 0.0}, "autoscale.look_back_s must be finite and > 0"),
+        ({"look_back_s": "30"}, "autoscale.look_back_s must be a number, got '30'"),
+        ({"upscale_delay_s": -1.0}, r"autoscale.upscale_delay_s must be in \[0, inf\]"),
+        ({"downscale_delay_s": float("nan")}, "autoscale.downscale_delay_s must be a finite"),
         ({"max_declined": 1.0}, r"autoscale.max_declined must be in \[0, 1\)"),
-        ({"headroom": 0.0}, r"autoscale.headroom must be in \(0, 1\]"),
-        ({"target_ongoing_requests": 0.0}, "autoscale.target_ongoing_requests must be > 0"),
+        ({"max_declined": None}, "autoscale.max_declined must be a finite number, got None"),
+        ({"headroom": 0.0}, "autoscale.headroom must be finite and > 0"),
+        ({"headroom": 1.5}, r"autoscale.headroom must be in \(0, 1\]"),
+        ({"target_ongoing_requests": 0.0}, "autoscale.target_ongoing_requests must be finite"),
+        ({"target_ongoing_requests": float("inf")}, "autoscale.target_ongoing_requests must"),
     ],
 )
 def test_bad_settings_are_named(kwargs: dict[str, object], message: str) -> None:

@@ -63,6 +63,46 @@ def test_bad_values_are_named(field: str, value: object, message: str) -> None:
         ClusterConfig.from_dict(data)
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("route_limit", 1.5, "route_limit must be an integer, got 1.5"),
+        ("route_limit", True, "route_limit must be an integer, got True"),
+        ("route_limit", "2", "route_limit must be an integer, got '2'"),
+        ("num_kv_blocks", 10.5, "num_kv_blocks must be an integer, got 10.5"),
+        ("num_kv_blocks", "1024", "num_kv_blocks must be an integer, got '1024'"),
+        ("num_kv_blocks", None, "num_kv_blocks must be an integer, got None"),
+        ("tensor_parallel_size", 1.5, "tensor_parallel_size must be an integer, got 1.5"),
+        ("retry_after_s", NAN, "retry_after_s must be a finite number, got nan"),
+        ("retry_after_s", INF, "retry_after_s must be a finite number, got inf"),
+        ("retry_after_s", -1, "retry_after_s must be in [0, inf], got -1"),
+        ("num_cpus_per_replica", NAN, "num_cpus_per_replica must be a finite number, got nan"),
+        ("num_gpus_per_replica", INF, "num_gpus_per_replica must be a finite number, got inf"),
+        ("num_gpus_per_replica", -1, "num_gpus_per_replica must be in [0, inf], got -1"),
+        ("tick_interval_ms", "20", "tick_interval_ms must be a number, got '20'"),
+        ("tick_interval_ms", 20_000, "tick_interval_ms must be in (0, 10000], got 20000"),
+        ("door_lease_s", "10", "door_lease_s must be a finite number, got '10'"),
+        ("model", 3, "model must be a non-empty string, got 3"),
+        ("model_name", "", "model_name must be a non-empty string, got ''"),
+        ("model_name", 3, "model_name must be a non-empty string, got 3"),
+        ("draft", 7, "draft must be a non-empty string or null, got 7"),
+        ("profile", 5, "profile must be a non-empty string or null, got 5"),
+        ("tiers", None, "tiers must be a list of tiers, got None"),
+        ("tiers", "chat", "tiers must be a list of tiers, got 'chat'"),
+        ("tiers", [1], "tiers[0] must be a mapping of name, ttft_ms, tpot_ms, got 1"),
+        ("tiers", [{"name": 5, "ttft_ms": 1, "tpot_ms": 1}], "tiers[].name must be a non-empty "),
+        ("autoscale", {"max_replicas": "4"}, "autoscale.max_replicas must be an integer, got "),
+    ],
+)
+def test_values_of_the_wrong_type_are_named(field: str, value: object, message: str) -> None:
+    """Each field checks its type, rather than failing on a comparison that names none."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        ClusterConfig.from_dict({"model": "m", "draft": "d", field: value})
+
+
 def test_unknown_field_and_missing_draft() -> None:
     with pytest.raises(ValueError, match="unknown cluster config field"):
         ClusterConfig.from_dict({"model": "m", "replica": 2})

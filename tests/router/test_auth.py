@@ -40,3 +40,8 @@ def test_bad_credentials_are_401(header: str | None) -> None:
 def test_key_file_rejects_extra_words() -> None:
     with pytest.raises(ValueError, match="keys:2"):
         parse_key_file("ok tenant\nkey tenant extra\n", "keys")
+
+
+def test_a_key_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^api_keys_file '.*none': No such file or directory$"):
+        ApiKeys.load(tmp_path / "none", env={})

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import cluster
 from cluster.config import TierConfig
 from replica.request import SLO, Stage
-from router.app import build_app
+from router.app import build_app, build_front_door
 from router.config import FALLBACK_SLO, FrontDoorConfig
 from router.reasoning import ReasoningParser
 from router.tokenizer import TextCodec
@@ -91,6 +94,15 @@ def test_defaults_and_default_slo(codec: TextCodec) -> None:
         ({"cluster": CLUSTER, "default_slo": {"ttft_ms": 1}}, "default_slo"),
         ({"cluster": CLUSTER, "default_chat_max_tokens": 0}, "default_chat_max_tokens"),
         (
+            {"cluster": CLUSTER, "default_chat_max_tokens": "256"},
+            "default_chat_max_tokens must be an integer, got '256'",
+        ),
+        ({"cluster": [1]}, "cluster config must be a mapping, got list"),
+        ({"cluster": {**CLUSTER, "tiers": None}}, "tiers must be a list of tiers, got None"),
+        ({"cluster": {**CLUSTER, "route_limit": "2"}}, "route_limit must be an integer, got '2'"),
+        ({"cluster": CLUSTER, "api_keys_file": 5}, "api_keys_file must be a non-empty string"),
+        ({"cluster": CLUSTER, "grpc": {"host": 5}}, "grpc_host must be a non-empty string"),
+        (
             {"cluster": CLUSTER, "tool_call_parser": "qwen"},
             "tool_call_parser must be one of hermes, llama3_json, pythonic or null, got 'qwen'",
         ),
@@ -109,3 +121,35 @@ def test_defaults_and_default_slo(codec: TextCodec) -> None:
 def test_bad_args_fail_before_start(args: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build_app(args)
+
+
+@pytest.mark.parametrize(
+    ("keys", "draft", "message"),
+    [
+        ("missing", None, r"api_keys_file '.*missing': No such file or directory"),
+        ("keys", None, r"keys:1: expected `key \[tenant\]`, got 3 words"),
+        (None, "/nonexistent/draft", "draft: model '/nonexistent/draft' is not a folder"),
+    ],
+)
+def test_the_door_reads_its_files_before_the_cluster_launches(
+    target_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    keys: str | None,
+    draft: str | None,
+    message: str,
+) -> None:
+    """A missing or broken API keys file, or a draft that is nowhere, stops the start before
+    any replica loads a model."""
+
+    async def launch(*_: object, **__: object) -> None:
+        raise AssertionError("the cluster was launched")
+
+    monkeypatch.setattr(cluster, "launch", launch)
+    (tmp_path / "keys").write_text("sk-a team-a extra\n")
+    args = {
+        "cluster": {"model": str(target_dir), "draft": draft, "spec_policy": "none"},
+        "api_keys_file": None if keys is None else str(tmp_path / keys),
+    }
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(build_front_door(FrontDoorConfig.from_args(args)))

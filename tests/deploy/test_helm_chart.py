@@ -328,6 +328,24 @@ def gpu_group(gpus: int) -> dict[str, Any]:
         ({"reasoningParser": {"start": "<think>"}}, r"/reasoningParser'"),
         ({"clusterr": {}}, r"additional properties 'clusterr' not allowed"),
         ({"head": {"rayStartParams": {"num-cpus": 0}}}, r"/head/rayStartParams/num-cpus'"),
+        *(
+            ({"cluster": {"spec_policy": policy, "draft": None}}, r"/cluster': missing .*'draft'")
+            for policy in ("slos", "goodspeed", "specserve", "adaserve", "fixed:3")
+        ),
+        (
+            {"cluster": {"scheduler": "vllm", "spec_policy": "none", "autoscale": {}}},
+            r"/cluster/autoscale': missing property 'signal'",  # its default is slo
+        ),
+        (
+            {
+                "cluster": {
+                    "scheduler": "sarathi",
+                    "spec_policy": "none",
+                    "autoscale": {"signal": "slo", "max_replicas": 2},
+                }
+            },
+            r"/cluster/autoscale/signal': value must be 'ongoing'",
+        ),
     ],
 )
 def test_bad_values_are_refused_at_install_time(
@@ -338,9 +356,59 @@ def test_bad_values_are_refused_at_install_time(
 
 
 @pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"cluster": {"replicas": 2, "autoscale": {"min_replicas": 3, "max_replicas": 2}}},
+            r"cluster.autoscale.min_replicas \(3\) must be <= max_replicas \(2\)",
+        ),
+        (
+            {"cluster": {"replicas": 5, "autoscale": {"max_replicas": 4}}},
+            r"cluster.replicas \(5\) must be within cluster.autoscale's .* = \[1, 4\]",
+        ),
+        (  # the app's defaults: replicas 2, max_replicas 1
+            {"cluster": {"autoscale": {"signal": "slo"}}},
+            r"cluster.replicas \(2\) must be within cluster.autoscale's .* = \[1, 1\]",
+        ),
+        (
+            {"cluster": {"tiers": [{"name": "a", "ttft_ms": 1, "tpot_ms": 1}] * 2}},
+            "cluster.tiers: names must be unique, got a, a",
+        ),
+        ({"ports": {"http": 8000, "grpc": 8000}}, r"ports: http \(8000\), grpc \(8000\)"),
+        ({"ports": {"metrics": 6379}}, r"from Ray's GCS and client ports \(6379, 10001\)"),
+        (
+            {"workerGroups": [{**gpu_group(0), "minReplicas": 3, "maxReplicas": 2}]},
+            r"workerGroups\[gpu\]: minReplicas \(3\) must be <= maxReplicas \(2\)",
+        ),
+    ],
+)
+def test_values_the_app_or_kuberay_would_refuse_fail_the_install(
+    render: Render, values: dict[str, Any], message: str
+) -> None:
+    """Rules between two values, which the schema cannot state, are the templates' to check."""
+    with pytest.raises(helm.HelmRenderError, match=message):
+        render(values)
+
+
+def test_names_with_their_suffixes_fit_kubernetes(render: Render) -> None:
+    """A long fullnameOverride is cut so that `-workers` or `-metrics` still fits 63."""
+    objects = render({**OPTIONS_ON, "fullnameOverride": "x" * 80})
+    names = [o["metadata"]["name"] for o in objects]
+    assert max(len(name) for name in names) == 63
+    assert {"x" * 55 + suffix for suffix in ("-http", "-grpc", "-workers", "-metrics")} <= set(
+        names
+    )
+
+
+@pytest.mark.parametrize(
     "cluster",
     [
         {"scheduler": "vllm", "spec_policy": "none"},
+        {
+            "scheduler": "vllm",
+            "spec_policy": "none",
+            "autoscale": {"max_replicas": 3, "signal": "ongoing"},
+        },
         {"scheduler": "sarathi", "spec_policy": "none"},
         {"calibrate": True},
         {"spec_policy": "adaserve", "adaserve": {"max_width": 6, "max_nodes": 24}},

@@ -3,15 +3,57 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/*
+The fullname is capped at 55 characters: objects are named after it with a suffix of up to 8
+(-http, -grpc, -metrics, -workers), and Kubernetes names are at most 63.
+*/}}
 {{- define "slos-serve.fullname" -}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 55 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- .Release.Name | trunc 55 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 55 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+What values.schema.json cannot say, as it compares no two values: each fails the install
+naming the values, rather than a Ray cluster starting with a config the app refuses or
+KubeRay rejects. The defaults are the app's (cluster.autoscale.AutoscaleConfig: min_replicas
+and max_replicas 1; cluster.config.ClusterConfig: replicas 2).
+*/}}
+{{- define "slos-serve.validate" -}}
+{{- $cluster := .Values.cluster }}
+{{- if kindIs "map" $cluster.autoscale }}
+{{- $min := int (default 1 $cluster.autoscale.min_replicas) }}
+{{- $max := int (default 1 $cluster.autoscale.max_replicas) }}
+{{- $replicas := int (default 2 $cluster.replicas) }}
+{{- if gt $min $max }}
+{{- fail (printf "cluster.autoscale.min_replicas (%d) must be <= max_replicas (%d)" $min $max) }}
+{{- end }}
+{{- if or (lt $replicas $min) (gt $replicas $max) }}
+{{- fail (printf "cluster.replicas (%d) must be within cluster.autoscale's [min_replicas, max_replicas] = [%d, %d]" $replicas $min $max) }}
+{{- end }}
+{{- end }}
+{{- $tiers := list }}
+{{- range $cluster.tiers }}
+{{- $tiers = append $tiers .name }}
+{{- end }}
+{{- if ne (len $tiers) (len (uniq $tiers)) }}
+{{- fail (printf "cluster.tiers: names must be unique, got %s" (join ", " $tiers)) }}
+{{- end }}
+{{- $ports := .Values.ports }}
+{{- $numbers := list (int $ports.http) (int $ports.grpc) (int $ports.dashboard) (int $ports.metrics) 6379 10001 }}
+{{- if ne (len $numbers) (len (uniq $numbers)) }}
+{{- fail (printf "ports: http (%d), grpc (%d), dashboard (%d) and metrics (%d) must differ from each other and from Ray's GCS and client ports (6379, 10001)" (int $ports.http) (int $ports.grpc) (int $ports.dashboard) (int $ports.metrics)) }}
+{{- end }}
+{{- range .Values.workerGroups }}
+{{- if gt (int .minReplicas) (int .maxReplicas) }}
+{{- fail (printf "workerGroups[%s]: minReplicas (%d) must be <= maxReplicas (%d)" .name (int .minReplicas) (int .maxReplicas)) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 
 from cluster.api import ClusterStatus, Placement, ReplicaStatus, Verdict
 from replica.batch import TokenLogprob
@@ -180,8 +181,9 @@ class GenerateOptions:
 
     max_tokens: int | None = None
     slo: SLO | Mapping[str, Any] | str | None = None
-    """An SLO (or a dict of its fields: ttft_ms, tpot_ms, stages of `Stage`s), or the name of
-    a tier the server configured."""
+    """An SLO; or HTTP's `slo` object as a dict (ttft_ms, tpot_ms, stages of dicts with
+    tpot_ms, name, num_tokens, ttft_ms, end_token_ids, until; what it leaves out is the
+    server's default); or the name of a tier the server configured."""
     service_tier: str = "default"
     """default | flex (best-effort)."""
     priority: int = 0
@@ -200,7 +202,9 @@ class GenerateOptions:
     min_tokens: int = 0
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     include_stop_str_in_output: bool = False
-    allowed_token_ids: Sequence[int] = field(default_factory=tuple)
+    allowed_token_ids: Sequence[int] | None = None
+    """The only tokens the output may hold; None allows any (an empty list is refused, as
+    HTTP refuses it: proto3 would send it as unset, allowing any)."""
     bad_words: Sequence[str] = field(default_factory=tuple)
     n: int = 1
     """Samples of the prompt, each its own request (`Chunk.index`, one `Result` each)."""
@@ -302,18 +306,6 @@ def _message(index: int, message: Message) -> pb.ChatMessage:
     return pb.ChatMessage(role=role, content=content)
 
 
-def _slo(slo: SLO | Mapping[str, Any]) -> SLO:
-    """The SLO, given as one or as its fields (what HTTP's `slo` object holds)."""
-    if isinstance(slo, SLO):
-        return slo
-    if not isinstance(slo, Mapping):
-        raise ValueError(f"slo must be an SLO, a dict of its fields or a tier name, got {slo!r}")
-    try:
-        return SLO(**slo)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"slo={slo!r}: {exc}") from None
-
-
 def build_request(
     prompt: str | Sequence[int] | None,
     messages: Sequence[Message] | None,
@@ -360,7 +352,7 @@ def build_request(
     setters: dict[str, Callable[[Any], object]] = {
         "logit_bias": request.logit_bias.update,
         "stop_token_ids": request.stop_token_ids.extend,
-        "allowed_token_ids": request.allowed_token_ids.extend,
+        "allowed_token_ids": lambda ids: request.allowed_token_ids.extend(ids or ()),
         "bad_words": request.bad_words.extend,
         "min_tokens": functools.partial(setattr, request, "min_tokens"),
         "n": functools.partial(setattr, request, "n"),
@@ -373,12 +365,24 @@ def build_request(
             raise ValueError(f"{name}={value!r}: {exc}") from None
     if request.n < 1:  # proto3 sends 0 as unset, which the server serves as one choice
         raise ValueError(f"n={options.n!r}: must be at least 1")
+    if options.allowed_token_ids is not None and not request.allowed_token_ids:
+        raise ValueError("allowed_token_ids=[]: name at least one token id (None allows any)")
     if options.structured_outputs is not None:
         request.structured_outputs.CopyFrom(_structured(options.structured_outputs))
     if isinstance(options.slo, str):
         request.slo.tier = options.slo
+    elif isinstance(options.slo, Mapping):  # HTTP's slo object: the server checks and fills it
+        try:
+            json_format.ParseDict(options.slo, request.slo)
+        except json_format.ParseError as exc:
+            raise ValueError(f"slo={options.slo!r}: {exc}") from None
     elif options.slo is not None:
-        slo = _slo(options.slo)
+        if not isinstance(options.slo, SLO):
+            raise ValueError(
+                f"slo must be an SLO, a dict of HTTP's slo fields or a tier name, got "
+                f"{options.slo!r}"
+            )
+        slo = options.slo
         request.slo.ttft_ms = slo.ttft_ms
         request.slo.tpot_ms = slo.tpot_ms
         for st in slo.stages:

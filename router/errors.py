@@ -59,11 +59,11 @@ class Rejected(ApiError):
 
 @dataclass
 class NoRoute(ApiError):
-    """A path the HTTP door does not serve (404), or a method its path does not take (405)."""
+    """A path the HTTP door does not serve (404), or a method its path does not take (405);
+    HTTP's alone. Typed as OpenAI types an unknown URL, not as `ModelNotFound`."""
 
     status: int = 404
 
-    code = grpc.StatusCode.UNIMPLEMENTED
     type = "invalid_request_error"
 
 

@@ -88,8 +88,8 @@ class Generation:
     Closing it before the end (client gone, deadline) aborts the request in the cluster.
     A `prompt_only` choice (echo with max_tokens 0) yields its prompt's log-probabilities
     and no output: the token the cluster drew to score the prompt is dropped, and the output
-    ends before it (no tokens, in the stages either; finish reason length). The SLO's verdict
-    stays: it judged when the prompt's scores came.
+    ends before it (no tokens, late or not, in the stages either; finish reason length). The
+    SLO's verdict stays: it judged when the prompt's scores came.
     """
 
     def __init__(
@@ -138,7 +138,7 @@ class Generation:
                 self.finished = True
                 self.door.metrics.record_final(item, self.slo_label, self.tenant)
                 if self.prompt_only:
-                    stages = tuple(replace(s, tokens=0) for s in item.stages)
+                    stages = tuple(replace(s, tokens=0, late_tokens=0) for s in item.stages)
                     yield Finished(
                         replace(item, num_output_tokens=0, finish_reason="length", stages=stages)
                     )

@@ -280,7 +280,11 @@ class ServingServicer(pb_grpc.ServingServicer):
         metadata = _metadata(context)
         try:
             tenant = self.door.authenticate(metadata.get("authorization"))
-            endpoint, body = request_to_body(request, self.door.model_name)
+            try:
+                endpoint, body = request_to_body(request, self.door.model_name)
+            except BadRequest:  # counted as the door counts a body it cannot parse
+                self.door.metrics.reject(tenant, "bad_request")
+                raise
             parsed = self.door.parse(endpoint, body, metadata, tenant)
             generations = await self.door.start(parsed, tenant)
         except ApiError as exc:

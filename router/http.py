@@ -18,6 +18,7 @@ import math
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -52,9 +53,11 @@ def create_app(door: FrontDoor) -> FastAPI:
         return error_response(exc)
 
     @app.exception_handler(HTTPException)
-    async def on_routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+    async def on_routing_error(request: Request, exc: HTTPException) -> Response:
         """Routing's 404 and 405 in the error JSON of every other error, not FastAPI's
-        {"detail": ...}; a 405 keeps its Allow header."""
+        {"detail": ...}; a 405 keeps its Allow header. Any other status is Starlette's."""
+        if exc.status_code not in (404, 405):
+            return await http_exception_handler(request, exc)
         where = f"{exc.detail}: {request.method} {request.url.path}"
         error = NoRoute(where, status=exc.status_code)
         return JSONResponse(error_body(error), status_code=error.status, headers=exc.headers)

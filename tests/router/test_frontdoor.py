@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import grpc
 import pytest
 
 from cluster.api import (
@@ -19,7 +20,9 @@ from cluster.api import (
 from replica.batch import TokenLogprob
 from replica.request import SLO, Request
 from router.auth import ApiKeys
+from router.client import AsyncClient, ClientError, Tool
 from router.frontdoor import FrontDoor
+from router.grpc_server import start_grpc_server
 from router.metrics import PREFIX, FrontDoorMetrics
 from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body
 from router.tokenizer import TextCodec
@@ -162,4 +165,28 @@ def test_a_prompt_only_choice_reports_no_output_token_in_its_usage_or_stages(
 
     record = asyncio.run(collect())
     assert record.num_output_tokens == 0
-    assert record.stages == (StageVerdict("default", False, 1, 0),)
+    assert record.stages == (StageVerdict("default", False, 0, 0),)
+
+
+def test_a_grpc_request_the_door_cannot_map_is_counted_as_a_bad_request(codec: TextCodec) -> None:
+    """As an HTTP body the door cannot parse is: tools with a prompt are refused before the
+    door parses anything (router.grpc_server.request_to_body)."""
+
+    async def send() -> None:
+        door = door_over(ScriptedCluster(), codec)
+        server = await start_grpc_server(door, "127.0.0.1", 0)
+        try:
+            async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+                with pytest.raises(ClientError, match="tools is chat-only") as info:
+                    await client.complete("Hi", tools=[Tool("lookup")], timeout_s=10)
+            assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            await server.stop()
+        rejected = {
+            dict(labels)["reason"]: value
+            for (name, labels), value in samples(door.metrics).items()
+            if name == PREFIX + "requests_rejected_total"
+        }
+        assert rejected == {"bad_request": 1}
+
+    asyncio.run(send())

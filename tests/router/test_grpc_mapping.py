@@ -399,11 +399,14 @@ def test_a_message_may_be_a_pair_or_an_openai_dict() -> None:
 
 def test_the_sdk_refuses_what_http_refuses_before_sending() -> None:
     """n 0 would reach the server as unset (one choice), bytes as token ids; a list of
-    prompts is refused as other options are, and an SLO may be given as a dict."""
+    prompts is refused as other options are; an SLO may be HTTP's slo object, a dict the
+    server checks and completes as HTTP's."""
     with pytest.raises(ValueError, match=r"^n=0: must be at least 1"):
         build_request("x", None, GenerateOptions(n=0))
     with pytest.raises(ValueError, match=r"^n=0: must be at least 1"):
         Client("127.0.0.1:9").complete("x", n=0)
+    with pytest.raises(ValueError, match=r"^allowed_token_ids=\[\]: name at least one"):
+        build_request("x", None, GenerateOptions(allowed_token_ids=[]))
     with pytest.raises(ValueError, match=r"^prompt must be text .* got bytes"):
         build_request(b"abc", None, GenerateOptions())
     with pytest.raises(ValueError, match=r"^prompt=\['a', 'b'\]: .* one prompt a call"):
@@ -412,10 +415,13 @@ def test_the_sdk_refuses_what_http_refuses_before_sending() -> None:
     assert build_request("x", None, as_dict) == build_request(
         "x", None, GenerateOptions(slo=SLO(300, 40))
     )
-    with pytest.raises(ValueError, match=r"^slo=.*: slo\.tpot_ms must be > 0"):
-        build_request("x", None, GenerateOptions(slo={"ttft_ms": 300, "tpot_ms": 0}))
-    with pytest.raises(ValueError, match=r"^slo=.*tpot_ms"):
-        build_request("x", None, GenerateOptions(slo={"ttft_ms": 300}))
+    partial = build_request("x", None, GenerateOptions(slo={"ttft_ms": 300}))
+    assert request_to_body(partial, "demo")[1]["slo"] == {"ttft_ms": 300}
+    staged = {"stages": [{"name": "think", "tpot_ms": 20, "until": ["</think>"]}]}
+    staged_body = request_to_body(build_request("x", None, GenerateOptions(slo=staged)), "demo")
+    assert staged_body[1]["slo"] == staged
+    with pytest.raises(ValueError, match=r"^slo=.*ttft"):
+        build_request("x", None, GenerateOptions(slo={"ttft": 300}))
     with pytest.raises(ValueError, match=r"^slo must be an SLO"):
         build_request("x", None, GenerateOptions(slo=300))  # type: ignore[arg-type]
 

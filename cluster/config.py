@@ -191,13 +191,7 @@ class ClusterConfig:
                 "fixed:k (1-99), "
                 f"got {self.spec_policy!r}"
             )
-        needs_draft = self.spec_policy in (
-            "slos",
-            "goodspeed",
-            "specserve",
-            "adaserve",
-        ) or self.spec_policy.startswith("fixed:")
-        if needs_draft and self.draft is None:
+        if self.loads_draft and self.draft is None:
             raise ValueError(f"spec_policy={self.spec_policy!r} needs a draft model")
         self._check_adaserve()
         for name, kind in (
@@ -302,6 +296,12 @@ class ClusterConfig:
                 "scheduler=sarathi sizes its token budget from the tightest tier TPOT: "
                 "configure tiers"
             )
+
+    @property
+    def loads_draft(self) -> bool:
+        """Whether the replicas' engines load `draft`: every spec_policy but none and ngram
+        drafts with it (those two ignore one that is set)."""
+        return self.spec_policy not in ("none", "ngram")
 
     @property
     def spec_k(self) -> int:

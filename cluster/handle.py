@@ -41,6 +41,7 @@ from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
 from cluster.names import CONTROLLER_NAME, NAMESPACE, replica_name, slot_occupants
 from cluster.profile import load_profile
 from cluster.replica_launch import start_actor, start_replica
+from replica.model_source import model_dir
 from replica.planner.base import CacheBudget
 from replica.planner.deadlines import late_tokens
 from replica.planner.queues import peak_tokens
@@ -383,8 +384,17 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
     `detached`: the actors outlive this process (Ray Serve's front door, which Serve restarts
     when it crashes). A running cluster launched so with the same config is then attached
     instead, without reloading a model; one with another config, or being stopped, is
-    stopped first."""
+    stopped first.
+
+    The profile, and the draft when the replicas load one, are looked for first: a bad one
+    stops the launch before Ray starts, not after every replica loaded its target."""
     load_profile(config)
+    if config.loads_draft:
+        assert config.draft is not None  # ClusterConfig requires one
+        try:
+            model_dir(config.draft, weights=False)
+        except ValueError as exc:
+            raise ValueError(f"draft: {exc}") from None
     if not ray.is_initialized():
         ray.init()
     namespace = NAMESPACE if detached else None

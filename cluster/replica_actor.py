@@ -126,7 +126,7 @@ def build_engine(config: ClusterConfig, tp: TensorParallel | None = None) -> Eng
     proposer: ProposerKind | None = None
     if config.spec_policy == "ngram":
         proposer = "ngram"
-    elif config.spec_policy != "none":
+    elif config.loads_draft:
         draft, proposer = config.draft, "draft"
     return Engine.from_dirs(
         config.model,

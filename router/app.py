@@ -19,7 +19,6 @@ from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cluster
-from replica.model_source import model_dir
 from router.auth import ApiKeys
 from router.config import FrontDoorConfig
 from router.frontdoor import FrontDoor
@@ -37,16 +36,11 @@ async def build_front_door(
 ) -> tuple[FrontDoor, Any]:
     """Launch (or, `detached`, attach to) the cluster and wrap it; returns the door and the
     cluster handle. What the door reads itself comes first, the model's tokenizer, the tiers,
-    the API keys, and the draft is looked for (the launch checks the profile first): a bad
-    one stops the start before the cluster, not after every replica loaded its model."""
+    and the API keys (the launch checks the profile and the draft first): a bad one stops the
+    start before the cluster, not after every replica loaded its model."""
     codec = TextCodec.from_dir(config.cluster.model)
     tiers, default_slo = config.slos(codec)
     keys = ApiKeys.load(config.api_keys_file)
-    if config.cluster.draft is not None:
-        try:
-            model_dir(config.cluster.draft, weights=False)
-        except ValueError as exc:
-            raise ValueError(f"draft: {exc}") from None
     handle = await cluster.launch(config.cluster, detached=detached)
     schema = SchemaContext(
         model_name=handle.model_name,

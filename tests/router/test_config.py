@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 
 import cluster
 from cluster.config import TierConfig
@@ -124,23 +125,20 @@ def test_bad_args_fail_before_start(args: dict[str, Any], match: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("keys", "draft", "message"),
+    ("keys", "message"),
     [
-        ("missing", None, r"api_keys_file '.*missing': No such file or directory"),
-        ("keys", None, r"keys:1: expected `key \[tenant\]`, got 3 words"),
-        (None, "/nonexistent/draft", "draft: model '/nonexistent/draft' is not a folder"),
+        ("missing", r"api_keys_file '.*missing': No such file or directory"),
+        ("keys", r"keys:1: expected `key \[tenant\]`, got 3 words"),
     ],
 )
 def test_the_door_reads_its_files_before_the_cluster_launches(
     target_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    keys: str | None,
-    draft: str | None,
+    keys: str,
     message: str,
 ) -> None:
-    """A missing or broken API keys file, or a draft that is nowhere, stops the start before
-    any replica loads a model."""
+    """A missing or broken API keys file stops the start before any replica loads a model."""
 
     async def launch(*_: object, **__: object) -> None:
         raise AssertionError("the cluster was launched")
@@ -148,8 +146,45 @@ def test_the_door_reads_its_files_before_the_cluster_launches(
     monkeypatch.setattr(cluster, "launch", launch)
     (tmp_path / "keys").write_text("sk-a team-a extra\n")
     args = {
-        "cluster": {"model": str(target_dir), "draft": draft, "spec_policy": "none"},
-        "api_keys_file": None if keys is None else str(tmp_path / keys),
+        "cluster": {"model": str(target_dir), "spec_policy": "none"},
+        "api_keys_file": str(tmp_path / keys),
     }
     with pytest.raises(ValueError, match=message):
         asyncio.run(build_front_door(FrontDoorConfig.from_args(args)))
+
+
+class RayStarted(Exception):
+    """The launch got past its checks."""
+
+
+MISSING_DRAFT = "draft: model '/nonexistent/draft' is not a folder"
+
+
+@pytest.mark.parametrize(
+    ("spec_policy", "raised", "match"),
+    [
+        ("slos", ValueError, MISSING_DRAFT),
+        ("fixed:2", ValueError, MISSING_DRAFT),
+        ("none", RayStarted, None),
+        ("ngram", RayStarted, None),
+    ],
+)
+def test_a_missing_draft_stops_the_launch_if_the_replicas_load_it(
+    target_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    spec_policy: str,
+    raised: type[Exception],
+    match: str | None,
+) -> None:
+    """A drafting spec_policy's draft that is nowhere is refused before Ray starts, not after
+    every replica loaded its target; none and ngram load no draft, so one set is not looked
+    for (it may be a hub id, which would be fetched for nothing)."""
+
+    def init(*_: object, **__: object) -> None:
+        raise RayStarted
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    fields = {"model": str(target_dir), "draft": "/nonexistent/draft", "spec_policy": spec_policy}
+    with pytest.raises(raised, match=match):
+        asyncio.run(build_front_door(FrontDoorConfig.from_args({"cluster": fields})))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from cluster.choices import member
-from replica.planner.config import check_fraction, check_int, check_positive
+from replica.planner.config import check_fraction, check_int, check_non_negative, check_positive
 
 SCALE_PERIOD_S = 1.0
 """How often the autoscaler is fed a sample."""
@@ -73,7 +73,7 @@ class AutoscaleConfig:
         for name in ("look_back_s", "target_ongoing_requests"):
             check_positive(f"autoscale.{name}", getattr(self, name))
         for name in ("upscale_delay_s", "downscale_delay_s"):
-            check_fraction(f"autoscale.{name}", getattr(self, name), low=0.0, high=math.inf)
+            check_non_negative(f"autoscale.{name}", getattr(self, name))
         check_fraction("autoscale.max_declined", self.max_declined, low=0.0, high=1.0)
         if self.max_declined == 1:
             raise ValueError(f"autoscale.max_declined must be in [0, 1), got {self.max_declined!r}")

@@ -6,7 +6,6 @@ field's name instead of deep inside a replica actor.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -21,7 +20,13 @@ from cluster.choices import member
 from cluster.routing import BackupPolicy, FirstHop
 from replica.device import DTYPES
 from replica.planner.adaserve import AdaServeConfig
-from replica.planner.config import check_fraction, check_int, check_positive
+from replica.planner.config import (
+    check_fraction,
+    check_int,
+    check_non_negative,
+    check_positive,
+    check_text,
+)
 
 SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|specserve|adaserve|ngram|fixed:[1-9][0-9]?)$")
 
@@ -78,15 +83,6 @@ class TierConfig:
         if not self.stages:
             return self.tpot_ms
         return min(float(stage["tpot_ms"]) for stage in self.stages)
-
-
-def check_text(name: str, value: object, *, optional: bool = False) -> None:
-    """A non-empty string (or None, when `optional`), named when it is not."""
-    if optional and value is None:
-        return
-    if not isinstance(value, str) or not value:
-        kind = "a non-empty string or null" if optional else "a non-empty string"
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -180,7 +176,7 @@ class ClusterConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("retry_after_s", "num_cpus_per_replica", "num_gpus_per_replica"):
-            check_fraction(name, getattr(self, name), low=0.0, high=math.inf)
+            check_non_negative(name, getattr(self, name))
         check_positive("tick_interval_ms", self.tick_interval_ms)
         if self.tick_interval_ms > 10_000:
             raise ValueError(f"tick_interval_ms must be in (0, 10000], got {self.tick_interval_ms}")

@@ -15,7 +15,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from replica.planner.config import check_positive
+
 DEFAULT_TARGET = 0.9
+GROWTH = 2.0
+"""What a search multiplies (or divides) the rate by while it brackets the capacity."""
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,14 @@ def checked_attainment(value: float, where: str) -> float:
     return value
 
 
-def _positive(name: str, value: float) -> None:
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+def check_rel_tol(name: str, rel_tol: float, growth: float = GROWTH) -> None:
+    """A tolerance a search can work to: > 0 and at most growth - 1, the relative width of the
+    bracket it bisects, so a larger one would be ignored (the bracket is that close already)."""
+    if not (math.isfinite(rel_tol) and 0 < rel_tol <= growth - 1):
+        raise ValueError(
+            f"{name} must be > 0 and <= {growth - 1:g} (a search's first bracket is within a "
+            f"factor {growth:g}), got {rel_tol!r}"
+        )
 
 
 def find_capacity(
@@ -82,22 +91,18 @@ def find_capacity(
     *,
     target: float = DEFAULT_TARGET,
     rel_tol: float = 0.05,
-    growth: float = 2.0,
+    growth: float = GROWTH,
     min_rate: float = 1e-3,
     max_rate: float = 1e4,
 ) -> CapacityResult:
     """Highest rate r in [min_rate, max_rate] with attainment_at(r) >= target, to rel_tol."""
-    for name, value in (
-        ("start_rate", start_rate),
-        ("rel_tol", rel_tol),
-        ("min_rate", min_rate),
-        ("max_rate", max_rate),
-    ):
-        _positive(name, value)
+    for name, value in (("start_rate", start_rate), ("min_rate", min_rate), ("max_rate", max_rate)):
+        check_positive(name, value)
     if not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target!r}")
     if not math.isfinite(growth) or growth <= 1:
         raise ValueError(f"growth must be finite and > 1, got {growth!r}")
+    check_rel_tol("rel_tol", rel_tol, growth)
     if not min_rate <= start_rate <= max_rate:
         raise ValueError(f"start_rate={start_rate} must be in [{min_rate}, {max_rate}]")
 

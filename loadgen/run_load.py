@@ -60,7 +60,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from loadgen.arrivals import ArrivalKind, ArrivalProcess
-from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
+from loadgen.capacity import DEFAULT_TARGET, CapacityResult, check_rel_tol, find_capacity
 from loadgen.clients import GrpcClient, HttpClient, LoadClient, Reply
 from loadgen.metrics import GroupReport, RunReport, report
 from loadgen.mixes import parse_workload
@@ -587,11 +587,7 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
         return None
     if args.rates is None:
         raise _fail("--capacity needs --rates LO,HI")
-    if args.rel_tol > 1:
-        raise _fail(
-            f"--rel-tol must be <= 1 (a search's first bracket is within a factor 2), got "
-            f"{args.rel_tol!r}"
-        )
+    check_rel_tol("--rel-tol", args.rel_tol)
     try:
         low, high = (float(x) for x in args.rates.split(","))
     except ValueError:

@@ -74,7 +74,7 @@ from loadgen.autoscaling import (
     parse_choices,
     scaled_run,
 )
-from loadgen.capacity import DEFAULT_TARGET, CapacityResult, find_capacity
+from loadgen.capacity import DEFAULT_TARGET, CapacityResult, check_rel_tol, find_capacity
 from loadgen.capacity_tables import ABLATION_PREFIX, markdown_tables, summarize
 from loadgen.metrics import RunReport, report
 from loadgen.mixes import parse_workload
@@ -883,7 +883,6 @@ def plan(args: argparse.Namespace) -> Plan:
         "rate",
         "duration",
         "start_rate",
-        "rel_tol",
         "min_rate",
         "max_rate",
         "replica_slowdown",
@@ -892,11 +891,11 @@ def plan(args: argparse.Namespace) -> Plan:
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise OptionError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
-    if args.rel_tol is not None and args.rel_tol > 1:
-        raise OptionError(
-            f"--rel-tol must be <= 1 (a search's first bracket is within a factor 2), got "
-            f"{args.rel_tol!r}"
-        )
+    if args.rel_tol is not None:
+        try:
+            check_rel_tol("--rel-tol", args.rel_tol)
+        except ValueError as exc:
+            raise OptionError(str(exc)) from None
     overhead = args.step_overhead_ms
     if not (math.isfinite(overhead) and overhead >= 0):
         raise OptionError(f"--step-overhead-ms must be >= 0, got {overhead!r}")

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.config import ClusterConfig, check_text
-from replica.planner.config import check_int
+from cluster.config import ClusterConfig
+from replica.planner.config import check_int, check_text
 from replica.request import SLO, check_in_vocab
 from router.errors import BadRequest
 from router.openai_schema import tier_slo

@@ -30,17 +30,27 @@ def check_positive(name: str, value: object) -> None:
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
 
 
+def check_non_negative(name: str, value: object) -> None:
+    """A finite number >= 0, named when it is not."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+
+
+def check_text(name: str, value: object, *, optional: bool = False) -> None:
+    """A non-empty string (or None, when `optional`), named when it is not."""
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or not value:
+        kind = "a non-empty string or null" if optional else "a non-empty string"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+
+
 def _check_optional(name: str, value: object, kind: type) -> None:
     if value is not None and not isinstance(value, kind):
         article = "an" if kind.__name__[0] in "AEIOU" else "a"
         raise ValueError(f"{name} must be {article} {kind.__name__} or None, got {value!r}")
-
-
-def _check_seconds(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -135,7 +145,7 @@ class InvocationConfig:
     """A request that fell behind its token deadlines is planned with TPOT times this factor."""
 
     def __post_init__(self) -> None:
-        _check_seconds("interval_s", self.interval_s)
+        check_positive("interval_s", self.interval_s)
         check_int("new_requests", self.new_requests)
         check_int("finished_requests", self.finished_requests)
         check_fraction("drift_fraction", self.drift_fraction, low=0.0, high=10.0)
@@ -166,8 +176,8 @@ class LapsConfig:
     def __post_init__(self) -> None:
         check_int("laps.num_levels", self.num_levels)
         check_int("laps.window", self.window)
-        _check_seconds("laps.first_level_s", self.first_level_s)
-        _check_seconds("laps.aging_s", self.aging_s)
+        check_positive("laps.first_level_s", self.first_level_s)
+        check_positive("laps.aging_s", self.aging_s)
         check_fraction("laps.stable_spread", self.stable_spread, low=1e-9, high=1.0)
         check_fraction("laps.growth", self.growth, low=1.0 + 1e-9, high=1e6)
         top = math.log10(self.first_level_s) + (self.num_levels - 1) * math.log10(self.growth)
@@ -230,7 +240,7 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         check_int("memory_units", self.memory_units)
         check_int("max_dp_candidates", self.max_dp_candidates)
-        _check_seconds("idle_period_s", self.idle_period_s)
+        check_positive("idle_period_s", self.idle_period_s)
         check_int("max_best_effort_requests", self.max_best_effort_requests, low=0)
         check_fraction("best_effort_stretch", self.best_effort_stretch, low=0.0, high=10.0)
         _check_optional("spec", self.spec, SpecConfig)

@@ -61,13 +61,22 @@ def test_non_monotone_points_are_flagged() -> None:
         ({"start_rate": 0.0}, "start_rate"),
         ({"start_rate": 1.0, "target": 1.5}, "target"),
         ({"start_rate": 1.0, "growth": 1.0}, "growth"),
-        ({"start_rate": 1.0, "rel_tol": 0.0}, "rel_tol"),
+        ({"start_rate": 1.0, "rel_tol": 0.0}, "rel_tol must be > 0 and <= 1 "),
+        ({"start_rate": 1.0, "rel_tol": 1.5}, r"rel_tol must be > 0 and <= 1 \(a search's first "),
+        ({"start_rate": 1.0, "rel_tol": 3.5, "growth": 4.0}, "rel_tol must be > 0 and <= 3 "),
         ({"start_rate": 1e5}, r"start_rate=100000.0 must be in"),
     ],
 )
 def test_bad_arguments_raise(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         find_capacity(lambda r: 1.0, **kwargs)
+
+
+def test_the_tolerance_may_be_as_wide_as_the_bracket() -> None:
+    """At growth - 1 the first bracket already meets it: nothing is bisected."""
+    result = find_capacity(lambda r: 1.0 if r <= 5.0 else 0.0, 1.0, rel_tol=3.0, growth=4.0)
+    assert [p.rate for p in result.points] == [1.0, 4.0, 16.0]
+    assert (result.capacity, result.lowest_failing) == (4.0, 16.0)
 
 
 def test_attainment_outside_unit_interval_raises() -> None:

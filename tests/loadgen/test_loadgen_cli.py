@@ -63,7 +63,7 @@ def generous_zero_load(tmp_path: Path) -> Path:
         (["--capacity", "--rates", "1,x"], "--rates"),
         (["--capacity", "--rates", "1,2", "--rate", "3"], "--rate"),
         (["--rate", "1", "--rel-tol", "0"], "--rel-tol"),
-        (["--capacity", "--rates", "1,2", "--rel-tol", "5"], "--rel-tol must be <= 1"),
+        (["--capacity", "--rates", "1,2", "--rel-tol", "5"], "--rel-tol must be > 0 and <= 1"),
         (["--rate", "1", "--max-model-len", "-5"], "--max-model-len: must be an integer >= 2"),
         (["--rate", "1", "--max-model-len", "1"], "--max-model-len: must be an integer >= 2"),
         (["--rate", "1", "--replicas", "0"], "--replicas"),

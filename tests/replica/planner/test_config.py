@@ -16,7 +16,7 @@ from replica.planner.config import PlannerConfig, SpecConfig
         ({"best_effort_stretch": math.nan}, "best_effort_stretch must be a finite number"),
         ({"best_effort_stretch": "0.1"}, "best_effort_stretch must be a finite number"),
         ({"memory_units": 0}, "memory_units must be >= 1"),
-        ({"idle_period_s": 0.0}, "idle_period_s must be > 0"),
+        ({"idle_period_s": 0.0}, "idle_period_s must be finite and > 0, got 0.0"),
         ({"spec": "draft"}, "spec must be a SpecConfig"),
     ],
 )

@@ -390,14 +390,15 @@ def test_values_the_app_or_kuberay_would_refuse_fail_the_install(
         render(values)
 
 
-def test_names_with_their_suffixes_fit_kubernetes(render: Render) -> None:
-    """A long fullnameOverride is cut so that `-workers` or `-metrics` still fits 63."""
+def test_names_fit_kuberay_and_kubernetes(render: Render) -> None:
+    """A long fullnameOverride is cut to the 47 characters KubeRay takes for a RayService's
+    name (MaxRayServiceNameLength); the names with a suffix fit Kubernetes' 63 then too."""
     objects = render({**OPTIONS_ON, "fullnameOverride": "x" * 80})
-    names = [o["metadata"]["name"] for o in objects]
-    assert max(len(name) for name in names) == 63
-    assert {"x" * 55 + suffix for suffix in ("-http", "-grpc", "-workers", "-metrics")} <= set(
-        names
-    )
+    (service,) = [o for o in objects if o["kind"] == "RayService"]
+    assert service["metadata"]["name"] == "x" * 47
+    names = {o["metadata"]["name"] for o in objects}
+    assert {"x" * 47 + suffix for suffix in ("-http", "-grpc", "-workers", "-metrics")} <= names
+    assert max(len(name) for name in names) == 55
 
 
 @pytest.mark.parametrize(

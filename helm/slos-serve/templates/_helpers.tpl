@@ -4,18 +4,20 @@
 {{- end }}
 
 {{/*
-The fullname is capped at 55 characters: objects are named after it with a suffix of up to 8
-(-http, -grpc, -metrics, -workers), and Kubernetes names are at most 63.
+The fullname is capped at 47 characters, the longest RayService name KubeRay takes
+(MaxRayServiceNameLength: it names the RayCluster after it with 6 more, and that cluster's
+Services with up to 10 more, in 63); the suffixed names here (-http, -grpc, -metrics,
+-workers) fit too.
 */}}
 {{- define "slos-serve.fullname" -}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 55 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 47 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 55 | trimSuffix "-" }}
+{{- .Release.Name | trunc 47 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 55 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 47 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -6,14 +6,15 @@ from pathlib import Path
 
 from cluster.config import ClusterConfig
 from replica.perf_model import PerfModel
+from replica.profiles import PROFILES
 
-DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "deploy" / "profiles" / "cpu-demo.json"
+DEFAULT_PROFILE = PROFILES / "cpu-demo.json"
 
 
 def load_profile(config: ClusterConfig) -> PerfModel:
     """The profile the replicas plan with; one made for another tensor-parallel degree would
     price every step wrong (the all-reduces, each rank's share of the work), so it is refused."""
-    path = Path(config.profile) if config.profile else DEFAULT_PROFILE
+    path = Path(config.profile) if config.profile is not None else DEFAULT_PROFILE
     if not path.is_file():
         raise ValueError(f"perf profile {str(path)!r} does not exist (set `profile`)")
     perf = PerfModel.load(path)

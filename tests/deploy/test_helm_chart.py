@@ -306,6 +306,7 @@ def gpu_group(gpus: int) -> dict[str, Any]:
             r"/workerGroups/0/gpus': minimum: got 0, want 2",
         ),
         ({"cluster": {"tensor_parallel_size": 3}}, r"/cluster/tensor_parallel_size'"),
+        ({"cluster": {"profile": ""}}, r"/cluster/profile': minLength"),
         (
             {"cluster": {"backup_policy": "drop"}},
             r"/cluster/backup_policy': value must be one of 'best_effort', 'reject'",

@@ -31,12 +31,12 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from cluster.profile import DEFAULT_PROFILE
 from replica.arguments import check_model_folders, output_file, positive_int
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
 from replica.perf_model import PerfModel
+from replica.profiles import load_profile
 from replica.request import Request, SamplingParams, Tier
 from replica.spec.draft import load_draft_vocab
 
@@ -99,9 +99,9 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     add_pair_arguments(parser)
     parser.add_argument(
         "--profile",
-        type=Path,
-        default=DEFAULT_PROFILE,
-        help="perf profile the policy prices steps with (default: the shipped CPU profile)",
+        default="cpu-demo",
+        help="perf profile the policy prices steps with: a name or a path (default cpu-demo, "
+        "the shipped CPU profile)",
     )
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
 
@@ -126,7 +126,9 @@ class PolicyBench:
 
 def policy_bench(args: argparse.Namespace, spare_per_request: int = 0) -> PolicyBench:
     """Load a policy bench (`--quick`: one k, few tokens); each request's KV holds its prompt,
-    its output and `spare_per_request` tokens more."""
+    its output and `spare_per_request` tokens more. A bad profile or a missing model is named
+    before any model loads."""
+    perf = load_profile("--profile", args.profile)
     check_model_folders(("--target", args.target), ("--draft", args.draft))
     torch.set_num_threads(args.threads)
     batches, ks, new_tokens, count = (
@@ -139,9 +141,7 @@ def policy_bench(args: argparse.Namespace, spare_per_request: int = 0) -> Policy
         args.target, num_blocks=kv_blocks_for(count, context), dtype=DTYPES[args.dtype]
     )
     draft = draft_runner(target, args.draft)
-    return PolicyBench(
-        batches, ks, new_tokens, prompts, target, draft, PerfModel.load(args.profile)
-    )
+    return PolicyBench(batches, ks, new_tokens, prompts, target, draft, perf)
 
 
 def best_interleaved(

@@ -65,3 +65,15 @@ def test_a_missing_model_ends_with_one_error_line(argv: list[str], message: str)
     """Named before anything loads, as `demo` and `profile` name theirs."""
     with pytest.raises(SystemExit, match=f"^slos-serve bench {argv[0]}: error: {message} "):
         cli.main(["bench", *argv, "--quick"])
+
+
+@pytest.mark.parametrize("bench", ["specserve", "adaserve"])
+def test_a_policy_bench_names_a_bad_profile_before_the_models(bench: str) -> None:
+    """--profile takes a name as the other commands do, and one that is no profile is named
+    first: the models, which are missing here, are not looked for."""
+    with pytest.raises(
+        SystemExit,
+        match=f"^slos-serve bench {bench}: error: --profile: profile 'cpu-dmeo' is neither a "
+        r"file nor one of .* \(did you mean 'cpu-demo'\?\)",
+    ):
+        cli.main(["bench", bench, "--quick", "--profile", "cpu-dmeo", "--target", "/nonexistent"])

@@ -10,6 +10,7 @@ on average (GPU seconds over the run's length).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -57,8 +58,8 @@ def parse_choices(text: str) -> list[ScaleChoice]:
                 value = float(target)
             except ValueError:
                 value = float("nan")
-            if not value > 0:
-                raise OptionError(f"--autoscale: {item!r}: the target must be a number > 0")
+            if not (math.isfinite(value) and value > 0):
+                raise OptionError(f"--autoscale: {item!r}: the target must be a finite number > 0")
             choice = ScaleChoice(ScaleSignal.ONGOING, value)
         else:
             raise OptionError(

@@ -421,8 +421,13 @@ def test_sizing_compares_each_count_with_autoscalers(
         (("--size-for", "4", "--replica-startup-s", "5"), "applies to --autoscale only"),
         (("--size-for", "4", "--autoscale", "ongoing"), "'ongoing' is not slo or ongoing:TARGET"),
         (("--size-for", "4", "--autoscale", "slo:3"), "'slo:3' is not slo or ongoing:TARGET"),
-        (("--size-for", "4", "--autoscale", "ongoing:0"), "the target must be a number > 0"),
-        (("--size-for", "4", "--autoscale", "ongoing:x"), "the target must be a number > 0"),
+        *(
+            (
+                ("--size-for", "4", "--autoscale", f"ongoing:{target}"),
+                f"'ongoing:{target}': the target must be a finite number > 0",
+            )
+            for target in ("0", "x", "inf", "nan")
+        ),
         (("--size-for", "4", "--autoscale", "slo,slo"), "'slo' repeats an earlier item"),
         (
             ("--size-for", "4", "--autoscale", "slo", "--policies", "vllm,sarathi"),

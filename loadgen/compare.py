@@ -45,6 +45,7 @@ from loadgen.serve_process import ServeCommand, ServeError, local_address, serve
 from loadgen.simulate import sim_requests
 from loadgen.zero_load import ZeroLoad
 from replica.arguments import OptionError, plot_file, positive_int
+from replica.profiles import load_profile
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
 
 def workload_tightest_tpot_ms(args: argparse.Namespace, zero_load: ZeroLoad | None) -> float:
     """The tightest TPOT the workload's requests ask for (stages included)."""
-    perf = run_load.load_profile("--profile", args.profile)
+    perf = load_profile("--profile", args.profile)
     rate = args.rate or 1.0
     spec = run_load.load_spec(args, perf, zero_load, None, rate)
     return tightest_tpot_s([r.request for r in sim_requests(spec.workload(rate))]) * 1e3

@@ -763,12 +763,12 @@ class Plan:
     """Where a search's runs stop early (None with --rate or --full-runs)."""
     jobs: int
     """Worker processes (1: the runs in this process, in order)."""
-    autoscale: list[ScaleChoice] = field(default_factory=list)
+    autoscale: list[ScaleChoice]
     """With --size-for: the autoscalers each fixed count is compared with."""
-    replica_startup_s: float = 60.0
-    adaserve: AdaServeConfig = field(default_factory=AdaServeConfig)
+    replica_startup_s: float
+    adaserve: AdaServeConfig
     """slos+adaserve's tree constants (--tree-width, --tree-nodes)."""
-    sibling_acceptance: tuple[float, ...] = DEFAULT_SIBLINGS
+    sibling_acceptance: tuple[float, ...]
     """slos+adaserve's later draft choices (--sibling-acceptance)."""
 
     def requests_per_replica(self, scenario: Workload) -> int:

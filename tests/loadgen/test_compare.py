@@ -17,6 +17,7 @@ import yaml
 from cluster.config import SchedulerKind
 from loadgen import cli, compare, run_load
 from loadgen.workloads import SLOTargets
+from replica.profiles import load_profile
 from tests.deploy.test_serve_run import free_port, with_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +119,7 @@ def test_sarathi_runs_with_tier_tpots_lowered_to_the_workloads_tightest() -> Non
 @pytest.mark.parametrize(("scenario", "level"), [("mixed", "tight"), ("chatbot", "loose")])
 def test_the_workloads_tightest_tpot_is_its_tightest_slo_level(scenario: str, level: str) -> None:
     args = parse("--configs", configs_arg(*SHIPPED[:2]), "--rate", "2", "--scenario", scenario)
-    perf = run_load.load_profile("--profile", args.profile)
+    perf = load_profile("--profile", args.profile)
     _, targets = run_load.zero_load_and_targets(args, perf, None)
     assert isinstance(targets, SLOTargets)
     expected = getattr(targets, f"{level}_tpot_ms")

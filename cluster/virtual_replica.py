@@ -202,6 +202,8 @@ class VirtualReplica:
         rid = request.request_id
         if not isinstance(self.scheduler, SlosScheduler):
             self.scheduler.add_request(request, now, credit)
+            if admitted:
+                self._bound_admitted.add(rid)
         elif admitted:
             self.scheduler.add_admitted(request, now, credit)
         else:
@@ -211,8 +213,6 @@ class VirtualReplica:
             self.prefixes.remember(request.prompt_token_ids)
         if credit and self.computed is not None:  # a credited prefix is taken last
             self.computed.touch(request.prompt_token_ids)
-        if admitted and not isinstance(self.scheduler, SlosScheduler):
-            self._bound_admitted.add(rid)
         if credit:
             self.credits[rid] = credit
             self.credited_tokens += credit

@@ -41,7 +41,7 @@ from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
 from cluster.names import CONTROLLER_NAME, NAMESPACE, replica_name, slot_occupants
 from cluster.profile import load_profile
 from cluster.replica_launch import start_actor, start_replica
-from replica.model_source import model_dir
+from replica.model_source import model_folder
 from replica.planner.base import CacheBudget
 from replica.planner.deadlines import late_tokens
 from replica.planner.queues import peak_tokens
@@ -391,10 +391,7 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
     load_profile(config)
     if config.loads_draft:
         assert config.draft is not None  # ClusterConfig requires one
-        try:
-            model_dir(config.draft, weights=False)
-        except ValueError as exc:
-            raise ValueError(f"draft: {exc}") from None
+        model_folder("draft", config.draft)
     if not ray.is_initialized():
         ray.init()
     namespace = NAMESPACE if detached else None

@@ -93,7 +93,7 @@ from replica.arguments import (
     positive_float,
     positive_int,
 )
-from replica.model_source import has_tokenizer, model_dir
+from replica.model_source import has_tokenizer, model_folder
 from replica.perf_model import PerfModel
 from replica.profiles import load_profile
 from router.client import AsyncClient, Client, ClientError
@@ -556,9 +556,9 @@ def check_args(args: argparse.Namespace) -> tuple[float, float] | None:
     except ValueError as exc:
         raise _fail(f"--scenario: {exc}") from None
     try:
-        args.tokenizer = model_dir(args.tokenizer, weights=False)
+        args.tokenizer = model_folder("--tokenizer", args.tokenizer)
     except ValueError as exc:
-        raise _fail(f"--tokenizer: {exc}") from None
+        raise _fail(str(exc)) from None
     if not has_tokenizer(args.tokenizer):
         raise _fail(
             f"--tokenizer {str(args.tokenizer)!r} has no tokenizer.json nor tokenizer files"

@@ -50,6 +50,15 @@ def model_dir(name: str | Path, *, weights: bool = True) -> Path:
     return folder
 
 
+def model_folder(option: str, name: str | Path) -> Path:
+    """`model_dir` without the weights (config and tokenizer fetched for a hub id), or an
+    error naming the option or field that gave `name`."""
+    try:
+        return model_dir(name, weights=False)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
+
+
 def has_tokenizer(folder: Path) -> bool:
     """Whether `load_tokenizer` has files to build one from, without building it."""
     return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()

@@ -44,7 +44,7 @@ from replica.batch import BatchPlan, DecodeStep, PlanEntry, PrefillChunk
 from replica.device import DTYPES, compute_device
 from replica.engine import Engine
 from replica.model_runner import BLOCK_SIZE, ModelConfig, ModelRunner
-from replica.model_source import model_dir
+from replica.model_source import model_dir, model_folder
 from replica.perf_fit import Sample, fit_profile, samples_to_json, split_samples
 from replica.perf_model import BatchFeatures, BatchShape, PerfModel
 from replica.request import Request, SamplingParams, Tier
@@ -399,9 +399,9 @@ def run(args: argparse.Namespace) -> int:
         device, dtype = compute_device(args.device == "cuda", args.dtype, "--device cuda")
         check_clock(args.clock, device, split=size > 1)
         check_group_size(size, device)
-        ModelConfig.from_dir(_folder("--model", args.model)).sharded(size)
+        ModelConfig.from_dir(model_folder("--model", args.model)).sharded(size)
         if args.draft is not None:
-            _folder("--draft", args.draft)
+            model_folder("--draft", args.draft)
     except (RuntimeError, ValueError) as exc:
         raise SystemExit(f"slos-serve profile: error: {exc}") from None
     if size == 1:
@@ -449,15 +449,6 @@ def _profile_split(
             leave()
             for rank_process in ranks:
                 rank_process.join()
-
-
-def _folder(option: str, model: Path) -> Path:
-    """The model's local folder (config and tokenizer fetched for a hub id), or an error
-    naming the option."""
-    try:
-        return model_dir(model, weights=False)
-    except ValueError as exc:
-        raise ValueError(f"{option}: {exc}") from None
 
 
 def check_group_size(size: int, device: torch.device) -> None:

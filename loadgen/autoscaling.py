@@ -10,7 +10,6 @@ on average (GPU seconds over the run's length).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,6 +17,7 @@ from cluster.autoscale import AutoscaleConfig, ScaleSignal
 from cluster.simulator import Policy, SimResult
 from loadgen.sizing import rate_key
 from replica.arguments import OptionError
+from replica.planner.config import check_positive
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,11 @@ def parse_choices(text: str) -> list[ScaleChoice]:
         elif name == ScaleSignal.ONGOING.value and target:
             try:
                 value = float(target)
+                check_positive("target", value)
             except ValueError:
-                value = float("nan")
-            if not (math.isfinite(value) and value > 0):
-                raise OptionError(f"--autoscale: {item!r}: the target must be a finite number > 0")
+                raise OptionError(
+                    f"--autoscale: {item!r}: the target must be a finite number > 0"
+                ) from None
             choice = ScaleChoice(ScaleSignal.ONGOING, value)
         else:
             raise OptionError(

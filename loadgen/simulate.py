@@ -493,7 +493,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replica-startup-s",
         type=float,
-        help="with --autoscale: seconds a started replica takes to load its model (default 60)",
+        help="with --autoscale: seconds a started replica takes to load its model (default "
+        f"{SimConfig.replica_startup_s:g})",
     )
     parser.add_argument(
         "--ablation",
@@ -855,7 +856,9 @@ def plan(args: argparse.Namespace) -> Plan:
                 f"--autoscale {choice.label} follows admission's declines, and none of "
                 "--policies declines (give a slos policy, or use ongoing:TARGET)"
             )
-    startup = 60.0 if args.replica_startup_s is None else args.replica_startup_s
+    startup = args.replica_startup_s
+    if startup is None:
+        startup = SimConfig.replica_startup_s
     if not (math.isfinite(startup) and startup >= 0):
         raise OptionError(f"--replica-startup-s must be >= 0, got {startup!r}")
     if Policy.DISTSERVE in policies and args.prefix_caching:
@@ -1243,8 +1246,8 @@ def size_job(
     setup: Setup,
     job: Job,
     most: int,
-    choices: Sequence[ScaleChoice] = (),
-    startup_s: float = 60.0,
+    choices: Sequence[ScaleChoice],
+    startup_s: float,
 ) -> SizeResult:
     """Search the fewest replicas for the job's total rate, then replay its requests under
     each autoscaler from that count (in a worker process with --jobs)."""

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from cluster.config import ClusterConfig
 from replica.perf_model import PerfModel
-from replica.profiles import PROFILES
+from replica.profiles import CPU_PROFILE, PROFILES
 
-DEFAULT_PROFILE = PROFILES / "cpu-demo.json"
+DEFAULT_PROFILE = PROFILES / f"{CPU_PROFILE}.json"
 
 
 def load_profile(config: ClusterConfig) -> PerfModel:

@@ -36,7 +36,7 @@ from replica.batch import BatchPlan, DecodeStep, PrefillChunk
 from replica.engine import Engine, ProposerKind
 from replica.model_runner import ModelRunner
 from replica.perf_model import PerfModel
-from replica.profiles import load_profile
+from replica.profiles import CPU_PROFILE, load_profile
 from replica.request import Request, SamplingParams, Tier
 from replica.spec.draft import load_draft_vocab
 
@@ -99,8 +99,8 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     add_pair_arguments(parser)
     parser.add_argument(
         "--profile",
-        default="cpu-demo",
-        help="perf profile the policy prices steps with: a name or a path (default cpu-demo, "
+        default=CPU_PROFILE,
+        help="perf profile the policy prices steps with: a name or a path (default %(default)s, "
         "the shipped CPU profile)",
     )
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")

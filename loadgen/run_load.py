@@ -95,11 +95,10 @@ from replica.arguments import (
 )
 from replica.model_source import has_tokenizer, model_folder
 from replica.perf_model import PerfModel
-from replica.profiles import load_profile
+from replica.profiles import CPU_PROFILE, load_profile
 from router.client import AsyncClient, Client, ClientError
 from router.tokenizer import TextCodec
 
-DEFAULT_PROFILE = "cpu-demo"
 DEFAULT_TOKENIZER = ROOT / "deploy" / "models" / "demo-target"
 DECODE_CONTEXT_KEY = "chatbot.prompt"
 """The TPOT levels scale from the decode step at this Table 4 entry's mean prompt length."""
@@ -487,7 +486,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
         default=0.1,
         help="multiplies every Table 4 length (default %(default)s, for the CPU demo pair)",
     )
-    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="perf profile name or path")
+    parser.add_argument("--profile", default=CPU_PROFILE, help="perf profile name or path")
     parser.add_argument(
         "--zero-load",
         default="profile",

@@ -32,7 +32,7 @@ from replica.planner.config import PlannerConfig, SpecConfig
 from replica.planner.sarathi import SarathiConfig, SarathiScheduler
 from replica.planner.slos import SlosScheduler
 from replica.planner.vllm import VllmConfig, VllmScheduler
-from replica.profiles import DEPLOY, load_profile
+from replica.profiles import CPU_PROFILE, DEPLOY, load_profile
 from replica.request import SLO, Request, SamplingParams
 
 MODELS = DEPLOY / "models"
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile",
-        default="cpu-demo",
+        default=CPU_PROFILE,
         help="perf-model profile the slos planner plans with: a name in deploy/profiles, a "
         "deploy config's short name or a path (default %(default)s)",
     )

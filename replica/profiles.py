@@ -14,6 +14,8 @@ from replica.perf_model import PerfModel
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 PROFILES = DEPLOY / "profiles"
+CPU_PROFILE = "cpu-demo"
+"""The shipped profile of the CPU demo pair: the default wherever it is served or planned."""
 
 
 def profile_aliases() -> dict[str, str]:

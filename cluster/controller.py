@@ -32,7 +32,7 @@ from cluster.leases import Leases
 from cluster.messages import AlreadyHeld, StepReport
 from cluster.metrics import Metrics
 from cluster.names import NAMESPACE, slot_occupants
-from cluster.profile import load_profile
+from cluster.profile import cluster_profile
 from cluster.routing import FirstHop, Router
 from cluster.virtual_replica import ReportFit, SchedulerConfig, VirtualReplica
 from replica.perf_model import PerfModel
@@ -102,7 +102,7 @@ def scheduler_config(config: ClusterConfig, perf: PerfModel, cache: CacheBudget)
 
 
 def build_plane(config: ClusterConfig, metrics: Metrics | None = None) -> ControlPlane:
-    perf = load_profile(config)
+    perf = cluster_profile(config)
     cache = CacheBudget(config.num_kv_blocks)
     planner = scheduler_config(config, perf, cache)
     log.info("replicas plan with %s: %s", config.scheduler.value, planner)

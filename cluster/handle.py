@@ -39,7 +39,7 @@ from cluster.controller import MAX_CONCURRENCY, ClusterController, kill_for_good
 from cluster.messages import StreamItem
 from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
 from cluster.names import CONTROLLER_NAME, NAMESPACE, replica_name, slot_occupants
-from cluster.profile import load_profile
+from cluster.profile import cluster_profile
 from cluster.replica_launch import start_actor, start_replica
 from replica.model_source import model_folder
 from replica.planner.base import CacheBudget
@@ -388,7 +388,7 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
 
     The profile, and the draft when the replicas load one, are looked for first: a bad one
     stops the launch before Ray starts, not after every replica loaded its target."""
-    load_profile(config)
+    cluster_profile(config)
     if config.loads_draft:
         assert config.draft is not None  # ClusterConfig requires one
         model_folder("draft", config.draft)

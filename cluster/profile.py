@@ -11,7 +11,7 @@ from replica.profiles import CPU_PROFILE, PROFILES
 DEFAULT_PROFILE = PROFILES / f"{CPU_PROFILE}.json"
 
 
-def load_profile(config: ClusterConfig) -> PerfModel:
+def cluster_profile(config: ClusterConfig) -> PerfModel:
     """The profile the replicas plan with; one made for another tensor-parallel degree would
     price every step wrong (the all-reduces, each rank's share of the work), so it is refused."""
     path = Path(config.profile) if config.profile is not None else DEFAULT_PROFILE

@@ -26,7 +26,7 @@ import torch
 from cluster.config import ClusterConfig
 from cluster.messages import ReplicaSnapshot, StepReport, StreamItem
 from cluster.names import CONTROLLER_NAME
-from cluster.profile import load_profile
+from cluster.profile import cluster_profile
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchPlan
 from replica.device import compute_device
@@ -136,10 +136,10 @@ def build_engine(config: ClusterConfig, tp: TensorParallel | None = None) -> Eng
         device=device,
         proposer=proposer,
         tp=tp,
-        specserve=SpecServeLengths(load_profile(config))
+        specserve=SpecServeLengths(cluster_profile(config))
         if config.spec_policy == "specserve"
         else None,
-        adaserve=AdaServeTrees(load_profile(config), config.adaserve)
+        adaserve=AdaServeTrees(cluster_profile(config), config.adaserve)
         if config.spec_policy == "adaserve"
         else None,
         prefix_caching=config.prefix_caching,

@@ -365,7 +365,7 @@ class Engine:
         works = self._validate(plan)
         for rid in plan.preempt:
             self.preempt(rid)
-        drafting = self._propose(works)
+        drafting = self._propose_or_skip(works)
         draft_s = drafting.seconds + self._draft_prefill(works)
         seqs = [self._forward_seq(w) for w in works]
         target_start = time.perf_counter()
@@ -378,7 +378,15 @@ class Engine:
         row = 0
         for w, fs in zip(works, seqs, strict=True):
             rows = slice(row, row + fs.num_logits)
-            outcomes.append(self._finish_entry(w, logits[rows], choices[rows]))
+            try:
+                outcomes.append(self._finish_entry(w, logits[rows], choices[rows]))
+            except Exception:
+                log.exception(
+                    "request %s: its step's sampling failed; ending it as aborted, the "
+                    "other requests of the step go on",
+                    w.seq.request.request_id,
+                )
+                outcomes.append(self._abort_entry(w.seq))
             row += fs.num_logits
         total = time.perf_counter() - start
         outcome = BatchOutcome(
@@ -470,6 +478,26 @@ class Engine:
             for w in works
             if w.num_spec > 0 or isinstance(w.entry, PrefillChunk)
         )
+
+    def _propose_or_skip(self, works: list[_Work]) -> _DraftRun:
+        """`_propose`, or no drafts this step if proposing fails (one request's logits
+        shaping, say): drafts only save time, so their failure must not fail the requests
+        batched with the one that caused it. The draft cache goes back to where it was."""
+        spec = [w for w in works if w.num_spec > 0]
+        draft = self.draft
+        ids = [w.seq.request.request_id for w in spec]
+        cached = [] if draft is None else [draft.cache.num_tokens(rid) for rid in ids]
+        try:
+            return self._propose(works)
+        except Exception:
+            log.exception("proposing drafts failed; this step's decodes verify none")
+        if draft is not None:
+            for rid, n in zip(ids, cached, strict=True):
+                draft.rollback(rid, n)
+        for w in spec:
+            w.num_spec, w.noise, w.tree, w.tree_draws = 0, None, None, None
+            w.proposal = Proposal(tokens=[], probs=None)
+        return _DraftRun()
 
     def _propose(self, works: list[_Work]) -> _DraftRun:
         """Fill in the proposals (or AdaServe's trees) of speculative decodes."""
@@ -832,6 +860,16 @@ class Engine:
         self.cache.truncate(rid, seq.num_computed)
         judged = judged_nodes(tree, accepted)
         return self._outcome(seq, new, raw[[0, *accepted]], len(tree) - 1, judged)
+
+    def _abort_entry(self, seq: _Seq) -> RequestOutcome:
+        """End a request whose own step work failed: its KV state is unknown, so it goes."""
+        seq.finish_reason = FinishReason.ABORT
+        self._free_kv(seq.request.request_id)
+        return RequestOutcome(
+            seq.request.request_id,
+            num_computed_tokens=seq.num_computed,
+            finish_reason=FinishReason.ABORT,
+        )
 
     def _outcome(
         self,

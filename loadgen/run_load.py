@@ -622,6 +622,12 @@ def check_chat_template(tokenizer: Path) -> None:
 def probe_prompt_lens(length_scale: float, max_model_len: int | None) -> list[int]:
     """PROBE_PROMPT_LENS scaled like the workload, leaving room for the probe's output."""
     cap = None if max_model_len is None else max_model_len - PROBE_OUTPUT_LEN
+    if cap is not None and cap < 1:
+        raise ValueError(
+            f"--zero-load probe: a {max_model_len}-token context leaves no room for a prompt "
+            f"beside the probe's {PROBE_OUTPUT_LEN} output tokens; give a zero-load JSON file "
+            "or 'profile'"
+        )
     lens = {max(1, round(n * length_scale)) for n in PROBE_PROMPT_LENS}
     return sorted({n if cap is None else min(n, cap) for n in lens})
 
@@ -783,7 +789,10 @@ def prepare(args: argparse.Namespace, reference_rate: float) -> tuple[Session, d
         args.temperature,
     )
     if args.zero_load == "probe":
-        lens = probe_prompt_lens(args.length_scale, info.max_model_len)
+        try:
+            lens = probe_prompt_lens(args.length_scale, info.max_model_len)
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
         measured = asyncio.run(_probe(target, source, lens))
         print(f"zero load measured at prompts {lens}: {measured.to_dict()}")
     spec = load_spec(

@@ -83,3 +83,6 @@ def test_probe_lengths_scale_and_fit_the_context() -> None:
     assert probe_prompt_lens(0.1, None) == [10, 80, 200]
     assert probe_prompt_lens(1.0, 1024) == [100, 800, 1008]
     assert probe_prompt_lens(0.001, None) == [1, 2]
+    assert probe_prompt_lens(1.0, 17) == [1]
+    with pytest.raises(ValueError, match="16-token context leaves no room"):
+        probe_prompt_lens(1.0, 16)

@@ -83,11 +83,16 @@ class ChatMessage:
     content: str = ""
     tool_calls: Sequence[ToolCall] = ()
     tool_call_id: str = ""
+    name: str = ""
+    """The participant's name, for chat templates that show it."""
 
 
-Message = tuple[str, str] | Mapping[str, str] | ChatMessage
-"""A chat message: a (role, content) pair, OpenAI's {"role": ..., "content": ...}, or a
-`ChatMessage` for what those cannot say."""
+Message = tuple[str, str] | Mapping[str, Any] | ChatMessage
+"""A chat message: a (role, content) pair, an OpenAI chat message (role, content, and
+optionally name, tool_calls, tool_call_id, with string content), or a `ChatMessage`."""
+
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+"""The keys an OpenAI chat message may have here (the server checks their values)."""
 
 
 @dataclass(frozen=True)
@@ -289,21 +294,70 @@ def _message(index: int, message: Message) -> pb.ChatMessage:
             content=message.content,
             tool_calls=calls,
             tool_call_id=message.tool_call_id,
+            name=message.name,
         )
-    if isinstance(message, Mapping) and set(message) == {"role", "content"}:
-        role, content = message["role"], message["content"]
-    elif isinstance(message, tuple | list) and len(message) == 2:
+    if isinstance(message, Mapping):
+        return _openai_message(index, message)
+    if isinstance(message, tuple | list) and len(message) == 2:
         role, content = message
     else:
         raise ValueError(
-            f"messages[{index}] must be a (role, content) pair, a dict of role and content, "
-            f"or a ChatMessage (tool calls, a tool's answer), got {reprlib.repr(message)}"
+            f"messages[{index}] must be a (role, content) pair, an OpenAI chat message (a "
+            f"dict) or a ChatMessage, got {reprlib.repr(message)}"
         )
     if not isinstance(role, str) or not isinstance(content, str):
         raise ValueError(
             f"messages[{index}]: role and content must be strings, got {reprlib.repr(message)}"
         )
     return pb.ChatMessage(role=role, content=content)
+
+
+def _openai_message(index: int, message: Mapping[str, Any]) -> pb.ChatMessage:
+    """An OpenAI chat message as the proto says it: an assistant's calls flattened to
+    (id, name, arguments), content null only beside calls, as OpenAI allows it."""
+    where = f"messages[{index}]"
+    extra = sorted(str(k) for k in message if k not in MESSAGE_KEYS)
+    if extra:
+        raise ValueError(
+            f"{where} has unsupported key(s) {', '.join(extra)}; it takes "
+            f"{', '.join(sorted(MESSAGE_KEYS))}"
+        )
+    fields = dict(message)
+    calls = fields.pop("tool_calls", None)
+    if calls is not None:
+        if not isinstance(calls, Sequence) or isinstance(calls, str):
+            raise ValueError(f"{where}.tool_calls must be a list, got {reprlib.repr(calls)}")
+        fields["tool_calls"] = [
+            _openai_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)
+        ]
+        if fields.get("content") is None:
+            fields["content"] = ""
+    if not isinstance(fields.get("content"), str):
+        raise ValueError(
+            f"{where}.content must be a string (null only beside tool_calls), got "
+            f"{reprlib.repr(fields.get('content'))}"
+        )
+    try:
+        return json_format.ParseDict(fields, pb.ChatMessage())
+    except json_format.ParseError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _openai_call(where: str, call: object) -> dict[str, Any]:
+    """OpenAI's {id, type: function, function: {name, arguments}} as the proto's ToolCall."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if (
+        not isinstance(call, Mapping)
+        or set(call) - {"id", "type", "function"}
+        or call.get("type", "function") != "function"
+        or not isinstance(function, Mapping)
+        or set(function) != {"name", "arguments"}
+    ):
+        raise ValueError(
+            f"{where} must be {{id, type: function, function: {{name, arguments}}}}, got "
+            f"{reprlib.repr(call)}"
+        )
+    return {"id": call.get("id", ""), "name": function["name"], "arguments": function["arguments"]}
 
 
 def build_request(

@@ -128,6 +128,8 @@ def _message_to_body(message: pb.ChatMessage) -> dict[str, Any]:
         ]
     if message.tool_call_id or message.role == "tool":
         body["tool_call_id"] = message.tool_call_id
+    if message.name:
+        body["name"] = message.name
     return body
 
 

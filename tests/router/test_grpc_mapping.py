@@ -328,6 +328,12 @@ def test_tools_and_earlier_calls_cross_grpc(codec: TextCodec) -> None:
     endpoint, body = request_to_body(build_request(None, answer, GenerateOptions()), "demo")
     assert body["messages"][1] == {"role": "tool", "content": "found", "tool_call_id": ""}
     parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0)
+    # The same conversation as OpenAI's dicts, the calls' content null as OpenAI sends it.
+    as_openai = [dict(m) for m in http_messages]
+    as_openai[1]["content"] = None
+    sent = build_request(None, as_openai, GenerateOptions())
+    assert sent == build_request(None, messages, GenerateOptions())
+    assert request_to_body(sent, "demo")[1]["messages"] == http_messages
 
 
 def test_bad_tools_are_named_at_either_end() -> None:
@@ -384,10 +390,16 @@ def test_a_message_may_be_a_pair_or_an_openai_dict() -> None:
     sent = build_request(None, dicts, GenerateOptions())
     assert sent == build_request(None, pairs, GenerateOptions())
     assert request_to_body(sent, "demo")[1]["messages"] == dicts
+    named = [("system", "Be brief."), {"role": "user", "content": "hi", "name": "ann"}]
+    body = request_to_body(build_request(None, named, GenerateOptions()), "demo")[1]
+    assert body["messages"][1] == named[1]
     bad: list[Any] = [
         {"role": "user"},
-        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "user", "content": "hi", "age": 3},
+        {"role": "user", "content": "hi", "name": 3},
         {"role": "user", "content": None},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {}}]},
+        {"role": "assistant", "content": "", "tool_calls": "lookup"},
         ("user", 3),
         ("user", "hi", "again"),
         "hi",

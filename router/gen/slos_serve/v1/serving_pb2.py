@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bslos_serve/v1/serving.proto\x12\rslos_serve.v1\"\x96\x01\n\x05Stage\x12\x0f\n\x07tpot_ms\x18\x01 \x01(\x01\x12\x17\n\nnum_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07ttft_ms\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x15\n\rend_token_ids\x18\x05 \x03(\r\x12\r\n\x05until\x18\x06 \x03(\tB\r\n\x0b_num_tokensB\n\n\x08_ttft_ms\"}\n\x03SLO\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12$\n\x06stages\x18\x03 \x03(\x0b\x32\x14.slos_serve.v1.Stage\x12\x0c\n\x04tier\x18\x04 \x01(\tB\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.slos_serve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xd7\x08\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.slos_serve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x1f\n\x03slo\x18\x0c \x01(\x0b\x32\x12.slos_serve.v1.SLO\x12\x30\n\x0cservice_tier\x18\r \x01(\x0e\x32\x1a.slos_serve.v1.ServiceTier\x12\x10\n\x08priority\x18\x0e \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x01H\x07\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x12 \x03(\x0b\x32-.slos_serve.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x13 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x14 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12\t\n\x01n\x18\x16 \x01(\r\x12\x15\n\x08logprobs\x18\x17 \x01(\rH\x08\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\r\x12\x12\n\x05min_p\x18\x19 \x01(\x01H\t\x88\x01\x01\x12<\n\x12structured_outputs\x18\x1a \x01(\x0b\x32 .slos_serve.v1.StructuredOutputs\x12\x11\n\tbad_words\x18\x1b \x03(\t\x12\"\n\x05tools\x18\x1c \x03(\x0b\x32\x13.slos_serve.v1.Tool\x12.\n\x0btool_choice\x18\x1d \x01(\x0b\x32\x19.slos_serve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x1e \x01(\x08H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x08\n\x06_min_pB\x16\n\x14_parallel_tool_calls\"f\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\r\n\x05regex\x18\x02 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"G\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.slos_serve.v1.TopLogprob\"}\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.slos_serve.v1.TokenLogprob\x12\x11\n\treasoning\x18\x05 \x01(\t\"S\n\x0cStageVerdict\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x61ttained\x18\x02 \x01(\x08\x12\x13\n\x0blate_tokens\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"\xe6\x03\n\x05\x46inal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07verdict\x18\x02 \x01(\t\x12\x14\n\x07replica\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04hops\x18\x04 \x01(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x19\n\x0cslo_attained\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12+\n\x06stages\x18\t \x03(\x0b\x32\x1b.slos_serve.v1.StageVerdict\x12\x12\n\nmigrations\x18\n \x01(\r\x12\x13\n\x06ttft_s\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12\x13\n\x0bstop_string\x18\r \x01(\t\x12\x1a\n\rstop_token_id\x18\x0e \x01(\rH\x04\x88\x01\x01\x12\r\n\x05index\x18\x0f \x01(\r\x12+\n\ntool_calls\x18\x10 \x03(\x0b\x32\x17.slos_serve.v1.ToolCall\x12\x15\n\rcached_tokens\x18\x11 \x01(\rB\n\n\x08_replicaB\x0f\n\r_slo_attainedB\t\n\x07_ttft_sB\x08\n\x06_e2e_sB\x10\n\x0e_stop_token_id\"l\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.slos_serve.v1.TextChunkH\x00\x12%\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x14.slos_serve.v1.FinalH\x00\x42\x06\n\x04item\"\x19\n\x17GetClusterStatusRequest\"\x94\x02\n\rReplicaStatus\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64mitted\x18\x05 \x01(\r\x12\x13\n\x0b\x62\x65st_effort\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x42\n\x0b\x63\x61libration\x18\x08 \x03(\x0b\x32-.slos_serve.v1.ReplicaStatus.CalibrationEntry\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x1a\x32\n\x10\x43\x61librationEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xfb\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12.\n\x08replicas\x18\x02 \x03(\x0b\x32\x1c.slos_serve.v1.ReplicaStatus\x12<\n\x08\x63ounters\x18\x03 \x03(\x0b\x32*.slos_serve.v1.ClusterStatus.CountersEntry\x12\x11\n\tscheduler\x18\x04 \x01(\t\x12\x17\n\x0ftarget_replicas\x18\x05 \x01(\r\x12\x10\n\x08starting\x18\x06 \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*>\n\x0bServiceTier\x12\x18\n\x14SERVICE_TIER_DEFAULT\x10\x00\x12\x15\n\x11SERVICE_TIER_FLEX\x10\x01\x32\xb2\x01\n\x07Serving\x12M\n\x08Generate\x12\x1e.slos_serve.v1.GenerateRequest\x1a\x1f.slos_serve.v1.GenerateResponse0\x01\x12X\n\x10GetClusterStatus\x12&.slos_serve.v1.GetClusterStatusRequest\x1a\x1c.slos_serve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bslos_serve/v1/serving.proto\x12\rslos_serve.v1\"\x96\x01\n\x05Stage\x12\x0f\n\x07tpot_ms\x18\x01 \x01(\x01\x12\x17\n\nnum_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07ttft_ms\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x15\n\rend_token_ids\x18\x05 \x03(\r\x12\r\n\x05until\x18\x06 \x03(\tB\r\n\x0b_num_tokensB\n\n\x08_ttft_ms\"}\n\x03SLO\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12$\n\x06stages\x18\x03 \x03(\x0b\x32\x14.slos_serve.v1.Stage\x12\x0c\n\x04tier\x18\x04 \x01(\tB\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.slos_serve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xd7\x08\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.slos_serve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x1f\n\x03slo\x18\x0c \x01(\x0b\x32\x12.slos_serve.v1.SLO\x12\x30\n\x0cservice_tier\x18\r \x01(\x0e\x32\x1a.slos_serve.v1.ServiceTier\x12\x10\n\x08priority\x18\x0e \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x01H\x07\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x12 \x03(\x0b\x32-.slos_serve.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x13 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x14 \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12\t\n\x01n\x18\x16 \x01(\r\x12\x15\n\x08logprobs\x18\x17 \x01(\rH\x08\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\r\x12\x12\n\x05min_p\x18\x19 \x01(\x01H\t\x88\x01\x01\x12<\n\x12structured_outputs\x18\x1a \x01(\x0b\x32 .slos_serve.v1.StructuredOutputs\x12\x11\n\tbad_words\x18\x1b \x03(\t\x12\"\n\x05tools\x18\x1c \x03(\x0b\x32\x13.slos_serve.v1.Tool\x12.\n\x0btool_choice\x18\x1d \x01(\x0b\x32\x19.slos_serve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x1e \x01(\x08H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x08\n\x06_min_pB\x16\n\x14_parallel_tool_calls\"f\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\r\n\x05regex\x18\x02 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"G\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.slos_serve.v1.TopLogprob\"}\n\tTextChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.slos_serve.v1.TokenLogprob\x12\x11\n\treasoning\x18\x05 \x01(\t\"S\n\x0cStageVerdict\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x61ttained\x18\x02 \x01(\x08\x12\x13\n\x0blate_tokens\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"\xe6\x03\n\x05\x46inal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07verdict\x18\x02 \x01(\t\x12\x14\n\x07replica\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04hops\x18\x04 \x01(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x19\n\x0cslo_attained\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12+\n\x06stages\x18\t \x03(\x0b\x32\x1b.slos_serve.v1.StageVerdict\x12\x12\n\nmigrations\x18\n \x01(\r\x12\x13\n\x06ttft_s\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12\x13\n\x0bstop_string\x18\r \x01(\t\x12\x1a\n\rstop_token_id\x18\x0e \x01(\rH\x04\x88\x01\x01\x12\r\n\x05index\x18\x0f \x01(\r\x12+\n\ntool_calls\x18\x10 \x03(\x0b\x32\x17.slos_serve.v1.ToolCall\x12\x15\n\rcached_tokens\x18\x11 \x01(\rB\n\n\x08_replicaB\x0f\n\r_slo_attainedB\t\n\x07_ttft_sB\x08\n\x06_e2e_sB\x10\n\x0e_stop_token_id\"l\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.slos_serve.v1.TextChunkH\x00\x12%\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x14.slos_serve.v1.FinalH\x00\x42\x06\n\x04item\"\x19\n\x17GetClusterStatusRequest\"\x94\x02\n\rReplicaStatus\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64mitted\x18\x05 \x01(\r\x12\x13\n\x0b\x62\x65st_effort\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x42\n\x0b\x63\x61libration\x18\x08 \x03(\x0b\x32-.slos_serve.v1.ReplicaStatus.CalibrationEntry\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x1a\x32\n\x10\x43\x61librationEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xfb\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12.\n\x08replicas\x18\x02 \x03(\x0b\x32\x1c.slos_serve.v1.ReplicaStatus\x12<\n\x08\x63ounters\x18\x03 \x03(\x0b\x32*.slos_serve.v1.ClusterStatus.CountersEntry\x12\x11\n\tscheduler\x18\x04 \x01(\t\x12\x17\n\x0ftarget_replicas\x18\x05 \x01(\r\x12\x10\n\x08starting\x18\x06 \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*>\n\x0bServiceTier\x12\x18\n\x14SERVICE_TIER_DEFAULT\x10\x00\x12\x15\n\x11SERVICE_TIER_FLEX\x10\x01\x32\xb2\x01\n\x07Serving\x12M\n\x08Generate\x12\x1e.slos_serve.v1.GenerateRequest\x1a\x1f.slos_serve.v1.GenerateResponse0\x01\x12X\n\x10GetClusterStatus\x12&.slos_serve.v1.GetClusterStatusRequest\x1a\x1c.slos_serve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,48 +37,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICASTATUS_CALIBRATIONENTRY']._serialized_options = b'8\001'
   _globals['_CLUSTERSTATUS_COUNTERSENTRY']._loaded_options = None
   _globals['_CLUSTERSTATUS_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_SERVICETIER']._serialized_start=3330
-  _globals['_SERVICETIER']._serialized_end=3392
+  _globals['_SERVICETIER']._serialized_start=3344
+  _globals['_SERVICETIER']._serialized_end=3406
   _globals['_STAGE']._serialized_start=47
   _globals['_STAGE']._serialized_end=197
   _globals['_SLO']._serialized_start=199
   _globals['_SLO']._serialized_end=324
   _globals['_CHATMESSAGE']._serialized_start=326
-  _globals['_CHATMESSAGE']._serialized_end=437
-  _globals['_TOOL']._serialized_start=439
-  _globals['_TOOL']._serialized_end=500
-  _globals['_TOOLCALL']._serialized_start=502
-  _globals['_TOOLCALL']._serialized_end=557
-  _globals['_TOOLCHOICE']._serialized_start=559
-  _globals['_TOOLCHOICE']._serialized_end=617
-  _globals['_GENERATEREQUEST']._serialized_start=620
-  _globals['_GENERATEREQUEST']._serialized_end=1731
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1510
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1558
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1733
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1835
-  _globals['_TOPLOGPROB']._serialized_start=1837
-  _globals['_TOPLOGPROB']._serialized_end=1884
-  _globals['_TOKENLOGPROB']._serialized_start=1886
-  _globals['_TOKENLOGPROB']._serialized_end=1957
-  _globals['_TEXTCHUNK']._serialized_start=1959
-  _globals['_TEXTCHUNK']._serialized_end=2084
-  _globals['_STAGEVERDICT']._serialized_start=2086
-  _globals['_STAGEVERDICT']._serialized_end=2169
-  _globals['_FINAL']._serialized_start=2172
-  _globals['_FINAL']._serialized_end=2658
-  _globals['_GENERATERESPONSE']._serialized_start=2660
-  _globals['_GENERATERESPONSE']._serialized_end=2768
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=2770
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=2795
-  _globals['_REPLICASTATUS']._serialized_start=2798
-  _globals['_REPLICASTATUS']._serialized_end=3074
-  _globals['_REPLICASTATUS_CALIBRATIONENTRY']._serialized_start=3024
-  _globals['_REPLICASTATUS_CALIBRATIONENTRY']._serialized_end=3074
-  _globals['_CLUSTERSTATUS']._serialized_start=3077
-  _globals['_CLUSTERSTATUS']._serialized_end=3328
-  _globals['_CLUSTERSTATUS_COUNTERSENTRY']._serialized_start=3281
-  _globals['_CLUSTERSTATUS_COUNTERSENTRY']._serialized_end=3328
-  _globals['_SERVING']._serialized_start=3395
-  _globals['_SERVING']._serialized_end=3573
+  _globals['_CHATMESSAGE']._serialized_end=451
+  _globals['_TOOL']._serialized_start=453
+  _globals['_TOOL']._serialized_end=514
+  _globals['_TOOLCALL']._serialized_start=516
+  _globals['_TOOLCALL']._serialized_end=571
+  _globals['_TOOLCHOICE']._serialized_start=573
+  _globals['_TOOLCHOICE']._serialized_end=631
+  _globals['_GENERATEREQUEST']._serialized_start=634
+  _globals['_GENERATEREQUEST']._serialized_end=1745
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1524
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1572
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1747
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1849
+  _globals['_TOPLOGPROB']._serialized_start=1851
+  _globals['_TOPLOGPROB']._serialized_end=1898
+  _globals['_TOKENLOGPROB']._serialized_start=1900
+  _globals['_TOKENLOGPROB']._serialized_end=1971
+  _globals['_TEXTCHUNK']._serialized_start=1973
+  _globals['_TEXTCHUNK']._serialized_end=2098
+  _globals['_STAGEVERDICT']._serialized_start=2100
+  _globals['_STAGEVERDICT']._serialized_end=2183
+  _globals['_FINAL']._serialized_start=2186
+  _globals['_FINAL']._serialized_end=2672
+  _globals['_GENERATERESPONSE']._serialized_start=2674
+  _globals['_GENERATERESPONSE']._serialized_end=2782
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=2784
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=2809
+  _globals['_REPLICASTATUS']._serialized_start=2812
+  _globals['_REPLICASTATUS']._serialized_end=3088
+  _globals['_REPLICASTATUS_CALIBRATIONENTRY']._serialized_start=3038
+  _globals['_REPLICASTATUS_CALIBRATIONENTRY']._serialized_end=3088
+  _globals['_CLUSTERSTATUS']._serialized_start=3091
+  _globals['_CLUSTERSTATUS']._serialized_end=3342
+  _globals['_CLUSTERSTATUS_COUNTERSENTRY']._serialized_start=3295
+  _globals['_CLUSTERSTATUS_COUNTERSENTRY']._serialized_end=3342
+  _globals['_SERVING']._serialized_start=3409
+  _globals['_SERVING']._serialized_end=3587
 # @@protoc_insertion_point(module_scope)

@@ -31,6 +31,7 @@ from cluster.control import Binding, ControlPlane, Decision
 from cluster.leases import Leases
 from cluster.messages import AlreadyHeld, StepReport
 from cluster.metrics import Metrics
+from cluster.migration import resumed_request
 from cluster.names import NAMESPACE, slot_occupants
 from cluster.profile import cluster_profile
 from cluster.routing import FirstHop, Router
@@ -306,24 +307,34 @@ class ClusterController:
     ) -> Binding:
         """Continue a request whose replica failed mid-stream, after `delivered` tokens. When
         every replica is down (Ray is restarting them), wait up to RESUME_WAIT_S for one
-        rather than give the stream up; the failed replica is checked first when it is the
-        only one up, since the health loop may not have seen it fail yet."""
+        rather than give the stream up, also when the replicas left go down before one takes
+        it (a second failure); the failed replica is checked first when it is the only one
+        up, since the health loop may not have seen it fail yet."""
         await self.ready()
         if door is not None:
             self.leases.own(original.request_id, door, time.monotonic())
         rid = original.request_id
+        deadline = time.monotonic() + RESUME_WAIT_S
         self._resuming[rid] = False
         try:
             if not any(up for i, up in enumerate(self.plane.routable()) if i != from_replica):
                 await self._check(from_replica)
-            await self._until_a_replica_is_up(time.monotonic() + RESUME_WAIT_S)
+            binding: Binding | None = None
+            while binding is None or (binding.verdict is None and time.monotonic() < deadline):
+                await self._until_a_replica_is_up(deadline)
+                if self._resuming[rid]:
+                    return Binding(rid, None, None, 0, "aborted while waiting for a replica")
+                if binding is None:
+                    self._binding[from_replica].pop(rid, None)
+                    now = time.time()
+                    decision = self.plane.resume(original, list(delivered), from_replica, now)
+                else:  # the replicas left went down before one took it
+                    resumed = resumed_request(original, delivered)
+                    decision = self.plane.submit(resumed, time.time(), resumed=True)
+                binding = await self._decide(original, decision)
+            return binding
         finally:
-            aborted = self._resuming.pop(rid, False)
-        if aborted:
-            return Binding(rid, None, None, 0, "aborted while waiting for a replica")
-        self._binding[from_replica].pop(rid, None)
-        decision = self.plane.resume(original, list(delivered), from_replica, time.time())
-        return await self._decide(original, decision)
+            del self._resuming[rid]
 
     def _wake_resumes(self) -> None:
         """A replica became routable: resumes waiting for one try again."""

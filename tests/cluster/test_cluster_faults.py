@@ -40,6 +40,18 @@ async def stream_with_hook(
     return await collect(cluster.submit(req), started)
 
 
+def start_streams(
+    cluster: ClusterHandle, reqs: dict[str, list[int]]
+) -> tuple[dict[str, asyncio.Event], list[asyncio.Future[tuple[list[int], FinalRecord]]]]:
+    """A stream per request, and events set once each has delivered a few tokens."""
+    started = {rid: asyncio.Event() for rid in reqs}
+    tasks = [
+        asyncio.ensure_future(stream_with_hook(cluster, rid, p, started[rid]))
+        for rid, p in reqs.items()
+    ]
+    return started, tasks
+
+
 async def holder(cluster: ClusterHandle, rid: str) -> int:
     snaps = await asyncio.gather(*(r.snapshot.remote() for r in cluster.replicas))
     return next(s.replica for s in snaps if any(h.request.request_id == rid for h in s.requests))
@@ -51,11 +63,7 @@ def test_killed_replica_streams_resume_elsewhere_without_loss_or_duplicates(
     reqs = prompts("kill")
 
     async def run() -> list[tuple[list[int], FinalRecord]]:
-        started = {rid: asyncio.Event() for rid in reqs}
-        tasks = [
-            asyncio.ensure_future(stream_with_hook(cluster, rid, p, started[rid]))
-            for rid, p in reqs.items()
-        ]
+        started, tasks = start_streams(cluster, reqs)
         first = next(iter(reqs))
         await asyncio.wait_for(started[first].wait(), 60)
         victim = await holder(cluster, first)
@@ -76,6 +84,31 @@ def test_killed_replica_streams_resume_elsewhere_without_loss_or_duplicates(
 
     assert runner.run(back()), "the killed replica did not rejoin after its restart"
     assert runner.run(cluster.status()).counters["migrated"] >= 1
+
+
+def test_streams_resume_when_both_replicas_die_one_after_the_other(
+    cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
+) -> None:
+    """The second replica dies a second after the first, while the first's streams move to
+    it: every stream waits for a restarted replica (they used to end with "no replica is
+    up" once the replica they were being handed to was found down)."""
+    reqs = prompts("cascade")
+
+    async def run() -> list[tuple[list[int], FinalRecord]]:
+        started, tasks = start_streams(cluster, reqs)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
+        first = await holder(cluster, next(iter(reqs)))
+        ray.kill(cluster.replicas[first], no_restart=False)
+        await asyncio.sleep(1.0)
+        ray.kill(cluster.replicas[1 - first], no_restart=False)
+        return list(await asyncio.gather(*tasks))
+
+    results = runner.run(run())
+    for (rid, prompt), (tokens, final) in zip(reqs.items(), results, strict=True):
+        assert tokens == greedy_reference(engine, rid, prompt, MAX_TOKENS), rid
+        assert final.finish_reason in ("length", "stop")
+        assert final.migrations >= 1
+    assert runner.run(status_until(cluster, all_alive, 240, 0.25)).replicas
 
 
 def test_a_stream_whose_replicas_are_all_down_waits_for_one_to_restart(
@@ -116,11 +149,7 @@ def test_controller_restart_keeps_in_flight_requests(
     reqs = prompts("restart")
 
     async def run() -> list[tuple[list[int], FinalRecord]]:
-        started = {rid: asyncio.Event() for rid in reqs}
-        tasks = [
-            asyncio.ensure_future(stream_with_hook(cluster, rid, p, started[rid]))
-            for rid, p in reqs.items()
-        ]
+        started, tasks = start_streams(cluster, reqs)
         sampling = SamplingParams(max_tokens=2040, ignore_eos=True)
         long = cluster.submit(Request("restart-long", [3, 1, 4], sampling, FIRST_SOON))
         first = await anext(long)

@@ -158,6 +158,9 @@ class Generation:
                 item = await anext(self.rest, None)
             except ClusterUnavailable as exc:
                 self.finished = True
+                placement = self.placement
+                verdict = None if placement is None else placement.verdict
+                self.door.metrics.record_lost(verdict, self.tenant)
                 raise Unavailable(str(exc) or "the request's replica was lost") from exc
         raise RuntimeError(f"cluster stream of {self.request_id} ended without a FinalRecord")
 

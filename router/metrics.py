@@ -84,6 +84,11 @@ CONTROLLER_COUNTERS = {
         "room, before their first token (again if the replica's mirror was rebuilt).",
         1.0,
     ),
+    "migrated": (
+        "requests_migrated",
+        "Requests resumed on another replica after theirs failed mid-stream (each move).",
+        1.0,
+    ),
     "declined": (
         "requests_declined",
         "SLO requests no replica could guarantee within the route limit (then served "
@@ -242,6 +247,14 @@ class FrontDoorMetrics:
             [*by_tenant, "verdict"],
             registry=self.registry,
         )
+        self.lost = Counter(
+            PREFIX + "requests_lost",
+            "Requests cut off after the cluster's first answer, by that verdict (also counted "
+            "as such): no replica came back up within the resume wait, and the client got an "
+            "error instead of the rest of its output.",
+            [*by_tenant, "verdict"],
+            registry=self.registry,
+        )
         self.hops = Histogram(
             PREFIX + "route_hops",
             "Replicas a request tried before its verdict.",
@@ -294,12 +307,20 @@ class FrontDoorMetrics:
         """Count a request its client left: admitted (or best-effort) like a finished one,
         though no final record comes, and cancelled. Left before the cluster's first answer
         (`verdict` None), it is counted cancelled alone, its verdict unknown to the door."""
+        self._record_unfinished(self.cancelled, verdict, tenant)
+
+    def record_lost(self, verdict: Verdict | None, tenant: str) -> None:
+        """Count a request the cluster cut off mid-stream, as `record_cancelled` counts one
+        its client left."""
+        self._record_unfinished(self.lost, verdict, tenant)
+
+    def _record_unfinished(self, counter: Counter, verdict: Verdict | None, tenant: str) -> None:
         if verdict is None:
-            self.cancelled.labels(self.model, tenant, "unknown").inc()
+            counter.labels(self.model, tenant, "unknown").inc()
             return
-        counter = self.admitted if verdict is Verdict.ADMITTED else self.best_effort
-        counter.labels(self.model, tenant).inc()
-        self.cancelled.labels(self.model, tenant, verdict.value).inc()
+        answered = self.admitted if verdict is Verdict.ADMITTED else self.best_effort
+        answered.labels(self.model, tenant).inc()
+        counter.labels(self.model, tenant, verdict.value).inc()
 
     def reject(self, tenant: str, reason: str) -> None:
         if reason not in REJECT_REASONS:

@@ -11,6 +11,7 @@ import pytest
 
 from cluster.api import (
     ClusterStatus,
+    ClusterUnavailable,
     FinalRecord,
     Placement,
     StageVerdict,
@@ -21,6 +22,7 @@ from replica.batch import TokenLogprob
 from replica.request import SLO, Request
 from router.auth import ApiKeys
 from router.client import AsyncClient, ClientError, Tool
+from router.errors import Unavailable
 from router.frontdoor import FrontDoor
 from router.grpc_server import start_grpc_server
 from router.metrics import PREFIX, FrontDoorMetrics
@@ -37,7 +39,8 @@ class ScriptedCluster:
     """Answers a request with its script's items; one without a script is never answered
     (its first token is not due yet) until the client leaves."""
 
-    scripts: dict[str, list[TokenChunk | FinalRecord]] = field(default_factory=dict)
+    scripts: dict[str, list[TokenChunk | FinalRecord | Exception]] = field(default_factory=dict)
+    """Items to stream; an exception is raised where it stands (the cluster gave up)."""
     submitted: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     model_name: str = "demo"
@@ -49,6 +52,8 @@ class ScriptedCluster:
         if request.request_id not in self.scripts:
             await asyncio.Event().wait()
         for item in self.scripts[request.request_id]:
+            if isinstance(item, Exception):
+                raise item
             yield item
 
     async def status(self) -> ClusterStatus:
@@ -133,6 +138,26 @@ def test_a_client_gone_before_the_first_answer_is_counted_cancelled_once(
     asyncio.run(leave_while_waiting())
     asyncio.run(leave_with_one_choice_answered())
     asyncio.run(leave_before_the_choices_ran())
+
+
+def test_a_request_the_cluster_cuts_off_mid_stream_is_counted_lost_once(codec: TextCodec) -> None:
+    """Its client gets an error after its first tokens; the door counts it lost by the
+    verdict it had answered with (and admitted, as a finished one would be), not cancelled."""
+    lost_after_a_token = [first_token("r"), ClusterUnavailable("no replica is up")]
+    door = door_over(ScriptedCluster({"r": lost_after_a_token}), codec)
+
+    async def collect() -> None:
+        (generation,) = await door.start(parsed(codec, prompt="Hi"), TENANT)
+        with pytest.raises(Unavailable, match="no replica is up"):
+            await generation.collect()
+
+    asyncio.run(collect())
+    lost = {
+        dict(labels)["verdict"]: value
+        for (name, labels), value in samples(door.metrics).items()
+        if name == PREFIX + "requests_lost_total"
+    }
+    assert lost == {"admitted": 1} and admitted(door) == 1 and cancelled(door) == {}
 
 
 def test_a_prompt_only_choice_reports_no_output_token_in_its_usage_or_stages(

@@ -72,6 +72,11 @@ def test_counts_match_records_fed() -> None:
     assert s[(PREFIX + "requests_cancelled_total", cancelled)] == 1
     unknown = (("model", "demo"), ("tenant", "team-a"), ("verdict", "unknown"))
     assert s[(PREFIX + "requests_cancelled_total", unknown)] == 1
+    m.record_lost(Verdict.BEST_EFFORT, "team-b")  # cut off mid-stream
+    s = samples(m)
+    assert s[(PREFIX + "requests_best_effort_total", best)] == 2
+    lost = (("model", "demo"), ("tenant", "team-b"), ("verdict", "best_effort"))
+    assert s[(PREFIX + "requests_lost_total", lost)] == 1
     think = (("model", "demo"), ("stage", "think"), ("tier", "chat"))
     answer = (("model", "demo"), ("stage", "answer"), ("tier", "chat"))
     assert s[(PREFIX + "slo_attained_total", think)] == 2

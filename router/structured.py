@@ -91,7 +91,19 @@ def _checked(grammar: str, where: str, vocab: Callable[[], llguidance.LLTokenize
     error = llguidance.LLMatcher.validate_grammar(grammar, model_vocab)
     if error:
         raise BadRequest(f"{where}: {_trimmed(error)}", where)
+    stuck = _stuck_at_start(grammar, model_vocab)
+    if stuck:
+        raise BadRequest(f"{where}: no output can begin to follow it ({_trimmed(stuck)})", where)
     return grammar
+
+
+def _stuck_at_start(grammar: str, vocab: llguidance.LLTokenizer) -> str:
+    """The error a grammar meets at its first token, or "": one validate_grammar takes may
+    still allow nothing (a schema that is only a reference to itself), and the replica
+    would end its request empty."""
+    matcher = llguidance.LLMatcher(vocab, grammar, log_level=0)
+    matcher.compute_logit_bias()
+    return matcher.get_error().splitlines()[0] if matcher.is_error() else ""
 
 
 def _response_format(raw: object) -> tuple[str, object, str]:

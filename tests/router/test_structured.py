@@ -159,6 +159,17 @@ def test_json_object_regex_choice_and_grammars(codec: TextCodec, ctx: SchemaCont
             "Unsatisfiable schema",
         ),
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed group"),
+        ({"guided_json": {"$ref": "#"}}, "guided_json", "no output can begin to follow it"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {"$ref": "#"}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "no output can begin",
+        ),
         ({"guided_regex": ""}, "guided_regex", "non-empty string"),
         ({"guided_choice": []}, "guided_choice", "list of 1.."),
         ({"guided_choice": ["a", 3]}, "guided_choice", "list of 1.."),

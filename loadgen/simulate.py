@@ -618,8 +618,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tree-width",
         type=positive_int,
-        help="slos+adaserve: children a token tree keeps per level (cluster.adaserve.max_width; "
-        f"default {AdaServeConfig.max_width})",
+        help="slos+adaserve: the most children a token tree keeps per level "
+        f"(cluster.adaserve.max_width; default {AdaServeConfig.max_width}; the budget's width "
+        "is at most 3 under 4 drafts a request, so only 1 or 2 narrows it)",
     )
     parser.add_argument(
         "--tree-nodes",

@@ -39,8 +39,10 @@ class AdaServeConfig:
     """The constants AdaServe leaves open (our choices; replica.spec.tree.tree_shape)."""
 
     max_width: int = 4
-    """Children kept per tree level: wider trees try more continuations per depth, at the
-    price of more draft work per level."""
+    """Children kept per tree level, at most: wider trees try more continuations per depth, at
+    the price of more draft work per level. The width a step takes is floor(drafts per
+    request / 2) + 1 (`tree_shape`), so under the planner's at most 4 drafts a request it is
+    at most 3, and only a max_width of 1 or 2 narrows it (4 is the C beam's widest)."""
     max_nodes: int = 15
     """Nodes one request may verify in a step (the paper's n_max): with its root, a tree of
     16 tokens, the most a row of the C kernels takes (model_runner.SMALL_QUERY)."""

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -29,6 +29,20 @@ from replica.planner.config import (
 )
 
 SPEC_POLICY = re.compile(r"^(none|slos|goodspeed|specserve|adaserve|ngram|fixed:[1-9][0-9]?)$")
+
+
+_T = TypeVar("_T")
+
+
+def built(cls: type[_T], data: Mapping[str, Any], where: str) -> _T:
+    """`cls` from a mapping (a YAML section), an unknown field named with the known ones."""
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(str(k) for k in set(data) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown {where} field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    return cls(**data)
 
 
 class SchedulerKind(StrEnum):
@@ -217,7 +231,7 @@ class ClusterConfig:
         tiers = []
         for i, tier in enumerate(self.tiers):
             if isinstance(tier, Mapping):
-                tier = TierConfig(**tier)
+                tier = built(TierConfig, tier, f"tiers[{i}]")
             if not isinstance(tier, TierConfig):
                 raise ValueError(
                     f"tiers[{i}] must be a mapping of name, ttft_ms, tpot_ms, got {tier!r}"
@@ -233,8 +247,8 @@ class ClusterConfig:
                 f"adaserve shapes AdaServe's token trees: set spec_policy to adaserve, got "
                 f"{self.spec_policy!r}"
             )
-        if isinstance(self.adaserve, dict):
-            object.__setattr__(self, "adaserve", AdaServeConfig(**self.adaserve))
+        if isinstance(self.adaserve, Mapping):
+            object.__setattr__(self, "adaserve", built(AdaServeConfig, self.adaserve, "adaserve"))
         if not isinstance(self.adaserve, AdaServeConfig):
             raise ValueError(
                 f"adaserve must be a mapping of max_width and max_nodes, got {self.adaserve!r}"
@@ -244,15 +258,8 @@ class ClusterConfig:
         scale = self.autoscale
         if scale is None:
             return
-        if isinstance(scale, dict):
-            known = {f.name for f in fields(AutoscaleConfig)}
-            unknown = sorted(set(scale) - known)
-            if unknown:
-                raise ValueError(
-                    f"unknown autoscale field(s): {', '.join(unknown)}; known: "
-                    f"{', '.join(sorted(known))}"
-                )
-            scale = AutoscaleConfig(**scale)
+        if isinstance(scale, Mapping):
+            scale = built(AutoscaleConfig, scale, "autoscale")
             object.__setattr__(self, "autoscale", scale)
         if not isinstance(scale, AutoscaleConfig):
             raise ValueError(f"autoscale must be a mapping, got {scale!r}")
@@ -314,12 +321,8 @@ class ClusterConfig:
     def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
         if not isinstance(data, dict):
             raise ValueError(f"cluster config must be a mapping, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown cluster config field(s): {', '.join(unknown)}")
         try:
-            return cls(**data)
+            return built(cls, data, "cluster config")
         except TypeError as exc:
             raise ValueError(f"invalid cluster config: {exc}") from exc
 

@@ -94,6 +94,11 @@ NAN, INF = float("nan"), float("inf")
         ("tiers", None, "tiers must be a list of tiers, got None"),
         ("tiers", "chat", "tiers must be a list of tiers, got 'chat'"),
         ("tiers", [1], "tiers[0] must be a mapping of name, ttft_ms, tpot_ms, got 1"),
+        (
+            "tiers",
+            [{"name": "a", "ttft_ms": 1, "tpot": 1}],
+            "unknown tiers[0] field(s): tpot; known: name, stages, tpot_ms, ttft_ms",
+        ),
         ("tiers", [{"name": 5, "ttft_ms": 1, "tpot_ms": 1}], "tiers[].name must be a non-empty "),
         ("autoscale", {"max_replicas": "4"}, "autoscale.max_replicas must be an integer, got "),
     ],
@@ -119,7 +124,11 @@ def test_unknown_field_and_missing_draft() -> None:
         ({"max_width": 6}, "slos", "adaserve shapes AdaServe's token trees: set spec_policy"),
         ({"max_width": 0}, "adaserve", "adaserve.max_width must be"),
         ({"max_nodes": 2.5}, "adaserve", "adaserve.max_nodes must be"),
-        ({"width": 6}, "adaserve", "invalid cluster config: .*width"),
+        (
+            {"width": 6},
+            "adaserve",
+            "^unknown adaserve field.s.: width; known: max_nodes, max_width",
+        ),
         (5, "adaserve", "adaserve must be a mapping of max_width and max_nodes, got 5"),
     ],
 )
@@ -127,6 +136,8 @@ def test_bad_adaserve_constants_are_named(adaserve: object, spec_policy: str, me
     data = {"model": "m", "draft": "d", "spec_policy": spec_policy, "adaserve": adaserve}
     with pytest.raises(ValueError, match=message):
         ClusterConfig.from_dict(data)
+    with pytest.raises(ValueError, match=message):  # built in Python, not read from YAML
+        ClusterConfig(model="m", draft="d", spec_policy=spec_policy, adaserve=adaserve)  # type: ignore[arg-type]
 
 
 def test_adaserve_constants_load_from_yaml(tmp_path: Path) -> None:

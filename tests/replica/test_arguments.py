@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
     ("argv", "message"),
     [
         (["--count", "0"], "argument --count: must be an integer >= 1, got '0'"),
-        (["--count", "1.5"], "argument --count: not a number: '1.5'"),
+        (["--count", "1.5"], "argument --count: not an integer: '1.5'"),
+        (["--tick", "fast"], "argument --tick: not a number: 'fast'"),
         (["--seed", "-1"], "argument --seed: must be an integer >= 0"),
         (["--tick", "nan"], "argument --tick: must be finite, got 'nan'"),
         (["--tick", "0"], "argument --tick: must be > 0"),

@@ -30,6 +30,7 @@ from replica.request import SLO
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 from router.openai_format import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
+from router.openai_schema import ECHOED_MESSAGE_FIELDS, MESSAGE_FIELDS
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,6 @@ class ChatMessage:
 Message = tuple[str, str] | Mapping[str, Any] | ChatMessage
 """A chat message: a (role, content) pair, an OpenAI chat message (role, content, and
 optionally name, tool_calls, tool_call_id, with string content), or a `ChatMessage`."""
-
-MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
-"""The keys an OpenAI chat message may have here (the server checks their values)."""
 
 
 @dataclass(frozen=True)
@@ -314,15 +312,16 @@ def _message(index: int, message: Message) -> pb.ChatMessage:
 
 def _openai_message(index: int, message: Mapping[str, Any]) -> pb.ChatMessage:
     """An OpenAI chat message as the proto says it: an assistant's calls flattened to
-    (id, name, arguments), content null only beside calls, as OpenAI allows it."""
+    (id, name, arguments), content null only beside calls, as OpenAI allows it, and the
+    fields a response's message echoes (refusal, ...) dropped, as HTTP drops them."""
     where = f"messages[{index}]"
-    extra = sorted(str(k) for k in message if k not in MESSAGE_KEYS)
+    extra = sorted(str(k) for k in message if k not in (*MESSAGE_FIELDS, *ECHOED_MESSAGE_FIELDS))
     if extra:
         raise ValueError(
             f"{where} has unsupported key(s) {', '.join(extra)}; it takes "
-            f"{', '.join(sorted(MESSAGE_KEYS))}"
+            f"{', '.join(MESSAGE_FIELDS)}"
         )
-    fields = dict(message)
+    fields = {k: v for k, v in message.items() if k in MESSAGE_FIELDS}
     calls = fields.pop("tool_calls", None)
     if calls is not None:
         if not isinstance(calls, Sequence) or isinstance(calls, str):

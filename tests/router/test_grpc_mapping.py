@@ -330,7 +330,7 @@ def test_tools_and_earlier_calls_cross_grpc(codec: TextCodec) -> None:
     parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0)
     # The same conversation as OpenAI's dicts, the calls' content null as OpenAI sends it.
     as_openai = [dict(m) for m in http_messages]
-    as_openai[1]["content"] = None
+    as_openai[1] |= {"content": None, "refusal": None}  # as a response's message echoes it
     sent = build_request(None, as_openai, GenerateOptions())
     assert sent == build_request(None, messages, GenerateOptions())
     assert request_to_body(sent, "demo")[1]["messages"] == http_messages

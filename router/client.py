@@ -30,7 +30,7 @@ from replica.request import SLO
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 from router.openai_format import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
-from router.openai_schema import ECHOED_MESSAGE_FIELDS, MESSAGE_FIELDS
+from router.openai_schema import ECHOED_MESSAGE_FIELDS, MESSAGE_FIELDS, message_content
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,8 @@ class ChatMessage:
 
 
 Message = tuple[str, str] | Mapping[str, Any] | ChatMessage
-"""A chat message: a (role, content) pair, an OpenAI chat message (role, content, and
-optionally name, tool_calls, tool_call_id, with string content), or a `ChatMessage`."""
+"""A chat message: a (role, content) pair, an OpenAI chat message (role, content as a string
+or text parts, and optionally name, tool_calls, tool_call_id), or a `ChatMessage`."""
 
 
 @dataclass(frozen=True)
@@ -312,8 +312,9 @@ def _message(index: int, message: Message) -> pb.ChatMessage:
 
 def _openai_message(index: int, message: Mapping[str, Any]) -> pb.ChatMessage:
     """An OpenAI chat message as the proto says it: an assistant's calls flattened to
-    (id, name, arguments), content null only beside calls, as OpenAI allows it, and the
-    fields a response's message echoes (refusal, ...) dropped, as HTTP drops them."""
+    (id, name, arguments), content null only beside calls, as OpenAI allows it, text parts
+    joined, and the fields a response's message echoes (refusal, ...) dropped, as HTTP
+    takes them."""
     where = f"messages[{index}]"
     extra = sorted(str(k) for k in message if k not in (*MESSAGE_FIELDS, *ECHOED_MESSAGE_FIELDS))
     if extra:
@@ -331,11 +332,7 @@ def _openai_message(index: int, message: Mapping[str, Any]) -> pb.ChatMessage:
         ]
         if fields.get("content") is None:
             fields["content"] = ""
-    if not isinstance(fields.get("content"), str):
-        raise ValueError(
-            f"{where}.content must be a string (null only beside tool_calls), got "
-            f"{reprlib.repr(fields.get('content'))}"
-        )
+    fields["content"] = message_content(fields.get("content"), f"{where}.content")
     try:
         return json_format.ParseDict(fields, pb.ChatMessage())
     except json_format.ParseError as exc:

@@ -323,7 +323,7 @@ def _chat_echo(body: dict[str, Any], calling: ToolCalling | None, n: int) -> tup
     last = body["messages"][-1]  # checked with the prompt
     if last.get("role") != "assistant" or last.get("content") is None:
         return ()
-    return (Echo(_content(last["content"], "messages"), ()),) * n
+    return (Echo(message_content(last["content"], "messages"), ()),) * n
 
 
 def _prompt_texts(raw: object, prompts: list[list[int]], codec: Codec) -> list[str]:
@@ -572,7 +572,7 @@ def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, Any]]:
             raw_content = ""
         message: dict[str, Any] = {
             "role": "system" if role == "developer" else str(role),
-            "content": _content(raw_content, f"{where}.content"),
+            "content": message_content(raw_content, f"{where}.content"),
         }
         if isinstance(m.get("name"), str):
             message["name"] = m["name"]
@@ -633,7 +633,7 @@ def _tool_calls(raw: object, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _content(raw: object, where: str) -> str:
+def message_content(raw: object, where: str) -> str:
     """Message content: a string, or a list of text parts (OpenAI's multi-part form)."""
     if isinstance(raw, str):
         return raw

@@ -393,11 +393,17 @@ def test_a_message_may_be_a_pair_or_an_openai_dict() -> None:
     named = [("system", "Be brief."), {"role": "user", "content": "hi", "name": "ann"}]
     body = request_to_body(build_request(None, named, GenerateOptions()), "demo")[1]
     assert body["messages"][1] == named[1]
+    parts = [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]
+    as_parts = build_request(
+        None, [{"role": "system", "content": parts}, ("user", "hi")], GenerateOptions()
+    )
+    assert as_parts == build_request(None, pairs, GenerateOptions())
     bad: list[Any] = [
         {"role": "user"},
         {"role": "user", "content": "hi", "age": 3},
         {"role": "user", "content": "hi", "name": 3},
         {"role": "user", "content": None},
+        {"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
         {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {}}]},
         {"role": "assistant", "content": "", "tool_calls": "lookup"},
         ("user", 3),

@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 2.0
 DRAIN_GRACE_S = 10.0
-"""A draining replica that holds nothing stops once its clients have read their streams to
-the end, or this long after, should one never read it."""
+"""A draining replica that holds nothing stops once the front doors have pulled its streams
+to the end, or this long after, should one never pull it."""
 START_RETRY_S = 30.0
 """After a replica failed to start, the autoscaler waits this long before it starts another."""
 AHEAD_WAIT_S = 0.5

@@ -143,6 +143,11 @@ class _Work:
     """A sampled tree's draft distributions, by parent node, its children drawn from them
     (None: a greedy tree, its children the draft's likeliest)."""
 
+    def drop_drafts(self) -> None:
+        """Verify nothing this step: a plain decode."""
+        self.num_spec, self.noise, self.tree, self.tree_draws = 0, None, None, None
+        self.proposal = Proposal(tokens=[], probs=None)
+
 
 @dataclass
 class _DraftRun:
@@ -382,8 +387,9 @@ class Engine:
                 outcomes.append(self._finish_entry(w, logits[rows], choices[rows]))
             except Exception:
                 log.exception(
-                    "request %s: its step's sampling failed; ending it as aborted, the "
-                    "other requests of the step go on",
+                    "request %s: its own work in the step (sampling, stops, grammar, "
+                    "log-probabilities) failed; ending it as aborted, the step's other "
+                    "requests go on",
                     w.seq.request.request_id,
                 )
                 outcomes.append(self._abort_entry(w.seq))
@@ -495,8 +501,7 @@ class Engine:
             for rid, n in zip(ids, cached, strict=True):
                 draft.rollback(rid, n)
         for w in spec:
-            w.num_spec, w.noise, w.tree, w.tree_draws = 0, None, None, None
-            w.proposal = Proposal(tokens=[], probs=None)
+            w.drop_drafts()
         return _DraftRun()
 
     def _propose(self, works: list[_Work]) -> _DraftRun:

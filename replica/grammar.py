@@ -51,13 +51,15 @@ class Grammar:
         token that breaks it) and bans nothing."""
         rows = torch.zeros(n, self.vocab, dtype=torch.bool)
         consumed = self.matcher.try_consume_tokens(list(proposal[:start])) if start else 0
-        for i in range(n):
-            if consumed < start + i:
-                break
-            allowed = bytearray(self.matcher.compute_logit_bias())
-            rows[i] = torch.frombuffer(allowed, dtype=torch.uint8) == 0
-            if start + i < len(proposal) and i < n - 1:
-                consumed += self.matcher.try_consume_tokens([proposal[start + i]])
-        if consumed:
-            self.matcher.rollback(consumed)
+        try:
+            for i in range(n):
+                if consumed < start + i:
+                    break
+                allowed = bytearray(self.matcher.compute_logit_bias())
+                rows[i] = torch.frombuffer(allowed, dtype=torch.uint8) == 0
+                if start + i < len(proposal) and i < n - 1:
+                    consumed += self.matcher.try_consume_tokens([proposal[start + i]])
+        finally:  # a step that fails here goes on without drafts: the grammar must not move
+            if consumed:
+                self.matcher.rollback(consumed)
         return rows

@@ -95,6 +95,38 @@ def test_masks_follow_the_proposal_and_leave_the_state_as_it_was(
     assert not grammar.done
 
 
+class MaskFailing:
+    """A matcher whose `at`-th mask fails, as an llguidance error would."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, at: int) -> None:
+        self.matcher, self.at, self.calls = matcher, at, 0
+
+    def compute_logit_bias(self) -> bytes:
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("a mask llguidance could not compute")
+        return bytes(self.matcher.compute_logit_bias())
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.matcher, name)
+
+
+def test_a_mask_that_fails_midway_leaves_the_state_as_it_was(
+    vocab: llguidance.LLTokenizer, tokenizer: Tokenizer
+) -> None:
+    """The engine goes on without drafts when masking them fails: the grammar must not have
+    moved over the proposed tokens it had consumed."""
+    valid = tokenizer.encode('{"name": "ab", "size": 7').ids
+    grammar = Grammar(vocab, JSON_GRAMMAR)
+    first = grammar.banned((), 0, 1)[0]
+    real = grammar.matcher
+    grammar.matcher = MaskFailing(real, at=3)  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="could not compute"):
+        grammar.banned(valid, 0, 5)
+    grammar.matcher = real
+    assert bool(grammar.banned((), 0, 1)[0].equal(first))
+
+
 def test_greedy_and_sampled_outputs_follow_the_schema_and_end_with_it(
     runners: dict[str, tuple[ModelRunner, ModelRunner]],
     vocab: llguidance.LLTokenizer,

@@ -38,15 +38,15 @@ def prompts(target_dir: Path) -> list[list[int]]:
     return [tok.encode(t).ids for t in PROMPTS]
 
 
-def _failing_for_the_culprit(module: object, monkeypatch: pytest.MonkeyPatch, every: int) -> None:
-    """`module`'s token_probs raises at every `every`-th call for the culprit."""
+def _failing_for_the_culprit(module: object, monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+    """`module`'s token_probs raises at its `at`-th call for the culprit, once."""
     calls = 0
 
     def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         nonlocal calls
         if params.temperature == CULPRIT_TEMPERATURE:
             calls += 1
-            if calls % every == 0:
+            if calls == at:
                 raise RuntimeError("a sampling bug this request's parameters reach")
         return token_probs(logits, params)
 
@@ -76,6 +76,7 @@ def _batched(
     outcome = engine.step(
         BatchPlan(tuple(PrefillChunk(r.request_id, r.prompt_len) for r in requests))
     )
+    each_step(engine)
     reasons = {o.request_id: o.finish_reason for o in outcome.outcomes}
     outputs = {o.request_id: list(o.new_token_ids) for o in outcome.outcomes}
     drafts = []
@@ -103,21 +104,35 @@ def _reference(
     return outputs
 
 
+@pytest.mark.parametrize("at", [1, 2], ids=["at-its-prefill", "at-its-first-verify"])
 def test_a_request_whose_sampling_fails_ends_alone(
     runners: tuple[ModelRunner, ModelRunner],
     prompts: list[list[int]],
     monkeypatch: pytest.MonkeyPatch,
+    at: int,
 ) -> None:
+    """The culprit fails as its prompt's first token is sampled, or as its first drafts are
+    verified (the others' drafts in flight beside it): it ends with no KV left in either
+    cache from that step on, its tokens before the fault kept, and the others' outputs are
+    theirs."""
     reference = _reference(runners, prompts)
-    _failing_for_the_culprit(replica.engine, monkeypatch, every=1)
+    _failing_for_the_culprit(replica.engine, monkeypatch, at=at)
     engine = Engine(*runners, proposer="draft")
-    outputs, reasons, _ = _batched(engine, _requests(prompts, CULPRIT_TEMPERATURE), K, _nothing)
+
+    def culprit_freed_once_ended(engine: Engine) -> None:
+        assert engine.draft is not None
+        if engine.finish_reason("r2") is not None:
+            assert engine.cache.num_tokens("r2") == engine.draft.cache.num_tokens("r2") == 0
+
+    outputs, reasons, _ = _batched(
+        engine, _requests(prompts, CULPRIT_TEMPERATURE), K, culprit_freed_once_ended
+    )
     assert reasons == {
         "r0": FinishReason.LENGTH,
         "r1": FinishReason.LENGTH,
         "r2": FinishReason.ABORT,
     }
-    assert outputs["r2"] == []
+    assert outputs["r2"] == reference["r2"][: at - 1]
     assert outputs["r0"] == reference["r0"] and outputs["r1"] == reference["r1"]
     for rid in reasons:
         engine.abort(rid)
@@ -131,12 +146,13 @@ def test_a_request_whose_drafting_fails_leaves_its_step_without_drafts(
     prompts: list[list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The culprit's bug is in the draft's sampling only, at its second draft token, when
-    the others have drafted one token ahead of what the target verifies: every request still
-    gets its own output (seeded and greedy outputs do not depend on drafts), the first decode
-    step verifies none, and the draft keeps nothing past what the target verified."""
+    """The culprit's bug is in the draft's sampling only, once, at its second draft token,
+    when the others have drafted one token ahead of what the target verifies: every request
+    still gets its own output (seeded and greedy outputs do not depend on drafts), that step
+    verifies none, the draft keeps nothing past what the target verified, and the next steps
+    draft again."""
     reference = _reference(runners, prompts)
-    _failing_for_the_culprit(replica.spec.draft, monkeypatch, every=2)
+    _failing_for_the_culprit(replica.spec.draft, monkeypatch, at=2)
     engine = Engine(*runners, proposer="draft")
 
     def draft_within_target(engine: Engine) -> None:
@@ -151,4 +167,4 @@ def test_a_request_whose_drafting_fails_leaves_its_step_without_drafts(
     )
     assert set(reasons.values()) == {FinishReason.LENGTH}
     assert outputs == reference
-    assert drafts[0] == 0
+    assert drafts[0] == 0 and sum(drafts[1:]) > 0

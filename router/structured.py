@@ -88,22 +88,17 @@ def _checked(grammar: str, where: str, vocab: Callable[[], llguidance.LLTokenize
         raise BadRequest(
             f"{where}: this model's tokenizer cannot drive structured output ({exc})", where
         ) from exc
-    error = llguidance.LLMatcher.validate_grammar(grammar, model_vocab)
-    if error:
-        raise BadRequest(f"{where}: {_trimmed(error)}", where)
-    stuck = _stuck_at_start(grammar, model_vocab)
-    if stuck:
+    # The matcher the replica will build, and its first mask: a grammar that compiles may
+    # still allow nothing (a schema that is only a reference to itself), and the replica
+    # would end its request empty.
+    matcher = llguidance.LLMatcher(model_vocab, grammar, log_level=0)
+    if matcher.is_error():
+        raise BadRequest(f"{where}: {_trimmed(matcher.get_error())}", where)
+    matcher.compute_logit_bias()
+    if matcher.is_error():
+        stuck = matcher.get_error().splitlines()[0]
         raise BadRequest(f"{where}: no output can begin to follow it ({_trimmed(stuck)})", where)
     return grammar
-
-
-def _stuck_at_start(grammar: str, vocab: llguidance.LLTokenizer) -> str:
-    """The error a grammar meets at its first token, or "": one validate_grammar takes may
-    still allow nothing (a schema that is only a reference to itself), and the replica
-    would end its request empty."""
-    matcher = llguidance.LLMatcher(vocab, grammar, log_level=0)
-    matcher.compute_logit_bias()
-    return matcher.get_error().splitlines()[0] if matcher.is_error() else ""
 
 
 def _response_format(raw: object) -> tuple[str, object, str]:

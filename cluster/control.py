@@ -21,7 +21,6 @@ from cluster.api import Verdict
 from cluster.autoscale import ScaleSample
 from cluster.messages import ReplicaSnapshot
 from cluster.metrics import HOP_BUCKETS, PLANNER_BUCKETS_S, Metrics
-from cluster.migration import resumed_request
 from cluster.routing import FirstHop, Router, RouteState
 from cluster.virtual_replica import VirtualReplica
 from replica.planner.admission import AdmissionResult
@@ -155,13 +154,11 @@ class ControlPlane:
         self._queues[first].append(pending)
         return None
 
-    def resume(
-        self, original: Request, delivered: Sequence[int], from_replica: int, now: float
-    ) -> Decision | None:
-        """Continue `original` elsewhere after `delivered` tokens (its replica failed)."""
-        self.replicas[from_replica].abort(original.request_id)
+    def migrate(self, request_id: str, from_replica: int) -> None:
+        """Let go of a request whose replica failed mid-stream; it is submitted again as
+        `migration.resumed_request` continues it (`submit(..., resumed=True)`)."""
+        self.replicas[from_replica].abort(request_id)
         self.metrics.inc("migrated")
-        return self.submit(resumed_request(original, delivered), now, resumed=True)
 
     def tick(self, now: float) -> list[Decision]:
         """One planning round over every replica in index order."""

@@ -314,36 +314,41 @@ class ClusterController:
         if door is not None:
             self.leases.own(original.request_id, door, time.monotonic())
         rid = original.request_id
+        resumed = resumed_request(original, delivered)
         deadline = time.monotonic() + RESUME_WAIT_S
         self._resuming[rid] = False
         try:
             if not any(up for i, up in enumerate(self.plane.routable()) if i != from_replica):
                 await self._check(from_replica)
             binding: Binding | None = None
+            # Again while the replicas left go down before one takes it (verdict None).
             while binding is None or (binding.verdict is None and time.monotonic() < deadline):
-                await self._until_a_replica_is_up(deadline)
+                await self._until_a_replica_is_up(rid, deadline)
                 if self._resuming[rid]:
                     return Binding(rid, None, None, 0, "aborted while waiting for a replica")
                 if binding is None:
                     self._binding[from_replica].pop(rid, None)
-                    now = time.time()
-                    decision = self.plane.resume(original, list(delivered), from_replica, now)
-                else:  # the replicas left went down before one took it
-                    resumed = resumed_request(original, delivered)
-                    decision = self.plane.submit(resumed, time.time(), resumed=True)
+                    self.plane.migrate(rid, from_replica)
+                decision = self.plane.submit(resumed, time.time(), resumed=True)
                 binding = await self._decide(original, decision)
             return binding
         finally:
-            del self._resuming[rid]
+            self._resuming.pop(rid, None)
 
     def _wake_resumes(self) -> None:
-        """A replica became routable: resumes waiting for one try again."""
+        """A replica became routable, or a resume was aborted: resumes waiting for one look
+        again."""
         if self._revived is not None:
             self._revived.set()
             self._revived = None
 
-    async def _until_a_replica_is_up(self, deadline: float) -> None:
-        while not any(self.plane.routable()) and time.monotonic() < deadline:
+    async def _until_a_replica_is_up(self, request_id: str, deadline: float) -> None:
+        """Wait for a routable replica, until `deadline` or the resumed request's abort."""
+        while (
+            not any(self.plane.routable())
+            and not self._resuming[request_id]
+            and time.monotonic() < deadline
+        ):
             if self._revived is None:
                 self._revived = asyncio.Event()
             with contextlib.suppress(TimeoutError):
@@ -353,6 +358,7 @@ class ClusterController:
         await self.ready()
         if request_id in self._resuming:
             self._resuming[request_id] = True
+            self._wake_resumes()  # its wait for a replica ends now
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None and not waiter.done():
             waiter.cancel()
@@ -692,8 +698,8 @@ class ClusterController:
             self._stop_slot(slot)
 
     async def _retire_drained(self) -> None:
-        """Stop the draining replicas that finished what they held and whose clients read
-        their streams to the end (or DRAIN_GRACE_S after, for a client that never does)."""
+        """Stop the draining replicas that finished what they held and whose streams the
+        front doors pulled to the end (or DRAIN_GRACE_S after, should one never pull it)."""
         now = time.monotonic()
         for slot in sorted(self.plane.draining):
             actor = self.replicas[slot]

@@ -10,6 +10,7 @@ from cluster.api import Verdict
 from cluster.config import ClusterConfig
 from cluster.control import ControlPlane, Decision
 from cluster.controller import build_plane
+from cluster.migration import resumed_request
 from cluster.routing import BackupPolicy, Router
 from cluster.simulator import SimConfig
 from replica.planner.config import OutputEstimateConfig, PlannerConfig
@@ -92,11 +93,19 @@ def test_reject_policy_declines_with_reason_and_retry_after(tmp_path: Path) -> N
     assert p.metrics.counters["rejected"] == 1
 
 
+def resume(
+    p: ControlPlane, original: Request, delivered: list[int], replica: int
+) -> Decision | None:
+    """As the controller resumes a request whose replica failed, at time 100."""
+    p.migrate(original.request_id, replica)
+    return p.submit(resumed_request(original, delivered), 100.0, resumed=True)
+
+
 def test_resumed_request_is_never_rejected(tmp_path: Path) -> None:
     p = plane(tmp_path, backup_policy=BackupPolicy.REJECT)
     a = decide(p, tight("a"))
     decide(p, tight("b"))
-    resumed = p.resume(tight("a"), [7, 7, 7], a.binding.replica or 0, 100.0)
+    resumed = resume(p, tight("a"), [7, 7, 7], a.binding.replica or 0)
     decisions = [resumed] if resumed else [d for _ in range(3) for d in p.tick(100.0)]
     (decision,) = [d for d in decisions if d.request.request_id == "a"]
     assert decision.resumed
@@ -168,7 +177,7 @@ def test_baseline_admits_every_request_round_robin_at_submit(
     best_effort = p.submit(filler, 100.0)
     assert best_effort is not None and best_effort.binding.verdict is Verdict.BEST_EFFORT
     assert best_effort.binding.replica == 1
-    resumed = p.resume(tight("r0"), [7, 7], 0, 100.0)
+    resumed = resume(p, tight("r0"), [7, 7], 0)
     assert resumed is not None and resumed.resumed
     assert resumed.binding.verdict is Verdict.ADMITTED and resumed.binding.replica == 0
     assert p.holder("r0") == 0 and len(p.replicas[0].admitted) == 3

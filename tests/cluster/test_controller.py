@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from cluster import controller as controller_module
 from cluster.api import FinalRecord, TokenChunk, Verdict
@@ -55,6 +55,10 @@ class LocalReplica:
         self.snapshot_reply = _open()
         self.plans = _open()
         self.snapshots: list[ReplicaSnapshot] = []
+        self.failed_adds = 0
+        """Adds to fail as a dead actor's calls do, before the request reaches the core."""
+        self.down = False
+        """Whether health checks fail, as a dead actor's do."""
         self.add_request = _Method(self._add_request)
         self.abort = _Method(self._abort)
         self.set_plan = _Method(self._set_plan)
@@ -63,6 +67,9 @@ class LocalReplica:
         self.stream = _Streaming(core)
 
     async def _add_request(self, request: Request, admitted: bool) -> None:
+        if self.failed_adds or self.down:
+            self.failed_adds = max(0, self.failed_adds - 1)
+            raise RayActorError
         self.core.start()
         try:
             self.core.add_request(request, admitted)
@@ -85,6 +92,8 @@ class LocalReplica:
         return snapshot
 
     async def _health(self) -> str:
+        if self.down:
+            raise RayActorError
         return self.core.incarnation
 
 
@@ -327,6 +336,48 @@ def test_the_replicas_steps_count_also_when_the_mirror_is_rebuilt_for_them(
         replica.snapshot_reply.set()
         await until(lambda: counters["mirror_rebuilds"] == 2, "the rebuild")
         assert counters["steps"] == steps + 2
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_resume_handed_to_a_replica_found_down_waits_for_it_to_come_back(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    """The replica a resumed request is handed to fails the hand-off (it died since the
+    controller last saw it): the resume waits for a replica to be up again, here the same one
+    back at the next health check, rather than end with "no replica is up"."""
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        replica.failed_adds = 1
+        original = request("moved", 8)
+        binding = await asyncio.wait_for(controller.resume(original, [7, 7], 0), 20)
+        assert replica.failed_adds == 0  # the first hand-off failed
+        assert binding.verdict in (Verdict.ADMITTED, Verdict.BEST_EFFORT)
+        assert await asyncio.wait_for(finish(replica, "moved"), 20) == "length"
+        assert controller.plane.metrics.counters["migrated"] == 1
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_resume_aborted_while_it_waits_for_a_replica_ends_at_once(
+    engine: Engine, config: ClusterConfig
+) -> None:
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        replica.down = True
+        resume = asyncio.create_task(controller.resume(request("gone", 8), [7], 0))
+        await until(lambda: not controller.plane.replicas[0].alive, "the replica is seen down")
+        await asyncio.sleep(0.05)
+        assert not resume.done()  # waiting for a replica
+        await controller.abort("gone")
+        binding = await asyncio.wait_for(resume, 5)
+        assert binding.verdict is None and binding.reason == "aborted while waiting for a replica"
+        replica.down = False
         await replica.core.stop()
 
     asyncio.run(run())

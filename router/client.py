@@ -30,7 +30,12 @@ from replica.request import SLO
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 from router.openai_format import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
-from router.openai_schema import ECHOED_MESSAGE_FIELDS, MESSAGE_FIELDS, message_content
+from router.openai_schema import (
+    ECHOED_MESSAGE_FIELDS,
+    MESSAGE_FIELDS,
+    message_content,
+    tool_call_fields,
+)
 
 
 @dataclass(frozen=True)
@@ -328,7 +333,7 @@ def _openai_message(index: int, message: Mapping[str, Any]) -> pb.ChatMessage:
         if not isinstance(calls, Sequence) or isinstance(calls, str):
             raise ValueError(f"{where}.tool_calls must be a list, got {reprlib.repr(calls)}")
         fields["tool_calls"] = [
-            _openai_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)
+            _openai_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
         ]
         if fields.get("content") is None:
             fields["content"] = ""
@@ -339,21 +344,10 @@ def _openai_message(index: int, message: Mapping[str, Any]) -> pb.ChatMessage:
         raise ValueError(f"{where}: {exc}") from None
 
 
-def _openai_call(where: str, call: object) -> dict[str, Any]:
-    """OpenAI's {id, type: function, function: {name, arguments}} as the proto's ToolCall."""
-    function = call.get("function") if isinstance(call, Mapping) else None
-    if (
-        not isinstance(call, Mapping)
-        or set(call) - {"id", "type", "function"}
-        or call.get("type", "function") != "function"
-        or not isinstance(function, Mapping)
-        or set(function) != {"name", "arguments"}
-    ):
-        raise ValueError(
-            f"{where} must be {{id, type: function, function: {{name, arguments}}}}, got "
-            f"{reprlib.repr(call)}"
-        )
-    return {"id": call.get("id", ""), "name": function["name"], "arguments": function["arguments"]}
+def _openai_call(call: object, where: str) -> dict[str, str]:
+    """An earlier call as the proto's ToolCall, checked as HTTP checks it."""
+    call_id, name, arguments = tool_call_fields(call, where)
+    return {"id": call_id, "name": name, "arguments": arguments}
 
 
 def build_request(

@@ -601,36 +601,37 @@ def _tool_calls(raw: object, where: str) -> list[dict[str, Any]]:
         raise BadRequest(f"{where} must be a list", where)
     calls = []
     for j, call in enumerate(raw):
-        function = call.get("function") if isinstance(call, dict) else None
-        if (
-            not isinstance(call, dict)
-            or set(call) - {"id", "type", "function", "index"}  # index: the SDK's stream helper
-            or call.get("type", "function") != "function"
-            or not isinstance(call.get("id", ""), str)
-            or not isinstance(function, dict)
-            or set(function) - {"parsed_arguments"} != {"name", "arguments"}
-            or not isinstance(function["name"], str)
-            or not isinstance(function["arguments"], str)
-        ):
-            raise BadRequest(
-                f"{where}[{j}] must be {{id, type: function, function: {{name, arguments}}}}",
-                f"{where}[{j}]",
-            )
+        call_id, name, text = tool_call_fields(call, f"{where}[{j}]")
         named = f"{where}[{j}].function.arguments"
         try:
-            arguments = json_text.loads(function["arguments"])
+            arguments = json_text.loads(text)
         except (ValueError, RecursionError) as exc:
             raise BadRequest(f"{named} is not JSON", named) from exc
         if not isinstance(arguments, dict):
             raise BadRequest(f"{named} must be a JSON object", named)
         calls.append(
-            {
-                "id": call.get("id", ""),
-                "type": "function",
-                "function": {"name": function["name"], "arguments": arguments},
-            }
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         )
     return calls
+
+
+def tool_call_fields(call: object, where: str) -> tuple[str, str, str]:
+    """An earlier call's id, function name and arguments (JSON text), in OpenAI's shape."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if (
+        not isinstance(call, Mapping)
+        or set(call) - {"id", "type", "function", "index"}  # index: the SDK's stream helper
+        or call.get("type", "function") != "function"
+        or not isinstance(call.get("id", ""), str)
+        or not isinstance(function, Mapping)
+        or set(function) - {"parsed_arguments"} != {"name", "arguments"}
+        or not isinstance(function["name"], str)
+        or not isinstance(function["arguments"], str)
+    ):
+        raise BadRequest(
+            f"{where} must be {{id, type: function, function: {{name, arguments}}}}", where
+        )
+    return call.get("id", ""), function["name"], function["arguments"]
 
 
 def message_content(raw: object, where: str) -> str:

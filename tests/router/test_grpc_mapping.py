@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from typing import Any
@@ -329,8 +330,11 @@ def test_tools_and_earlier_calls_cross_grpc(codec: TextCodec) -> None:
     assert body["messages"][1] == {"role": "tool", "content": "found", "tool_call_id": ""}
     parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0)
     # The same conversation as OpenAI's dicts, the calls' content null as OpenAI sends it.
-    as_openai = [dict(m) for m in http_messages]
+    as_openai = copy.deepcopy(http_messages)
     as_openai[1] |= {"content": None, "refusal": None}  # as a response's message echoes it
+    call = as_openai[1]["tool_calls"][0]
+    call["index"] = 0  # as the OpenAI SDK's parse() gives its calls
+    call["function"]["parsed_arguments"] = {"name": "ann"}
     sent = build_request(None, as_openai, GenerateOptions())
     assert sent == build_request(None, messages, GenerateOptions())
     assert request_to_body(sent, "demo")[1]["messages"] == http_messages

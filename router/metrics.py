@@ -249,9 +249,10 @@ class FrontDoorMetrics:
         )
         self.lost = Counter(
             PREFIX + "requests_lost",
-            "Requests cut off after the cluster's first answer, by that verdict (also counted "
-            "as such): no replica came back up within the resume wait, and the client got an "
-            "error instead of the rest of its output.",
+            "Requests the cluster cut off after its first answer, by that verdict (also "
+            "counted as such): it could not continue them (no replica back within the resume "
+            "wait, the controller unreachable), and the client got an error instead of the "
+            "rest of its output.",
             [*by_tenant, "verdict"],
             registry=self.registry,
         )

@@ -47,6 +47,13 @@ class ApiKeys:
             tenants.update(parse_key_file(text, str(path)))
         raw = (os.environ if env is None else env).get(ENV_VAR, "")
         tenants.update(parse_key_env(raw))
+        if path is not None and not tenants:
+            # A keys file says keys are wanted: an empty one (every key revoked) must not
+            # open the server to every caller.
+            raise ValueError(
+                f"api_keys_file {str(path)!r} holds no keys (nor does {ENV_VAR}); refusing to "
+                "start without authentication: add a key, or drop api_keys_file to run open"
+            )
         return cls(tenants)
 
     def authenticate(self, authorization: str | None) -> str:

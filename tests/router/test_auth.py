@@ -45,3 +45,12 @@ def test_key_file_rejects_extra_words() -> None:
 def test_a_key_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^api_keys_file '.*none': No such file or directory$"):
         ApiKeys.load(tmp_path / "none", env={})
+
+
+def test_a_key_file_with_no_keys_refuses_to_start_open(tmp_path: Path) -> None:
+    """Every key revoked must not mean every caller let in; keys from the environment do."""
+    path = tmp_path / "keys"
+    path.write_text("# all keys revoked\n")
+    with pytest.raises(ValueError, match=r"^api_keys_file '.*keys' holds no keys"):
+        ApiKeys.load(path, env={})
+    assert ApiKeys.load(path, env={ENV_VAR: "sk-e:team-e"}).authenticate("Bearer sk-e") == "team-e"

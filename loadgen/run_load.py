@@ -666,6 +666,18 @@ class ServerInfo:
     """slos-serve's replica scheduler (slos, vllm, sarathi), labelling the results."""
 
 
+def _authorized(response: httpx.Response, api_key: str | None) -> httpx.Response:
+    """`response`, unless the server refused the key (or its absence): then no request of
+    the run would be served."""
+    if response.status_code in (401, 403):
+        given = "the --api-key given" if api_key else "no --api-key"
+        raise ValueError(
+            f"GET {response.request.url} answered {response.status_code} with {given}: the "
+            "server wants a valid API key (--api-key)"
+        )
+    return response
+
+
 def server_info(args: argparse.Namespace) -> ServerInfo:
     """The options, else what the server says.
 
@@ -684,16 +696,17 @@ def server_info(args: argparse.Namespace) -> ServerInfo:
     base = args.target.rstrip("/")
     with httpx.Client(headers=headers, timeout=10.0) as http:
         if model is None or max_len is None:
-            response = _get(http, base + "/v1/models")
-            if response.status_code != 200:
+            response = _authorized(_get(http, base + "/v1/models"), args.api_key)
+            if response.status_code == 200:
+                card = response.json()["data"][0]
+                model = model or str(card["id"])
+                if max_len is None and isinstance(card.get("max_model_len"), int):
+                    max_len = card["max_model_len"]
+            elif model is None:
                 raise ValueError(
                     f"GET {base}/v1/models answered {response.status_code}; pass --model"
                 )
-            card = response.json()["data"][0]
-            model = model or str(card["id"])
-            if max_len is None and isinstance(card.get("max_model_len"), int):
-                max_len = card["max_model_len"]
-        response = _get(http, base + "/v1/cluster/status")
+        response = _authorized(_get(http, base + "/v1/cluster/status"), args.api_key)
         status = response.json() if response.status_code == 200 else {}
     replicas = replicas or len(status.get("replicas", [])) or None
     return ServerInfo(model, max_len, replicas, status.get("scheduler") or None)

@@ -111,6 +111,21 @@ def test_unreachable_target_is_named() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_server_that_wants_a_key_is_named_before_the_run(live: LocalFrontDoor) -> None:
+    """Without --api-key no request of the run would be served: the error says so, also when
+    --model and --max-model-len spare the model list."""
+    base = ["loadgen", "--target", live.http_url, "--rate", "1", "--duration", "1"]
+    for extra in ([], ["--model", "demo", "--max-model-len", "2048"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*base, *extra, "--no-progress"])
+        assert "answered 401 with no --api-key" in str(exc.value.code), extra
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*base, "--api-key", "sk-wrong", "--no-progress"])
+    assert "answered 401 with the --api-key given" in str(exc.value.code)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_loadgen_run_against_the_front_door(live: LocalFrontDoor, tmp_path: Path) -> None:
     profile = write_profile(tmp_path / "profile.json")
     out, records_path = tmp_path / "out.json", tmp_path / "run.jsonl"

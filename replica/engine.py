@@ -159,6 +159,11 @@ class _DraftRun:
     tree_requests: int = 0
 
 
+class StepFailed(RuntimeError):
+    """A step failed after it began: not a refusal (ValueError), its requests' state is
+    unknown."""
+
+
 class Engine:
     """Runs plans over a target `ModelRunner` and an optional proposer."""
 
@@ -365,9 +370,17 @@ class Engine:
         return self._get(request_id).num_computed
 
     def step(self, plan: BatchPlan) -> BatchOutcome:
-        """Execute `plan`; a ValueError means the plan was refused and nothing changed."""
+        """Execute `plan`; a ValueError means the plan was refused and nothing changed. Once
+        the plan runs, a ValueError is raised as StepFailed: KV may have moved by then, and
+        the caller must not take the step for refused."""
         start = time.perf_counter()
         works = self._validate(plan)
+        try:
+            return self._run(plan, works, start)
+        except ValueError as exc:
+            raise StepFailed(f"the step failed after it began: {exc}") from exc
+
+    def _run(self, plan: BatchPlan, works: list[_Work], start: float) -> BatchOutcome:
         for rid in plan.preempt:
             self.preempt(rid)
         drafting = self._propose_or_skip(works)

@@ -14,7 +14,7 @@ import torch
 import replica.engine
 import replica.spec.draft
 from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
-from replica.engine import Engine
+from replica.engine import Engine, StepFailed
 from replica.model_runner import ModelRunner
 from replica.request import Request, SamplingParams, Tier
 from replica.sampling import token_probs
@@ -168,3 +168,25 @@ def test_a_request_whose_drafting_fails_leaves_its_step_without_drafts(
     assert set(reasons.values()) == {FinishReason.LENGTH}
     assert outputs == reference
     assert drafts[0] == 0 and sum(drafts[1:]) > 0
+
+
+def test_a_value_error_once_the_step_runs_is_not_a_refusal(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica takes a ValueError from a step for "refused, nothing changed" and waits for
+    the next plan; one from the forward pass comes after KV was reserved, so it must fail the
+    step instead."""
+    engine = Engine(*runners, proposer="draft")
+    request = _requests(prompts, CULPRIT_TEMPERATURE)[0]
+    engine.add_request(request)
+
+    def forward(seqs: object) -> torch.Tensor:
+        raise ValueError("a shape the kernels do not take")
+
+    monkeypatch.setattr(runners[0], "forward", forward)
+    with pytest.raises(StepFailed, match="after it began: a shape") as info:
+        engine.step(BatchPlan((PrefillChunk(request.request_id, request.prompt_len),)))
+    assert not isinstance(info.value, ValueError)
+    engine.abort(request.request_id)

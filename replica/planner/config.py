@@ -24,18 +24,19 @@ def check_fraction(name: str, value: float, *, low: float, high: float) -> None:
 
 def check_positive(name: str, value: object) -> None:
     """A finite number > 0, named when it is not."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    _check_sign(name, value, zero=False)
 
 
 def check_non_negative(name: str, value: object) -> None:
     """A finite number >= 0, named when it is not."""
+    _check_sign(name, value, zero=True)
+
+
+def _check_sign(name: str, value: object, *, zero: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{name} must be finite and {'>=' if zero else '>'} 0, got {value!r}")
 
 
 def check_text(name: str, value: object, *, optional: bool = False) -> None:

@@ -503,11 +503,13 @@ class Engine:
         shaping, say): drafts only save time, so their failure must not fail the requests
         batched with the one that caused it. The draft cache goes back to where it was."""
         spec = [w for w in works if w.num_spec > 0]
+        if not spec:
+            return _DraftRun()
         draft = self.draft
         ids = [w.seq.request.request_id for w in spec]
         cached = [] if draft is None else [draft.cache.num_tokens(rid) for rid in ids]
         try:
-            return self._propose(works)
+            return self._propose(works, spec)
         except Exception:
             log.exception("proposing drafts failed; this step's decodes verify none")
         if draft is not None:
@@ -517,12 +519,9 @@ class Engine:
             w.drop_drafts()
         return _DraftRun()
 
-    def _propose(self, works: list[_Work]) -> _DraftRun:
-        """Fill in the proposals (or AdaServe's trees) of speculative decodes."""
-        spec = [w for w in works if w.num_spec > 0]
+    def _propose(self, works: list[_Work], spec: list[_Work]) -> _DraftRun:
+        """Fill in the proposals (or AdaServe's trees) of the speculative decodes `spec`."""
         run = _DraftRun()
-        if not spec:
-            return run
         start = time.perf_counter()
         grown: set[int] = set()
         if self.adaserve is not None:

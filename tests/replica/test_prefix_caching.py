@@ -28,11 +28,6 @@ def tokens(target_dir: Path) -> list[list[int]]:
     return [tok.encode(SYSTEM + tail).ids for tail in TAILS]
 
 
-@pytest.fixture(scope="module")
-def runners(target_dir: Path, draft_dir: Path) -> tuple[ModelRunner, ModelRunner]:
-    return ModelRunner(target_dir, num_blocks=64), ModelRunner(draft_dir, num_blocks=64)
-
-
 def engine(runners: tuple[ModelRunner, ModelRunner], prefix_caching: bool) -> Engine:
     return Engine(*runners, proposer="draft", prefix_caching=prefix_caching)
 

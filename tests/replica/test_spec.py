@@ -162,11 +162,6 @@ def prompts(target_dir: Path) -> list[list[int]]:
     return [tok.encode(t).ids for t in TEXTS]
 
 
-@pytest.fixture(scope="module")
-def runners(target_dir: Path, draft_dir: Path) -> tuple[ModelRunner, ModelRunner]:
-    return ModelRunner(target_dir, num_blocks=64), ModelRunner(draft_dir, num_blocks=64)
-
-
 def _engine(runners: tuple[ModelRunner, ModelRunner], proposer: ProposerKind | None) -> Engine:
     target, draft = runners
     return Engine(target, draft, proposer=proposer)

@@ -26,11 +26,6 @@ K = 3
 
 
 @pytest.fixture(scope="module")
-def runners(target_dir: Path, draft_dir: Path) -> tuple[ModelRunner, ModelRunner]:
-    return ModelRunner(target_dir, num_blocks=64), ModelRunner(draft_dir, num_blocks=64)
-
-
-@pytest.fixture(scope="module")
 def prompts(target_dir: Path) -> list[list[int]]:
     from tokenizers import Tokenizer
 

@@ -40,8 +40,9 @@ class Binding:
     reason: str = ""
     retry_after_s: float = 0.0
     actor: object | None = None
-    """The replica's actor to stream from, set by a controller whose replicas come and go
-    (autoscaling): a slot may hold another actor than the one a front door knew."""
+    """The replica's actor to stream from, set by the controller once the replica holds the
+    request: a slot may hold another actor than the one a front door knew (the autoscaler's,
+    one in place of a replica dead for good)."""
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
 It owns a `ControlPlane` (virtual replicas + router) and does the I/O around it: a planning
 tick every `tick_interval_ms` and at once when a request arrives (waiting for the period cost
 tight-TTFT requests their deadline), binding admitted requests to their replica, sending each
-replica its next plan after every step it reports, and watching replica health. Its state is a cache
-of the replicas' state: after a restart (max_restarts) it rebuilds every mirror from the
-replicas' snapshots, while the replicas keep decoding on their own.
+replica its next plan after every step it reports, and watching replica health (a replica Ray
+will not restart is replaced). Its state is a cache of the replicas' state: after a restart
+(max_restarts) it rebuilds every mirror from the replicas' snapshots, while the replicas keep
+decoding on their own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from cluster.api import ClusterStatus, Verdict
@@ -57,7 +58,13 @@ DRAIN_GRACE_S = 10.0
 """A draining replica that holds nothing stops once the front doors have pulled its streams
 to the end, or this long after, should one never pull it."""
 START_RETRY_S = 30.0
-"""After a replica failed to start, the autoscaler waits this long before it starts another."""
+"""After a replica failed to start, the controller waits this long before it starts another."""
+DEAD_CHECKS = 3
+"""Health checks in a row whose call a replica failed as dead (Ray's `ActorDiedError`) before
+it is taken for dead for good and replaced. Ray holds the calls to a replica it restarts
+until it is back, and fails those to one it will not restart (its restart failed in
+`__init__`, or it was killed without restart) at once; but a call in flight when a replica
+crashes fails so too, however Ray goes on."""
 AHEAD_WAIT_S = 0.5
 """How long a report past a gap waits for the reports before it, before the mirror is rebuilt
 from a snapshot: Ray does not keep an async actor's calls in order, so a replica's reports
@@ -169,11 +176,14 @@ class ClusterController:
             Autoscaler(config.autoscale, config.replicas) if config.autoscale is not None else None
         )
         self._starting: dict[int, asyncio.Task[None]] = {}
-        """Slots whose replica the autoscaler is starting."""
+        """Slots whose replica is being started (by the autoscaler, or in place of one dead
+        for good)."""
         self._empty_since: dict[int, float] = {}
         """Draining replicas that hold nothing, since when."""
         self._start_failed = -math.inf
         """When a replica last failed to start (monotonic)."""
+        self._died: dict[int, int] = {}
+        """Per slot, the health checks in a row its replica failed as dead."""
         self._waiters: dict[str, asyncio.Future[Binding]] = {}
         self._binding: dict[int, dict[str, tuple[Request, bool]]] = {
             i: {} for i in range(config.slots)
@@ -229,6 +239,7 @@ class ClusterController:
             log.warning(
                 "no front door for %.0f s: stopping the cluster", self.leases.abandoned_after_s
             )
+            self.leases.closing = True
             for slot in list(self._starting):  # their groups may not be ours yet: by name
                 self._starting.pop(slot).cancel()
                 self._stop_slot(slot)
@@ -255,7 +266,7 @@ class ClusterController:
         await self._ready.wait()
 
     async def _boot(self) -> None:
-        if self.autoscaler is not None:
+        if self.autoscaler is not None or self.detached:
             self._adopt()
         await asyncio.gather(*(self._sync(i) for i in self._up()))
         assert self._ready is not None
@@ -271,16 +282,17 @@ class ClusterController:
 
     def _adopt(self) -> None:
         """Take the replicas running under the slots' names: after a restart, the autoscaler
-        may have started and stopped some since the launch that gave this actor its list.
-        (Only a detached cluster's outlive the controller that started them: Ray ends an
-        actor with its owner; the launcher's own replicas are the launcher's.)"""
-        assert self.autoscaler is not None
+        may have started and stopped some, and replicas dead for good may have been replaced,
+        since the launch that gave this actor its list. (Only a detached cluster's outlive
+        the controller that started them: Ray ends an actor with its owner; the launcher's
+        own replicas are the launcher's.)"""
         grouped = self.config.num_gpus_per_replica > 0
         for i in range(self.config.slots):
             self.replicas[i], self.groups[i] = slot_occupants(i, self.namespace, grouped)
             if self.replicas[i] is None:
                 self.plane.replicas[i].alive = False
-        self.autoscaler.target = self.autoscaler.config.bounded(len(self._up()))
+        if self.autoscaler is not None:
+            self.autoscaler.target = self.autoscaler.config.bounded(len(self._up()))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)
@@ -416,8 +428,7 @@ class ClusterController:
             if not added and replica in self._rebuilds:
                 self._rebuilds[replica].binds.pop(rid, None)
         assert actor is not None  # it holds the request
-        if self.autoscaler is not None:  # a front door's actor in that slot may be another
-            binding = replace(binding, actor=actor)
+        binding = replace(binding, actor=actor)
         if rid in self._aborted:
             self._aborted.discard(rid)
             actor.abort.remote(rid)
@@ -573,6 +584,7 @@ class ClusterController:
             await asyncio.sleep(HEALTH_PERIOD_S)
             self._watch_leases()
             await asyncio.gather(*(self._check(i) for i in self._up()))
+            self._refill()
 
     async def _check(self, replica: int) -> None:
         vr = self.plane.replicas[replica]
@@ -581,15 +593,38 @@ class ClusterController:
             return
         try:
             incarnation = await _within(actor.health.remote(), HEALTH_TIMEOUT_S)
-        except (RayActorError, TimeoutError):
+        except (RayActorError, TimeoutError) as error:
             if self.replicas[replica] is not actor:  # stopped, or another started, meanwhile
                 return
             if vr.alive:
                 log.warning("replica %d is down; its requests resume elsewhere", replica)
                 self.plane.mark_dead(replica)
+            self._count_death(replica, isinstance(error, ActorDiedError))
             return
+        self._died.pop(replica, None)
         if not vr.alive or incarnation != vr.incarnation:
             await self._sync(replica)
+
+    def _count_death(self, slot: int, died: bool) -> None:
+        """Free the slot of a replica dead for good (DEAD_CHECKS), for another to start."""
+        count = self._died[slot] = self._died.get(slot, 0) + 1 if died else 0
+        if count < DEAD_CHECKS or self.leases.closing:
+            return
+        log.error("replica %d is dead for good (Ray will not restart it); replacing it", slot)
+        del self._died[slot]
+        self.plane.metrics.inc("replaced")
+        self._stop_slot(slot)
+
+    def _refill(self) -> None:
+        """Start a replica in each of a fixed-size cluster's slots left empty by one dead for
+        good, or by a start that failed (retried after START_RETRY_S); an autoscaled
+        cluster's autoscaler starts what its target needs."""
+        if self.autoscaler is not None or self.leases.closing or self._retry_in() > 0:
+            return
+        for slot in range(self.config.replicas):
+            if self.replicas[slot] is None and slot not in self._starting:
+                log.info("starting replica %d", slot)
+                self._begin_start(slot)
 
     async def _sync(self, replica: int) -> None:
         """Rebuild a mirror from its replica's snapshot (or mark the replica down)."""
@@ -654,7 +689,7 @@ class ClusterController:
             draining.discard(slot)
             self._empty_since.pop(slot, None)
             self._wake_resumes()
-        retry_in = self._start_failed + START_RETRY_S - time.monotonic()
+        retry_in = self._retry_in()
         if steps.start and retry_in > 0:
             log.info("autoscaler: a replica failed to start; the next try in %.0f s", retry_in)
         for _ in range(steps.start if retry_in <= 0 else 0):
@@ -662,16 +697,23 @@ class ClusterController:
                 i for i, a in enumerate(self.replicas) if a is None and i not in self._starting
             )
             log.info("autoscaler: starting replica %d (target %d)", slot, target)
-            task = asyncio.create_task(self._start_replica(slot))
-            self._starting[slot] = task
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._begin_start(slot)
         for slot in steps.cancel:
             log.info("autoscaler: replica %d is no longer needed; stopping it", slot)
             self._starting.pop(slot).cancel()
         for slot in steps.drain:
             log.info("autoscaler: draining replica %d (target %d)", slot, target)
             self.plane.drain(slot)
+
+    def _retry_in(self) -> float:
+        """Seconds until a replica may be started after one failed to start (<= 0: now)."""
+        return self._start_failed + START_RETRY_S - time.monotonic()
+
+    def _begin_start(self, slot: int) -> None:
+        task = asyncio.create_task(self._start_replica(slot))
+        self._starting[slot] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _start_replica(self, slot: int) -> None:
         """Start a replica in an empty slot; it takes requests once its mirror is built."""

@@ -133,8 +133,8 @@ class ClusterHandle:
 
     @property
     def replicas(self) -> list[ActorHandle]:
-        """The replicas this handle knew of at launch or attach (an autoscaler changes them
-        since: each binding names its own)."""
+        """The replicas this handle knew of at launch or attach (the controller may start
+        others since: each binding names its own)."""
         return [r for r in self._replicas if r is not None]
 
     def validate(self, request: Request) -> None:
@@ -233,8 +233,8 @@ class ClusterHandle:
         return Placement(binding.verdict, binding.replica, binding.hops)
 
     async def _stream(self, binding: Binding, request_id: str) -> AsyncIterator[StreamItem]:
-        assert binding.replica is not None
-        actor: Any = binding.actor or self._replicas[binding.replica]
+        actor: Any = binding.actor
+        assert actor is not None
         gen: Any = actor.stream.options(num_returns="streaming").remote(request_id)
         async for ref in gen:
             yield await ref
@@ -320,12 +320,12 @@ class ClusterHandle:
 
     async def shutdown(self) -> None:
         """Leave the cluster, ending this handle's requests. The last handle to leave stops
-        it: the controller, then the replicas (open streams end), by their handles (a name
-        may already be a newer cluster's); returns once their names are free of them, so a
-        new cluster can launch on the same Ray instance. An autoscaled cluster's replicas
-        are found by their slots' names: the controller stopped scaling when the last door
-        left. A controller gone for good was stopped by whoever replaced it, with its
-        replicas."""
+        it: the controller, then the replicas (open streams end); returns once their names
+        are free of them, so a new cluster can launch on the same Ray instance. The replicas
+        are found by their slots' names (the controller may have started some since launch:
+        the autoscaler's, those in place of replicas dead for good; it starts none once the
+        last door left), else by the handles this door knows. A controller gone for good
+        was stopped by whoever replaced it, with its replicas."""
         if self._lease is not None:
             self._lease.cancel()
         try:
@@ -338,14 +338,12 @@ class ClusterHandle:
             last = True  # a controller that does not answer cannot be left running
         if last:
             actors = {CONTROLLER_NAME: self._controller}
-            scaled = self.config.autoscale is not None
-            groups = [] if scaled else list(self._groups)
+            groups = []
+            grouped = self.config.num_gpus_per_replica > 0
             for i in range(self.config.slots):
-                actor = self._replicas[i] if i < len(self._replicas) else None
-                if scaled:  # the autoscaler's, whatever they are now
-                    grouped = self.config.num_gpus_per_replica > 0
-                    actor, group = slot_occupants(i, self._namespace, grouped)
-                    groups.append(group)
+                actor, group = slot_occupants(i, self._namespace, grouped)
+                actor = actor or (self._replicas[i] if i < len(self._replicas) else None)
+                groups.append(group or (self._groups[i] if i < len(self._groups) else None))
                 if actor is not None:
                     actors[replica_name(i)] = actor
             await _stop(actors, groups, self._namespace)

@@ -89,6 +89,12 @@ CONTROLLER_COUNTERS = {
         "Requests resumed on another replica after theirs failed mid-stream (each move).",
         1.0,
     ),
+    "replaced": (
+        "replicas_replaced",
+        "Replicas the controller replaced because Ray would not restart them (a restart that "
+        "failed while loading, a kill without restart).",
+        1.0,
+    ),
     "declined": (
         "requests_declined",
         "SLO requests no replica could guarantee within the route limit (then served "

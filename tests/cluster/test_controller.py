@@ -13,11 +13,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from cluster import controller as controller_module
 from cluster.api import FinalRecord, TokenChunk, Verdict
-from cluster.autoscale import AutoscaleConfig
 from cluster.config import ClusterConfig
 from cluster.control import Binding
 from cluster.controller import ClusterController
@@ -59,11 +58,14 @@ class LocalReplica:
         """Adds to fail as a dead actor's calls do, before the request reaches the core."""
         self.down = False
         """Whether health checks fail, as a dead actor's do."""
+        self.dead_checks = 0
+        """Health checks to fail as Ray fails the calls to an actor it will not restart."""
         self.add_request = _Method(self._add_request)
         self.abort = _Method(self._abort)
         self.set_plan = _Method(self._set_plan)
         self.snapshot = _Method(self._snapshot)
         self.health = _Method(self._health)
+        self.info = _Method(self._info)
         self.stream = _Streaming(core)
 
     async def _add_request(self, request: Request, admitted: bool) -> None:
@@ -92,9 +94,15 @@ class LocalReplica:
         return snapshot
 
     async def _health(self) -> str:
+        if self.dead_checks:
+            self.dead_checks -= 1
+            raise ActorDiedError
         if self.down:
             raise RayActorError
         return self.core.incarnation
+
+    async def _info(self) -> tuple[int, int]:
+        return self.core.engine.max_model_len, self.core.engine.target.vocab_size
 
 
 class _Streaming:
@@ -383,28 +391,20 @@ def test_a_resume_aborted_while_it_waits_for_a_replica_ends_at_once(
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("scaled", [False, True], ids=["fixed", "autoscaled"])
 def test_a_retried_submit_gets_the_binding_and_leaves_the_request_where_it_runs(
-    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch, scaled: bool
+    engine: Engine, config: ClusterConfig
 ) -> None:
     """The replica refuses a second add of a request it holds (AlreadyHeld), which the
     controller takes as handed over: the refusal had aborted the request in the mirror, which
-    lost it, and rejected the retry. Under autoscaling the binding names the replica's actor
-    (a front door's list of actors may hold another one in that slot)."""
-    if scaled:
-        config = dataclasses.replace(config, autoscale=AutoscaleConfig(max_replicas=2))
+    lost it, and rejected the retry. The binding names the replica's actor (a front door's
+    list of actors may hold another one in that slot)."""
 
     async def run() -> None:
         controller, replica = start(engine, config)
-        monkeypatch.setattr(
-            controller_module,
-            "slot_occupants",
-            lambda slot, *_: (replica if slot == 0 else None, None),
-        )
         await controller.ready()
         r = request("again", 200)
         first = await controller.submit(r)
-        assert first.actor is (replica if scaled else None)
+        assert first.actor is replica
         rejected = controller.plane.metrics.counters.get("rejected", 0)
         assert await controller.submit(r) == first
         assert "again" in controller.plane.replicas[0].held
@@ -604,5 +604,60 @@ def test_reports_out_of_order_are_folded_in_order_and_a_gap_that_stays_rebuilds(
         assert vr.seq == base + 2 and counters["mirror_rebuilds"] == 1
         await until(lambda: counters["mirror_rebuilds"] == 2, "a rebuild")
         await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_replica_dead_for_good_is_replaced_and_its_request_resumes_on_the_new_one(
+    engine: Engine, target_dir: Path, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls failing as dead (Ray's `ActorDiedError`) DEAD_CHECKS health checks in a row:
+    Ray will not restart the replica (its restart failed in `__init__`, or it was killed
+    without restart), so the controller kills it for good and starts another in its slot; a
+    start that fails is tried again START_RETRY_S later. Fewer dead checks in a row (a call
+    in flight when a replica crashed and Ray restarted it) replace nothing."""
+    monkeypatch.setattr(controller_module, "HEALTH_PERIOD_S", 0.02)
+    monkeypatch.setattr(controller_module, "START_RETRY_S", 0.2)
+    killed: list[object] = []
+    monkeypatch.setattr(controller_module, "kill_for_good", lambda actors, _: killed.extend(actors))
+    monkeypatch.setattr(controller_module, "slot_occupants", lambda *_: (None, None))
+    starts: list[LocalReplica | None] = []
+    started_at: list[float] = []
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+
+        async def start_replica(*_: object) -> tuple[LocalReplica, None]:
+            started_at.append(time.monotonic())
+            if not starts:  # the first start fails
+                starts.append(None)
+                raise RuntimeError("no resources")
+            fresh = Engine.from_dirs(target_dir, num_blocks=NUM_BLOCKS)
+            core = ReplicaCore(fresh, 0, lambda r: asyncio.ensure_future(controller.report(r)))
+            new = LocalReplica(core)
+            starts.append(new)
+            return new, None
+
+        monkeypatch.setattr("cluster.replica_launch.start_replica", start_replica)
+        await controller.ready()
+        for _ in range(2):  # each time, fewer in a row than it takes
+            replica.dead_checks = controller_module.DEAD_CHECKS - 1
+            await until(lambda: replica.dead_checks == 0, "the dead checks ran")
+            await asyncio.sleep(0.2)
+            assert not killed and not starts and controller.plane.replicas[0].alive
+        replica.dead_checks = 10**6
+        await until(lambda: killed == [replica], "the dead replica was stopped")
+        await until(lambda: len(starts) == 2, "a second start, once the first failed")
+        assert started_at[1] - started_at[0] >= controller_module.START_RETRY_S
+        new = starts[1]
+        assert new is not None
+        await until(lambda: controller.replicas[0] is new, "the new replica took the slot")
+        await until(lambda: controller.plane.replicas[0].alive, "the new replica's mirror")
+        binding = await asyncio.wait_for(controller.resume(request("moved", 8), [7], 0), 20)
+        assert binding.replica == 0 and binding.actor is new
+        assert await asyncio.wait_for(finish(new, "moved"), 20) == "length"
+        assert killed == [replica] and controller.plane.metrics.counters["replaced"] == 1
+        await replica.core.stop()
+        await new.core.stop()
 
     asyncio.run(run())

@@ -58,8 +58,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_CHOICES = 128
 """Choices one request may ask for (prompts x n): OpenAI's cap on `n`."""
-CHARS_PER_TOKEN_LIMIT = 16
-"""A prompt longer than this many characters per context token cannot fit; refuse it unread."""
 PROMPTS_CHARS_CONTEXTS = 8
 """A request's prompts together hold at most this many prompts' worth of characters: the door
 tokenizes on its event loop, which every stream shares (128 full prompts: about a second)."""
@@ -81,6 +79,11 @@ class Codec(Protocol):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for."""
+        ...
 
     def render_chat(
         self,
@@ -111,10 +114,6 @@ class SchemaContext:
     """How the model writes tool calls among its text: what `tool_choice: "auto"` needs."""
     reasoning_parser: ReasoningParser | None = None
     """How the model marks its thinking: chat responses give it apart (`reasoning_content`)."""
-
-    @property
-    def max_prompt_chars(self) -> int:
-        return self.max_model_len * CHARS_PER_TOKEN_LIMIT
 
 
 @dataclass(frozen=True)
@@ -470,10 +469,10 @@ def _prompts(
         raise BadRequest("prompt mixes strings and lists of token ids; give one kind", "prompt")
     if isinstance(prompt, list) and 0 < len(prompt) <= MAX_CHOICES:
         chars = sum(len(p) for p in prompt if isinstance(p, str))
-        if chars > PROMPTS_CHARS_CONTEXTS * ctx.max_prompt_chars:
+        limit = PROMPTS_CHARS_CONTEXTS * max_prompt_chars(ctx, codec)
+        if chars > limit:
             raise BadRequest(
-                f"the prompts have {chars} characters; together they may have at most "
-                f"{PROMPTS_CHARS_CONTEXTS * ctx.max_prompt_chars}",
+                f"the prompts have {chars} characters; together they may have at most {limit}",
                 "prompt",
             )
         return [_prompt_ids(p, f"prompt[{i}]", ctx, codec) for i, p in enumerate(prompt)]
@@ -502,12 +501,19 @@ def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
 
 
+def max_prompt_chars(ctx: SchemaContext, codec: Codec) -> int:
+    """The most characters a text that fits the context can have: longer ones are refused
+    unread, before the door's event loop spends time tokenizing them."""
+    return ctx.max_model_len * codec.max_token_chars
+
+
 def _encode(text: str, where: str, ctx: SchemaContext, codec: Codec) -> list[int]:
     if not text:
         raise BadRequest(f"{where} must not be empty", "prompt")
-    if len(text) > ctx.max_prompt_chars:
+    limit = max_prompt_chars(ctx, codec)
+    if len(text) > limit:
         raise BadRequest(
-            f"{where} has {len(text)} characters; at most {ctx.max_prompt_chars} can fit the "
+            f"{where} has {len(text)} characters; at most {limit} can fit the "
             f"{ctx.max_model_len}-token context",
             "prompt",
         )
@@ -539,10 +545,11 @@ def _chat_text(
             "chat_template_kwargs",
         )
     options = ChatOptions(add, continued, kwargs or {})
-    return codec.render_chat(_messages(body.get("messages"), ctx), tools, options)
+    messages = _messages(body.get("messages"), max_prompt_chars(ctx, codec), ctx.max_model_len)
+    return codec.render_chat(messages, tools, options)
 
 
-def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, Any]]:
+def _messages(raw: object, max_chars: int, max_model_len: int) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: an assistant's tool calls with their
     arguments as objects (as HF templates read them), a tool message with the call it
     answers."""
@@ -585,10 +592,10 @@ def _messages(raw: object, ctx: SchemaContext) -> list[dict[str, Any]]:
         elif m.get("tool_call_id") is not None:
             raise BadRequest(f"{where}: only tool messages take a tool_call_id", where)
         total += len(message["content"]) + sum(len(str(c)) for c in calls or ())
-        if total > ctx.max_prompt_chars:
+        if total > max_chars:
             raise BadRequest(
-                f"messages exceed {ctx.max_prompt_chars} characters; they cannot fit the "
-                f"{ctx.max_model_len}-token context",
+                f"messages exceed {max_chars} characters; they cannot fit the "
+                f"{max_model_len}-token context",
                 "messages",
             )
         messages.append(message)

@@ -101,6 +101,14 @@ class TextCodec:
         model config)."""
         return self.model_vocab_size or self.vocab_size
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest token as the vocabulary spells it: a byte-level piece is one byte, at
+        most one character of text, so no token stands for more characters than its spelling
+        has (indented code's whitespace tokens can have dozens; a normalizer that drops
+        characters, as BERT's, is the exception)."""
+        return max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
+
     def token_text(self, token_id: int) -> str:
         """One token's text for log-probabilities (special tokens by name, as vLLM shows them;
         a piece of a multi-byte character decodes to U+FFFD)."""

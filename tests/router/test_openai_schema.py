@@ -180,6 +180,26 @@ def test_a_bad_prompt_among_several_is_named_by_index(codec: TextCodec, ctx: Sch
     assert fits.value.param == "max_tokens"
 
 
+def test_indented_code_longer_than_sixteen_characters_a_token_fits(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    """The door refuses unread only a text longer than the context times the vocabulary's
+    longest token: 1,600 tokens of 22.5 characters each fit (a fixed 16 a token refused them,
+    saying they could not fit), by text and as chat, and the refusal names the true limit."""
+    code = ("\n" + " " * 40 + "pass") * 800
+    assert len(code) > 16 * ctx.max_model_len
+    parsed = parse(codec, ctx, {"model": "demo", "prompt": code})
+    assert len(parsed.requests[0].prompt_token_ids) < ctx.max_model_len
+    chat = {"model": "demo", "messages": [{"role": "user", "content": code}], "max_tokens": 8}
+    assert parse(codec, ctx, chat, endpoint=Endpoint.CHAT).requests
+    limit = ctx.max_model_len * codec.max_token_chars
+    with pytest.raises(BadRequest, match=f"at most {limit} can fit the 2048-token context"):
+        parse(codec, ctx, {"model": "demo", "prompt": " " * (limit + 1)})
+    too_long = {"role": "user", "content": " " * (limit + 1)}
+    with pytest.raises(BadRequest, match=f"messages exceed {limit} characters"):
+        parse(codec, ctx, {"model": "demo", "messages": [too_long]}, endpoint=Endpoint.CHAT)
+
+
 def test_logprobs_as_each_endpoint_asks_for_them(codec: TextCodec, ctx: SchemaContext) -> None:
     def asked(body: dict[str, Any], endpoint: Endpoint = Endpoint.COMPLETIONS) -> int | None:
         return (

@@ -36,7 +36,7 @@ from replica.grammar import Grammar
 from replica.grammar_vocab import grammar_tokenizer
 from replica.kv_cache import KVCacheManager, prefix_limit
 from replica.model_runner import ForwardSeq, KVMove, ModelRunner
-from replica.model_source import load_tokenizer, model_dir
+from replica.model_source import REPLACEMENT_CHAR, load_tokenizer, model_dir
 from replica.perf_model import BatchShape
 from replica.planner.adaserve import AdaServeTrees
 from replica.planner.specserve import ConfidenceCalibration, SpecServeLengths
@@ -1033,12 +1033,20 @@ def ends_a_stop(
 ) -> bool:
     """Whether the text of `recent` holds a stop string (`only_last`: one that ends in its
     last token's text, past the longest common prefix with the text without that token,
-    since a character the token completes decoded as U+FFFD there)."""
-    text = detokenize(recent)
+    since a character the token completes decoded as U+FFFD there). Only whole characters
+    count: the pieces the window cuts at its start, or the last token leaves unfinished,
+    decode as U+FFFD, which the client never sees (router.tokenizer holds text back until
+    its character is whole), so a stop string holding one must not match them."""
+    text = _whole(detokenize(recent))
     if not only_last:
         return any(s in text for s in stops)
-    before = _common_prefix(detokenize(recent[:-1]), text)
+    before = _common_prefix(_whole(detokenize(recent[:-1])), text)
     return any(text.find(s, max(0, before - len(s) + 1)) >= 0 for s in stops)
+
+
+def _whole(text: str) -> str:
+    """The text without the pieces of characters at its ends."""
+    return text.strip(REPLACEMENT_CHAR)
 
 
 def _common_prefix(a: str, b: str) -> int:

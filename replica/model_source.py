@@ -19,6 +19,8 @@ from tokenizers import Tokenizer
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """`owner/name`, as the hub spells repo ids; a path with more parts is never one."""
+REPLACEMENT_CHAR = "\ufffd"
+"""What a tokenizer decodes a piece of a character to (byte-level tokens can split one)."""
 CONFIG_FILES = ["*.json", "*.txt", "*.jinja", "*.model"]
 """config.json, generation_config.json, tokenizer files (merges.txt, tokenizer.model), and
 the shard indexes."""

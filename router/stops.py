@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from replica.model_source import REPLACEMENT_CHAR
 from replica.request import SamplingParams
 from router.tokenizer import IncrementalDetokenizer
 
@@ -106,5 +107,9 @@ class OutputText:
         return text + self.stop_text.push(self.detokenizer.push(ids[unchecked:]))
 
     def flush(self) -> str:
-        """At the end of the output: what was held back."""
-        return self.stop_text.push(self.detokenizer.flush()) + self.stop_text.flush()
+        """At the end of the output: what was held back. A character the output ends inside
+        of (U+FFFD) ends no stop string, as the engine checks them."""
+        text = self.detokenizer.flush()
+        whole = text.rstrip(REPLACEMENT_CHAR)
+        sent = self.stop_text.push(whole) + self.stop_text.push(text[len(whole) :], checked=False)
+        return sent + self.stop_text.flush()

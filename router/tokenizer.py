@@ -21,10 +21,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from replica.grammar_vocab import grammar_tokenizer
-from replica.model_source import eos_token_ids, load_tokenizer, model_dir
+from replica.model_source import REPLACEMENT_CHAR, eos_token_ids, load_tokenizer, model_dir
 from router.errors import BadRequest
-
-REPLACEMENT_CHAR = "\ufffd"
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,27 @@ def test_a_stop_string_ending_in_a_split_character_ends_in_the_token_completing_
     assert in_last == [n == want for n in counts]
 
 
+def test_a_piece_of_a_character_ends_no_stop_string(target_dir: Path) -> None:
+    """A token ending inside a character, or a window starting inside one, decodes a U+FFFD
+    the client never sees: a stop string holding one matches nothing (it used to stop the
+    output at the piece), and one ending before the piece still matches."""
+    from tokenizers import Tokenizer
+
+    detok = load_detokenizer(target_dir)
+    assert detok is not None
+    tokens = Tokenizer.from_file(str(target_dir / "tokenizer.json")).encode("中文😀é").ids
+    assert any(detok(tokens[:n]).endswith("\ufffd") for n in range(1, len(tokens)))
+    assert any(detok(tokens[n:]).startswith("\ufffd") for n in range(1, len(tokens)))
+    for only_last in (False, True):
+        for start in range(len(tokens)):
+            for end in range(start + 1, len(tokens) + 1):
+                window = tokens[start:end]
+                for stop in ("\ufffd", "文\ufffd", "\ufffd\ufffd"):
+                    assert not ends_a_stop(detok, window, (stop,), only_last), (start, end, stop)
+    ends = [ends_a_stop(detok, tokens[:n], ("文",), True) for n in range(1, len(tokens) + 1)]
+    assert ends.count(True) == 1
+
+
 def test_shaped_and_plain_greedy_requests_share_a_draft_batch(
     runners: dict[str, tuple[ModelRunner, ModelRunner]], prompt: list[int]
 ) -> None:

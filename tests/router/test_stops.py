@@ -112,3 +112,22 @@ def test_stops_kept_in_the_text_when_asked(codec: TextCodec) -> None:
         codec, tokens, 2, stop_token_ids=(tokens[-1],), include_stop_str_in_output=True
     )
     assert by_token == text
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 5])
+def test_a_character_the_output_ends_inside_of_ends_no_stop_string(
+    codec: TextCodec, chunks: int
+) -> None:
+    """The engine checks stop strings on whole characters only, so the text cut by max_tokens
+    inside a character (U+FFFD) keeps it, and a stop string holding U+FFFD never matches a
+    piece of one (it used to end the text before the piece)."""
+    tokens = codec.encode("中文😀é")
+    pieces = [n for n in range(1, len(tokens)) if codec.decode(tokens[:n]).endswith("\ufffd")]
+    assert pieces
+    for n in pieces:
+        whole = codec.decode(tokens[:n])
+        for stop in ("\ufffd", whole[-2:]):
+            params = SamplingParams(max_tokens=64, stop=(stop,))
+            text = OutputText(codec.detokenizer(), params)
+            sent = [text.push(tokens[i : min(i + chunks, n)]) for i in range(0, n, chunks)]
+            assert "".join(sent) + text.flush() == whole and text.stop_reason is None, (n, stop)

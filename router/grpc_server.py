@@ -48,7 +48,9 @@ def request_to_body(
 ) -> tuple[Endpoint, dict[str, Any]]:
     """The OpenAI body equivalent to a GenerateRequest (only the fields it sets)."""
     inputs = [bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)]
-    if sum(inputs) != 1:
+    if not any(inputs):  # proto3 cannot tell an empty prompt from none
+        raise BadRequest("prompt, prompt_token_ids and messages are all empty: set one", "prompt")
+    if sum(inputs) > 1:
         raise BadRequest("set exactly one of prompt, prompt_token_ids, messages", "prompt")
     body: dict[str, Any] = {"model": request.model or default_model}
     endpoint = Endpoint.CHAT if request.messages else Endpoint.COMPLETIONS

@@ -227,8 +227,14 @@ def test_an_unknown_service_tier_is_refused() -> None:
 
 
 def test_input_must_be_exactly_one() -> None:
-    for request in (pb.GenerateRequest(), pb.GenerateRequest(prompt="x", prompt_token_ids=[1])):
-        with pytest.raises(BadRequest) as info:
+    """An empty prompt is no prompt in proto3: the message says they are all empty."""
+    cases = [
+        (pb.GenerateRequest(), "all empty"),
+        (pb.GenerateRequest(prompt=""), "all empty"),
+        (pb.GenerateRequest(prompt="x", prompt_token_ids=[1]), "exactly one of"),
+    ]
+    for request, message in cases:
+        with pytest.raises(BadRequest, match=message) as info:
             request_to_body(request, "demo")
         assert info.value.param == "prompt"
 

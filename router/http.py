@@ -30,6 +30,8 @@ from router.errors import ApiError, BadRequest, ModelNotFound, NoRoute, Rejected
 from router.frontdoor import Finished, FrontDoor, Generation, TextDelta, interleaved
 from router.openai_format import (
     ChunkWriter,
+    Spelling,
+    TokenIds,
     cluster_headers,
     error_body,
     full_response,
@@ -169,13 +171,17 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
         door.model_name,
         outputs,
         parsed.n,
-        door.codec.token_text,
+        _spelling(parsed, door),
         parsed.echo,
         parsed.tools,
         [r.prompt_token_ids for r in parsed.requests] if parsed.prompt_logprobs else [],
         parsed.reasoning,
     )
     return JSONResponse(content, headers=cluster_headers(content["slos_serve"]))
+
+
+def _spelling(parsed: ParsedRequest, door: FrontDoor) -> Spelling:
+    return TokenIds() if parsed.tokens_as_ids else door.codec
 
 
 async def _sse(
@@ -187,7 +193,7 @@ async def _sse(
         parsed.response_id,
         created,
         door.model_name,
-        door.codec.token_text,
+        _spelling(parsed, door),
         parsed.tools,
         parsed.reasoning,
     )

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from cluster.api import FinalRecord, Placement, Verdict
 from replica.batch import TokenLogprob
@@ -25,6 +25,28 @@ LOGPROB_FLOOR = -9999.0
 HEADER_VERDICT = "x-slos-serve-verdict"
 HEADER_REPLICA = "x-slos-serve-replica"
 HEADER_HOPS = "x-slos-serve-hops"
+
+
+class Spelling(Protocol):
+    """How log-probabilities name a token."""
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: a piece of a character, whose text is U+FFFD, gives its
+        piece, so that the pieces join into the character (what OpenAI's `bytes` is for)."""
+        ...
+
+
+class TokenIds:
+    """vLLM's `return_tokens_as_token_ids`: each token named `token_id:<id>`, which a client
+    can map back to its token where the text of a piece of a character is U+FFFD."""
+
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.token_text(token_id).encode()
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -142,7 +164,7 @@ def logprobs_json(
     endpoint: Endpoint,
     token_ids: Sequence[int],
     logprobs: Sequence[TokenLogprob | None],
-    token_text: Callable[[int], str],
+    spelling: Spelling,
     offset: int = 0,
 ) -> tuple[dict[str, Any] | None, int]:
     """A choice's (or a chunk's) `logprobs` in the endpoint's OpenAI form, or None when the
@@ -151,23 +173,23 @@ def logprobs_json(
     prompt's first)."""
     if not logprobs:
         return None, offset
-    texts = [token_text(t) for t in token_ids]
     entries = [None if lp is None else _finite(lp) for lp in logprobs]
     if endpoint is Endpoint.CHAT:
         content = [
             {
-                **_token_entry(text, lp.logprob),
-                "top_logprobs": [_token_entry(token_text(t), v) for t, v in lp.top],
+                **_token_entry(spelling, token, lp.logprob),
+                "top_logprobs": [_token_entry(spelling, t, v) for t, v in lp.top],
             }
-            for text, lp in zip(texts, entries, strict=True)
+            for token, lp in zip(token_ids, entries, strict=True)
             if lp is not None
         ]
         return {"content": content, "refusal": None}, offset
+    texts = [spelling.token_text(t) for t in token_ids]
     offsets = list(itertools.accumulate((len(t) for t in texts), initial=offset))
     top = [
         None
         if lp is None
-        else _by_text([*((token_text(t), v) for t, v in lp.top), (text, lp.logprob)])
+        else _by_text([*((spelling.token_text(t), v) for t, v in lp.top), (text, lp.logprob)])
         for text, lp in zip(texts, entries, strict=True)
     ]
     completion = {
@@ -180,7 +202,7 @@ def logprobs_json(
 
 
 def echoed(
-    echo: Echo | None, output: Output, token_text: Callable[[int], str]
+    echo: Echo | None, output: Output, spelling: Spelling
 ) -> tuple[str, dict[str, Any] | None]:
     """A completion choice's text and `logprobs`, led by its prompt when `echo` asks: with
     log-probabilities, the prompt's tokens come first, the first without one."""
@@ -192,7 +214,7 @@ def echoed(
             token_ids = (*echo.token_ids, *token_ids)
             logprobs = [None, *output.prompt_logprobs]
     logprobs += output.logprobs
-    return text, logprobs_json(Endpoint.COMPLETIONS, token_ids, logprobs, token_text)[0]
+    return text, logprobs_json(Endpoint.COMPLETIONS, token_ids, logprobs, spelling)[0]
 
 
 def _finite(logprob: TokenLogprob) -> TokenLogprob:
@@ -202,16 +224,17 @@ def _finite(logprob: TokenLogprob) -> TokenLogprob:
 
 
 def prompt_logprobs_json(
-    prompt: Sequence[int], values: Sequence[TokenLogprob], token_text: Callable[[int], str]
+    prompt: Sequence[int], values: Sequence[TokenLogprob], spelling: Spelling
 ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: per prompt token (the first has none), the token's own value
     and rank, then its likeliest alternatives by rank, keyed by token id."""
     out: list[dict[str, dict[str, Any]] | None] = [None]
     for token, value in zip(prompt[1:], values, strict=True):
         value = _finite(value)
-        entry = {str(token): _ranked(value.logprob, value.rank, token_text(token))}
+        entry = {str(token): _ranked(value.logprob, value.rank, spelling.token_text(token))}
         for rank, (alternative, logprob) in enumerate(value.top, 1):
-            entry.setdefault(str(alternative), _ranked(logprob, rank, token_text(alternative)))
+            text = spelling.token_text(alternative)
+            entry.setdefault(str(alternative), _ranked(logprob, rank, text))
         out.append(entry)
     return out
 
@@ -229,8 +252,12 @@ def _by_text(entries: Sequence[tuple[str, float]]) -> dict[str, float]:
     return merged
 
 
-def _token_entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def _token_entry(spelling: Spelling, token: int, logprob: float) -> dict[str, Any]:
+    return {
+        "token": spelling.token_text(token),
+        "logprob": logprob,
+        "bytes": list(spelling.token_bytes(token)),
+    }
 
 
 def full_response(
@@ -240,7 +267,7 @@ def full_response(
     model: str,
     outputs: Sequence[Output],
     n: int,
-    token_text: Callable[[int], str],
+    spelling: Spelling,
     echo: Sequence[Echo] = (),
     tools: ToolCalling | None = None,
     prompts: Sequence[Sequence[int]] = (),
@@ -273,9 +300,9 @@ def full_response(
                 finish_reason = tools.finish_reason(finish_reason)
             if reasoning is not None:
                 choice["message"]["reasoning_content"] = thought
-            logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, token_text)
+            logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, spelling)
         else:
-            choice["text"], logprobs = echoed(echo[index] if echo else None, output, token_text)
+            choice["text"], logprobs = echoed(echo[index] if echo else None, output, spelling)
         choice |= {
             "logprobs": logprobs,
             "finish_reason": finish_reason,
@@ -283,7 +310,7 @@ def full_response(
         }
         if prompts and endpoint is Endpoint.COMPLETIONS:
             choice["prompt_logprobs"] = prompt_logprobs_json(
-                prompts[index], output.prompt_logprobs, token_text
+                prompts[index], output.prompt_logprobs, spelling
             )
         if len(outputs) > 1:
             choice["slos_serve"] = cluster_info(output.record)
@@ -291,7 +318,7 @@ def full_response(
     chat_prompt: dict[str, Any] = {}
     if prompts and endpoint is Endpoint.CHAT:
         chat_prompt["prompt_logprobs"] = prompt_logprobs_json(
-            prompts[0], outputs[0].prompt_logprobs, token_text
+            prompts[0], outputs[0].prompt_logprobs, spelling
         )
     return {
         "id": response_id,
@@ -361,7 +388,7 @@ class ChunkWriter:
         response_id: str,
         created: int,
         model: str,
-        token_text: Callable[[int], str],
+        spelling: Spelling,
         tools: ToolCalling | None = None,
         reasoning: ReasoningParser | None = None,
     ) -> None:
@@ -369,7 +396,7 @@ class ChunkWriter:
         self.response_id = response_id
         self.created = created
         self.model = model
-        self.token_text = token_text
+        self.spelling = spelling
         self.tools = tools
         self.role_sent: set[int] = set()
         self.offsets: dict[int, int] = {}
@@ -443,7 +470,7 @@ class ChunkWriter:
         (nothing while it only adds to calls held until whole)."""
         offset = self.offsets.get(index, 0)
         payload, self.offsets[index] = logprobs_json(
-            self.endpoint, token_ids, logprobs, self.token_text, offset
+            self.endpoint, token_ids, logprobs, self.spelling, offset
         )
         choice = self._choice(index, text, None, payload)
         if choice.get("delta") == {} and payload is None:

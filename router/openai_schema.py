@@ -153,6 +153,8 @@ class ParsedRequest:
     reasoning: ReasoningParser | None = None
     """Chat with a reasoning parser, whose output no grammar holds to a form from its first
     token: the response gives the thinking apart from the answer."""
+    tokens_as_ids: bool = False
+    """vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens by id."""
 
     @property
     def arrival_time(self) -> float:
@@ -163,7 +165,7 @@ CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat
 """vLLM's chat fields on how the template renders the conversation."""
 TEMPLATE_NAMES = {"messages", "tools", "add_generation_prompt", "eos_token"}
 """What the template gets from the server, which chat_template_kwargs may not replace."""
-STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
 COMMON_FIELDS = {
     "model",
     "max_tokens",
@@ -197,6 +199,9 @@ COMMON_FIELDS = {
     "prompt_logprobs",
     "store",
     "metadata",
+    "safety_identifier",
+    "prompt_cache_key",
+    "return_tokens_as_token_ids",
     *STRUCTURED_FIELDS,
 }
 FIELDS = {
@@ -210,6 +215,8 @@ FIELDS = {
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        "modalities",
+        "audio",
     },
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -273,15 +280,16 @@ def parse_body(
     if options is not None:
         if not isinstance(options, dict) or set(options) - STREAM_OPTIONS:
             raise BadRequest(
-                "stream_options may hold only include_usage (and continuous_usage_stats: false)",
+                "stream_options may hold only include_usage (and continuous_usage_stats, "
+                "include_obfuscation: false)",
                 "stream_options",
             )
         include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
-        if _bool(options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats"):
-            raise BadRequest(
-                "stream_options.continuous_usage_stats=true is not supported",
-                "stream_options.continuous_usage_stats",
-            )
+        for name in ("continuous_usage_stats", "include_obfuscation"):
+            if _bool(options, name, False, f"stream_options.{name}"):
+                raise BadRequest(
+                    f"stream_options.{name}=true is not supported", f"stream_options.{name}"
+                )
     prompt_logprobs = body.get("prompt_logprobs") is not None
     if prompt_logprobs and stream:
         raise BadRequest("prompt_logprobs cannot be streamed (vLLM's rule)", "prompt_logprobs")
@@ -311,6 +319,7 @@ def parse_body(
         ctx.reasoning_parser
         if endpoint is Endpoint.CHAT and sampling.grammar is None and not echoes
         else None,
+        _bool(body, "return_tokens_as_token_ids", False),
     )
 
 
@@ -406,14 +415,16 @@ def _check_unsupported(endpoint: Endpoint, body: dict[str, Any]) -> None:
         "suffix": (None, ""),
         "store": (None, False),
         "parallel_tool_calls": (None, True, False),
+        "modalities": (None, ["text"]),
+        "audio": (None,),
     }
     for name, allowed in noop.items():
         value = body.get(name)
         if not any(type(value) is type(a) and value == a for a in allowed):
             raise BadRequest(f"{name}={value!r} is not supported", name)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise BadRequest("user must be a string", "user")
+    for name in ("user", "safety_identifier", "prompt_cache_key"):  # OpenAI's, ours to ignore
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise BadRequest(f"{name} must be a string", name)
     metadata = body.get("metadata")
     if metadata is not None and not (
         isinstance(metadata, dict)

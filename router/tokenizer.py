@@ -112,6 +112,14 @@ class TextCodec:
         a piece of a multi-byte character decodes to U+FFFD)."""
         return self.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes for log-probabilities, as the grammar vocabulary holds them
+        (a special token's name; the text's bytes for a model without EOS, which has no
+        grammar vocabulary)."""
+        if not self.eos_token_ids or self.grammar_vocab.is_special_token(token_id):
+            return self.token_text(token_id).encode()
+        return bytes(self.grammar_vocab.decode_bytes([token_id]))
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],

@@ -14,6 +14,7 @@ from router.errors import Rejected
 from router.frontdoor import Finished, Output
 from router.openai_format import (
     ChunkWriter,
+    TokenIds,
     cluster_headers,
     error_body,
     full_response,
@@ -37,9 +38,22 @@ RECORD = FinalRecord(
 )
 
 
-TOKENS = {1: "He", 2: "llo", 3: "é", 4: "</s>", 5: "é"}
-"""Token id -> text, standing in for a tokenizer."""
-TEXT_OF = TOKENS.__getitem__
+TOKENS = {1: "He", 2: "llo", 3: "é", 4: "</s>", 5: "é", 6: "\ufffd", 7: "\ufffd"}
+"""Token id -> text, standing in for a tokenizer: 6 and 7 are the two bytes of "é"."""
+PIECES = {6: b"\xc3", 7: b"\xa9"}
+
+
+class Table:
+    """The spelling of TOKENS."""
+
+    def token_text(self, token_id: int) -> str:
+        return TOKENS[token_id]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return PIECES.get(token_id, TOKENS[token_id].encode())
+
+
+SPELLING = Table()
 
 
 def outputs(texts: list[str], records: list[FinalRecord]) -> list[Output]:
@@ -64,7 +78,7 @@ def test_sse_event_is_one_line_even_with_newlines() -> None:
 
 
 def test_chat_stream_shape() -> None:
-    w = ChunkWriter(Endpoint.CHAT, "id1", 5, "demo", TEXT_OF)
+    w = ChunkWriter(Endpoint.CHAT, "id1", 5, "demo", SPELLING)
     stream = w.text(0, "Hel") + w.text(0, "lo") + w.finish(0, Finished(RECORD))
     stream += w.done([RECORD], 1, include_usage=True)
     data = events(stream)
@@ -86,7 +100,7 @@ def test_chat_stream_shape() -> None:
 
 
 def test_completion_stream_without_usage() -> None:
-    w = ChunkWriter(Endpoint.COMPLETIONS, "id2", 5, "demo", TEXT_OF)
+    w = ChunkWriter(Endpoint.COMPLETIONS, "id2", 5, "demo", SPELLING)
     data = events(w.text(0, "x") + w.finish(0, Finished(RECORD)) + w.done([RECORD], 1, False))
     assert [json.loads(d)["choices"][0]["text"] for d in data[:-1]] == ["x", ""]
     assert data[-1] == "[DONE]"
@@ -94,16 +108,16 @@ def test_completion_stream_without_usage() -> None:
 
 def test_the_stop_string_or_token_that_ended_a_choice_is_its_stop_reason() -> None:
     """vLLM's stop_reason, on the finish chunk and in the full response."""
-    w = ChunkWriter(Endpoint.COMPLETIONS, "id4", 5, "demo", TEXT_OF)
+    w = ChunkWriter(Endpoint.COMPLETIONS, "id4", 5, "demo", SPELLING)
     finish = json.loads(events(w.finish(0, Finished(RECORD, "\n\n")))[0])["choices"][0]
     assert (finish["finish_reason"], finish["stop_reason"]) == ("stop", "\n\n")
     output = Output("hi", (), (), RECORD, 13)
-    body = full_response(Endpoint.COMPLETIONS, "id5", 7, "demo", [output], 1, TEXT_OF)
+    body = full_response(Endpoint.COMPLETIONS, "id5", 7, "demo", [output], 1, SPELLING)
     assert body["choices"][0]["stop_reason"] == 13
 
 
 def test_full_response_and_headers() -> None:
-    body = full_response(Endpoint.CHAT, "id3", 7, "demo", outputs(["hi"], [RECORD]), 1, TEXT_OF)
+    body = full_response(Endpoint.CHAT, "id3", 7, "demo", outputs(["hi"], [RECORD]), 1, SPELLING)
     assert body["choices"] == [
         {
             "index": 0,
@@ -146,7 +160,7 @@ def test_several_choices_each_say_what_the_cluster_did() -> None:
         "demo",
         outputs(list("abcd"), records),
         2,
-        TEXT_OF,
+        SPELLING,
     )
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in body["choices"]] == list("abcd")
@@ -173,7 +187,7 @@ def test_several_choices_each_say_what_the_cluster_did() -> None:
         "x-slos-serve-slo-attained": "false",
     }
     same = full_response(
-        Endpoint.CHAT, "id6", 7, "demo", outputs(["a", "b"], [ADMITTED] * 2), 2, TEXT_OF
+        Endpoint.CHAT, "id6", 7, "demo", outputs(["a", "b"], [ADMITTED] * 2), 2, SPELLING
     )
     assert same["slos_serve"]["replica"] == 0 and same["slos_serve"]["slo_attained"] is True
     assert same["usage"]["prompt_tokens"] == 3 and same["service_tier"] == "default"
@@ -188,7 +202,7 @@ def test_several_choices_each_say_what_the_cluster_did() -> None:
 
 def test_chat_stream_of_several_choices() -> None:
     """Each choice's first delta carries the role; each ends with its own finish chunk."""
-    w = ChunkWriter(Endpoint.CHAT, "id7", 5, "demo", TEXT_OF)
+    w = ChunkWriter(Endpoint.CHAT, "id7", 5, "demo", SPELLING)
     stream = w.text(1, "b") + w.text(0, "a") + w.text(1, "c") + w.finish(1, Finished(RECORD))
     stream += w.finish(0, Finished(ADMITTED)) + w.done([ADMITTED, RECORD], 2, include_usage=True)
     chunks = [json.loads(d) for d in events(stream)[:-1]]
@@ -207,7 +221,7 @@ LOGPROBS = (TokenLogprob(-0.5, ((1, -0.5), (3, -1.5))), TokenLogprob(-2.0, ((4, 
 
 
 def only_choice(endpoint: Endpoint, output: Output) -> dict[str, Any]:
-    return full_response(endpoint, "id8", 7, "demo", [output], 1, TEXT_OF)["choices"][0]
+    return full_response(endpoint, "id8", 7, "demo", [output], 1, SPELLING)["choices"][0]
 
 
 def test_completion_logprobs_list_tokens_offsets_and_alternatives() -> None:
@@ -220,7 +234,7 @@ def test_completion_logprobs_list_tokens_offsets_and_alternatives() -> None:
         "top_logprobs": [{"He": -0.5, "é": -1.5}, {"</s>": -0.1, "é": -2.5, "llo": -2.0}],
         "text_offset": [0, 2],
     }
-    w = ChunkWriter(Endpoint.COMPLETIONS, "id9", 5, "demo", TEXT_OF)
+    w = ChunkWriter(Endpoint.COMPLETIONS, "id9", 5, "demo", SPELLING)
     stream = w.text(0, "He", (1,), LOGPROBS[:1]) + w.text(0, "llo", (2,), LOGPROBS[1:])
     first, second = (json.loads(d)["choices"][0]["logprobs"] for d in events(stream))
     assert first["text_offset"] == [0] and second["text_offset"] == [2]
@@ -252,12 +266,32 @@ def test_chat_logprobs_have_bytes_and_top_entries() -> None:
     assert logprobs["refusal"] is None
 
 
+def test_the_bytes_of_pieces_of_a_character_join_into_it() -> None:
+    """OpenAI's `bytes` rebuilds what a token's text cannot: pieces of a character each
+    show U+FFFD, their bytes make "é"; vLLM's return_tokens_as_token_ids names them by id."""
+    values = (TokenLogprob(-0.5, ((6, -0.5),)), TokenLogprob(-0.1, ()))
+    output = Output("é", (6, 7), values, RECORD)
+    content = only_choice(Endpoint.CHAT, output)["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["\ufffd", "\ufffd"]
+    assert bytes(b for c in content for b in c["bytes"]).decode() == "é"
+    assert content[0]["top_logprobs"][0]["bytes"] == [0xC3]
+    by_id = full_response(Endpoint.CHAT, "id8", 7, "demo", [output], 1, TokenIds())
+    named = by_id["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], bytes(c["bytes"])) for c in named] == [
+        ("token_id:6", b"token_id:6"),
+        ("token_id:7", b"token_id:7"),
+    ]
+    legacy = full_response(Endpoint.COMPLETIONS, "id8", 7, "demo", [output], 1, TokenIds())
+    assert legacy["choices"][0]["logprobs"]["tokens"] == ["token_id:6", "token_id:7"]
+    assert legacy["choices"][0]["logprobs"]["top_logprobs"][0] == {"token_id:6": -0.5}
+
+
 def test_error_json_shape() -> None:
     body = error_body(Rejected("full", None, 2.0))
     assert body == {
         "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": 429}
     }
-    w = ChunkWriter(Endpoint.CHAT, "id4", 5, "demo", TEXT_OF)
+    w = ChunkWriter(Endpoint.CHAT, "id4", 5, "demo", SPELLING)
     data = events(w.error(Rejected("gone", None, 1.0)))
     assert json.loads(data[0])["error"]["message"] == "gone" and data[1] == "[DONE]"
 
@@ -267,7 +301,7 @@ def test_echo_leads_a_completion_with_its_prompt_and_its_log_probabilities() -> 
     tokens first (the first without one), then the output's."""
     echo = Echo("He", (1,), logprobs=True)
     output = Output("llo", (2,), (TokenLogprob(-0.5, ((2, -0.5),)),), RECORD)
-    body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [output], 1, TEXT_OF, [echo])
+    body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [output], 1, SPELLING, [echo])
     choice = body["choices"][0]
     assert choice["text"] == "Hello"
     assert choice["logprobs"]["tokens"] == ["He", "llo"]
@@ -276,7 +310,7 @@ def test_echo_leads_a_completion_with_its_prompt_and_its_log_probabilities() -> 
     assert choice["logprobs"]["text_offset"] == [0, 2]
     two = Echo("HeHe", (1, 1), logprobs=True)
     both = replace(output, prompt_logprobs=(TokenLogprob(-3.0, ((2, -0.1),)),))
-    body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [both], 1, TEXT_OF, [two])
+    body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [both], 1, SPELLING, [two])
     assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, -3.0, -0.5]
     bare = full_response(
         Endpoint.COMPLETIONS,
@@ -285,7 +319,7 @@ def test_echo_leads_a_completion_with_its_prompt_and_its_log_probabilities() -> 
         "demo",
         [replace(output, logprobs=())],
         1,
-        TEXT_OF,
+        SPELLING,
         [Echo("He", (1,))],
     )
     assert bare["choices"][0]["text"] == "Hello" and bare["choices"][0]["logprobs"] is None
@@ -295,7 +329,7 @@ def test_a_prompt_only_choice_is_its_prompt_alone() -> None:
     echo = Echo("HeHe", (1, 1), logprobs=True, prompt_only=True)
     scored = replace(RECORD, num_output_tokens=0, finish_reason="length")  # as Generation ends it
     drawn = Output("", (), (), scored, None, (TokenLogprob(-3.0),))
-    body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [drawn], 1, TEXT_OF, [echo])
+    body = full_response(Endpoint.COMPLETIONS, "id9", 7, "demo", [drawn], 1, SPELLING, [echo])
     choice = body["choices"][0]
     assert choice["text"] == "HeHe" and choice["finish_reason"] == "length"
     assert choice["logprobs"]["token_logprobs"] == [None, -3.0]
@@ -312,7 +346,7 @@ def test_tool_calls_in_full_responses_validate_as_openai_clients_read_them() -> 
     """A named call ends with stop (as OpenAI reports a forced call), "required"'s with
     tool_calls; a "required" output cut short stays text."""
     named = full_response(
-        Endpoint.CHAT, "t1", 7, "demo", outputs(['{"q": 1}'], [RECORD]), 1, TEXT_OF, (), NAMED
+        Endpoint.CHAT, "t1", 7, "demo", outputs(['{"q": 1}'], [RECORD]), 1, SPELLING, (), NAMED
     )
     ChatCompletion.model_validate(named)
     choice = named["choices"][0]
@@ -321,7 +355,7 @@ def test_tool_calls_in_full_responses_validate_as_openai_clients_read_them() -> 
     assert call["function"] == {"name": "lookup", "arguments": '{"q": 1}'}
     texts = [CALLS, CALLS[:20]]
     body = full_response(
-        Endpoint.CHAT, "t2", 7, "demo", outputs(texts, [RECORD, LENGTH]), 2, TEXT_OF, (), REQUIRED
+        Endpoint.CHAT, "t2", 7, "demo", outputs(texts, [RECORD, LENGTH]), 2, SPELLING, (), REQUIRED
     )
     ChatCompletion.model_validate(body)
     made, cut = body["choices"]
@@ -336,7 +370,7 @@ def test_tool_calls_in_full_responses_validate_as_openai_clients_read_them() -> 
 def test_streamed_tool_calls_add_up_to_the_full_ones() -> None:
     """A named call streams its arguments (id and name first); "required"'s calls come whole
     at the end, each choice numbering its own from 0; logprobs still stream meanwhile."""
-    w = ChunkWriter(Endpoint.CHAT, "t3", 5, "demo", TEXT_OF, NAMED)
+    w = ChunkWriter(Endpoint.CHAT, "t3", 5, "demo", SPELLING, NAMED)
     stream = w.text(0, '{"q"') + w.text(0, ": 1}") + w.finish(0, Finished(RECORD))
     chunks = [ChatCompletionChunk.model_validate_json(d) for d in events(stream)]
     first = chunks[0].choices[0].delta
@@ -348,7 +382,7 @@ def test_streamed_tool_calls_add_up_to_the_full_ones() -> None:
         if c.choices[0].delta.tool_calls and c.choices[0].delta.tool_calls[0].function
     )
     assert arguments == '{"q": 1}' and chunks[-1].choices[0].finish_reason == "stop"
-    w = ChunkWriter(Endpoint.CHAT, "t4", 5, "demo", TEXT_OF, REQUIRED)
+    w = ChunkWriter(Endpoint.CHAT, "t4", 5, "demo", SPELLING, REQUIRED)
     stream = w.text(1, CALLS[:10]) + w.text(0, CALLS[:30], (1,), LOGPROBS[:1])
     stream += w.text(0, CALLS[30:]) + w.text(1, CALLS[10:]) + w.finish(0, Finished(RECORD))
     stream += w.finish(1, Finished(RECORD)) + w.done([RECORD, RECORD], 2, include_usage=False)
@@ -378,7 +412,7 @@ HERMES_CALL = 'Checking.<tool_call>{"name": "lookup", "arguments": {"q": "a"}}</
 def test_auto_calls_come_with_their_content_and_plain_text_stays_text() -> None:
     texts = [HERMES_CALL, "No tool is needed < here."]
     body = full_response(
-        Endpoint.CHAT, "t5", 7, "demo", outputs(texts, [RECORD, RECORD]), 2, TEXT_OF, (), AUTO
+        Endpoint.CHAT, "t5", 7, "demo", outputs(texts, [RECORD, RECORD]), 2, SPELLING, (), AUTO
     )
     ChatCompletion.model_validate(body)
     made, plain = body["choices"]
@@ -390,14 +424,14 @@ def test_auto_calls_come_with_their_content_and_plain_text_stays_text() -> None:
     # A call the length cut before its closing tag is still one, as vLLM reads it.
     unclosed = HERMES_CALL.removesuffix("</tool_call>")
     body = full_response(
-        Endpoint.CHAT, "t7", 7, "demo", outputs([unclosed], [LENGTH]), 1, TEXT_OF, (), AUTO
+        Endpoint.CHAT, "t7", 7, "demo", outputs([unclosed], [LENGTH]), 1, SPELLING, (), AUTO
     )
     assert body["choices"][0]["finish_reason"] == "tool_calls"
     assert len(body["choices"][0]["message"]["tool_calls"]) == 1
 
 
 def test_auto_streams_content_until_a_call_may_start_then_the_calls_at_the_end() -> None:
-    w = ChunkWriter(Endpoint.CHAT, "t6", 5, "demo", TEXT_OF, AUTO)
+    w = ChunkWriter(Endpoint.CHAT, "t6", 5, "demo", SPELLING, AUTO)
     pieces = ["Check", "ing.<to", "ol_call>", HERMES_CALL[len("Checking.<tool_call>") :]]
     stream = b"".join(w.text(0, p) for p in pieces) + w.finish(0, Finished(RECORD))
     pieces = ["Maybe <", "tool", "s later."]
@@ -420,7 +454,7 @@ def test_auto_streams_content_until_a_call_may_start_then_the_calls_at_the_end()
 
 def test_llama3_streams_hold_an_output_that_may_be_calls_until_it_ends() -> None:
     llama = ToolCalling(None, None, parser=PARSERS["llama3_json"])
-    w = ChunkWriter(Endpoint.CHAT, "t8", 5, "demo", TEXT_OF, llama)
+    w = ChunkWriter(Endpoint.CHAT, "t8", 5, "demo", SPELLING, llama)
     calls = ['{"name": "lookup", ', '"parameters": {"q": "a"}}']
     stream = b"".join(w.text(0, p) for p in calls) + w.finish(0, Finished(RECORD))
     stream += b"".join(w.text(1, p) for p in ["{not", " json"]) + w.finish(1, Finished(RECORD))
@@ -456,12 +490,12 @@ def test_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
         texts, thoughts, answers, records, parsers, strict=True
     ):
         body = full_response(
-            Endpoint.CHAT, "r1", 7, "demo", outputs([text], [record]), 1, TEXT_OF, reasoning=parser
+            Endpoint.CHAT, "r1", 7, "demo", outputs([text], [record]), 1, SPELLING, reasoning=parser
         )
         ChatCompletion.model_validate(body)
         message = body["choices"][0]["message"]
         assert (message["reasoning_content"], message["content"]) == (thought, answer)
-        w = ChunkWriter(Endpoint.CHAT, "r2", 5, "demo", TEXT_OF, reasoning=parser)
+        w = ChunkWriter(Endpoint.CHAT, "r2", 5, "demo", SPELLING, reasoning=parser)
         pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # markers split over chunks
         stream = b"".join(w.text(0, p) for p in pieces) + w.finish(0, Finished(record))
         deltas = [json.loads(d)["choices"][0]["delta"] for d in events(stream)]
@@ -475,7 +509,7 @@ def test_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
 def test_a_reasoning_model_thinks_then_calls_a_tool() -> None:
     text = "<think>The user wants a lookup.</think>" + HERMES_CALL
     body = full_response(
-        Endpoint.CHAT, "r3", 7, "demo", outputs([text], [RECORD]), 1, TEXT_OF, (), AUTO, (), R1
+        Endpoint.CHAT, "r3", 7, "demo", outputs([text], [RECORD]), 1, SPELLING, (), AUTO, (), R1
     )
     ChatCompletion.model_validate(body)
     choice = body["choices"][0]
@@ -483,7 +517,7 @@ def test_a_reasoning_model_thinks_then_calls_a_tool() -> None:
     assert choice["message"]["reasoning_content"] == "The user wants a lookup."
     assert choice["message"]["content"] == "Checking."
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["lookup"]
-    w = ChunkWriter(Endpoint.CHAT, "r4", 5, "demo", TEXT_OF, AUTO, R1)
+    w = ChunkWriter(Endpoint.CHAT, "r4", 5, "demo", SPELLING, AUTO, R1)
     pieces = [text[i : i + 5] for i in range(0, len(text), 5)]
     stream = b"".join(w.text(0, p) for p in pieces) + w.finish(0, Finished(RECORD))
     chunks = [ChatCompletionChunk.model_validate_json(d) for d in events(stream)]

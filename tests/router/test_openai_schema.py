@@ -83,6 +83,42 @@ def test_vllm_options_at_their_defaults_are_taken(codec: TextCodec, ctx: SchemaC
         parse(codec, ctx, {**body, "stream_options": options})
 
 
+def test_openai_options_with_nothing_to_do_here_are_taken(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    """What the openai package sends that asks nothing of this server (identifiers for
+    OpenAI's own caching and abuse checks, text output, no obfuscation padding) is taken, as
+    OpenAI and vLLM take it; a value asking for more is refused by name. vLLM's
+    return_tokens_as_token_ids is carried to the response."""
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    taken = {
+        "safety_identifier": "u-1",
+        "prompt_cache_key": "k",
+        "modalities": ["text"],
+        "audio": None,
+        "stream_options": {"include_obfuscation": False},
+        "return_tokens_as_token_ids": True,
+    }
+    parsed = parse(codec, ctx, {**chat, **taken}, endpoint=Endpoint.CHAT)
+    assert parsed.tokens_as_ids and parse(codec, ctx, {"prompt": "x"}).tokens_as_ids is False
+    refused = [
+        ("safety_identifier", 7, "safety_identifier must be a string"),
+        ("prompt_cache_key", ["k"], "prompt_cache_key must be a string"),
+        ("modalities", ["text", "audio"], "modalities=.* is not supported"),
+        ("audio", {"voice": "alloy"}, "audio=.* is not supported"),
+        ("return_tokens_as_token_ids", "yes", "return_tokens_as_token_ids"),
+    ]
+    for name, value, message in refused:
+        with pytest.raises(BadRequest, match=message) as info:
+            parse(codec, ctx, {**chat, name: value}, endpoint=Endpoint.CHAT)
+        assert info.value.param == name
+    padded = {**chat, "stream_options": {"include_obfuscation": True}}
+    with pytest.raises(BadRequest, match="include_obfuscation=true is not supported"):
+        parse(codec, ctx, padded, endpoint=Endpoint.CHAT)
+    with pytest.raises(BadRequest, match="unknown field"):
+        parse(codec, ctx, {"prompt": "x", "modalities": ["text"]})
+
+
 def test_completion_defaults(codec: TextCodec, ctx: SchemaContext) -> None:
     parsed = parse(codec, ctx, {"model": "demo", "prompt": "Hello world"})
     req = parsed.requests[0]

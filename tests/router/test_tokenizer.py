@@ -31,6 +31,14 @@ def test_truncated_character_is_flushed_as_replacement(codec: TextCodec) -> None
     assert detok.flush() == REPLACEMENT_CHAR
 
 
+def test_the_bytes_of_a_characters_pieces_join_into_it(codec: TextCodec) -> None:
+    """A token's bytes (log-probabilities' `bytes`) are its own, where its text is U+FFFD."""
+    ids = codec.encode("中文😀é")
+    assert [codec.token_text(t) for t in ids].count(REPLACEMENT_CHAR) >= 4
+    assert b"".join(codec.token_bytes(t) for t in ids).decode() == "中文😀é"
+    assert codec.token_bytes(codec.eos_token_ids[0]) == b"<|endoftext|>"
+
+
 def test_eos_is_not_text(codec: TextCodec) -> None:
     detok = codec.detokenizer()
     eos = codec.tokenizer.token_to_id("<|endoftext|>")

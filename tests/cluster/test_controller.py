@@ -17,6 +17,7 @@ from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from cluster import controller as controller_module
 from cluster.api import FinalRecord, TokenChunk, Verdict
+from cluster.autoscale import AutoscaleConfig
 from cluster.config import ClusterConfig
 from cluster.control import Binding
 from cluster.controller import ClusterController
@@ -608,24 +609,36 @@ def test_reports_out_of_order_are_folded_in_order_and_a_gap_that_stays_rebuilds(
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["fixed", "autoscaled"])
 def test_a_replica_dead_for_good_is_replaced_and_its_request_resumes_on_the_new_one(
-    engine: Engine, target_dir: Path, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+    engine: Engine,
+    target_dir: Path,
+    config: ClusterConfig,
+    monkeypatch: pytest.MonkeyPatch,
+    scaled: bool,
 ) -> None:
     """Calls failing as dead (Ray's `ActorDiedError`) DEAD_CHECKS health checks in a row:
     Ray will not restart the replica (its restart failed in `__init__`, or it was killed
-    without restart), so the controller kills it for good and starts another in its slot; a
-    start that fails is tried again START_RETRY_S later. Fewer dead checks in a row (a call
-    in flight when a replica crashed and Ray restarted it) replace nothing."""
+    without restart), so the controller kills it for good and starts another in its slot (an
+    autoscaled cluster's autoscaler does, for its target); a start that fails is tried again
+    START_RETRY_S later. Fewer dead checks in a row (a call in flight when a replica crashed
+    and Ray restarted it) replace nothing."""
+    if scaled:
+        config = dataclasses.replace(config, autoscale=AutoscaleConfig(max_replicas=1))
     monkeypatch.setattr(controller_module, "HEALTH_PERIOD_S", 0.02)
+    monkeypatch.setattr(controller_module, "SCALE_PERIOD_S", 0.02)
     monkeypatch.setattr(controller_module, "START_RETRY_S", 0.2)
     killed: list[object] = []
     monkeypatch.setattr(controller_module, "kill_for_good", lambda actors, _: killed.extend(actors))
-    monkeypatch.setattr(controller_module, "slot_occupants", lambda *_: (None, None))
     starts: list[LocalReplica | None] = []
     started_at: list[float] = []
 
     async def run() -> None:
         controller, replica = start(engine, config)
+        adopted = (replica, None) if scaled else (None, None)  # by name, until it is killed
+        monkeypatch.setattr(
+            controller_module, "slot_occupants", lambda *_: (None, None) if killed else adopted
+        )
 
         async def start_replica(*_: object) -> tuple[LocalReplica, None]:
             started_at.append(time.monotonic())

@@ -83,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(module.run(sub_args))  # type: ignore[attr-defined]
     except OptionError as exc:
         raise SystemExit(f"{prog}: error: {exc}") from None
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

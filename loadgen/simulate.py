@@ -46,9 +46,9 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -1335,13 +1335,26 @@ def _run_jobs(
                 bar.set_postfix_str(f"{job.scenario.value} {job.policy.value} x{job.replicas}")
                 done(i, work(*call))
         else:
-            # spawn: the parent's threads (tqdm's monitor) must not be forked mid-lock.
+            # spawn: the parent's threads (tqdm's monitor) must not be forked mid-lock. A
+            # pool that terminates its workers on the way out, so that Ctrl-C (or a failed
+            # job) stops the command at once: an executor waited for every queued job.
             context = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context) as pool:
-                futures = {pool.submit(work, *call): i for i, call in enumerate(calls)}
-                for future in as_completed(futures):
-                    done(futures[future], future.result())
+            items = [(i, work, call) for i, call in enumerate(calls)]
+            with context.Pool(min(workers, len(jobs)), _ignore_ctrl_c) as pool:
+                for i, result in pool.imap_unordered(_indexed, items):
+                    done(i, result)
     return [results[i] for i in range(len(jobs))]
+
+
+def _ignore_ctrl_c() -> None:
+    """A worker leaves Ctrl-C to the command, which stops it (each printed a traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _indexed(item: tuple[int, Callable[..., R], tuple[Any, ...]]) -> tuple[int, R]:
+    """A worker's job: `work(*call)`, with the job's index."""
+    i, work, call = item
+    return i, work(*call)
 
 
 def _print_capacity(job: Job, result: JobResult) -> None:

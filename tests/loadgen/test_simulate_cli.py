@@ -6,6 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -287,6 +292,49 @@ def test_searches_in_worker_processes_give_the_same_results(tmp_path: Path) -> N
     assert parallel == serial
 
 
+def test_ctrl_c_stops_searches_in_worker_processes_at_once() -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) ends `simulate --jobs 2` and its
+    workers within seconds, saying so without a traceback (exit 130); it used to wait for
+    every queued search, minutes here."""
+    command = [sys.executable, "-m", "loadgen.cli", "simulate", "--capacity", "--jobs", "2"]
+    command += ["--scenario", "coder,chatbot", "--policies", "slos,vllm", "--duration", "3000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        for _ in range(600):  # the workers are started, then given time to take their jobs
+            if len(workers := _pool_workers(proc.pid)) == 2:
+                break
+            time.sleep(0.1)
+        assert len(workers) == 2
+        time.sleep(8)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130
+        assert not [w for w in workers if Path(f"/proc/{w}").exists()]
+        assert proc.stderr is not None
+        said = proc.stderr.read().decode()
+        assert "slos-serve simulate: interrupted" in said and "Traceback" not in said, said
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _pool_workers(pid: int) -> list[str]:
+    """The pool's worker processes among `pid`'s children (not multiprocessing's resource
+    tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [c for c in children if b"spawn_main" in _cmdline(c)]
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
 def test_timeline_runs_at_slos_capacity_else_the_highest() -> None:
     capacity = {"coder": {"slos": {"1": 2.0}, "vllm": {"1": 3.0}}, "chatbot": {"vllm": {"1": 0.0}}}
     assert simulate.timeline_rate(capacity, Scenario.CODER, 1) == 2.0
@@ -399,7 +447,7 @@ def test_sizing_compares_each_count_with_autoscalers(
     printed = capsys.readouterr().out
     runs = {(r["policy"], r["signal"]): r for r in data["autoscale"]["runs"]}
     assert set(runs) == {("slos", "slo"), ("slos", "ongoing:4"), ("vllm", "ongoing:4")}
-    for (policy, signal), run in runs.items():
+    for (policy, scale_signal), run in runs.items():
         fixed = found[policy]
         assert run["fixed_replicas"] == fixed and run["total_rate"] == 9
         assert 0 <= run["attainment"] <= 1
@@ -409,9 +457,9 @@ def test_sizing_compares_each_count_with_autoscalers(
         first = run["scaling"][0]
         assert first == [0.0, fixed, fixed]
         assert all(1 <= n <= 2 * fixed for _, n, _ in run["scaling"])
-        summary = data["summary"]["autoscaled"]["chatbot"]["9"][policy][signal]
+        summary = data["summary"]["autoscaled"]["chatbot"]["9"][policy][scale_signal]
         assert summary["attainment"] == run["attainment"]
-        assert f"| chatbot | 9 | {policy} | {signal} | {run['attainment']:.3f} |" in printed
+        assert f"| chatbot | 9 | {policy} | {scale_signal} | {run['attainment']:.3f} |" in printed
 
 
 @pytest.mark.parametrize(

@@ -163,11 +163,11 @@ class ClusterCollector(Collector):
             if self.status.target_replicas:
                 target.add_metric([self.model], self.status.target_replicas)
         yield from (running, waiting, kv, up, replicas, target)
-        counters = self.controller.get("counters", {})
+        counters = self.controller.get("counters")
         for key, (name, doc, scale) in CONTROLLER_COUNTERS.items():
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model"])
-            if key in counters:
-                family.add_metric([self.model], float(counters[key]) * scale)
+            if counters is not None:  # from 0 until the first event, as Prometheus expects
+                family.add_metric([self.model], float(counters.get(key, 0)) * scale)
             yield family
         histograms = self.controller.get("histograms", {})
         for key, (name, doc) in CONTROLLER_HISTOGRAMS.items():

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.api import ClusterStatus, FinalRecord, ReplicaStatus, StageVerdict, Verdict
-from router.metrics import MAX_STAGE_LABELS, PREFIX, FrontDoorMetrics
+from router.metrics import CONTROLLER_COUNTERS, MAX_STAGE_LABELS, PREFIX, FrontDoorMetrics
 
 
 def samples(metrics: FrontDoorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -169,6 +169,20 @@ def test_replica_states_follow_the_autoscaler() -> None:
     assert s[(PREFIX + "requests_declined_total", model)] == 5
     m.refresh(ClusterStatus("demo", replicas[:1]), {"counters": {}})
     assert (PREFIX + "replicas_target", model) not in samples(m)
+
+
+def test_controller_counters_are_exported_from_zero() -> None:
+    """Every controller counter has a sample once the door has the controller's snapshot,
+    0 before its first event (a fresh server's /metrics showed none of them, so a user could
+    not find them and rate() had no start); none before any snapshot."""
+    m = FrontDoorMetrics("demo")
+    model = (("model", "demo"),)
+    names = [PREFIX + name + "_total" for name, _, _ in CONTROLLER_COUNTERS.values()]
+    assert not any((name, model) in samples(m) for name in names)
+    m.refresh(ClusterStatus("demo", ()), {"counters": {"migrated": 2}})
+    s = samples(m)
+    assert s[(PREFIX + "requests_migrated_total", model)] == 2
+    assert {s[(name, model)] for name in names if "migrated" not in name} == {0}
 
 
 def test_unknown_reject_reason_is_refused() -> None:

@@ -60,11 +60,11 @@ to the end, or this long after, should one never pull it."""
 START_RETRY_S = 30.0
 """After a replica failed to start, the controller waits this long before it starts another."""
 DEAD_CHECKS = 3
-"""Health checks in a row whose call a replica failed as dead (Ray's `ActorDiedError`) before
-it is taken for dead for good and replaced. Ray holds the calls to a replica it restarts
-until it is back, and fails those to one it will not restart (its restart failed in
-`__init__`, or it was killed without restart) at once; but a call in flight when a replica
-crashes fails so too, however Ray goes on."""
+"""Health periods in a row in which a replica's health call failed as dead (Ray's
+`ActorDiedError`) before it is taken for dead for good and stopped, for another to start in
+its slot. Ray holds the calls to a replica it restarts until it is back, and fails those to
+one it will not restart (its restart failed in `__init__`, or it was killed without restart)
+at once; but a call in flight when a replica crashes fails so too, however Ray goes on."""
 AHEAD_WAIT_S = 0.5
 """How long a report past a gap waits for the reports before it, before the mirror is rebuilt
 from a snapshot: Ray does not keep an async actor's calls in order, so a replica's reports
@@ -228,6 +228,8 @@ class ClusterController:
         cluster is then closing (no door may attach) and the caller stops it."""
         last = self.leases.release(door, time.monotonic())
         self._end_orphans()
+        if last:
+            self._close()
         return last
 
     def _watch_leases(self) -> None:
@@ -239,12 +241,18 @@ class ClusterController:
             log.warning(
                 "no front door for %.0f s: stopping the cluster", self.leases.abandoned_after_s
             )
-            self.leases.closing = True
-            for slot in list(self._starting):  # their groups may not be ours yet: by name
-                self._starting.pop(slot).cancel()
-                self._stop_slot(slot)
+            self._close()
             me = ray.get_runtime_context().current_actor
             kill_for_good([*(a for a in self.replicas if a is not None), me], self.groups)
+
+    def _close(self) -> None:
+        """The cluster is being stopped: no door may attach, and the replicas being started
+        are stopped (by name: their groups may not be ours yet), since whoever stops the rest
+        looks for them by name before such a start could end."""
+        self.leases.closing = True
+        for slot in list(self._starting):
+            self._starting.pop(slot).cancel()
+            self._stop_slot(slot)
 
     def _end_orphans(self) -> None:
         if not (self.leases.owners or self.leases.settling):
@@ -291,6 +299,9 @@ class ClusterController:
             self.replicas[i], self.groups[i] = slot_occupants(i, self.namespace, grouped)
             if self.replicas[i] is None:
                 self.plane.replicas[i].alive = False
+                if self.groups[i] is not None:  # left by a start this actor's restart cut short
+                    remove_placement_group(self.groups[i])
+                    self.groups[i] = None
         if self.autoscaler is not None:
             self.autoscaler.target = self.autoscaler.config.bounded(len(self._up()))
 
@@ -414,7 +425,8 @@ class ClusterController:
             added = True
         except RayActorError:
             self.plane.abort(rid)
-            self.plane.mark_dead(replica)
+            if self.replicas[replica] is actor:  # not a replica replaced meanwhile
+                self.plane.mark_dead(replica)
             retry = self.plane.submit(request, time.time(), resumed=decision.resumed)
             return None if retry is None else await self._bind(retry)
         except RayTaskError as exc:
@@ -583,36 +595,44 @@ class ClusterController:
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
             self._watch_leases()
-            await asyncio.gather(*(self._check(i) for i in self._up()))
+            up = self._up()
+            died = await asyncio.gather(*(self._check(i) for i in up))
+            for slot, dead in zip(up, died, strict=True):
+                self._count_death(slot, dead)
             self._refill()
 
-    async def _check(self, replica: int) -> None:
+    async def _check(self, replica: int) -> bool:
+        """Whether the replica's health call failed as a dead actor's (Ray's
+        `ActorDiedError`); a replica found down is marked so, one found back rebuilt."""
         vr = self.plane.replicas[replica]
         actor = self.replicas[replica]
         if actor is None:  # stopped by the autoscaler since the loop listed it
-            return
+            return False
         try:
             incarnation = await _within(actor.health.remote(), HEALTH_TIMEOUT_S)
         except (RayActorError, TimeoutError) as error:
             if self.replicas[replica] is not actor:  # stopped, or another started, meanwhile
-                return
+                return False
             if vr.alive:
                 log.warning("replica %d is down; its requests resume elsewhere", replica)
                 self.plane.mark_dead(replica)
-            self._count_death(replica, isinstance(error, ActorDiedError))
-            return
-        self._died.pop(replica, None)
+            return isinstance(error, ActorDiedError)
         if not vr.alive or incarnation != vr.incarnation:
             await self._sync(replica)
+        return False
 
-    def _count_death(self, slot: int, died: bool) -> None:
-        """Free the slot of a replica dead for good (DEAD_CHECKS), for another to start."""
-        count = self._died[slot] = self._died.get(slot, 0) + 1 if died else 0
-        if count < DEAD_CHECKS or self.leases.closing:
+    def _count_death(self, slot: int, dead: bool) -> None:
+        """Free the slot of a replica dead for good (DEAD_CHECKS health periods in a row:
+        only the health loop counts, not the checks resumes make at once), for another to
+        start."""
+        if not dead:
+            self._died.pop(slot, None)
             return
-        log.error("replica %d is dead for good (Ray will not restart it); replacing it", slot)
-        del self._died[slot]
-        self.plane.metrics.inc("replaced")
+        self._died[slot] = self._died.get(slot, 0) + 1
+        if self._died[slot] < DEAD_CHECKS or self.leases.closing:
+            return
+        log.error("replica %d is dead for good (Ray will not restart it); stopping it", slot)
+        self.plane.metrics.inc("dead")
         self._stop_slot(slot)
 
     def _refill(self) -> None:
@@ -650,7 +670,8 @@ class ClusterController:
                     self._keep_bound(replica, request, admitted)
             restored = True
         except (RayActorError, TimeoutError):
-            self.plane.mark_dead(replica)
+            if self.replicas[replica] is actor:  # not a replica stopped or replaced meanwhile
+                self.plane.mark_dead(replica)
         finally:
             del self._rebuilds[replica]
         if not restored:
@@ -782,6 +803,7 @@ class ClusterController:
         being started may not have been handed back yet); the slot takes nothing after."""
         actor, group = self.replicas[slot], self.groups[slot]
         self.replicas[slot] = self.groups[slot] = None
+        self._died.pop(slot, None)
         self.plane.draining.discard(slot)
         self.plane.mark_dead(slot)
         self._plan_sent.pop(slot, None)

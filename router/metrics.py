@@ -89,10 +89,11 @@ CONTROLLER_COUNTERS = {
         "Requests resumed on another replica after theirs failed mid-stream (each move).",
         1.0,
     ),
-    "replaced": (
-        "replicas_replaced",
-        "Replicas the controller replaced because Ray would not restart them (a restart that "
-        "failed while loading, a kill without restart).",
+    "dead": (
+        "replicas_dead",
+        "Replicas found dead for good (Ray would not restart them: a restart that failed "
+        "while loading, a kill without restart) and stopped, for another to start in their "
+        "slot: at once in a fixed-size cluster, as its target needs in an autoscaled one.",
         1.0,
     ),
     "declined": (

@@ -12,7 +12,7 @@ import ray
 from cluster.api import FinalRecord
 from cluster.config import ClusterConfig
 from cluster.handle import launch
-from cluster.names import replica_name
+from cluster.names import NAMESPACE, replica_name
 from replica.engine import Engine
 from replica.request import SLO, Request, SamplingParams
 from tests.cluster.conftest import all_alive, collect, greedy_reference, status_until
@@ -25,13 +25,14 @@ MAX_TOKENS = 120
 def test_a_replica_killed_for_good_is_replaced_and_its_streams_finish_on_the_new_one(
     ray_session: None, demo: ClusterConfig, engine: Engine
 ) -> None:
-    """One replica, so the streams can only finish on its replacement; shutting the cluster
-    down stops the replacement too (the front door never had its handle)."""
+    """One replica, so the streams can only finish on its replacement. Detached, as under Ray
+    Serve: the replacement outlives the controller that started it, so shutting the cluster
+    down must find it by its slot's name (the front door never had its handle)."""
     config = replace(demo, replicas=1, num_kv_blocks=256)
     prompts = {f"gone-{i}": [40 + i, 300 + 11 * i, 77, 5 + i] for i in range(3)}
 
     async def run() -> list[tuple[list[int], FinalRecord]]:
-        cluster = await launch(config)
+        cluster = await launch(config, detached=True)
         try:
             started = {rid: asyncio.Event() for rid in prompts}
             tasks = [
@@ -51,11 +52,11 @@ def test_a_replica_killed_for_good_is_replaced_and_its_streams_finish_on_the_new
             results = list(await asyncio.gather(*tasks))
             status = await status_until(cluster, all_alive, 40, 0.25)
             assert all_alive(status) and status.counters["migrated"] >= len(prompts)
-            assert ray.get_actor(replica_name(0)) != killed
+            assert ray.get_actor(replica_name(0), NAMESPACE) != killed
         finally:
             await cluster.shutdown()
         with pytest.raises(ValueError):
-            ray.get_actor(replica_name(0))
+            ray.get_actor(replica_name(0), NAMESPACE)
         return results
 
     results = asyncio.run(run())

@@ -669,8 +669,100 @@ def test_a_replica_dead_for_good_is_replaced_and_its_request_resumes_on_the_new_
         binding = await asyncio.wait_for(controller.resume(request("moved", 8), [7], 0), 20)
         assert binding.replica == 0 and binding.actor is new
         assert await asyncio.wait_for(finish(new, "moved"), 20) == "length"
-        assert killed == [replica] and controller.plane.metrics.counters["replaced"] == 1
+        assert killed == [replica] and controller.plane.metrics.counters["dead"] == 1
         await replica.core.stop()
         await new.core.stop()
+
+    asyncio.run(run())
+
+
+def test_the_checks_resumes_make_at_once_do_not_count_toward_dead_for_good(
+    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every resume checks the failed replica when no other is up; five at once used to
+    count five dead checks in an instant, so a crash Ray restarts could be taken for dead for
+    good. Only the health loop counts, once a period."""
+    monkeypatch.setattr(controller_module, "HEALTH_PERIOD_S", 60.0)
+    killed: list[object] = []
+    monkeypatch.setattr(controller_module, "kill_for_good", lambda actors, _: killed.extend(actors))
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        replica.dead_checks = 10
+        rids = [f"moved-{i}" for i in range(5)]
+        resumes = [asyncio.create_task(controller.resume(request(r, 8), [7], 0)) for r in rids]
+        await until(lambda: replica.dead_checks == 5, "each resume checked the replica")
+        await asyncio.sleep(0.05)
+        assert not killed and "dead" not in controller.plane.metrics.counters
+        assert controller.replicas[0] is replica
+        for rid in rids:
+            await controller.abort(rid)
+        await asyncio.wait_for(asyncio.gather(*resumes), 5)
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_restarted_detached_controller_takes_the_replica_running_under_the_slots_name(
+    engine: Engine, target_dir: Path, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A detached cluster's replacement outlives the controller that started it: a restarted
+    controller, given the launcher's list, takes the replica named for the slot instead."""
+
+    async def run() -> None:
+        reports: list[ClusterController] = []
+        fresh = Engine.from_dirs(target_dir, num_blocks=NUM_BLOCKS)
+        named = LocalReplica(
+            ReplicaCore(fresh, 0, lambda r: asyncio.ensure_future(reports[0].report(r)))
+        )
+        launched = LocalReplica(ReplicaCore(engine, 0, lambda r: None))
+        monkeypatch.setattr(controller_module, "slot_occupants", lambda *_: (named, None))
+        controller = ClusterController(config, [launched], detached=True)
+        reports.append(controller)
+        await controller.ready()
+        assert controller.replicas[0] is named and named.snapshots and not launched.snapshots
+        binding = await controller.submit(request("here", 4))
+        assert binding.actor is named
+        assert await asyncio.wait_for(finish(named, "here"), 20) == "length"
+        await named.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_start_in_flight_when_the_last_door_leaves_is_stopped(
+    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last door stops the replicas it finds by name; one a start would name after that
+    must not outlive the cluster, so the door's leaving cancels the starts in flight."""
+    monkeypatch.setattr(controller_module, "HEALTH_PERIOD_S", 0.02)
+    monkeypatch.setattr(controller_module, "kill_for_good", lambda actors, _: None)
+    monkeypatch.setattr(controller_module, "slot_occupants", lambda *_: (None, None))
+    began = asyncio.Event()
+    ended: list[str] = []
+
+    async def start_replica(*_: object) -> tuple[LocalReplica, None]:
+        began.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            ended.append("cancelled")
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr("cluster.replica_launch.start_replica", start_replica)
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        assert await controller.attach("door")
+        replica.dead_checks = 10**6
+        await asyncio.wait_for(began.wait(), 10)
+        assert 0 in controller._starting
+        assert await controller.release("door")
+        await until(lambda: ended == ["cancelled"], "the start was cancelled")
+        assert not controller._starting and controller.replicas[0] is None
+        await asyncio.sleep(0.1)
+        assert not controller._starting  # and no other start
+        await replica.core.stop()
 
     asyncio.run(run())

@@ -91,16 +91,13 @@ class ClusterHandle:
         replicas: Sequence[ActorHandle | None],
         max_model_len: int,
         vocab_size: int,
-        groups: Sequence[PlacementGroup | None] = (),
         namespace: str | None = None,
     ) -> None:
-        """`replicas`: per slot, its replica (None: off, with autoscaling); `groups`: the
-        replicas' placement groups; `namespace`: the Ray namespace their names are in (None:
-        this job's)."""
+        """`replicas`: per slot, its replica (None: off, with autoscaling); `namespace`: the
+        Ray namespace their names (and their placement groups') are in (None: this job's)."""
         self.config = config
         self._controller = controller
         self._replicas = list(replicas)
-        self._groups = list(groups)
         self._namespace = namespace
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
@@ -322,10 +319,10 @@ class ClusterHandle:
         """Leave the cluster, ending this handle's requests. The last handle to leave stops
         it: the controller, then the replicas (open streams end); returns once their names
         are free of them, so a new cluster can launch on the same Ray instance. The replicas
-        are found by their slots' names (the controller may have started some since launch:
-        the autoscaler's, those in place of replicas dead for good; it starts none once the
-        last door left), else by the handles this door knows. A controller gone for good
-        was stopped by whoever replaced it, with its replicas."""
+        and their groups are found by their slots' names, as each is created: the controller
+        may have started some since launch (the autoscaler's, those in place of replicas dead
+        for good), and stopped the starts in flight when the last door left. A controller
+        gone for good was stopped by whoever replaced it, with its replicas."""
         if self._lease is not None:
             self._lease.cancel()
         try:
@@ -342,8 +339,7 @@ class ClusterHandle:
             grouped = self.config.num_gpus_per_replica > 0
             for i in range(self.config.slots):
                 actor, group = slot_occupants(i, self._namespace, grouped)
-                actor = actor or (self._replicas[i] if i < len(self._replicas) else None)
-                groups.append(group or (self._groups[i] if i < len(self._groups) else None))
+                groups.append(group)
                 if actor is not None:
                     actors[replica_name(i)] = actor
             await _stop(actors, groups, self._namespace)
@@ -424,9 +420,7 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
         **({"lifetime": "detached"} if detached else {}),
     )
     await controller.ready.remote()
-    handle = ClusterHandle(
-        config, controller, replicas, max_model_len, vocab_size, groups, namespace
-    )
+    handle = ClusterHandle(config, controller, replicas, max_model_len, vocab_size, namespace)
     await handle.attach()
     return handle
 
@@ -439,14 +433,13 @@ async def _reattach(config: ClusterConfig) -> ClusterHandle | None:
         if await controller.cluster_config.remote() != config:
             log.info("a cluster with another config is running; stopping it")
             return None
-        groups = await controller.placement_groups.remote()
         replicas = await controller.replica_handles.remote()
     except (ValueError, RayActorError):
         return None
     info = await _model_info(replicas)
     if info is None:
         return None
-    handle = ClusterHandle(config, controller, replicas, *info, groups, NAMESPACE)
+    handle = ClusterHandle(config, controller, replicas, *info, NAMESPACE)
     if not await handle.attach():
         return None
     log.info("attached to the running cluster (%d replicas)", sum(r is not None for r in replicas))

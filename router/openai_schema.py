@@ -58,9 +58,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_CHOICES = 128
 """Choices one request may ask for (prompts x n): OpenAI's cap on `n`."""
-PROMPTS_CHARS_CONTEXTS = 8
-"""A request's prompts together hold at most this many prompts' worth of characters: the door
-tokenizes on its event loop, which every stream shares (128 full prompts: about a second)."""
+PROMPTS_CHARS_PER_CONTEXT_TOKEN = 128
+"""A request's prompts together hold at most this many characters per context token: the
+door tokenizes them on its event loop, which every stream shares (262,144 characters, the
+demo's 2,048-token context's worth, took 110 ms), so the bound is the door's, whatever the
+vocabulary's longest token (each prompt is also held to what can fit)."""
 DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 """A plain decimal number (float() also takes "1_000", "nan" and "inf")."""
 HEADER_TTFT = "x-slo-ttft-ms"
@@ -480,7 +482,7 @@ def _prompts(
         raise BadRequest("prompt mixes strings and lists of token ids; give one kind", "prompt")
     if isinstance(prompt, list) and 0 < len(prompt) <= MAX_CHOICES:
         chars = sum(len(p) for p in prompt if isinstance(p, str))
-        limit = PROMPTS_CHARS_CONTEXTS * max_prompt_chars(ctx, codec)
+        limit = PROMPTS_CHARS_PER_CONTEXT_TOKEN * ctx.max_model_len
         if chars > limit:
             raise BadRequest(
                 f"the prompts have {chars} characters; together they may have at most {limit}",

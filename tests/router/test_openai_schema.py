@@ -234,6 +234,9 @@ def test_indented_code_longer_than_sixteen_characters_a_token_fits(
     too_long = {"role": "user", "content": " " * (limit + 1)}
     with pytest.raises(BadRequest, match=f"messages exceed {limit} characters"):
         parse(codec, ctx, {"model": "demo", "messages": [too_long]}, endpoint=Endpoint.CHAT)
+    # The prompts of one request together: the door's tokenizing budget, not the vocabulary's.
+    with pytest.raises(BadRequest, match="together they may have at most 262144"):
+        parse(codec, ctx, {"model": "demo", "prompt": [" " * 90_000] * 3})
 
 
 def test_logprobs_as_each_endpoint_asks_for_them(codec: TextCodec, ctx: SchemaContext) -> None:

@@ -90,7 +90,8 @@ class TextCodec:
     @cached_property
     def grammar_vocab(self) -> llguidance.LLTokenizer:
         """The vocabulary structured-output grammars are checked against, as a replica builds
-        it (a model without EOS cannot drive them there either); built on first use."""
+        it (a model without EOS cannot drive them there either); built on first use (the
+        front door's, at its start)."""
         return grammar_tokenizer(self.tokenizer, self.model_vocab, self.eos_token_ids)
 
     @property
@@ -103,8 +104,8 @@ class TextCodec:
     def max_token_chars(self) -> int:
         """The longest token as the vocabulary spells it: a byte-level piece is one byte, at
         most one character of text, so no token stands for more characters than its spelling
-        has (indented code's whitespace tokens can have dozens; a normalizer that drops
-        characters, as BERT's, is the exception)."""
+        has (indented code's whitespace tokens can have dozens; a normalizer that drops or
+        composes characters, as BERT's or NFC, is the exception)."""
         return max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
 
     def token_text(self, token_id: int) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -84,8 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OptionError as exc:
         raise SystemExit(f"{prog}: error: {exc}") from None
     except KeyboardInterrupt:
+        # Said once, then dying of the signal, as a shell loop around the command expects.
         print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise
 
 
 if __name__ == "__main__":

@@ -300,7 +300,12 @@ def test_ctrl_c_stops_searches_in_worker_processes_at_once() -> None:
     command += ["--scenario", "coder,chatbot", "--policies", "slos,vllm", "--duration", "3000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        command,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=_as_from_a_terminal,
     )
     try:
         for _ in range(600):  # until both workers have started, leaving SIGINT to the command
@@ -325,6 +330,12 @@ def _pool_workers(pid: int) -> list[str]:
     tracker)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [c for c in children if b"spawn_main" in _cmdline(c)]
+
+
+def _as_from_a_terminal() -> None:
+    """SIGINT as a terminal leaves it: a test run in the background (a CI job started with
+    `&`) ignores it, and so would the command, Python keeping an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _ignores_sigint(pid: str) -> bool:

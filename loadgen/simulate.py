@@ -1343,6 +1343,10 @@ def _run_jobs(
             with context.Pool(min(workers, len(jobs)), _ignore_ctrl_c) as pool:
                 for i, result in pool.imap_unordered(_indexed, items):
                     done(i, result)
+                # All done: the workers end on their own. Terminating them, the way out on
+                # Ctrl-C or a failure, leaves a resource-tracker warning about semaphores.
+                pool.close()
+                pool.join()
     return [results[i] for i in range(len(jobs))]
 
 

@@ -292,6 +292,19 @@ def test_searches_in_worker_processes_give_the_same_results(tmp_path: Path) -> N
     assert parallel == serial
 
 
+def test_searches_in_worker_processes_end_without_a_warning() -> None:
+    """A run whose searches all finish lets its workers end on their own: terminated, they
+    left "leaked semaphore objects" to the resource tracker's warning after the table."""
+    command = [sys.executable, "-m", "loadgen.cli", "simulate", "--capacity", "--jobs", "2"]
+    command += ["--scenario", "coder", "--policies", "slos,vllm", "--duration", "20"]
+    command += ["--rel-tol", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "| coder | 1 |" in out.stdout
+    assert "leaked" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_ctrl_c_stops_searches_in_worker_processes_at_once() -> None:
     """Ctrl-C (SIGINT to the terminal's process group) ends `simulate --jobs 2` and its
     workers within seconds, saying so without a traceback, by the signal (so a shell loop

@@ -514,7 +514,7 @@ def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
 
 
-def max_prompt_chars(ctx: SchemaContext, codec: Codec) -> int:
+def _max_prompt_chars(ctx: SchemaContext, codec: Codec) -> int:
     """The most characters a text that fits the context can have: longer ones are refused
     unread, before the door's event loop spends time tokenizing them."""
     return ctx.max_model_len * codec.max_token_chars
@@ -523,7 +523,7 @@ def max_prompt_chars(ctx: SchemaContext, codec: Codec) -> int:
 def _encode(text: str, where: str, ctx: SchemaContext, codec: Codec) -> list[int]:
     if not text:
         raise BadRequest(f"{where} must not be empty", "prompt")
-    limit = max_prompt_chars(ctx, codec)
+    limit = _max_prompt_chars(ctx, codec)
     if len(text) > limit:
         raise BadRequest(
             f"{where} has {len(text)} characters; at most {limit} can fit the "
@@ -558,18 +558,17 @@ def _chat_text(
             "chat_template_kwargs",
         )
     options = ChatOptions(add, continued, kwargs or {})
-    messages = _messages(body.get("messages"), max_prompt_chars(ctx, codec), ctx.max_model_len)
-    return codec.render_chat(messages, tools, options)
+    return codec.render_chat(_messages(body.get("messages"), ctx, codec), tools, options)
 
 
-def _messages(raw: object, max_chars: int, max_model_len: int) -> list[dict[str, Any]]:
+def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: an assistant's tool calls with their
     arguments as objects (as HF templates read them), a tool message with the call it
     answers."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty list", "messages")
     messages: list[dict[str, Any]] = []
-    total = 0
+    total, limit = 0, _max_prompt_chars(ctx, codec)
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -605,10 +604,10 @@ def _messages(raw: object, max_chars: int, max_model_len: int) -> list[dict[str,
         elif m.get("tool_call_id") is not None:
             raise BadRequest(f"{where}: only tool messages take a tool_call_id", where)
         total += len(message["content"]) + sum(len(str(c)) for c in calls or ())
-        if total > max_chars:
+        if total > limit:
             raise BadRequest(
-                f"messages exceed {max_chars} characters; they cannot fit the "
-                f"{max_model_len}-token context",
+                f"messages exceed {limit} characters; they cannot fit the "
+                f"{ctx.max_model_len}-token context",
                 "messages",
             )
         messages.append(message)

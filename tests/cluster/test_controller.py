@@ -153,11 +153,25 @@ def config(target_dir: Path, profile_path: Path, monkeypatch: pytest.MonkeyPatch
     )
 
 
+@pytest.fixture
+def killed(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The actors the controller kills for good, recorded instead (there is no Ray here)."""
+    actors: list[object] = []
+    monkeypatch.setattr(controller_module, "kill_for_good", lambda a, _: actors.extend(a))
+    return actors
+
+
+def reporting(engine: Engine, reports: list[ClusterController]) -> LocalReplica:
+    """A replica on `engine` whose reports the controller in `reports` folds in as they come
+    (put there once built: a controller takes its replicas when it is made)."""
+    core = ReplicaCore(engine, 0, lambda r: asyncio.ensure_future(reports[0].report(r)))
+    return LocalReplica(core)
+
+
 def start(engine: Engine, config: ClusterConfig) -> tuple[ClusterController, LocalReplica]:
     """A controller and its replica on the running loop, reports folded in as they come."""
     reports: list[ClusterController] = []
-    core = ReplicaCore(engine, 0, lambda r: asyncio.ensure_future(reports[0].report(r)))
-    replica = LocalReplica(core)
+    replica = reporting(engine, reports)
     controller = ClusterController(config, [replica])
     reports.append(controller)
     return controller, replica
@@ -615,6 +629,7 @@ def test_a_replica_dead_for_good_is_replaced_and_its_request_resumes_on_the_new_
     target_dir: Path,
     config: ClusterConfig,
     monkeypatch: pytest.MonkeyPatch,
+    killed: list[object],
     scaled: bool,
 ) -> None:
     """Calls failing as dead (Ray's `ActorDiedError`) DEAD_CHECKS health checks in a row:
@@ -628,8 +643,6 @@ def test_a_replica_dead_for_good_is_replaced_and_its_request_resumes_on_the_new_
     monkeypatch.setattr(controller_module, "HEALTH_PERIOD_S", 0.02)
     monkeypatch.setattr(controller_module, "SCALE_PERIOD_S", 0.02)
     monkeypatch.setattr(controller_module, "START_RETRY_S", 0.2)
-    killed: list[object] = []
-    monkeypatch.setattr(controller_module, "kill_for_good", lambda actors, _: killed.extend(actors))
     starts: list[LocalReplica | None] = []
     started_at: list[float] = []
 
@@ -645,9 +658,7 @@ def test_a_replica_dead_for_good_is_replaced_and_its_request_resumes_on_the_new_
             if not starts:  # the first start fails
                 starts.append(None)
                 raise RuntimeError("no resources")
-            fresh = Engine.from_dirs(target_dir, num_blocks=NUM_BLOCKS)
-            core = ReplicaCore(fresh, 0, lambda r: asyncio.ensure_future(controller.report(r)))
-            new = LocalReplica(core)
+            new = reporting(Engine.from_dirs(target_dir, num_blocks=NUM_BLOCKS), [controller])
             starts.append(new)
             return new, None
 
@@ -677,14 +688,12 @@ def test_a_replica_dead_for_good_is_replaced_and_its_request_resumes_on_the_new_
 
 
 def test_the_checks_resumes_make_at_once_do_not_count_toward_dead_for_good(
-    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch, killed: list[object]
 ) -> None:
     """Every resume checks the failed replica when no other is up; five at once used to
     count five dead checks in an instant, so a crash Ray restarts could be taken for dead for
     good. Only the health loop counts, once a period."""
     monkeypatch.setattr(controller_module, "HEALTH_PERIOD_S", 60.0)
-    killed: list[object] = []
-    monkeypatch.setattr(controller_module, "kill_for_good", lambda actors, _: killed.extend(actors))
 
     async def run() -> None:
         controller, replica = start(engine, config)
@@ -712,10 +721,7 @@ def test_a_restarted_detached_controller_takes_the_replica_running_under_the_slo
 
     async def run() -> None:
         reports: list[ClusterController] = []
-        fresh = Engine.from_dirs(target_dir, num_blocks=NUM_BLOCKS)
-        named = LocalReplica(
-            ReplicaCore(fresh, 0, lambda r: asyncio.ensure_future(reports[0].report(r)))
-        )
+        named = reporting(Engine.from_dirs(target_dir, num_blocks=NUM_BLOCKS), reports)
         launched = LocalReplica(ReplicaCore(engine, 0, lambda r: None))
         monkeypatch.setattr(controller_module, "slot_occupants", lambda *_: (named, None))
         controller = ClusterController(config, [launched], detached=True)
@@ -730,13 +736,13 @@ def test_a_restarted_detached_controller_takes_the_replica_running_under_the_slo
     asyncio.run(run())
 
 
+@pytest.mark.usefixtures("killed")
 def test_a_start_in_flight_when_the_last_door_leaves_is_stopped(
     engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The last door stops the replicas it finds by name; one a start would name after that
     must not outlive the cluster, so the door's leaving cancels the starts in flight."""
     monkeypatch.setattr(controller_module, "HEALTH_PERIOD_S", 0.02)
-    monkeypatch.setattr(controller_module, "kill_for_good", lambda actors, _: None)
     monkeypatch.setattr(controller_module, "slot_occupants", lambda *_: (None, None))
     began = asyncio.Event()
     ended: list[str] = []

@@ -292,14 +292,17 @@ def test_searches_in_worker_processes_give_the_same_results(tmp_path: Path) -> N
     assert parallel == serial
 
 
+PARALLEL = [sys.executable, "-m", "loadgen.cli", "simulate", "--capacity", "--jobs", "2"]
+"""`slos-serve simulate` searching in two worker processes, as a user starts it."""
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def test_searches_in_worker_processes_end_without_a_warning() -> None:
     """A run whose searches all finish lets its workers end on their own: terminated, they
     left "leaked semaphore objects" to the resource tracker's warning after the table."""
-    command = [sys.executable, "-m", "loadgen.cli", "simulate", "--capacity", "--jobs", "2"]
-    command += ["--scenario", "coder", "--policies", "slos,vllm", "--duration", "20"]
+    command = [*PARALLEL, "--scenario", "coder", "--policies", "slos,vllm", "--duration", "20"]
     command += ["--rel-tol", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(command, env=ONE_THREAD, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "| coder | 1 |" in out.stdout
     assert "leaked" not in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -309,12 +312,11 @@ def test_ctrl_c_stops_searches_in_worker_processes_at_once() -> None:
     """Ctrl-C (SIGINT to the terminal's process group) ends `simulate --jobs 2` and its
     workers within seconds, saying so without a traceback, by the signal (so a shell loop
     around it stops too); it used to wait for every queued search, minutes here."""
-    command = [sys.executable, "-m", "loadgen.cli", "simulate", "--capacity", "--jobs", "2"]
-    command += ["--scenario", "coder,chatbot", "--policies", "slos,vllm", "--duration", "3000"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [*PARALLEL, "--scenario", "coder,chatbot", "--policies", "slos,vllm"]
+    command += ["--duration", "3000"]
     proc = subprocess.Popen(
         command,
-        env=env,
+        env=ONE_THREAD,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -40,10 +40,9 @@ async def build_front_door(
     and the API keys (the launch checks the profile and the draft first): a bad one stops the
     start before the cluster, not after every replica loaded its model."""
     codec = TextCodec.from_dir(config.cluster.model)
-    if codec.eos_token_ids:  # else none can be built; about a second at a 128k vocabulary
-        # Built now, off the loop: structured output and log-probabilities' bytes need it,
-        # and the first such request built it on the loop every stream shares.
-        await asyncio.to_thread(lambda: codec.grammar_vocab)
+    # Built now, off the loop (about a second at a 128k vocabulary): structured output and
+    # log-probabilities' bytes need it, and the first such request built it on the loop.
+    await asyncio.to_thread(lambda: codec.byte_vocab)
     tiers, default_slo = config.slos(codec)
     keys = ApiKeys.load(config.api_keys_file)
     handle = await cluster.launch(config.cluster, detached=detached)

@@ -90,8 +90,7 @@ class TextCodec:
     @cached_property
     def grammar_vocab(self) -> llguidance.LLTokenizer:
         """The vocabulary structured-output grammars are checked against, as a replica builds
-        it (a model without EOS cannot drive them there either); built on first use (the
-        front door's, at its start)."""
+        it (a model without EOS cannot drive them there either); built on first use."""
         return grammar_tokenizer(self.tokenizer, self.model_vocab, self.eos_token_ids)
 
     @property
@@ -113,13 +112,19 @@ class TextCodec:
         a piece of a multi-byte character decodes to U+FFFD)."""
         return self.decode([token_id], skip_special_tokens=False)
 
+    @cached_property
+    def byte_vocab(self) -> llguidance.LLTokenizer | None:
+        """The grammar vocabulary, which holds each token's bytes; None for a model without
+        EOS, which has none. The front door builds it at its start, off its loop."""
+        return self.grammar_vocab if self.eos_token_ids else None
+
     def token_bytes(self, token_id: int) -> bytes:
-        """One token's own bytes for log-probabilities, as the grammar vocabulary holds them
-        (a special token's name; the text's bytes for a model without EOS, which has no
-        grammar vocabulary)."""
-        if not self.eos_token_ids or self.grammar_vocab.is_special_token(token_id):
+        """One token's own bytes for log-probabilities (a special token's name; the text's
+        bytes without a `byte_vocab`)."""
+        vocab = self.byte_vocab
+        if vocab is None or vocab.is_special_token(token_id):
             return self.token_text(token_id).encode()
-        return bytes(self.grammar_vocab.decode_bytes([token_id]))
+        return bytes(vocab.decode_bytes([token_id]))
 
     def render_chat(
         self,

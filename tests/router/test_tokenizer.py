@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,6 +39,8 @@ def test_the_bytes_of_a_characters_pieces_join_into_it(codec: TextCodec) -> None
     assert [codec.token_text(t) for t in ids].count(REPLACEMENT_CHAR) >= 4
     assert b"".join(codec.token_bytes(t) for t in ids).decode() == "中文😀é"
     assert codec.token_bytes(codec.eos_token_ids[0]) == b"<|endoftext|>"
+    no_eos = dataclasses.replace(codec, eos_token_ids=())  # no grammar vocabulary to ask
+    assert no_eos.byte_vocab is None and no_eos.token_bytes(ids[0]) == REPLACEMENT_CHAR.encode()
 
 
 def test_eos_is_not_text(codec: TextCodec) -> None:

@@ -387,14 +387,17 @@ class Engine:
         draft_s = drafting.seconds + self._draft_prefill(works)
         seqs = [self._forward_seq(w) for w in works]
         target_start = time.perf_counter()
-        logits = self.target.forward(seqs) if seqs else torch.empty(0)
+        logits, failed = self._forward(works, seqs)
         self._settle()
         target_s = time.perf_counter() - target_start
         # One argmax for the whole batch: greedy requests need nothing else.
-        choices = logits.argmax(dim=-1).tolist() if seqs else []
+        choices = logits.argmax(dim=-1).tolist() if len(logits) else []
         outcomes = []
         row = 0
-        for w, fs in zip(works, seqs, strict=True):
+        for i, (w, fs) in enumerate(zip(works, seqs, strict=True)):
+            if i in failed:
+                outcomes.append(self._abort_entry(w.seq))
+                continue
             rows = slice(row, row + fs.num_logits)
             try:
                 outcomes.append(self._finish_entry(w, logits[rows], choices[rows]))
@@ -763,9 +766,47 @@ class Engine:
         if not chunks:
             return 0.0
         start = time.perf_counter()
-        self.draft.prefill(chunks)
-        self._settle()
+        cached = [self.draft.cache.num_tokens(rid) for rid, _ in chunks]
+        try:
+            self.draft.prefill(chunks)
+            self._settle()
+        except Exception:
+            log.exception("the draft's prefill failed; its requests' drafts catch up later")
+            for (rid, _), n in zip(chunks, cached, strict=True):
+                self.draft.rollback(rid, n)
         return time.perf_counter() - start
+
+    def _forward(self, works: list[_Work], seqs: list[ForwardSeq]) -> tuple[torch.Tensor, set[int]]:
+        """The target's logits for `seqs`, and the indices of the sequences it could not run.
+        A fault in the batched forward (a GPU out of memory at this batch's size, a kernel
+        failing on one request's shape) is retried with each sequence alone, so that only the
+        requests whose own forward fails lose their step: a sequence run again writes the same
+        KV into the same slots. Not in a tensor-parallel group, whose other ranks may be
+        waiting in the failed batch's collectives."""
+        if not seqs:
+            return torch.empty(0), set()
+        try:
+            return self.target.forward(seqs), set()
+        except Exception:
+            if self.target.tp is not None:
+                raise
+            log.exception(
+                "the target's forward failed for %d requests; running each alone", len(seqs)
+            )
+        if self.target.device.type == "cuda":
+            torch.cuda.empty_cache()
+        parts = []
+        failed = set()
+        for i, (w, fs) in enumerate(zip(works, seqs, strict=True)):
+            try:
+                parts.append(self.target.forward([fs]))
+            except Exception:
+                log.exception(
+                    "request %s: the target's forward fails for it alone; ending it as aborted",
+                    w.seq.request.request_id,
+                )
+                failed.add(i)
+        return (torch.cat(parts) if parts else torch.empty(0)), failed
 
     def _settle(self) -> None:
         """Wait for the GPU's queued kernels, so a timed part of the step counts its own work

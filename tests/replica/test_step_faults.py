@@ -1,7 +1,7 @@
-"""A fault in one request's own part of a step (its sampling, its drafts) stays its own: the
-requests batched with it get the tokens they get without it. The fault is injected into the
-real engine by wrapping `token_probs` so that it raises for one request's temperature, as a
-bug reached by one request's parameters would."""
+"""A fault in one request's own part of a step (its sampling, its drafts, its forward) stays
+its own: the requests batched with it get the tokens they get without it. Faults are injected
+into the real engine by wrapping `token_probs` so that it raises for one request's temperature,
+as a bug reached by one request's parameters would, or the runners' `forward`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import replica.engine
 import replica.spec.draft
 from replica.batch import BatchPlan, DecodeStep, FinishReason, PrefillChunk
 from replica.engine import Engine, StepFailed
-from replica.model_runner import ModelRunner
+from replica.model_runner import ForwardSeq, ModelRunner
 from replica.request import Request, SamplingParams, Tier
 from replica.sampling import token_probs
 
@@ -99,6 +99,34 @@ def _reference(
     return outputs
 
 
+def _check_culprit_ended_alone(
+    engine: Engine,
+    outputs: dict[str, list[int]],
+    reasons: dict[str, FinishReason | None],
+    reference: dict[str, list[int]],
+    at: int,
+) -> None:
+    """The culprit ended aborted with the tokens of the steps before its fault at step
+    `at`, the others with their own outputs; once all are released, no KV is held."""
+    assert reasons == {
+        "r0": FinishReason.LENGTH,
+        "r1": FinishReason.LENGTH,
+        "r2": FinishReason.ABORT,
+    }
+    assert outputs["r2"] == reference["r2"][: at - 1]
+    assert outputs["r0"] == reference["r0"] and outputs["r1"] == reference["r1"]
+    _release_all(engine, list(reasons))
+
+
+def _release_all(engine: Engine, request_ids: list[str]) -> None:
+    """Release the requests: both caches must then be wholly free."""
+    for rid in request_ids:
+        engine.abort(rid)
+    assert engine.num_free_blocks == engine.cache.num_blocks
+    assert engine.draft is not None
+    assert engine.draft.cache.num_free_blocks == engine.draft.cache.num_blocks
+
+
 @pytest.mark.parametrize("at", [1, 2], ids=["at-its-prefill", "at-its-first-verify"])
 def test_a_request_whose_sampling_fails_ends_alone(
     runners: tuple[ModelRunner, ModelRunner],
@@ -122,18 +150,7 @@ def test_a_request_whose_sampling_fails_ends_alone(
     outputs, reasons, _ = _batched(
         engine, _requests(prompts, CULPRIT_TEMPERATURE), K, culprit_freed_once_ended
     )
-    assert reasons == {
-        "r0": FinishReason.LENGTH,
-        "r1": FinishReason.LENGTH,
-        "r2": FinishReason.ABORT,
-    }
-    assert outputs["r2"] == reference["r2"][: at - 1]
-    assert outputs["r0"] == reference["r0"] and outputs["r1"] == reference["r1"]
-    for rid in reasons:
-        engine.abort(rid)
-    assert engine.num_free_blocks == engine.cache.num_blocks
-    assert engine.draft is not None
-    assert engine.draft.cache.num_free_blocks == engine.draft.cache.num_blocks
+    _check_culprit_ended_alone(engine, outputs, reasons, reference, at)
 
 
 def test_a_request_whose_drafting_fails_leaves_its_step_without_drafts(
@@ -165,23 +182,139 @@ def test_a_request_whose_drafting_fails_leaves_its_step_without_drafts(
     assert drafts[0] == 0 and sum(drafts[1:]) > 0
 
 
+def _failing_forward(
+    runner: ModelRunner,
+    monkeypatch: pytest.MonkeyPatch,
+    fails: Callable[[int, list[ForwardSeq]], bool],
+) -> None:
+    """`runner.forward` raises on its n-th call (from 1) with `seqs` when `fails(n, seqs)`."""
+    forward = runner.forward
+    calls = 0
+
+    def failing(seqs: list[ForwardSeq]) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if fails(calls, seqs):
+            raise RuntimeError("out of memory at this batch's size")
+        return forward(seqs)
+
+    monkeypatch.setattr(runner, "forward", failing)
+
+
+def test_a_batch_whose_forward_fails_runs_each_request_alone(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The target's batched forward fails once, at the prefill and again at a verify with
+    drafts in flight (as a GPU out of memory at that batch's size): each request runs alone
+    in that step, and every request gets its own output."""
+    reference = _reference(runners, prompts)
+    _failing_forward(runners[0], monkeypatch, lambda n, seqs: n in (1, 5) and len(seqs) > 1)
+    engine = Engine(*runners, proposer="draft")
+    outputs, reasons, drafts = _batched(
+        engine, _requests(prompts, CULPRIT_TEMPERATURE), K, _nothing
+    )
+    assert set(reasons.values()) == {FinishReason.LENGTH}
+    assert outputs == reference
+    assert drafts[0] > 0
+
+
+@pytest.mark.parametrize("at", [1, 2], ids=["at-its-prefill", "at-its-first-verify"])
+def test_a_request_whose_forward_fails_alone_ends_alone(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    at: int,
+) -> None:
+    """The target's forward fails whenever the culprit's sequence is in it, from its `at`-th
+    step: the culprit ends aborted with its tokens before the fault, its KV freed in both
+    caches; the others get their own outputs."""
+    reference = _reference(runners, prompts)
+    engine = Engine(*runners, proposer="draft")
+    steps = 0
+
+    def counted(engine: Engine) -> None:
+        nonlocal steps
+        steps += 1
+
+    def culprit_in(n: int, seqs: list[ForwardSeq]) -> bool:
+        table = engine.cache.block_table("r2") if engine.has_request("r2") else []
+        return steps + 1 >= at and any(s.block_table[:1] == table[:1] for s in seqs)
+
+    _failing_forward(runners[0], monkeypatch, culprit_in)
+    outputs, reasons, _ = _batched(engine, _requests(prompts, CULPRIT_TEMPERATURE), K, counted)
+    assert engine.draft is not None
+    assert engine.cache.num_tokens("r2") == engine.draft.cache.num_tokens("r2") == 0
+    _check_culprit_ended_alone(engine, outputs, reasons, reference, at)
+
+
+def test_a_draft_prefill_that_fails_leaves_the_drafts_to_catch_up(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The draft's forward fails at its first call, the prompts' draft prefill: the draft
+    cache keeps nothing of it, the requests still get their own outputs, and their first
+    decodes draft from the whole context."""
+    reference = _reference(runners, prompts)
+    _failing_forward(runners[1], monkeypatch, lambda n, seqs: n == 1)
+    engine = Engine(*runners, proposer="draft")
+    cached = []
+
+    def draft_cached(engine: Engine) -> None:
+        assert engine.draft is not None
+        cached.append([engine.draft.cache.num_tokens(f"r{i}") for i in range(3)])
+
+    outputs, reasons, drafts = _batched(
+        engine, _requests(prompts, CULPRIT_TEMPERATURE), K, draft_cached
+    )
+    assert cached[0] == [0, 0, 0]
+    assert set(reasons.values()) == {FinishReason.LENGTH}
+    assert outputs == reference
+    assert drafts[0] > 0
+
+
+def test_a_forward_that_always_fails_ends_its_requests_and_frees_their_kv(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No request's forward runs, alone or batched: the step ends them all as aborted (not
+    a failed step: the engine knows where every request stands) with no KV left."""
+    _failing_forward(runners[0], monkeypatch, lambda n, seqs: True)
+    engine = Engine(*runners, proposer="draft")
+    requests = _requests(prompts, CULPRIT_TEMPERATURE)
+    for r in requests:
+        engine.add_request(r)
+    outcome = engine.step(
+        BatchPlan(tuple(PrefillChunk(r.request_id, r.prompt_len) for r in requests))
+    )
+    assert {o.request_id: o.finish_reason for o in outcome.outcomes} == {
+        r.request_id: FinishReason.ABORT for r in requests
+    }
+    assert all(not o.new_token_ids for o in outcome.outcomes)
+    _release_all(engine, [r.request_id for r in requests])
+
+
 def test_a_value_error_once_the_step_runs_is_not_a_refusal(
     runners: tuple[ModelRunner, ModelRunner],
     prompts: list[list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A replica takes a ValueError from a step for "refused, nothing changed" and waits for
-    the next plan; one from the forward pass comes after KV was reserved, so it must fail the
-    step instead."""
+    the next plan; one raised after the plan began to run (here, as a request's KV grows)
+    must fail the step instead."""
     engine = Engine(*runners, proposer="draft")
     request = _requests(prompts, CULPRIT_TEMPERATURE)[0]
     engine.add_request(request)
 
-    def forward(seqs: object) -> torch.Tensor:
-        raise ValueError("a shape the kernels do not take")
+    def append(request_id: str, num_tokens: int) -> None:
+        raise ValueError("a block table out of step")
 
-    monkeypatch.setattr(runners[0], "forward", forward)
-    with pytest.raises(StepFailed, match="after it began: a shape") as info:
+    monkeypatch.setattr(engine.cache, "append", append)
+    with pytest.raises(StepFailed, match="after it began: a block table") as info:
         engine.step(BatchPlan((PrefillChunk(request.request_id, request.prompt_len),)))
     assert not isinstance(info.value, ValueError)
+    monkeypatch.undo()
     engine.abort(request.request_id)

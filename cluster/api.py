@@ -129,4 +129,8 @@ class ClusterStatus:
     """The replica count the autoscaler aims at (0: no autoscaler; `replicas` lists the
     replicas up, draining ones included)."""
     starting: int = 0
-    """Replicas the autoscaler is starting (loading their model)."""
+    """Replicas being started (loading their model): the autoscaler's, or in the slot of one
+    dead for good."""
+    start_error: str = ""
+    """Why the last replica start failed, until one succeeds (empty: none failed); a failed
+    start is tried again (cluster.controller.START_RETRY_S)."""

@@ -182,6 +182,9 @@ class ClusterController:
         """Draining replicas that hold nothing, since when."""
         self._start_failed = -math.inf
         """When a replica last failed to start (monotonic)."""
+        self._start_error = ""
+        """Why the last start failed, until a start succeeds: the operator's answer to a
+        slot that stays empty."""
         self._died: dict[int, int] = {}
         """Per slot, the health checks in a row its replica failed as dead."""
         self._waiters: dict[str, asyncio.Future[Binding]] = {}
@@ -750,12 +753,15 @@ class ClusterController:
             self.replicas[slot], self.groups[slot] = actor, group
             await actor.info.remote()
             del self._starting[slot]
+            self._start_error = ""
             await self._sync(slot)
         except asyncio.CancelledError:
             self._stop_slot(slot)
             raise
-        except Exception:  # a replica that cannot start must not hold its slot
+        except Exception as exc:  # a replica that cannot start must not hold its slot
             log.exception("starting replica %d failed", slot)
+            self.plane.metrics.inc("start_failed")
+            self._start_error = f"replica {slot}: {type(exc).__name__}: {exc}"
             self._start_failed = time.monotonic()
             self._starting.pop(slot, None)
             self._stop_slot(slot)
@@ -832,6 +838,7 @@ class ClusterController:
             scheduler=self.config.scheduler.value,
             target_replicas=self.autoscaler.target if self.autoscaler is not None else 0,
             starting=len(self._starting),
+            start_error=self._start_error,
         )
 
     async def replica_handles(self) -> list[ActorHandle | None]:

@@ -485,6 +485,7 @@ def status_from_proto(status: pb.ClusterStatus) -> ClusterStatus:
         scheduler=status.scheduler,
         target_replicas=status.target_replicas,
         starting=status.starting,
+        start_error=status.start_error,
     )
 
 

@@ -259,6 +259,7 @@ def status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
         scheduler=status.scheduler,
         target_replicas=status.target_replicas,
         starting=status.starting,
+        start_error=status.start_error,
     )
 
 

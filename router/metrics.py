@@ -96,6 +96,12 @@ CONTROLLER_COUNTERS = {
         "slot: at once in a fixed-size cluster, as its target needs in an autoscaled one.",
         1.0,
     ),
+    "start_failed": (
+        "replica_start_failures",
+        "Replica starts that failed (a model folder gone, a device held, no resources): "
+        "tried again every 30 s, the last one's error in the cluster status's start_error.",
+        1.0,
+    ),
     "declined": (
         "requests_declined",
         "SLO requests no replica could guarantee within the route limit (then served "

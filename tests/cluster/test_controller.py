@@ -671,12 +671,17 @@ def test_a_replica_dead_for_good_is_replaced_and_its_request_resumes_on_the_new_
             assert not killed and not starts and controller.plane.replicas[0].alive
         replica.dead_checks = 10**6
         await until(lambda: killed == [replica], "the dead replica was stopped")
+        counters = controller.plane.metrics.counters
+        await until(lambda: counters.get("start_failed") == 1, "the first start failed")
+        assert (await controller.status()).start_error == "replica 0: RuntimeError: no resources"
         await until(lambda: len(starts) == 2, "a second start, once the first failed")
         assert started_at[1] - started_at[0] >= controller_module.START_RETRY_S
         new = starts[1]
         assert new is not None
         await until(lambda: controller.replicas[0] is new, "the new replica took the slot")
         await until(lambda: controller.plane.replicas[0].alive, "the new replica's mirror")
+        assert (await controller.status()).start_error == ""
+        assert counters["start_failed"] == 1
         binding = await asyncio.wait_for(controller.resume(request("moved", 8), [7], 0), 20)
         assert binding.replica == 0 and binding.actor is new
         assert await asyncio.wait_for(finish(new, "moved"), 20) == "length"

@@ -275,7 +275,9 @@ def test_final_and_status_round_trip() -> None:
     status = ClusterStatus("demo", (replica,), {"admitted": 4}, scheduler="sarathi")
     assert status_from_proto(status_to_proto(status)) == status  # as HTTP reports it
     draining = ReplicaStatus(1, True, 1, 0, 0, 1, 0.1, draining=True)
-    scaled = ClusterStatus("demo", (replica, draining), target_replicas=1, starting=2)
+    scaled = ClusterStatus(
+        "demo", (replica, draining), target_replicas=1, starting=2, start_error="replica 1: OSError"
+    )
     assert status_from_proto(status_to_proto(scaled)) == scaled
 
 

@@ -291,7 +291,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, replica: _Optional[int] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., admitted: _Optional[int] = ..., best_effort: _Optional[int] = ..., kv_usage: _Optional[float] = ..., calibration: _Optional[_Mapping[str, float]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "replicas", "counters", "scheduler", "target_replicas", "starting")
+    __slots__ = ("model", "replicas", "counters", "scheduler", "target_replicas", "starting", "start_error")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -305,10 +305,12 @@ class ClusterStatus(_message.Message):
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STARTING_FIELD_NUMBER: _ClassVar[int]
+    START_ERROR_FIELD_NUMBER: _ClassVar[int]
     model: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     counters: _containers.ScalarMap[str, int]
     scheduler: str
     target_replicas: int
     starting: int
-    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., scheduler: _Optional[str] = ..., target_replicas: _Optional[int] = ..., starting: _Optional[int] = ...) -> None: ...
+    start_error: str
+    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., scheduler: _Optional[str] = ..., target_replicas: _Optional[int] = ..., starting: _Optional[int] = ..., start_error: _Optional[str] = ...) -> None: ...

@@ -215,6 +215,7 @@ def test_optional_objects_render_and_validate(
         "Service",
         "Service",
         "Service",
+        "Service",
         "ServiceMonitor",
     ]
     for obj in objects:
@@ -223,22 +224,41 @@ def test_optional_objects_render_and_validate(
     rayservice = one(objects, "RayService")
     assert list(rayservice_validator.iter_errors(rayservice)) == []
 
-    metrics = one(objects, "Service", "-metrics")
     monitor = one(objects, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    assert (
-        monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
-    )
-    (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["port"] in {p["name"] for p in metrics["spec"]["ports"]}
-
-    policy_ports = {
-        p["port"]
-        for rule in one(objects, "NetworkPolicy")["spec"]["ingress"]
-        for p in rule.get("ports", [])
+    selector = monitor["spec"]["selector"]
+    (components,) = selector["matchExpressions"]
+    scraped = {}
+    for component in components["values"]:
+        (service,) = [
+            o
+            for o in objects
+            if o["kind"] == "Service"
+            and o["metadata"]["labels"]["app.kubernetes.io/component"] == component
+        ]
+        labels = service["metadata"]["labels"]
+        assert selector["matchLabels"].items() <= labels.items()
+        assert (components["key"], components["operator"]) == ("app.kubernetes.io/component", "In")
+        ((name, port),) = [(p["name"], p) for p in service["spec"]["ports"]]
+        scraped[name] = (port, service["spec"]["selector"])
+    assert {e["port"]: e["path"] for e in monitor["spec"]["endpoints"]} == {
+        "metrics": "/metrics",
+        "door-metrics": "/metrics",
     }
+    # Ray's metrics on every pod; the front door's (slos_serve:*) on the head pod's Serve
+    # port only, where the one front door runs: through every pod it would count twice.
+    port, pods = scraped["metrics"]
+    assert port["targetPort"] == "metrics" and "ray.io/node-type" not in pods
+    port, pods = scraped["door-metrics"]
+    assert (port["port"], port["targetPort"]) == (8000, "serve")
+    assert pods["ray.io/node-type"] == "head"
+
+    rules = one(objects, "NetworkPolicy")["spec"]["ingress"]
+    policy_ports = {p["port"] for rule in rules for p in rule.get("ports", [])}
     assert {8000, 50051, 8265, 8080} <= policy_ports
+    (prometheus,) = [r for r in rules if "monitoring" in str(r.get("from"))]
+    assert {p["port"] for p in prometheus["ports"]} == {8080, 8000}
 
 
 def test_api_keys_secret_is_mounted_where_the_app_reads_it(render: Render) -> None:
@@ -398,8 +418,9 @@ def test_names_fit_kuberay_and_kubernetes(render: Render) -> None:
     (service,) = [o for o in objects if o["kind"] == "RayService"]
     assert service["metadata"]["name"] == "x" * 47
     names = {o["metadata"]["name"] for o in objects}
-    assert {"x" * 47 + suffix for suffix in ("-http", "-grpc", "-workers", "-metrics")} <= names
-    assert max(len(name) for name in names) == 55
+    suffixes = ("-http", "-grpc", "-workers", "-metrics", "-door-metrics")
+    assert {"x" * 47 + suffix for suffix in suffixes} <= names
+    assert max(len(name) for name in names) == 60
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@
 The fullname is capped at 47 characters, the longest RayService name KubeRay takes
 (MaxRayServiceNameLength: it names the RayCluster after it with 6 more, and that cluster's
 Services with up to 10 more, in 63); the suffixed names here (-http, -grpc, -metrics,
--workers) fit too.
+-door-metrics, -workers) fit too.
 */}}
 {{- define "slos-serve.fullname" -}}
 {{- if .Values.fullnameOverride }}

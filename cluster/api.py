@@ -10,10 +10,14 @@ Token ids only: the router tokenizes and detokenizes, the cluster never needs a 
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from replica.batch import TokenLogprob
+from replica.planner.deadlines import late_tokens
+from replica.request import Request
 
 
 class Verdict(StrEnum):
@@ -66,6 +70,36 @@ class StageVerdict:
     tokens: int = 0
     """Output tokens the stage covered (a stage that ends on a token: where the model ended
     it, say a reasoning model's thinking length)."""
+
+
+def stage_verdicts(
+    request: Request,
+    tokens: Sequence[int],
+    times: Sequence[float],
+    cut_at: float | None = None,
+) -> tuple[StageVerdict, ...]:
+    """Per SLO stage: token j on time iff it came by arrival + deadline_s(j) (within a
+    nanosecond, as the load generator judges: `late_tokens`), the stages that end on a token
+    closed where `tokens` (the output) has it. `cut_at`: when an output stopped short (its
+    client left, its replica was lost): its next token, due by then, misses its stage too,
+    so a client that gave up waiting is not counted as served on time."""
+    if request.slo is None:
+        return ()
+    slo = request.slo.closed_by(tokens)
+    names = [st.name or f"stage{i}" for i, st in enumerate(slo.stages)] or ["default"]
+    late = Counter(slo.stage_at(j) for j in late_tokens(request, times, tokens))
+    count = Counter(slo.stage_at(j) for j in range(len(times)))
+    nxt = len(times)
+    overdue = (
+        cut_at is not None
+        and nxt < request.sampling.max_tokens
+        and cut_at > request.arrival_time + slo.deadline_s(nxt) + 1e-9
+    )
+    missed = slo.stage_at(nxt) if overdue else -1
+    return tuple(
+        StageVerdict(name, not late[i] and i != missed, late[i], count[i])
+        for i, name in enumerate(names)
+    )
 
 
 @dataclass(frozen=True)

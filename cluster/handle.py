@@ -14,7 +14,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,9 +28,9 @@ from cluster.api import (
     ClusterUnavailable,
     FinalRecord,
     Placement,
-    StageVerdict,
     TokenChunk,
     Verdict,
+    stage_verdicts,
 )
 from cluster.config import ClusterConfig
 from cluster.control import Binding
@@ -43,7 +42,6 @@ from cluster.profile import cluster_profile
 from cluster.replica_launch import start_actor, start_replica
 from replica.model_source import model_folder
 from replica.planner.base import CacheBudget
-from replica.planner.deadlines import late_tokens
 from replica.planner.queues import peak_tokens
 from replica.request import Request
 
@@ -64,21 +62,6 @@ class _Progress:
     migrations: int = 0
     cached_tokens: int = 0
     """Prompt tokens the first replica found cached (a resumed request's prompt is longer)."""
-
-
-def stage_verdicts(
-    request: Request, tokens: Sequence[int], times: Sequence[float]
-) -> tuple[StageVerdict, ...]:
-    """Per SLO stage: token j on time iff it came by arrival + deadline_s(j) (within a
-    nanosecond, as the load generator judges: `late_tokens`), the stages that end on a token
-    closed where `tokens` (the output) has it."""
-    if request.slo is None:
-        return ()
-    slo = request.slo.closed_by(tokens)
-    names = [st.name or f"stage{i}" for i, st in enumerate(slo.stages)] or ["default"]
-    late = Counter(slo.stage_at(j) for j in late_tokens(request, times, tokens))
-    count = Counter(slo.stage_at(j) for j in range(len(times)))
-    return tuple(StageVerdict(name, not late[i], late[i], count[i]) for i, name in enumerate(names))
 
 
 class ClusterHandle:

@@ -56,7 +56,8 @@ async def build_front_door(
         tool_parser=config.tool_parser,
         reasoning_parser=config.reasoning_parser,
     )
-    door = FrontDoor(handle, codec, schema, keys, FrontDoorMetrics(handle.model_name))
+    metrics = FrontDoorMetrics(handle.model_name, keys.tenant_names)
+    door = FrontDoor(handle, codec, schema, keys, metrics)
     return door, handle
 
 

@@ -35,6 +35,11 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self.tenants)
 
+    @property
+    def tenant_names(self) -> list[str]:
+        """Every tenant a call can be counted under."""
+        return sorted(set(self.tenants.values())) or [DEFAULT_TENANT]
+
     @classmethod
     def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ApiKeys:
         """Keys from the file (if given) plus the environment variable (if set)."""

@@ -8,6 +8,7 @@ token ids into text deltas and count the outcome once.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -21,6 +22,7 @@ from cluster.api import (
     Placement,
     TokenChunk,
     Verdict,
+    stage_verdicts,
 )
 from replica.batch import TokenLogprob
 from replica.request import Request
@@ -111,7 +113,9 @@ class Generation:
         self.rest = rest
         self.text = OutputText(door.codec.detokenizer(), request.sampling)
         self.finished = False
-        self.last_token_time: float | None = None
+        self.token_ids: list[int] = []
+        self.times: list[float] = []
+        """The output tokens the client was given, and when each came."""
 
     @property
     def request_id(self) -> str:
@@ -146,9 +150,11 @@ class Generation:
                     stopped = item.finish_reason == "stop"
                     yield Finished(item, self.text.stop_reason if stopped else None)
                 return
-            self.last_token_time = self.door.metrics.record_tokens(
-                self.slo_label, self.last_token_time, item.times
+            self.door.metrics.record_tokens(
+                self.slo_label, self.times[-1] if self.times else None, item.times
             )
+            self.token_ids.extend(item.token_ids)
+            self.times.extend(item.times)
             if self.prompt_only:
                 yield TextDelta("", (), (), item.prompt_logprobs)
             else:
@@ -158,9 +164,8 @@ class Generation:
                 item = await anext(self.rest, None)
             except ClusterUnavailable as exc:
                 self.finished = True
-                placement = self.placement
-                verdict = None if placement is None else placement.verdict
-                self.door.metrics.record_lost(verdict, self.tenant)
+                cut = self._unfinished(math.inf)
+                self.door.metrics.record_lost(cut, self.slo_label, self.tenant)
                 raise Unavailable(str(exc) or "the request's replica was lost") from exc
         raise RuntimeError(f"cluster stream of {self.request_id} ended without a FinalRecord")
 
@@ -197,10 +202,29 @@ class Generation:
         """Abort the request in the cluster unless it already finished."""
         if not self.finished:
             self.finished = True
-            placement = self.placement
-            if placement is not None:
-                self.door.metrics.record_cancelled(placement.verdict, self.tenant)
+            left = self._unfinished(self.door.clock())
+            if left is not None:
+                self.door.metrics.record_cancelled(left, self.slo_label, self.tenant)
             self.door.cluster.abort(self.request_id)
+
+    def _unfinished(self, cut_at: float) -> FinalRecord | None:
+        """What the client got of a request that will not finish, its stages judged as at
+        `cut_at` (`stage_verdicts`); None before the cluster's first answer."""
+        placement = self.placement
+        if placement is None:
+            return None
+        request = self.request
+        return FinalRecord(
+            request.request_id,
+            placement.verdict,
+            placement.replica,
+            placement.hops,
+            arrival_time=request.arrival_time,
+            first_token_time=self.times[0] if self.times else None,
+            num_prompt_tokens=request.prompt_len,
+            num_output_tokens=len(self.token_ids),
+            stages=stage_verdicts(request, self.token_ids, self.times, cut_at),
+        )
 
 
 async def interleaved(
@@ -292,7 +316,7 @@ class FrontDoor:
             try:
                 one = await self._start_one(parsed.requests[0], parsed.slo_label, tenant, only[0])
             except asyncio.CancelledError:  # the client left before the cluster answered
-                self.metrics.record_cancelled(None, tenant)
+                self.metrics.record_cancelled(None, parsed.slo_label, tenant)
                 raise
             return (one,)
         tasks = [
@@ -305,7 +329,7 @@ class FrontDoor:
             await asyncio.wait(tasks)  # still starting; close those that started
             for task in tasks:  # each choice counted once: unanswered, or by its close
                 if task.cancelled():
-                    self.metrics.record_cancelled(None, tenant)
+                    self.metrics.record_cancelled(None, parsed.slo_label, tenant)
                 elif task.exception() is None:
                     task.result().close()
             raise

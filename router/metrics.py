@@ -26,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from cluster.api import ClusterStatus, FinalRecord, Verdict
+from router.auth import DEFAULT_TENANT
 
 PREFIX = "slos_serve:"
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -200,7 +201,9 @@ MAX_STAGE_LABELS = 32
 class FrontDoorMetrics:
     """All metrics of one front door and its cluster, in their own registry."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tenants: Sequence[str] = (DEFAULT_TENANT,)) -> None:
+        """`tenants`: those whose request counters are exported from 0, before their first
+        request, so that rates and alerts see a series from the start."""
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
         self._stage_labels: set[str] = set()
@@ -269,6 +272,18 @@ class FrontDoorMetrics:
             [*by_tenant, "verdict"],
             registry=self.registry,
         )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens",
+            "Prompt tokens of the requests served (admitted or best-effort).",
+            by_tenant,
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens",
+            "Output tokens the clients were given.",
+            by_tenant,
+            registry=self.registry,
+        )
         self.hops = Histogram(
             PREFIX + "route_hops",
             "Replicas a request tried before its verdict.",
@@ -278,6 +293,19 @@ class FrontDoorMetrics:
         )
         self.cluster = ClusterCollector(model)
         self.registry.register(self.cluster)
+        for tenant in tenants:
+            for counter in (
+                self.admitted,
+                self.best_effort,
+                self.prompt_tokens,
+                self.generation_tokens,
+            ):
+                counter.labels(model, tenant)
+            for verdict in (Verdict.ADMITTED.value, Verdict.BEST_EFFORT.value, "unknown"):
+                self.cancelled.labels(model, tenant, verdict)
+                self.lost.labels(model, tenant, verdict)
+            for reason in REJECT_REASONS:
+                self.rejected.labels(model, tenant, reason)
 
     def record_tokens(
         self, tier: str, previous: float | None, times: Sequence[float]
@@ -295,15 +323,21 @@ class FrontDoorMetrics:
             self.reject(tenant, "backup_policy")
             self.hops.labels(self.model).observe(record.hops)
             return
+        self._record_served(record, tier, tenant)
+        if record.finish_time is not None and record.num_output_tokens:
+            self.e2e.labels(self.model, tier).observe(record.finish_time - record.arrival_time)
+
+    def _record_served(self, record: FinalRecord, tier: str, tenant: str) -> None:
+        """A request's verdict, route, first token and stages, finished or not."""
         counter = self.admitted if record.verdict is Verdict.ADMITTED else self.best_effort
         counter.labels(self.model, tenant).inc()
+        self.prompt_tokens.labels(self.model, tenant).inc(record.num_prompt_tokens)
+        self.generation_tokens.labels(self.model, tenant).inc(record.num_output_tokens)
         self.hops.labels(self.model).observe(record.hops)
         if record.first_token_time is not None:
             self.ttft.labels(self.model, tier).observe(
                 record.first_token_time - record.arrival_time
             )
-        if record.finish_time is not None and record.num_output_tokens:
-            self.e2e.labels(self.model, tier).observe(record.finish_time - record.arrival_time)
         for i, stage in enumerate(record.stages):
             name = self._stage_label(stage.name or str(i))
             target = self.attained if stage.attained else self.violated
@@ -317,24 +351,26 @@ class FrontDoorMetrics:
             return name
         return "other"
 
-    def record_cancelled(self, verdict: Verdict | None, tenant: str) -> None:
-        """Count a request its client left: admitted (or best-effort) like a finished one,
-        though no final record comes, and cancelled. Left before the cluster's first answer
-        (`verdict` None), it is counted cancelled alone, its verdict unknown to the door."""
-        self._record_unfinished(self.cancelled, verdict, tenant)
+    def record_cancelled(self, record: FinalRecord | None, tier: str, tenant: str) -> None:
+        """Count a request its client left, and what it got by then (`record`: no finish, its
+        stages judged on the tokens it received and the one it was waiting for), as a
+        finished one is counted, and cancelled. Left before the cluster's first answer
+        (`record` None), it is counted cancelled alone, its verdict unknown to the door."""
+        self._record_unfinished(self.cancelled, record, tier, tenant)
 
-    def record_lost(self, verdict: Verdict | None, tenant: str) -> None:
+    def record_lost(self, record: FinalRecord | None, tier: str, tenant: str) -> None:
         """Count a request the cluster cut off mid-stream, as `record_cancelled` counts one
         its client left."""
-        self._record_unfinished(self.lost, verdict, tenant)
+        self._record_unfinished(self.lost, record, tier, tenant)
 
-    def _record_unfinished(self, counter: Counter, verdict: Verdict | None, tenant: str) -> None:
-        if verdict is None:
+    def _record_unfinished(
+        self, counter: Counter, record: FinalRecord | None, tier: str, tenant: str
+    ) -> None:
+        if record is None:
             counter.labels(self.model, tenant, "unknown").inc()
             return
-        answered = self.admitted if verdict is Verdict.ADMITTED else self.best_effort
-        answered.labels(self.model, tenant).inc()
-        counter.labels(self.model, tenant, verdict.value).inc()
+        self._record_served(record, tier, tenant)
+        counter.labels(self.model, tenant, record.verdict.value).inc()
 
     def reject(self, tenant: str, reason: str) -> None:
         if reason not in REJECT_REASONS:

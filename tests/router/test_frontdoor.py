@@ -75,13 +75,17 @@ def parsed(codec: TextCodec, **body: object) -> ParsedRequest:
     return parse_body(Endpoint.COMPLETIONS, body, {}, CTX, codec, request_id="r", arrival_time=1.0)
 
 
-def cancelled(door: FrontDoor) -> dict[str, float]:
-    """requests_cancelled_total by verdict."""
+def counted(door: FrontDoor, metric: str, label: str) -> dict[str, float]:
+    """`metric`'s counts by `label`, the series still at 0 left out."""
     return {
-        dict(labels)["verdict"]: value
+        dict(labels)[label]: value
         for (name, labels), value in samples(door.metrics).items()
-        if name == PREFIX + "requests_cancelled_total"
+        if name == PREFIX + metric and value
     }
+
+
+def cancelled(door: FrontDoor) -> dict[str, float]:
+    return counted(door, "requests_cancelled_total", "verdict")
 
 
 def admitted(door: FrontDoor) -> float:
@@ -152,12 +156,40 @@ def test_a_request_the_cluster_cuts_off_mid_stream_is_counted_lost_once(codec: T
             await generation.collect()
 
     asyncio.run(collect())
-    lost = {
-        dict(labels)["verdict"]: value
-        for (name, labels), value in samples(door.metrics).items()
-        if name == PREFIX + "requests_lost_total"
-    }
+    lost = counted(door, "requests_lost_total", "verdict")
     assert lost == {"admitted": 1} and admitted(door) == 1 and cancelled(door) == {}
+
+
+@pytest.mark.parametrize("left_at", [2.05, 2.2], ids=["before-its-next-deadline", "after"])
+def test_a_client_that_leaves_mid_stream_counts_what_it_got_and_waited_for(
+    codec: TextCodec, left_at: float
+) -> None:
+    """Its route, prompt, first token and output count as a finished request's do; its
+    stage is met if it left before its second token was due (1.0 + 1.0 + 0.1 s), and missed
+    if it was still waiting past that: a client giving up on a late stream is a miss."""
+    cluster = ScriptedCluster({"r": [first_token("r")]})
+    metrics = FrontDoorMetrics("demo")
+    door = FrontDoor(cluster, codec, CTX, ApiKeys(), metrics, clock=lambda: left_at)
+    body = parsed(codec, prompt="Hi", max_tokens=4, slo={"ttft_ms": 1000, "tpot_ms": 100})
+
+    async def leave_after_the_first_token() -> None:
+        (generation,) = await door.start(body, TENANT)
+        events = generation.events()
+        await anext(events)
+        await events.aclose()
+        generation.close()
+
+    asyncio.run(leave_after_the_first_token())
+    assert cancelled(door) == {"admitted": 1} and admitted(door) == 1
+    attained = counted(door, "slo_attained_total", "stage")
+    violated = counted(door, "slo_violated_total", "stage")
+    assert (attained, violated) == (({"default": 1}, {}) if left_at < 2.1 else ({}, {"default": 1}))
+    assert counted(door, "time_to_first_token_seconds_sum", "tier") == {"custom": 0.5}
+    assert counted(door, "e2e_request_latency_seconds_count", "tier") == {}
+    assert counted(door, "route_hops_count", "model") == {"demo": 1}
+    assert counted(door, "generation_tokens_total", "tenant") == {TENANT: 1}
+    prompt = counted(door, "prompt_tokens_total", "tenant")
+    assert prompt == {TENANT: len(codec.encode("Hi"))}
 
 
 def test_a_prompt_only_choice_reports_no_output_token_in_its_usage_or_stages(
@@ -207,11 +239,6 @@ def test_a_grpc_request_the_door_cannot_map_is_counted_as_a_bad_request(codec: T
             assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
         finally:
             await server.stop()
-        rejected = {
-            dict(labels)["reason"]: value
-            for (name, labels), value in samples(door.metrics).items()
-            if name == PREFIX + "requests_rejected_total"
-        }
-        assert rejected == {"bad_request": 1}
+        assert counted(door, "requests_rejected_total", "reason") == {"bad_request": 1}
 
     asyncio.run(send())

@@ -39,8 +39,8 @@ def exported_names() -> set[str]:
         )
         m.record_final(record, "t", "x")
     m.reject("x", "bad_request")
-    m.record_cancelled(Verdict.ADMITTED, "x")
-    m.record_lost(Verdict.ADMITTED, "x")
+    m.record_cancelled(record, "t", "x")
+    m.record_lost(record, "t", "x")
     m.record_tokens("t", 0.0, [0.1])
     status = ClusterStatus("demo", (ReplicaStatus(0, True, 1, 1, 1, 0, 0.1),), target_replicas=1)
     hist = {"bounds": [0.01], "counts": [1], "sum": 0.001, "count": 1}

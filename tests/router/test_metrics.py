@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -64,15 +66,20 @@ def test_counts_match_records_fed() -> None:
     assert s[(PREFIX + "requests_rejected_total", rejected)] == 1
     bad = (("model", "demo"), ("reason", "bad_request"), ("tenant", "team-b"))
     assert s[(PREFIX + "requests_rejected_total", bad)] == 1
-    m.record_cancelled(Verdict.ADMITTED, "team-a")
-    m.record_cancelled(None, "team-a")  # left before the cluster's first answer
+    # Left after its first token, waiting for a second it was due by then: its route, first
+    # token and stage count, though it has no end.
+    waited = (StageVerdict("think", False, 0, 1),)
+    left = replace(record(Verdict.ADMITTED, 3, waited), finish_time=None, num_output_tokens=1)
+    m.record_cancelled(left, "chat", "team-a")
+    m.record_cancelled(None, "chat", "team-a")  # left before the cluster's first answer
     s = samples(m)
     assert s[(PREFIX + "requests_admitted_total", admitted)] == 3
     cancelled = (("model", "demo"), ("tenant", "team-a"), ("verdict", "admitted"))
     assert s[(PREFIX + "requests_cancelled_total", cancelled)] == 1
     unknown = (("model", "demo"), ("tenant", "team-a"), ("verdict", "unknown"))
     assert s[(PREFIX + "requests_cancelled_total", unknown)] == 1
-    m.record_lost(Verdict.BEST_EFFORT, "team-b")  # cut off mid-stream
+    cut = replace(record(Verdict.BEST_EFFORT, 1), first_token_time=None, finish_time=None)
+    m.record_lost(cut, "flex", "team-b")  # cut off before its first token
     s = samples(m)
     assert s[(PREFIX + "requests_best_effort_total", best)] == 2
     lost = (("model", "demo"), ("tenant", "team-b"), ("verdict", "best_effort"))
@@ -80,15 +87,19 @@ def test_counts_match_records_fed() -> None:
     think = (("model", "demo"), ("stage", "think"), ("tier", "chat"))
     answer = (("model", "demo"), ("stage", "answer"), ("tier", "chat"))
     assert s[(PREFIX + "slo_attained_total", think)] == 2
+    assert s[(PREFIX + "slo_violated_total", think)] == 1
     assert s[(PREFIX + "slo_violated_total", answer)] == 2
     chat = (("model", "demo"), ("tier", "chat"))
-    assert s[(PREFIX + "time_to_first_token_seconds_count", chat)] == 2
-    assert s[(PREFIX + "time_to_first_token_seconds_sum", chat)] == 1.0
+    assert s[(PREFIX + "time_to_first_token_seconds_count", chat)] == 3
+    assert s[(PREFIX + "time_to_first_token_seconds_sum", chat)] == 1.5
+    assert s[(PREFIX + "e2e_request_latency_seconds_count", chat)] == 2
     assert s[(PREFIX + "e2e_request_latency_seconds_sum", chat)] == 4.0
     assert s[(PREFIX + "inter_token_latency_seconds_count", chat)] == 3
     assert abs(s[(PREFIX + "inter_token_latency_seconds_sum", chat)] - 0.6) < 1e-9
-    assert s[(PREFIX + "route_hops_count", (("model", "demo"),))] == 4
-    assert s[(PREFIX + "route_hops_sum", (("model", "demo"),))] == 7
+    flex = (("model", "demo"), ("tier", "flex"))
+    assert s[(PREFIX + "time_to_first_token_seconds_count", flex)] == 1
+    assert s[(PREFIX + "route_hops_count", (("model", "demo"),))] == 6
+    assert s[(PREFIX + "route_hops_sum", (("model", "demo"),))] == 11
 
 
 def test_cluster_snapshot_is_replaced_not_summed() -> None:

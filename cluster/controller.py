@@ -30,6 +30,7 @@ from cluster.autoscale import SCALE_PERIOD_S, Autoscaler, plan_resize
 from cluster.config import BestEffortOrder, ClusterConfig, SchedulerKind
 from cluster.control import Binding, ControlPlane, Decision
 from cluster.leases import Leases
+from cluster.logs import configure_logging
 from cluster.messages import AlreadyHeld, StepReport
 from cluster.metrics import Metrics
 from cluster.migration import resumed_request
@@ -162,6 +163,7 @@ class ClusterController:
     ) -> None:
         """`groups`: the replicas' placement groups (GPU replicas'). `detached`: the cluster
         outlives its launcher, so it stops itself once abandoned by every front door."""
+        configure_logging()
         if len(replicas) != config.replicas:
             raise ValueError(f"config has {config.replicas} replicas, got {len(replicas)} handles")
         self.config = config
@@ -713,10 +715,7 @@ class ClusterController:
             draining.discard(slot)
             self._empty_since.pop(slot, None)
             self._wake_resumes()
-        retry_in = self._retry_in()
-        if steps.start and retry_in > 0:
-            log.info("autoscaler: a replica failed to start; the next try in %.0f s", retry_in)
-        for _ in range(steps.start if retry_in <= 0 else 0):
+        for _ in range(steps.start if self._retry_in() <= 0 else 0):
             slot = next(
                 i for i, a in enumerate(self.replicas) if a is None and i not in self._starting
             )
@@ -759,7 +758,9 @@ class ClusterController:
             self._stop_slot(slot)
             raise
         except Exception as exc:  # a replica that cannot start must not hold its slot
-            log.exception("starting replica %d failed", slot)
+            log.exception(
+                "starting replica %d failed; the next start in %.0f s", slot, START_RETRY_S
+            )
             self.plane.metrics.inc("start_failed")
             self._start_error = f"replica {slot}: {type(exc).__name__}: {exc}"
             self._start_failed = time.monotonic()

@@ -24,6 +24,7 @@ import ray
 import torch
 
 from cluster.config import ClusterConfig
+from cluster.logs import configure_logging
 from cluster.messages import ReplicaSnapshot, StepReport, StreamItem
 from cluster.names import CONTROLLER_NAME
 from cluster.profile import cluster_profile
@@ -68,6 +69,7 @@ class TensorParallelWorker:
     MLP columns, vocabulary and KV cache, computing every batch rank 0 sends."""
 
     def __init__(self, config: ClusterConfig, rank: int, address: str) -> None:
+        configure_logging()
         torch.set_num_threads(max(1, round(rank_resources(config)[0])))
         device, dtype = engine_device(config)
         group = join(rank, config.tensor_parallel_size, address, device, TP_JOIN_TIMEOUT)
@@ -159,6 +161,7 @@ class ReplicaActor:
 
     def __init__(self, index: int, config: ClusterConfig, namespace: str | None = None) -> None:
         """`namespace`: the controller's Ray namespace (None: this job's)."""
+        configure_logging()
         torch.set_num_threads(max(1, round(rank_resources(config)[0])))
         self.index = index
         self.namespace = namespace

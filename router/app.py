@@ -20,6 +20,7 @@ from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cluster
+from cluster.logs import configure_logging
 from router.auth import ApiKeys
 from router.config import FrontDoorConfig
 from router.frontdoor import FrontDoor
@@ -102,6 +103,7 @@ HEAD_NODE = {"node:__internal_head__": 0.001}
 @serve.ingress()
 class FrontDoorDeployment:
     def __init__(self, args: dict[str, Any]) -> None:
+        configure_logging()
         self.config = FrontDoorConfig.from_args(args)
         self.grpc: GrpcServer | None = None
         self.handle: Any = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from cluster.api import Verdict
 from cluster.autoscale import ScaleSample
 from cluster.messages import ReplicaSnapshot
-from cluster.metrics import HOP_BUCKETS, PLANNER_BUCKETS_S, Metrics
+from cluster.metrics import PLANNER_BUCKETS_S, Metrics
 from cluster.routing import FirstHop, Router, RouteState
 from cluster.virtual_replica import VirtualReplica
 from replica.planner.admission import AdmissionResult
@@ -275,7 +275,6 @@ class ControlPlane:
         credit = self.replicas[replica].credits.get(p.request.request_id, 0)
         if credit:
             self.metrics.inc("prefix_credited", credit)
-        self.metrics.observe("route_hops", float(hops), HOP_BUCKETS)
         if hops > 1:
             self.metrics.inc("routed")
         return Decision(p.request, Binding(p.request.request_id, verdict, replica, hops), p.resumed)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 import uuid
@@ -36,7 +35,6 @@ from cluster.config import ClusterConfig
 from cluster.control import Binding
 from cluster.controller import MAX_CONCURRENCY, ClusterController, kill_for_good
 from cluster.messages import StreamItem
-from cluster.metrics import LATENCY_BUCKETS_S, Metrics, merge_snapshots
 from cluster.names import CONTROLLER_NAME, NAMESPACE, replica_name, slot_occupants
 from cluster.profile import cluster_profile
 from cluster.replica_launch import start_actor, start_replica
@@ -86,8 +84,6 @@ class ClusterHandle:
         self._vocab_size = vocab_size
         self._active: set[str] = set()
         """Request ids being streamed by this handle (an id streams to one client only)."""
-        self.metrics = Metrics()
-        """What clients saw: TTFT and TPOT per tier (the controller counts decisions)."""
         self.door_id = uuid.uuid4().hex
         """This handle's lease on the cluster: its requests end when the lease does."""
         self._lease: asyncio.Task[None] | None = None
@@ -233,13 +229,6 @@ class ClusterHandle:
         self, request: Request, binding: Binding, end: str | None, progress: _Progress
     ) -> FinalRecord:
         times = progress.times
-        tier = str(request.tier)
-        if times:
-            self.metrics.observe(
-                f"ttft_s:{tier}", times[0] - request.arrival_time, LATENCY_BUCKETS_S
-            )
-            for a, b in itertools.pairwise(times):
-                self.metrics.observe(f"tpot_s:{tier}", b - a, LATENCY_BUCKETS_S)
         return FinalRecord(
             request_id=request.request_id,
             verdict=binding.verdict or Verdict.REJECTED,
@@ -267,9 +256,9 @@ class ClusterHandle:
         return status
 
     async def metrics_snapshot(self) -> dict[str, object]:
-        """Controller decisions and client-seen latencies, each counted once."""
-        controller = await self._call("metrics")
-        return merge_snapshots(controller, self.metrics.snapshot())
+        """The controller's counters and histograms (the front door counts what clients saw)."""
+        snapshot: dict[str, object] = await self._call("metrics")
+        return snapshot
 
     async def _call(self, method: str, *args: object) -> Any:
         """A controller call that rides out a controller restart."""

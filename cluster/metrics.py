@@ -1,8 +1,7 @@
 """Counters and histograms of the cluster, in plain Python (the front door exports them).
 
-Each fact is counted by exactly one party: the controller counts routing decisions and planner
-latency, the submitting handle counts what clients saw (TTFT, TPOT). Their snapshots hold
-disjoint names, so merging them never counts anything twice.
+The controller counts what only it sees (routing decisions, the replicas' steps, planner
+latency); the front door counts what clients saw (router.metrics).
 """
 
 from __future__ import annotations
@@ -12,9 +11,7 @@ from dataclasses import dataclass, field
 
 from cluster.messages import StepReport
 
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PLANNER_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
-HOP_BUCKETS = (1.0, 2.0, 3.0, 4.0, 8.0)
 
 
 @dataclass
@@ -85,18 +82,3 @@ class Metrics:
             "counters": dict(self.counters),
             "histograms": {name: h.to_dict() for name, h in self.histograms.items()},
         }
-
-
-def merge_snapshots(*snapshots: dict[str, object]) -> dict[str, object]:
-    """One view of several parties' snapshots; a name owned by two parties is a bug."""
-    counters: dict[str, object] = {}
-    histograms: dict[str, object] = {}
-    for snap in snapshots:
-        for target, key in ((counters, "counters"), (histograms, "histograms")):
-            part = snap.get(key, {})
-            assert isinstance(part, dict)
-            overlap = set(target) & set(part)
-            if overlap:
-                raise ValueError(f"metrics counted by two parties: {sorted(overlap)}")
-            target.update(part)
-    return {"counters": counters, "histograms": histograms}

@@ -103,6 +103,12 @@ CONTROLLER_COUNTERS = {
         "tried again every 30 s, the last one's error in the cluster status's start_error.",
         1.0,
     ),
+    "planner_errors": (
+        "planner_errors",
+        "Planning calls that raised (logged): an admission decision's requests route on, "
+        "a replica's plan waits for the next report or tick.",
+        1.0,
+    ),
     "declined": (
         "requests_declined",
         "SLO requests no replica could guarantee within the route limit (then served "
@@ -112,7 +118,10 @@ CONTROLLER_COUNTERS = {
 }
 """Controller counter -> (exported name, help, scale to the exported unit)."""
 CONTROLLER_HISTOGRAMS = {
-    "planner_latency_s": ("planner_latency_seconds", "Wall time of one planning tick."),
+    "planner_latency_s": (
+        "planner_latency_seconds",
+        "Wall time of one admission decision (a replica's planner over a batch of arrivals).",
+    ),
 }
 
 

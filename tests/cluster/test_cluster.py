@@ -200,7 +200,7 @@ def test_invalid_slo_is_refused_when_the_request_is_built() -> None:
         Request("x", [1], slo=SLO(ttft_ms=100, tpot_ms=-1))
 
 
-def test_metrics_merge_decisions_and_latencies(
+def test_metrics_snapshot_holds_the_controllers_decisions(
     cluster: ClusterHandle, runner: asyncio.Runner
 ) -> None:
     snapshot = runner.run(cluster.metrics_snapshot())
@@ -209,8 +209,7 @@ def test_metrics_merge_decisions_and_latencies(
     assert isinstance(counters, dict) and isinstance(histograms, dict)
     assert counters["admitted"] >= 1
     assert counters["steps"] >= 1 and counters["busy_us"] > 0
-    assert "route_hops" in histograms and "planner_latency_s" in histograms
-    assert "ttft_s:slo" in histograms and "tpot_s:slo" in histograms
+    assert list(histograms) == ["planner_latency_s"]
 
 
 def test_a_request_id_streams_to_one_client_at_a_time(

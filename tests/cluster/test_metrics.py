@@ -1,11 +1,11 @@
-"""Plain-Python counters and histograms, merged without double counting."""
+"""Plain-Python counters and histograms of the controller."""
 
 from __future__ import annotations
 
 import pytest
 
 from cluster.messages import StepReport
-from cluster.metrics import Histogram, Metrics, merge_snapshots
+from cluster.metrics import Histogram, Metrics
 from replica.batch import BatchOutcome, BatchPlan, PrefillChunk, RequestOutcome
 
 
@@ -23,17 +23,20 @@ def test_histogram_bounds_must_increase() -> None:
         Histogram((2.0, 1.0))
 
 
-def test_merge_keeps_each_party_once_and_refuses_overlap() -> None:
-    controller, handle = Metrics(), Metrics()
-    controller.inc("admitted", 2)
-    handle.observe("ttft_s:slo", 0.1, (0.5,))
-    merged = merge_snapshots(controller.snapshot(), handle.snapshot())
-    assert merged["counters"] == {"admitted": 2}
-    histograms = merged["histograms"]
-    assert isinstance(histograms, dict) and set(histograms) == {"ttft_s:slo"}
-    handle.inc("admitted")
-    with pytest.raises(ValueError, match="admitted"):
-        merge_snapshots(controller.snapshot(), handle.snapshot())
+def test_a_snapshot_is_plain_data_that_later_counts_leave_alone() -> None:
+    """What the controller sends the front door over Ray: copies, not its live objects."""
+    metrics = Metrics()
+    metrics.inc("admitted", 2)
+    metrics.observe("planner_latency_s", 0.1, (0.5,))
+    snapshot = metrics.snapshot()
+    metrics.inc("admitted")
+    metrics.observe("planner_latency_s", 0.7, (0.5,))
+    assert snapshot == {
+        "counters": {"admitted": 2},
+        "histograms": {
+            "planner_latency_s": {"bounds": [0.5], "counts": [1], "sum": 0.1, "count": 1}
+        },
+    }
 
 
 def step(outcome: BatchOutcome, queries: int = 0, hits: int = 0) -> StepReport:

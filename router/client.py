@@ -6,12 +6,16 @@ request was bound (`placement`, from the initial metadata). Calls have a deadlin
 (`timeout_s`, spanning retries). Only UNAVAILABLE is retried, with exponential backoff, and
 only before the first response arrived: a started stream is never replayed, so no token is
 ever delivered twice. Every other failure raises `ClientError` with the gRPC code
-(RESOURCE_EXHAUSTED carries the server's retry-after).
+(RESOURCE_EXHAUSTED carries the server's retry-after), a stream that ends without each
+choice's `Result` and metadata that does not parse included. While the server is down the
+channels try to reconnect at most 2 s apart (`CHANNEL_OPTIONS`), so a restarted server is
+reached again within seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import reprlib
@@ -33,6 +37,7 @@ from router.openai_format import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
 from router.openai_schema import (
     ECHOED_MESSAGE_FIELDS,
     MESSAGE_FIELDS,
+    STAGE_FIELDS,
     message_content,
     tool_call_fields,
 )
@@ -416,10 +421,7 @@ def build_request(
     if isinstance(options.slo, str):
         request.slo.tier = options.slo
     elif isinstance(options.slo, Mapping):  # HTTP's slo object: the server checks and fills it
-        try:
-            json_format.ParseDict(options.slo, request.slo)
-        except json_format.ParseError as exc:
-            raise ValueError(f"slo={options.slo!r}: {exc}") from None
+        _http_slo(options.slo, request.slo)
     elif options.slo is not None:
         if not isinstance(options.slo, SLO):
             raise ValueError(
@@ -437,6 +439,50 @@ def build_request(
                 stage.ttft_ms = st.ttft_ms
             stage.end_token_ids.extend(st.end_token_ids)
     return request
+
+
+def _http_slo(raw: Mapping[str, Any], slo: pb.SLO) -> None:
+    """HTTP's `slo` object into `slo`, taking what HTTP takes (`until` as a string or a list,
+    numbers as numbers) and naming fields as HTTP does; the server checks the values."""
+    _known_fields(raw, ("ttft_ms", "tpot_ms", "stages"), "slo")
+    stages = raw.get("stages")
+    if stages is not None and not isinstance(stages, list | tuple):
+        raise ValueError(f"slo.stages must be a list of stage dicts, got {stages!r}")
+    try:
+        _numbers(raw, slo, ("ttft_ms", "tpot_ms"), "slo")
+        for i, raw_stage in enumerate(stages or ()):
+            where = f"slo.stages[{i}]"
+            if not isinstance(raw_stage, Mapping):
+                raise ValueError(f"{where} must be a dict, got {raw_stage!r}")
+            _known_fields(raw_stage, STAGE_FIELDS, where)
+            stage = slo.stages.add()
+            _numbers(raw_stage, stage, ("tpot_ms", "ttft_ms"), where)
+            if raw_stage.get("num_tokens") is not None:
+                stage.num_tokens = raw_stage["num_tokens"]
+            stage.name = raw_stage.get("name", "")
+            stage.end_token_ids.extend(raw_stage.get("end_token_ids") or ())
+            until = raw_stage.get("until")
+            if until is not None:
+                stage.until.extend([until] if isinstance(until, str) else until)
+    except TypeError as exc:
+        raise ValueError(f"slo={dict(raw)!r}: {exc}") from None
+
+
+def _known_fields(raw: Mapping[str, Any], known: Sequence[str], where: str) -> None:
+    extra = sorted(str(k) for k in raw if k not in known)
+    if extra:
+        raise ValueError(f"unknown {where} field(s) {', '.join(extra)}; known: {', '.join(known)}")
+
+
+def _numbers(raw: Mapping[str, Any], message: Any, names: Sequence[str], where: str) -> None:
+    """Copy the numbers `names` (those given) into `message`'s fields of the same names."""
+    for name in names:
+        value = raw.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}.{name} must be a number, got {value!r}")
+        setattr(message, name, value)
 
 
 def result_from_proto(final: pb.Final) -> Result:
@@ -498,11 +544,17 @@ def placement_from_metadata(
     if HEADER_VERDICT not in values:
         return None
     replica = values.get(HEADER_REPLICA)
-    return Placement(
-        Verdict(values[HEADER_VERDICT]),
-        None if replica is None else int(replica),
-        int(values[HEADER_HOPS]),
-    )
+    try:
+        return Placement(
+            Verdict(values[HEADER_VERDICT]),
+            None if replica is None else int(replica),
+            int(values[HEADER_HOPS]),
+        )
+    except (KeyError, ValueError) as exc:
+        shown = {k: v for k, v in values.items() if k.startswith("x-slos-serve-")}
+        raise ClientError(
+            grpc.StatusCode.INTERNAL, f"the server's placement metadata is malformed: {shown}"
+        ) from exc
 
 
 def _item(
@@ -534,15 +586,41 @@ class _Collected:
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     thinking: list[str] = field(default_factory=list)
+    result: Result | None = None
 
-    def add(self, item: Chunk | Result) -> Completion | None:
+    def add(self, item: Chunk | Result) -> None:
         if isinstance(item, Result):
-            text, reasoning = "".join(self.parts), "".join(self.thinking)
-            return Completion(text, item, tuple(self.logprobs), reasoning)
+            self.result = item
+            return
         self.parts.append(item.text)
         self.logprobs.extend(item.logprobs)
         self.thinking.append(item.reasoning)
-        return None
+
+    def completion(self) -> Completion:
+        """The stream's whole output (its generator raised if no `Result` came)."""
+        assert self.result is not None
+        text, reasoning = "".join(self.parts), "".join(self.thinking)
+        return Completion(text, self.result, tuple(self.logprobs), reasoning)
+
+
+@dataclass
+class _Ended:
+    """Counts a stream's `Result`s: one per choice must come before the server ends it."""
+
+    choices: int
+    results: int = 0
+
+    def seen(self, item: Chunk | Result) -> Chunk | Result:
+        self.results += isinstance(item, Result)
+        return item
+
+    def check(self) -> None:
+        if self.results < max(1, self.choices):
+            raise ClientError(
+                grpc.StatusCode.INTERNAL,
+                f"the server ended the stream after {self.results} of "
+                f"{max(1, self.choices)} results",
+            )
 
 
 def _error(exc: grpc.RpcError) -> ClientError:
@@ -550,12 +628,25 @@ def _error(exc: grpc.RpcError) -> ClientError:
     retry_after = None
     for key, value in exc.trailing_metadata() or ():
         if key == "retry-after-ms":
-            retry_after = float(value) / 1000
+            with contextlib.suppress(TypeError, ValueError):  # a bad hint is no hint
+                retry_after = float(value) / 1000
     return ClientError(exc.code(), exc.details() or "", retry_after)
 
 
 def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    if root_certificates is not None and not tls:
+        raise ValueError("root_certificates verify a TLS server: pass tls=True with them")
     return grpc.ssl_channel_credentials(root_certificates) if tls else None
+
+
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+"""Reconnect at most 2 s apart while the server is down: grpc's default backoff grows to 120 s,
+so a client whose server was down for a minute (a restart) would fail for up to a further
+minute once it is back, and every channel of the process with it (grpc shares connections)."""
 
 
 class _Base:
@@ -575,6 +666,12 @@ class _Base:
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
 
+    def _channel(self, kind: Any) -> Any:
+        """A channel of `kind` (grpc, or grpc.aio) to the target."""
+        if self.credentials is not None:
+            return kind.secure_channel(self.target, self.credentials, options=CHANNEL_OPTIONS)
+        return kind.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+
     def _deadline(self, timeout_s: float | None) -> float | None:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         return None if timeout is None else time.monotonic() + timeout
@@ -583,11 +680,23 @@ class _Base:
     def _remaining(deadline: float | None) -> float | None:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-    def _may_retry(self, error: ClientError, attempt: int, deadline: float | None) -> bool:
-        if error.code is not grpc.StatusCode.UNAVAILABLE or attempt >= self.retry.max_attempts:
-            return False
+    def _backoff(
+        self, exc: grpc.RpcError, attempt: int, deadline: float | None, started: bool = False
+    ) -> float:
+        """The wait before retrying call `attempt`, which failed with `exc`; raises its
+        `ClientError` when it is not retried (not UNAVAILABLE, out of attempts or time, or a
+        stream that had started)."""
+        error = _error(exc)
+        wait = self.retry.backoff_s(attempt)
         left = self._remaining(deadline)
-        return left is None or left > self.retry.backoff_s(attempt)
+        if (
+            started
+            or error.code is not grpc.StatusCode.UNAVAILABLE
+            or attempt >= self.retry.max_attempts
+            or (left is not None and left <= wait)
+        ):
+            raise error from None
+        return wait
 
 
 class Client(_Base):
@@ -595,10 +704,7 @@ class Client(_Base):
 
     def __init__(self, target: str, **kwargs: Any) -> None:
         super().__init__(target, **kwargs)
-        if self.credentials is not None:
-            self.channel = grpc.secure_channel(target, self.credentials)
-        else:
-            self.channel = grpc.insecure_channel(target)
+        self.channel = self._channel(grpc)
         self.stub = pb_grpc.ServingStub(self.channel)
 
     def generate(
@@ -610,28 +716,32 @@ class Client(_Base):
         **options: Any,
     ) -> Iterator[Chunk | Result]:
         """Stream the output: `Chunk`s, and each choice's `Result` as it ends (one choice
-        unless `n` > 1)."""
+        unless `n` > 1). The arguments are checked here, before the stream is read."""
         request = build_request(prompt, messages, GenerateOptions(**options))
-        deadline = self._deadline(timeout_s)
+        return self._stream(request, self._deadline(timeout_s))
+
+    def _stream(
+        self, request: pb.GenerateRequest, deadline: float | None
+    ) -> Iterator[Chunk | Result]:
         attempt = 1
         while True:
             call = self.stub.Generate(
                 request, timeout=self._remaining(deadline), metadata=self.metadata
             )
             started = False
+            ended = _Ended(request.n)
             try:
                 for response in call:
                     metadata = None if started else call.initial_metadata()
                     started = True
-                    yield _item(response, metadata)
+                    yield ended.seen(_item(response, metadata))
+                ended.check()
                 return
             except grpc.RpcError as exc:
-                error = _error(exc)
-                if started or not self._may_retry(error, attempt, deadline):
-                    raise error from None
+                wait = self._backoff(exc, attempt, deadline, started)
             finally:
                 call.cancel()
-            time.sleep(self.retry.backoff_s(attempt))
+            time.sleep(wait)
             attempt += 1
 
     def complete(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
@@ -639,21 +749,24 @@ class Client(_Base):
         _one_choice(kwargs)
         collected = _Collected()
         for item in self.generate(prompt, **kwargs):
-            if (done := collected.add(item)) is not None:
-                return done
-        raise ClientError(grpc.StatusCode.INTERNAL, "stream ended without a result")
+            collected.add(item)
+        return collected.completion()
 
     def cluster_status(self, timeout_s: float | None = None) -> ClusterStatus:
         deadline = self._deadline(timeout_s)
-        try:
-            reply = self.stub.GetClusterStatus(
-                pb.GetClusterStatusRequest(),
-                timeout=self._remaining(deadline),
-                metadata=self.metadata,
-            )
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        return status_from_proto(reply)
+        attempt = 1
+        while True:
+            try:
+                reply = self.stub.GetClusterStatus(
+                    pb.GetClusterStatusRequest(),
+                    timeout=self._remaining(deadline),
+                    metadata=self.metadata,
+                )
+                return status_from_proto(reply)
+            except grpc.RpcError as exc:
+                wait = self._backoff(exc, attempt, deadline)
+            time.sleep(wait)
+            attempt += 1
 
     def close(self) -> None:
         self.channel.close()
@@ -668,17 +781,23 @@ class Client(_Base):
 
 
 class AsyncClient(_Base):
-    """asyncio client (grpc.aio). Use as an async context manager or await `close()`."""
+    """asyncio client (grpc.aio). Use as an async context manager or await `close()`. Its
+    channel is made on the first call, in that call's event loop, which every later call
+    must share (a grpc.aio channel belongs to one loop)."""
 
     def __init__(self, target: str, **kwargs: Any) -> None:
         super().__init__(target, **kwargs)
-        if self.credentials is not None:
-            self.channel = grpc.aio.secure_channel(target, self.credentials)
-        else:
-            self.channel = grpc.aio.insecure_channel(target)
-        self.stub = pb_grpc.ServingStub(self.channel)
+        self.channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.ServingStub | None = None
 
-    async def generate(
+    @property
+    def stub(self) -> pb_grpc.ServingStub:
+        if self._stub is None:
+            self.channel = self._channel(grpc.aio)
+            self._stub = pb_grpc.ServingStub(self.channel)
+        return self._stub
+
+    def generate(
         self,
         prompt: str | Sequence[int] | None = None,
         *,
@@ -687,30 +806,35 @@ class AsyncClient(_Base):
         **options: Any,
     ) -> AsyncIterator[Chunk | Result]:
         """Stream the output: `Chunk`s, and each choice's `Result` as it ends (one choice
-        unless `n` > 1). To stop early, close the generator
-        (`await stream.aclose()`, or iterate inside `contextlib.aclosing`): a loop left with
-        `break` keeps the request running until the generator is collected."""
+        unless `n` > 1). The arguments are checked here, before the stream is read. To stop
+        early, close the generator (`await stream.aclose()`, or iterate inside
+        `contextlib.aclosing`): a loop left with `break` keeps the request running until the
+        generator is collected."""
         request = build_request(prompt, messages, GenerateOptions(**options))
-        deadline = self._deadline(timeout_s)
+        return self._stream(request, self._deadline(timeout_s))
+
+    async def _stream(
+        self, request: pb.GenerateRequest, deadline: float | None
+    ) -> AsyncIterator[Chunk | Result]:
         attempt = 1
         while True:
             call = self.stub.Generate(
                 request, timeout=self._remaining(deadline), metadata=self.metadata
             )
             started = False
+            ended = _Ended(request.n)
             try:
                 async for response in call:
                     metadata = None if started else await call.initial_metadata()
                     started = True
-                    yield _item(response, metadata)
+                    yield ended.seen(_item(response, metadata))
+                ended.check()
                 return
             except grpc.RpcError as exc:
-                error = _error(exc)
-                if started or not self._may_retry(error, attempt, deadline):
-                    raise error from None
+                wait = self._backoff(exc, attempt, deadline, started)
             finally:
                 call.cancel()
-            await asyncio.sleep(self.retry.backoff_s(attempt))
+            await asyncio.sleep(wait)
             attempt += 1
 
     async def complete(
@@ -719,24 +843,28 @@ class AsyncClient(_Base):
         _one_choice(kwargs)
         collected = _Collected()
         async for item in self.generate(prompt, **kwargs):
-            if (done := collected.add(item)) is not None:
-                return done
-        raise ClientError(grpc.StatusCode.INTERNAL, "stream ended without a result")
+            collected.add(item)
+        return collected.completion()
 
     async def cluster_status(self, timeout_s: float | None = None) -> ClusterStatus:
         deadline = self._deadline(timeout_s)
-        try:
-            reply = await self.stub.GetClusterStatus(
-                pb.GetClusterStatusRequest(),
-                timeout=self._remaining(deadline),
-                metadata=self.metadata,
-            )
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        return status_from_proto(reply)
+        attempt = 1
+        while True:
+            try:
+                reply = await self.stub.GetClusterStatus(
+                    pb.GetClusterStatusRequest(),
+                    timeout=self._remaining(deadline),
+                    metadata=self.metadata,
+                )
+                return status_from_proto(reply)
+            except grpc.RpcError as exc:
+                wait = self._backoff(exc, attempt, deadline)
+            await asyncio.sleep(wait)
+            attempt += 1
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self.channel is not None:
+            await self.channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -30,7 +30,9 @@ class ScriptedServicer(pb_grpc.ServingServicer):
 
     mode: str = "ok"
     unavailable: int = 0
+    status_unavailable: int = 0
     calls: int = 0
+    status_calls: int = 0
     seen: list[tuple[pb.GenerateRequest, dict[str, str]]] = field(default_factory=list)
 
     def Generate(
@@ -40,10 +42,16 @@ class ScriptedServicer(pb_grpc.ServingServicer):
         self.seen.append((request, dict(context.invocation_metadata())))
         if self.calls <= self.unavailable:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no replica is up")
-        if self.mode == "reject":
-            context.set_trailing_metadata((("retry-after-ms", "1500"),))
+        if self.mode in ("reject", "reject_vaguely"):
+            hint = "1500" if self.mode == "reject" else "soon"
+            context.set_trailing_metadata((("retry-after-ms", hint),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no replica could guarantee the SLO")
+        if self.mode == "bad_metadata":
+            placed = (("x-slos-serve-verdict", "admitted"), ("x-slos-serve-hops", "many"))
+            context.send_initial_metadata(placed)
         yield pb.GenerateResponse(chunk=pb.TextChunk(text="Hel", token_ids=[1, 2]))
+        if self.mode == "no_final":
+            return
         if self.mode == "slow":
             time.sleep(2.0)
         if self.mode == "break":
@@ -59,6 +67,9 @@ class ScriptedServicer(pb_grpc.ServingServicer):
     def GetClusterStatus(
         self, request: pb.GetClusterStatusRequest, context: grpc.ServicerContext
     ) -> pb.ClusterStatus:
+        self.status_calls += 1
+        if self.status_calls <= self.status_unavailable:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the cluster does not answer")
         status = pb.ClusterStatus(model="demo", counters={"admitted": 3})
         status.replicas.add(replica=0, alive=True, running=2, kv_usage=0.25)
         return status
@@ -190,3 +201,120 @@ def test_bad_service_tier_fails_before_sending() -> None:
         pytest.raises(ValueError, match="service_tier"),
     ):
         client.complete("x", service_tier="gold")
+
+
+def test_a_stream_the_server_ends_without_a_result_fails(
+    served: tuple[ScriptedServicer, str],
+) -> None:
+    """Every choice ends with its Result: a stream cut short without one is an error, in
+    generate as in complete, not a silent end."""
+    servicer, target = served
+    servicer.mode = "no_final"
+    with Client(target, retry=FAST_RETRY) as client:
+        for call in (lambda: list(client.generate("x")), lambda: client.complete("x")):
+            with pytest.raises(ClientError, match="after 0 of 1 results") as info:
+                call()
+            assert info.value.code is grpc.StatusCode.INTERNAL
+
+    async def run() -> None:
+        async with AsyncClient(target, retry=FAST_RETRY) as client:
+            await client.complete("x")
+
+    with pytest.raises(ClientError, match="after 0 of 1 results"):
+        asyncio.run(run())
+
+
+def test_cluster_status_is_retried_while_unavailable(served: tuple[ScriptedServicer, str]) -> None:
+    servicer, target = served
+    servicer.status_unavailable = 2
+    with Client(target, retry=FAST_RETRY) as client:
+        assert client.cluster_status().model == "demo"
+    assert servicer.status_calls == 3
+    servicer.status_unavailable = 10
+
+    async def run() -> None:
+        async with AsyncClient(target, retry=FAST_RETRY) as client:
+            await client.cluster_status()
+
+    with pytest.raises(ClientError) as info:
+        asyncio.run(run())
+    assert info.value.code is grpc.StatusCode.UNAVAILABLE and servicer.status_calls == 3 + 4
+
+
+def test_what_a_server_sends_malformed_is_a_client_error(
+    served: tuple[ScriptedServicer, str],
+) -> None:
+    """Placement metadata that does not parse fails the call as INTERNAL, naming what came; a
+    retry-after hint that is no number is dropped, the rejection kept."""
+    servicer, target = served
+    servicer.mode = "bad_metadata"
+    with Client(target, retry=FAST_RETRY) as client:
+        with pytest.raises(ClientError, match="placement metadata is malformed") as info:
+            client.complete("x")
+        assert info.value.code is grpc.StatusCode.INTERNAL and "'many'" in str(info.value)
+        servicer.mode = "reject_vaguely"
+        with pytest.raises(ClientError) as rejected:
+            client.complete("x")
+    assert rejected.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert rejected.value.retry_after_s is None
+
+
+def test_an_async_client_made_outside_a_running_loop_works_in_the_loop_that_uses_it(
+    served: tuple[ScriptedServicer, str],
+) -> None:
+    _, target = served
+    client = AsyncClient(target, retry=FAST_RETRY)
+
+    async def run() -> str:
+        async with client:
+            return (await client.complete("x")).text
+
+    assert asyncio.run(run()) == "Hello"
+
+
+def test_arguments_are_checked_when_generate_is_called_not_when_it_is_read() -> None:
+    with (
+        Client("127.0.0.1:9", retry=FAST_RETRY) as client,
+        pytest.raises(ValueError, match="service_tier"),
+    ):
+        client.generate("x", service_tier="gold")
+    with pytest.raises(ValueError, match="service_tier"):
+        AsyncClient("127.0.0.1:9").generate("x", service_tier="gold")
+    with pytest.raises(ValueError, match="pass tls=True"):
+        Client("127.0.0.1:9", root_certificates=b"-----BEGIN CERTIFICATE-----")
+
+
+def test_an_slo_dict_is_taken_as_http_takes_it(served: tuple[ScriptedServicer, str]) -> None:
+    """`until` as a string or a list; a number sent as text, or a field named otherwise than
+    HTTP names it, is refused before sending, naming the field."""
+    servicer, target = served
+    slo = {
+        "ttft_ms": 2000,
+        "stages": [
+            {"name": "thinking", "tpot_ms": 50, "until": "</think>"},
+            {"name": "answer", "tpot_ms": 100, "until": ["\n\n", "END"], "num_tokens": 64},
+        ],
+    }
+    with Client(target, retry=FAST_RETRY) as client:
+        client.complete("x", slo=slo)
+        (request, _) = servicer.seen[-1]
+        assert request.slo.ttft_ms == 2000 and not request.slo.HasField("tpot_ms")
+        thinking, answer = request.slo.stages
+        assert (thinking.name, list(thinking.until), thinking.tpot_ms) == (
+            "thinking",
+            ["</think>"],
+            50,
+        )
+        assert list(answer.until) == ["\n\n", "END"] and answer.num_tokens == 64
+        refusals = {
+            "slo.ttft_ms must be a number, got '3000'": {"ttft_ms": "3000"},
+            "unknown slo field.s. ttft; known: ttft_ms, tpot_ms, stages": {"ttft": 100},
+            r"slo.stages\[0\].tpot_ms must be a number": {"stages": [{"tpot_ms": True}]},
+            r"unknown slo.stages\[0\] field.s. until_text": {
+                "stages": [{"tpot_ms": 5, "until_text": "x"}]
+            },
+        }
+        for message, wrong in refusals.items():
+            with pytest.raises(ValueError, match=message):
+                client.generate("x", slo=wrong)
+    assert servicer.calls == 1

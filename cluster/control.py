@@ -255,7 +255,8 @@ class ControlPlane:
             up = [i for i, ok in enumerate(alive) if ok]
             target = min(up, key=lambda i: (self.replicas[i].load, i)) if up else None
         if target is None:
-            self.metrics.inc("rejected")
+            if not p.resumed:
+                self.metrics.inc("rejected")
             rid = p.request.request_id
             verdict = Verdict.REJECTED if any(alive) or not p.resumed else None
             return Decision(
@@ -270,11 +271,14 @@ class ControlPlane:
         return self._decided(p, Verdict.BEST_EFFORT, replica)
 
     def _decided(self, p: _Pending, verdict: Verdict, replica: int) -> Decision:
+        """The request's binding; counted once per request (a resumed one counts as
+        migrated, not as a second admission)."""
         hops = p.route.hops
-        self.metrics.inc(str(verdict))
+        if not p.resumed:
+            self.metrics.inc(str(verdict))
+            if hops > 1:
+                self.metrics.inc("routed")
         credit = self.replicas[replica].credits.get(p.request.request_id, 0)
         if credit:
             self.metrics.inc("prefix_credited", credit)
-        if hops > 1:
-            self.metrics.inc("routed")
         return Decision(p.request, Binding(p.request.request_id, verdict, replica, hops), p.resumed)

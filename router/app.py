@@ -105,6 +105,7 @@ class FrontDoorDeployment:
     def __init__(self, args: dict[str, Any]) -> None:
         configure_logging()
         self.config = FrontDoorConfig.from_args(args)
+        self.tls = self.config.grpc_tls()  # read before the cluster launches
         self.grpc: GrpcServer | None = None
         self.handle: Any = None
 
@@ -115,7 +116,8 @@ class FrontDoorDeployment:
         door.keys.bind_host(self.config.http_host, "HTTP (Ray Serve http_options)")
         if self.config.grpc_port:
             host = door.keys.bind_host(self.config.grpc_host, "gRPC")
-            self.grpc = await start_grpc_server(door, host, self.config.grpc_port)
+            port = self.config.grpc_port
+            self.grpc = await start_grpc_server(door, host, port, tls=self.tls)
         app = create_app(door)
         app.add_middleware(DisconnectOnCancelledReceive)
         return app

@@ -1,15 +1,17 @@
 """The front door's configuration: the Ray Serve application args, typed and validated.
 
 Args shape (deploy/serve-*.yaml): {"cluster": {ClusterConfig fields}, "http": {"host", "port"},
-"grpc": {"host", "port"}, "api_keys_file": path | null, "default_slo": tier name |
-{"ttft_ms", "tpot_ms"} | null, "default_chat_max_tokens": int, "tool_call_parser": name | null,
-"reasoning_parser": name | {"start", "end", "starts_open"} | null}.
+"grpc": {"host", "port", "tls_cert_file", "tls_key_file"}, "api_keys_file": path | null,
+"default_slo": tier name | {"ttft_ms", "tpot_ms"} | null, "default_chat_max_tokens": int,
+"tool_call_parser": name | null, "reasoning_parser": name | {"start", "end", "starts_open"} |
+null}.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig
@@ -44,6 +46,10 @@ class FrontDoorConfig:
     grpc_host: str | None = None
     """None: 127.0.0.1 without API keys, 0.0.0.0 with them."""
     grpc_port: int = 50051
+    grpc_tls_cert_file: str | None = None
+    """With `grpc_tls_key_file`: gRPC serves TLS with this PEM certificate (chain), so API
+    keys do not cross the network in the clear; None: plaintext."""
+    grpc_tls_key_file: str | None = None
     api_keys_file: str | None = None
     default_slo: SLO | str = FALLBACK_SLO
     """Used when a request names no SLO (body, headers) and is not flex: explicit numbers, or
@@ -61,8 +67,19 @@ class FrontDoorConfig:
             port = getattr(self, name)
             if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be an integer in [0, 65535], got {port!r}")
-        for name in ("http_host", "grpc_host", "api_keys_file"):
+        for name in (
+            "http_host",
+            "grpc_host",
+            "api_keys_file",
+            "grpc_tls_cert_file",
+            "grpc_tls_key_file",
+        ):
             check_text(name, getattr(self, name), optional=True)
+        if (self.grpc_tls_cert_file is None) != (self.grpc_tls_key_file is None):
+            raise ValueError(
+                "grpc.tls_cert_file and grpc.tls_key_file go together: give both for TLS, "
+                "or neither"
+            )
         check_int("default_chat_max_tokens", self.default_chat_max_tokens)
         parser = self.tool_call_parser
         if parser is not None and (not isinstance(parser, str) or parser not in PARSERS):
@@ -70,6 +87,23 @@ class FrontDoorConfig:
                 f"tool_call_parser must be one of {', '.join(PARSERS)} or null, "
                 f"got {self.tool_call_parser!r}"
             )
+
+    def grpc_tls(self) -> tuple[bytes, bytes] | None:
+        """The gRPC door's (certificate, key) PEM, read now; None: plaintext."""
+        if self.grpc_tls_cert_file is None or self.grpc_tls_key_file is None:
+            return None
+        pems = []
+        for name, path in (
+            ("grpc.tls_cert_file", self.grpc_tls_cert_file),
+            ("grpc.tls_key_file", self.grpc_tls_key_file),
+        ):
+            try:
+                pems.append(Path(path).read_bytes())
+            except OSError as exc:
+                raise ValueError(f"{name} {path!r}: {exc.strerror}") from None
+            if b"-----BEGIN " not in pems[-1]:
+                raise ValueError(f"{name} {path!r} holds no PEM block")
+        return pems[0], pems[1]
 
     @property
     def tool_parser(self) -> ToolParser | None:
@@ -98,14 +132,16 @@ class FrontDoorConfig:
         if unknown:
             raise ValueError(f"unknown front door arg(s): {', '.join(unknown)}")
         cluster = ClusterConfig.from_dict(args.get("cluster") or {})
-        http = _section(args, "http")
-        grpc = _section(args, "grpc")
+        http = _section(args, "http", ("host", "port"))
+        grpc = _section(args, "grpc", ("host", "port", "tls_cert_file", "tls_key_file"))
         return cls(
             cluster=cluster,
             http_host=http.get("host"),
             http_port=http.get("port", 8000),
             grpc_host=grpc.get("host"),
             grpc_port=grpc.get("port", 50051),
+            grpc_tls_cert_file=grpc.get("tls_cert_file"),
+            grpc_tls_key_file=grpc.get("tls_key_file"),
             api_keys_file=args.get("api_keys_file"),
             default_slo=_default_slo(args.get("default_slo"), cluster),
             default_chat_max_tokens=args.get("default_chat_max_tokens", 256),
@@ -114,10 +150,10 @@ class FrontDoorConfig:
         )
 
 
-def _section(args: Mapping[str, Any], name: str) -> dict[str, Any]:
+def _section(args: Mapping[str, Any], name: str, fields: tuple[str, ...]) -> dict[str, Any]:
     section = args.get(name) or {}
-    if not isinstance(section, dict) or set(section) - {"host", "port"}:
-        raise ValueError(f"{name} must be a mapping with host and port only, got {section!r}")
+    if not isinstance(section, dict) or set(section) - set(fields):
+        raise ValueError(f"{name} must be a mapping with {', '.join(fields)} only, got {section!r}")
     return section
 
 

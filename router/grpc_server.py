@@ -374,10 +374,10 @@ async def start_grpc_server(
     host: str,
     port: int,
     *,
-    tls_cert: bytes | None = None,
-    tls_key: bytes | None = None,
+    tls: tuple[bytes, bytes] | None = None,
 ) -> GrpcServer:
-    """Bind, register Serving + health + reflection, start; port 0 picks a free port."""
+    """Bind, register Serving + health + reflection, start; port 0 picks a free port.
+    `tls`: (certificate chain, private key) PEM to serve TLS with; None: plaintext."""
     server = grpc.aio.server()
     pb_grpc.add_ServingServicer_to_server(ServingServicer(door), server)
     health = HealthServicer()
@@ -385,11 +385,15 @@ async def start_grpc_server(
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
     reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
-    if tls_cert is not None and tls_key is not None:
-        credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
-        bound = server.add_secure_port(address, credentials)
+    if tls is not None:
+        cert, key = tls
+        try:
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+            bound = server.add_secure_port(address, credentials)
+        except RuntimeError as exc:  # grpc's answer to a key that is not the certificate's
+            raise ValueError(f"gRPC TLS: the certificate and key do not load: {exc}") from None
     else:
         bound = server.add_insecure_port(address)
     await server.start()
-    logger.info("gRPC door listening on %s:%d", host, bound)
+    logger.info("gRPC door listening on %s:%d (%s)", host, bound, "TLS" if tls else "plaintext")
     return GrpcServer(server, bound, health, door)

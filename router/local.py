@@ -30,13 +30,15 @@ class LocalFrontDoor:
     """Starts on construction; `close()` (or leaving the `with` block) stops everything."""
 
     def __init__(self, config: FrontDoorConfig, start_timeout_s: float = 300.0) -> None:
+        tls = config.grpc_tls()  # read before the cluster launches
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.door: FrontDoor
         self.handle: Any
         self.door, self.handle = self.run(build_front_door(config), start_timeout_s)
-        self.grpc: GrpcServer = self.run(start_grpc_server(self.door, HOST, config.grpc_port))
+        grpc = start_grpc_server(self.door, HOST, config.grpc_port, tls=tls)
+        self.grpc: GrpcServer = self.run(grpc)
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and
         # without it every response waits ~40 ms for a delayed ACK (Nagle).
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -47,6 +47,7 @@ OPTIONS_ON = {
         "clients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
     },
     "apiKeys": {"existingSecret": "slos-api-keys"},
+    "grpcTls": {"existingSecret": "slos-grpc-tls"},
     "autoscaling": {"enabled": True},
 }
 
@@ -261,22 +262,40 @@ def test_optional_objects_render_and_validate(
     assert {p["port"] for p in prometheus["ports"]} == {8080, 8000}
 
 
+def mounted_secret(template: dict[str, Any], secret: str) -> dict[Path, str]:
+    """Where each file of `secret` is in the pod's container: path -> the Secret's key."""
+    (volume,) = [
+        v for v in template["spec"]["volumes"] if v.get("secret", {}).get("secretName") == secret
+    ]
+    (container,) = template["spec"]["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"]
+    return {Path(mount["mountPath"]) / i["path"]: i["key"] for i in volume["secret"]["items"]}
+
+
 def test_api_keys_secret_is_mounted_where_the_app_reads_it(render: Render) -> None:
     rayservice = one(render(OPTIONS_ON), "RayService")
     (app,) = serve_config(rayservice)["applications"]
     keys_file = Path(app["args"]["api_keys_file"])
     assert keys_file == Path("/etc/slos-serve/api-keys/api-keys")
     for template in pod_templates(rayservice):
-        (volume,) = [v for v in template["spec"]["volumes"] if "secret" in v]
-        assert volume["secret"]["secretName"] == "slos-api-keys"
-        (container,) = template["spec"]["containers"]
-        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
-        assert Path(mount["mountPath"]) / volume["secret"]["items"][0]["path"] == keys_file
+        assert mounted_secret(template, "slos-api-keys") == {keys_file: "api-keys"}
+
+
+def test_the_grpc_tls_secret_is_mounted_where_the_app_reads_it(render: Render) -> None:
+    rayservice = one(render(OPTIONS_ON), "RayService")
+    (app,) = serve_config(rayservice)["applications"]
+    config = FrontDoorConfig.from_args(app["args"])
+    assert config.grpc_tls_cert_file is not None and config.grpc_tls_key_file is not None
+    files = {Path(config.grpc_tls_cert_file): "tls.crt", Path(config.grpc_tls_key_file): "tls.key"}
+    for template in pod_templates(rayservice):
+        assert mounted_secret(template, "slos-grpc-tls") == files
 
 
 def test_no_api_keys_by_default(render: Render) -> None:
     (app,) = serve_config(one(render(), "RayService"))["applications"]
     assert app["args"]["api_keys_file"] is None
+    assert app["args"]["grpc"] == {"host": "0.0.0.0", "port": 50051}
     assert app["args"]["tool_call_parser"] is None
     assert app["args"]["reasoning_parser"] is None
 

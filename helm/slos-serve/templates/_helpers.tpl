@@ -83,6 +83,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* The front door's grpc args: its port on 0.0.0.0, and the TLS Secret's files when set. */}}
+{{- define "slos-serve.grpcArgs" -}}
+{{- $grpc := dict "host" "0.0.0.0" "port" .Values.ports.grpc }}
+{{- if .Values.grpcTls.existingSecret }}
+{{- $_ := set $grpc "tls_cert_file" (printf "%s/tls.crt" .Values.grpcTls.mountPath) }}
+{{- $_ := set $grpc "tls_key_file" (printf "%s/tls.key" .Values.grpcTls.mountPath) }}
+{{- end }}
+{{- toYaml $grpc }}
+{{- end }}
+
 {{/*
 The Serve config (serveConfigV2): the same document as deploy/serve-*.yaml, except that HTTP
 and gRPC listen on 0.0.0.0 so the Services can reach them.
@@ -92,7 +102,7 @@ and gRPC listen on 0.0.0.0 so the Services can reach them.
 {{- $args := dict
   "cluster" .Values.cluster
   "http" (dict "host" "0.0.0.0" "port" .Values.ports.http)
-  "grpc" (dict "host" "0.0.0.0" "port" .Values.ports.grpc)
+  "grpc" (include "slos-serve.grpcArgs" . | fromYaml)
   "api_keys_file" (ternary $keysFile nil (ne $keysFile ""))
   "tool_call_parser" .Values.toolCallParser
   "reasoning_parser" .Values.reasoningParser
@@ -175,6 +185,11 @@ spec:
           mountPath: {{ $root.Values.apiKeys.mountPath }}
           readOnly: true
         {{- end }}
+        {{- if $root.Values.grpcTls.existingSecret }}
+        - name: grpc-tls
+          mountPath: {{ $root.Values.grpcTls.mountPath }}
+          readOnly: true
+        {{- end }}
   volumes:
     # Ray's object store lives in shared memory; the container default (64 MiB) is too small.
     - name: shm
@@ -191,6 +206,16 @@ spec:
         items:
           - key: {{ $root.Values.apiKeys.key }}
             path: {{ $root.Values.apiKeys.key }}
+    {{- end }}
+    {{- if $root.Values.grpcTls.existingSecret }}
+    - name: grpc-tls
+      secret:
+        secretName: {{ $root.Values.grpcTls.existingSecret }}
+        items:
+          - key: tls.crt
+            path: tls.crt
+          - key: tls.key
+            path: tls.key
     {{- end }}
   {{- with $group.nodeSelector }}
   nodeSelector:

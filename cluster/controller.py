@@ -55,6 +55,11 @@ log = logging.getLogger(__name__)
 
 HEALTH_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 2.0
+SLOW_CHECKS = 2
+"""Health periods in a row in which a replica did not answer within HEALTH_TIMEOUT_S before
+the health loop takes it for down: on a loaded machine one late answer (the controller's own
+loop held up, as on 2 shared cores) is not a failure. A failed call (the actor restarting or
+dead) takes it down at once."""
 DRAIN_GRACE_S = 10.0
 """A draining replica that holds nothing stops once the front doors have pulled its streams
 to the end, or this long after, should one never pull it."""
@@ -189,6 +194,8 @@ class ClusterController:
         slot that stays empty."""
         self._died: dict[int, int] = {}
         """Per slot, the health checks in a row its replica failed as dead."""
+        self._slow: dict[int, int] = {}
+        """Per slot, the health loop's checks in a row its replica did not answer in time."""
         self._waiters: dict[str, asyncio.Future[Binding]] = {}
         self._binding: dict[int, dict[str, tuple[Request, bool]]] = {
             i: {} for i in range(config.slots)
@@ -601,14 +608,16 @@ class ClusterController:
             await asyncio.sleep(HEALTH_PERIOD_S)
             self._watch_leases()
             up = self._up()
-            died = await asyncio.gather(*(self._check(i) for i in up))
+            died = await asyncio.gather(*(self._check(i, patient=True) for i in up))
             for slot, dead in zip(up, died, strict=True):
                 self._count_death(slot, dead)
             self._refill()
 
-    async def _check(self, replica: int) -> bool:
+    async def _check(self, replica: int, patient: bool = False) -> bool:
         """Whether the replica's health call failed as a dead actor's (Ray's
-        `ActorDiedError`); a replica found down is marked so, one found back rebuilt."""
+        `ActorDiedError`); a replica found down is marked so, one found back rebuilt.
+        `patient` (the health loop's periodic check): no answer in time takes it down only
+        the SLOW_CHECKS-th time in a row."""
         vr = self.plane.replicas[replica]
         actor = self.replicas[replica]
         if actor is None:  # stopped by the autoscaler since the loop listed it
@@ -618,10 +627,17 @@ class ClusterController:
         except (RayActorError, TimeoutError) as error:
             if self.replicas[replica] is not actor:  # stopped, or another started, meanwhile
                 return False
+            if patient and isinstance(error, TimeoutError):
+                self._slow[replica] = self._slow.get(replica, 0) + 1
+                if self._slow[replica] < SLOW_CHECKS:
+                    log.warning("replica %d did not answer its health check in time", replica)
+                    return False
             if vr.alive:
                 log.warning("replica %d is down; its requests resume elsewhere", replica)
                 self.plane.mark_dead(replica)
             return isinstance(error, ActorDiedError)
+        if patient:
+            self._slow.pop(replica, None)
         if not vr.alive or incarnation != vr.incarnation:
             await self._sync(replica)
         return False
@@ -811,6 +827,7 @@ class ClusterController:
         actor, group = self.replicas[slot], self.groups[slot]
         self.replicas[slot] = self.groups[slot] = None
         self._died.pop(slot, None)
+        self._slow.pop(slot, None)
         self.plane.draining.discard(slot)
         self.plane.mark_dead(slot)
         self._plan_sent.pop(slot, None)

@@ -61,6 +61,8 @@ class LocalReplica:
         """Whether health checks fail, as a dead actor's do."""
         self.dead_checks = 0
         """Health checks to fail as Ray fails the calls to an actor it will not restart."""
+        self.slow_checks = 0
+        """Health checks to answer a second late (the replica or the controller held up)."""
         self.add_request = _Method(self._add_request)
         self.abort = _Method(self._abort)
         self.set_plan = _Method(self._set_plan)
@@ -95,6 +97,9 @@ class LocalReplica:
         return snapshot
 
     async def _health(self) -> str:
+        if self.slow_checks:
+            self.slow_checks -= 1
+            await asyncio.sleep(1.0)
         if self.dead_checks:
             self.dead_checks -= 1
             raise ActorDiedError
@@ -774,6 +779,39 @@ def test_a_start_in_flight_when_the_last_door_leaves_is_stopped(
         assert not controller._starting and controller.replicas[0] is None
         await asyncio.sleep(0.1)
         assert not controller._starting  # and no other start
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_replica_late_to_answer_its_health_check_is_down_only_when_late_twice_in_a_row(
+    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a loaded machine one late answer is no failure: the replica stays routable and its
+    mirror untouched. SLOW_CHECKS late answers in a row take it down, and it is rebuilt once
+    it answers again."""
+    monkeypatch.setattr(controller_module, "HEALTH_PERIOD_S", 0.02)
+    monkeypatch.setattr(controller_module, "HEALTH_TIMEOUT_S", 0.1)
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        counters = controller.plane.metrics.counters
+        vr = controller.plane.replicas[0]
+        rebuilt = counters["mirror_rebuilds"]
+        downs = []
+        mark_dead = controller.plane.mark_dead
+        monkeypatch.setattr(
+            controller.plane, "mark_dead", lambda i: (downs.append(i), mark_dead(i))
+        )
+        replica.slow_checks = controller_module.SLOW_CHECKS - 1
+        await until(lambda: replica.slow_checks == 0, "the late checks ran")
+        await asyncio.sleep(0.3)
+        assert vr.alive and not downs and counters["mirror_rebuilds"] == rebuilt
+        replica.slow_checks = controller_module.SLOW_CHECKS
+        await until(lambda: downs == [0], "the replica taken for down")
+        await until(lambda: counters["mirror_rebuilds"] == rebuilt + 1, "its mirror rebuilt")
+        assert vr.alive
         await replica.core.stop()
 
     asyncio.run(run())

@@ -225,8 +225,9 @@ class GenerateOptions:
     """Each token's log-probability and its `logprobs` most likely alternatives (0..20)."""
     structured_outputs: StructuredOutputs | None = None
     """Every token follows it; the output ends once it is complete."""
-    tools: Sequence[Tool] = field(default_factory=tuple)
-    """Chat only: functions the model may call."""
+    tools: Sequence[Tool | Mapping[str, Any]] = field(default_factory=tuple)
+    """Chat only: functions the model may call, as `Tool`s or OpenAI's tool dicts
+    ({"type": "function", "function": {name, description, parameters}})."""
     tool_choice: str | CallTool | None = None
     """none | auto | required, or the tool to call; None: auto with tools (the deployment
     must name a tool_call_parser), none without."""
@@ -271,15 +272,29 @@ def _structured(wanted: StructuredOutputs) -> pb.StructuredOutputs:
         raise ValueError(f"structured_outputs={wanted!r}: {exc}") from None
 
 
-def _tool(tool: Tool) -> pb.Tool:
+def _tool(tool: Tool | Mapping[str, Any]) -> pb.Tool:
+    if isinstance(tool, Mapping):
+        tool = _openai_tool(tool)
     if not isinstance(tool, Tool):
-        raise ValueError(f"tools must be Tool objects, got {tool!r}")
+        raise ValueError(f"tools must be Tool objects or OpenAI's tool dicts, got {tool!r}")
     schema = tool.parameters
     try:
         text = schema if schema is None or isinstance(schema, str) else json.dumps(schema)
         return pb.Tool(name=tool.name, description=tool.description, parameters=text)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"tool {tool.name!r}: {exc}") from None
+
+
+def _openai_tool(raw: Mapping[str, Any]) -> Tool:
+    """OpenAI's {"type": "function", "function": {...}} as a `Tool` (the server checks the
+    rest, as HTTP does)."""
+    function = raw.get("function")
+    if raw.get("type") != "function" or not isinstance(function, Mapping):
+        raise ValueError(f'a tool dict is {{"type": "function", "function": {{...}}}}, got {raw!r}')
+    name = function.get("name")
+    if not isinstance(name, str):
+        raise ValueError(f"a tool's function needs a name, got {dict(function)!r}")
+    return Tool(name, function.get("description", ""), function.get("parameters"))
 
 
 def _tool_choice(choice: str | CallTool) -> pb.ToolChoice:
@@ -370,7 +385,6 @@ def build_request(
         stop=list(options.stop),
         ignore_eos=options.ignore_eos,
         include_stop_str_in_output=options.include_stop_str_in_output,
-        priority=options.priority,
         service_tier=pb.SERVICE_TIER_FLEX
         if options.service_tier == "flex"
         else pb.SERVICE_TIER_DEFAULT,
@@ -405,6 +419,7 @@ def build_request(
         "bad_words": request.bad_words.extend,
         "min_tokens": functools.partial(setattr, request, "min_tokens"),
         "n": functools.partial(setattr, request, "n"),
+        "priority": functools.partial(setattr, request, "priority"),
     }
     for name, put in setters.items():
         value = getattr(options, name)

@@ -346,6 +346,9 @@ def test_tools_and_earlier_calls_cross_grpc(codec: TextCodec) -> None:
     sent = build_request(None, as_openai, GenerateOptions())
     assert sent == build_request(None, messages, GenerateOptions())
     assert request_to_body(sent, "demo")[1]["messages"] == http_messages
+    # And the tools as OpenAI's dicts.
+    tools_as_dicts = build_request(None, messages, GenerateOptions(tools=HTTP_TOOLS))
+    assert tools_as_dicts == build_request(None, messages, GenerateOptions(tools=TOOLS))
 
 
 def test_bad_tools_are_named_at_either_end() -> None:
@@ -355,8 +358,15 @@ def test_bad_tools_are_named_at_either_end() -> None:
     assert info.value.param == "tools[0].parameters"
     with pytest.raises(ValueError, match="tool_choice must be"):
         build_request(None, [("user", "hi")], GenerateOptions(tool_choice="always"))
-    with pytest.raises(ValueError, match="tools must be Tool objects"):
-        build_request(None, [("user", "hi")], GenerateOptions(tools=[{"name": "f"}]))  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r'a tool dict is \{"type": "function"'):
+        build_request(None, [("user", "hi")], GenerateOptions(tools=[{"name": "f"}]))
+    nameless = {"type": "function", "function": {"description": "f"}}
+    with pytest.raises(ValueError, match="a tool's function needs a name"):
+        build_request(None, [("user", "hi")], GenerateOptions(tools=[nameless]))
+    with pytest.raises(ValueError, match="tools must be Tool objects or OpenAI's tool dicts"):
+        build_request(None, [("user", "hi")], GenerateOptions(tools=["f"]))  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="priority=2147483648"):
+        build_request("x", None, GenerateOptions(priority=2**31))
     with pytest.raises(ValueError, match="tool 'f'"):
         build_request(None, [("user", "hi")], GenerateOptions(tools=[Tool("f", parameters={1j})]))  # type: ignore[arg-type]
 

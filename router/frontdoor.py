@@ -140,15 +140,12 @@ class Generation:
                 if tail:
                     yield TextDelta(tail, ())
                 self.finished = True
-                self.door.metrics.record_final(item, self.slo_label, self.tenant)
                 if self.prompt_only:
                     stages = tuple(replace(s, tokens=0, late_tokens=0) for s in item.stages)
-                    yield Finished(
-                        replace(item, num_output_tokens=0, finish_reason="length", stages=stages)
-                    )
-                else:
-                    stopped = item.finish_reason == "stop"
-                    yield Finished(item, self.text.stop_reason if stopped else None)
+                    item = replace(item, num_output_tokens=0, finish_reason="length", stages=stages)
+                self.door.metrics.record_final(item, self.slo_label, self.tenant)
+                stopped = item.finish_reason == "stop"
+                yield Finished(item, self.text.stop_reason if stopped else None)
                 return
             self.door.metrics.record_tokens(
                 self.slo_label, self.times[-1] if self.times else None, item.times
@@ -222,7 +219,7 @@ class Generation:
             arrival_time=request.arrival_time,
             first_token_time=self.times[0] if self.times else None,
             num_prompt_tokens=request.prompt_len,
-            num_output_tokens=len(self.token_ids),
+            num_output_tokens=0 if self.prompt_only else len(self.token_ids),
             stages=stage_verdicts(request, self.token_ids, self.times, cut_at),
         )
 

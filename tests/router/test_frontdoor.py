@@ -223,6 +223,8 @@ def test_a_prompt_only_choice_reports_no_output_token_in_its_usage_or_stages(
     record = asyncio.run(collect())
     assert record.num_output_tokens == 0
     assert record.stages == (StageVerdict("default", False, 0, 0),)
+    assert counted(door, "generation_tokens_total", "tenant") == {}  # as its usage says
+    assert counted(door, "slo_violated_total", "stage") == {"default": 1}
 
 
 def test_a_grpc_request_the_door_cannot_map_is_counted_as_a_bad_request(codec: TextCodec) -> None:

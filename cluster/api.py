@@ -82,7 +82,8 @@ def stage_verdicts(
     nanosecond, as the load generator judges: `late_tokens`), the stages that end on a token
     closed where `tokens` (the output) has it. `cut_at`: when an output stopped short (its
     client left, its replica was lost): its next token, due by then, misses its stage too,
-    so a client that gave up waiting is not counted as served on time."""
+    so a client that gave up waiting is not counted as served on time; the stages it never
+    reached are left out."""
     if request.slo is None:
         return ()
     slo = request.slo.closed_by(tokens)
@@ -99,6 +100,7 @@ def stage_verdicts(
     return tuple(
         StageVerdict(name, not late[i] and i != missed, late[i], count[i])
         for i, name in enumerate(names)
+        if cut_at is None or count[i] or i == missed
     )
 
 
@@ -166,5 +168,6 @@ class ClusterStatus:
     """Replicas being started (loading their model): the autoscaler's, or in the slot of one
     dead for good."""
     start_error: str = ""
-    """Why the last replica start failed, until one succeeds (empty: none failed); a failed
-    start is tried again (cluster.controller.START_RETRY_S)."""
+    """Why the last replica start failed, until one succeeds or, autoscaled, no replica is
+    wanted any more (empty: none is failing); a failed start is tried again
+    (cluster.controller.START_RETRY_S)."""

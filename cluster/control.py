@@ -58,6 +58,8 @@ class _Pending:
     request: Request
     route: RouteState
     resumed: bool
+    counts: bool = True
+    """Its decision is counted: the request's first (not a resume, nor a hand-off again)."""
 
 
 class ControlPlane:
@@ -128,8 +130,11 @@ class ControlPlane:
             for vr, ok in zip(self.replicas, routable, strict=True)
         ]
 
-    def submit(self, request: Request, now: float, *, resumed: bool = False) -> Decision | None:
-        """Queue a request at its first hop; a Decision when the verdict needs no tick."""
+    def submit(
+        self, request: Request, now: float, *, resumed: bool = False, again: bool = False
+    ) -> Decision | None:
+        """Queue a request at its first hop; a Decision when the verdict needs no tick.
+        `again`: decided before, its hand-off failed (its verdict was counted then)."""
         rid = request.request_id
         held = self.holder(rid)
         if held is not None:
@@ -146,7 +151,7 @@ class ControlPlane:
                 Binding(rid, None, None, 0, "no replica is up", self.router.retry_after_s),
                 resumed,
             )
-        pending = _Pending(request, RouteState([first]), resumed)
+        pending = _Pending(request, RouteState([first]), resumed, counts=not (resumed or again))
         if request.tier is Tier.BEST_EFFORT:
             return self._serve_best_effort(pending, first, now)
         if not self.replicas[first].plans_admission:
@@ -246,7 +251,7 @@ class ControlPlane:
             p.route.visited.append(nxt)
             self._queues[nxt].append(p)
             return None
-        if not p.resumed:
+        if p.counts:
             self.metrics.inc("declined")
         backup = self.router.backup(p.route, self.loads(), alive)
         target = backup.best_effort_replica
@@ -255,7 +260,7 @@ class ControlPlane:
             up = [i for i, ok in enumerate(alive) if ok]
             target = min(up, key=lambda i: (self.replicas[i].load, i)) if up else None
         if target is None:
-            if not p.resumed:
+            if p.counts:
                 self.metrics.inc("rejected")
             rid = p.request.request_id
             verdict = Verdict.REJECTED if any(alive) or not p.resumed else None
@@ -274,7 +279,7 @@ class ControlPlane:
         """The request's binding; counted once per request (a resumed one counts as
         migrated, not as a second admission)."""
         hops = p.route.hops
-        if not p.resumed:
+        if p.counts:
             self.metrics.inc(str(verdict))
             if hops > 1:
                 self.metrics.inc("routed")

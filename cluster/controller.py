@@ -439,12 +439,13 @@ class ClusterController:
             self.plane.abort(rid)
             if self.replicas[replica] is actor:  # not a replica replaced meanwhile
                 self.plane.mark_dead(replica)
-            retry = self.plane.submit(request, time.time(), resumed=decision.resumed)
+            now = time.time()
+            retry = self.plane.submit(request, now, resumed=decision.resumed, again=True)
             return None if retry is None else await self._bind(retry)
         except RayTaskError as exc:
             if not isinstance(exc.cause, AlreadyHeld):
+                # Refused by the replica's own checks; counted under its verdict already.
                 self.plane.abort(rid)
-                self.plane.metrics.inc("rejected")
                 return Binding(rid, Verdict.REJECTED, None, binding.hops, str(exc.cause))
             added = True  # a retried submit, or a controller restarted mid hand-off
         finally:
@@ -636,8 +637,7 @@ class ClusterController:
                 log.warning("replica %d is down; its requests resume elsewhere", replica)
                 self.plane.mark_dead(replica)
             return isinstance(error, ActorDiedError)
-        if patient:
-            self._slow.pop(replica, None)
+        self._slow.pop(replica, None)
         if not vr.alive or incarnation != vr.incarnation:
             await self._sync(replica)
         return False
@@ -731,6 +731,8 @@ class ClusterController:
             draining.discard(slot)
             self._empty_since.pop(slot, None)
             self._wake_resumes()
+        if not steps.start and not self._starting:
+            self._start_error = ""  # no replica wanted now: no start is failing
         for _ in range(steps.start if self._retry_in() <= 0 else 0):
             slot = next(
                 i for i, a in enumerate(self.replicas) if a is None and i not in self._starting

@@ -388,7 +388,6 @@ class Engine:
         seqs = [self._forward_seq(w) for w in works]
         target_start = time.perf_counter()
         logits, failed = self._forward(works, seqs)
-        self._settle()
         target_s = time.perf_counter() - target_start
         # One argmax for the whole batch: greedy requests need nothing else.
         choices = logits.argmax(dim=-1).tolist() if len(logits) else []
@@ -779,14 +778,15 @@ class Engine:
     def _forward(self, works: list[_Work], seqs: list[ForwardSeq]) -> tuple[torch.Tensor, set[int]]:
         """The target's logits for `seqs`, and the indices of the sequences it could not run.
         A fault in the batched forward (a GPU out of memory at this batch's size, a kernel
-        failing on one request's shape) is retried with each sequence alone, so that only the
-        requests whose own forward fails lose their step: a sequence run again writes the same
-        KV into the same slots. Not in a tensor-parallel group, whose other ranks may be
-        waiting in the failed batch's collectives."""
+        failing on one request's shape, reported when the GPU is waited for) is retried with
+        each sequence alone, so that only the requests whose own forward fails lose their
+        step: a sequence run again writes the same KV into the same slots. Not in a
+        tensor-parallel group, whose other ranks may be waiting in the failed batch's
+        collectives."""
         if not seqs:
             return torch.empty(0), set()
         try:
-            return self.target.forward(seqs), set()
+            return self._settled(seqs), set()
         except Exception:
             if self.target.tp is not None:
                 raise
@@ -799,7 +799,7 @@ class Engine:
         failed = set()
         for i, (w, fs) in enumerate(zip(works, seqs, strict=True)):
             try:
-                parts.append(self.target.forward([fs]))
+                parts.append(self._settled([fs]))
             except Exception:
                 log.exception(
                     "request %s: the target's forward fails for it alone; ending it as aborted",
@@ -807,6 +807,12 @@ class Engine:
                 )
                 failed.add(i)
         return (torch.cat(parts) if parts else torch.empty(0)), failed
+
+    def _settled(self, seqs: list[ForwardSeq]) -> torch.Tensor:
+        """The target's forward, waited for: a GPU fault surfaces here, not in a later call."""
+        logits = self.target.forward(seqs)
+        self._settle()
+        return logits
 
     def _settle(self) -> None:
         """Wait for the GPU's queued kernels, so a timed part of the step counts its own work

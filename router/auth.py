@@ -20,6 +20,8 @@ from router.errors import Unauthorized
 
 ENV_VAR = "SLOS_SERVE_API_KEYS"
 DEFAULT_TENANT = "default"
+UNKNOWN_TENANT = "unknown"
+"""What a call no key names is counted under."""
 LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
 

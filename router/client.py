@@ -20,7 +20,14 @@ import functools
 import json
 import reprlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    Callable,
+    Generator,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -341,12 +348,7 @@ def _openai_message(index: int, message: Mapping[str, Any]) -> pb.ChatMessage:
     joined, and the fields a response's message echoes (refusal, ...) dropped, as HTTP
     takes them."""
     where = f"messages[{index}]"
-    extra = sorted(str(k) for k in message if k not in (*MESSAGE_FIELDS, *ECHOED_MESSAGE_FIELDS))
-    if extra:
-        raise ValueError(
-            f"{where} has unsupported key(s) {', '.join(extra)}; it takes "
-            f"{', '.join(MESSAGE_FIELDS)}"
-        )
+    _known_fields(message, MESSAGE_FIELDS, where, ignored=ECHOED_MESSAGE_FIELDS)
     fields = {k: v for k, v in message.items() if k in MESSAGE_FIELDS}
     calls = fields.pop("tool_calls", None)
     if calls is not None:
@@ -483,10 +485,15 @@ def _http_slo(raw: Mapping[str, Any], slo: pb.SLO) -> None:
         raise ValueError(f"slo={dict(raw)!r}: {exc}") from None
 
 
-def _known_fields(raw: Mapping[str, Any], known: Sequence[str], where: str) -> None:
-    extra = sorted(str(k) for k in raw if k not in known)
+def _known_fields(
+    raw: Mapping[str, Any], known: Sequence[str], where: str, ignored: Sequence[str] = ()
+) -> None:
+    """Refuse the keys of `raw` neither `known` nor `ignored` (taken and dropped)."""
+    extra = sorted(str(k) for k in raw if k not in known and k not in ignored)
     if extra:
-        raise ValueError(f"unknown {where} field(s) {', '.join(extra)}; known: {', '.join(known)}")
+        raise ValueError(
+            f"{where} has unknown field(s) {', '.join(extra)}; known: {', '.join(known)}"
+        )
 
 
 def _numbers(raw: Mapping[str, Any], message: Any, names: Sequence[str], where: str) -> None:
@@ -729,7 +736,7 @@ class Client(_Base):
         messages: Sequence[Message] | None = None,
         timeout_s: float | None = None,
         **options: Any,
-    ) -> Iterator[Chunk | Result]:
+    ) -> Generator[Chunk | Result]:
         """Stream the output: `Chunk`s, and each choice's `Result` as it ends (one choice
         unless `n` > 1). The arguments are checked here, before the stream is read."""
         request = build_request(prompt, messages, GenerateOptions(**options))
@@ -737,7 +744,7 @@ class Client(_Base):
 
     def _stream(
         self, request: pb.GenerateRequest, deadline: float | None
-    ) -> Iterator[Chunk | Result]:
+    ) -> Generator[Chunk | Result]:
         attempt = 1
         while True:
             call = self.stub.Generate(
@@ -819,7 +826,7 @@ class AsyncClient(_Base):
         messages: Sequence[Message] | None = None,
         timeout_s: float | None = None,
         **options: Any,
-    ) -> AsyncIterator[Chunk | Result]:
+    ) -> AsyncGenerator[Chunk | Result]:
         """Stream the output: `Chunk`s, and each choice's `Result` as it ends (one choice
         unless `n` > 1). The arguments are checked here, before the stream is read. To stop
         early, close the generator (`await stream.aclose()`, or iterate inside
@@ -830,7 +837,7 @@ class AsyncClient(_Base):
 
     async def _stream(
         self, request: pb.GenerateRequest, deadline: float | None
-    ) -> AsyncIterator[Chunk | Result]:
+    ) -> AsyncGenerator[Chunk | Result]:
         attempt = 1
         while True:
             call = self.stub.Generate(

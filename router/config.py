@@ -9,6 +9,7 @@ null}.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,14 @@ class FrontDoorConfig:
                 raise ValueError(f"{name} {path!r}: {exc.strerror}") from None
             if b"-----BEGIN " not in pems[-1]:
                 raise ValueError(f"{name} {path!r} holds no PEM block")
+        try:  # grpc would only say so once the cluster is up
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.grpc_tls_cert_file, self.grpc_tls_key_file)
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"grpc.tls_cert_file {self.grpc_tls_cert_file!r} and grpc.tls_key_file "
+                f"{self.grpc_tls_key_file!r} do not load as a certificate and its key: {exc}"
+            ) from None
         return pems[0], pems[1]
 
     @property

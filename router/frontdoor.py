@@ -26,7 +26,7 @@ from cluster.api import (
 )
 from replica.batch import TokenLogprob
 from replica.request import Request
-from router.auth import ApiKeys
+from router.auth import UNKNOWN_TENANT, ApiKeys
 from router.errors import BadRequest, ModelNotFound, Rejected, Unauthorized, Unavailable
 from router.metrics import FrontDoorMetrics
 from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body
@@ -206,7 +206,8 @@ class Generation:
 
     def _unfinished(self, cut_at: float) -> FinalRecord | None:
         """What the client got of a request that will not finish, its stages judged as at
-        `cut_at` (`stage_verdicts`); None before the cluster's first answer."""
+        `cut_at` (`stage_verdicts`) once it was given a token (not a choice the door closes
+        itself, its first chunk unread); None before the cluster's first answer."""
         placement = self.placement
         if placement is None:
             return None
@@ -220,7 +221,9 @@ class Generation:
             first_token_time=self.times[0] if self.times else None,
             num_prompt_tokens=request.prompt_len,
             num_output_tokens=0 if self.prompt_only else len(self.token_ids),
-            stages=stage_verdicts(request, self.token_ids, self.times, cut_at),
+            stages=stage_verdicts(request, self.token_ids, self.times, cut_at)
+            if self.times
+            else (),
         )
 
 
@@ -278,7 +281,7 @@ class FrontDoor:
         try:
             return self.keys.authenticate(authorization)
         except Unauthorized:
-            self.metrics.reject("unknown", "unauthorized")
+            self.metrics.reject(UNKNOWN_TENANT, "unauthorized")
             raise
 
     def parse(

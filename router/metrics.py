@@ -26,7 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from cluster.api import ClusterStatus, FinalRecord, Verdict
-from router.auth import DEFAULT_TENANT
+from router.auth import DEFAULT_TENANT, UNKNOWN_TENANT
 
 PREFIX = "slos_serve:"
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -100,7 +100,7 @@ CONTROLLER_COUNTERS = {
     "start_failed": (
         "replica_start_failures",
         "Replica starts that failed (a model folder gone, a device held, no resources): "
-        "tried again every 30 s, the last one's error in the cluster status's start_error.",
+        "tried again after a pause, the last one's error in the cluster status's start_error.",
         1.0,
     ),
     "planner_errors": (
@@ -302,6 +302,7 @@ class FrontDoorMetrics:
         )
         self.cluster = ClusterCollector(model)
         self.registry.register(self.cluster)
+        served = (Verdict.ADMITTED.value, Verdict.BEST_EFFORT.value)
         for tenant in tenants:
             for counter in (
                 self.admitted,
@@ -310,21 +311,21 @@ class FrontDoorMetrics:
                 self.generation_tokens,
             ):
                 counter.labels(model, tenant)
-            for verdict in (Verdict.ADMITTED.value, Verdict.BEST_EFFORT.value, "unknown"):
-                self.cancelled.labels(model, tenant, verdict)
+            for verdict in served:
                 self.lost.labels(model, tenant, verdict)
+            for verdict in (*served, "unknown"):
+                self.cancelled.labels(model, tenant, verdict)
             for reason in REJECT_REASONS:
-                self.rejected.labels(model, tenant, reason)
+                if reason != "unauthorized":
+                    self.rejected.labels(model, tenant, reason)
+        self.rejected.labels(model, UNKNOWN_TENANT, "unauthorized")
 
-    def record_tokens(
-        self, tier: str, previous: float | None, times: Sequence[float]
-    ) -> float | None:
-        """Observe the gaps between output tokens; returns the last token's time."""
+    def record_tokens(self, tier: str, previous: float | None, times: Sequence[float]) -> None:
+        """Observe the gaps between output tokens (`previous`: the token before `times`)."""
         for t in times:
             if previous is not None:
                 self.itl.labels(self.model, tier).observe(max(0.0, t - previous))
             previous = t
-        return previous
 
     def record_final(self, record: FinalRecord, tier: str, tenant: str) -> None:
         """Count one finished request (called exactly once per request)."""

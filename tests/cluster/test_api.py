@@ -37,16 +37,22 @@ def test_a_stage_cut_short_and_a_request_without_an_slo() -> None:
 def test_an_output_cut_short_misses_the_stage_of_a_token_due_before_the_cut() -> None:
     """Its client left (or its replica was lost) after two tokens: the third, due 1.1 s after
     arrival, misses "think" if it was due by then; never when every token came, or without
-    an SLO."""
+    an SLO. A stage the output never reached is not judged."""
     request = Request("r", [1, 2], SamplingParams(max_tokens=5), THINK_THEN_ANSWER, arrival_time=0)
     tokens, times = [7, 7], [0.9, 1.0]
-    assert all(v.attained for v in stage_verdicts(request, tokens, times, cut_at=1.1))
+    assert stage_verdicts(request, tokens, times, cut_at=1.1) == (
+        StageVerdict("think", True, 0, 2),
+    )
     assert stage_verdicts(request, tokens, times, cut_at=1.2) == (
         StageVerdict("think", False, 0, 2),
-        StageVerdict("answer", True, 0, 0),
     )
-    before_any = stage_verdicts(request, [], [], cut_at=1.5)
-    assert before_any == (StageVerdict("think", False, 0, 0), StageVerdict("answer", True, 0, 0))
+    assert stage_verdicts(request, [], [], cut_at=1.5) == (StageVerdict("think", False, 0, 0),)
+    assert stage_verdicts(request, [], [], cut_at=0.5) == ()
+    three = [0.9, 1.0, 1.1]  # the fourth, due at 1.3, is the answer's first
+    assert stage_verdicts(request, [7] * 3, three, cut_at=1.4) == (
+        StageVerdict("think", True, 0, 3),
+        StageVerdict("answer", False, 0, 0),
+    )
     every = [0.9, 1.0, 1.1, 1.3, 1.5]
     assert all(v.attained for v in stage_verdicts(request, [7] * 5, every, cut_at=99.0))
     free = Request("f", [1], SamplingParams(max_tokens=2), tier=Tier.BEST_EFFORT)

@@ -117,6 +117,23 @@ def test_resumed_request_is_never_rejected(tmp_path: Path) -> None:
     assert counters.get("admitted", 0) + counters.get("best_effort", 0) == 2
 
 
+def test_a_request_decided_again_after_a_failed_hand_off_is_counted_once(
+    tmp_path: Path,
+) -> None:
+    """Its replica died while taking it: the controller submits it again (`again`), and its
+    second verdict, here after a hop, adds no admission, route or rejection to the first."""
+    p = plane(tmp_path, backup_policy=BackupPolicy.REJECT)
+    first = decide(p, tight("a"))
+    assert first.binding.verdict is Verdict.ADMITTED
+    p.abort("a")
+    p.mark_dead(first.binding.replica or 0)
+    again = p.submit(tight("a"), 100.0, again=True)
+    decisions = [again] if again else [d for _ in range(3) for d in p.tick(100.0)]
+    (decision,) = [d for d in decisions if d.request.request_id == "a"]
+    assert decision.binding.verdict is Verdict.ADMITTED and not decision.resumed
+    assert p.metrics.counters == {"admitted": 1}
+
+
 def test_no_live_replica_means_unavailable(tmp_path: Path) -> None:
     p = plane(tmp_path)
     p.mark_dead(0)

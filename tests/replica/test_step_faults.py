@@ -297,6 +297,27 @@ def test_a_forward_that_always_fails_ends_its_requests_and_frees_their_kv(
     _release_all(engine, [r.request_id for r in requests])
 
 
+def test_a_tensor_parallel_forward_fault_is_not_retried_alone(
+    runners: tuple[ModelRunner, ModelRunner],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other ranks of a tensor-parallel group may wait in the failed batch's collectives:
+    a forward of one sequence would not match theirs, so the fault fails the step."""
+    calls: list[int] = []
+    _failing_forward(runners[0], monkeypatch, lambda n, seqs: not calls.append(n))
+    monkeypatch.setattr(runners[0], "tp", object())  # as a rank 0's group handle
+    engine = Engine(*runners, proposer="draft")
+    requests = _requests(prompts, CULPRIT_TEMPERATURE)
+    for r in requests:
+        engine.add_request(r)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.step(BatchPlan(tuple(PrefillChunk(r.request_id, r.prompt_len) for r in requests)))
+    assert calls == [1]
+    monkeypatch.undo()
+    _release_all(engine, [r.request_id for r in requests])
+
+
 def test_a_value_error_once_the_step_runs_is_not_a_refusal(
     runners: tuple[ModelRunner, ModelRunner],
     prompts: list[list[int]],

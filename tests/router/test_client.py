@@ -308,9 +308,9 @@ def test_an_slo_dict_is_taken_as_http_takes_it(served: tuple[ScriptedServicer, s
         assert list(answer.until) == ["\n\n", "END"] and answer.num_tokens == 64
         refusals = {
             "slo.ttft_ms must be a number, got '3000'": {"ttft_ms": "3000"},
-            "unknown slo field.s. ttft; known: ttft_ms, tpot_ms, stages": {"ttft": 100},
+            "slo has unknown field.s. ttft; known: ttft_ms, tpot_ms, stages": {"ttft": 100},
             r"slo.stages\[0\].tpot_ms must be a number": {"stages": [{"tpot_ms": True}]},
-            r"unknown slo.stages\[0\] field.s. until_text": {
+            r"slo.stages\[0\] has unknown field.s. until_text": {
                 "stages": [{"tpot_ms": 5, "until_text": "x"}]
             },
         }

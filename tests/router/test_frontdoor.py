@@ -129,6 +129,10 @@ def test_a_client_gone_before_the_first_answer_is_counted_cancelled_once(
             await start
         assert sorted(cluster.aborted) == ["r-0", "r-1", "r-2"]
         assert cancelled(door) == {"admitted": 1, "unknown": 2} and admitted(door) == 1
+        # The answered choice gave its client nothing: no first token, no stage judged.
+        for judged in ("slo_attained_total", "slo_violated_total"):
+            assert counted(door, judged, "stage") == {}
+        assert counted(door, "time_to_first_token_seconds_count", "tier") == {}
 
     async def leave_before_the_choices_ran() -> None:
         cluster = ScriptedCluster()

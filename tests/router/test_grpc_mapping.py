@@ -460,7 +460,7 @@ def test_the_sdk_refuses_what_http_refuses_before_sending() -> None:
     staged = {"stages": [{"name": "think", "tpot_ms": 20, "until": ["</think>"]}]}
     staged_body = request_to_body(build_request("x", None, GenerateOptions(slo=staged)), "demo")
     assert staged_body[1]["slo"] == staged
-    with pytest.raises(ValueError, match=r"^unknown slo field\(s\) ttft; known: ttft_ms,"):
+    with pytest.raises(ValueError, match=r"^slo has unknown field\(s\) ttft; known: ttft_ms,"):
         build_request("x", None, GenerateOptions(slo={"ttft": 300}))
     with pytest.raises(ValueError, match=r"^slo must be an SLO"):
         build_request("x", None, GenerateOptions(slo=300))  # type: ignore[arg-type]

@@ -89,7 +89,7 @@ def _other_ca(folder: Path) -> bytes:
     return _self_signed(folder, "other")[0].read_bytes()
 
 
-def test_tls_files_are_checked_naming_the_field(codec: TextCodec, tmp_path: Path) -> None:
+def test_tls_files_are_checked_naming_the_field(tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path, "door")
     _, other_key = _self_signed(tmp_path, "other")
     with pytest.raises(ValueError, match=r"tls_cert_file and grpc\.tls_key_file go together"):
@@ -103,11 +103,6 @@ def test_tls_files_are_checked_naming_the_field(codec: TextCodec, tmp_path: Path
     garbled = _config(tls_cert_file=str(cert), tls_key_file=str(tmp_path / "notes.txt"))
     with pytest.raises(ValueError, match=r"grpc.tls_key_file '.*notes.txt' holds no PEM block"):
         garbled.grpc_tls()
-    mismatched = _config(tls_cert_file=str(cert), tls_key_file=str(other_key)).grpc_tls()
-
-    async def start() -> None:
-        door = door_over(ScriptedCluster(), codec)
-        await start_grpc_server(door, "127.0.0.1", 0, tls=mismatched)
-
-    with pytest.raises(ValueError, match="certificate and key do not load"):
-        asyncio.run(start())
+    mismatched = _config(tls_cert_file=str(cert), tls_key_file=str(other_key))
+    with pytest.raises(ValueError, match="do not load as a certificate and its key"):
+        mismatched.grpc_tls()

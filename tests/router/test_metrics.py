@@ -55,8 +55,8 @@ def test_counts_match_records_fed() -> None:
     m.record_final(record(Verdict.BEST_EFFORT, 2), "flex", "team-b")
     m.record_final(record(Verdict.REJECTED, 2), "chat", "team-a")
     m.reject("team-b", "bad_request")
-    last = m.record_tokens("chat", None, [1.0, 1.1, 1.3])
-    assert m.record_tokens("chat", last, [1.6]) == 1.6
+    m.record_tokens("chat", None, [1.0, 1.1, 1.3])
+    m.record_tokens("chat", 1.3, [1.6])
     s = samples(m)
     admitted = (("model", "demo"), ("tenant", "team-a"))
     assert s[(PREFIX + "requests_admitted_total", admitted)] == 2
@@ -78,7 +78,9 @@ def test_counts_match_records_fed() -> None:
     assert s[(PREFIX + "requests_cancelled_total", cancelled)] == 1
     unknown = (("model", "demo"), ("tenant", "team-a"), ("verdict", "unknown"))
     assert s[(PREFIX + "requests_cancelled_total", unknown)] == 1
-    cut = replace(record(Verdict.BEST_EFFORT, 1), first_token_time=None, finish_time=None)
+    cut = replace(
+        record(Verdict.BEST_EFFORT, 1), first_token_time=None, finish_time=None, num_output_tokens=0
+    )
     m.record_lost(cut, "flex", "team-b")  # cut off before its first token
     s = samples(m)
     assert s[(PREFIX + "requests_best_effort_total", best)] == 2
@@ -99,6 +101,12 @@ def test_counts_match_records_fed() -> None:
     flex = (("model", "demo"), ("tier", "flex"))
     assert s[(PREFIX + "time_to_first_token_seconds_count", flex)] == 1
     assert s[(PREFIX + "route_hops_count", (("model", "demo"),))] == 6
+    # 5 prompt tokens each: team-a's two finished and the one left (after 1 token of its
+    # own), team-b's finished one (4 tokens) and the one cut off (none).
+    assert s[(PREFIX + "prompt_tokens_total", admitted)] == 3 * 5
+    assert s[(PREFIX + "generation_tokens_total", admitted)] == 4 + 4 + 1
+    assert s[(PREFIX + "prompt_tokens_total", best)] == 2 * 5
+    assert s[(PREFIX + "generation_tokens_total", best)] == 4
     assert s[(PREFIX + "route_hops_sum", (("model", "demo"),))] == 11
 
 

@@ -332,7 +332,7 @@ def summary_table(result: RunResult) -> str:
     the server counted, and its replicas' step time per request."""
     run_report, server_counters = result.report, result.server_counters
     head = (
-        f"{'slo class':<18}{'reqs':>5}{'adm':>5}{'be':>4}{'rej':>5}{'unk':>5}"
+        f"{'slo class':<18}{'reqs':>7}{'adm':>7}{'be':>7}{'rej':>7}{'unk':>7}"
         f"{'attain':>8}{'paper':>7}{'TTFT p50/p99 s':>17}{'TPOT p50/p99 ms':>18}"
     )
     rows = [head, "-" * len(head)]
@@ -342,8 +342,8 @@ def summary_table(result: RunResult) -> str:
         ttft = f"{_fmt(g.ttft_s.p50)}/{_fmt(g.ttft_s.p99)}"
         tpot = f"{_fmt(g.mean_tpot_s.p50, 1e3, 1)}/{_fmt(g.mean_tpot_s.p99, 1e3, 1)}"
         rows.append(
-            f"{name:<18}{g.requests:>5}{g.admitted:>5}{g.best_effort:>4}{g.rejected:>5}"
-            f"{g.unknown:>5}{g.attainment:>8.3f}{g.paper_attainment:>7.3f}{ttft:>17}{tpot:>18}"
+            f"{name:<18}{g.requests:>7}{g.admitted:>7}{g.best_effort:>7}{g.rejected:>7}"
+            f"{g.unknown:>7}{g.attainment:>8.3f}{g.paper_attainment:>7.3f}{ttft:>17}{tpot:>18}"
         )
     if server_counters is not None:
         counted = ", ".join(f"{k} {v}" for k, v in server_counters.items())

@@ -543,6 +543,9 @@ class SlosScheduler(Scheduler):
                     continue
             rest.append(state)
         timely.sort(key=lambda item: item[0])
+        # By arrival, not by when each joined the tier: a request that gave its guarantee up
+        # joined last, though it came before most.
+        rest.sort(key=lambda state: state.request.arrival_time)
         if self.laps is not None:
             rest = self.laps.order(rest, self._remaining_estimate, now)
         return [state for _, state in timely] + rest

@@ -18,8 +18,8 @@ from loadgen import cli
 from loadgen.clients import GrpcClient, HttpClient, InProcessClient, LoadClient, Reply
 from loadgen.metrics import report, run_span_s
 from loadgen.prompts import Prompt
-from loadgen.records import Verdict, read_records
-from loadgen.run_load import RunResult, prefix_credit_missed
+from loadgen.records import RequestRecord, Verdict, read_records
+from loadgen.run_load import RunResult, prefix_credit_missed, summary_table
 from loadgen.workloads import CPU_TIGHT_TPOT_FACTOR, WorkloadRequest
 from loadgen.zero_load import ZeroLoad
 from replica.request import SLO
@@ -405,3 +405,30 @@ def test_the_share_of_credited_prefix_tokens_not_found(
     records = [rec([1.0, 1.1])]
     result = RunResult(1.0, records, report(records), 0.0, counters)
     assert prefix_credit_missed(result) == missed
+
+
+def test_the_summary_table_keeps_counts_apart_at_any_size() -> None:
+    """Four-digit verdict counts (an overload run) stay separate columns."""
+    records = _records(2_000)
+    table = summary_table(RunResult(2.0, records, report(records), 0.0, None))
+    row = next(line for line in table.splitlines() if line.startswith("all"))
+    assert row.split()[1:6] == ["2000", "1000", "1000", "0", "0"]
+
+
+def _records(n: int) -> list[RequestRecord]:
+    slo = SLO(ttft_ms=100.0, tpot_ms=50.0)
+    return [
+        RequestRecord(
+            request_id=f"r{i}",
+            scenario="chatbot",
+            slo_class="tight/tight",
+            arrival_s=0.0,
+            prompt_len=4,
+            output_len=1,
+            slo=slo,
+            zero_load_ttft_s=0.05,
+            verdict="admitted" if i % 2 else "best_effort",
+            token_times_s=(0.05,),
+        )
+        for i in range(n)
+    ]

@@ -148,6 +148,17 @@ def test_best_effort_requests_that_can_still_be_on_time_keep_going_first() -> No
     assert plan is not None and plan.entries[0].request_id == "hopeful"
 
 
+def test_late_best_effort_requests_go_oldest_first_whenever_they_joined() -> None:
+    """A request admitted on arrival that gave its guarantee up joins the tier after the
+    ones that came later: it still goes before them (FCFS), not after every one of them."""
+    perf = PerfModel.synthetic({"const": 0.004, "tokens": 1e-4, "requests": 4e-3})
+    sched = SlosScheduler(perf, CacheBudget(num_blocks=256), PlannerConfig())
+    sched.add_best_effort(flex("young", arrival=1.0), 1.0)
+    sched.add_best_effort(flex("old", arrival=0.0), 1.5)
+    plan = sched.schedule(2.0)
+    assert plan is not None and [e.request_id for e in plan.entries][:2] == ["old", "young"]
+
+
 def test_the_scheduler_forgets_finished_and_aborted_requests() -> None:
     perf = PerfModel.synthetic({"const": 0.01, "tokens": 1e-4})
     sched = SlosScheduler(perf, CacheBudget(num_blocks=64), PlannerConfig(laps=LapsConfig()))

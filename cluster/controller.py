@@ -446,6 +446,7 @@ class ClusterController:
             if not isinstance(exc.cause, AlreadyHeld):
                 # Refused by the replica's own checks; counted under its verdict already.
                 self.plane.abort(rid)
+                self._aborted.discard(rid)
                 return Binding(rid, Verdict.REJECTED, None, binding.hops, str(exc.cause))
             added = True  # a retried submit, or a controller restarted mid hand-off
         finally:

@@ -79,6 +79,8 @@ class _Lookups:
 class _Stream:
     queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     ended: bool = False
+    read: bool = False
+    """A client opened it (`ReplicaCore.stream`)."""
 
 
 class ReplicaCore:
@@ -182,6 +184,7 @@ class ReplicaCore:
         if stream is None:
             yield StreamItem(lost=True)
             return
+        stream.read = True
         try:
             while True:
                 item = await stream.queue.get()
@@ -328,6 +331,9 @@ class ReplicaCore:
         ended = [rid for rid in aborts if rid in self._held]
         for rid in ended:
             self._end(rid, FinishReason.ABORT)
+            stream = self._streams.get(rid)
+            if stream is not None and not stream.read:  # its client left before it opened
+                del self._streams[rid]
         if ended:
             self.seq += 1
             outcome = BatchOutcome(

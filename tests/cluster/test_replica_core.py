@@ -340,3 +340,29 @@ def test_a_replica_builds_the_adaserve_trees_its_config_asks_for(
     assert trees is not None and trees.config == AdaServeConfig(max_width=6, max_nodes=24)
     default = build_engine(dataclasses.replace(config, adaserve=None)).adaserve
     assert default is not None and default.config == AdaServeConfig()
+
+
+def test_a_request_aborted_before_its_stream_is_opened_leaves_nothing(engine: Engine) -> None:
+    """Its client left while the front door bound it: no one reads its stream, which must not
+    stay (a few KB each, for the replica's life, and open work to a drain); one being read
+    keeps its end for its reader."""
+
+    async def run() -> tuple[tuple[int, int], list[StreamItem]]:
+        core = ReplicaCore(engine, 0, lambda report: None)
+        core.start()
+        for i in range(3):
+            core.add_request(req(f"gone-{i}", 64), admitted=True)
+        core.add_request(req("read", 64), admitted=True)
+        reader = asyncio.ensure_future(drain(core, "read"))
+        await asyncio.sleep(0)
+        for rid in ("gone-0", "gone-1", "gone-2", "read"):
+            core.abort(rid)
+        items = await asyncio.wait_for(reader, 20)
+        work = core.open_work()
+        await core.stop()
+        return work, items
+
+    work, items = asyncio.run(run())
+    assert work == (0, 0)
+    assert items[-1].finish_reason == "abort"
+    assert engine.num_free_blocks == engine.cache.num_blocks

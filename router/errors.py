@@ -82,4 +82,4 @@ def refuse_unknown(
     the body: `where`)."""
     unknown = sorted(str(k)[:64] for k in fields if k not in allowed)
     if unknown:
-        raise BadRequest(f"{where}.{unknown[0]} is not a field{hint}", where)
+        raise BadRequest(f"{where}.{unknown[0]} is not a field{hint}", f"{where}.{unknown[0]}")

@@ -710,14 +710,31 @@ def _sampling(
             "allowed_token_ids must name at least one token id (leave it out to allow any)",
             "allowed_token_ids",
         )
-    grammar = structured_grammar(body, lambda: codec.grammar_vocab)
+
+    def vocab() -> llguidance.LLTokenizer:
+        return codec.grammar_vocab
+
+    grammar = structured_grammar(body, vocab)
     if calling is not None and calling.schema is not None:
         if grammar is not None:
             raise BadRequest(
                 "tool_choice makes the output tool calls; it cannot go with structured output",
                 "tool_choice",
             )
-        grammar = json_schema_grammar(calling.schema, calling.where, lambda: codec.grammar_vocab)
+        try:
+            grammar = json_schema_grammar(calling.schema, calling.where, vocab)
+        except BadRequest:
+            for where, part in calling.parts:  # the tool whose schema fails alone, if one does
+                json_schema_grammar(part, where, vocab)
+            raise
+    stopped = [name for name in ("stop", "stop_token_ids") if body.get(name)]
+    if grammar is not None and stopped:
+        raise BadRequest(
+            f"{stopped[0]} cannot go with structured output or a tool_choice that forces "
+            "calls: the grammar decides where the output ends, and a stop would cut it "
+            "mid-value",
+            stopped[0],
+        )
     return _build(
         lambda: SamplingParams(
             max_tokens=max_tokens,

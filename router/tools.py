@@ -41,6 +41,9 @@ class ToolCalling:
     """"auto": how the model writes its calls among its text."""
     one_call: bool = False
     """"auto" with `parallel_tool_calls: false`: the first call only (as vLLM keeps it)."""
+    parts: tuple[tuple[str, dict[str, Any]], ...] = ()
+    """"required": each tool's arguments schema and its field, to blame the one that makes
+    the whole schema fail."""
 
     @property
     def held_to_end(self) -> bool:
@@ -154,7 +157,10 @@ def tool_calling(
         return ToolCalling(None, None, parser=parser, one_call=one_call), tools
     functions = [t["function"] for t in tools]
     if choice == "required":
-        return ToolCalling(_calls_schema(functions, one_call), None), tools
+        parts = tuple(
+            (f"tools[{i}].function.parameters", _parameters(f)) for i, f in enumerate(functions)
+        )
+        return ToolCalling(_calls_schema(functions, one_call), None, parts=parts), tools
     name = _named(choice)
     index = next((i for i, f in enumerate(functions) if f["name"] == name), None)
     if index is None:
@@ -199,15 +205,18 @@ def tools_of(raw: object) -> list[dict[str, Any]]:
         name = function.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise BadRequest(
-                f"{where}.function.name must be 1-64 letters, digits, _ or -", f"{where}.function"
+                f"{where}.function.name must be 1-64 letters, digits, _ or -",
+                f"{where}.function.name",
             )
         if name in names:
-            raise BadRequest(f"{where}: two tools are named {name!r}", where)
+            raise BadRequest(f"{where}: two tools are named {name!r}", f"{where}.function.name")
         names.add(name)
-        if not isinstance(function.get("description", ""), str):
-            raise BadRequest(f"{where}.function.description must be a string", where)
-        if not isinstance(function.get("strict", False), bool):
-            raise BadRequest(f"{where}.function.strict must be a boolean", where)
+        for field, kind, default in (("description", str, ""), ("strict", bool, False)):
+            if not isinstance(function.get(field, default), kind):
+                article = "a string" if kind is str else "a boolean"
+                raise BadRequest(
+                    f"{where}.function.{field} must be {article}", f"{where}.function.{field}"
+                )
         parameters = function.get("parameters", {})
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise BadRequest(

@@ -480,12 +480,12 @@ R1 = REASONING_PARSERS["deepseek_r1"]
 
 
 def test_thinking_comes_apart_from_the_answer_whole_and_streamed() -> None:
-    texts = ["<think>Two and two.</think>\n\nIt is 4.", "Still thinking", HERMES_CALL]
-    thoughts = ["Two and two.", "Still thinking", None]
-    answers = ["\n\nIt is 4.", None, HERMES_CALL]  # all thinking: null content
-    records = [RECORD, LENGTH, RECORD]
+    texts = ["<think>Two and two.</think>\n\nIt is 4.", "Still thinking", HERMES_CALL, "<think>"]
+    thoughts = ["Two and two.", "Still thinking", None, None]  # empty thinking: null
+    answers = ["\n\nIt is 4.", None, HERMES_CALL, None]  # all thinking: null content
+    records = [RECORD, LENGTH, RECORD, LENGTH]
     # The third thinks nothing: a qwen3-style parser leaves an output without <think> alone.
-    parsers = [R1, R1, REASONING_PARSERS["qwen3"]]
+    parsers = [R1, R1, REASONING_PARSERS["qwen3"], R1]
     for text, thought, answer, record, parser in zip(
         texts, thoughts, answers, records, parsers, strict=True
     ):

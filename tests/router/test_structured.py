@@ -104,7 +104,7 @@ def test_json_object_regex_choice_and_grammars(codec: TextCodec, ctx: SchemaCont
     ("fields", "param", "message"),
     [
         ({"response_format": {"type": "xml"}}, "response_format", "type: text"),
-        ({"response_format": {"type": "json_object", "x": 1}}, "response_format", "x is not"),
+        ({"response_format": {"type": "json_object", "x": 1}}, "response_format.x", "x is not"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "name"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
@@ -150,7 +150,11 @@ def test_json_object_regex_choice_and_grammars(codec: TextCodec, ctx: SchemaCont
         ),
         ({"structured_outputs": {"regex": 0}}, "structured_outputs.regex", "non-empty string"),
         ({"guided_json": '{"const": NaN}'}, "guided_json", "not valid JSON"),
-        ({"structured_outputs": {"structural_tag": "a"}}, "structured_outputs", "structural_tag"),
+        (
+            {"structured_outputs": {"structural_tag": "a"}},
+            "structured_outputs.structural_tag",
+            "structural_tag",
+        ),
         ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object", "true"),
         ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json", "not valid JSON"),
         (
@@ -190,7 +194,7 @@ def test_json_object_regex_choice_and_grammars(codec: TextCodec, ctx: SchemaCont
             "not JSON serializable",
         ),
         ({"guided_json": '{"enum": ["\\ud800"]}'}, "guided_json", "not JSON serializable"),
-        ({"structured_outputs": {"type": "text"}}, "structured_outputs", "type is not"),
+        ({"structured_outputs": {"type": "text"}}, "structured_outputs.type", "type is not"),
     ],
 )
 def test_bad_structured_outputs_are_named(

@@ -161,18 +161,23 @@ def test_a_conversation_carries_calls_and_their_results(codec: TextCodec) -> Non
         ({"tools": [{"type": "function"}]}, "tools[0]", "must be"),
         (
             {"tools": [{"type": "function", "function": {"name": "a b"}}]},
-            "tools[0].function",
+            "tools[0].function.name",
             "letters",
         ),
         (
             {"tools": [{"type": "function", "function": {"name": "a", "x": 1}}]},
-            "tools[0].function",
+            "tools[0].function.x",
             "x is not",
         ),
-        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1]", "two tools"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name", "two tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a", "description": 1}}]},
+            "tools[0].function.description",
+            "description must be a string",
+        ),
         (
             {"tools": [{"type": "function", "function": {"name": "a", "strict": "yes"}}]},
-            "tools[0]",
+            "tools[0].function.strict",
             "strict must be a boolean",
         ),
         (
@@ -233,8 +238,34 @@ def test_a_conversation_carries_calls_and_their_results(codec: TextCodec) -> Non
                 ],
                 "tool_choice": "required",
             },
-            "tools",
+            "tools[0].function.parameters",
             "Invalid type",
+        ),
+        (
+            {
+                "tools": [
+                    TOOLS[0],
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "b",
+                            "parameters": {
+                                "properties": {"tz": {"type": "string", "pattern": "(["}}
+                            },
+                        },
+                    },
+                ],
+                "tool_choice": "required",
+            },
+            "tools[1].function.parameters",
+            "regex",
+        ),
+        ({"tools": TOOLS, "tool_choice": "required", "stop": ["unit"]}, "stop", "cut it"),
+        ({"tools": TOOLS, "tool_choice": NAMED, "stop_token_ids": [5]}, "stop_token_ids", "cut it"),
+        (
+            {"response_format": {"type": "json_object"}, "stop": "}"},
+            "stop",
+            "cannot go with structured output",
         ),
         (
             {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},

@@ -439,6 +439,9 @@ class ClusterController:
             self.plane.abort(rid)
             if self.replicas[replica] is actor:  # not a replica replaced meanwhile
                 self.plane.mark_dead(replica)
+            if rid in self._aborted:  # its client left during the hand-off: nothing to retry
+                self._aborted.discard(rid)
+                return Binding(rid, None, None, binding.hops, "aborted during its hand-off")
             now = time.time()
             retry = self.plane.submit(request, now, resumed=decision.resumed, again=True)
             return None if retry is None else await self._bind(retry)

@@ -101,6 +101,9 @@ class ReplicaCore:
         self._added: list[str] = []
         self._ended: deque[str] = deque(maxlen=ENDED_MEMORY)
         """The last ids this incarnation ended, oldest first."""
+        self._dropped: deque[str] = deque(maxlen=ENDED_MEMORY)
+        """The last ids whose stream went unread and was let go: a late reader gets their end
+        (abort), not a lost stream it would resume elsewhere, and a late add is refused."""
         self._inbox: BatchPlan | None = None
         self._last: BatchPlan | None = None
         self._wake = asyncio.Event()
@@ -127,7 +130,8 @@ class ReplicaCore:
         The engine only records the request here (a dict insert, atomic under the GIL), so
         doing it while a step runs in the worker thread is safe; KV changes in steps only (its
         eviction order also between them, `_touch_added`)."""
-        if request.request_id in self._held or request.request_id in self._streams:
+        rid = request.request_id
+        if rid in self._held or rid in self._streams or rid in self._dropped:
             raise AlreadyHeld(f"request {request.request_id!r} is already held by this replica")
         self.engine.add_request(request)
         self._held[request.request_id] = _Held(request, admitted)
@@ -136,10 +140,21 @@ class ReplicaCore:
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
-        """End a request before the next step, freeing its KV; unknown ids are ignored."""
-        if request_id in self._held and request_id not in self._aborts:
+        """End a request before the next step, freeing its KV; unknown ids are ignored. One
+        that ended already lets its stream go if no one opened it."""
+        if request_id not in self._held:
+            self._drop_unread(request_id)
+        elif request_id not in self._aborts:
             self._aborts.append(request_id)
             self._wake.set()
+
+    def _drop_unread(self, request_id: str) -> None:
+        """Let go of an ended request's stream no one opened (its client left while it was
+        bound): kept, it would stay for the replica's life, as unread work."""
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.ended and not stream.read:
+            del self._streams[request_id]
+            self._dropped.append(request_id)
 
     def set_plan(self, plan: BatchPlan, regraded: Mapping[str, bool] | None = None) -> None:
         """The controller's next plan; replaces one not yet started. `regraded`: requests
@@ -182,7 +197,10 @@ class ReplicaCore:
         Leaving early aborts the request (the client went away)."""
         stream = self._streams.get(request_id)
         if stream is None:
-            yield StreamItem(lost=True)
+            gone = request_id in self._dropped
+            yield (
+                StreamItem(finish_reason=str(FinishReason.ABORT)) if gone else StreamItem(lost=True)
+            )
             return
         stream.read = True
         try:
@@ -331,9 +349,7 @@ class ReplicaCore:
         ended = [rid for rid in aborts if rid in self._held]
         for rid in ended:
             self._end(rid, FinishReason.ABORT)
-            stream = self._streams.get(rid)
-            if stream is not None and not stream.read:  # its client left before it opened
-                del self._streams[rid]
+            self._drop_unread(rid)
         if ended:
             self.seq += 1
             outcome = BatchOutcome(

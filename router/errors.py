@@ -78,8 +78,8 @@ class Unavailable(ApiError):
 def refuse_unknown(
     fields: Iterable[object], allowed: Collection[str], where: str, hint: str = ""
 ) -> None:
-    """A 400 naming the first of an object's fields that is not `allowed` (where it sits in
-    the body: `where`)."""
+    """A 400 naming the first of an object's fields that is not `allowed`, its param that
+    field's place in the body (`where`.field)."""
     unknown = sorted(str(k)[:64] for k in fields if k not in allowed)
     if unknown:
         raise BadRequest(f"{where}.{unknown[0]} is not a field{hint}", f"{where}.{unknown[0]}")

@@ -11,7 +11,7 @@ Fields an object or the headers leave out come from the default SLO.
 `service_tier`: "auto" and "default" ask for an SLO guarantee; "flex" is the best-effort tier
 (no SLO, served from leftover capacity, preemptible).
 
-`priority` (vLLM's convention: integer, lower is served earlier) becomes the admission weight
+`priority` (vLLM's convention: an integer, lower is more important) becomes the admission weight
 `value = 2 ** -priority`: priority 0 is worth 1, each step down doubles the worth of admitting
 the request when the DP cannot admit everyone. Allowed range: -19..19.
 """

@@ -156,17 +156,18 @@ def tool_calling(
             )
         return ToolCalling(None, None, parser=parser, one_call=one_call), tools
     functions = [t["function"] for t in tools]
+    parts = tuple(
+        (f"tools[{i}].function.parameters", _parameters(f)) for i, f in enumerate(functions)
+    )
     if choice == "required":
-        parts = tuple(
-            (f"tools[{i}].function.parameters", _parameters(f)) for i, f in enumerate(functions)
-        )
-        return ToolCalling(_calls_schema(functions, one_call), None, parts=parts), tools
+        schema = _calls_schema([f["name"] for f in functions], parts, one_call)
+        return ToolCalling(schema, None, parts=parts), tools
     name = _named(choice)
     index = next((i for i, f in enumerate(functions) if f["name"] == name), None)
     if index is None:
         raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-    where = f"tools[{index}].function.parameters"
-    return ToolCalling(_parameters(functions[index]), name, where), tools
+    where, arguments = parts[index]
+    return ToolCalling(arguments, name, where), tools
 
 
 def _function_of(value: object) -> dict[str, Any] | None:
@@ -209,7 +210,9 @@ def tools_of(raw: object) -> list[dict[str, Any]]:
                 f"{where}.function.name",
             )
         if name in names:
-            raise BadRequest(f"{where}: two tools are named {name!r}", f"{where}.function.name")
+            raise BadRequest(
+                f"{where}.function.name: two tools are named {name!r}", f"{where}.function.name"
+            )
         names.add(name)
         for field, kind, default in (("description", str, ""), ("strict", bool, False)):
             if not isinstance(function.get(field, default), kind):
@@ -237,16 +240,17 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return params if "type" in params else {**params, "type": "object"}
 
 
-def _calls_schema(functions: list[dict[str, Any]], one_call: bool) -> dict[str, Any]:
-    """A JSON array of calls, each naming one of the functions with its arguments. The
-    functions' `$defs` and `definitions` move to the array's root, where their references
-    point now that each schema sits inside the array (one name defined two ways is refused,
-    and so is a reference to anything else of the schema, which no longer holds)."""
+def _calls_schema(
+    names: list[str], parts: tuple[tuple[str, dict[str, Any]], ...], one_call: bool
+) -> dict[str, Any]:
+    """A JSON array of calls, each naming one of the functions with its arguments (`parts`:
+    each one's arguments schema and its field). The functions' `$defs` and `definitions` move
+    to the array's root, where their references point now that each schema sits inside the
+    array (one name defined two ways is refused, and so is a reference to anything else of
+    the schema, which no longer holds)."""
     shared: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
     calls = []
-    for i, f in enumerate(functions):
-        where = f"tools[{i}].function.parameters"
-        whole = _parameters(f)
+    for function, (where, whole) in zip(names, parts, strict=True):
         params = dict(whole)
         for key, defs in shared.items():
             found = params.pop(key, {})
@@ -272,7 +276,7 @@ def _calls_schema(functions: list[dict[str, Any]], one_call: bool) -> dict[str, 
         calls.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": f["name"]}, "parameters": params},
+                "properties": {"name": {"const": function}, "parameters": params},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }

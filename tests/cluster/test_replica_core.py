@@ -10,7 +10,7 @@ import pytest
 
 from cluster import replica_core
 from cluster.config import ClusterConfig
-from cluster.messages import StepReport, StreamItem
+from cluster.messages import AlreadyHeld, StepReport, StreamItem
 from cluster.replica_actor import build_engine
 from cluster.replica_core import ReplicaCore
 from replica.batch import BatchPlan, DecodeStep, PrefillChunk
@@ -366,3 +366,32 @@ def test_a_request_aborted_before_its_stream_is_opened_leaves_nothing(engine: En
     assert work == (0, 0)
     assert items[-1].finish_reason == "abort"
     assert engine.num_free_blocks == engine.cache.num_blocks
+
+
+def test_a_stream_let_go_still_ends_as_aborted_for_a_late_reader(engine: Engine) -> None:
+    """Let go unread (aborted before it was opened, or ended before its abort came): a reader
+    opening it after gets its abort, not a lost stream it would resume on another replica,
+    and the id is not taken again; an ended stream someone reads keeps its end."""
+
+    async def run() -> None:
+        core = ReplicaCore(engine, 0, lambda report: None)
+        core.start()
+        core.add_request(req("gone", 64), admitted=True)
+        core.add_request(req("done", 2), admitted=True)
+        core.add_request(req("kept", 2), admitted=True)
+        core.abort("gone")
+        core.set_plan(BatchPlan(tuple(PrefillChunk(r, len(PROMPT)) for r in ("done", "kept"))))
+        while core.open_work()[0]:  # every one ended: "gone" aborted, the others finished
+            await asyncio.sleep(0.01)
+        core.abort("done")  # the door's abort, after it finished unread
+        assert core.open_work() == (0, 1)  # "kept", unread yet
+        for rid in ("gone", "done"):
+            assert [i.finish_reason for i in await drain(core, rid)] == ["abort"]
+            with pytest.raises(AlreadyHeld):
+                core.add_request(req(rid), admitted=True)
+        kept = await drain(core, "kept")
+        assert kept[-1].finish_reason in ("length", "stop") and core.open_work() == (0, 0)
+        assert [i.lost for i in await drain(core, "never")] == [True]
+        await core.stop()
+
+    asyncio.run(run())

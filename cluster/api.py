@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from replica.batch import TokenLogprob
-from replica.planner.deadlines import late_tokens
+from replica.planner.deadlines import ON_TIME_SLACK_S, late_tokens
 from replica.request import Request
 
 
@@ -94,7 +94,7 @@ def stage_verdicts(
     overdue = (
         cut_at is not None
         and nxt < request.sampling.max_tokens
-        and cut_at > request.arrival_time + slo.deadline_s(nxt) + 1e-9
+        and cut_at > request.arrival_time + slo.deadline_s(nxt) + ON_TIME_SLACK_S
     )
     missed = slo.stage_at(nxt) if overdue else -1
     return tuple(

@@ -101,9 +101,10 @@ class ReplicaCore:
         self._added: list[str] = []
         self._ended: deque[str] = deque(maxlen=ENDED_MEMORY)
         """The last ids this incarnation ended, oldest first."""
-        self._dropped: deque[str] = deque(maxlen=ENDED_MEMORY)
-        """The last ids whose stream went unread and was let go: a late reader gets their end
-        (abort), not a lost stream it would resume elsewhere, and a late add is refused."""
+        self._dropped: dict[str, None] = {}
+        """The last ENDED_MEMORY ids whose stream went unread and was let go, oldest first (a
+        dict: every add looks an id up in it): a late reader gets their end (abort), not a lost
+        stream it would resume elsewhere, and a late add is refused."""
         self._inbox: BatchPlan | None = None
         self._last: BatchPlan | None = None
         self._wake = asyncio.Event()
@@ -132,11 +133,11 @@ class ReplicaCore:
         eviction order also between them, `_touch_added`)."""
         rid = request.request_id
         if rid in self._held or rid in self._streams or rid in self._dropped:
-            raise AlreadyHeld(f"request {request.request_id!r} is already held by this replica")
+            raise AlreadyHeld(f"request {rid!r} is already held by this replica")
         self.engine.add_request(request)
-        self._held[request.request_id] = _Held(request, admitted)
-        self._streams[request.request_id] = _Stream()
-        self._added.append(request.request_id)
+        self._held[rid] = _Held(request, admitted)
+        self._streams[rid] = _Stream()
+        self._added.append(rid)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -154,7 +155,9 @@ class ReplicaCore:
         stream = self._streams.get(request_id)
         if stream is not None and stream.ended and not stream.read:
             del self._streams[request_id]
-            self._dropped.append(request_id)
+            self._dropped[request_id] = None
+            if len(self._dropped) > ENDED_MEMORY:
+                del self._dropped[next(iter(self._dropped))]
 
     def set_plan(self, plan: BatchPlan, regraded: Mapping[str, bool] | None = None) -> None:
         """The controller's next plan; replaces one not yet started. `regraded`: requests

@@ -630,6 +630,7 @@ class _Ended:
     """Counts a stream's `Result`s: one per choice must come before the server ends it."""
 
     choices: int
+    """The request's `n` (0, unset on the wire, is one)."""
     results: int = 0
 
     def seen(self, item: Chunk | Result) -> Chunk | Result:
@@ -637,11 +638,11 @@ class _Ended:
         return item
 
     def check(self) -> None:
-        if self.results < max(1, self.choices):
+        expected = max(1, self.choices)
+        if self.results < expected:
             raise ClientError(
                 grpc.StatusCode.INTERNAL,
-                f"the server ended the stream after {self.results} of "
-                f"{max(1, self.choices)} results",
+                f"the server ended the stream after {self.results} of {expected} results",
             )
 
 

@@ -6,6 +6,9 @@ from collections.abc import Sequence
 
 from replica.request import SLO, Request
 
+ON_TIME_SLACK_S = 1e-9
+"""A token this little past its deadline is on time: float round-off, not lateness."""
+
 
 def _slo(request: Request) -> SLO:
     if request.slo is None:
@@ -71,12 +74,11 @@ def chain_period(deadlines: tuple[float, ...], start: float) -> float:
     return min((d - start) / (m + 1) for m, d in enumerate(deadlines))
 
 
-def late_tokens(
-    request: Request, times: Sequence[float], output: Sequence[int] = (), tol: float = 1e-9
-) -> list[int]:
+def late_tokens(request: Request, times: Sequence[float], output: Sequence[int] = ()) -> list[int]:
     """Output positions that came out after their deadline (deadline semantics), the SLO's
     stages closed where `output` (the tokens) ends them; none without an SLO."""
     if request.slo is None:
         return []
     slo = request.slo.closed_by(output)
-    return [j for j, t in enumerate(times) if t > request.arrival_time + slo.deadline_s(j) + tol]
+    arrival = request.arrival_time
+    return [j for j, t in enumerate(times) if t > arrival + slo.deadline_s(j) + ON_TIME_SLACK_S]

@@ -567,6 +567,12 @@ def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, A
     answers."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty list", "messages")
+    if len(raw) > ctx.max_model_len:  # each takes a token at least; the template renders all
+        raise BadRequest(
+            f"messages has {len(raw)} entries; at most {ctx.max_model_len} (one a token of the "
+            "context) are taken",
+            "messages",
+        )
     messages: list[dict[str, Any]] = []
     total, limit = 0, _max_prompt_chars(ctx, codec)
     for i, m in enumerate(raw):
@@ -603,7 +609,8 @@ def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, A
             message["tool_call_id"] = m["tool_call_id"]
         elif m.get("tool_call_id") is not None:
             raise BadRequest(f"{where}: only tool messages take a tool_call_id", where)
-        total += len(message["content"]) + sum(len(str(c)) for c in calls or ())
+        total += sum(len(message.get(k, "")) for k in ("content", "name", "tool_call_id"))
+        total += sum(len(str(c)) for c in calls or ())
         if total > limit:
             raise BadRequest(
                 f"messages exceed {limit} characters; they cannot fit the "
@@ -784,7 +791,7 @@ def _bad_words(raw: object, codec: Codec) -> tuple[tuple[int, ...], ...]:
     if (
         not isinstance(raw, list)
         or len(raw) > most
-        or not all(isinstance(w, str) and 0 < len(w.strip()) <= MAX_STOP_CHARS for w in raw)
+        or not all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in raw)
     ):
         raise BadRequest(
             f"bad_words must be a list of at most {most} words of 1..{MAX_STOP_CHARS} characters",
@@ -1011,6 +1018,13 @@ def _stage_ends(stage: dict[str, Any], where: str, codec: Codec) -> tuple[int, .
             f"{where}.until",
         )
     for text in texts:
+        if len(text) > codec.max_token_chars:  # refused before the door's loop tokenizes it
+            raise BadRequest(
+                f"{where}.until: {_short(text)} has {len(text)} characters, more than any "
+                f"token of the model's vocabulary ({codec.max_token_chars}); a stage ends on "
+                "one token",
+                f"{where}.until",
+            )
         tokens = codec.encode(text, add_special_tokens=False)
         if len(tokens) != 1:
             raise BadRequest(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import pytest
@@ -237,6 +237,60 @@ def test_indented_code_longer_than_sixteen_characters_a_token_fits(
     # The prompts of one request together: the door's tokenizing budget, not the vocabulary's.
     with pytest.raises(BadRequest, match="together they may have at most 262144"):
         parse(codec, ctx, {"model": "demo", "prompt": [" " * 90_000] * 3})
+
+
+@dataclass
+class Watched(TextCodec):
+    """The demo codec, noting the longest text it tokenized and whether it rendered a chat."""
+
+    longest: int = 0
+    rendered: bool = False
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.longest = max(self.longest, len(text))
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, *args: Any, **kwargs: Any) -> str:
+        self.rendered = True
+        return super().render_chat(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint", "param", "message"),
+    [
+        ({"bad_words": ["x" + " " * 100_000]}, Endpoint.COMPLETIONS, "bad_words", "1..256"),
+        (
+            {"slo": {"stages": [{"tpot_ms": 20, "until": ":" * 100_000}, {"tpot_ms": 80}]}},
+            Endpoint.COMPLETIONS,
+            "slo.stages[0].until",
+            "100000 characters, more than any token",
+        ),
+        ({"messages": [{"role": "user", "content": ""}] * 2049}, Endpoint.CHAT, "messages", "2049"),
+        (
+            {"messages": [{"role": "user", "content": "x", "name": "n" * 10**7}]},
+            Endpoint.CHAT,
+            "messages",
+            "messages exceed",
+        ),
+    ],
+)
+def test_oversized_fields_are_refused_before_they_are_tokenized(
+    codec: TextCodec,
+    ctx: SchemaContext,
+    body: dict[str, Any],
+    endpoint: Endpoint,
+    param: str,
+    message: str,
+) -> None:
+    """A field the door would tokenize (or render into a chat) is bounded first: a few MB of
+    it held the door's event loop for seconds to minutes, long enough for its lease on the
+    cluster to lapse, which ended every client's requests."""
+    watched = Watched(**{f.name: getattr(codec, f.name) for f in fields(TextCodec)})
+    full = {"prompt": "x", **body} if endpoint is Endpoint.COMPLETIONS else body
+    with pytest.raises(BadRequest, match=message) as info:
+        parse(watched, ctx, full, endpoint=endpoint)
+    assert info.value.param == param
+    assert watched.longest <= 256 and not watched.rendered
 
 
 def test_logprobs_as_each_endpoint_asks_for_them(codec: TextCodec, ctx: SchemaContext) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, get_placement_group, remove_placement_group
 
 from cluster.api import (
@@ -86,7 +87,8 @@ class ClusterHandle:
         """Request ids being streamed by this handle (an id streams to one client only)."""
         self.door_id = uuid.uuid4().hex
         """This handle's lease on the cluster: its requests end when the lease does."""
-        self._lease: asyncio.Task[None] | None = None
+        self._leaving = threading.Event()
+        """Set when the handle leaves: its lease is no longer renewed."""
         self.lease_refused = False
         """The cluster is being stopped and refused this handle's lease: nothing it sends
         will be served (Serve's health check restarts such a door)."""
@@ -273,15 +275,23 @@ class ClusterHandle:
         """Take a lease on the cluster and keep renewing it; False when it is being stopped."""
         if not await self._call("attach", self.door_id):
             return False
-        self._lease = asyncio.create_task(self._renew())
+        threading.Thread(target=self._renew, name="door-lease", daemon=True).start()
         return True
 
-    async def _renew(self) -> None:
-        while not self.lease_refused:
-            await asyncio.sleep(self.config.door_lease_s / 4)
+    def _renew(self) -> None:
+        """Renews from a thread of its own: the lease says the door's process lives, and a
+        door whose event loop is held up for a while (a burst of large bodies to parse) must
+        not have every client's request ended for it. A hung loop is Serve's health check's
+        to find, which restarts the door."""
+        lease_s = self.config.door_lease_s
+        while not self._leaving.wait(lease_s / 4) and not self.lease_refused:
+            # A copy made in one C call, under the GIL, of the set the loop adds to.
+            active = list(self._active)
             try:
-                renewed = await self._controller.attach.remote(self.door_id, list(self._active))
-            except RayActorError:  # the controller restarts: renew with the next one
+                renewed = bool(
+                    ray.get(self._controller.attach.remote(self.door_id, active), timeout=lease_s)
+                )
+            except RayError:  # the controller restarts (or answers late): renew at the next period
                 continue
             if not renewed:
                 log.warning("the cluster is being stopped; this front door cannot serve")
@@ -295,8 +305,7 @@ class ClusterHandle:
         may have started some since launch (the autoscaler's, those in place of replicas dead
         for good), and stopped the starts in flight when the last door left. A controller
         gone for good was stopped by whoever replaced it, with its replicas."""
-        if self._lease is not None:
-            self._lease.cancel()
+        self._leaving.set()
         try:
             last: bool = await asyncio.wait_for(
                 self._controller.release.remote(self.door_id), SHUTDOWN_TIMEOUT_S

@@ -1,9 +1,10 @@
 """Front-door leases: who reads each request, and when a cluster has no reader left.
 
 A front door (a `ClusterHandle`) renews its lease every quarter of `door_lease_s` and names
-the requests it streams. A door that stops renewing has crashed or hung: no one reads its
-requests any more, so the controller ends them. A detached cluster that no door has renewed
-for `abandoned_after_s` (the door that would stop it died before it could) stops itself.
+the requests it streams, from a thread of its own. A door that stops renewing has died: no
+one reads its requests any more, so the controller ends them. A detached cluster that no
+door has renewed for `abandoned_after_s` (the door that would stop it died before it could)
+stops itself.
 Pure and clock-injected, like the planner: the controller feeds it `time.monotonic()`.
 """
 

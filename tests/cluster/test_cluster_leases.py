@@ -67,8 +67,7 @@ def test_a_lapsed_lease_ends_only_its_own_requests(
 
         orphan = first.submit(long_request("orphan"))
         assert isinstance(await anext(orphan), TokenChunk)
-        assert first._lease is not None
-        first._lease.cancel()  # as if its process died: the lease is no longer renewed
+        first._leaving.set()  # as if its process died: the lease is no longer renewed
         kept = second.submit(long_request("kept", 1000))
         orphaned, served = await asyncio.gather(_last(orphan), _last(kept))
         assert orphaned.finish_reason == "abort" and orphaned.num_output_tokens < 1500
@@ -78,6 +77,26 @@ def test_a_lapsed_lease_ends_only_its_own_requests(
         await first.shutdown()  # another handle holds the cluster: it keeps running
         assert (await _last(second.submit(long_request("after", 4)))).num_output_tokens == 4
         await second.shutdown()  # the last one stops it
+        assert _cluster_names() == []
+
+    runner.run(run())
+
+
+def test_a_door_whose_event_loop_is_held_up_keeps_its_lease(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    """A door's loop held for longer than the lease (a burst of large bodies to parse) does
+    not end its requests: the lease is renewed from a thread of its own."""
+    config = replace(demo, replicas=1, num_kv_blocks=256, door_lease_s=2.0)
+
+    async def run() -> None:
+        door = await launch(config, detached=True)
+        stream = door.submit(long_request("held"))
+        assert isinstance(await anext(stream), TokenChunk)
+        time.sleep(3 * config.door_lease_s)  # the loop runs nothing meanwhile
+        final = await _last(stream)
+        assert final.finish_reason == "length" and final.num_output_tokens == 1500
+        await door.shutdown()
         assert _cluster_names() == []
 
     runner.run(run())
@@ -97,8 +116,7 @@ def test_a_door_that_dies_while_the_controller_restarts_has_its_requests_ended(
         kept = second.submit(long_request("claimed", 600))
         for stream in (orphan, kept):
             assert isinstance(await anext(stream), TokenChunk)
-        assert first._lease is not None
-        first._lease.cancel()  # the door dies with the controller, before it can renew
+        first._leaving.set()  # the door dies with the controller, before it can renew
         ray.kill(first._controller, no_restart=False)
         orphaned, served = await asyncio.gather(_last(orphan), _last(kept))
         assert orphaned.finish_reason == "abort" and orphaned.num_output_tokens < 1500

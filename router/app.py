@@ -54,6 +54,7 @@ async def build_front_door(
         default_slo=default_slo,
         tiers=tiers,
         default_chat_max_tokens=config.default_chat_max_tokens,
+        max_request_bytes=int(config.max_request_mb * 2**20),
         tool_parser=config.tool_parser,
         reasoning_parser=config.reasoning_parser,
     )

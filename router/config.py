@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig
-from replica.planner.config import check_int, check_text
+from replica.planner.config import check_fraction, check_int, check_text
 from replica.request import SLO, check_in_vocab
 from router.errors import BadRequest
 from router.openai_schema import tier_slo
@@ -33,6 +33,7 @@ TOP_LEVEL = {
     "api_keys_file",
     "default_slo",
     "default_chat_max_tokens",
+    "max_request_mb",
     "tool_call_parser",
     "reasoning_parser",
 }
@@ -56,6 +57,9 @@ class FrontDoorConfig:
     """Used when a request names no SLO (body, headers) and is not flex: explicit numbers, or
     a tier's name (`slos` resolves it)."""
     default_chat_max_tokens: int = 256
+    max_request_mb: float = 16.0
+    """The largest HTTP body and gRPC message the doors read, in MiB: a larger one is refused
+    unread (413, RESOURCE_EXHAUSTED) rather than parsed on the door's event loop."""
     tool_call_parser: str | None = None
     """How the served model writes tool calls (router.tool_parsers.PARSERS: hermes,
     llama3_json), which `tool_choice: "auto"` needs; None refuses "auto"."""
@@ -82,6 +86,7 @@ class FrontDoorConfig:
                 "or neither"
             )
         check_int("default_chat_max_tokens", self.default_chat_max_tokens)
+        check_fraction("max_request_mb", self.max_request_mb, low=0.01, high=2047.0)
         parser = self.tool_call_parser
         if parser is not None and (not isinstance(parser, str) or parser not in PARSERS):
             raise ValueError(
@@ -154,6 +159,7 @@ class FrontDoorConfig:
             api_keys_file=args.get("api_keys_file"),
             default_slo=_default_slo(args.get("default_slo"), cluster),
             default_chat_max_tokens=args.get("default_chat_max_tokens", 256),
+            max_request_mb=args.get("max_request_mb", 16.0),
             tool_call_parser=args.get("tool_call_parser"),
             reasoning_parser=reasoning_parser(args.get("reasoning_parser")),
         )

@@ -34,6 +34,23 @@ class BadRequest(ApiError, ValueError):
     type = "invalid_request_error"
 
 
+class TooLarge(BadRequest):
+    """A body larger than the door reads (`FrontDoorConfig.max_request_mb`), refused unread."""
+
+    status = 413
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    type = "invalid_request_error"
+
+
+class ClientGone(ApiError):
+    """The client left while its body was being read: the answer reaches no one (nginx's
+    499), but ends the request as an answer, not as an exception Serve logs at length."""
+
+    status = 499
+    code = grpc.StatusCode.CANCELLED
+    type = "invalid_request_error"
+
+
 class Unauthorized(ApiError):
     status = 401
     code = grpc.StatusCode.UNAUTHENTICATED

@@ -378,7 +378,9 @@ async def start_grpc_server(
 ) -> GrpcServer:
     """Bind, register Serving + health + reflection, start; port 0 picks a free port.
     `tls`: (certificate chain, private key) PEM to serve TLS with; None: plaintext."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", door.schema.max_request_bytes)]
+    )
     pb_grpc.add_ServingServicer_to_server(ServingServicer(door), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

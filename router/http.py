@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -22,11 +23,21 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from cluster.api import FinalRecord
 from replica.batch import TokenLogprob
 from router import json_text
-from router.errors import ApiError, BadRequest, ModelNotFound, NoRoute, Rejected, Unavailable
+from router.errors import (
+    ApiError,
+    BadRequest,
+    ClientGone,
+    ModelNotFound,
+    NoRoute,
+    Rejected,
+    TooLarge,
+    Unavailable,
+)
 from router.frontdoor import Finished, FrontDoor, Generation, TextDelta, interleaved
 from router.openai_format import (
     ChunkWriter,
@@ -75,14 +86,14 @@ def create_app(door: FrontDoor) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         door.authenticate(request.headers.get("authorization"))
-        tokens = parse_tokenize(await _json(request), door.schema, door.codec)
+        tokens = parse_tokenize(await _json(request, door), door.schema, door.codec)
         limit = door.schema.max_model_len
         return JSONResponse({"count": len(tokens), "max_model_len": limit, "tokens": tokens})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         door.authenticate(request.headers.get("authorization"))
-        tokens = parse_detokenize(await _json(request), door.schema)
+        tokens = parse_detokenize(await _json(request, door), door.schema)
         return JSONResponse({"prompt": door.codec.decode(tokens, skip_special_tokens=False)})
 
     def model_card() -> dict[str, object]:
@@ -126,25 +137,56 @@ def create_app(door: FrontDoor) -> FastAPI:
     return app
 
 
-async def _json(request: Request) -> object:
+async def _json(request: Request, door: FrontDoor) -> object:
     """The body as JSON that holds only text a tokenizer takes."""
+    raw = await _body(request, door.schema.max_request_bytes)
     try:
-        body = json_text.loads(await request.body())
+        body = json_text.loads(raw)
         # JSON may escape a lone UTF-16 surrogate ("\ud800"); no tokenizer takes one.
         json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         raise BadRequest(
             "the request body holds a lone UTF-16 surrogate, which is not text"
         ) from None
-    except (ValueError, RecursionError):
-        raise BadRequest("the request body is not valid JSON") from None
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {_why_not_json(exc)}") from None
     return body
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The body, read only while it stays within `limit` bytes (a declared length above it is
+    refused before anything is read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the request body has {declared} bytes; at most {limit} are read")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge(f"the request body has more than {limit} bytes, the most read")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone("the client left before it sent the whole body") from None
+    return b"".join(chunks)
+
+
+def _why_not_json(exc: ValueError | RecursionError) -> str:
+    if isinstance(exc, RecursionError):
+        return "it nests too deeply"
+    if isinstance(exc, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+    if "integer string conversion" in str(exc):
+        return f"a number has more than {sys.get_int_max_str_digits()} digits"
+    return str(exc)  # json_text's NaN and Infinity
 
 
 async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Response:
     tenant = door.authenticate(request.headers.get("authorization"))
     try:
-        body = await _json(request)
+        body = await _json(request, door)
     except BadRequest:
         door.metrics.reject(tenant, "bad_request")
         raise

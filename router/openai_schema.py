@@ -112,6 +112,8 @@ class SchemaContext:
     """Named SLO tiers a body may ask for with `"slo": "<name>"`."""
     default_chat_max_tokens: int = 256
     """Chat's `max_tokens` when absent (capped by the context left after the prompt)."""
+    max_request_bytes: int = 16 << 20
+    """The largest body (HTTP) or message (gRPC) read (`FrontDoorConfig.max_request_mb`)."""
     tool_parser: ToolParser | None = None
     """How the model writes tool calls among its text: what `tool_choice: "auto"` needs."""
     reasoning_parser: ReasoningParser | None = None

@@ -298,6 +298,9 @@ def test_no_api_keys_by_default(render: Render) -> None:
     assert app["args"]["grpc"] == {"host": "0.0.0.0", "port": 50051}
     assert app["args"]["tool_call_parser"] is None
     assert app["args"]["reasoning_parser"] is None
+    assert FrontDoorConfig.from_args(app["args"]).max_request_mb == 16
+    (app,) = serve_config(one(render({"maxRequestMb": 64}), "RayService"))["applications"]
+    assert FrontDoorConfig.from_args(app["args"]).max_request_mb == 64
 
 
 def test_a_tool_call_parser_reaches_the_front_door(render: Render) -> None:

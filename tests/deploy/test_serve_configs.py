@@ -82,6 +82,7 @@ def test_config_passes_ray_schema_and_cluster_config(name: str) -> None:
         "api_keys_file",
         "tool_call_parser",
         "reasoning_parser",
+        "max_request_mb",
     }
     FrontDoorConfig.from_args(args)
 

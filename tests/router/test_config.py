@@ -98,6 +98,7 @@ def test_defaults_and_default_slo(codec: TextCodec) -> None:
             {"cluster": CLUSTER, "default_chat_max_tokens": "256"},
             "default_chat_max_tokens must be an integer, got '256'",
         ),
+        ({"cluster": CLUSTER, "max_request_mb": 0}, r"max_request_mb must be in \[0.01, 2047\]"),
         ({"cluster": [1]}, "cluster config must be a mapping, got list"),
         ({"cluster": {**CLUSTER, "tiers": None}}, "tiers must be a list of tiers, got None"),
         ({"cluster": {**CLUSTER, "route_limit": "2"}}, "route_limit must be an integer, got '2'"),

@@ -1,12 +1,27 @@
-"""The HTTP door's own answers, over a scripted cluster (no Ray)."""
+"""The HTTP door's own answers (and the limit both doors share), over a scripted cluster (no
+Ray)."""
 
 from __future__ import annotations
 
-from fastapi.testclient import TestClient
+import asyncio
+import json
+from dataclasses import replace
 
-from router.http import create_app
+import grpc
+import pytest
+from fastapi.testclient import TestClient
+from starlette.requests import Request
+from starlette.types import Message
+
+from router.auth import ApiKeys
+from router.client import AsyncClient, ClientError
+from router.errors import ClientGone, TooLarge
+from router.frontdoor import FrontDoor
+from router.grpc_server import start_grpc_server
+from router.http import _body, create_app
+from router.metrics import FrontDoorMetrics
 from router.tokenizer import TextCodec
-from tests.router.test_frontdoor import ScriptedCluster, door_over
+from tests.router.test_frontdoor import CTX, ScriptedCluster, door_over
 
 
 def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(codec: TextCodec) -> None:
@@ -27,3 +42,98 @@ def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(codec: Text
     assert wrong.json()["error"]["code"] == 405
     named = client.get("/v1/models/other")  # an ApiError, as before
     assert named.status_code == 404 and named.json()["error"]["param"] == "model"
+
+
+def small_door(codec: TextCodec, limit: int) -> FrontDoor:
+    return FrontDoor(
+        ScriptedCluster(),
+        codec,
+        replace(CTX, max_request_bytes=limit),
+        ApiKeys(),
+        FrontDoorMetrics("demo"),
+    )
+
+
+def test_a_body_over_the_limit_is_refused_unread(codec: TextCodec) -> None:
+    """Declared or streamed (chunked, no length), a body over `max_request_mb` is a 413 in the
+    OpenAI error shape: 50 MB bodies parsed on the door's loop held every other client's
+    stream for seconds."""
+    client = TestClient(create_app(small_door(codec, 1000)))
+    body = json.dumps({"model": "demo", "prompt": "x" * 2000}).encode()
+    chunked = (body[i : i + 100] for i in range(0, len(body), 100))
+    for content in (body, chunked):
+        r = client.post("/v1/completions", content=content)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert "1000" in r.json()["error"]["message"]
+    small = client.post("/tokenize", json={"model": "demo", "prompt": "def f(x):"})
+    assert small.status_code == 200
+
+
+def test_a_streamed_body_is_read_no_further_than_the_limit() -> None:
+    pulled = 0
+
+    async def receive() -> Message:
+        nonlocal pulled
+        pulled += 1
+        return {"type": "http.request", "body": b"x" * 100, "more_body": True}
+
+    scope = {"type": "http", "method": "POST", "headers": [], "path": "/v1/completions"}
+    with pytest.raises(TooLarge, match="more than 1000 bytes"):
+        asyncio.run(_body(Request(scope, receive), 1000))
+    assert pulled == 11
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (
+            b'{"prompt": "x",',
+            "Expecting property name enclosed in double quotes at line 1 column 16",
+        ),
+        (b"[" * 100_000, "it nests too deeply"),
+        (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "a number has more than 4300 digits"),
+        (b'{"prompt": "x", "temperature": NaN}', "NaN is not JSON"),
+        (b'{"prompt": "\xff\xfe"}', "it is not UTF-8 text"),
+    ],
+)
+def test_a_body_that_is_not_json_is_refused_saying_why(
+    codec: TextCodec, content: bytes, reason: str
+) -> None:
+    client = TestClient(create_app(door_over(ScriptedCluster(), codec)))
+    r = client.post("/v1/completions", content=content)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == f"the request body is not valid JSON: {reason}"
+
+
+def test_a_client_that_leaves_mid_body_ends_as_gone() -> None:
+    """Starlette raises ClientDisconnect out of the body's stream; under Ray Serve that escaped
+    the app as a 70-line "exception never retrieved" traceback a client."""
+    messages = [
+        {"type": "http.request", "body": b'{"prompt": ', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> Message:
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "headers": [], "path": "/v1/completions"}
+    with pytest.raises(ClientGone) as info:
+        asyncio.run(_body(Request(scope, receive), 1000))
+    assert info.value.status == 499
+
+
+def test_a_grpc_message_over_the_limit_is_refused(codec: TextCodec) -> None:
+    """The same `max_request_mb` bounds gRPC's messages (grpc's own default is 4 MiB)."""
+
+    async def send() -> None:
+        server = await start_grpc_server(small_door(codec, 1000), "127.0.0.1", 0)
+        try:
+            async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+                with pytest.raises(ClientError) as info:
+                    await client.complete("x" * 2000, timeout_s=10)
+                assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            await server.stop()
+
+    asyncio.run(send())

@@ -106,6 +106,7 @@ and gRPC listen on 0.0.0.0 so the Services can reach them.
   "api_keys_file" (ternary $keysFile nil (ne $keysFile ""))
   "tool_call_parser" .Values.toolCallParser
   "reasoning_parser" .Values.reasoningParser
+  "max_request_mb" .Values.maxRequestMb
 }}
 {{- $app := dict
   "name" "slos-serve"

@@ -32,6 +32,11 @@ GREEDY_BELOW = 1e-5
 about 1e-37 overflows them, and the NaN rows crashed the whole batch's step (or, seeded, gave
 EOS at once)."""
 
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+"""A seen token's logit is divided or multiplied by the penalty: past 100x either way, fp32
+logits (and the temperature's division after) overflow, and the NaN rows aborted the request
+(or, seeded, gave EOS at once)."""
+
 
 def _check_number(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -152,7 +157,7 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
         _check_between("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_between("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_finite("repetition_penalty", self.repetition_penalty, positive=True, upper=100.0)
+        _check_between("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         self._check_logit_bias()
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         self._check_token_ids("stop_token_ids", MAX_STOP_TOKEN_IDS)

@@ -38,6 +38,7 @@ from replica.request import (
     MAX_SEED,
     MAX_STAGE_END_TOKENS,
     MAX_STOP_TOKEN_IDS,
+    REPETITION_PENALTY_RANGE,
     SLO,
     Request,
     SamplingParams,
@@ -759,7 +760,11 @@ def _sampling(
             presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
             repetition_penalty=_number(
-                body, "repetition_penalty", 1.0, low=0.0, high=100.0, above_low=True
+                body,
+                "repetition_penalty",
+                1.0,
+                low=REPETITION_PENALTY_RANGE[0],
+                high=REPETITION_PENALTY_RANGE[1],
             ),
             logit_bias=_logit_bias(body.get("logit_bias")),
             min_tokens=_min_tokens(body, max_tokens, max_tokens_name),

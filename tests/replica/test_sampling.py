@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from replica.request import GREEDY_BELOW, SamplingParams
-from replica.sampling import LogitsShaper, noisy_choice, position_noise, sample, token_probs
+from replica.sampling import (
+    _POSITION_MIX,
+    _SEED_MIX,
+    LogitsShaper,
+    noisy_choice,
+    position_noise,
+    sample,
+    token_probs,
+)
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
@@ -131,3 +139,15 @@ def test_allowed_token_ids_leave_every_other_token_out() -> None:
     shaping = shaper(SamplingParams(allowed_token_ids=(1, 3)), [0], 0, frozenset())
     inf = float("inf")
     assert shaping.shape(LOGITS).tolist() == [[-inf, 1.0, -inf, 0.0, -inf]]
+
+
+def test_seeds_that_share_their_low_bits_draw_different_noise() -> None:
+    """torch's CPU generator keeps 32 bits of its seed: seeds 2^32 apart, or -1 beside 2^32 - 1,
+    drew the same text. Seeds below 2^32 draw what they always did."""
+    for a, b in ((5, 5 + 2**32), (-1, 2**32 - 1), (7, 7 + 2**40), (0, -1)):
+        assert not torch.equal(position_noise(a, 3, 2, 64), position_noise(b, 3, 2, 64))
+    generator = torch.Generator()
+    generator.manual_seed((5 * _SEED_MIX + 3 * _POSITION_MIX) % 2**64)
+    assert torch.equal(
+        position_noise(5, 3, 1, 64)[0], torch.rand(64, generator=generator).log_().neg_()
+    )

@@ -235,14 +235,20 @@ class ClusterController:
         cluster is being stopped."""
         return self.leases.renew(door, requests, time.monotonic())
 
-    async def release(self, door: str) -> bool:
+    async def release(self, door: str, handover: bool = False) -> bool:
         """A front door leaves, and its requests end with it. True when it was the last: the
-        cluster is then closing (no door may attach) and the caller stops it."""
-        last = self.leases.release(door, time.monotonic())
+        cluster is then closing (no door may attach) and the caller stops it. `handover`: it
+        leaves the cluster to the next door (a Serve update), never closing it."""
+        last = self.leases.release(door, time.monotonic(), handover=handover)
         self._end_orphans()
         if last:
             self._close()
         return last
+
+    async def live_doors(self) -> int:
+        """How many doors hold a lease that has not lapsed: a door of another config waits
+        for none to be left (their streams drained) before stopping this cluster."""
+        return len(self.leases.live(time.monotonic()))
 
     def _watch_leases(self) -> None:
         now = time.monotonic()

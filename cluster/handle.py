@@ -50,6 +50,8 @@ CONTROLLER_RETRIES = 20
 """Controller calls retried while Ray restarts it (each after RETRY_DELAY_S)."""
 RETRY_DELAY_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
+DOORS_POLL_S = 0.5
+"""How often a launch asks whether the doors of a cluster it replaces have left."""
 
 
 @dataclass
@@ -297,18 +299,20 @@ class ClusterHandle:
                 log.warning("the cluster is being stopped; this front door cannot serve")
                 self.lease_refused = True
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, handover: bool = False) -> None:
         """Leave the cluster, ending this handle's requests. The last handle to leave stops
         it: the controller, then the replicas (open streams end); returns once their names
         are free of them, so a new cluster can launch on the same Ray instance. The replicas
         and their groups are found by their slots' names, as each is created: the controller
         may have started some since launch (the autoscaler's, those in place of replicas dead
         for good), and stopped the starts in flight when the last door left. A controller
-        gone for good was stopped by whoever replaced it, with its replicas."""
+        gone for good was stopped by whoever replaced it, with its replicas. `handover`: a
+        Serve update replaces this door; the cluster is left running for the next one (it
+        stops itself if none comes, `Leases.abandoned`)."""
         self._leaving.set()
         try:
             last: bool = await asyncio.wait_for(
-                self._controller.release.remote(self.door_id), SHUTDOWN_TIMEOUT_S
+                self._controller.release.remote(self.door_id, handover), SHUTDOWN_TIMEOUT_S
             )
         except RayActorError:
             return
@@ -352,21 +356,30 @@ class _Lost(Exception):
     """The replica no longer holds the request (it restarted)."""
 
 
-async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHandle:
+def check_launch(config: ClusterConfig) -> None:
+    """What a launch reads from disk before the replicas load the target: the profile, and the
+    draft when the replicas load one."""
+    cluster_profile(config)
+    if config.loads_draft:
+        assert config.draft is not None  # ClusterConfig requires one
+        model_folder("draft", config.draft)
+
+
+async def launch(
+    config: ClusterConfig, *, detached: bool = False, drain_s: float = 0.0
+) -> ClusterHandle:
     """Start the replicas and the controller on the current Ray cluster (a local one is
     started when Ray is not initialized); returns once every replica has loaded its model.
 
     `detached`: the actors outlive this process (Ray Serve's front door, which Serve restarts
     when it crashes). A running cluster launched so with the same config is then attached
     instead, without reloading a model; one with another config, or being stopped, is
-    stopped first.
+    stopped first, once no door holds a live lease on it or after `drain_s` plus its lease
+    (a Serve update's old door finishing its streams).
 
-    The profile, and the draft when the replicas load one, are looked for first: a bad one
-    stops the launch before Ray starts, not after every replica loaded its target."""
-    cluster_profile(config)
-    if config.loads_draft:
-        assert config.draft is not None  # ClusterConfig requires one
-        model_folder("draft", config.draft)
+    `check_launch` runs first: a bad file stops the launch before Ray starts, not after
+    every replica loaded its target."""
+    check_launch(config)
     if not ray.is_initialized():
         ray.init()
     namespace = NAMESPACE if detached else None
@@ -374,7 +387,7 @@ async def launch(config: ClusterConfig, *, detached: bool = False) -> ClusterHan
         handle = await _reattach(config)
         if handle is not None:
             return handle
-        await _stop_running(config)
+        await _stop_running(config, drain_s)
     gpus = ray.cluster_resources().get("GPU", 0)
     if gpus < config.num_gpus_per_replica:
         raise ValueError(
@@ -439,9 +452,13 @@ async def _model_info(replicas: Sequence[ActorHandle | None]) -> tuple[int, int]
     return None
 
 
-async def _stop_running(config: ClusterConfig) -> None:
+async def _stop_running(config: ClusterConfig, drain_s: float = 0.0) -> None:
     """Stop the detached cluster running under our names (another config's, or one being
-    stopped), and any group left by a launcher that died before starting its replica."""
+    stopped), and any group left by a launcher that died before starting its replica. Its
+    doors may be draining their streams: it is stopped once none holds a live lease, or
+    after `drain_s` plus its lease."""
+    with contextlib.suppress(ValueError, RayActorError, TimeoutError):
+        await _until_no_door(ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE), drain_s)
     actors = {}
     for name in _cluster_names():
         with contextlib.suppress(ValueError):
@@ -460,6 +477,29 @@ async def _stop_running(config: ClusterConfig) -> None:
     for i in range(slots):
         with contextlib.suppress(ValueError):
             remove_placement_group(get_placement_group(replica_name(i)))
+
+
+async def _until_no_door(controller: ActorHandle, drain_s: float) -> None:
+    """Returns once no door holds a live lease on the cluster, or after `drain_s` plus its
+    lease (a door that died stops renewing)."""
+    running: ClusterConfig = await asyncio.wait_for(
+        controller.cluster_config.remote(), SHUTDOWN_TIMEOUT_S
+    )
+    timeout_s = drain_s + running.door_lease_s
+    deadline = time.monotonic() + timeout_s
+    doors: int = await asyncio.wait_for(controller.live_doors.remote(), SHUTDOWN_TIMEOUT_S)
+    if doors:
+        log.info(
+            "waiting up to %.0f s for the %d door(s) of the running cluster to finish their "
+            "streams before stopping it",
+            timeout_s,
+            doors,
+        )
+    while doors and time.monotonic() < deadline:
+        await asyncio.sleep(DOORS_POLL_S)
+        doors = await asyncio.wait_for(controller.live_doors.remote(), SHUTDOWN_TIMEOUT_S)
+    if doors:
+        log.warning("%d door(s) still hold the running cluster after %.0f s", doors, timeout_s)
 
 
 def _cluster_names() -> list[str]:

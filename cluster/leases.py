@@ -59,16 +59,22 @@ class Leases:
         if not self.closing:
             self.doors[door] = self.last_renewal = now
 
-    def release(self, door: str, now: float) -> bool:
+    def release(self, door: str, now: float, *, handover: bool = False) -> bool:
         """`door` leaves. True when it was the last one: the cluster is closing from now on
         (no door may attach) and the caller stops it. A controller restarted less than a lease
-        ago answers False: another door may not have renewed with it yet."""
+        ago answers False: another door may not have renewed with it yet. A door `handover`
+        (a Serve update replaces it) never closes: the next door attaches to the cluster or
+        replaces it, and a cluster no door comes to is abandoned."""
         self.doors.pop(door, None)
         self.expire(now)
-        if self.restarted and now - self.booted < self.lease_s:
+        if handover or (self.restarted and now - self.booted < self.lease_s):
             return False
         self.closing = not self.doors
         return self.closing
+
+    def live(self, now: float) -> list[str]:
+        """The doors whose lease has not lapsed (unlike `expire`, nothing is dropped)."""
+        return [door for door, renewed in self.doors.items() if now - renewed <= self.lease_s]
 
     def expire(self, now: float) -> list[str]:
         """Drop the doors whose lease lapsed; their ids."""

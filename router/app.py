@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
-from ray.exceptions import TaskCancelledError
+from ray.exceptions import RayError, TaskCancelledError
 from ray.serve import Application
+from ray.serve.exceptions import RayServeException
+from ray.serve.schema import ApplicationStatus
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import cluster
+from cluster.handle import SHUTDOWN_TIMEOUT_S, check_launch
 from cluster.logs import configure_logging
+from replica.request import SLO
 from router.auth import ApiKeys
 from router.config import FrontDoorConfig
 from router.frontdoor import FrontDoor
@@ -32,27 +37,64 @@ from router.tokenizer import TextCodec
 
 logger = logging.getLogger(__name__)
 
+DRAIN_S = 120.0
+"""Serve's `graceful_shutdown_timeout_s` for the door: how long a door Serve stops (an update,
+a delete) may finish its streams before Serve kills it. An LLM stream at a few tokens a second
+runs for minutes, and Serve's default of 20 s cut them off mid-stream without an error. The
+Serve config's `deployments:` entry for FrontDoorDeployment overrides it (deploy/README.md)."""
+STATUS_TIMEOUT_S = 5.0
+"""How long a stopping door waits for Serve's controller to say whether the app is updating."""
+LEAVE_S = STATUS_TIMEOUT_S + 2 * SHUTDOWN_TIMEOUT_S
+"""Kept from the gRPC drain for leaving the cluster after it: asking Serve whether the app is
+updating, the release, and stopping the cluster (`ClusterHandle.shutdown`'s two timeouts)."""
+
+
+@dataclass(frozen=True)
+class DoorFiles:
+    """What the door reads from disk itself, checked."""
+
+    codec: TextCodec
+    tiers: dict[str, SLO]
+    default_slo: SLO
+    keys: ApiKeys
+
+
+def read_door_files(config: FrontDoorConfig) -> DoorFiles:
+    """The model's tokenizer and chat template, the tiers (their stages need the tokenizer)
+    and the API keys."""
+    codec = TextCodec.from_dir(config.cluster.model)
+    tiers, default_slo = config.slos(codec)
+    return DoorFiles(codec, tiers, default_slo, ApiKeys.load(config.api_keys_file))
+
+
+def check_files(config: FrontDoorConfig) -> None:
+    """Read and check everything the door and the cluster's launch read from disk, starting
+    nothing: in a Serve update this runs before Serve stops the running door, so a bad path
+    fails the update instead of leaving the app with no door and no cluster."""
+    read_door_files(config)
+    config.grpc_tls()
+    check_launch(config.cluster)
+
 
 async def build_front_door(
-    config: FrontDoorConfig, *, detached: bool = False
+    config: FrontDoorConfig, *, detached: bool = False, drain_s: float = 0.0
 ) -> tuple[FrontDoor, Any]:
     """Launch (or, `detached`, attach to) the cluster and wrap it; returns the door and the
-    cluster handle. What the door reads itself comes first, the model's tokenizer, the tiers,
-    and the API keys (the launch checks the profile and the draft first): a bad one stops the
-    start before the cluster, not after every replica loaded its model."""
-    codec = TextCodec.from_dir(config.cluster.model)
+    cluster handle. What the door reads itself comes first (the launch checks its own files
+    first): a bad one stops the start before the cluster, not after every replica loaded its
+    model. `drain_s`: how long a running cluster of another config is left to its doors."""
+    files = read_door_files(config)
+    codec, keys = files.codec, files.keys
     # Built now, off the loop (about a second at a 128k vocabulary): structured output and
     # log-probabilities' bytes need it, and the first such request built it on the loop.
     await asyncio.to_thread(lambda: codec.byte_vocab)
-    tiers, default_slo = config.slos(codec)
-    keys = ApiKeys.load(config.api_keys_file)
-    handle = await cluster.launch(config.cluster, detached=detached)
+    handle = await cluster.launch(config.cluster, detached=detached, drain_s=drain_s)
     schema = SchemaContext(
         model_name=handle.model_name,
         max_model_len=handle.max_model_len,
         vocab_size=handle.vocab_size,
-        default_slo=default_slo,
-        tiers=tiers,
+        default_slo=files.default_slo,
+        tiers=files.tiers,
         default_chat_max_tokens=config.default_chat_max_tokens,
         max_request_bytes=int(config.max_request_mb * 2**20),
         tool_parser=config.tool_parser,
@@ -99,6 +141,7 @@ HEAD_NODE = {"node:__internal_head__": 0.001}
 @serve.deployment(
     num_replicas=1,
     max_ongoing_requests=1024,
+    graceful_shutdown_timeout_s=DRAIN_S,
     ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE},
 )
 @serve.ingress()
@@ -113,7 +156,8 @@ class FrontDoorDeployment:
     async def __serve_build_asgi_app__(self) -> FastAPI:
         # Detached: if this door crashes, the cluster keeps its loaded models and the door
         # Serve starts next attaches to it; the crashed door's requests end with its lease.
-        door, self.handle = await build_front_door(self.config, detached=True)
+        drain_s = serve.get_replica_context()._deployment_config.graceful_shutdown_timeout_s
+        door, self.handle = await build_front_door(self.config, detached=True, drain_s=drain_s)
         door.keys.bind_host(self.config.http_host, "HTTP (Ray Serve http_options)")
         if self.config.grpc_port:
             host = door.keys.bind_host(self.config.grpc_host, "gRPC")
@@ -130,15 +174,44 @@ class FrontDoorDeployment:
             raise RuntimeError("the cluster this door served is being stopped")
 
     async def __del__(self) -> None:
-        """Serve stops the door (delete, redeploy, shutdown): stop the cluster with it, unless
-        another door holds it. A door that crashes never gets here."""
+        """Serve stops the door (delete, update, shutdown) once its HTTP requests drained: its
+        gRPC calls get what is left of the drain, then it leaves the cluster. In an update it
+        hands the cluster over to the next door, which attaches without a reload (same config)
+        or replaces it; otherwise it stops the cluster, unless another door holds it. A door
+        that crashes never gets here."""
         if self.grpc is not None:
-            await self.grpc.stop()
+            await self.grpc.stop(grpc_grace_s())
         if self.handle is not None:
-            await self.handle.shutdown()
+            await self.handle.shutdown(handover=await app_updating())
+
+
+def grpc_grace_s() -> float:
+    """How long the stopping door's gRPC calls may still run. Serve calls `__del__` once the
+    HTTP requests drained, at least a wait loop after it began stopping the door, and kills
+    the door `graceful_shutdown_timeout_s` after it began: what is left, less the time to
+    leave the cluster. Serve does not say when it began, so HTTP streams that drained for
+    longer leave the calls less than this, and a call still running at the kill is cut."""
+    config = serve.get_replica_context()._deployment_config
+    left = config.graceful_shutdown_timeout_s - config.graceful_shutdown_wait_loop_s
+    return max(0.0, left - LEAVE_S)
+
+
+async def app_updating() -> bool:
+    """Whether Serve stops this door for an update of its app (DEPLOYING while a replica of
+    the old version stops), not a delete or Serve's shutdown (DELETING, or gone). A Serve
+    controller that does not answer is taken for a shutdown: the cluster is stopped."""
+    app = serve.get_replica_context().app_name
+    try:
+        status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
+    except (RayError, RayServeException, TimeoutError) as exc:
+        logger.warning("Serve's controller did not say why the door stops (%s): stopping", exc)
+        return False
+    state = status.applications.get(app)
+    return state is not None and state.status == ApplicationStatus.DEPLOYING
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """Ray Serve application builder (validates the args before anything starts)."""
-    FrontDoorConfig.from_args(args)
+    """Ray Serve application builder: checks the args and every file they name before
+    anything starts (`check_files`)."""
+    check_files(FrontDoorConfig.from_args(args))
     return FrontDoorDeployment.bind(args)  # type: ignore[attr-defined]

@@ -364,6 +364,8 @@ class GrpcServer:
             await asyncio.sleep(HEALTH_PERIOD_S)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        """Refuse new calls from now on (health checks say NOT_SERVING) and let the calls in
+        flight finish for up to `grace_s`; returns once they have, cancelling the rest then."""
         self.health_task.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)

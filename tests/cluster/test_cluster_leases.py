@@ -1,7 +1,8 @@
 """Detached clusters and front-door leases: a handle that stops renewing its lease (its process
 died) has its requests ended, while other handles on the same cluster keep theirs; the last
-handle to leave stops the cluster; a detached launch attaches to a running cluster of the same
-config without reloading a model, and replaces one of another config."""
+handle to leave stops the cluster, unless it hands it over to the next (a Serve update); a
+detached launch attaches to a running cluster of the same config without reloading a model, and
+replaces one of another config once its doors have left."""
 
 from __future__ import annotations
 
@@ -143,6 +144,56 @@ def test_a_detached_launch_replaces_a_cluster_of_another_config(
         assert sorted(_cluster_names()) == ["slos-serve-controller", "slos-serve-replica-0"]
         assert (await _last(new.submit(long_request("new", 4)))).num_output_tokens == 4
         await new.shutdown()
+        assert _cluster_names() == []
+
+    runner.run(run())
+
+
+def test_a_door_handing_over_leaves_the_cluster_to_the_next(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    """A Serve update: the old door leaves first, and the new one attaches without a reload."""
+    config = replace(demo, replicas=1, num_kv_blocks=64, door_lease_s=2.0)
+
+    async def run() -> None:
+        old = await launch(config, detached=True)
+        loaded = await incarnations(old)
+        await old.shutdown(handover=True)
+        assert sorted(_cluster_names()) == ["slos-serve-controller", "slos-serve-replica-0"]
+        new = await launch(config, detached=True)
+        assert await incarnations(new) == loaded  # attached: no model loaded again
+        assert (await _last(new.submit(long_request("after", 4)))).num_output_tokens == 4
+        await new.shutdown()
+        assert _cluster_names() == []
+
+    runner.run(run())
+
+
+def test_a_launch_of_another_config_waits_for_the_running_doors_to_leave(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    """A Serve update changing the cluster: the old door drains its streams on the old
+    cluster, which the new door stops only once the old door has left."""
+    config = replace(demo, replicas=1, num_kv_blocks=256, door_lease_s=2.0)
+
+    async def run() -> None:
+        old = await launch(config, detached=True)
+        loaded = await incarnations(old)
+        stream = old.submit(long_request("draining", 1000))
+        assert isinstance(await anext(stream), TokenChunk)
+        other = replace(config, num_kv_blocks=128)
+        new = asyncio.create_task(launch(other, detached=True, drain_s=60.0))
+        final = await _last(stream)
+        assert final.finish_reason == "length" and final.num_output_tokens == 1000
+        await asyncio.sleep(2 * config.door_lease_s)  # past a lease: the old door renews it
+        assert not new.done()
+        started = time.monotonic()
+        await old.shutdown(handover=True)
+        handle = await new
+        assert time.monotonic() - started < 30.0
+        assert await incarnations(handle) != loaded
+        assert (await _last(handle.submit(long_request("after", 4)))).num_output_tokens == 4
+        await handle.shutdown()
         assert _cluster_names() == []
 
     runner.run(run())

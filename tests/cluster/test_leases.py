@@ -1,6 +1,6 @@
 """Front-door leases on an injected clock: lapsed doors lose their requests, others keep
-theirs; the last door out closes the cluster, except right after a controller restart; an
-abandoned cluster is noticed."""
+theirs; the last door out closes the cluster, except right after a controller restart or when
+it hands the cluster over (a Serve update); an abandoned cluster is noticed."""
 
 from __future__ import annotations
 
@@ -86,3 +86,26 @@ def test_a_cluster_without_doors_is_abandoned_after_the_grace() -> None:
     assert short.abandoned(now=100.0 + ABANDONED_MIN_S + 1)
     long = Leases(lease_s=100.0, booted=0.0)
     assert long.abandoned_after_s == 200.0 and not long.abandoned(now=150.0)
+
+
+def test_a_door_handing_over_leaves_the_cluster_open_for_the_next() -> None:
+    """A Serve update's old door leaves without closing: the next door attaches; if none
+    comes, the cluster is abandoned after the grace."""
+    leases = Leases(lease_s=10.0, booted=0.0)
+    leases.renew("old", [], now=0.0)
+    leases.own("r1", "old", now=1.0)
+    assert not leases.release("old", now=2.0, handover=True) and not leases.closing
+    assert leases.doors == {}
+    assert leases.orphans(known={"r1"}) == ["r1"]  # its requests end with it
+    assert not leases.abandoned(now=2.0 + ABANDONED_MIN_S - 1)
+    assert leases.abandoned(now=2.0 + ABANDONED_MIN_S)
+    assert leases.renew("new", [], now=3.0)
+
+
+def test_live_doors_are_those_whose_lease_has_not_lapsed() -> None:
+    leases = Leases(lease_s=10.0, booted=0.0)
+    leases.renew("a", [], now=0.0)
+    leases.renew("b", [], now=5.0)
+    assert leases.live(now=10.0) == ["a", "b"]
+    assert leases.live(now=12.0) == ["b"]
+    assert leases.doors.keys() == {"a", "b"}  # nothing dropped: expire() logs the lapse

@@ -1,12 +1,16 @@
 """`router.app:build_app` under Ray Serve: the deployment entry point serves both doors; the
-cluster outlives a crashed door (the next door attaches to it) and stops with the app."""
+cluster outlives a crashed door (the next door attaches to it) and an update (a bad one fails
+before Serve stops the running door), and stops with the app once both doors drained."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -16,9 +20,10 @@ from ray.exceptions import RayTaskError, TaskCancelledError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.names import NAMESPACE
-from router.app import DisconnectOnCancelledReceive, build_app
-from router.client import Chunk, Client
+from router.app import DRAIN_S, DisconnectOnCancelledReceive, FrontDoorDeployment, build_app
+from router.client import Chunk, Client, Result
 from router.tokenizer import TextCodec
+from tests.cluster.conftest import write_profile
 from tests.router.conftest import check_chat_thinking_apart
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -183,3 +188,116 @@ def complete_within(oai: openai.OpenAI, timeout_s: float) -> Completion:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+def demo_args(
+    target_dir: Path, draft_dir: Path, tmp_path: Path, http_port: int, grpc_port: int
+) -> dict[str, Any]:
+    return {
+        "cluster": {
+            "model": str(target_dir),
+            "draft": str(draft_dir),
+            "profile": str(write_profile(tmp_path / "profile.json")),
+            "replicas": 1,
+            "num_kv_blocks": 256,
+        },
+        "http": {"host": "127.0.0.1", "port": http_port},
+        "grpc": {"port": grpc_port},
+        "api_keys_file": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "error"),
+    [
+        ("cluster", "model", "no-such-model"),
+        ("cluster", "draft", "no-such-model"),
+        ("cluster", "profile", "does not exist"),
+        (None, "api_keys_file", "No such file"),
+        ("grpc", "tls_cert_file", "No such file"),
+    ],
+)
+def test_build_app_reads_every_file_before_serve_stops_the_running_door(
+    target_dir: Path, draft_dir: Path, tmp_path: Path, section: str | None, field: str, error: str
+) -> None:
+    """An update naming a bad file fails in the builder, where the running door keeps
+    serving, not in the next door's constructor after Serve stopped the running one."""
+    args = demo_args(target_dir, draft_dir, tmp_path, 8000, 50051)
+    build_app(args)
+    missing = str(tmp_path / "no-such-model")
+    if section is None:
+        args[field] = missing
+    else:
+        args[section] = {**args[section], field: missing}
+        if field == "tls_cert_file":
+            args[section]["tls_key_file"] = missing
+    with pytest.raises(ValueError, match=error):
+        build_app(args)
+
+
+def test_a_stopped_door_has_time_to_drain_llm_streams() -> None:
+    """Serve's default of 20 s cut longer streams off at an update or a delete."""
+    assert FrontDoorDeployment._deployment_config.graceful_shutdown_timeout_s == DRAIN_S >= 120
+
+
+def test_an_update_keeps_the_cluster_and_a_delete_drains_both_doors(
+    ray_session: None, target_dir: Path, draft_dir: Path, tmp_path: Path
+) -> None:
+    """A door-only update hands the cluster to the next door (no model reloaded); a delete
+    lets an HTTP and a longer gRPC stream finish, then stops the cluster."""
+    from ray import serve
+
+    http_port, grpc_port = free_port(), free_port()
+    args = demo_args(target_dir, draft_dir, tmp_path, http_port, grpc_port)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    try:
+        serve.run(build_app(args), name="slos-serve", route_prefix="/")
+        loaded = ray.get(ray.get_actor("slos-serve-replica-0", namespace=NAMESPACE).health.remote())
+        serve.run(
+            build_app({**args, "default_chat_max_tokens": 128}), name="slos-serve", route_prefix="/"
+        )
+        replica = ray.get_actor("slos-serve-replica-0", namespace=NAMESPACE)
+        assert ray.get(replica.health.remote()) == loaded  # attached: nothing reloaded
+
+        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="-", max_retries=0)
+        started = [threading.Event(), threading.Event()]
+        with ThreadPoolExecutor(2) as pool:
+            http = pool.submit(http_stream, oai, 100, started[0])
+            grpc = pool.submit(grpc_stream, grpc_port, 1800, started[1])
+            assert all(event.wait(60) for event in started)
+            serve.delete("slos-serve")
+            assert http.result(120) == (100, "length")
+            assert grpc.result(120) == (1800, "length")
+    finally:
+        serve.shutdown()
+    assert not [a for a in named_actors() if a["namespace"] == NAMESPACE]
+
+
+def http_stream(oai: openai.OpenAI, max_tokens: int, started: threading.Event) -> tuple[int, str]:
+    """(tokens, finish reason) of an HTTP completion stream; `started` at its first chunk."""
+    stream = oai.completions.create(
+        model="demo",
+        prompt="Hello",
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    reason, tokens = "", 0
+    for chunk in stream:
+        started.set()
+        if chunk.choices and chunk.choices[0].finish_reason:
+            reason = chunk.choices[0].finish_reason
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return tokens, reason
+
+
+def grpc_stream(grpc_port: int, max_tokens: int, started: threading.Event) -> tuple[int, str]:
+    """(tokens, finish reason) of a gRPC stream; `started` at its first chunk."""
+    with Client(f"127.0.0.1:{grpc_port}") as client:
+        for item in client.generate("Hello", max_tokens=max_tokens, ignore_eos=True):
+            started.set()
+            if isinstance(item, Result):
+                return item.completion_tokens, item.finish_reason
+    raise AssertionError("the stream ended without a result")

@@ -40,20 +40,9 @@ def test_build_app_serves_http_and_grpc(
 ) -> None:
     from ray import serve
 
-    from tests.cluster.conftest import write_profile
-
     http_port, grpc_port = free_port(), free_port()
     args = {
-        "cluster": {
-            "model": str(target_dir),
-            "draft": str(draft_dir),
-            "profile": str(write_profile(tmp_path / "profile.json")),
-            "replicas": 1,
-            "num_kv_blocks": 128,
-        },
-        "http": {"host": "127.0.0.1", "port": http_port},
-        "grpc": {"port": grpc_port},
-        "api_keys_file": None,
+        **demo_args(target_dir, draft_dir, tmp_path, http_port, grpc_port),
         # The demo model does not think: a line break stands for its </think>.
         "reasoning_parser": {"end": "\n", "starts_open": True},
     }

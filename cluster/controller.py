@@ -247,8 +247,10 @@ class ClusterController:
 
     async def live_doors(self) -> int:
         """How many doors hold a lease that has not lapsed: a door of another config waits
-        for none to be left (their streams drained) before stopping this cluster."""
-        return len(self.leases.live(time.monotonic()))
+        for none to be left (their streams drained) before stopping this cluster. Restarted
+        less than a lease ago, it counts one it may not have heard from yet."""
+        now = time.monotonic()
+        return len(self.leases.live(now)) or int(self.leases.hearing(now))
 
     def _watch_leases(self) -> None:
         now = time.monotonic()

@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
+from ray import ObjectRef
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import ActorDiedError, RayActorError
 from ray.util.placement_group import PlacementGroup, get_placement_group, remove_placement_group
 
 from cluster.api import (
@@ -50,6 +51,9 @@ CONTROLLER_RETRIES = 20
 """Controller calls retried while Ray restarts it (each after RETRY_DELAY_S)."""
 RETRY_DELAY_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
+DEAD_RENEWALS = 3
+"""Renewals in a row that find the controller dead for good (`ActorDiedError`; a restarting
+one holds the call) before the door takes its cluster for stopped."""
 DOORS_POLL_S = 0.5
 """How often a launch asks whether the doors of a cluster it replaces have left."""
 
@@ -284,17 +288,27 @@ class ClusterHandle:
         """Renews from a thread of its own: the lease says the door's process lives, and a
         door whose event loop is held up for a while (a burst of large bodies to parse) must
         not have every client's request ended for it. A hung loop is Serve's health check's
-        to find, which restarts the door."""
+        to find, which restarts the door; so is a controller dead for good (stopped by a door
+        that replaced the cluster), which leaves this door nothing to serve with."""
         lease_s = self.config.door_lease_s
+        died = 0
         while not self._leaving.wait(lease_s / 4) and not self.lease_refused:
-            # A copy made in one C call, under the GIL, of the set the loop adds to.
-            active = list(self._active)
             try:
-                renewed = bool(
-                    ray.get(self._controller.attach.remote(self.door_id, active), timeout=lease_s)
+                # A copy made in one C call, under the GIL, of the set the loop adds to.
+                ref: ObjectRef[bool] = self._controller.attach.remote(
+                    self.door_id, list(self._active)
                 )
-            except RayError:  # the controller restarts (or answers late): renew at the next period
+                renewed = bool(ref.future().result(timeout=lease_s))
+            except ActorDiedError:
+                died += 1
+                renewed = died < DEAD_RENEWALS
+            except (RayActorError, TimeoutError):  # it restarts, or answers late
                 continue
+            except Exception:  # a dead thread would end every request this door serves
+                log.exception("renewing the door's lease failed")
+                continue
+            else:
+                died = 0
             if not renewed:
                 log.warning("the cluster is being stopped; this front door cannot serve")
                 self.lease_refused = True
@@ -317,7 +331,9 @@ class ClusterHandle:
         except RayActorError:
             return
         except TimeoutError:
-            last = True  # a controller that does not answer cannot be left running
+            # A controller that does not answer cannot be left running, unless a door takes
+            # it over (a cluster no door comes to stops itself, `Leases.abandoned`).
+            last = not handover
         if last:
             actors = {CONTROLLER_NAME: self._controller}
             groups = []
@@ -481,25 +497,30 @@ async def _stop_running(config: ClusterConfig, drain_s: float = 0.0) -> None:
 
 async def _until_no_door(controller: ActorHandle, drain_s: float) -> None:
     """Returns once no door holds a live lease on the cluster, or after `drain_s` plus its
-    lease (a door that died stops renewing)."""
+    lease (a door that died stops renewing). A poll the controller answers late counts as a
+    door still there."""
     running: ClusterConfig = await asyncio.wait_for(
         controller.cluster_config.remote(), SHUTDOWN_TIMEOUT_S
     )
     timeout_s = drain_s + running.door_lease_s
     deadline = time.monotonic() + timeout_s
-    doors: int = await asyncio.wait_for(controller.live_doors.remote(), SHUTDOWN_TIMEOUT_S)
-    if doors:
-        log.info(
-            "waiting up to %.0f s for the %d door(s) of the running cluster to finish their "
-            "streams before stopping it",
-            timeout_s,
-            doors,
-        )
-    while doors and time.monotonic() < deadline:
+    waited = False
+    while time.monotonic() < deadline:
+        try:
+            doors: int = await asyncio.wait_for(controller.live_doors.remote(), SHUTDOWN_TIMEOUT_S)
+        except TimeoutError:
+            doors = 1
+        if not doors:
+            return
+        if not waited:
+            log.info(
+                "waiting up to %.0f s for the door(s) of the running cluster to finish their "
+                "streams before stopping it",
+                timeout_s,
+            )
+            waited = True
         await asyncio.sleep(DOORS_POLL_S)
-        doors = await asyncio.wait_for(controller.live_doors.remote(), SHUTDOWN_TIMEOUT_S)
-    if doors:
-        log.warning("%d door(s) still hold the running cluster after %.0f s", doors, timeout_s)
+    log.warning("door(s) still hold the running cluster after %.0f s", timeout_s)
 
 
 def _cluster_names() -> list[str]:

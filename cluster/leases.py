@@ -3,8 +3,8 @@
 A front door (a `ClusterHandle`) renews its lease every quarter of `door_lease_s` and names
 the requests it streams, from a thread of its own. A door that stops renewing has died: no
 one reads its requests any more, so the controller ends them. A detached cluster that no
-door has renewed for `abandoned_after_s` (the door that would stop it died before it could)
-stops itself.
+door has renewed for `abandoned_after_s` (the door that would stop it died before it could,
+or a door handed it over to a next one that never came) stops itself.
 Pure and clock-injected, like the planner: the controller feeds it `time.monotonic()`.
 """
 
@@ -29,6 +29,9 @@ class Leases:
     owners: dict[str, str] = field(default_factory=dict)
     """Request id -> the door that streams it."""
     closing: bool = False
+    released: set[str] = field(default_factory=set)
+    """Doors that left: a renewal one sent before it left may arrive after (Ray does not order
+    an async actor's calls), and must not take its lease again."""
     last_renewal: float | None = None
     claimed: set[str] | None = None
     """After a restart, until `unclaimed` has counted: the requests a door named since.
@@ -41,8 +44,8 @@ class Leases:
 
     def renew(self, door: str, requests: Iterable[str], now: float) -> bool:
         """Take or renew `door`'s lease, owning `requests` (a restarted controller learns its
-        owners again this way); False once the cluster is closing."""
-        if self.closing:
+        owners again this way); False once the cluster is closing, or to a door that left."""
+        if self.closing or door in self.released:
             return False
         self.doors[door] = self.last_renewal = now
         for request_id in requests:
@@ -56,7 +59,7 @@ class Leases:
         self.owners[request_id] = door
         if self.claimed is not None:
             self.claimed.add(request_id)
-        if not self.closing:
+        if not self.closing and door not in self.released:
             self.doors[door] = self.last_renewal = now
 
     def release(self, door: str, now: float, *, handover: bool = False) -> bool:
@@ -66,22 +69,30 @@ class Leases:
         (a Serve update replaces it) never closes: the next door attaches to the cluster or
         replaces it, and a cluster no door comes to is abandoned."""
         self.doors.pop(door, None)
+        self.released.add(door)
         self.expire(now)
-        if handover or (self.restarted and now - self.booted < self.lease_s):
+        if handover or self.hearing(now):
             return False
         self.closing = not self.doors
         return self.closing
 
+    def hearing(self, now: float) -> bool:
+        """Restarted less than a lease ago: a live door may not have renewed with it yet."""
+        return self.restarted and now - self.booted < self.lease_s
+
     def live(self, now: float) -> list[str]:
         """The doors whose lease has not lapsed (unlike `expire`, nothing is dropped)."""
-        return [door for door, renewed in self.doors.items() if now - renewed <= self.lease_s]
+        return [door for door, renewed in self.doors.items() if not self._lapsed(renewed, now)]
 
     def expire(self, now: float) -> list[str]:
         """Drop the doors whose lease lapsed; their ids."""
-        gone = [door for door, renewed in self.doors.items() if now - renewed > self.lease_s]
+        gone = [door for door, renewed in self.doors.items() if self._lapsed(renewed, now)]
         for door in gone:
             del self.doors[door]
         return gone
+
+    def _lapsed(self, renewed: float, now: float) -> bool:
+        return now - renewed > self.lease_s
 
     def orphans(self, known: set[str]) -> list[str]:
         """Requests still running (`known`) whose door is gone, to be aborted; the owners of

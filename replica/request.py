@@ -33,9 +33,9 @@ about 1e-37 overflows them, and the NaN rows crashed the whole batch's step (or,
 EOS at once)."""
 
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
-"""A seen token's logit is divided or multiplied by the penalty: past 100x either way, fp32
-logits (and the temperature's division after) overflow, and the NaN rows aborted the request
-(or, seeded, gave EOS at once)."""
+"""A seen token's logit is divided or multiplied by the penalty. Below about 3e-39 the fp32
+factor overflowed, and the NaN rows aborted the request (or, seeded, gave EOS at once); 100x
+either way keeps the logits, after the temperature's division too, far inside fp32."""
 
 
 def _check_number(name: str, value: float) -> None:

@@ -43,14 +43,14 @@ def position_noise(seed: int, first: int, count: int, vocab: int) -> torch.Tenso
     verification."""
     noise = torch.empty(count, vocab)
     generator = torch.Generator()
-    key = _low_bits(seed)
+    key = _fold_seed(seed)
     for row, position in enumerate(range(first, first + count)):
         generator.manual_seed((key * _SEED_MIX + position * _POSITION_MIX) % 2**64)
         torch.rand(vocab, generator=generator, out=noise[row])
     return noise.log_().neg_()
 
 
-def _low_bits(seed: int) -> int:
+def _fold_seed(seed: int) -> int:
     """The seed's 64 bits in the low 32, all torch's CPU generator keeps of what it is seeded
     with: seeds 2^32 apart drew the same noise. A seed in [0, 2^32) is itself."""
     bits = seed % 2**64

@@ -16,9 +16,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
-from ray.exceptions import RayError, TaskCancelledError
+from ray.exceptions import TaskCancelledError
 from ray.serve import Application
-from ray.serve.exceptions import RayServeException
 from ray.serve.schema import ApplicationStatus
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -42,11 +41,13 @@ DRAIN_S = 120.0
 a delete) may finish its streams before Serve kills it. An LLM stream at a few tokens a second
 runs for minutes, and Serve's default of 20 s cut them off mid-stream without an error. The
 Serve config's `deployments:` entry for FrontDoorDeployment overrides it (deploy/README.md)."""
+WAIT_LOOP_S = 2.0
+"""Serve's default `graceful_shutdown_wait_loop_s`."""
 STATUS_TIMEOUT_S = 5.0
-"""How long a stopping door waits for Serve's controller to say whether the app is updating."""
-LEAVE_S = STATUS_TIMEOUT_S + 2 * SHUTDOWN_TIMEOUT_S
-"""Kept from the gRPC drain for leaving the cluster after it: asking Serve whether the app is
-updating, the release, and stopping the cluster (`ClusterHandle.shutdown`'s two timeouts)."""
+"""How long a stopping door waits for Serve's controller to say whether its app stays."""
+LEAVE_S = 2 * SHUTDOWN_TIMEOUT_S
+"""Kept from the gRPC drain for leaving the cluster after it: the release and stopping the
+cluster (`ClusterHandle.shutdown`'s two timeouts)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ HEAD_NODE = {"node:__internal_head__": 0.001}
     num_replicas=1,
     max_ongoing_requests=1024,
     graceful_shutdown_timeout_s=DRAIN_S,
+    graceful_shutdown_wait_loop_s=WAIT_LOOP_S,
     ray_actor_options={"num_cpus": 0, "resources": HEAD_NODE},
 )
 @serve.ingress()
@@ -156,7 +158,7 @@ class FrontDoorDeployment:
     async def __serve_build_asgi_app__(self) -> FastAPI:
         # Detached: if this door crashes, the cluster keeps its loaded models and the door
         # Serve starts next attaches to it; the crashed door's requests end with its lease.
-        drain_s = serve.get_replica_context()._deployment_config.graceful_shutdown_timeout_s
+        drain_s, _ = drain_times()
         door, self.handle = await build_front_door(self.config, detached=True, drain_s=drain_s)
         door.keys.bind_host(self.config.http_host, "HTTP (Ray Serve http_options)")
         if self.config.grpc_port:
@@ -174,40 +176,48 @@ class FrontDoorDeployment:
             raise RuntimeError("the cluster this door served is being stopped")
 
     async def __del__(self) -> None:
-        """Serve stops the door (delete, update, shutdown) once its HTTP requests drained: its
-        gRPC calls get what is left of the drain, then it leaves the cluster. In an update it
-        hands the cluster over to the next door, which attaches without a reload (same config)
-        or replaces it; otherwise it stops the cluster, unless another door holds it. A door
+        """Serve stops the door (delete, update, health-check restart, shutdown) once its HTTP
+        requests drained: its gRPC generations get what is left of the drain, then it leaves
+        the cluster, whatever failed before. Unless its app is being deleted it hands the
+        cluster over to the next door, which attaches without a reload (same config) or
+        replaces it; otherwise it stops the cluster, unless another door holds it. A door
         that crashes never gets here."""
-        if self.grpc is not None:
-            await self.grpc.stop(grpc_grace_s())
-        if self.handle is not None:
-            await self.handle.shutdown(handover=await app_updating())
+        handover = await app_staying()
+        try:
+            if self.grpc is not None:
+                drain_s, wait_loop_s = drain_times()
+                await self.grpc.stop(max(0.0, drain_s - wait_loop_s - LEAVE_S))
+        finally:
+            if self.handle is not None:
+                await self.handle.shutdown(handover=handover)
 
 
-def grpc_grace_s() -> float:
-    """How long the stopping door's gRPC calls may still run. Serve calls `__del__` once the
-    HTTP requests drained, at least a wait loop after it began stopping the door, and kills
-    the door `graceful_shutdown_timeout_s` after it began: what is left, less the time to
-    leave the cluster. Serve does not say when it began, so HTTP streams that drained for
-    longer leave the calls less than this, and a call still running at the kill is cut."""
-    config = serve.get_replica_context()._deployment_config
-    left = config.graceful_shutdown_timeout_s - config.graceful_shutdown_wait_loop_s
-    return max(0.0, left - LEAVE_S)
+def drain_times() -> tuple[float, float]:
+    """This door's (graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s): Serve kills
+    the door the first after it began stopping it, and calls `__del__` once the HTTP requests
+    drained, at least the second after. Serve does not say when it began, so HTTP streams that
+    drained for longer leave the gRPC ones less, and one still running at the kill is cut.
+    Read from the replica's deployment config, which only a private field holds (an
+    operator's override included); the decorator's values if it ever moves."""
+    config = getattr(serve.get_replica_context(), "_deployment_config", None)
+    return (
+        getattr(config, "graceful_shutdown_timeout_s", DRAIN_S),
+        getattr(config, "graceful_shutdown_wait_loop_s", WAIT_LOOP_S),
+    )
 
 
-async def app_updating() -> bool:
-    """Whether Serve stops this door for an update of its app (DEPLOYING while a replica of
-    the old version stops), not a delete or Serve's shutdown (DELETING, or gone). A Serve
-    controller that does not answer is taken for a shutdown: the cluster is stopped."""
+async def app_staying() -> bool:
+    """Whether this door's app stays once Serve stopped the door (an update, DEPLOYING, or a
+    health-check restart): not when it is deleted or Serve shuts down (DELETING, or gone),
+    nor when Serve's controller does not answer."""
     app = serve.get_replica_context().app_name
     try:
         status = await asyncio.wait_for(asyncio.to_thread(serve.status), STATUS_TIMEOUT_S)
-    except (RayError, RayServeException, TimeoutError) as exc:
+    except Exception as exc:  # the cluster must still be stopped or handed over after it
         logger.warning("Serve's controller did not say why the door stops (%s): stopping", exc)
         return False
     state = status.applications.get(app)
-    return state is not None and state.status == ApplicationStatus.DEPLOYING
+    return state is not None and state.status != ApplicationStatus.DELETING
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -19,7 +19,7 @@ from cluster.config import ClusterConfig
 from replica.planner.config import check_fraction, check_int, check_text
 from replica.request import SLO, check_in_vocab
 from router.errors import BadRequest
-from router.openai_schema import tier_slo
+from router.openai_schema import MAX_REQUEST_MB, tier_slo
 from router.reasoning import ReasoningParser, reasoning_parser
 from router.tokenizer import TextCodec
 from router.tool_parsers import PARSERS, ToolParser
@@ -57,7 +57,7 @@ class FrontDoorConfig:
     """Used when a request names no SLO (body, headers) and is not flex: explicit numbers, or
     a tier's name (`slos` resolves it)."""
     default_chat_max_tokens: int = 256
-    max_request_mb: float = 16.0
+    max_request_mb: float = MAX_REQUEST_MB
     """The largest HTTP body and gRPC message the doors read, in MiB: a larger one is refused
     unread (413, RESOURCE_EXHAUSTED) rather than parsed on the door's event loop."""
     tool_call_parser: str | None = None
@@ -159,7 +159,7 @@ class FrontDoorConfig:
             api_keys_file=args.get("api_keys_file"),
             default_slo=_default_slo(args.get("default_slo"), cluster),
             default_chat_max_tokens=args.get("default_chat_max_tokens", 256),
-            max_request_mb=args.get("max_request_mb", 16.0),
+            max_request_mb=args.get("max_request_mb", MAX_REQUEST_MB),
             tool_call_parser=args.get("tool_call_parser"),
             reasoning_parser=reasoning_parser(args.get("reasoning_parser")),
         )

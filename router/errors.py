@@ -39,7 +39,6 @@ class TooLarge(BadRequest):
 
     status = 413
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    type = "invalid_request_error"
 
 
 class ClientGone(ApiError):

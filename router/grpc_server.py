@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -278,10 +278,33 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
 class ServingServicer(pb_grpc.ServingServicer):
     def __init__(self, door: FrontDoor) -> None:
         self.door = door
+        self.stopping = False
+        """The door is stopping: new generations are refused (UNAVAILABLE, which clients
+        retry elsewhere) while those running finish."""
+        self.generating = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.stopping:
+            await _abort(context, Unavailable("this front door is stopping; try again"))
+            return
+        self.generating += 1
+        self.idle.clear()
+        try:
+            async with contextlib.aclosing(self._generate(request, context)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self.generating -= 1
+            if not self.generating:
+                self.idle.set()
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.GenerateResponse]:
         metadata = _metadata(context)
         try:
             tenant = self.door.authenticate(metadata.get("authorization"))
@@ -343,11 +366,14 @@ class ServingServicer(pb_grpc.ServingServicer):
 class GrpcServer:
     """A running gRPC door and the task that keeps its health status current."""
 
-    def __init__(self, server: grpc.aio.Server, port: int, health: HealthServicer, door: FrontDoor):
+    def __init__(
+        self, server: grpc.aio.Server, port: int, health: HealthServicer, serving: ServingServicer
+    ):
         self.server = server
         self.port = port
         self.health = health
-        self.door = door
+        self.serving = serving
+        self.door = serving.door
         self.health_task = asyncio.create_task(self._watch_health())
 
     async def _watch_health(self) -> None:
@@ -364,11 +390,16 @@ class GrpcServer:
             await asyncio.sleep(HEALTH_PERIOD_S)
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        """Refuse new calls from now on (health checks say NOT_SERVING) and let the calls in
-        flight finish for up to `grace_s`; returns once they have, cancelling the rest then."""
+        """Refuse new generations from now on (health checks say NOT_SERVING) and let those in
+        flight finish for up to `grace_s`, then stop, cancelling what is left. Only
+        generations are waited for: a health `Watch` stream never ends by itself, and grpc's
+        own grace would wait for it to the end."""
         self.health_task.cancel()
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        self.serving.stopping = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.serving.idle.wait(), grace_s)
+        await self.server.stop(0)
 
 
 async def start_grpc_server(
@@ -383,7 +414,8 @@ async def start_grpc_server(
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", door.schema.max_request_bytes)]
     )
-    pb_grpc.add_ServingServicer_to_server(ServingServicer(door), server)
+    serving = ServingServicer(door)
+    pb_grpc.add_ServingServicer_to_server(serving, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
@@ -396,4 +428,4 @@ async def start_grpc_server(
         bound = server.add_insecure_port(address)
     await server.start()
     logger.info("gRPC door listening on %s:%d (%s)", host, bound, "TLS" if tls else "plaintext")
-    return GrpcServer(server, bound, health, door)
+    return GrpcServer(server, bound, health, serving)

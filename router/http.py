@@ -157,7 +157,7 @@ async def _body(request: Request, limit: int) -> bytes:
     """The body, read only while it stays within `limit` bytes (a declared length above it is
     refused before anything is read)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"the request body has {declared} bytes; at most {limit} are read")
     chunks, size = [], 0
     try:

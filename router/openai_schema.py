@@ -58,6 +58,8 @@ MAX_PRIORITY = 19
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_CHOICES = 128
+MAX_REQUEST_MB = 16.0
+"""The largest HTTP body and gRPC message the doors read by default, in MiB."""
 """Choices one request may ask for (prompts x n): OpenAI's cap on `n`."""
 PROMPTS_CHARS_PER_CONTEXT_TOKEN = 128
 """A request's prompts together hold at most this many characters per context token: the
@@ -113,7 +115,7 @@ class SchemaContext:
     """Named SLO tiers a body may ask for with `"slo": "<name>"`."""
     default_chat_max_tokens: int = 256
     """Chat's `max_tokens` when absent (capped by the context left after the prompt)."""
-    max_request_bytes: int = 16 << 20
+    max_request_bytes: int = int(MAX_REQUEST_MB * 2**20)
     """The largest body (HTTP) or message (gRPC) read (`FrontDoorConfig.max_request_mb`)."""
     tool_parser: ToolParser | None = None
     """How the model writes tool calls among its text: what `tool_choice: "auto"` needs."""

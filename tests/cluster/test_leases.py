@@ -109,3 +109,23 @@ def test_live_doors_are_those_whose_lease_has_not_lapsed() -> None:
     assert leases.live(now=10.0) == ["a", "b"]
     assert leases.live(now=12.0) == ["b"]
     assert leases.doors.keys() == {"a", "b"}  # nothing dropped: expire() logs the lapse
+
+
+def test_a_renewal_that_arrives_after_its_door_left_takes_no_lease() -> None:
+    """Ray does not order an async actor's calls: a renewal sent before the release may land
+    after it, and would have kept the door (and a cluster it was the last of) a lease more."""
+    leases = Leases(lease_s=10.0, booted=0.0)
+    leases.renew("a", [], now=0.0)
+    leases.renew("b", [], now=0.0)
+    assert not leases.release("a", now=1.0)
+    assert not leases.renew("a", [], now=1.5)
+    leases.own("r1", "a", now=1.6)
+    assert leases.live(now=2.0) == ["b"]
+    assert leases.release("b", now=3.0)  # the last one out closes it
+
+
+def test_a_restarted_controller_is_still_hearing_from_its_doors_for_a_lease() -> None:
+    leases = Leases(lease_s=10.0, booted=100.0, restarted=True)
+    assert leases.hearing(now=105.0) and not leases.live(now=105.0)
+    assert not leases.hearing(now=110.0)
+    assert not Leases(lease_s=10.0, booted=100.0).hearing(now=101.0)

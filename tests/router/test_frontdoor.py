@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.api import (
     ClusterStatus,
@@ -24,6 +26,8 @@ from router.auth import ApiKeys
 from router.client import AsyncClient, ClientError, Tool
 from router.errors import Unavailable
 from router.frontdoor import FrontDoor
+from router.gen.slos_serve.v1 import serving_pb2 as pb
+from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 from router.grpc_server import start_grpc_server
 from router.metrics import PREFIX, FrontDoorMetrics
 from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body
@@ -248,3 +252,42 @@ def test_a_grpc_request_the_door_cannot_map_is_counted_as_a_bad_request(codec: T
         assert counted(door, "requests_rejected_total", "reason") == {"bad_request": 1}
 
     asyncio.run(send())
+
+
+def test_a_stopping_grpc_door_refuses_new_generations_and_waits_for_running_ones_only(
+    codec: TextCodec,
+) -> None:
+    """A stopping door's generations in flight get the grace, a new one is refused at once
+    (UNAVAILABLE, which clients retry on the next door), and a health Watch stream, which
+    never ends by itself, does not hold the stop for the whole grace (grpc's own grace did)."""
+
+    async def run() -> None:
+        cluster = ScriptedCluster()
+        server = await start_grpc_server(door_over(cluster, codec), "127.0.0.1", 0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            await anext(aiter(watch))
+            serving = pb_grpc.ServingStub(channel)
+            running = serving.Generate(pb.GenerateRequest(prompt="Hi"))  # never answered
+            while not cluster.submitted:
+                await asyncio.sleep(0.01)
+            began = time.monotonic()
+            stopping = asyncio.ensure_future(server.stop(grace_s=2.0))
+            await asyncio.sleep(0.2)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await anext(aiter(serving.Generate(pb.GenerateRequest(prompt="Hi"))))
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "stopping" in (refused.value.details() or "")
+            await stopping
+            assert 1.9 <= time.monotonic() - began < 5  # the running one had its grace
+            with pytest.raises(grpc.aio.AioRpcError):
+                await anext(aiter(running))
+        idle = await start_grpc_server(door_over(ScriptedCluster(), codec), "127.0.0.1", 0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{idle.port}") as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            await anext(aiter(watch))
+            began = time.monotonic()
+            await idle.stop(grace_s=30.0)
+            assert time.monotonic() - began < 5
+
+    asyncio.run(run())

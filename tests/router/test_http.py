@@ -108,7 +108,7 @@ def test_a_body_that_is_not_json_is_refused_saying_why(
 
 def test_a_client_that_leaves_mid_body_ends_as_gone() -> None:
     """Starlette raises ClientDisconnect out of the body's stream; under Ray Serve that escaped
-    the app as a 70-line "exception never retrieved" traceback a client."""
+    the app as a 70-line "exception never retrieved" traceback for each client."""
     messages = [
         {"type": "http.request", "body": b'{"prompt": ', "more_body": True},
         {"type": "http.disconnect"},

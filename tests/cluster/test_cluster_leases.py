@@ -260,3 +260,25 @@ def test_an_autoscaled_cluster_is_attached_to_and_stopped_whole(
         assert _cluster_names() == []
 
     runner.run(run())
+
+
+def test_a_door_whose_controller_is_dead_for_good_learns_it(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    """A controller killed without restart (a door that replaced the cluster stopped it)
+    leaves this door nothing to serve with: its renewals say so, for Serve's health check
+    (router.app) to restart it."""
+    config = replace(demo, replicas=1, num_kv_blocks=64, door_lease_s=2.0)
+
+    async def run() -> None:
+        door = await launch(config, detached=True)
+        ray.kill(door.controller, no_restart=True)
+        deadline = time.monotonic() + 30
+        while not door.lease_refused and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert door.lease_refused
+        await door.shutdown()
+        await _stop_running(config)
+        assert _cluster_names() == []
+
+    runner.run(run())

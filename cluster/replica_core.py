@@ -61,6 +61,8 @@ class _Lookups:
     tokens, and how many of them it held."""
 
     found: dict[str, tuple[int, int]] = field(default_factory=dict)
+    first: set[str] = field(default_factory=set)
+    """Requests whose first lookup this is: what it found is their prefix-cache hit."""
 
     @property
     def attached(self) -> list[str]:
@@ -273,18 +275,19 @@ class ReplicaCore:
             held.num_computed = self.engine.attach_prefix(entry.request_id)
             if held.cached is None and not held.output:
                 held.cached = held.num_computed
+                lookups.first.add(entry.request_id)
             lookups.found[entry.request_id] = (held.view().num_known, held.num_computed)
         return lookups
 
     def _detach(self, lookups: _Lookups) -> None:
-        """Let go of prefixes attached for a plan that did not run; its requests' lookups
-        count with the plan that runs them."""
+        """Let go of prefixes attached for a plan that did not run; its requests' first
+        lookups count with the plan that runs them (a request's lookup after a preemption
+        finds its own blocks: its hit was counted at its first)."""
         for rid in lookups.attached:
             self.engine.preempt(rid)
             self._held[rid].num_computed = 0
-        for rid in lookups.found:
-            if not self._held[rid].output:
-                self._held[rid].cached = None
+        for rid in lookups.first:
+            self._held[rid].cached = None
 
     def _after_step(self, plan: BatchPlan, outcome: BatchOutcome, lookups: _Lookups) -> None:
         now = self._clock()

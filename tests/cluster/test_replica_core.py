@@ -291,6 +291,43 @@ def test_a_refused_plan_lets_go_of_the_prefixes_attached_for_it(target_dir: Path
     asyncio.run(run())
 
 
+def test_a_request_preempted_then_refused_a_plan_counts_no_hit_of_its_own_blocks(
+    target_dir: Path,
+) -> None:
+    """A request's lookups after its first find its own blocks (a preemption keeps them in
+    the cache): a refused plan between must not make the next one count them as prefix-cache
+    hits (they reached usage's cached_tokens, for prompts sharing nothing)."""
+    cached_engine = Engine.from_dirs(target_dir, num_blocks=20, prefix_caching=True)
+    prompt = [(7 * i) % 500 + 3 for i in range(200)]
+    other = [(11 * i) % 500 + 5 for i in range(250)]
+    slo = SLO(1000, 100)
+    reports: list[StepReport] = []
+
+    async def steps(count: int) -> None:
+        while len(reports) < count:
+            await asyncio.sleep(0.01)
+
+    async def run() -> int:
+        core = ReplicaCore(cached_engine, 0, reports.append)
+        core.start()
+        for rid, tokens in (("a", prompt), ("b", other)):
+            core.add_request(Request(rid, tokens, SamplingParams(max_tokens=2), slo=slo), True)
+        core.set_plan(BatchPlan((PrefillChunk("a", 96),)))
+        await asyncio.wait_for(steps(1), 10)
+        core.set_plan(BatchPlan((), preempt=("a",)))
+        await asyncio.wait_for(steps(2), 10)
+        core.set_plan(BatchPlan((PrefillChunk("a", 200), PrefillChunk("b", 250))))
+        await asyncio.sleep(0.3)  # refused: both do not fit in 20 blocks
+        core.set_plan(BatchPlan((PrefillChunk("a", 200),)))
+        items = await asyncio.wait_for(drain(core, "a"), 10)
+        core.abort("b")
+        await core.stop()
+        assert items[-1].finish_reason == "length"
+        return next(item.cached_tokens for item in items if item.token_ids)
+
+    assert asyncio.run(run()) == 0
+
+
 def test_a_request_bound_here_keeps_its_cached_prefix_from_being_taken_first(
     target_dir: Path,
 ) -> None:

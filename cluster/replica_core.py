@@ -60,6 +60,8 @@ class _Lookups:
     """What the prefix cache was asked for the plan about to run: each request's known
     tokens, and how many of them it held."""
 
+    plan: BatchPlan | None = None
+    """The controller's plan, as sent."""
     found: dict[str, tuple[int, int]] = field(default_factory=dict)
     first: set[str] = field(default_factory=set)
     """Requests whose first lookup this is: what it found is their prefix-cache hit."""
@@ -108,6 +110,9 @@ class ReplicaCore:
         dict: every add looks an id up in it): a late reader gets their end (abort), not a lost
         stream it would resume elsewhere, and a late add is refused."""
         self._inbox: BatchPlan | None = None
+        self._bare: BatchPlan | None = None
+        """A controller plan refused once the cached prefixes were attached for it, to run
+        once without them."""
         self._last: BatchPlan | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -236,7 +241,13 @@ class ReplicaCore:
                 # The prefixes attached for it are let go: the controller, which plans the
                 # KV, does not know they are held.
                 self._detach(lookups)
-                if not from_inbox:
+                if from_inbox and lookups.attached:
+                    # The attached prefixes took the free blocks the plan needed: their cached
+                    # blocks are free ones until attached, and the controller credited them
+                    # and planned the free ones too. Refused again and again, it would stall
+                    # the replica: run it without them, and its report shows the credit missed.
+                    self._bare = lookups.plan
+                elif not from_inbox:
                     await self._wake.wait()
                 continue
             except Exception:
@@ -248,6 +259,10 @@ class ReplicaCore:
     def _next_plan(self) -> tuple[BatchPlan | None, bool, _Lookups]:
         """The plan to run, whether it is the controller's, and the prefix-cache lookups
         made for it."""
+        if self._bare is not None:
+            plan, self._bare = reconcile(self._bare, self._views()), None
+            if plan is not None:
+                return plan, True, _Lookups()
         if self._inbox is not None:
             lookups = self._attach_prefixes(self._inbox)
             plan = reconcile(self._inbox, self._views())
@@ -265,7 +280,7 @@ class ReplicaCore:
         caching): only now, so a request waiting for its turn pins no cached blocks, and
         before the plan is fitted, so the chunks cover the rest of the prompt only and the
         step reported is the step run. The controller learns of the hit from the report."""
-        lookups = _Lookups()
+        lookups = _Lookups(plan)
         for entry in plan.entries:
             held = self._held.get(entry.request_id)
             if not isinstance(entry, PrefillChunk) or held is None:

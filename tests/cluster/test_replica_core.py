@@ -328,6 +328,47 @@ def test_a_request_preempted_then_refused_a_plan_counts_no_hit_of_its_own_blocks
     assert asyncio.run(run()) == 0
 
 
+def test_a_plan_refused_for_the_prefixes_attached_for_it_runs_without_them(
+    target_dir: Path,
+) -> None:
+    """A cached prefix's blocks are free ones until a request attaches it: a plan crediting
+    that prefix and using the free blocks for another prefill was refused, resent and refused
+    again, and the replica stalled for good (seen after a replica died, its requests moved
+    here). It runs without the prefix, which prefills the credited request from its start."""
+    cached_engine = Engine.from_dirs(target_dir, num_blocks=20, prefix_caching=True)
+    shared = [(7 * i) % 500 + 3 for i in range(160)]
+    slo = SLO(1000, 100)
+    reports: list[StepReport] = []
+
+    def add(core: ReplicaCore, rid: str, tokens: list[int], max_tokens: int) -> None:
+        sampling = SamplingParams(max_tokens=max_tokens)
+        core.add_request(Request(rid, tokens, sampling, slo=slo), admitted=False)
+
+    async def run() -> list[PrefillChunk]:
+        core = ReplicaCore(cached_engine, 0, reports.append)
+        core.start()
+        add(core, "first", shared, 1)
+        core.set_plan(BatchPlan((PrefillChunk("first", 160),)))
+        await asyncio.wait_for(drain(core, "first"), 10)  # its 10 blocks stay cached, free
+        add(core, "big", [(11 * i) % 500 + 5 for i in range(200)], 4)
+        core.set_plan(BatchPlan((PrefillChunk("big", 150),)))  # 10 blocks, 10 left
+        while len(reports) < 2:
+            await asyncio.sleep(0.01)
+        add(core, "again", [*shared, 9, 9, 9, 9, 9], 1)
+        # Credited its 160 cached tokens: 5 to prefill; "big" needs 3 more blocks.
+        core.set_plan(BatchPlan((PrefillChunk("again", 5), PrefillChunk("big", 50))))
+        while len(reports) < 3:
+            await asyncio.sleep(0.01)
+        core.abort("again")
+        core.abort("big")
+        await core.stop()
+        return [e for e in reports[2].plan.entries if isinstance(e, PrefillChunk)]
+
+    ran = asyncio.run(asyncio.wait_for(run(), 20))
+    assert ran == [PrefillChunk("again", 5), PrefillChunk("big", 50)]
+    assert reports[2].prefix_queries == 0  # run bare: nothing attached
+
+
 def test_a_request_bound_here_keeps_its_cached_prefix_from_being_taken_first(
     target_dir: Path,
 ) -> None:

@@ -309,8 +309,8 @@ class ClusterHandle:
                 continue
             else:
                 died = 0
-            if not renewed:
-                log.warning("the cluster is being stopped; this front door cannot serve")
+            if not renewed and not self._leaving.is_set():  # not the door's own release
+                log.warning("the cluster is stopped or gone; this front door cannot serve")
                 self.lease_refused = True
 
     async def shutdown(self, handover: bool = False) -> None:

@@ -176,6 +176,7 @@ class ReplicaCore:
                 held.promoted = held.promoted or (admitted and not held.admitted)
                 held.admitted = admitted
         self._inbox = plan
+        self._bare = None  # a newer plan replaces it too
         self._wake.set()
 
     def open_work(self) -> tuple[int, int]:
@@ -242,10 +243,11 @@ class ReplicaCore:
                 # KV, does not know they are held.
                 self._detach(lookups)
                 if from_inbox and lookups.attached:
-                    # The attached prefixes took the free blocks the plan needed: their cached
-                    # blocks are free ones until attached, and the controller credited them
-                    # and planned the free ones too. Refused again and again, it would stall
-                    # the replica: run it without them, and its report shows the credit missed.
+                    # The prefixes attached took more of the free blocks (cached ones are
+                    # free until attached) than the controller's mirror planned: its picture
+                    # of the cache differs from the cache. Resent with no report between, the
+                    # plan was refused for good and the replica stalled: run it without them,
+                    # and its report shows the credit missed.
                     self._bare = lookups.plan
                 elif not from_inbox:
                     await self._wake.wait()

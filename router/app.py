@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,10 +171,10 @@ class FrontDoorDeployment:
         return app
 
     async def check_health(self) -> None:
-        """Serve restarts a door whose cluster is being stopped under it (the next door
-        launches a new one)."""
+        """Serve restarts a door whose cluster is being stopped under it, or whose controller
+        is gone for good (the next door launches a new one)."""
         if self.handle is not None and self.handle.lease_refused:
-            raise RuntimeError("the cluster this door served is being stopped")
+            raise RuntimeError("the cluster this door served is stopped or gone")
 
     async def __del__(self) -> None:
         """Serve stops the door (delete, update, health-check restart, shutdown) once its HTTP
@@ -182,11 +183,13 @@ class FrontDoorDeployment:
         cluster over to the next door, which attaches without a reload (same config) or
         replaces it; otherwise it stops the cluster, unless another door holds it. A door
         that crashes never gets here."""
-        handover = await app_staying()
+        began, handover = time.monotonic(), False
         try:
+            handover = await app_staying()
             if self.grpc is not None:
                 drain_s, wait_loop_s = drain_times()
-                await self.grpc.stop(max(0.0, drain_s - wait_loop_s - LEAVE_S))
+                spent = time.monotonic() - began
+                await self.grpc.stop(max(0.0, drain_s - wait_loop_s - spent - LEAVE_S))
         finally:
             if self.handle is not None:
                 await self.handle.shutdown(handover=handover)

@@ -394,9 +394,9 @@ class GrpcServer:
         flight finish for up to `grace_s`, then stop, cancelling what is left. Only
         generations are waited for: a health `Watch` stream never ends by itself, and grpc's
         own grace would wait for it to the end."""
+        self.serving.stopping = True
         self.health_task.cancel()
         await self.health.enter_graceful_shutdown()
-        self.serving.stopping = True
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.serving.idle.wait(), grace_s)
         await self.server.stop(0)

@@ -58,9 +58,9 @@ MAX_PRIORITY = 19
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_CHOICES = 128
+"""Choices one request may ask for (prompts x n): OpenAI's cap on `n`."""
 MAX_REQUEST_MB = 16.0
 """The largest HTTP body and gRPC message the doors read by default, in MiB."""
-"""Choices one request may ask for (prompts x n): OpenAI's cap on `n`."""
 PROMPTS_CHARS_PER_CONTEXT_TOKEN = 128
 """A request's prompts together hold at most this many characters per context token: the
 door tokenizes them on its event loop, which every stream shares (262,144 characters, the

@@ -331,10 +331,12 @@ def test_a_request_preempted_then_refused_a_plan_counts_no_hit_of_its_own_blocks
 def test_a_plan_refused_for_the_prefixes_attached_for_it_runs_without_them(
     target_dir: Path,
 ) -> None:
-    """A cached prefix's blocks are free ones until a request attaches it: a plan crediting
-    that prefix and using the free blocks for another prefill was refused, resent and refused
-    again, and the replica stalled for good (seen after a replica died, its requests moved
-    here). It runs without the prefix, which prefills the credited request from its start."""
+    """A cached prefix's blocks are free ones until a request attaches it. A plan the
+    attached prefixes left short of blocks was refused, resent with no report between and
+    refused again: after a replica died, the controller's picture of this cache differed
+    from it, and the replica stalled for good. It runs without the prefixes now, which
+    prefills the credited request from its start. (Here a plan made by hand credits a
+    prefix and gives its blocks to another prefill too.)"""
     cached_engine = Engine.from_dirs(target_dir, num_blocks=20, prefix_caching=True)
     shared = [(7 * i) % 500 + 3 for i in range(160)]
     slo = SLO(1000, 100)

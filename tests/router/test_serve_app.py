@@ -10,7 +10,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import openai
@@ -25,7 +24,6 @@ from router.app import (
     DRAIN_S,
     DisconnectOnCancelledReceive,
     FrontDoorDeployment,
-    app_staying,
     build_app,
 )
 from router.client import Chunk, Client, Result
@@ -297,39 +295,3 @@ def grpc_stream(grpc_port: int, max_tokens: int, started: threading.Event) -> tu
             if isinstance(item, Result):
                 return item.completion_tokens, item.finish_reason
     raise AssertionError("the stream ended without a result")
-
-
-@pytest.mark.parametrize(
-    ("applications", "stays"),
-    [
-        ({"slos-serve": "DEPLOYING"}, True),  # an update
-        ({"slos-serve": "UNHEALTHY"}, True),  # a health-check restart
-        ({"slos-serve": "RUNNING"}, True),
-        ({"slos-serve": "DELETING"}, False),  # a delete, or Serve shutting down
-        ({"other": "RUNNING"}, False),  # gone
-        (RuntimeError("no Serve controller"), False),
-    ],
-)
-def test_a_stopped_door_hands_its_cluster_over_unless_its_app_goes(
-    monkeypatch: pytest.MonkeyPatch, applications: dict[str, str] | Exception, stays: bool
-) -> None:
-    """What `__del__` decides from Serve's status: the cluster outlives the door (the next
-    one attaches, models loaded) unless the app is deleted or Serve cannot say."""
-    from ray import serve
-    from ray.serve.schema import ApplicationStatus
-
-    def status() -> SimpleNamespace:
-        if isinstance(applications, Exception):
-            raise applications
-        return SimpleNamespace(
-            applications={
-                name: SimpleNamespace(status=ApplicationStatus(state))
-                for name, state in applications.items()
-            }
-        )
-
-    monkeypatch.setattr(
-        serve, "get_replica_context", lambda: SimpleNamespace(app_name="slos-serve")
-    )
-    monkeypatch.setattr(serve, "status", status)
-    assert asyncio.run(app_staying()) is stays

@@ -447,8 +447,7 @@ class ClusterController:
             self.plane.abort(rid)
             if self.replicas[replica] is actor:  # not a replica replaced meanwhile
                 self.plane.mark_dead(replica)
-            if rid in self._aborted:  # its client left during the hand-off: nothing to retry
-                self._aborted.discard(rid)
+            if self._left_in_hand_off(rid):  # nothing to retry
                 return Binding(rid, None, None, binding.hops, "aborted during its hand-off")
             now = time.time()
             retry = self.plane.submit(request, now, resumed=decision.resumed, again=True)
@@ -466,14 +465,20 @@ class ClusterController:
                 self._rebuilds[replica].binds.pop(rid, None)
         assert actor is not None  # it holds the request
         binding = replace(binding, actor=actor)
-        if rid in self._aborted:
-            self._aborted.discard(rid)
+        if self._left_in_hand_off(rid):
             actor.abort.remote(rid)
             return binding
         # The mirror has the request since the plane accepted it, or since a rebuild during
         # the hand-off put it back (_sync); one missing now ended already, and stays out.
         self._send_plan(replica, time.time())
         return binding
+
+    def _left_in_hand_off(self, request_id: str) -> bool:
+        """Whether the request's client left while it was being handed to its replica (its
+        abort is taken now)."""
+        left = request_id in self._aborted
+        self._aborted.discard(request_id)
+        return left
 
     def _handing(self, decision: Decision) -> None:
         """Note an accepted request as being handed to its replica, from the moment the

@@ -473,36 +473,30 @@ async def _stop_running(config: ClusterConfig, drain_s: float = 0.0) -> None:
     stopped), and any group left by a launcher that died before starting its replica. Its
     doors may be draining their streams: it is stopped once none holds a live lease, or
     after `drain_s` plus its lease."""
+    groups: list[PlacementGroup | None] = []
+    slots = config.slots
     with contextlib.suppress(ValueError, RayActorError, TimeoutError):
-        await _until_no_door(ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE), drain_s)
-    actors = {}
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        running: ClusterConfig = await asyncio.wait_for(
+            controller.cluster_config.remote(), SHUTDOWN_TIMEOUT_S
+        )
+        slots = max(slots, running.slots)
+        await _until_no_door(controller, drain_s + running.door_lease_s)
+        groups = await asyncio.wait_for(controller.placement_groups.remote(), SHUTDOWN_TIMEOUT_S)
+    actors = {}  # named once the doors left: the controller may start or stop some meanwhile
     for name in _cluster_names():
         with contextlib.suppress(ValueError):
             actors[name] = ray.get_actor(name, namespace=NAMESPACE)
-    groups: list[PlacementGroup | None] = []
-    slots = config.slots
-    if CONTROLLER_NAME in actors:
-        with contextlib.suppress(RayActorError, TimeoutError):
-            controller = actors[CONTROLLER_NAME]
-            groups = await asyncio.wait_for(
-                controller.placement_groups.remote(), SHUTDOWN_TIMEOUT_S
-            )
-            running = await asyncio.wait_for(controller.cluster_config.remote(), SHUTDOWN_TIMEOUT_S)
-            slots = max(slots, running.slots)
     await _stop(actors, groups, NAMESPACE)
     for i in range(slots):
         with contextlib.suppress(ValueError):
             remove_placement_group(get_placement_group(replica_name(i)))
 
 
-async def _until_no_door(controller: ActorHandle, drain_s: float) -> None:
-    """Returns once no door holds a live lease on the cluster, or after `drain_s` plus its
-    lease (a door that died stops renewing). A poll the controller answers late counts as a
-    door still there."""
-    running: ClusterConfig = await asyncio.wait_for(
-        controller.cluster_config.remote(), SHUTDOWN_TIMEOUT_S
-    )
-    timeout_s = drain_s + running.door_lease_s
+async def _until_no_door(controller: ActorHandle, timeout_s: float) -> None:
+    """Returns once no door holds a live lease on the cluster, or after `timeout_s` (the
+    drain and a lease: a door that died stops renewing). A poll the controller answers late
+    counts as a door still there."""
     deadline = time.monotonic() + timeout_s
     waited = False
     while time.monotonic() < deadline:

@@ -61,7 +61,8 @@ class _Lookups:
     tokens, and how many of them it held."""
 
     plan: BatchPlan | None = None
-    """The controller's plan, as sent."""
+    """The controller's plan as sent, run without the prefixes should they leave it short of
+    blocks (`ReplicaCore._bare`)."""
     found: dict[str, tuple[int, int]] = field(default_factory=dict)
     first: set[str] = field(default_factory=set)
     """Requests whose first lookup this is: what it found is their prefix-cache hit."""

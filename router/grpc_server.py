@@ -373,13 +373,12 @@ class GrpcServer:
         self.port = port
         self.health = health
         self.serving = serving
-        self.door = serving.door
         self.health_task = asyncio.create_task(self._watch_health())
 
     async def _watch_health(self) -> None:
         while True:
             try:
-                status = await self.door.status()
+                status = await self.serving.door.status()
                 up = any(r.alive for r in status.replicas)
             except Unavailable:
                 up = False

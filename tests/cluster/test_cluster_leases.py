@@ -15,7 +15,7 @@ import pytest
 import ray
 from ray.util.placement_group import get_placement_group, placement_group
 
-from cluster.api import FinalRecord, TokenChunk
+from cluster.api import ClusterUnavailable, FinalRecord, TokenChunk
 from cluster.config import ClusterConfig
 from cluster.handle import ClusterHandle, _cluster_names, _stop_running, launch
 from cluster.names import replica_name
@@ -193,6 +193,35 @@ def test_a_launch_of_another_config_waits_for_the_running_doors_to_leave(
         assert time.monotonic() - started < 30.0
         assert await incarnations(handle) != loaded
         assert (await _last(handle.submit(long_request("after", 4)))).num_output_tokens == 4
+        await handle.shutdown()
+        assert _cluster_names() == []
+
+    runner.run(run())
+
+
+def test_a_launch_of_another_config_stops_the_running_cluster_after_the_drain(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    """An old door that never leaves (Serve's own drain outlived, a door hung) holds the
+    update back only for the drain and a lease: then its cluster is stopped under it, and
+    its stream ends saying so instead of hanging."""
+    config = replace(demo, replicas=1, num_kv_blocks=256, door_lease_s=2.0)
+
+    async def run() -> None:
+        old = await launch(config, detached=True)
+        loaded = await incarnations(old)
+        stream = old.submit(long_request("held", 2000))
+        assert isinstance(await anext(stream), TokenChunk)
+        started = time.monotonic()
+        other = replace(config, num_kv_blocks=128, door_lease_s=10.0)  # renewed on a loaded CI
+        handle = await launch(other, detached=True, drain_s=1.0)
+        waited = time.monotonic() - started
+        assert 1.0 + config.door_lease_s <= waited < 150.0  # a launch under a loaded CI
+        assert await incarnations(handle) != loaded
+        with pytest.raises(ClusterUnavailable):
+            await asyncio.wait_for(_last(stream), 30.0)
+        assert (await _last(handle.submit(long_request("after", 4)))).num_output_tokens == 4
+        await old.shutdown()
         await handle.shutdown()
         assert _cluster_names() == []
 

@@ -9,7 +9,10 @@ ever delivered twice. Every other failure raises `ClientError` with the gRPC cod
 (RESOURCE_EXHAUSTED carries the server's retry-after), a stream that ends without each
 choice's `Result` and metadata that does not parse included. While the server is down the
 channels try to reconnect at most 2 s apart (`CHANNEL_OPTIONS`), so a restarted server is
-reached again within seconds.
+reached again within seconds; with `wait_for_ready` a call waits for it (until its
+deadline) instead of failing. A blocking stream is a `Stream`, which another thread may
+`cancel()`. A client belongs to its process: a worker process (multiprocessing) makes its own,
+as grpc channels are not carried across a fork.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import contextlib
 import functools
 import json
 import reprlib
+import threading
 import time
 from collections.abc import (
     AsyncGenerator,
     Callable,
     Generator,
     Iterable,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -124,7 +129,7 @@ class Result:
     """What the cluster did with the request; the last item of every stream."""
 
     request_id: str
-    verdict: str
+    verdict: Verdict
     """admitted | best_effort."""
     replica: int | None
     hops: int
@@ -175,11 +180,17 @@ class RetryPolicy:
 
 
 class ClientError(Exception):
+    """A call that failed: its gRPC status `code`, what the server said (`details`) and, on
+    RESOURCE_EXHAUSTED, when the server suggests trying again (`retry_after_s`)."""
+
     def __init__(self, code: grpc.StatusCode, details: str, retry_after_s: float | None = None):
-        super().__init__(f"{code.name}: {details}")
+        super().__init__(code, details, retry_after_s)  # all of them: it pickles (a worker's)
         self.code = code
         self.details = details
         self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}"
 
 
 @dataclass(frozen=True)
@@ -384,7 +395,6 @@ def build_request(
             raise ValueError(f"{name} must be a list of strings, got {getattr(options, name)!r}")
     request = pb.GenerateRequest(
         model=options.model,
-        stop=list(options.stop),
         ignore_eos=options.ignore_eos,
         include_stop_str_in_output=options.include_stop_str_in_output,
         service_tier=pb.SERVICE_TIER_FLEX
@@ -396,6 +406,8 @@ def build_request(
     elif isinstance(prompt, bytes | bytearray):  # a sequence of ints, but not token ids
         raise ValueError("prompt must be text or a list of token ids, got bytes: decode them")
     elif prompt is not None:
+        if not isinstance(prompt, Sequence):
+            raise ValueError(f"prompt must be text or a list of token ids, got {prompt!r}")
         try:
             request.prompt_token_ids.extend(prompt)
         except (TypeError, ValueError) as exc:
@@ -415,6 +427,7 @@ def build_request(
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{name}={value!r}: {exc}") from None
     setters: dict[str, Callable[[Any], object]] = {
+        "stop": request.stop.extend,
         "logit_bias": request.logit_bias.update,
         "stop_token_ids": request.stop_token_ids.extend,
         "allowed_token_ids": lambda ids: request.allowed_token_ids.extend(ids or ()),
@@ -508,9 +521,15 @@ def _numbers(raw: Mapping[str, Any], message: Any, names: Sequence[str], where: 
 
 
 def result_from_proto(final: pb.Final) -> Result:
+    try:
+        verdict = Verdict(final.verdict)
+    except ValueError:
+        raise ClientError(
+            grpc.StatusCode.INTERNAL, f"the server sent an unknown verdict {final.verdict!r}"
+        ) from None
     return Result(
         request_id=final.request_id,
-        verdict=final.verdict,
+        verdict=verdict,
         replica=final.replica if final.HasField("replica") else None,
         hops=final.hops,
         finish_reason=final.finish_reason,
@@ -672,6 +691,25 @@ so a client whose server was down for a minute (a restart) would fail for up to 
 minute once it is back, and every channel of the process with it (grpc shares connections)."""
 
 
+NO_DEADLINE_S = 1e9
+"""Timeouts from this many seconds on (30 years; `math.inf` included) set no deadline: grpc's
+clock cannot hold one that far off."""
+
+MIN_ATTEMPT_S = 0.1
+"""A retry is made only with at least this much of the deadline left to it."""
+
+
+def _timeout(value: object) -> float | None:
+    """A `timeout_s` checked: seconds > 0, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"timeout_s must be a number of seconds or None, got {value!r}")
+    if not value > 0:  # NaN too
+        raise ValueError(f"timeout_s must be > 0 (math.inf: no deadline), got {value!r}")
+    return float(value)
+
+
 class _Base:
     def __init__(
         self,
@@ -680,14 +718,23 @@ class _Base:
         api_key: str | None = None,
         tls: bool = False,
         root_certificates: bytes | None = None,
-        timeout_s: float | None = 60.0,
+        timeout_s: float | None = 600.0,
         retry: RetryPolicy | None = None,
+        wait_for_ready: bool = False,
     ) -> None:
+        """`timeout_s`: each call's deadline, a stream's whole length included (None or
+        math.inf: none; a call may set its own). `retry`: how UNAVAILABLE is retried before a
+        stream starts. `wait_for_ready`: a call made while the server is unreachable waits
+        for it, until its deadline, instead of failing at once."""
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a RetryPolicy or None, got {retry!r}")
         self.target = target
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.credentials = _credentials(tls, root_certificates)
-        self.timeout_s = timeout_s
+        self.timeout_s = _timeout(timeout_s)
         self.retry = retry or RetryPolicy()
+        self.wait_for_ready = wait_for_ready
+        self.closed = False
 
     def _channel(self, kind: Any) -> Any:
         """A channel of `kind` (grpc, or grpc.aio) to the target."""
@@ -696,8 +743,13 @@ class _Base:
         return kind.insecure_channel(self.target, options=CHANNEL_OPTIONS)
 
     def _deadline(self, timeout_s: float | None) -> float | None:
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        return None if timeout is None else time.monotonic() + timeout
+        """A call's deadline (None: none); refuses a closed client, before any call."""
+        if self.closed:
+            raise ValueError("the client is closed")
+        timeout = self.timeout_s if timeout_s is None else _timeout(timeout_s)
+        if timeout is None or timeout >= NO_DEADLINE_S:
+            return None
+        return time.monotonic() + timeout
 
     @staticmethod
     def _remaining(deadline: float | None) -> float | None:
@@ -708,22 +760,68 @@ class _Base:
     ) -> float:
         """The wait before retrying call `attempt`, which failed with `exc`; raises its
         `ClientError` when it is not retried (not UNAVAILABLE, out of attempts or time, or a
-        stream that had started)."""
+        stream that had started). The last wait is cut to leave the retry its time."""
         error = _error(exc)
         wait = self.retry.backoff_s(attempt)
         left = self._remaining(deadline)
+        if left is not None:
+            wait = min(wait, left - MIN_ATTEMPT_S)
         if (
             started
             or error.code is not grpc.StatusCode.UNAVAILABLE
             or attempt >= self.retry.max_attempts
-            or (left is not None and left <= wait)
+            or wait < 0
         ):
             raise error from None
         return wait
 
 
+class Stream(Iterator[Chunk | Result]):
+    """A blocking stream (`Client.generate`). To stop early, `close()` it from the thread
+    reading it (or read it in a `with` block), or `cancel()` it from any thread (a UI's stop
+    button): the reader then gets ClientError CANCELLED. Either ends the request on the
+    server at once; a loop left with `break` keeps it running until the stream is closed or
+    collected."""
+
+    def __init__(self, client: Client, request: pb.GenerateRequest, deadline: float | None):
+        self._lock = threading.Lock()
+        self._call: grpc.Call | None = None
+        self.cancelled = False
+        self._items = client._stream(request, deadline, self)
+
+    def __next__(self) -> Chunk | Result:
+        return next(self._items)
+
+    def close(self) -> None:
+        self._items.close()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _calling(self, call: grpc.Call) -> None:
+        """`call` is the attempt being read (a cancel may have come before it)."""
+        with self._lock:
+            self._call = call
+            cancelled = self.cancelled
+        if cancelled:
+            call.cancel()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
 class Client(_Base):
-    """Blocking client. Use as a context manager or call `close()`."""
+    """Blocking client, safe to share among threads. Use as a context manager or call
+    `close()` (streams open then end with ClientError CANCELLED)."""
 
     def __init__(self, target: str, **kwargs: Any) -> None:
         super().__init__(target, **kwargs)
@@ -737,20 +835,24 @@ class Client(_Base):
         messages: Sequence[Message] | None = None,
         timeout_s: float | None = None,
         **options: Any,
-    ) -> Generator[Chunk | Result]:
+    ) -> Stream:
         """Stream the output: `Chunk`s, and each choice's `Result` as it ends (one choice
         unless `n` > 1). The arguments are checked here, before the stream is read."""
         request = build_request(prompt, messages, GenerateOptions(**options))
-        return self._stream(request, self._deadline(timeout_s))
+        return Stream(self, request, self._deadline(timeout_s))
 
     def _stream(
-        self, request: pb.GenerateRequest, deadline: float | None
+        self, request: pb.GenerateRequest, deadline: float | None, stream: Stream
     ) -> Generator[Chunk | Result]:
         attempt = 1
         while True:
             call = self.stub.Generate(
-                request, timeout=self._remaining(deadline), metadata=self.metadata
+                request,
+                timeout=self._remaining(deadline),
+                metadata=self.metadata,
+                wait_for_ready=self.wait_for_ready,
             )
+            stream._calling(call)
             started = False
             ended = _Ended(request.n)
             try:
@@ -761,6 +863,10 @@ class Client(_Base):
                 ended.check()
                 return
             except grpc.RpcError as exc:
+                if stream.cancelled:
+                    raise ClientError(
+                        grpc.StatusCode.CANCELLED, "the stream was cancelled"
+                    ) from None
                 wait = self._backoff(exc, attempt, deadline, started)
             finally:
                 call.cancel()
@@ -776,6 +882,7 @@ class Client(_Base):
         return collected.completion()
 
     def cluster_status(self, timeout_s: float | None = None) -> ClusterStatus:
+        """The replicas' state and the cluster's counters, as `GET /v1/cluster/status`."""
         deadline = self._deadline(timeout_s)
         attempt = 1
         while True:
@@ -784,6 +891,7 @@ class Client(_Base):
                     pb.GetClusterStatusRequest(),
                     timeout=self._remaining(deadline),
                     metadata=self.metadata,
+                    wait_for_ready=self.wait_for_ready,
                 )
                 return status_from_proto(reply)
             except grpc.RpcError as exc:
@@ -792,6 +900,7 @@ class Client(_Base):
             attempt += 1
 
     def close(self) -> None:
+        self.closed = True
         self.channel.close()
 
     def __enter__(self) -> Client:
@@ -804,20 +913,30 @@ class Client(_Base):
 
 
 class AsyncClient(_Base):
-    """asyncio client (grpc.aio). Use as an async context manager or await `close()`. Its
-    channel is made on the first call, in that call's event loop, which every later call
-    must share (a grpc.aio channel belongs to one loop)."""
+    """asyncio client (grpc.aio). Use as an async context manager or await `close()`
+    (streams open then end with ClientError CANCELLED). Its channel is made on the first
+    call, in that call's event loop, which every later call must share (a grpc.aio channel
+    belongs to one loop); once that loop is closed (`asyncio.run` returned), the next call
+    makes a channel in its own."""
 
     def __init__(self, target: str, **kwargs: Any) -> None:
         super().__init__(target, **kwargs)
         self.channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ServingStub | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def stub(self) -> pb_grpc.ServingStub:
-        if self._stub is None:
+        loop = asyncio.get_running_loop()
+        if self._stub is None or self._loop is None or self._loop.is_closed():
             self.channel = self._channel(grpc.aio)
             self._stub = pb_grpc.ServingStub(self.channel)
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError(
+                "this AsyncClient's channel belongs to the event loop of its first call, which "
+                "still runs: make an AsyncClient for each event loop"
+            )
         return self._stub
 
     def generate(
@@ -842,7 +961,10 @@ class AsyncClient(_Base):
         attempt = 1
         while True:
             call = self.stub.Generate(
-                request, timeout=self._remaining(deadline), metadata=self.metadata
+                request,
+                timeout=self._remaining(deadline),
+                metadata=self.metadata,
+                wait_for_ready=self.wait_for_ready,
             )
             started = False
             ended = _Ended(request.n)
@@ -855,6 +977,12 @@ class AsyncClient(_Base):
                 return
             except grpc.RpcError as exc:
                 wait = self._backoff(exc, attempt, deadline, started)
+            except asyncio.CancelledError:
+                if self.closed and not _cancelling():  # grpc.aio cancels the calls it closes
+                    raise ClientError(
+                        grpc.StatusCode.CANCELLED, "the client was closed during the stream"
+                    ) from None
+                raise
             finally:
                 call.cancel()
             await asyncio.sleep(wait)
@@ -870,6 +998,7 @@ class AsyncClient(_Base):
         return collected.completion()
 
     async def cluster_status(self, timeout_s: float | None = None) -> ClusterStatus:
+        """The replicas' state and the cluster's counters, as `GET /v1/cluster/status`."""
         deadline = self._deadline(timeout_s)
         attempt = 1
         while True:
@@ -878,6 +1007,7 @@ class AsyncClient(_Base):
                     pb.GetClusterStatusRequest(),
                     timeout=self._remaining(deadline),
                     metadata=self.metadata,
+                    wait_for_ready=self.wait_for_ready,
                 )
                 return status_from_proto(reply)
             except grpc.RpcError as exc:
@@ -886,6 +1016,7 @@ class AsyncClient(_Base):
             attempt += 1
 
     async def close(self) -> None:
+        self.closed = True
         if self.channel is not None:
             await self.channel.close()
 
@@ -896,3 +1027,9 @@ class AsyncClient(_Base):
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+def _cancelling() -> bool:
+    """Whether the running task is being cancelled (by its owner, not by grpc)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -8,6 +8,10 @@ broken midway), so retries, deadlines and typed results of the client can be che
 from __future__ import annotations
 
 import asyncio
+import math
+import pickle
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from cluster.api import Verdict
 from replica.request import SLO, Stage
 from router.client import AsyncClient, Chunk, Client, ClientError, Result, RetryPolicy
 from router.gen.slos_serve.v1 import serving_pb2 as pb
@@ -75,13 +80,18 @@ class ScriptedServicer(pb_grpc.ServingServicer):
         return status
 
 
+def serve(servicer: ScriptedServicer, port: int = 0) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_ServingServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, port
+
+
 @pytest.fixture
 def served() -> Iterator[tuple[ScriptedServicer, str]]:
     servicer = ScriptedServicer()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_ServingServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = serve(servicer)
     yield servicer, f"127.0.0.1:{port}"
     server.stop(None)
 
@@ -96,7 +106,7 @@ def test_stream_is_typed_and_request_carries_options(served: tuple[ScriptedServi
     result = items[2]
     assert isinstance(result, Result)
     assert (result.verdict, result.replica, result.hops, result.slo_attained) == (
-        "admitted",
+        Verdict.ADMITTED,
         1,
         2,
         True,
@@ -318,3 +328,161 @@ def test_an_slo_dict_is_taken_as_http_takes_it(served: tuple[ScriptedServicer, s
             with pytest.raises(ValueError, match=message):
                 client.generate("x", slo=wrong)
     assert servicer.calls == 1
+
+
+def test_a_client_error_pickles_as_it_was_raised() -> None:
+    """A worker process's error reaches its parent (multiprocessing pickles it)."""
+    error = ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", 1.5)
+    back = pickle.loads(pickle.dumps(error))
+    assert (back.code, back.details, back.retry_after_s) == (error.code, "busy", 1.5)
+    assert str(back) == str(error) == "RESOURCE_EXHAUSTED: busy"
+
+
+def test_a_stream_cancelled_from_another_thread_ends_at_once(
+    served: tuple[ScriptedServicer, str],
+) -> None:
+    """A UI's stop button: the reading thread gets CANCELLED, not the rest of the output."""
+    servicer, target = served
+    servicer.mode = "slow"
+    with Client(target, retry=FAST_RETRY) as client:
+        stream = client.generate("x")
+        assert isinstance(next(stream), Chunk)
+        threading.Timer(0.2, stream.cancel).start()
+        started = time.monotonic()
+        with pytest.raises(ClientError, match="the stream was cancelled") as info:
+            next(stream)
+        assert info.value.code is grpc.StatusCode.CANCELLED
+        assert time.monotonic() - started < 1.5  # the server would answer after 2 s
+        stream.cancel()  # once more: nothing left to cancel
+        assert client.complete("x", timeout_s=10).text == "Hello"
+
+
+def test_an_async_client_closed_during_a_stream_fails_it_with_cancelled(
+    served: tuple[ScriptedServicer, str],
+) -> None:
+    """Not a bare CancelledError, which a TaskGroup would take for its own cancellation."""
+    servicer, target = served
+    servicer.mode = "slow"
+
+    async def run() -> None:
+        client = AsyncClient(target, retry=FAST_RETRY)
+        stream = client.generate("x")
+        assert isinstance(await anext(stream), Chunk)
+        reading = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0.2)
+        await client.close()
+        with pytest.raises(ClientError, match="closed during the stream") as info:
+            await reading
+        assert info.value.code is grpc.StatusCode.CANCELLED and not reading.cancelled()
+
+    asyncio.run(run())
+
+
+def test_a_task_cancelled_while_reading_is_cancelled() -> None:
+    async def run() -> None:
+        async with AsyncClient("127.0.0.1:9", wait_for_ready=True) as client:
+            reading = asyncio.create_task(client.complete("x"))
+            await asyncio.sleep(0.2)
+            reading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+
+    asyncio.run(run())
+
+
+def test_timeouts_are_checked_and_an_infinite_one_sets_no_deadline(
+    served: tuple[ScriptedServicer, str],
+) -> None:
+    servicer, target = served
+    servicer.mode = "slow"
+    with Client(target, retry=FAST_RETRY, timeout_s=0.3) as client:
+        for none in (math.inf, 1e10):
+            assert client.complete("x", timeout_s=none).text == "Hello"
+        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+            client.generate("x", timeout_s=-1)
+        with pytest.raises(TypeError, match="timeout_s must be a number"):
+            client.generate("x", timeout_s="5")  # type: ignore[arg-type]
+    assert servicer.calls == 2
+    with pytest.raises(TypeError, match="timeout_s must be a number"):
+        Client(target, timeout_s="5")
+    with pytest.raises(TypeError, match="retry must be a RetryPolicy"):
+        Client(target, retry="x")
+
+
+def test_a_closed_client_says_so() -> None:
+    client = Client("127.0.0.1:9")
+    client.close()
+    with pytest.raises(ValueError, match="the client is closed"):
+        client.complete("x")
+
+    async def run() -> None:
+        async with AsyncClient("127.0.0.1:9") as closing:
+            pass
+        await closing.cluster_status()
+
+    with pytest.raises(ValueError, match="the client is closed"):
+        asyncio.run(run())
+
+
+def test_wrong_field_types_are_refused_naming_the_field() -> None:
+    with Client("127.0.0.1:9") as client:
+        with pytest.raises(ValueError, match=r"stop=\[1\]"):
+            client.generate("x", stop=[1])
+        with pytest.raises(ValueError, match="prompt must be text or a list of token ids, got 123"):
+            client.generate(123)  # type: ignore[arg-type]
+
+
+def test_an_async_client_serves_one_event_loop_after_another(
+    served: tuple[ScriptedServicer, str],
+) -> None:
+    """asyncio.run twice (a script's, then a test's): the closed loop's channel is replaced;
+    a loop still running elsewhere is named as the reason a call is refused."""
+    _, target = served
+    client = AsyncClient(target, retry=FAST_RETRY)
+
+    async def text() -> str:
+        return (await client.complete("x")).text
+
+    assert asyncio.run(text()) == "Hello"
+    assert asyncio.run(text()) == "Hello"
+    other = asyncio.new_event_loop()
+    held = threading.Thread(target=other.run_forever)
+    held.start()
+    try:
+        asyncio.run_coroutine_threadsafe(text(), other).result(10)
+        with pytest.raises(RuntimeError, match="make an AsyncClient for each event loop"):
+            asyncio.run(text())
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        held.join()
+        other.close()
+
+
+def test_retries_use_the_deadline_they_have(served: tuple[ScriptedServicer, str]) -> None:
+    """The last backoff is cut to what the deadline leaves: a 1 s backoff and a 3 s deadline
+    make four attempts (0, 1, 2 and 2.9 s), not three."""
+    servicer, target = served
+    servicer.unavailable = 100
+    policy = RetryPolicy(max_attempts=100, initial_backoff_s=1.0, max_backoff_s=1.0)
+    with Client(target, retry=policy) as client, pytest.raises(ClientError) as info:
+        client.complete("x", timeout_s=3.0)
+    assert info.value.code is grpc.StatusCode.UNAVAILABLE and servicer.calls >= 4
+
+
+def test_wait_for_ready_waits_for_a_server_that_comes_up() -> None:
+    """A client started before its server (or during a restart) rides it out."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    servicer = ScriptedServicer()
+    servers: list[grpc.Server] = []
+    starting = threading.Timer(0.5, lambda: servers.append(serve(servicer, port)[0]))
+    starting.start()
+    try:
+        with Client(f"127.0.0.1:{port}", wait_for_ready=True) as client:
+            assert client.complete("x", timeout_s=20).text == "Hello"
+        assert servicer.calls == 1
+    finally:
+        starting.join()
+        for server in servers:
+            server.stop(None)

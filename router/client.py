@@ -251,6 +251,12 @@ class GenerateOptions:
     must name a tool_call_parser), none without."""
     parallel_tool_calls: bool | None = None
     """False: one call at most."""
+    add_generation_prompt: bool | None = None
+    """Chat only: False leaves the template's generation prompt out."""
+    continue_final_message: bool | None = None
+    """Chat only: the output continues the last (assistant) message."""
+    chat_template_kwargs: str | Mapping[str, Any] | None = None
+    """Chat only: the template's own variables, as an object or its JSON text."""
 
 
 OPTIONAL_SCALARS = tuple(
@@ -448,6 +454,12 @@ def build_request(
         raise ValueError("allowed_token_ids=[]: name at least one token id (None allows any)")
     if options.structured_outputs is not None:
         request.structured_outputs.CopyFrom(_structured(options.structured_outputs))
+    kwargs = options.chat_template_kwargs
+    if kwargs is not None:
+        try:
+            request.chat_template_kwargs = kwargs if isinstance(kwargs, str) else json.dumps(kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"chat_template_kwargs={reprlib.repr(kwargs)}: {exc}") from None
     if isinstance(options.slo, str):
         request.slo.tier = options.slo
     elif isinstance(options.slo, Mapping):  # HTTP's slo object: the server checks and fills it

@@ -105,6 +105,8 @@ def request_to_body(
         body["service_tier"] = "flex"
     if request.HasField("slo"):
         body["slo"] = _slo_to_body(request.slo)
+    if request.chat_template_kwargs:
+        body["chat_template_kwargs"] = _json(request.chat_template_kwargs, "chat_template_kwargs")
     return endpoint, body
 
 
@@ -115,6 +117,9 @@ def _refuse_chat_only(request: pb.GenerateRequest) -> None:
         "tools": bool(request.tools),
         "tool_choice": request.tool_choice.WhichOneof("choice") is not None,
         "parallel_tool_calls": request.HasField("parallel_tool_calls"),
+        "add_generation_prompt": request.HasField("add_generation_prompt"),
+        "continue_final_message": request.HasField("continue_final_message"),
+        "chat_template_kwargs": bool(request.chat_template_kwargs),
     }
     given = [name for name, is_set in chat_only.items() if is_set]
     if given:
@@ -141,12 +146,16 @@ def _tool_to_body(index: int, tool: pb.Tool) -> dict[str, Any]:
     if tool.description:
         function["description"] = tool.description
     if tool.parameters:
-        where = f"tools[{index}].parameters"
-        try:
-            function["parameters"] = json_text.loads(tool.parameters)
-        except (ValueError, RecursionError) as exc:
-            raise BadRequest(f"{where} is not JSON: {exc}", where) from None
+        function["parameters"] = _json(tool.parameters, f"tools[{index}].parameters")
     return {"type": "function", "function": function}
+
+
+def _json(text: str, where: str) -> Any:
+    """A field the proto carries as JSON text, parsed (the HTTP door checks what it holds)."""
+    try:
+        return json_text.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"{where} is not JSON: {exc}", where) from None
 
 
 def _structured_to_body(wanted: pb.StructuredOutputs) -> dict[str, Any]:

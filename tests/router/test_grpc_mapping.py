@@ -479,3 +479,47 @@ def test_tools_with_a_prompt_are_refused_as_chat_only() -> None:
             assert info.value.param == field
     endpoint, _ = request_to_body(build_request(None, [("user", "hi")], with_tools), "demo")
     assert endpoint is Endpoint.CHAT
+
+
+def test_chat_template_options_cross_grpc(codec: TextCodec) -> None:
+    """vLLM's chat template options, as HTTP takes them; refused with a prompt, and template
+    variables that are no JSON named."""
+    codec = dataclasses.replace(
+        codec,
+        chat_template="{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}{{ mood }}",
+    )
+    messages = [("user", "hi"), ("assistant", "well")]
+    options = GenerateOptions(
+        add_generation_prompt=False,
+        continue_final_message=True,
+        chat_template_kwargs={"mood": "!"},
+    )
+    endpoint, body = request_to_body(build_request(None, messages, options), "demo")
+    http_body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "well"}],
+        "n": 1,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"mood": "!"},
+    }
+    assert endpoint is Endpoint.CHAT and body == http_body
+    parsed = parse_body(endpoint, body, {}, CTX, codec, request_id="g", arrival_time=1.0)
+    assert codec.decode(parsed.requests[0].prompt_token_ids).startswith("<user>hi<assistant>well")
+    as_text = GenerateOptions(chat_template_kwargs='{"mood": "!"}')
+    assert build_request(None, messages, as_text).chat_template_kwargs == '{"mood": "!"}'
+    for chat_only in (
+        GenerateOptions(add_generation_prompt=False),
+        GenerateOptions(continue_final_message=True),
+        GenerateOptions(chat_template_kwargs={"mood": "!"}),
+    ):
+        with pytest.raises(BadRequest, match="is chat-only: send messages"):
+            request_to_body(build_request("x", None, chat_only), "demo")
+    broken = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")])
+    broken.chat_template_kwargs = "{mood"
+    with pytest.raises(BadRequest, match=r"^chat_template_kwargs is not JSON") as info:
+        request_to_body(broken, "demo")
+    assert info.value.param == "chat_template_kwargs"
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs="):
+        build_request(None, messages, GenerateOptions(chat_template_kwargs={"f": {1, 2}}))

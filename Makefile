@@ -32,7 +32,7 @@ serve: $(STAMP)
 	@echo "When curl http://127.0.0.1:8000/health answers (about 30 s), try from another shell:"
 	@echo "  curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": \"demo\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32, \"slo\": {\"ttft_ms\": 2000, \"tpot_ms\": 200}}'"
 	@echo "  .venv/bin/python -c \"from router.client import Client; print(Client('127.0.0.1:50051').complete('def fib(n):', max_tokens=32).text)\""
-	$(BIN)/serve run deploy/serve-cpu.yaml
+	$(BIN)/slos-serve serve deploy/serve-cpu.yaml
 
 # The planner and perf model compiled with mypyc into the user's cache (replica/compiled.py):
 # about 35 s once, instant while the sources are unchanged. Serving, tests and simulations

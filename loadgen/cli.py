@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "loadgen": ("loadgen.run_load", "drive a live server with a scenario; attainment, capacity"),
     "compare": ("loadgen.compare", "serve configs in turn under the same load; capacity ratio"),
     "compile": ("replica.compiled", "compile the planner with mypyc: faster planning, simulation"),
+    "serve": ("router.serve_run", "serve run CONFIG, draining its streams on SIGINT or SIGTERM"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("loadgen.bench_engine", "engine vs transformers throughput, speculative speedup"),

@@ -99,8 +99,9 @@ def _stop(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
 
 
 @contextmanager
-def served(cmd: ServeCommand) -> Iterator[None]:
-    """The application up and answering `health_url` inside the block, stopped after it."""
+def served(cmd: ServeCommand) -> Iterator[subprocess.Popen[bytes]]:
+    """The application up and answering `health_url` inside the block (its process, which
+    the block may stop itself), stopped after it."""
     for host, port in cmd.ports:
         if _answers(host, port):
             raise ServeError(
@@ -131,7 +132,7 @@ def served(cmd: ServeCommand) -> Iterator[None]:
                         f"{cmd.startup_timeout_s:g} s; log {cmd.log}:\n{_tail(cmd.log)}"
                     )
                 time.sleep(POLL_S)
-            yield
+            yield proc
         finally:
             _stop(proc, cmd.stop_timeout_s)
     deadline = time.monotonic() + cmd.stop_timeout_s

@@ -1,4 +1,5 @@
-"""`serve run deploy/serve-cpu.yaml` (what `make serve` runs) starts a working cluster.
+"""`slos-serve serve deploy/serve-cpu.yaml` (what `make serve` runs: serve run, drained on
+SIGTERM) starts a working cluster, and stops it without cutting a stream.
 
 The only change to the shipped config is the ports (free ones, so the test never collides with
 a running server); paths stay relative to the repo root, where `serve run` is started.
@@ -7,10 +8,15 @@ a running server); paths stay relative to the repo root, where `serve run` is st
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,6 +24,7 @@ import yaml
 
 from loadgen import serve_process
 from loadgen.serve_process import ServeCommand
+from router.client import Client, Result
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
@@ -48,8 +55,15 @@ def get(url: str) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
+@dataclass(frozen=True)
+class Served:
+    base: str
+    grpc_target: str
+    process: subprocess.Popen[bytes]
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     http_port, grpc_port = free_port(), free_port()
     config = yaml.safe_load((ROOT / "deploy" / "serve-cpu.yaml").read_text())
     path = tmp_path_factory.mktemp("serve") / "serve-cpu.yaml"
@@ -62,12 +76,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log=path.with_suffix(".log"),
         cwd=ROOT,
         startup_timeout_s=START_TIMEOUT_S,
+        argv=(str(Path(sys.executable).parent / "slos-serve"), "serve"),
     )
-    with serve_process.served(command):
-        yield base
+    with serve_process.served(command) as process:
+        yield Served(base, f"127.0.0.1:{grpc_port}", process)
 
 
-def test_one_completion_through_http(served: str) -> None:
+def test_one_completion_through_http(served: Served) -> None:
     body = {
         "model": "demo",
         "prompt": "def fib(n):",
@@ -76,7 +91,7 @@ def test_one_completion_through_http(served: str) -> None:
         "slo": {"ttft_ms": 2000, "tpot_ms": 200},
     }
     request = urllib.request.Request(
-        served + "/v1/completions",
+        served.base + "/v1/completions",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
@@ -88,7 +103,41 @@ def test_one_completion_through_http(served: str) -> None:
     assert out["slos_serve"]["verdict"] in ("admitted", "best_effort")
 
 
-def test_models_endpoint_names_the_demo(served: str) -> None:
-    status, payload = get(served + "/v1/models")
+def test_models_endpoint_names_the_demo(served: Served) -> None:
+    status, payload = get(served.base + "/v1/models")
     assert status == 200
     assert [m["id"] for m in json.loads(payload)["data"]] == ["demo"]
+
+
+def test_sigterm_stops_it_once_the_open_streams_ended(served: Served) -> None:
+    """docker stop, systemd: an HTTP and a gRPC stream open at the signal both end whole,
+    then the process exits (the last test here: it stops the module's server)."""
+    body = {"prompt": "def f(", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    started = threading.Event()
+    events: list[bytes] = []
+
+    def over_http() -> None:
+        request = urllib.request.Request(
+            served.base + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            for line in resp:
+                events.append(line)
+                started.set()
+
+    reading = threading.Thread(target=over_http)
+    reading.start()
+    with Client(served.grpc_target, timeout_s=120) as client:
+        stream = client.generate("def g(", max_tokens=400, ignore_eos=True)
+        assert not isinstance(next(stream), Result)
+        assert started.wait(60)
+        served.process.send_signal(signal.SIGTERM)
+        results = [item for item in stream if isinstance(item, Result)]
+    reading.join(120)
+    assert [r.finish_reason for r in results] == ["length"]
+    chunks = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2:] == [b"data: [DONE]\n", b"\n"]
+    assert served.process.wait(timeout=120) == 0

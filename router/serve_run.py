@@ -1,0 +1,79 @@
+"""`slos-serve serve CONFIG`: `serve run CONFIG`, stopped without cutting a stream.
+
+Serve's shutdown, serve run's Ctrl-C, stops the HTTP proxies at once, and with them every
+response they stream; SIGTERM (docker stop, systemd, a process manager) skips even that, as
+Ray's handler exits the process. Here either signal first deletes the applications, which Serve
+drains as on `serve delete`: new requests are refused while each front door finishes its
+streams (its graceful_shutdown_timeout_s, router.app.DRAIN_S, at most). serve run's own
+shutdown follows. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+import ray
+from ray import serve
+from ray.serve.exceptions import RayServeException
+from ray.serve.scripts import cli
+
+from replica.arguments import OptionError
+
+SERVE_NAMESPACE = "serve"
+"""The Ray namespace serve run starts Serve in."""
+
+log = logging.getLogger("slos_serve.serve_run")
+
+
+class _Stop:
+    """The SIGINT and SIGTERM handler: drain, then interrupt serve run (its Ctrl-C path)."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.signalled:
+            log.warning("stopping now")
+            raise KeyboardInterrupt
+        self.signalled = True
+        log.warning(
+            "%s: draining the applications' streams before stopping (signal again to stop now)",
+            signal.Signals(signum).name,
+        )
+        try:
+            names = list(serve.status().applications)
+        except RayServeException:  # Serve is not up yet: nothing streams
+            names = []
+        for name in names:
+            serve.delete(name)
+        raise KeyboardInterrupt
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "serve run CONFIG, stopped on SIGINT or SIGTERM once its streams ended"
+    parser.add_argument(
+        "config", nargs="?", default="deploy/serve-cpu.yaml", help="a Ray Serve config file"
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster to run on (default: RAY_ADDRESS, or a new local one)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not Path(args.config).is_file():
+        raise OptionError(f"{args.config} is not a file (give a Serve config, as to serve run)")
+    logging.basicConfig(format="%(asctime)s slos-serve: %(message)s", stream=sys.stderr)
+    # Before serve run, which then keeps this Ray instance, so this handler replaces Ray's.
+    ray.init(address=args.address, namespace=SERVE_NAMESPACE)
+    stop = _Stop()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    cli.main(["run", args.config], prog_name="serve", standalone_mode=False)
+    return 0

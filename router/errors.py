@@ -83,6 +83,15 @@ class NoRoute(ApiError):
     type = "invalid_request_error"
 
 
+class InternalError(ApiError):
+    """A fault of the server's own ended the request: the client learns that it ended and
+    that it is not its fault; the server's log has the details."""
+
+    @classmethod
+    def of(cls, fault: BaseException) -> InternalError:
+        return cls(f"the server failed this request ({type(fault).__name__}); its log says why")
+
+
 class Unavailable(ApiError):
     """No replica is up; the request was not started."""
 

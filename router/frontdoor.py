@@ -8,6 +8,7 @@ token ids into text deltas and count the outcome once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -27,11 +28,20 @@ from cluster.api import (
 from replica.batch import TokenLogprob
 from replica.request import Request
 from router.auth import UNKNOWN_TENANT, ApiKeys
-from router.errors import BadRequest, ModelNotFound, Rejected, Unauthorized, Unavailable
+from router.errors import (
+    BadRequest,
+    InternalError,
+    ModelNotFound,
+    Rejected,
+    Unauthorized,
+    Unavailable,
+)
 from router.metrics import FrontDoorMetrics
 from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body
 from router.stops import OutputText
 from router.tokenizer import TextCodec
+
+log = logging.getLogger(__name__)
 
 
 class ClusterLike(Protocol):
@@ -160,11 +170,20 @@ class Generation:
             try:
                 item = await anext(self.rest, None)
             except ClusterUnavailable as exc:
-                self.finished = True
-                cut = self._unfinished(math.inf)
-                self.door.metrics.record_lost(cut, self.slo_label, self.tenant)
+                self._lose()
                 raise Unavailable(str(exc) or "the request's replica was lost") from exc
-        raise RuntimeError(f"cluster stream of {self.request_id} ended without a FinalRecord")
+            except Exception as exc:  # a fault of ours: the stream ends saying so, not silently
+                log.exception("request %s failed", self.request_id)
+                self._lose()
+                raise InternalError.of(exc) from exc
+        self._lose()
+        raise InternalError(f"the cluster's stream of {self.request_id} ended without a result")
+
+    def _lose(self) -> None:
+        """Count the request cut off by the server, not by its client."""
+        self.finished = True
+        cut = self._unfinished(math.inf)
+        self.door.metrics.record_lost(cut, self.slo_label, self.tenant)
 
     async def collect(self) -> Output:
         """The whole output (for non-streamed responses)."""
@@ -184,8 +203,7 @@ class Generation:
                     prompt_logprobs.extend(event.prompt_logprobs)
         finally:
             self.close()
-        if finished is None:
-            raise RuntimeError(f"cluster stream of {self.request_id} ended without a FinalRecord")
+        assert finished is not None  # events() ends with it or raises
         return Output(
             "".join(parts),
             tuple(token_ids),
@@ -195,12 +213,15 @@ class Generation:
             tuple(prompt_logprobs),
         )
 
-    def close(self) -> None:
-        """Abort the request in the cluster unless it already finished."""
+    def close(self, lost: bool = False) -> None:
+        """Abort the request in the cluster unless it already finished: its client left, or
+        (`lost`) the door gave it up, another choice of the request having failed."""
         if not self.finished:
             self.finished = True
             left = self._unfinished(self.door.clock())
-            if left is not None:
+            if lost:
+                self.door.metrics.record_lost(left, self.slo_label, self.tenant)
+            elif left is not None:
                 self.door.metrics.record_cancelled(left, self.slo_label, self.tenant)
             self.door.cluster.abort(self.request_id)
 
@@ -337,7 +358,7 @@ class FrontDoor:
         failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failure is not None:
             for generation in started:
-                generation.close()
+                generation.close(lost=True)
             raise failure
         return started
 

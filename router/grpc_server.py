@@ -327,6 +327,7 @@ class ServingServicer(pb_grpc.ServingServicer):
         except ApiError as exc:
             await _abort(context, exc)
             return
+        failed = False
         try:
             choices = [ChoiceText(parsed.tools, parsed.reasoning) for _ in generations]
             placement = placement_headers([g.placement for g in generations])
@@ -355,10 +356,11 @@ class ServingServicer(pb_grpc.ServingServicer):
                         )
                         yield pb.GenerateResponse(chunk=chunk)
         except ApiError as exc:
+            failed = True
             await _abort(context, exc)
         finally:
             for generation in generations:
-                generation.close()
+                generation.close(lost=failed)
 
     async def GetClusterStatus(
         self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext

@@ -32,6 +32,7 @@ from router.errors import (
     ApiError,
     BadRequest,
     ClientGone,
+    InternalError,
     ModelNotFound,
     NoRoute,
     Rejected,
@@ -64,6 +65,12 @@ def create_app(door: FrontDoor) -> FastAPI:
     @app.exception_handler(ApiError)
     async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def on_fault(_: Request, exc: Exception) -> JSONResponse:
+        """A fault of ours answers the error JSON too, not Starlette's plain text (which
+        logs the fault)."""
+        return error_response(InternalError.of(exc))
 
     @app.exception_handler(HTTPException)
     async def on_routing_error(request: Request, exc: HTTPException) -> Response:
@@ -202,7 +209,11 @@ async def _generate(door: FrontDoor, request: Request, endpoint: Endpoint) -> Re
     collecting = [asyncio.ensure_future(g.collect()) for g in generations]
     try:
         outputs = await asyncio.gather(*collecting)
-    finally:  # one choice failed: the others stop too (a cancelled collect aborts its request)
+    except ApiError:  # one choice failed: the others are given up, not left by the client
+        for generation in generations:
+            generation.close(lost=True)
+        raise
+    finally:  # a cancelled collect aborts its request (the client left, or is told it failed)
         for task in collecting:
             task.cancel()
     created = int(parsed.arrival_time)
@@ -241,6 +252,7 @@ async def _sse(
     )
     records: dict[int, FinalRecord] = {}
     echoes = dict(enumerate(parsed.echo))
+    failed = False
     try:
         async with contextlib.aclosing(interleaved(generations)) as events:
             async for index, event in events:
@@ -258,7 +270,8 @@ async def _sse(
         ordered = [records[i] for i in range(len(generations))]
         yield writer.done(ordered, parsed.n, parsed.include_usage)
     except ApiError as exc:
+        failed = True
         yield writer.error(exc)
     finally:
         for generation in generations:
-            generation.close()
+            generation.close(lost=failed)

@@ -274,10 +274,11 @@ class FrontDoorMetrics:
         )
         self.lost = Counter(
             PREFIX + "requests_lost",
-            "Requests the cluster cut off after its first answer, by that verdict (also "
-            "counted as such): it could not continue them (no replica back within the resume "
-            "wait, the controller unreachable), and the client got an error instead of the "
-            "rest of its output.",
+            "Requests the server cut off after the cluster's first answer, by that verdict "
+            "(also counted as such): the cluster could not continue them (no replica back "
+            "within the resume wait, the controller unreachable), a fault of the server's "
+            "ended them, or the door gave up a choice of a request whose other choice failed; "
+            "the client got an error instead of the rest of its output.",
             [*by_tenant, "verdict"],
             registry=self.registry,
         )
@@ -369,7 +370,7 @@ class FrontDoorMetrics:
         self._record_unfinished(self.cancelled, record, tier, tenant)
 
     def record_lost(self, record: FinalRecord | None, tier: str, tenant: str) -> None:
-        """Count a request the cluster cut off mid-stream, as `record_cancelled` counts one
+        """Count a request the server cut off mid-stream, as `record_cancelled` counts one
         its client left."""
         self._record_unfinished(self.lost, record, tier, tenant)
 

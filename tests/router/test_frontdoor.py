@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,7 +24,7 @@ from replica.batch import TokenLogprob
 from replica.request import SLO, Request
 from router.auth import ApiKeys
 from router.client import AsyncClient, ClientError, Tool
-from router.errors import Unavailable
+from router.errors import Rejected, Unavailable
 from router.frontdoor import FrontDoor
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
@@ -45,6 +45,8 @@ class ScriptedCluster:
 
     scripts: dict[str, list[TokenChunk | FinalRecord | Exception]] = field(default_factory=dict)
     """Items to stream; an exception is raised where it stands (the cluster gave up)."""
+    every: Callable[[str], list[TokenChunk | FinalRecord | Exception]] | None = None
+    """The script of a request without one of its own, by its id (ids the door makes)."""
     submitted: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     model_name: str = "demo"
@@ -52,10 +54,13 @@ class ScriptedCluster:
     vocab_size: int = CTX.vocab_size
 
     async def submit(self, request: Request) -> AsyncIterator[TokenChunk | FinalRecord]:
-        self.submitted.append(request.request_id)
-        if request.request_id not in self.scripts:
+        rid = request.request_id
+        self.submitted.append(rid)
+        if rid not in self.scripts and self.every is not None:
+            self.scripts[rid] = self.every(rid)
+        if rid not in self.scripts:
             await asyncio.Event().wait()
-        for item in self.scripts[request.request_id]:
+        for item in self.scripts[rid]:
             if isinstance(item, Exception):
                 raise item
             yield item
@@ -291,3 +296,22 @@ def test_a_stopping_grpc_door_refuses_new_generations_and_waits_for_running_ones
             assert time.monotonic() - began < 5
 
     asyncio.run(run())
+
+
+def test_choices_given_up_for_a_rejected_sibling_count_lost_not_cancelled(
+    codec: TextCodec,
+) -> None:
+    """n > 1 is all or nothing: the admitted choices of a request another choice of which was
+    rejected are ended by the door, not by their client."""
+    rejected = FinalRecord("r-1", Verdict.REJECTED, None, 2, reason="no replica could")
+    cluster = ScriptedCluster({"r-0": [first_token("r-0")], "r-1": [rejected]})
+    door = door_over(cluster, codec)
+
+    async def start() -> None:
+        with pytest.raises(Rejected, match="no replica could"):
+            await door.start(parsed(codec, prompt="Hi", n=2), TENANT)
+
+    asyncio.run(start())
+    assert cluster.aborted == ["r-0"]
+    assert counted(door, "requests_lost_total", "verdict") == {"admitted": 1}
+    assert cancelled(door) == {}

@@ -21,7 +21,14 @@ from router.grpc_server import start_grpc_server
 from router.http import _body, create_app
 from router.metrics import FrontDoorMetrics
 from router.tokenizer import TextCodec
-from tests.router.test_frontdoor import CTX, ScriptedCluster, door_over
+from tests.router.test_frontdoor import (
+    CTX,
+    ScriptedCluster,
+    cancelled,
+    counted,
+    door_over,
+    first_token,
+)
 
 
 def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(codec: TextCodec) -> None:
@@ -137,3 +144,55 @@ def test_a_grpc_message_over_the_limit_is_refused(codec: TextCodec) -> None:
             await server.stop()
 
     asyncio.run(send())
+
+
+def test_a_fault_mid_stream_ends_every_door_saying_so_and_counts_lost(codec: TextCodec) -> None:
+    """A fault of the server's own after the first token: SSE ends with an error event and
+    [DONE] (it was cut silently), a whole response is the error JSON (it was plain text) and
+    gRPC says INTERNAL (it was UNKNOWN with Python's message); the request counts as lost,
+    not as one its client left."""
+    cluster = ScriptedCluster(every=lambda rid: [first_token(rid), RuntimeError("a bug")])
+    door = door_over(cluster, codec)
+    client = TestClient(create_app(door))
+    expected = "the server failed this request (RuntimeError); its log says why"
+    streamed = client.post("/v1/completions", json={"prompt": "Hi", "stream": True})
+    assert streamed.status_code == 200
+    events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-2][6:])["error"]["message"] == expected
+    assert events[-1] == "data: [DONE]"
+    whole = client.post("/v1/completions", json={"prompt": "Hi"})
+    assert whole.status_code == 500
+    assert whole.json()["error"] == {
+        "message": expected,
+        "type": "server_error",
+        "param": None,
+        "code": 500,
+    }
+
+    async def over_grpc() -> None:
+        server = await start_grpc_server(door, "127.0.0.1", 0)
+        try:
+            async with AsyncClient(f"127.0.0.1:{server.port}") as rpc:
+                with pytest.raises(ClientError) as info:
+                    await rpc.complete("Hi", timeout_s=10)
+        finally:
+            await server.stop()
+        assert info.value.code is grpc.StatusCode.INTERNAL and info.value.details == expected
+
+    asyncio.run(over_grpc())
+    assert counted(door, "requests_lost_total", "verdict") == {"admitted": 3}
+    assert cancelled(door) == {}
+
+
+def test_a_fault_outside_a_stream_answers_the_error_json(codec: TextCodec) -> None:
+    door = door_over(ScriptedCluster(), codec)
+
+    async def broken() -> None:
+        raise KeyError("oops")
+
+    door.status = broken  # type: ignore[method-assign]
+    answer = TestClient(create_app(door), raise_server_exceptions=False).get("/v1/cluster/status")
+    assert answer.status_code == 500
+    assert answer.json()["error"]["message"] == (
+        "the server failed this request (KeyError); its log says why"
+    )

@@ -170,6 +170,7 @@ class ClusterHandle:
                 assert binding.replica is not None and binding.verdict is not None
                 placed = False
                 end = None
+                why = ""
                 try:
                     async for item in self._stream(binding, rid):
                         if item.promoted:
@@ -191,7 +192,7 @@ class ClusterHandle:
                         if item.lost:
                             raise _Lost
                         if item.finish_reason is not None:
-                            end = item.finish_reason
+                            end, why = item.finish_reason, item.abort_reason
                             break
                 except (RayActorError, _Lost):
                     if len(progress.tokens) < request.sampling.max_tokens:
@@ -203,7 +204,7 @@ class ClusterHandle:
                         continue
                     end = "length"  # the replica failed after delivering every token
                 finished = True
-                yield self._final(request, binding, end, progress)
+                yield self._final(request, binding, end, progress, why)
                 return
         finally:
             self._active.discard(rid)
@@ -234,7 +235,12 @@ class ClusterHandle:
         return result
 
     def _final(
-        self, request: Request, binding: Binding, end: str | None, progress: _Progress
+        self,
+        request: Request,
+        binding: Binding,
+        end: str | None,
+        progress: _Progress,
+        why: str = "",
     ) -> FinalRecord:
         times = progress.times
         return FinalRecord(
@@ -243,7 +249,7 @@ class ClusterHandle:
             replica=binding.replica,
             hops=binding.hops,
             finish_reason=end,
-            reason=binding.reason,
+            reason=why or binding.reason,
             retry_after_s=binding.retry_after_s,
             arrival_time=request.arrival_time,
             first_token_time=times[0] if times else None,

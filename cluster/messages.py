@@ -73,6 +73,8 @@ class StreamItem:
     token_ids: tuple[int, ...] = ()
     times: tuple[float, ...] = ()
     finish_reason: str | None = None
+    abort_reason: str = ""
+    """Why the replica ended the request as aborted, when it did (RequestOutcome's)."""
     lost: bool = False
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per token, when the request asked for them."""

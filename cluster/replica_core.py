@@ -326,6 +326,7 @@ class ReplicaCore:
             item = StreamItem(
                 tokens,
                 (now,) * len(tokens),
+                abort_reason=result.abort_reason,
                 logprobs=tuple(result.logprobs),
                 prompt_logprobs=tuple(result.prompt_logprobs),
                 cached_tokens=(held.cached or 0) if first and tokens else 0,
@@ -354,8 +355,9 @@ class ReplicaCore:
         """End the requests of a step that failed midway (their KV state is unknown). The
         step counts without a report: the controller sees the gap and rebuilds its mirror."""
         self.seq += 1
+        failed = StreamItem(abort_reason="a step of the replica failed; its log says why")
         for rid in {*(e.request_id for e in plan.entries), *plan.preempt}:
-            self._end(rid, FinishReason.ABORT)
+            self._end(rid, FinishReason.ABORT, failed)
 
     def _touch_added(self) -> None:
         """Keep the cached prefixes of the requests added since the last step to be evicted

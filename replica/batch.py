@@ -92,6 +92,8 @@ class RequestOutcome:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     finish_reason: FinishReason | None = None
+    abort_reason: str = ""
+    """Why the replica ended the request as aborted (FinishReason.ABORT), for its client."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One per new token, when the request's `logprobs` asks for them."""
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

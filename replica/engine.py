@@ -89,6 +89,7 @@ class _Seq:
     go out with the first token."""
     num_computed: int = 0
     finish_reason: FinishReason | None = None
+    abort_reason: str = ""
 
     @property
     def tokens(self) -> list[int]:
@@ -395,7 +396,7 @@ class Engine:
         row = 0
         for i, (w, fs) in enumerate(zip(works, seqs, strict=True)):
             if i in failed:
-                outcomes.append(self._abort_entry(w.seq))
+                outcomes.append(self._abort_entry(w.seq, "the model's forward pass"))
                 continue
             rows = slice(row, row + fs.num_logits)
             try:
@@ -407,7 +408,7 @@ class Engine:
                     "requests go on",
                     w.seq.request.request_id,
                 )
-                outcomes.append(self._abort_entry(w.seq))
+                outcomes.append(self._abort_entry(w.seq, "its sampling, stops or grammar"))
             row += fs.num_logits
         total = time.perf_counter() - start
         outcome = BatchOutcome(
@@ -925,14 +926,16 @@ class Engine:
         judged = judged_nodes(tree, accepted)
         return self._outcome(seq, new, raw[[0, *accepted]], len(tree) - 1, judged)
 
-    def _abort_entry(self, seq: _Seq) -> RequestOutcome:
-        """End a request whose own step work failed: its KV state is unknown, so it goes."""
+    def _abort_entry(self, seq: _Seq, failed: str) -> RequestOutcome:
+        """End a request whose own step work (`failed`) failed: its KV state is unknown, so
+        it goes."""
         seq.finish_reason = FinishReason.ABORT
         self._free_kv(seq.request.request_id)
         return RequestOutcome(
             seq.request.request_id,
             num_computed_tokens=seq.num_computed,
             finish_reason=FinishReason.ABORT,
+            abort_reason=f"the replica failed at {failed} for this request; its log says why",
         )
 
     def _outcome(
@@ -959,6 +962,7 @@ class Engine:
             num_accepted_tokens=len(new) - 1,
             num_judged_drafts=judged,
             finish_reason=seq.finish_reason,
+            abort_reason=seq.abort_reason,
             logprobs=token_logprobs(rows, appended, params.logprobs),
             prompt_logprobs=seq.prompt_logprobs if len(seq.output) == len(appended) else [],
         )
@@ -1020,12 +1024,14 @@ class Engine:
             if seq.grammar is not None:
                 seq.grammar.accept(token)
                 if seq.grammar.broken:
+                    why = seq.grammar.broken.splitlines()[0][:300]
                     log.warning(
                         "request %s: its grammar cannot go on (%s); ending it as aborted",
                         seq.request.request_id,
-                        seq.grammar.broken.splitlines()[0][:300],
+                        why,
                     )
                     seq.finish_reason = FinishReason.ABORT
+                    seq.abort_reason = f"the output can no longer follow its grammar: {why}"
                     break
             if self._stops_at(seq, token):
                 seq.finish_reason = FinishReason.STOP

@@ -150,6 +150,9 @@ class Result:
     tool_calls: tuple[ToolCall, ...] = ()
     """The calls the output made (chat with tools; finish_reason tool_calls, or stop for a
     named tool): the chunks' text was the message content alone."""
+    abort_reason: str = ""
+    """Why, when finish_reason is abort and the server knows (say, an output grammar the
+    model could no longer follow)."""
 
 
 @dataclass(frozen=True)
@@ -560,6 +563,7 @@ def result_from_proto(final: pb.Final) -> Result:
         else final.stop_string or None,
         index=final.index,
         tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in final.tool_calls),
+        abort_reason=final.abort_reason,
     )
 
 

@@ -34,7 +34,7 @@ from router.errors import ApiError, BadRequest, Rejected, Unavailable
 from router.frontdoor import Finished, FrontDoor, interleaved
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
-from router.openai_format import ChoiceText, placement_headers
+from router.openai_format import ChoiceText, abort_reason, placement_headers
 from router.openai_schema import Endpoint
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Serving"].full_name
@@ -215,6 +215,7 @@ def final_to_proto(
         cached_tokens=record.num_cached_tokens,
         completion_tokens=record.num_output_tokens,
         migrations=record.migrations,
+        abort_reason=abort_reason(record),
         stages=[
             pb.StageVerdict(
                 name=s.name, attained=s.attained, late_tokens=s.late_tokens, tokens=s.tokens

@@ -282,6 +282,14 @@ class FrontDoorMetrics:
             [*by_tenant, "verdict"],
             registry=self.registry,
         )
+        self.finished = Counter(
+            PREFIX + "requests_finished",
+            "Requests that ended with a finish reason (stop, length, abort: a fault in the "
+            "request's own part of a step, or an output grammar it could no longer follow), "
+            "by that reason; those rejected, cancelled or lost have none.",
+            ["model", "finish_reason"],
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens",
             "Prompt tokens of the requests served (admitted or best-effort).",
@@ -335,6 +343,8 @@ class FrontDoorMetrics:
             self.hops.labels(self.model).observe(record.hops)
             return
         self._record_served(record, tier, tenant)
+        if record.finish_reason is not None:
+            self.finished.labels(self.model, record.finish_reason).inc()
         if record.finish_time is not None and record.num_output_tokens:
             self.e2e.labels(self.model, tier).observe(record.finish_time - record.arrival_time)
 

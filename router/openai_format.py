@@ -69,8 +69,14 @@ def service_tier(records: Sequence[FinalRecord]) -> str:
     return "flex" if any(r.verdict is Verdict.BEST_EFFORT for r in records) else "default"
 
 
+def abort_reason(record: FinalRecord) -> str:
+    """Why the request ended as aborted, as far as the server knows ("" otherwise)."""
+    return record.reason if record.finish_reason == "abort" else ""
+
+
 def cluster_info(record: FinalRecord) -> dict[str, Any]:
-    return {
+    """A choice's `slos_serve`; with `abort_reason` when it was aborted for a known reason."""
+    info: dict[str, Any] = {
         "verdict": record.verdict.value,
         "replica": record.replica,
         "hops": record.hops,
@@ -86,6 +92,10 @@ def cluster_info(record: FinalRecord) -> dict[str, Any]:
             for s in record.stages
         ],
     }
+    reason = abort_reason(record)
+    if reason:
+        info["abort_reason"] = reason
+    return info
 
 
 def cluster_summary(records: Sequence[FinalRecord]) -> dict[str, Any]:

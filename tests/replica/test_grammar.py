@@ -228,11 +228,17 @@ def test_a_grammar_that_cannot_go_on_ends_as_aborted(
     prompt: list[int],
 ) -> None:
     """llguidance's limits can stop a grammar the door found valid after a token or two: the
-    output ends as aborted, not as a complete grammar's stop."""
+    output ends as aborted, not as a complete grammar's stop, saying why for its client."""
     grammar = llguidance.LLMatcher.grammar_from_regex("a{1000000}")
     assert llguidance.LLMatcher.validate_grammar(grammar, vocab) == ""
-    out, reason = run(engine(runners, vocab), best_effort(prompt, grammar=grammar), [0])
-    assert reason is FinishReason.ABORT and len(out) < 4
+    eng = engine(runners, vocab)
+    request = best_effort(prompt, grammar=grammar)
+    eng.add_request(request)
+    outcome = eng.step(BatchPlan((PrefillChunk("q", request.prompt_len),))).outcomes[0]
+    while not outcome.finished:
+        outcome = eng.step(BatchPlan((DecodeStep("q", 0),))).outcomes[0]
+    assert outcome.finish_reason is FinishReason.ABORT and len(eng.output_token_ids("q")) < 4
+    assert outcome.abort_reason.startswith("the output can no longer follow its grammar: ")
 
 
 def test_grammars_are_refused_without_a_tokenizer_or_when_invalid(

@@ -294,6 +294,9 @@ def test_a_forward_that_always_fails_ends_its_requests_and_frees_their_kv(
         r.request_id: FinishReason.ABORT for r in requests
     }
     assert all(not o.new_token_ids for o in outcome.outcomes)
+    assert {o.abort_reason for o in outcome.outcomes} == {
+        "the replica failed at the model's forward pass for this request; its log says why"
+    }
     _release_all(engine, [r.request_id for r in requests])
 
 

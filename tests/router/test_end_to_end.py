@@ -200,6 +200,29 @@ def test_structured_output_through_either_door(oai: openai.OpenAI, live: LocalFr
     assert re.fullmatch(r"[a-c]{2,5}!", text) and result.finish_reason == "stop"
 
 
+def test_a_grammar_the_model_can_no_longer_follow_ends_aborted_saying_why(
+    oai: openai.OpenAI, live: LocalFrontDoor
+) -> None:
+    """llguidance gives up on a{1000000} after a token or two: the client learns why its
+    output ended as aborted, on either door, and the metrics count it by that reason."""
+    out = oai.completions.create(
+        model="demo",
+        prompt=PROMPT,
+        max_tokens=16,
+        extra_body={"structured_outputs": {"regex": "a{1000000}"}},
+    )
+    assert out.choices[0].finish_reason == "abort"
+    why = out.model_extra["slos_serve"]["abort_reason"]  # type: ignore[index]
+    assert why.startswith("the output can no longer follow its grammar: ")
+    regex = StructuredOutputs(regex="a{1000000}")
+    _, _, result = grpc_generate(live, max_tokens=16, structured_outputs=regex)
+    assert (result.finish_reason, result.abort_reason) == ("abort", why)
+    metrics = httpx.get(live.http_url + "/metrics", timeout=10).text
+    assert re.search(
+        r'requests_finished_total\{finish_reason="abort",model="demo"\} [2-9]', metrics
+    )
+
+
 TOOLS = [
     {
         "type": "function",

@@ -40,7 +40,7 @@ from router.client import (
 from router.errors import BadRequest
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.grpc_server import final_to_proto, request_to_body, status_to_proto
-from router.openai_format import ChoiceText
+from router.openai_format import ChoiceText, cluster_info
 from router.openai_schema import Endpoint, SchemaContext, parse_body
 from router.reasoning import PARSERS as REASONING_PARSERS
 from router.tokenizer import TextCodec
@@ -271,6 +271,12 @@ def test_final_and_status_round_trip() -> None:
     called = result_from_proto(final_to_proto(record, None, 0, [call], "tool_calls"))
     assert called.tool_calls == (ToolCall("c1", "f", "{}"),)
     assert called.finish_reason == "tool_calls" and result.tool_calls == ()
+    aborted = dataclasses.replace(record, finish_reason="abort", reason="its grammar: x")
+    assert result_from_proto(final_to_proto(aborted)).abort_reason == "its grammar: x"
+    assert cluster_info(aborted)["abort_reason"] == "its grammar: x"
+    reasoned = dataclasses.replace(record, reason="a reason only an abort gives")
+    assert result.abort_reason == result_from_proto(final_to_proto(reasoned)).abort_reason == ""
+    assert "abort_reason" not in cluster_info(reasoned)
     replica = ReplicaStatus(0, True, 1, 2, 1, 0, 0.5, {"decode": 1.25})
     status = ClusterStatus("demo", (replica,), {"admitted": 4}, scheduler="sarathi")
     assert status_from_proto(status_to_proto(status)) == status  # as HTTP reports it

@@ -277,7 +277,12 @@ def parse_body(
                 where,
             )
             check = partial(request.check_fits, ctx.max_model_len, ctx.vocab_size)
-            _build(check, "max_tokens", where)
+            try:
+                _build(check, "max_tokens", where)
+            except BadRequest as exc:  # a chat's prompt is its messages, rendered
+                if endpoint is not Endpoint.CHAT or exc.param != "prompt":
+                    raise
+                raise BadRequest(f"the messages, rendered: {exc.message}", "messages") from exc
             requests.append(request)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")

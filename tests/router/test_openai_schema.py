@@ -174,6 +174,10 @@ def test_chat_uses_template_and_remaining_context(codec: TextCodec, ctx: SchemaC
     assert parsed.requests[0].sampling.max_tokens == ctx.default_chat_max_tokens
     body = {"model": "demo", "messages": messages, "max_completion_tokens": 3}
     assert parse(codec, ctx, body, endpoint=Endpoint.CHAT).requests[0].sampling.max_tokens == 3
+    long = [{"role": "user", "content": "a b c d " * ctx.max_model_len}]
+    with pytest.raises(BadRequest, match=r"^the messages, rendered: prompt has") as info:
+        parse(codec, ctx, {"model": "demo", "messages": long}, endpoint=Endpoint.CHAT)
+    assert info.value.param == "messages"  # a chat body has no prompt field
 
 
 def test_several_prompts_and_samples_make_one_request_per_choice(

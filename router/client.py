@@ -946,8 +946,7 @@ class AsyncClient(_Base):
         loop = asyncio.get_running_loop()
         if self._stub is None or self._loop is None or self._loop.is_closed():
             self.channel = self._channel(grpc.aio)
-            self._stub = pb_grpc.ServingStub(self.channel)
-            self._loop = loop
+            self._stub, self._loop = pb_grpc.ServingStub(self.channel), loop
         elif self._loop is not loop:
             raise RuntimeError(
                 "this AsyncClient's channel belongs to the event loop of its first call, which "

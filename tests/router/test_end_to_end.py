@@ -532,10 +532,11 @@ def test_a_refused_choice_stops_the_others(oai: openai.OpenAI, live: LocalFrontD
     """The test profile lets a replica hold one request of a 100 ms TPOT, not two: of three
     choices, two are admitted (one per replica) and the third is refused, so the request gets
     429 and the two admitted choices are stopped by the door, not left to run (nor left to
-    the garbage collector: the door counts them cancelled)."""
+    the garbage collector): counted lost, given up by the server, not cancelled, as if their
+    client had left."""
     url = live.http_url + "/v1/cluster/status"
     before = httpx.get(url, headers=auth(), timeout=30).json()["counters"]
-    cancelled = cancelled_admitted(live)
+    lost, cancelled = admitted_ended(live, "lost"), admitted_ended(live, "cancelled")
     with pytest.raises(openai.RateLimitError):
         oai.completions.create(
             model="demo",
@@ -547,17 +548,18 @@ def test_a_refused_choice_stops_the_others(oai: openai.OpenAI, live: LocalFrontD
     status = wait_until_idle(live)
     assert all(rep["running"] == 0 for rep in status["replicas"]), status
     assert status["counters"]["admitted"] - before.get("admitted", 0) == 2, status
-    assert cancelled_admitted(live) - cancelled == 2
+    assert admitted_ended(live, "lost") - lost == 2
+    assert admitted_ended(live, "cancelled") == cancelled
 
 
-def cancelled_admitted(live: LocalFrontDoor) -> float:
-    """Admitted requests the door saw its client leave (here: stopped by the door)."""
+def admitted_ended(live: LocalFrontDoor, how: str) -> float:
+    """Admitted requests counted `how` (lost: ended by the server; cancelled: by the client)."""
     text = httpx.get(live.http_url + "/metrics", timeout=30).text
     return sum(
         s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == "slos_serve:requests_cancelled_total" and s.labels["verdict"] == "admitted"
+        if s.name == f"slos_serve:requests_{how}_total" and s.labels["verdict"] == "admitted"
     )
 
 

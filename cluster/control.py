@@ -28,6 +28,14 @@ from replica.request import Request, Tier
 
 log = logging.getLogger(__name__)
 
+REBALANCE_GAP = 4
+"""Requests a replica holds beyond the least loaded one before its waiting best-effort
+requests are bound again elsewhere (`ControlPlane.rebalance`)."""
+
+MOVE_TIMEOUT_S = 10.0
+"""A request taken back from its replica that no client resumed within this long (its door
+died) no longer holds the next rebalance back."""
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -76,6 +84,8 @@ class ControlPlane:
         self._queues: list[list[_Pending]] = [[] for _ in self.replicas]
         self.draining: set[int] = set()
         """Replicas being scaled down: they finish what they hold and take nothing new."""
+        self._moving: dict[str, float] = {}
+        """Requests taken back by `rebalance`, not resumed yet: when each was."""
 
     def alive(self) -> list[bool]:
         return [vr.alive for vr in self.replicas]
@@ -136,6 +146,7 @@ class ControlPlane:
         """Queue a request at its first hop; a Decision when the verdict needs no tick.
         `again`: decided before, its hand-off failed (its verdict was counted then)."""
         rid = request.request_id
+        self._moving.pop(rid, None)
         held = self.holder(rid)
         if held is not None:
             vr = self.replicas[held]
@@ -144,7 +155,11 @@ class ControlPlane:
         if self.is_pending(rid):
             return None
         routable = self.routable()
-        first = self.router.first(self.loads(), routable, self._cached(request, routable))
+        cached = self._cached(request, routable)
+        if request.tier is Tier.BEST_EFFORT:
+            first = self.router.best_effort_first(self.loads(), routable, cached)
+        else:
+            first = self.router.first(self.loads(), routable, cached)
         if first is None:
             return Decision(
                 request,
@@ -159,6 +174,42 @@ class ControlPlane:
             return self._decided(pending, Verdict.ADMITTED, first)
         self._queues[first].append(pending)
         return None
+
+    def rebalance(self, now: float, handing: set[str]) -> list[tuple[str, int]]:
+        """Take back best-effort requests waiting for their first step at a replica that
+        holds REBALANCE_GAP or more requests beyond the least loaded routable one, to be
+        bound again: their clients resume them as after a replica failure, and a request
+        best-effort by choice goes to the least loaded replica then (one declined may be
+        admitted there). Else a replica that came up after a burst was bound (autoscaled,
+        restarted, the first back after a failure) idles beside the backlog. The latest bound
+        go first; one round at a time, once the last one's requests were bound again (their
+        load counted where they went). `handing`: requests still being handed to their
+        replica, which could not let go of them. (request id, replica) pairs; the mirrors
+        forget them now."""
+        self._moving = {r: t for r, t in self._moving.items() if now - t < MOVE_TIMEOUT_S}
+        routable = self.routable()
+        if self._moving or not any(routable):
+            return []
+        loads = self.loads()
+        waiting = {vr.index: vr.unstarted_best_effort(handing) for vr in self.replicas if vr.alive}
+        moves: list[tuple[str, int]] = []
+        while True:
+            least = min((i for i, ok in enumerate(routable) if ok), key=lambda i: (loads[i], i))
+            busiest = max(
+                (i for i, rids in waiting.items() if rids and i != least),
+                key=lambda i: (loads[i], -i),
+                default=None,
+            )
+            if busiest is None or loads[busiest] - loads[least] < REBALANCE_GAP:
+                break
+            moves.append((waiting[busiest].pop(), busiest))
+            loads[busiest] -= 1
+            loads[least] += 1
+        for rid, replica in moves:
+            self.replicas[replica].abort(rid)
+            self._moving[rid] = now
+        self.metrics.inc("rebalanced", len(moves))
+        return moves
 
     def migrate(self, request_id: str, from_replica: int) -> None:
         """Let go of a request whose replica failed mid-stream; it is submitted again as
@@ -207,6 +258,7 @@ class ControlPlane:
 
     def abort(self, request_id: str) -> int | None:
         """Forget a request wherever it is; the replica that held it, if any."""
+        self._moving.pop(request_id, None)
         for queue in self._queues:
             queue[:] = [p for p in queue if p.request.request_id != request_id]
         for vr in self.replicas:

@@ -532,11 +532,22 @@ class ClusterController:
             for decision in self.plane.tick(now):
                 self._handing(decision)  # before any plan can name it, not when its task runs
                 self._spawn(self._resolve(decision))
+            self._rebalance(now)
             for vr in self.plane.replicas:
                 sent = self._plan_sent.get(vr.index)
                 idle = sent is None or now - sent > PLAN_RESEND_S
                 if vr.alive and idle and vr.has_work():
                     self._send_plan(vr.index, now)
+
+    def _rebalance(self, now: float) -> None:
+        """Take back the waiting best-effort requests of a replica far busier than another
+        (ControlPlane.rebalance); not those of a replica whose mirror is being rebuilt."""
+        handing = {rid for binding in self._binding.values() for rid in binding}
+        handing.update(rid for r in self._rebuilds for rid in self.plane.replicas[r].held)
+        for rid, replica in self.plane.rebalance(now, handing):
+            actor = self.replicas[replica]
+            if actor is not None:
+                actor.release.remote(rid)
 
     def _send_plan(self, replica: int, now: float) -> None:
         """Plan the replica's next step from its mirror; none while the mirror is being

@@ -189,6 +189,10 @@ class ReplicaActor:
     async def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
+    async def release(self, request_id: str) -> None:
+        """The controller binds the request elsewhere (ReplicaCore.abort's `release`)."""
+        self.core.abort(request_id, release=True)
+
     async def set_plan(self, plan: BatchPlan, regraded: Mapping[str, bool] | None = None) -> None:
         self.core.start()
         self.core.set_plan(plan, regraded)

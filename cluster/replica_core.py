@@ -103,6 +103,8 @@ class ReplicaCore:
         self._held: dict[str, _Held] = {}
         self._streams: dict[str, _Stream] = {}
         self._aborts: list[str] = []
+        self._released: set[str] = set()
+        """Of `_aborts`, the requests the controller takes back to bind elsewhere."""
         self._added: list[str] = []
         self._ended: deque[str] = deque(maxlen=ENDED_MEMORY)
         """The last ids this incarnation ended, oldest first."""
@@ -148,21 +150,27 @@ class ReplicaCore:
         self._added.append(rid)
         self._wake.set()
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, release: bool = False) -> None:
         """End a request before the next step, freeing its KV; unknown ids are ignored. One
-        that ended already lets its stream go if no one opened it."""
+        that ended already lets its stream go if no one opened it. `release`: the controller
+        binds it elsewhere, its stream ends as lost (its client resumes it there)."""
         if request_id not in self._held:
             self._drop_unread(request_id)
         elif request_id not in self._aborts:
             self._aborts.append(request_id)
+            if release:
+                self._released.add(request_id)
             self._wake.set()
 
-    def _drop_unread(self, request_id: str) -> None:
+    def _drop_unread(self, request_id: str, gone: bool = True) -> None:
         """Let go of an ended request's stream no one opened (its client left while it was
-        bound): kept, it would stay for the replica's life, as unread work."""
+        bound): kept, it would stay for the replica's life, as unread work. Unless `gone`
+        (released: bound elsewhere), a late reader finds it lost, not ended."""
         stream = self._streams.get(request_id)
         if stream is not None and stream.ended and not stream.read:
             del self._streams[request_id]
+            if not gone:
+                return
             self._dropped[request_id] = None
             if len(self._dropped) > ENDED_MEMORY:
                 del self._dropped[next(iter(self._dropped))]
@@ -372,10 +380,11 @@ class ReplicaCore:
         from this side (the stream's reader went away) without the controller knowing, and
         its mirror must not keep a request the replica no longer holds."""
         aborts, self._aborts = self._aborts, []
+        released, self._released = self._released, set()
         ended = [rid for rid in aborts if rid in self._held]
         for rid in ended:
-            self._end(rid, FinishReason.ABORT)
-            self._drop_unread(rid)
+            self._end(rid, FinishReason.ABORT, lost=rid in released)
+            self._drop_unread(rid, gone=rid not in released)
         if ended:
             self.seq += 1
             outcome = BatchOutcome(
@@ -392,9 +401,16 @@ class ReplicaCore:
         if stream is not None:
             stream.queue.put_nowait(item)
 
-    def _end(self, request_id: str, reason: FinishReason, last: StreamItem | None = None) -> None:
+    def _end(
+        self,
+        request_id: str,
+        reason: FinishReason,
+        last: StreamItem | None = None,
+        lost: bool = False,
+    ) -> None:
         """Release the request's engine state and close its stream with `reason` (carried by
-        the same item as the last tokens, so a client never holds tokens without the end)."""
+        the same item as the last tokens, so a client never holds tokens without the end),
+        or as `lost`: no end, the client resumes the request elsewhere."""
         held = self._held.pop(request_id, None)
         if held is None:
             return
@@ -405,7 +421,8 @@ class ReplicaCore:
         if stream is not None:
             stream.ended = True
             last = last or StreamItem()
-            stream.queue.put_nowait(replace(last, finish_reason=str(reason)))
+            end = replace(last, lost=True) if lost else replace(last, finish_reason=str(reason))
+            stream.queue.put_nowait(end)
 
 
 def _lean(outcome: BatchOutcome) -> BatchOutcome:

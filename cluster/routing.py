@@ -99,6 +99,21 @@ class Router:
                 return self._round_robin([ok and cached[i] == best for i, ok in enumerate(near)])
         return self._round_robin(alive)
 
+    def best_effort_first(
+        self,
+        loads: Sequence[float],
+        alive: Sequence[bool],
+        cached: Sequence[int] = (),
+    ) -> int | None:
+        """Where a request best-effort by choice goes (None when no replica is up). It never
+        hops, so a first hop blind to load would bind a burst to a replica busy for minutes
+        while another idles: the least loaded, or the prefix first hop's pick, which weighs
+        load."""
+        if self.first_hop is FirstHop.PREFIX:
+            return self.first(loads, alive, cached)
+        up = [i for i, ok in enumerate(alive) if ok]
+        return min(up, key=lambda i: (loads[i], i)) if up else None
+
     def _round_robin(self, eligible: Sequence[bool]) -> int:
         n = len(eligible)
         for step in range(n):

@@ -87,7 +87,14 @@ CONTROLLER_COUNTERS = {
     ),
     "migrated": (
         "requests_migrated",
-        "Requests resumed on another replica after theirs failed mid-stream (each move).",
+        "Requests resumed on another replica after theirs failed mid-stream, or after the "
+        "controller took them back from a busy one (each move).",
+        1.0,
+    ),
+    "rebalanced": (
+        "requests_rebalanced",
+        "Best-effort requests taken back, before their first step, from a replica far busier "
+        "than another, to be bound again (also counted migrated).",
         1.0,
     ),
     "dead": (

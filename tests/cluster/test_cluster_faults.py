@@ -1,5 +1,5 @@
 """Failures: a replica killed mid-stream, every replica down at once, a controller restarted
-mid-stream."""
+mid-stream, a replica replaced after a burst was bound to the other."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import ray
 from cluster.api import FinalRecord, TokenChunk, Verdict
 from cluster.handle import ClusterHandle
 from replica.engine import Engine
-from replica.request import SLO, Request, SamplingParams
+from replica.request import SLO, Request, SamplingParams, Tier
 from tests.cluster.conftest import all_alive, collect, greedy_reference, status_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -178,3 +178,36 @@ def test_controller_restart_keeps_in_flight_requests(
     tokens, final = runner.run(after())
     assert tokens == greedy_reference(engine, "after-restart", [9, 8, 7], MAX_TOKENS)
     assert final.verdict in ("admitted", "best_effort")
+
+
+def test_a_replica_started_after_a_burst_takes_the_best_effort_work_waiting_elsewhere(
+    cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
+) -> None:
+    """Replica 1 is killed for good: the burst bound meanwhile waits at replica 0, more than
+    its KV holds at once. Once another replica runs in slot 1, the controller takes the
+    waiting requests back and binds them there: every output is still the engine's own, whole
+    and once, and the moved ones ran on replica 1 (the last test here: it kills a replica)."""
+    shapes = [[60 + k, 310 + 7 * k, 77, 5] for k in range(3)]
+    burst = {f"burst-{i}": shapes[i % 3] for i in range(36)}
+
+    async def run() -> list[tuple[list[int], FinalRecord]]:
+        ray.kill(cluster.replicas[1], no_restart=True)
+        await status_until(cluster, lambda s: not s.replicas[1].alive, 240, 0.05)
+        sampling = SamplingParams(max_tokens=400, ignore_eos=True)
+        tasks = [
+            asyncio.ensure_future(
+                collect(cluster.submit(Request(rid, p, sampling, tier=Tier.BEST_EFFORT)))
+            )
+            for rid, p in burst.items()
+        ]
+        return list(await asyncio.gather(*tasks))
+
+    results = runner.run(run())
+    wanted = {tuple(p): greedy_reference(engine, f"ref-{k}", p, 400) for k, p in enumerate(shapes)}
+    for (rid, prompt), (tokens, final) in zip(burst.items(), results, strict=True):
+        assert tokens == wanted[tuple(prompt)], rid
+        assert final.finish_reason == "length" and final.num_output_tokens == 400
+    moved = [final for _, final in results if final.migrations]
+    assert moved and all(final.replica == 1 for final in moved)
+    rebalanced = runner.run(cluster.status()).counters["rebalanced"]
+    assert rebalanced == sum(final.migrations for final in moved)

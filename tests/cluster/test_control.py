@@ -8,7 +8,7 @@ import pytest
 
 from cluster.api import Verdict
 from cluster.config import ClusterConfig
-from cluster.control import ControlPlane, Decision
+from cluster.control import MOVE_TIMEOUT_S, ControlPlane, Decision
 from cluster.controller import build_plane
 from cluster.migration import resumed_request
 from cluster.routing import BackupPolicy, Router
@@ -61,9 +61,9 @@ def test_declined_request_is_admitted_at_the_next_hop(tmp_path: Path) -> None:
     p = plane(tmp_path)
     first = decide(p, tight("a"))
     assert first.binding.verdict is Verdict.ADMITTED and first.binding.hops == 1
-    filler = Request("be", [1], SamplingParams(max_tokens=2), tier=Tier.BEST_EFFORT)
-    assert decide(p, filler).binding.verdict is Verdict.BEST_EFFORT
-    routed = decide(p, tight("b"))
+    assert decide(p, tight("x")).binding.replica != first.binding.replica  # round robin
+    p.abort("x")
+    routed = decide(p, tight("b"))  # round robin's next: the replica a holds
     assert routed.binding.verdict is Verdict.ADMITTED
     assert routed.binding.hops == 2
     assert routed.binding.replica != first.binding.replica
@@ -195,11 +195,11 @@ def test_baseline_admits_every_request_round_robin_at_submit(
     filler = Request("be", [1], SamplingParams(max_tokens=2), tier=Tier.BEST_EFFORT)
     best_effort = p.submit(filler, 100.0)
     assert best_effort is not None and best_effort.binding.verdict is Verdict.BEST_EFFORT
-    assert best_effort.binding.replica == 1
+    assert best_effort.binding.replica == 1  # the least loaded
     resumed = resume(p, tight("r0"), [7, 7], 0)
     assert resumed is not None and resumed.resumed
-    assert resumed.binding.verdict is Verdict.ADMITTED and resumed.binding.replica == 0
-    assert p.holder("r0") == 0 and len(p.replicas[0].admitted) == 3
+    assert resumed.binding.verdict is Verdict.ADMITTED and resumed.binding.replica == 1
+    assert p.holder("r0") == 1 and [len(vr.admitted) for vr in p.replicas] == [2, 3]
 
 
 def test_baseline_replicas_are_sized_from_the_config(tmp_path: Path) -> None:
@@ -354,3 +354,85 @@ def test_a_drain_sends_a_waiting_request_on_to_a_replica_it_has_not_tried(
     (moved,) = p.tick(100.0)
     assert (moved.binding.verdict, moved.binding.replica) == (Verdict.ADMITTED, 1)
     assert moved.binding.hops == 2 and "declined" not in p.metrics.counters
+
+
+def best_effort(rid: str) -> Request:
+    return Request(rid, [1] * 8, SamplingParams(max_tokens=64), tier=Tier.BEST_EFFORT)
+
+
+def test_best_effort_requests_go_to_the_least_loaded_replica(tmp_path: Path) -> None:
+    """They never hop: round robin would bind every other one of a burst to a replica
+    holding many while another holds few (one up since, say)."""
+    p = plane(tmp_path)
+    p.mark_dead(1)
+    for i in range(6):
+        assert decide(p, best_effort(f"early{i}")).binding.replica == 0
+    p.replicas[1].alive = True
+    placed = [decide(p, best_effort(f"late{i}")).binding.replica for i in range(8)]
+    assert placed == [1] * 6 + [0, 1]
+
+
+def test_a_replica_up_after_a_burst_takes_its_share_of_the_waiting_best_effort(
+    tmp_path: Path,
+) -> None:
+    """Replica 1 comes up once a burst was bound to replica 0: the best-effort requests
+    waiting there, latest first, are taken back until the two differ by less than the gap
+    (10 and 0 held: 4 go), and bound again at the least loaded when their clients resume
+    them; one round at a time, so a move in flight is not made twice."""
+    p = plane(tmp_path)
+    p.mark_dead(1)
+    for i in range(10):
+        decide(p, best_effort(f"b{i}"))
+    p.replicas[1].alive = True
+    moves = p.rebalance(100.0, set())
+    assert moves == [(f"b{i}", 0) for i in (9, 8, 7, 6)]
+    assert len(p.replicas[0].held) == 6 and p.metrics.counters["rebalanced"] == 4
+    assert p.rebalance(100.0, set()) == []  # still on their way
+    for rid, replica in moves:
+        assert resume(p, best_effort(rid), [], replica) is not None
+    assert [len(vr.held) for vr in p.replicas] == [6, 4]
+    assert p.rebalance(100.0, set()) == []  # balanced within the gap
+
+
+def test_rebalancing_leaves_guaranteed_started_and_handed_requests_where_they_are(
+    tmp_path: Path,
+) -> None:
+    p = plane(tmp_path)
+    p.mark_dead(1)
+    assert decide(p, tight("admitted")).binding.verdict is Verdict.ADMITTED
+    for i in range(8):
+        decide(p, best_effort(f"b{i}"))
+    vr = p.replicas[0]
+    vr.scheduler.queues.states["b7"].num_computed_tokens = 4  # its prefill began
+    p.replicas[1].alive = True
+    moves = p.rebalance(100.0, {"b6"})
+    assert [rid for rid, _ in moves] == ["b5", "b4", "b3"]
+    assert "admitted" in vr.held
+
+
+@pytest.mark.parametrize("let_go", ["timeout", "abort"])
+def test_a_request_taken_back_and_never_resumed_holds_rebalancing_back_for_a_while(
+    tmp_path: Path, let_go: str
+) -> None:
+    """Its door died: after MOVE_TIMEOUT_S the next round goes on without it; its abort (the
+    lease's end) lets it go at once."""
+    p = plane(tmp_path)
+
+    def burst(prefix: str) -> None:
+        p.mark_dead(1)
+        for i in range(10):
+            decide(p, best_effort(f"{prefix}{i}"))
+        p.replicas[1].alive = True
+
+    burst("b")
+    first = p.rebalance(100.0, set())
+    for rid, replica in first[1:]:
+        resume(p, best_effort(rid), [], replica)
+    burst("c")
+    assert p.rebalance(100.0 + MOVE_TIMEOUT_S / 2, set()) == []
+    later = 100.0 + MOVE_TIMEOUT_S / 2
+    if let_go == "timeout":
+        later = 100.0 + MOVE_TIMEOUT_S
+    else:
+        p.abort(first[0][0])
+    assert p.rebalance(later, set()) != []

@@ -475,3 +475,31 @@ def test_a_stream_let_go_still_ends_as_aborted_for_a_late_reader(engine: Engine)
         await core.stop()
 
     asyncio.run(run())
+
+
+def test_a_released_request_ends_its_stream_as_lost_read_or_not(engine: Engine) -> None:
+    """The controller binds it elsewhere: its reader is told to resume it there (not that it
+    ended), also one that opens the stream only after; its KV is freed and the mirror told."""
+    reports: list[StepReport] = []
+
+    async def run() -> tuple[list[StreamItem], list[StreamItem], tuple[int, int]]:
+        core = ReplicaCore(engine, 0, reports.append)
+        core.start()
+        core.add_request(req("read", 500), admitted=False)
+        core.add_request(req("unopened", 500), admitted=False)
+        reader = asyncio.ensure_future(drain(core, "read"))
+        await asyncio.sleep(0)
+        core.abort("read", release=True)
+        core.abort("unopened", release=True)
+        items = await asyncio.wait_for(reader, 20)
+        late = await asyncio.wait_for(drain(core, "unopened"), 20)
+        work = core.open_work()
+        await core.stop()
+        return items, late, work
+
+    items, late, work = asyncio.run(run())
+    assert items[-1].lost and items[-1].finish_reason is None
+    assert late == [StreamItem(lost=True)] and work == (0, 0)
+    assert engine.num_free_blocks == engine.cache.num_blocks
+    ended = {o.request_id: o.finish_reason for r in reports for o in r.outcome.outcomes}
+    assert ended == {"read": "abort", "unopened": "abort"}

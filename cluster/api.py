@@ -29,6 +29,10 @@ class Verdict(StrEnum):
 class ClusterUnavailable(RuntimeError):
     """No replica is up (HTTP 503 / gRPC UNAVAILABLE); the request was not started."""
 
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
 
 @dataclass(frozen=True)
 class Placement:

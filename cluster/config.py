@@ -172,6 +172,10 @@ class ClusterConfig:
     dtype: str = "auto"
     """Weights and KV cache precision: auto (bfloat16 on a GPU, float32 on CPU), float32,
     bfloat16 or float16."""
+    arrival_wait_s: float = 30.0
+    """How long a new request waits for a replica when none is up (the only one restarting,
+    or being replaced), as Ray Serve queues requests while replicas start, before it is
+    refused as unavailable (HTTP 503 with Retry-After). 0: refused at once."""
     door_lease_s: float = 10.0
     """How long a front door may go without renewing its lease (every quarter of it) before
     the controller ends its requests (within half a second more): no one reads them once the
@@ -189,7 +193,12 @@ class ClusterConfig:
         for name in ("calibrate", "prefix_caching", "credit_prefixes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("retry_after_s", "num_cpus_per_replica", "num_gpus_per_replica"):
+        for name in (
+            "retry_after_s",
+            "num_cpus_per_replica",
+            "num_gpus_per_replica",
+            "arrival_wait_s",
+        ):
             check_non_negative(name, getattr(self, name))
         check_positive("tick_interval_ms", self.tick_interval_ms)
         if self.tick_interval_ms > 10_000:

@@ -214,7 +214,8 @@ class ClusterController:
         self._revived: asyncio.Event | None = None
         """Set (and replaced) when a replica comes back up: resumes waiting for one wake."""
         self._resuming: dict[str, bool] = {}
-        """Requests whose resume waits (a replica checked or restarting): aborted or not."""
+        """Requests waiting for a replica to be up (a resume, or an arrival when none is):
+        aborted or not."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self.leases = Leases(
             config.door_lease_s,
@@ -337,9 +338,21 @@ class ClusterController:
         gets where it runs, its verdict as the replica's mirror holds it now).
         `door`: the front door that streams it, whose lease keeps it alive."""
         await self.ready()
+        rid = request.request_id
         if door is not None:
-            self.leases.own(request.request_id, door, time.monotonic())
-        return await self._decide(request, self.plane.submit(request, time.time()))
+            self.leases.own(rid, door, time.monotonic())
+        decision = self.plane.submit(request, time.time())
+        if decision is not None and decision.binding.verdict is None:  # no replica is up
+            self._resuming[rid] = False
+            try:
+                wait_s = self.config.arrival_wait_s
+                await self._until_a_replica_is_up(rid, time.monotonic() + wait_s)
+                if self._resuming[rid]:
+                    return Binding(rid, None, None, 0, "aborted while waiting for a replica")
+            finally:
+                self._resuming.pop(rid, None)
+            decision = self.plane.submit(request, time.time())
+        return await self._decide(request, decision)
 
     async def resume(
         self,

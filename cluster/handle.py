@@ -161,7 +161,7 @@ class ClusterHandle:
             binding = await self._call("submit", request, self.door_id)
             if binding.verdict is None:
                 finished = True
-                raise ClusterUnavailable(binding.reason)
+                raise ClusterUnavailable(binding.reason, binding.retry_after_s or None)
             if binding.verdict is Verdict.REJECTED:
                 finished = True
                 yield self._final(request, binding, None, progress)

@@ -19,6 +19,9 @@ class ApiError(Exception):
     message: str
     param: str | None = None
     """The request field at fault (OpenAI's `param`)."""
+    retry_after_s: float | None = None
+    """When the client may try again (Retry-After; gRPC's retry-after-ms), if the server
+    can tell."""
 
     status = 500
     code = grpc.StatusCode.INTERNAL
@@ -66,7 +69,7 @@ class ModelNotFound(ApiError):
 class Rejected(ApiError):
     """The backup policy declined the request: no replica could guarantee its SLO."""
 
-    retry_after_s: float = 1.0
+    retry_after_s: float | None = 1.0
 
     status = 429
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -93,7 +96,7 @@ class InternalError(ApiError):
 
 
 class Unavailable(ApiError):
-    """No replica is up; the request was not started."""
+    """No replica is up (within the cluster's arrival wait); the request was not started."""
 
     status = 503
     code = grpc.StatusCode.UNAVAILABLE

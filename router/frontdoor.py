@@ -370,7 +370,9 @@ class FrontDoor:
             first = await anext(stream)
         except ClusterUnavailable as exc:
             self.metrics.reject(tenant, "unavailable")
-            raise Unavailable(str(exc) or "no replica is up") from exc
+            raise Unavailable(
+                str(exc) or "no replica is up", retry_after_s=exc.retry_after_s
+            ) from exc
         except ValueError as exc:  # the cluster's own checks: what a replica's KV cache holds
             self.metrics.reject(tenant, "bad_request")
             raise BadRequest(str(exc), "max_tokens") from exc

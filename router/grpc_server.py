@@ -30,7 +30,7 @@ from cluster.api import ClusterStatus, FinalRecord
 from replica.batch import TokenLogprob
 from router import json_text
 from router.client import OPTIONAL_SCALARS
-from router.errors import ApiError, BadRequest, Rejected, Unavailable
+from router.errors import ApiError, BadRequest, Unavailable
 from router.frontdoor import Finished, FrontDoor, interleaved
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
@@ -274,7 +274,7 @@ def status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: ApiError) -> None:
-    if isinstance(error, Rejected):
+    if error.retry_after_s is not None:
         context.set_trailing_metadata((("retry-after-ms", str(int(error.retry_after_s * 1000))),))
     named = not error.param or error.message.startswith(error.param)
     details = error.message if named else f"{error.param}: {error.message}"

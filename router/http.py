@@ -35,7 +35,6 @@ from router.errors import (
     InternalError,
     ModelNotFound,
     NoRoute,
-    Rejected,
     TooLarge,
     Unavailable,
 )
@@ -54,7 +53,7 @@ from router.openai_schema import Endpoint, ParsedRequest, parse_detokenize, pars
 
 def error_response(error: ApiError) -> JSONResponse:
     headers = {}
-    if isinstance(error, Rejected):
+    if error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 

@@ -180,6 +180,26 @@ def test_controller_restart_keeps_in_flight_requests(
     assert final.verdict in ("admitted", "best_effort")
 
 
+def test_a_request_arriving_while_every_replica_is_down_waits_for_one(
+    cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
+) -> None:
+    """As Ray Serve queues requests while replicas start: not refused at once (a 503 every
+    client had to retry), but served once a restarted replica is up."""
+    prompt = [12, 34, 56]
+
+    async def run() -> tuple[list[int], FinalRecord]:
+        await status_until(cluster, all_alive, 240, 0.25)
+        for replica in cluster.replicas:
+            ray.kill(replica, no_restart=False)
+        await status_until(cluster, lambda s: not any(r.alive for r in s.replicas), 240, 0.05)
+        request = Request("arrival", prompt, SamplingParams(max_tokens=MAX_TOKENS), slo=LOOSE)
+        return await collect(cluster.submit(request))
+
+    tokens, final = runner.run(run())
+    assert tokens == greedy_reference(engine, "arrival", prompt, MAX_TOKENS)
+    assert final.finish_reason == "length" and final.migrations == 0
+
+
 def test_a_replica_started_after_a_burst_takes_the_best_effort_work_waiting_elsewhere(
     cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
 ) -> None:

@@ -1,5 +1,6 @@
 """A one-replica cluster with the reject backup policy: declined requests are refused with a
-reason and a Retry-After; with the replica gone, submit raises ClusterUnavailable. Its planning
+reason and a Retry-After; with the replica gone (and no arrival wait), submit raises
+ClusterUnavailable with the same Retry-After. Its planning
 tick is 5 s, so every verdict here comes from the pass the controller runs when a request
 arrives."""
 
@@ -40,6 +41,7 @@ def cluster(
         retry_after_s=2.5,
         num_kv_blocks=128,
         tick_interval_ms=TICK_MS,
+        arrival_wait_s=0.0,
     )
     yield from launched(runner, config)
 
@@ -82,7 +84,8 @@ def test_submit_raises_cluster_unavailable_when_no_replica_is_up(
 
     async def run() -> None:
         await status_until(cluster, lambda s: not any(r.alive for r in s.replicas), 100, 0.1)
-        with pytest.raises(ClusterUnavailable, match="no replica"):
+        with pytest.raises(ClusterUnavailable, match="no replica") as info:
             await anext(cluster.submit(tight("nowhere", 4)))
+        assert info.value.retry_after_s == 2.5
 
     runner.run(run())

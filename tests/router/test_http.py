@@ -13,8 +13,9 @@ from fastapi.testclient import TestClient
 from starlette.requests import Request
 from starlette.types import Message
 
+from cluster.api import ClusterUnavailable
 from router.auth import ApiKeys
-from router.client import AsyncClient, ClientError
+from router.client import AsyncClient, ClientError, RetryPolicy
 from router.errors import ClientGone, TooLarge
 from router.frontdoor import FrontDoor
 from router.grpc_server import start_grpc_server
@@ -196,3 +197,24 @@ def test_a_fault_outside_a_stream_answers_the_error_json(codec: TextCodec) -> No
     assert answer.json()["error"]["message"] == (
         "the server failed this request (KeyError); its log says why"
     )
+
+
+def test_no_replica_up_answers_503_with_the_clusters_retry_after(codec: TextCodec) -> None:
+    cluster = ScriptedCluster(every=lambda rid: [ClusterUnavailable("no replica is up", 2.5)])
+    door = door_over(cluster, codec)
+    answer = TestClient(create_app(door)).post("/v1/completions", json={"prompt": "Hi"})
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "3"
+    assert answer.json()["error"]["message"] == "no replica is up"
+
+    async def over_grpc() -> None:
+        server = await start_grpc_server(door, "127.0.0.1", 0)
+        try:
+            async with AsyncClient(f"127.0.0.1:{server.port}", retry=RetryPolicy(1)) as rpc:
+                with pytest.raises(ClientError) as info:
+                    await rpc.complete("Hi", timeout_s=10)
+        finally:
+            await server.stop()
+        assert info.value.code is grpc.StatusCode.UNAVAILABLE
+        assert info.value.retry_after_s == 2.5
+
+    asyncio.run(over_grpc())

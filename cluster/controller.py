@@ -647,7 +647,11 @@ class ClusterController:
 
     async def _health_loop(self) -> None:
         while True:
+            due = time.monotonic() + HEALTH_PERIOD_S
             await asyncio.sleep(HEALTH_PERIOD_S)
+            late = time.monotonic() - due
+            if late > HEALTH_PERIOD_S:  # this loop was held up: so were the doors' renewals
+                self.leases.excuse(late, time.monotonic())
             self._watch_leases()
             up = self._up()
             died = await asyncio.gather(*(self._check(i, patient=True) for i in up))

@@ -76,6 +76,12 @@ class Leases:
         self.closing = not self.doors
         return self.closing
 
+    def excuse(self, deaf_s: float, now: float) -> None:
+        """The controller heard nothing for `deaf_s` (its own loop held up, the renewals
+        queued behind it): that time does not count against the doors' leases."""
+        for door, renewed in self.doors.items():
+            self.doors[door] = min(now, renewed + deaf_s)
+
     def hearing(self, now: float) -> bool:
         """Restarted less than a lease ago: a live door may not have renewed with it yet."""
         return self.restarted and now - self.booted < self.lease_s

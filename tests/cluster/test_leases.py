@@ -129,3 +129,17 @@ def test_a_restarted_controller_is_still_hearing_from_its_doors_for_a_lease() ->
     assert leases.hearing(now=105.0) and not leases.live(now=105.0)
     assert not leases.hearing(now=110.0)
     assert not Leases(lease_s=10.0, booted=100.0).hearing(now=101.0)
+
+
+def test_time_the_controller_could_not_hear_does_not_count_against_a_lease() -> None:
+    """Its loop held up 8 s (a loaded host): the renewals queued behind it, and a door that
+    renewed 4 s before is not taken for dead; one silent for longer still lapses."""
+    leases = Leases(lease_s=10.0, booted=0.0)
+    leases.renew("alive", [], now=4.0)
+    leases.renew("dead", [], now=-20.0)
+    leases.excuse(8.0, now=16.0)
+    assert leases.expire(now=16.0) == ["dead"]
+    assert leases.doors == {"alive": 12.0}
+    leases.renew("alive", [], now=14.0)
+    leases.excuse(8.0, now=15.0)
+    assert leases.doors == {"alive": 15.0}  # never renewed in the future

@@ -21,7 +21,7 @@ from cluster.api import Verdict
 from cluster.autoscale import ScaleSample
 from cluster.messages import ReplicaSnapshot
 from cluster.metrics import PLANNER_BUCKETS_S, Metrics
-from cluster.routing import FirstHop, Router, RouteState
+from cluster.routing import FirstHop, Router, RouteState, least_loaded
 from cluster.virtual_replica import VirtualReplica
 from replica.planner.admission import AdmissionResult
 from replica.request import Request, Tier
@@ -194,7 +194,8 @@ class ControlPlane:
         waiting = {vr.index: vr.unstarted_best_effort(handing) for vr in self.replicas if vr.alive}
         moves: list[tuple[str, int]] = []
         while True:
-            least = min((i for i, ok in enumerate(routable) if ok), key=lambda i: (loads[i], i))
+            least = least_loaded(loads, routable)
+            assert least is not None  # some replica is routable
             busiest = max(
                 (i for i, rids in waiting.items() if rids and i != least),
                 key=lambda i: (loads[i], -i),
@@ -309,8 +310,7 @@ class ControlPlane:
         target = backup.best_effort_replica
         if target is None and p.resumed:
             # A request already streaming is never rejected mid-way: it finishes best-effort.
-            up = [i for i, ok in enumerate(alive) if ok]
-            target = min(up, key=lambda i: (self.replicas[i].load, i)) if up else None
+            target = least_loaded(self.loads(), alive)
         if target is None:
             if p.counts:
                 self.metrics.inc("rejected")

@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 
+def least_loaded(loads: Sequence[float], alive: Sequence[bool]) -> int | None:
+    """The live replica with the lowest load, the lower index among equals; None if none."""
+    up = [i for i, ok in enumerate(alive) if ok]
+    return min(up, key=lambda i: (loads[i], i)) if up else None
+
+
 class FirstHop(StrEnum):
     ROUND_ROBIN = "round_robin"
     """The paper's choice: spreads arrivals evenly, needs no load signal."""
@@ -90,7 +96,7 @@ class Router:
         if not up:
             return None
         if self.first_hop is FirstHop.LEAST_LOAD:
-            return min(up, key=lambda i: (loads[i], i))
+            return least_loaded(loads, alive)
         if self.first_hop is FirstHop.PREFIX and cached:
             least = min(loads[i] for i in up)
             near = [ok and loads[i] <= least + self.prefix_imbalance for i, ok in enumerate(alive)]
@@ -111,8 +117,7 @@ class Router:
         load."""
         if self.first_hop is FirstHop.PREFIX:
             return self.first(loads, alive, cached)
-        up = [i for i, ok in enumerate(alive) if ok]
-        return min(up, key=lambda i: (loads[i], i)) if up else None
+        return least_loaded(loads, alive)
 
     def _round_robin(self, eligible: Sequence[bool]) -> int:
         n = len(eligible)
@@ -137,8 +142,8 @@ class Router:
 
     def backup(self, state: RouteState, loads: Sequence[float], alive: Sequence[bool]) -> Backup:
         """Best-effort on the least loaded live replica, or a clean rejection."""
-        up = [i for i, ok in enumerate(alive) if ok]
-        if not up:
+        least = least_loaded(loads, alive)
+        if least is None:
             return Backup(None, "no replica is up", self.retry_after_s)
         if self.backup_policy is BackupPolicy.REJECT:
             return Backup(
@@ -146,4 +151,4 @@ class Router:
                 f"no replica could guarantee the SLO after {state.hops} hop(s)",
                 self.retry_after_s,
             )
-        return Backup(min(up, key=lambda i: (loads[i], i)))
+        return Backup(least)

@@ -76,7 +76,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         log=path.with_suffix(".log"),
         cwd=ROOT,
         startup_timeout_s=START_TIMEOUT_S,
-        argv=(str(Path(sys.executable).parent / "slos-serve"), "serve"),
+        argv=(str(Path(sys.executable).parent / "slos-serve"), "serve", "--address", "local"),
     )
     with serve_process.served(command) as process:
         yield Served(base, f"127.0.0.1:{grpc_port}", process)

@@ -37,6 +37,19 @@ def request(rid: str, prompt: list[int], max_tokens: int, slo: SLO | None) -> Re
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), slo=slo, tier=tier)
 
 
+async def pass_the_turn(cluster: ClusterHandle, rid: str, busy: int) -> None:
+    """Round robin's next turn goes to the loaded replica `busy`: a tight request takes the
+    other one's turn there and leaves (best-effort ones go to the least loaded, no turn)."""
+    turn = cluster.submit(request(rid, [8, 9], 400, TIGHT))
+    assert isinstance(await anext(turn), TokenChunk)
+    await turn.aclose()
+
+    def other_free(status: ClusterStatus) -> bool:
+        return all(r.admitted == 0 for r in status.replicas if r.replica != busy)
+
+    assert other_free(await status_until(cluster, other_free, 200, 0.05))
+
+
 def test_concurrent_two_tiers_match_standalone_greedy(
     cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
 ) -> None:
@@ -88,12 +101,12 @@ def test_declined_request_is_admitted_by_the_next_hop_then_best_effort(
         status = await cluster.status()
         loaded = [r.replica for r in status.replicas if r.admitted == 1]
         assert len(loaded) == 1
-        # Round robin: the best-effort filler takes the other replica's turn, so the next
-        # tight request's first hop is the loaded replica, which declines it.
-        _, filler = await collect(cluster.submit(request("route-1", [8, 9], 2, None)))
-        assert filler.verdict is Verdict.BEST_EFFORT
+        # The next tight request's first hop is the loaded replica, which declines it.
+        await pass_the_turn(cluster, "route-1", loaded[0])
         second = cluster.submit(request("route-2", [10, 11, 12], 400, TIGHT))
-        assert isinstance(await anext(second), TokenChunk)
+        placed = await anext(second)
+        assert isinstance(placed, TokenChunk) and placed.placement is not None
+        assert placed.placement.hops == 2 and placed.placement.replica != loaded[0]
         # Both replicas now hold a tight request: the third is served best-effort, later.
         tokens, third = await collect(cluster.submit(request("route-3", [13, 14], 8, TIGHT)))
         assert third.verdict is Verdict.BEST_EFFORT
@@ -115,7 +128,7 @@ def test_routed_request_final_record_shows_the_hop(
         first = cluster.submit(request("hop-0", [5, 6, 7], 400, TIGHT))
         assert isinstance(await anext(first), TokenChunk)
         loaded = [r.replica for r in (await cluster.status()).replicas if r.admitted == 1]
-        await collect(cluster.submit(request("hop-1", [8, 9], 2, None)))
+        await pass_the_turn(cluster, "hop-1", loaded[0])
         _, routed = await collect(cluster.submit(request("hop-2", [10, 11], 6, TIGHT)))
         await first.aclose()
         assert routed.replica not in loaded

@@ -176,7 +176,8 @@ class ControlPlane:
         return None
 
     def rebalance(self, now: float, handing: set[str]) -> list[tuple[str, int]]:
-        """Take back best-effort requests waiting for their first step at a replica that
+        """Take back best-effort requests waiting for their first step (a prefix credited
+        there included: the idle replica computes it again) at a replica that
         holds REBALANCE_GAP or more requests beyond the least loaded routable one, to be
         bound again: their clients resume them as after a replica failure, and a request
         best-effort by choice goes to the least loaded replica then (one declined may be

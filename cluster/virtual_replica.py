@@ -185,7 +185,8 @@ class VirtualReplica:
 
     def unstarted_best_effort(self, handing: AbstractSet[str]) -> list[str]:
         """The best-effort requests waiting for their first step, in the order bound, but
-        those in `handing` (still being handed to the replica)."""
+        those in `handing` (still being handed to the replica). One bound with a prefix
+        credit starts from it: computed so far, its prefill not begun (`credits`)."""
         states = self.scheduler.queues.states
         guaranteed = self.admitted
         return [
@@ -194,7 +195,7 @@ class VirtualReplica:
             if rid not in guaranteed
             and rid not in handing
             and not states[rid].output_token_ids
-            and states[rid].num_computed_tokens == 0
+            and states[rid].num_computed_tokens == self.credits.get(rid, 0)
         ]
 
     def has_work(self) -> bool:

@@ -436,3 +436,21 @@ def test_a_request_taken_back_and_never_resumed_holds_rebalancing_back_for_a_whi
     else:
         p.abort(first[0][0])
     assert p.rebalance(later, set()) != []
+
+
+def test_a_waiting_request_credited_a_cached_prefix_is_taken_back_too(tmp_path: Path) -> None:
+    """Traffic sharing a system prompt starts from its cached prefix: computed as far as the
+    mirror counts, its prefill not begun; moved, the idle replica computes it again (a
+    chaos test's repeated prompts were never moved before)."""
+    p = plane(tmp_path)
+    p.mark_dead(1)
+    vr = p.replicas[0]
+    prompt = [1] * 64
+    assert vr.computed is not None
+    vr.computed.remember(prompt)
+    for i in range(10):
+        request = Request(f"b{i}", prompt, SamplingParams(max_tokens=64), tier=Tier.BEST_EFFORT)
+        decide(p, request)
+    assert set(vr.credits.values()) == {48}
+    p.replicas[1].alive = True
+    assert [rid for rid, _ in p.rebalance(100.0, set())] == ["b9", "b8", "b7", "b6"]

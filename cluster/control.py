@@ -305,6 +305,11 @@ class ControlPlane:
             p.route.visited.append(nxt)
             self._queues[nxt].append(p)
             return None
+        rid = p.request.request_id
+        if not any(alive):  # its replica went down before deciding: no verdict, as at submit
+            retry = self.router.retry_after_s
+            binding = Binding(rid, None, None, p.route.hops, "no replica is up", retry)
+            return Decision(p.request, binding, p.resumed)
         if p.counts:
             self.metrics.inc("declined")
         backup = self.router.backup(p.route, self.loads(), alive)
@@ -315,11 +320,11 @@ class ControlPlane:
         if target is None:
             if p.counts:
                 self.metrics.inc("rejected")
-            rid = p.request.request_id
-            verdict = Verdict.REJECTED if any(alive) or not p.resumed else None
             return Decision(
                 p.request,
-                Binding(rid, verdict, None, p.route.hops, backup.reason, backup.retry_after_s),
+                Binding(
+                    rid, Verdict.REJECTED, None, p.route.hops, backup.reason, backup.retry_after_s
+                ),
                 p.resumed,
             )
         return self._serve_best_effort(p, target, now)

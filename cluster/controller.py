@@ -341,18 +341,19 @@ class ClusterController:
         rid = request.request_id
         if door is not None:
             self.leases.own(rid, door, time.monotonic())
-        decision = self.plane.submit(request, time.time())
-        if decision is not None and decision.binding.verdict is None:  # no replica is up
+        deadline = time.monotonic() + self.config.arrival_wait_s
+        while True:
+            binding = await self._decide(request, self.plane.submit(request, time.time()))
+            if binding.verdict is not None or time.monotonic() >= deadline:
+                return binding
+            # No replica is up, at arrival or before its verdict (its replica went down).
             self._resuming[rid] = False
             try:
-                wait_s = self.config.arrival_wait_s
-                await self._until_a_replica_is_up(rid, time.monotonic() + wait_s)
+                await self._until_a_replica_is_up(rid, deadline)
                 if self._resuming[rid]:
                     return Binding(rid, None, None, 0, "aborted while waiting for a replica")
             finally:
                 self._resuming.pop(rid, None)
-            decision = self.plane.submit(request, time.time())
-        return await self._decide(request, decision)
 
     async def resume(
         self,

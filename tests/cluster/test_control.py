@@ -454,3 +454,15 @@ def test_a_waiting_request_credited_a_cached_prefix_is_taken_back_too(tmp_path: 
     assert set(vr.credits.values()) == {48}
     p.replicas[1].alive = True
     assert [rid for rid, _ in p.rebalance(100.0, set())] == ["b9", "b8", "b7", "b6"]
+
+
+def test_a_request_whose_only_replica_dies_before_its_verdict_gets_none(tmp_path: Path) -> None:
+    """Not a rejection (verify-QA: 4-9 of 192 requests got an immediate 503, counted as
+    declined, which scaled an autoscaled cluster up): no verdict, as at arrival with no
+    replica up, so the controller waits for one (cluster.arrival_wait_s)."""
+    p = plane(tmp_path, replicas=1, backup_policy=BackupPolicy.REJECT)
+    assert p.submit(tight("a"), 100.0) is None  # waits for the replica's admission
+    p.mark_dead(0)
+    (decision,) = p.tick(100.0)
+    assert decision.binding.verdict is None and decision.binding.reason == "no replica is up"
+    assert p.metrics.counters == {}

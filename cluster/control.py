@@ -32,6 +32,10 @@ REBALANCE_GAP = 4
 """Requests a replica holds beyond the least loaded one before its waiting best-effort
 requests are bound again elsewhere (`ControlPlane.rebalance`)."""
 
+MOVED_MEMORY = 10_000
+"""The last requests `rebalance` moved, never moved again (a request moved in was the first
+to go back out: 16-27 of 443 moved twice or more in a burst, one 6 times)."""
+
 MOVE_TIMEOUT_S = 10.0
 """A request taken back from its replica that no client resumed within this long (its door
 died) no longer holds the next rebalance back."""
@@ -86,6 +90,8 @@ class ControlPlane:
         """Replicas being scaled down: they finish what they hold and take nothing new."""
         self._moving: dict[str, float] = {}
         """Requests taken back by `rebalance`, not resumed yet: when each was."""
+        self._moved: dict[str, None] = {}
+        """The last MOVED_MEMORY requests `rebalance` took back, oldest first."""
 
     def alive(self) -> list[bool]:
         return [vr.alive for vr in self.replicas]
@@ -183,16 +189,17 @@ class ControlPlane:
         best-effort by choice goes to the least loaded replica then (one declined may be
         admitted there). Else a replica that came up after a burst was bound (autoscaled,
         restarted, the first back after a failure) idles beside the backlog. The latest bound
-        go first; one round at a time, once the last one's requests were bound again (their
-        load counted where they went). `handing`: requests still being handed to their
-        replica, which could not let go of them. (request id, replica) pairs; the mirrors
-        forget them now."""
+        go first, and none twice; one round at a time, once the last one's requests were
+        bound again (their load counted where they went). `handing`: requests still being
+        handed to their replica, which could not let go of them. (request id, replica)
+        pairs; the mirrors forget them now."""
         self._moving = {r: t for r, t in self._moving.items() if now - t < MOVE_TIMEOUT_S}
         routable = self.routable()
         if self._moving or not any(routable):
             return []
         loads = self.loads()
-        waiting = {vr.index: vr.unstarted_best_effort(handing) for vr in self.replicas if vr.alive}
+        staying = handing | self._moved.keys()
+        waiting = {vr.index: vr.unstarted_best_effort(staying) for vr in self.replicas if vr.alive}
         moves: list[tuple[str, int]] = []
         while True:
             least = least_loaded(loads, routable)
@@ -210,6 +217,9 @@ class ControlPlane:
         for rid, replica in moves:
             self.replicas[replica].abort(rid)
             self._moving[rid] = now
+            self._moved[rid] = None
+            if len(self._moved) > MOVED_MEMORY:
+                del self._moved[next(iter(self._moved))]
         self.metrics.inc("rebalanced", len(moves))
         return moves
 

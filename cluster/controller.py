@@ -213,7 +213,7 @@ class ClusterController:
         """Set by a request that waits for a verdict: the tick loop plans without waiting."""
         self._revived: asyncio.Event | None = None
         """Set (and replaced) when a replica comes back up: resumes waiting for one wake."""
-        self._resuming: dict[str, bool] = {}
+        self._waiting_for_replica: dict[str, bool] = {}
         """Requests waiting for a replica to be up (a resume, or an arrival when none is):
         aborted or not."""
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -278,7 +278,7 @@ class ClusterController:
     def _end_orphans(self) -> None:
         if not (self.leases.owners or self.leases.settling):
             return
-        known = self.plane.request_ids() | set(self._waiters) | set(self._resuming)
+        known = self.plane.request_ids() | set(self._waiters) | set(self._waiting_for_replica)
         known.update(rid for binding in self._binding.values() for rid in binding)
         orphans = self.leases.orphans(known)
         unclaimed = self.leases.unclaimed(known, time.monotonic())
@@ -347,13 +347,13 @@ class ClusterController:
             if binding.verdict is not None or time.monotonic() >= deadline:
                 return binding
             # No replica is up, at arrival or before its verdict (its replica went down).
-            self._resuming[rid] = False
+            self._waiting_for_replica[rid] = False
             try:
                 await self._until_a_replica_is_up(rid, deadline)
-                if self._resuming[rid]:
+                if self._waiting_for_replica[rid]:
                     return Binding(rid, None, None, 0, "aborted while waiting for a replica")
             finally:
-                self._resuming.pop(rid, None)
+                self._waiting_for_replica.pop(rid, None)
 
     async def resume(
         self,
@@ -373,7 +373,7 @@ class ClusterController:
         rid = original.request_id
         resumed = resumed_request(original, delivered)
         deadline = time.monotonic() + RESUME_WAIT_S
-        self._resuming[rid] = False
+        self._waiting_for_replica[rid] = False
         try:
             if not any(up for i, up in enumerate(self.plane.routable()) if i != from_replica):
                 await self._check(from_replica)
@@ -381,7 +381,7 @@ class ClusterController:
             # Again while the replicas left go down before one takes it (verdict None).
             while binding is None or (binding.verdict is None and time.monotonic() < deadline):
                 await self._until_a_replica_is_up(rid, deadline)
-                if self._resuming[rid]:
+                if self._waiting_for_replica[rid]:
                     return Binding(rid, None, None, 0, "aborted while waiting for a replica")
                 if binding is None:
                     self._binding[from_replica].pop(rid, None)
@@ -390,7 +390,7 @@ class ClusterController:
                 binding = await self._decide(original, decision)
             return binding
         finally:
-            self._resuming.pop(rid, None)
+            self._waiting_for_replica.pop(rid, None)
 
     def _wake_resumes(self) -> None:
         """A replica became routable, or a resume was aborted: resumes waiting for one look
@@ -403,7 +403,7 @@ class ClusterController:
         """Wait for a routable replica, until `deadline` or the resumed request's abort."""
         while (
             not any(self.plane.routable())
-            and not self._resuming[request_id]
+            and not self._waiting_for_replica[request_id]
             and time.monotonic() < deadline
         ):
             if self._revived is None:
@@ -413,8 +413,8 @@ class ClusterController:
 
     async def abort(self, request_id: str) -> None:
         await self.ready()
-        if request_id in self._resuming:
-            self._resuming[request_id] = True
+        if request_id in self._waiting_for_replica:
+            self._waiting_for_replica[request_id] = True
             self._wake_resumes()  # its wait for a replica ends now
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None and not waiter.done():

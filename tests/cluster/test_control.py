@@ -360,6 +360,14 @@ def best_effort(rid: str) -> Request:
     return Request(rid, [1] * 8, SamplingParams(max_tokens=64), tier=Tier.BEST_EFFORT)
 
 
+def burst_while_1_is_down(p: ControlPlane, prefix: str = "b", count: int = 10) -> None:
+    """Best-effort requests bound to replica 0 while replica 1 is down; then 1 comes up."""
+    p.mark_dead(1)
+    for i in range(count):
+        decide(p, best_effort(f"{prefix}{i}"))
+    p.replicas[1].alive = True
+
+
 def test_best_effort_requests_go_to_the_least_loaded_replica(tmp_path: Path) -> None:
     """They never hop: round robin would bind every other one of a burst to a replica
     holding many while another holds few (one up since, say)."""
@@ -380,10 +388,7 @@ def test_a_replica_up_after_a_burst_takes_its_share_of_the_waiting_best_effort(
     (10 and 0 held: 4 go), and bound again at the least loaded when their clients resume
     them; one round at a time, so a move in flight is not made twice."""
     p = plane(tmp_path)
-    p.mark_dead(1)
-    for i in range(10):
-        decide(p, best_effort(f"b{i}"))
-    p.replicas[1].alive = True
+    burst_while_1_is_down(p)
     moves = p.rebalance(100.0, set())
     assert moves == [(f"b{i}", 0) for i in (9, 8, 7, 6)]
     assert len(p.replicas[0].held) == 6 and p.metrics.counters["rebalanced"] == 4
@@ -417,18 +422,11 @@ def test_a_request_taken_back_and_never_resumed_holds_rebalancing_back_for_a_whi
     """Its door died: after MOVE_TIMEOUT_S the next round goes on without it; its abort (the
     lease's end) lets it go at once."""
     p = plane(tmp_path)
-
-    def burst(prefix: str) -> None:
-        p.mark_dead(1)
-        for i in range(10):
-            decide(p, best_effort(f"{prefix}{i}"))
-        p.replicas[1].alive = True
-
-    burst("b")
+    burst_while_1_is_down(p)
     first = p.rebalance(100.0, set())
     for rid, replica in first[1:]:
         resume(p, best_effort(rid), [], replica)
-    burst("c")
+    burst_while_1_is_down(p, "c")
     assert p.rebalance(100.0 + MOVE_TIMEOUT_S / 2, set()) == []
     later = 100.0 + MOVE_TIMEOUT_S / 2
     if let_go == "timeout":
@@ -472,10 +470,7 @@ def test_a_request_moved_once_is_never_moved_back(tmp_path: Path) -> None:
     """The latest bound go first: without a memory, the requests just moved in would be the
     first to go back out once the gap turned (verify-QA: 16-27 of 443 moved twice or more)."""
     p = plane(tmp_path)
-    p.mark_dead(1)
-    for i in range(10):
-        decide(p, best_effort(f"b{i}"))
-    p.replicas[1].alive = True
+    burst_while_1_is_down(p)
     moved = p.rebalance(100.0, set())
     for rid, replica in moved:
         resume(p, best_effort(rid), [], replica)

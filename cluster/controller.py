@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -342,18 +342,11 @@ class ClusterController:
         if door is not None:
             self.leases.own(rid, door, time.monotonic())
         deadline = time.monotonic() + self.config.arrival_wait_s
-        while True:
-            binding = await self._decide(request, self.plane.submit(request, time.time()))
-            if binding.verdict is not None or time.monotonic() >= deadline:
-                return binding
-            # No replica is up, at arrival or before its verdict (its replica went down).
-            self._waiting_for_replica[rid] = False
-            try:
-                await self._until_a_replica_is_up(rid, deadline)
-                if self._waiting_for_replica[rid]:
-                    return Binding(rid, None, None, 0, "aborted while waiting for a replica")
-            finally:
-                self._waiting_for_replica.pop(rid, None)
+
+        async def decide() -> Binding:
+            return await self._decide(request, self.plane.submit(request, time.time()))
+
+        return await self._when_a_replica_is_up(rid, deadline, decide)
 
     async def resume(
         self,
@@ -365,30 +358,50 @@ class ClusterController:
         """Continue a request whose replica failed mid-stream, after `delivered` tokens. When
         every replica is down (Ray is restarting them), wait up to RESUME_WAIT_S for one
         rather than give the stream up, also when the replicas left go down before one takes
-        it (a second failure); the failed replica is checked first when it is the only one
-        up, since the health loop may not have seen it fail yet."""
+        it (a second failure)."""
         await self.ready()
         if door is not None:
             self.leases.own(original.request_id, door, time.monotonic())
         rid = original.request_id
         resumed = resumed_request(original, delivered)
         deadline = time.monotonic() + RESUME_WAIT_S
+        migrated = False
+
+        async def decide() -> Binding:
+            nonlocal migrated
+            if not migrated:  # once, when a replica is up to take it
+                migrated = True
+                self._binding[from_replica].pop(rid, None)
+                self.plane.migrate(rid, from_replica)
+            decision = self.plane.submit(resumed, time.time(), resumed=True)
+            return await self._decide(original, decision)
+
+        return await self._when_a_replica_is_up(rid, deadline, decide, from_replica)
+
+    async def _when_a_replica_is_up(
+        self,
+        rid: str,
+        deadline: float,
+        decide: Callable[[], Awaitable[Binding]],
+        failed: int | None = None,
+    ) -> Binding:
+        """`decide` once a replica is up, again while the replicas go down before one takes
+        the request (verdict None), until `deadline` or the request's abort. `failed`: the
+        replica the request's stream just lost, checked first when it is the only one up,
+        since the health loop may not have seen it fail yet."""
         self._waiting_for_replica[rid] = False
         try:
-            if not any(up for i, up in enumerate(self.plane.routable()) if i != from_replica):
-                await self._check(from_replica)
-            binding: Binding | None = None
-            # Again while the replicas left go down before one takes it (verdict None).
-            while binding is None or (binding.verdict is None and time.monotonic() < deadline):
+            if failed is not None and not any(
+                up for i, up in enumerate(self.plane.routable()) if i != failed
+            ):
+                await self._check(failed)
+            while True:
                 await self._until_a_replica_is_up(rid, deadline)
                 if self._waiting_for_replica[rid]:
                     return Binding(rid, None, None, 0, "aborted while waiting for a replica")
-                if binding is None:
-                    self._binding[from_replica].pop(rid, None)
-                    self.plane.migrate(rid, from_replica)
-                decision = self.plane.submit(resumed, time.time(), resumed=True)
-                binding = await self._decide(original, decision)
-            return binding
+                binding = await decide()
+                if binding.verdict is not None or time.monotonic() >= deadline:
+                    return binding
         finally:
             self._waiting_for_replica.pop(rid, None)
 

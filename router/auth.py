@@ -1,7 +1,8 @@
 """API keys: who may call, and which tenant a call is counted under.
 
 Keys come from a file (one `key [tenant]` per line, `#` comments) and/or the environment
-variable SLOS_SERVE_API_KEYS (`key[:tenant]`, comma-separated). A key without a tenant is
+variable SLOS_SERVE_API_KEYS (`key[:tenant]`, comma-separated); a key is looked up by its
+hash. A key without a tenant is
 counted under "default". With no keys configured every call is accepted as tenant "default",
 and the servers bind to 127.0.0.1 unless told otherwise, so an open server is never exposed by
 accident.
@@ -9,11 +10,13 @@ accident.
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from router.errors import Unauthorized
@@ -22,6 +25,8 @@ ENV_VAR = "SLOS_SERVE_API_KEYS"
 DEFAULT_TENANT = "default"
 UNKNOWN_TENANT = "unknown"
 """What a call no key names is counted under."""
+KEY = re.compile(r"[\x21-\x7e]+")
+COMMENT = re.compile(r"(^|\s)#.*")
 LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
 
@@ -32,6 +37,12 @@ logger = logging.getLogger(__name__)
 class ApiKeys:
     tenants: Mapping[str, str] = field(default_factory=dict)
     """key -> tenant."""
+
+    @cached_property
+    def _by_digest(self) -> dict[bytes, str]:
+        """Looked up by the key's SHA-256: one hash per call whatever the number of keys, and
+        no timing that tells how much of a guess matches a key."""
+        return {_digest(key): tenant for key, tenant in self.tenants.items()}
 
     @property
     def enabled(self) -> bool:
@@ -44,16 +55,24 @@ class ApiKeys:
 
     @classmethod
     def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ApiKeys:
-        """Keys from the file (if given) plus the environment variable (if set)."""
+        """Keys from the file (if given) plus the environment variable (if set). A key given
+        twice for two tenants, or one no client could send, stops the start naming it."""
         tenants: dict[str, str] = {}
         if path is not None:
             try:
-                text = Path(path).read_text()
-            except OSError as exc:
-                raise ValueError(f"api_keys_file {str(path)!r}: {exc.strerror}") from None
+                text = Path(path).read_text(encoding="utf-8-sig")  # an editor's BOM is no key
+            except (OSError, UnicodeDecodeError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+                raise ValueError(f"api_keys_file {str(path)!r}: {why}") from None
             tenants.update(parse_key_file(text, str(path)))
         raw = (os.environ if env is None else env).get(ENV_VAR, "")
-        tenants.update(parse_key_env(raw))
+        for key, tenant in parse_key_env(raw).items():
+            if tenants.get(key, tenant) != tenant:
+                raise ValueError(
+                    f"{ENV_VAR} gives a key of api_keys_file's tenant {tenants[key]!r} to "
+                    f"tenant {tenant!r}: one key, one tenant"
+                )
+            tenants[key] = tenant
         if path is not None and not tenants:
             # A keys file says keys are wanted: an empty one (every key revoked) must not
             # open the server to every caller.
@@ -72,11 +91,10 @@ class ApiKeys:
         scheme, _, key = authorization.strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthorized("malformed Authorization header: expected Bearer <key>")
-        key = key.strip()
-        for known, tenant in self.tenants.items():
-            if hmac.compare_digest(known.encode(), key.encode()):
-                return tenant
-        raise Unauthorized("invalid API key")
+        tenant = self._by_digest.get(_digest(key.strip()))
+        if tenant is None:
+            raise Unauthorized("invalid API key")
+        return tenant
 
     def bind_host(self, configured: str | None, server: str) -> str:
         """The address to listen on; says at start whether the server is open."""
@@ -98,21 +116,57 @@ class ApiKeys:
 
 
 def parse_key_file(text: str, source: str) -> dict[str, str]:
+    """`key [tenant]` per line; `#` starts a comment at a line's start or after a space (a
+    key may hold one)."""
     tenants: dict[str, str] = {}
+    lines: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), start=1):
-        words = line.split("#", 1)[0].split()
+        words = COMMENT.sub("", line).split()
         if not words:
             continue
+        where = f"{source}:{number}"
         if len(words) > 2:
-            raise ValueError(f"{source}:{number}: expected `key [tenant]`, got {len(words)} words")
-        tenants[words[0]] = words[1] if len(words) == 2 else DEFAULT_TENANT
+            raise ValueError(f"{where}: expected `key [tenant]`, got {len(words)} words")
+        key, tenant = words[0], words[1] if len(words) == 2 else DEFAULT_TENANT
+        _check(key, tenant, where)
+        if key in lines:
+            raise ValueError(f"{where}: the key of line {lines[key]} again: one key, one line")
+        lines[key], tenants[key] = number, tenant
     return tenants
 
 
 def parse_key_env(raw: str) -> dict[str, str]:
+    """`key[:tenant]` items, comma-separated, spaces around either part ignored."""
     tenants: dict[str, str] = {}
-    for item in raw.split(","):
-        key, _, tenant = item.strip().partition(":")
-        if key:
-            tenants[key] = tenant or DEFAULT_TENANT
+    items = [item for item in raw.split(",") if item.strip()]
+    for number, item in enumerate(items, start=1):
+        key, _, tenant = (part.strip() for part in item.partition(":"))
+        where = f"{ENV_VAR} item {number} ({item.strip()!r})"
+        if not key:
+            raise ValueError(f"{where}: no key before the ':'")
+        _check(key, tenant or DEFAULT_TENANT, where)
+        if key in tenants:
+            raise ValueError(f"{where}: that key again: one key, one item")
+        tenants[key] = tenant or DEFAULT_TENANT
+    if raw.strip() and not tenants:
+        raise ValueError(f"{ENV_VAR} is set but holds no key: unset it to run open")
     return tenants
+
+
+def _check(key: str, tenant: str, where: str) -> None:
+    """A key a client can send in an HTTP header or gRPC metadata (visible ASCII, which
+    their stacks pass unchanged), counted under a tenant named in one word, other than
+    unauthorized calls' tenant."""
+    if not KEY.fullmatch(key):
+        raise ValueError(
+            f"{where}: an API key is visible ASCII characters only (HTTP headers and gRPC "
+            "metadata carry no others)"
+        )
+    if tenant.split() != [tenant]:
+        raise ValueError(f"{where}: tenant {tenant!r} holds a space")
+    if tenant == UNKNOWN_TENANT:
+        raise ValueError(f"{where}: tenant {UNKNOWN_TENANT!r} is what calls with no key count as")
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()

@@ -36,6 +36,7 @@ from router.errors import (
     ModelNotFound,
     NoRoute,
     TooLarge,
+    Unauthorized,
     Unavailable,
 )
 from router.frontdoor import Finished, FrontDoor, Generation, TextDelta, interleaved
@@ -55,6 +56,8 @@ def error_response(error: ApiError) -> JSONResponse:
     headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    if isinstance(error, Unauthorized):  # RFC 6750: the scheme the server wants
+        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 

@@ -54,3 +54,58 @@ def test_a_key_file_with_no_keys_refuses_to_start_open(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^api_keys_file '.*keys' holds no keys"):
         ApiKeys.load(path, env={})
     assert ApiKeys.load(path, env={ENV_VAR: "sk-e:team-e"}).authenticate("Bearer sk-e") == "team-e"
+
+
+def test_a_hash_inside_a_key_is_part_of_it_and_one_after_a_space_starts_a_comment() -> None:
+    """`abc#def gamma` was read as key `abc` of tenant default (the rest a comment)."""
+    assert parse_key_file("abc#def gamma\nsk-x # team-x\n#sk-y\n", "keys") == {
+        "abc#def": "gamma",
+        "sk-x": "default",
+    }
+
+
+def test_the_file_may_begin_with_a_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("sk-bom team\n", encoding="utf-8-sig")
+    assert ApiKeys.load(path, env={}).authenticate("Bearer sk-bom") == "team"
+
+
+def test_spaces_around_the_env_separators_are_not_part_of_key_or_tenant() -> None:
+    keys = ApiKeys.load(None, env={ENV_VAR: " sk-a : team-a ,, sk-b ,"})
+    assert keys.tenants == {"sk-a": "team-a", "sk-b": "default"}
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "error"),
+    [
+        ("sk-dup alpha\nsk-ok\nsk-dup beta\n", "", r"keys:3: the key of line 1 again"),
+        ("sk-dup alpha\nsk-dup alpha\n", "", r"keys:2: the key of line 1 again"),
+        ("ключ-1 команда\n", "", r"keys:1: an API key is visible ASCII characters only"),
+        ("sk-a unknown\n", "", r"keys:1: tenant 'unknown' is what calls with no key count as"),
+        ("sk-a alpha\n", "sk-a:beta", r"file's tenant 'alpha' to tenant 'beta'"),
+        ("", "sk-a:x,sk-a:y", r"item 2 \('sk-a:y'\): that key again"),
+        ("", ":alpha", r"item 1 \(':alpha'\): no key before the ':'"),
+        ("", "sk-a:two words", r"item 1 .*: tenant 'two words' holds a space"),
+        ("", " , ,", r"SLOS_SERVE_API_KEYS is set but holds no key"),
+    ],
+)
+def test_keys_that_conflict_or_no_client_could_send_stop_the_start(
+    tmp_path: Path, text: str, env: str, error: str
+) -> None:
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=error):
+        ApiKeys.load(path if text else None, env={ENV_VAR: env})
+
+
+def test_the_same_key_for_the_same_tenant_in_file_and_env_is_one_key(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("sk-a alpha\n")
+    assert ApiKeys.load(path, env={ENV_VAR: "sk-a:alpha"}).tenants == {"sk-a": "alpha"}
+
+
+def test_many_keys_each_find_their_tenant() -> None:
+    keys = ApiKeys({f"sk-{i}": f"t{i % 7}" for i in range(10_000)})
+    assert keys.authenticate("Bearer sk-9999") == "t3"
+    with pytest.raises(Unauthorized):
+        keys.authenticate("Bearer sk-10000")

@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
-from ray import ObjectRef
+from ray import ObjectRef, ObjectRefGenerator
 from ray.actor import ActorHandle
-from ray.exceptions import ActorDiedError, RayActorError
+from ray.exceptions import ActorDiedError, RayActorError, TaskCancelledError
 from ray.util.placement_group import PlacementGroup, get_placement_group, remove_placement_group
 
 from cluster.api import (
@@ -218,11 +218,19 @@ class ClusterHandle:
         return Placement(binding.verdict, binding.replica, binding.hops)
 
     async def _stream(self, binding: Binding, request_id: str) -> AsyncIterator[StreamItem]:
+        """The replica's items (a cancelled task: see `_call`)."""
+        try:
+            async for ref in self._open_stream(binding, request_id):
+                yield await ref
+        except TaskCancelledError:
+            raise asyncio.CancelledError from None
+
+    @staticmethod
+    def _open_stream(binding: Binding, request_id: str) -> ObjectRefGenerator:
         actor: Any = binding.actor
         assert actor is not None
-        gen: Any = actor.stream.options(num_returns="streaming").remote(request_id)
-        async for ref in gen:
-            yield await ref
+        gen: ObjectRefGenerator = actor.stream.options(num_returns="streaming").remote(request_id)
+        return gen
 
     async def _resume(self, request: Request, binding: Binding, progress: _Progress) -> Binding:
         """Continue elsewhere after the delivered tokens (the controller waits for a replica
@@ -275,12 +283,16 @@ class ClusterHandle:
         return snapshot
 
     async def _call(self, method: str, *args: object) -> Any:
-        """A controller call that rides out a controller restart."""
+        """A controller call that rides out a controller restart. The Ray tasks a request
+        awaits are cancelled only with it (Ray Serve cancels them when its client leaves):
+        that reaches the caller as the cancellation it is, not as a fault."""
         for _ in range(CONTROLLER_RETRIES):
             try:
                 return await getattr(self._controller, method).remote(*args)
             except RayActorError:
                 await asyncio.sleep(RETRY_DELAY_S)
+            except TaskCancelledError:
+                raise asyncio.CancelledError from None
         raise ClusterUnavailable("the cluster controller does not answer")
 
     async def attach(self) -> bool:

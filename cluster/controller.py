@@ -920,6 +920,12 @@ class ClusterController:
             start_error=self._start_error,
         )
 
+    async def replica_up(self, replica: int) -> bool:
+        """Whether the health loop takes the replica for up: a stream stalled on it asks, as
+        a hung replica's streams never end by themselves."""
+        await self.ready()
+        return self.plane.replicas[replica].alive
+
     async def replica_handles(self) -> list[ActorHandle | None]:
         """Per slot, the replica a front door may stream from and ask for the model's limits
         (None: off, starting, or draining to stop)."""

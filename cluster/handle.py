@@ -21,7 +21,7 @@ from typing import Any
 import ray
 from ray import ObjectRef, ObjectRefGenerator
 from ray.actor import ActorHandle
-from ray.exceptions import ActorDiedError, RayActorError, TaskCancelledError
+from ray.exceptions import ActorDiedError, RayActorError, RayError, TaskCancelledError
 from ray.util.placement_group import PlacementGroup, get_placement_group, remove_placement_group
 
 from cluster.api import (
@@ -51,6 +51,10 @@ CONTROLLER_RETRIES = 20
 """Controller calls retried while Ray restarts it (each after RETRY_DELAY_S)."""
 RETRY_DELAY_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
+STALL_CHECK_S = 3.0
+"""How long a stream waits for its replica's next item before it asks whether the replica
+is up (`ClusterHandle._next_ref`)."""
+STALLED_DOWN_CHECKS = 2
 DEAD_RENEWALS = 3
 """Renewals in a row that find the controller dead for good (`ActorDiedError`; a restarting
 one holds the call) before the door takes its cluster for stopped."""
@@ -219,11 +223,50 @@ class ClusterHandle:
 
     async def _stream(self, binding: Binding, request_id: str) -> AsyncIterator[StreamItem]:
         """The replica's items (a cancelled task: see `_call`)."""
+        gen = self._open_stream(binding, request_id)
         try:
-            async for ref in self._open_stream(binding, request_id):
+            while (ref := await self._next_ref(gen, binding, request_id)) is not None:
                 yield await ref
         except TaskCancelledError:
             raise asyncio.CancelledError from None
+
+    async def _next_ref(
+        self, gen: ObjectRefGenerator, binding: Binding, request_id: str
+    ) -> ObjectRef[StreamItem] | None:
+        """The stream's next item (None: its end). A replica that hangs (a wedged device, a
+        stopped process) holds its streams for as long as it hangs, while the controller
+        takes it for down and routes around it: a stream that waits STALL_CHECK_S for an
+        item asks whether its replica is up, and once told twice in a row that it is not,
+        aborts it there (the replica gets the abort when it wakes) and resumes elsewhere.
+        Twice, as a replica the health loop took for down on a loaded machine is back
+        within seconds."""
+        step = asyncio.ensure_future(anext(gen, None))
+        down = 0
+        try:
+            while not (await asyncio.wait({step}, timeout=STALL_CHECK_S))[0]:
+                check = asyncio.ensure_future(self._replica_up(binding))
+                await asyncio.wait({step, check}, return_when=asyncio.FIRST_COMPLETED)
+                if not check.done():  # the item came first (a restarting controller is slow)
+                    check.cancel()
+                    continue
+                down = 0 if check.result() else down + 1
+                if down == STALLED_DOWN_CHECKS:
+                    actor: Any = binding.actor
+                    actor.abort.remote(request_id)
+                    raise _Lost
+            ref: ObjectRef[StreamItem] | None = step.result()
+            return ref
+        finally:
+            step.cancel()
+
+    async def _replica_up(self, binding: Binding) -> bool:
+        """Whether the controller takes the binding's replica for up (yes when it cannot say:
+        the stream waits on, as it did before it asked)."""
+        try:
+            up: bool = await self._controller.replica_up.remote(binding.replica)
+        except RayError:
+            return True
+        return up
 
     @staticmethod
     def _open_stream(binding: Binding, request_id: str) -> ObjectRefGenerator:
@@ -387,7 +430,7 @@ def _holds(name: str, actor: ActorHandle, namespace: str | None) -> bool:
 
 
 class _Lost(Exception):
-    """The replica no longer holds the request (it restarted)."""
+    """The replica no longer holds the request (it restarted, or let it go), or hangs."""
 
 
 def check_launch(config: ClusterConfig) -> None:

@@ -4,6 +4,8 @@ mid-stream, a replica replaced after a burst was bound to the other."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import ray
@@ -84,6 +86,46 @@ def test_killed_replica_streams_resume_elsewhere_without_loss_or_duplicates(
 
     assert runner.run(back()), "the killed replica did not rejoin after its restart"
     assert runner.run(cluster.status()).counters["migrated"] >= 1
+
+
+def test_a_hung_replicas_streams_resume_elsewhere_and_it_lets_them_go_when_it_wakes(
+    cluster: ClusterHandle, runner: asyncio.Runner, engine: Engine
+) -> None:
+    """A replica that hangs (here SIGSTOP; a wedged device alike) answers no health check and
+    is taken for down, but its streams stalled for as long as it hung (20 s and 60 s live,
+    not resumed): they resume on the other replica, and the hung one, once it wakes, drops
+    what moved instead of computing it for no one."""
+    reqs = prompts("hang")
+
+    async def run() -> tuple[list[tuple[list[int], FinalRecord]], int]:
+        started, tasks = start_streams(cluster, reqs)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
+        victim = await holder(cluster, next(iter(reqs)))
+        pid = await cluster.replicas[victim].__ray_call__.remote(lambda _: os.getpid())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), 120)), victim
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    results, victim = runner.run(run())
+    for (rid, prompt), (tokens, final) in zip(reqs.items(), results, strict=True):
+        assert tokens == greedy_reference(engine, rid, prompt, MAX_TOKENS), rid
+        assert final.finish_reason in ("length", "stop")
+    assert any(final.migrations > 0 for _, final in results)
+    assert all(final.replica != victim for _, final in results)
+
+    async def victim_holds() -> set[str]:
+        for _ in range(200):
+            snapshot = await cluster.replicas[victim].snapshot.remote()
+            held = {h.request.request_id for h in snapshot.requests} & set(reqs)
+            if not held:
+                break
+            await asyncio.sleep(0.1)
+        return held
+
+    assert runner.run(victim_holds()) == set()
+    assert runner.run(status_until(cluster, all_alive, 60, 0.25)).replicas
 
 
 def test_streams_resume_when_both_replicas_die_one_after_the_other(

@@ -200,6 +200,13 @@ class ClusterConfig:
             "arrival_wait_s",
         ):
             check_non_negative(name, getattr(self, name))
+        per_rank = self.num_gpus_per_replica / self.tensor_parallel_size
+        if self.tensor_parallel_size > 1 and self.num_gpus_per_replica and per_rank % 1:
+            # Ray would pack fractional ranks onto one device: shards sharing a GPU.
+            raise ValueError(
+                f"num_gpus_per_replica ({self.num_gpus_per_replica:g}) must be a multiple of "
+                f"tensor_parallel_size ({self.tensor_parallel_size}): each rank on GPUs of its own"
+            )
         check_positive("tick_interval_ms", self.tick_interval_ms)
         if self.tick_interval_ms > 10_000:
             raise ValueError(f"tick_interval_ms must be in (0, 10000], got {self.tick_interval_ms}")

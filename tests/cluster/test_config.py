@@ -63,6 +63,18 @@ def test_bad_values_are_named(field: str, value: object, message: str) -> None:
         ClusterConfig.from_dict(data)
 
 
+@pytest.mark.parametrize(("gpus", "tp"), [(1, 4), (2, 4), (6, 4)])
+def test_tensor_parallel_ranks_each_get_whole_gpus(gpus: float, tp: int) -> None:
+    """tp 4 on 1 GPU was taken: Ray packed the four 0.25-GPU ranks onto one device."""
+    data = {"model": "m", "draft": "d", "num_gpus_per_replica": gpus, "tensor_parallel_size": tp}
+    with pytest.raises(ValueError, match=f"must be a multiple of tensor_parallel_size \\({tp}\\)"):
+        ClusterConfig.from_dict(data)
+    assert ClusterConfig.from_dict({**data, "num_gpus_per_replica": 8}).tensor_parallel_size == tp
+    assert ClusterConfig.from_dict({**data, "num_gpus_per_replica": 0}).tensor_parallel_size == tp
+    shared = {"model": "m", "draft": "d", "num_gpus_per_replica": 0.5}  # two replicas a GPU
+    assert ClusterConfig.from_dict(shared).num_gpus_per_replica == 0.5
+
+
 NAN, INF = float("nan"), float("inf")
 
 

@@ -294,7 +294,7 @@ class FrontDoorMetrics:
             "Requests that ended with a finish reason (stop, length, abort: a fault in the "
             "request's own part of a step, or an output grammar it could no longer follow), "
             "by that reason; those rejected, cancelled or lost have none.",
-            ["model", "finish_reason"],
+            [*by_tenant, "finish_reason"],
             registry=self.registry,
         )
         self.prompt_tokens = Counter(
@@ -351,7 +351,7 @@ class FrontDoorMetrics:
             return
         self._record_served(record, tier, tenant)
         if record.finish_reason is not None:
-            self.finished.labels(self.model, record.finish_reason).inc()
+            self.finished.labels(self.model, tenant, record.finish_reason).inc()
         if record.finish_time is not None and record.num_output_tokens:
             self.e2e.labels(self.model, tier).observe(record.finish_time - record.arrival_time)
 

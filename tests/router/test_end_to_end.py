@@ -219,7 +219,8 @@ def test_a_grammar_the_model_can_no_longer_follow_ends_aborted_saying_why(
     assert (result.finish_reason, result.abort_reason) == ("abort", why)
     metrics = httpx.get(live.http_url + "/metrics", timeout=10).text
     assert re.search(
-        r'requests_finished_total\{finish_reason="abort",model="demo"\} [2-9]', metrics
+        r'requests_finished_total\{finish_reason="abort",model="demo",tenant="[^"]+"\} [2-9]',
+        metrics,
     )
 
 

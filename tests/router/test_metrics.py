@@ -108,6 +108,9 @@ def test_counts_match_records_fed() -> None:
     assert s[(PREFIX + "prompt_tokens_total", best)] == 2 * 5
     assert s[(PREFIX + "generation_tokens_total", best)] == 4
     assert s[(PREFIX + "route_hops_sum", (("model", "demo"),))] == 11
+    by_reason = (("finish_reason", "length"), ("model", "demo"))
+    assert s[(PREFIX + "requests_finished_total", (*by_reason, ("tenant", "team-a")))] == 2
+    assert s[(PREFIX + "requests_finished_total", (*by_reason, ("tenant", "team-b")))] == 1
 
 
 def test_cluster_snapshot_is_replaced_not_summed() -> None:

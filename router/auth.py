@@ -2,7 +2,7 @@
 
 Keys come from a file (one `key [tenant]` per line, `#` comments) and/or the environment
 variable SLOS_SERVE_API_KEYS (`key[:tenant]`, comma-separated); a key is looked up by its
-hash. A key without a tenant is
+hash, and the file is read again when it changes. A key without a tenant is
 counted under "default". With no keys configured every call is accepted as tenant "default",
 and the servers bind to 127.0.0.1 unless told otherwise, so an open server is never exposed by
 accident.
@@ -14,9 +14,9 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 from router.errors import Unauthorized
@@ -27,22 +27,33 @@ UNKNOWN_TENANT = "unknown"
 """What a call no key names is counted under."""
 KEY = re.compile(r"[\x21-\x7e]+")
 COMMENT = re.compile(r"(^|\s)#.*")
+RELOAD_S = 5.0
 LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class ApiKeys:
     tenants: Mapping[str, str] = field(default_factory=dict)
     """key -> tenant."""
+    path: Path | None = None
+    """The keys file, read again once it changed: a key revoked (a Kubernetes Secret edited)
+    stops working within RELOAD_S, without a restart."""
+    env: Mapping[str, str] | None = None
+    """Where SLOS_SERVE_API_KEYS is read, with the file (None: the process environment)."""
+    clock: Callable[[], float] = time.monotonic
+    _by_digest: dict[bytes, str] = field(init=False, repr=False)
+    """Keys by their SHA-256: one hash per call whatever the number of keys, and no timing
+    that tells how much of a guess matches a key."""
+    _stamp: tuple[int, int, int] | None = field(init=False, repr=False)
+    _looked: float = field(init=False, repr=False)
 
-    @cached_property
-    def _by_digest(self) -> dict[bytes, str]:
-        """Looked up by the key's SHA-256: one hash per call whatever the number of keys, and
-        no timing that tells how much of a guess matches a key."""
-        return {_digest(key): tenant for key, tenant in self.tenants.items()}
+    def __post_init__(self) -> None:
+        self._by_digest = {_digest(key): tenant for key, tenant in self.tenants.items()}
+        self._stamp = None if self.path is None else _stamp(self.path)
+        self._looked = self.clock()
 
     @property
     def enabled(self) -> bool:
@@ -57,33 +68,33 @@ class ApiKeys:
     def load(cls, path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ApiKeys:
         """Keys from the file (if given) plus the environment variable (if set). A key given
         twice for two tenants, or one no client could send, stops the start naming it."""
-        tenants: dict[str, str] = {}
-        if path is not None:
-            try:
-                text = Path(path).read_text(encoding="utf-8-sig")  # an editor's BOM is no key
-            except (OSError, UnicodeDecodeError) as exc:
-                why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-                raise ValueError(f"api_keys_file {str(path)!r}: {why}") from None
-            tenants.update(parse_key_file(text, str(path)))
-        raw = (os.environ if env is None else env).get(ENV_VAR, "")
-        for key, tenant in parse_key_env(raw).items():
-            if tenants.get(key, tenant) != tenant:
-                raise ValueError(
-                    f"{ENV_VAR} gives a key of api_keys_file's tenant {tenants[key]!r} to "
-                    f"tenant {tenant!r}: one key, one tenant"
-                )
-            tenants[key] = tenant
-        if path is not None and not tenants:
-            # A keys file says keys are wanted: an empty one (every key revoked) must not
-            # open the server to every caller.
-            raise ValueError(
-                f"api_keys_file {str(path)!r} holds no keys (nor does {ENV_VAR}); refusing to "
-                "start without authentication: add a key, or drop api_keys_file to run open"
-            )
-        return cls(tenants)
+        file = None if path is None else Path(path)
+        return cls(read_keys(file, env), file, env)
+
+    def _follow(self) -> None:
+        """Take the keys file again if it changed (looked at once per RELOAD_S at most). A
+        changed file that does not parse (half-written, every key removed) leaves the keys
+        in force, said once in the log: it neither opens the server nor locks everyone out."""
+        now = self.clock()
+        if self.path is None or now - self._looked < RELOAD_S:
+            return
+        self._looked = now
+        stamp = _stamp(self.path)
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            tenants = read_keys(self.path, self.env)
+        except ValueError as exc:
+            logger.error("API keys not reloaded, those before stay in force: %s", exc)
+            return
+        self.tenants = tenants
+        self._by_digest = {_digest(key): tenant for key, tenant in tenants.items()}
+        logger.info("API keys reloaded from %s: %d key(s)", self.path, len(tenants))
 
     def authenticate(self, authorization: str | None) -> str:
         """The caller's tenant, from an `Authorization: Bearer <key>` value."""
+        self._follow()
         if not self.enabled:
             return DEFAULT_TENANT
         if not authorization:
@@ -113,6 +124,42 @@ class ApiKeys:
                 "%s: no API keys configured and listening on %s: open to anyone", server, host
             )
         return host
+
+
+def read_keys(path: Path | None, env: Mapping[str, str] | None) -> dict[str, str]:
+    tenants: dict[str, str] = {}
+    if path is not None:
+        try:
+            text = path.read_text(encoding="utf-8-sig")  # an editor's BOM is no key
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ValueError(f"api_keys_file {str(path)!r}: {why}") from None
+        tenants.update(parse_key_file(text, str(path)))
+    raw = (os.environ if env is None else env).get(ENV_VAR, "")
+    for key, tenant in parse_key_env(raw).items():
+        if tenants.get(key, tenant) != tenant:
+            raise ValueError(
+                f"{ENV_VAR} gives a key of api_keys_file's tenant {tenants[key]!r} to "
+                f"tenant {tenant!r}: one key, one tenant"
+            )
+        tenants[key] = tenant
+    if path is not None and not tenants:
+        # A keys file says keys are wanted: an empty one (every key revoked) must not
+        # open the server to every caller.
+        raise ValueError(
+            f"api_keys_file {str(path)!r} holds no keys (nor does {ENV_VAR}); refusing to "
+            "start without authentication: add a key, or drop api_keys_file to run open"
+        )
+    return tenants
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """What changes when the file is rewritten or replaced (a Secret's symlink swapped)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size, stat.st_ino
 
 
 def parse_key_file(text: str, source: str) -> dict[str, str]:

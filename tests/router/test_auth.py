@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from router.auth import ALL_INTERFACES, ENV_VAR, LOOPBACK, ApiKeys, parse_key_file
+from router.auth import (
+    ALL_INTERFACES,
+    ENV_VAR,
+    LOOPBACK,
+    RELOAD_S,
+    ApiKeys,
+    parse_key_file,
+    read_keys,
+)
 from router.errors import Unauthorized
 
 
@@ -109,3 +117,26 @@ def test_many_keys_each_find_their_tenant() -> None:
     assert keys.authenticate("Bearer sk-9999") == "t3"
     with pytest.raises(Unauthorized):
         keys.authenticate("Bearer sk-10000")
+
+
+def test_a_changed_keys_file_is_taken_within_the_reload_period(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A revoked key kept working until the door restarted (a Secret edited, a helm upgrade
+    rendering the same RayService: nothing restarts). A file that does not parse keeps the
+    keys in force."""
+    now = [0.0]
+    path = tmp_path / "keys"
+    path.write_text("sk-old team\nsk-kept team\n")
+    keys = ApiKeys(read_keys(path, {}), path, {}, clock=lambda: now[0])
+    path.write_text("sk-kept team\nsk-new other-team\n")
+    assert keys.authenticate("Bearer sk-old") == "team"  # not looked at again yet
+    now[0] = RELOAD_S
+    with pytest.raises(Unauthorized):
+        keys.authenticate("Bearer sk-old")
+    assert keys.authenticate("Bearer sk-new") == "other-team"
+    path.write_text("# every key removed by mistake\n")
+    now[0] = 2 * RELOAD_S
+    assert keys.authenticate("Bearer sk-kept") == "team"
+    assert "API keys not reloaded, those before stay in force" in caplog.text
+    assert "holds no keys" in caplog.text

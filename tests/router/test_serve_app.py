@@ -16,8 +16,8 @@ import openai
 import pytest
 import ray
 from openai.types import Completion
-from ray.exceptions import RayTaskError, TaskCancelledError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from ray.exceptions import TaskCancelledError
+from starlette.types import Message, Receive, Scope, Send
 
 from cluster.names import NAMESPACE
 from router.app import (
@@ -135,36 +135,6 @@ def test_a_cancelled_receive_is_a_disconnect() -> None:
     assert seen == [{"type": "http.disconnect"}, {"type": "http.request", "body": b"{}"}]
     with pytest.raises(ValueError, match="not a disconnect"):
         asyncio.run(door({"type": "http"}, broken, send))
-
-
-def test_a_request_serve_cancelled_ends_quietly() -> None:
-    """The replica actor's stream Serve cancelled with the request raises out of the app as
-    RayTaskError(TaskCancelledError); the client is gone, so the door ends the request without
-    a traceback. Other errors still propagate."""
-
-    def app_raising(error: Exception) -> ASGIApp:
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            raise error
-
-        return app
-
-    async def receive() -> Message:
-        return {"type": "http.request", "body": b"{}"}
-
-    async def send(message: Message) -> None:
-        del message
-
-    cancelled = RayTaskError("stream", "traceback", TaskCancelledError()).as_instanceof_cause()
-    assert isinstance(cancelled, TaskCancelledError)
-    asyncio.run(
-        DisconnectOnCancelledReceive(app_raising(cancelled))({"type": "http"}, receive, send)
-    )
-    with pytest.raises(RuntimeError, match="boom"):
-        asyncio.run(
-            DisconnectOnCancelledReceive(app_raising(RuntimeError("boom")))(
-                {"type": "http"}, receive, send
-            )
-        )
 
 
 def named_actors() -> list[dict[str, str]]:

@@ -308,7 +308,8 @@ def full_response(
                 content, calls = made
                 choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish_reason = tools.finish_reason(finish_reason)
-            if reasoning is not None:  # null when empty, as a stream sends no empty delta
+            if reasoning is not None and reasoning.include:
+                # Null when empty, as a stream sends no empty delta.
                 choice["message"]["reasoning_content"] = thought or None
             logprobs, _ = logprobs_json(endpoint, output.token_ids, output.logprobs, spelling)
         else:

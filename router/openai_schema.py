@@ -159,7 +159,9 @@ class ParsedRequest:
     """vLLM's `prompt_logprobs` was asked for: the response reports the prompt's."""
     reasoning: ReasoningParser | None = None
     """Chat with a reasoning parser, whose output no grammar holds to a form from its first
-    token: the response gives the thinking apart from the answer."""
+    token: the response gives the thinking apart from the answer. The parser is the
+    request's own: its prompt says whether the output starts inside a block, its
+    `include_reasoning` whether the thinking is sent."""
     tokens_as_ids: bool = False
     """vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens by id."""
 
@@ -224,6 +226,8 @@ FIELDS = {
         "parallel_tool_calls",
         "modalities",
         "audio",
+        "include_reasoning",
+        "reasoning_effort",
     },
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -231,6 +235,12 @@ MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 ECHOED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call", "parsed")
 """What the openai package's message objects hold besides, sent back with the conversation
 and ignored (as vLLM ignores them)."""
+REASONING_MESSAGE_FIELDS = ("reasoning_content", "reasoning")
+"""An assistant's earlier thinking, as this server's and vLLM's responses give it (newer
+vLLM names it `reasoning`): sent back with the conversation, it reaches the template."""
+TAKEN_MESSAGE_FIELDS = {*MESSAGE_FIELDS, *REASONING_MESSAGE_FIELDS, *ECHOED_MESSAGE_FIELDS}
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+"""OpenAI's `reasoning_effort` values, which the chat template gets as it is given."""
 
 
 def parse_body(
@@ -247,10 +257,13 @@ def parse_body(
     body = _known_fields(body, FIELDS[endpoint], ctx)
     model = ctx.model_name
     _check_unsupported(endpoint, body)
-    calling, tools = (
-        tool_calling(body, ctx.tool_parser) if endpoint is Endpoint.CHAT else (None, [])
-    )
-    prompts = _prompts(endpoint, body, ctx, codec, tools)
+    rendered, prefill = "", None
+    if endpoint is Endpoint.CHAT:
+        calling, tools = tool_calling(body, ctx.tool_parser)
+        rendered, prefill = _chat_text(body, ctx, codec, tools)
+        prompts = [_encode(rendered, "prompt", ctx, codec)]
+    else:
+        calling, prompts = None, _completion_prompts(body, ctx, codec)
     n = _choices_per_prompt(body, len(prompts))
     echo = endpoint is Endpoint.COMPLETIONS and _bool(body, "echo", False)
     tier, slo, slo_label = _tier_and_slo(body, headers, ctx, codec)
@@ -317,6 +330,13 @@ def parse_body(
             for i in range(len(prompts))
             for _ in range(n)
         )
+    include = _bool(body, "include_reasoning", True)
+    reasoning = None
+    thinks = endpoint is Endpoint.CHAT and sampling.grammar is None and not echoes
+    if ctx.reasoning_parser is not None and thinks:
+        reasoning = ctx.reasoning_parser.for_prompt(rendered, prefill)
+        if not include:
+            reasoning = replace(reasoning, include=False)
     return ParsedRequest(
         endpoint,
         request_id,
@@ -328,9 +348,7 @@ def parse_body(
         echoes,
         calling,
         prompt_logprobs,
-        ctx.reasoning_parser
-        if endpoint is Endpoint.CHAT and sampling.grammar is None and not echoes
-        else None,
+        reasoning,
         _bool(body, "return_tokens_as_token_ids", False),
     )
 
@@ -366,7 +384,9 @@ def parse_tokenize(body: object, ctx: SchemaContext, codec: Codec) -> list[int]:
     if ("prompt" in body) == ("messages" in body):
         raise BadRequest("give either prompt or messages", "prompt")
     if "messages" in body:
-        return _prompts(Endpoint.CHAT, body, ctx, codec, tools_of(body.get("tools")))[0]
+        return _encode(
+            _chat_text(body, ctx, codec, tools_of(body.get("tools")))[0], "prompt", ctx, codec
+        )
     prompt = body["prompt"]
     if not isinstance(prompt, str):
         raise BadRequest("prompt must be a string", "prompt")
@@ -470,18 +490,9 @@ def _sample(sampling: SamplingParams, j: int) -> SamplingParams:
     return replace(sampling, seed=(sampling.seed + j + MAX_SEED + 1) % 2**64 - MAX_SEED - 1)
 
 
-def _prompts(
-    endpoint: Endpoint,
-    body: dict[str, Any],
-    ctx: SchemaContext,
-    codec: Codec,
-    tools: list[dict[str, Any]] | None = None,
-) -> list[list[int]]:
-    """The prompts' token ids: chat has one (its template shows `tools`); a completion's
-    `prompt` is a string or a list of token ids (one prompt), or a list of either (one choice
-    per prompt and sample)."""
-    if endpoint is Endpoint.CHAT:
-        return [_encode(_chat_text(body, ctx, codec, tools), "prompt", ctx, codec)]
+def _completion_prompts(body: dict[str, Any], ctx: SchemaContext, codec: Codec) -> list[list[int]]:
+    """The prompts' token ids: a completion's `prompt` is a string or a list of token ids
+    (one prompt), or a list of either (one choice per prompt and sample)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_token_list(prompt):
         return [_prompt_ids(prompt, "prompt", ctx, codec)]
@@ -548,10 +559,12 @@ def _encode(text: str, where: str, ctx: SchemaContext, codec: Codec) -> list[int
 
 def _chat_text(
     body: dict[str, Any], ctx: SchemaContext, codec: Codec, tools: list[dict[str, Any]] | None
-) -> str:
-    """The conversation as the chat template renders it, with vLLM's options: no generation
+) -> tuple[str, str | None]:
+    """The conversation as the chat template renders it, and the final message's text when
+    the output continues it (its prefill), with vLLM's options: no generation
     prompt, the final message continued, and the template's own keyword arguments (say a
-    reasoning model's enable_thinking)."""
+    reasoning model's enable_thinking, or OpenAI's `reasoning_effort`, which vLLM passes to
+    the template too)."""
     add = _bool(body, "add_generation_prompt", True)
     continued = _bool(body, "continue_final_message", False)
     if add and continued:
@@ -567,14 +580,26 @@ def _chat_text(
             f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do",
             "chat_template_kwargs",
         )
-    options = ChatOptions(add, continued, kwargs or {})
-    return codec.render_chat(_messages(body.get("messages"), ctx, codec), tools, options)
+    kwargs = dict(kwargs or {})
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise BadRequest(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)} or null, got "
+                f"{_short(effort)}",
+                "reasoning_effort",
+            )
+        kwargs["reasoning_effort"] = effort
+    options = ChatOptions(add, continued, kwargs)
+    messages = _messages(body.get("messages"), ctx, codec)
+    prefill = str(messages[-1]["content"]) if continued else None
+    return codec.render_chat(messages, tools, options), prefill
 
 
 def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: an assistant's tool calls with their
-    arguments as objects (as HF templates read them), a tool message with the call it
-    answers."""
+    arguments as objects (as HF templates read them) and its thinking as
+    `reasoning_content` (as Qwen3's read it), a tool message with the call it answers."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty list", "messages")
     if len(raw) > ctx.max_model_len:  # each takes a token at least; the template renders all
@@ -589,9 +614,7 @@ def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, A
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"{where} must be an object", where)
-        extra = sorted(
-            str(k)[:64] for k in m if k not in MESSAGE_FIELDS and k not in ECHOED_MESSAGE_FIELDS
-        )
+        extra = sorted(str(k)[:64] for k in m if k not in TAKEN_MESSAGE_FIELDS)
         if extra:
             raise BadRequest(f"{where} has unsupported field(s): {', '.join(extra[:8])}", where)
         role = m.get("role")
@@ -619,7 +642,11 @@ def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, A
             message["tool_call_id"] = m["tool_call_id"]
         elif m.get("tool_call_id") is not None:
             raise BadRequest(f"{where}: only tool messages take a tool_call_id", where)
-        total += sum(len(message.get(k, "")) for k in ("content", "name", "tool_call_id"))
+        thinking = _message_reasoning(m, where)
+        if thinking is not None:
+            message["reasoning_content"] = thinking
+        texts = ("content", "name", "tool_call_id", "reasoning_content")
+        total += sum(len(message.get(k, "")) for k in texts)
         total += sum(len(str(c)) for c in calls or ())
         if total > limit:
             raise BadRequest(
@@ -629,6 +656,22 @@ def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, A
             )
         messages.append(message)
     return messages
+
+
+def _message_reasoning(m: dict[str, Any], where: str) -> str | None:
+    """An assistant's earlier thinking, `reasoning_content` or `reasoning` (the first that
+    is not null)."""
+    texts = []
+    for name in REASONING_MESSAGE_FIELDS:
+        value = m.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise BadRequest(f"{where}.{name} must be a string or null", f"{where}.{name}")
+        if m.get("role") != "assistant":
+            raise BadRequest(f"{where}: only assistant messages take {name}", where)
+        texts.append(value)
+    return texts[0] if texts else None
 
 
 def _tool_calls(raw: object, where: str) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ non-streamed responses agree.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -24,7 +24,11 @@ class ReasoningParser:
     starts_open: bool
     """The output is thinking from its first token even without `start` (DeepSeek-R1's
     template opens it in the prompt); False: only an output that begins with `start` thinks
-    (Qwen3's, whose thinking can be switched off)."""
+    (Qwen3's, whose thinking can be switched off). A request's prompt may say otherwise
+    (`for_prompt`)."""
+    include: bool = True
+    """The thinking is reported; False (a request's `include_reasoning: false`): it is
+    dropped, and only the answer goes out."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.end, str) or not self.end:
@@ -41,7 +45,23 @@ class ReasoningParser:
         stream = ReasoningStream(self)
         reasoning, content = stream.feed(text)
         more, rest = stream.finish()
-        return (reasoning + more if stream.thought else None), content + rest
+        return (reasoning + more if stream.thought and self.include else None), content + rest
+
+    def for_prompt(self, prompt: str, prefill: str | None = None) -> ReasoningParser:
+        """This parser for the output that continues `prompt` (the rendered chat; `prefill`:
+        the assistant message it continues, if any): the model's template, not its family,
+        says where the output starts. Thinking from its first token when the prompt ends on
+        `start` (a Qwen3-Thinking template's generation prompt) or the prefill leaves a block
+        open (`<think>` continued); none when the prompt ends on `end` (an empty block that
+        switches thinking off); otherwise as `starts_open` says. Only the prompt's end and
+        the prefill count: a user's message that quotes a marker opens nothing."""
+        tail = prompt.rstrip()
+        opened = prefill is not None and prefill.rfind(self.start) > prefill.rfind(self.end)
+        if self.start and (tail.endswith(self.start) or opened):
+            return replace(self, starts_open=True)
+        if tail.endswith(self.end):
+            return replace(self, starts_open=False)
+        return self
 
 
 PARSERS = {
@@ -74,7 +94,8 @@ def reasoning_parser(raw: object) -> ReasoningParser | None:
 
 
 class ReasoningStream:
-    """One choice's output as it streams: each delta's (reasoning, content)."""
+    """One choice's output as it streams: each delta's (reasoning, content), the reasoning
+    empty when the parser does not `include` it."""
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
@@ -86,6 +107,10 @@ class ReasoningStream:
         """Text that may be the start of a marker, not sent yet."""
 
     def feed(self, text: str) -> tuple[str, str]:
+        reasoning, content = self._split(text)
+        return (reasoning if self.parser.include else ""), content
+
+    def _split(self, text: str) -> tuple[str, str]:
         held = self.held + text
         self.held = ""
         if self.thinking is None:
@@ -114,7 +139,9 @@ class ReasoningStream:
         if self.thinking is None:
             self.thinking = self.thought = self.parser.starts_open
         held, self.held = self.held, ""
-        return (held, "") if self.thinking else ("", held)
+        if not self.thinking:
+            return "", held
+        return (held if self.parser.include else ""), ""
 
 
 def _marker_prefix(text: str, marker: str) -> int:

@@ -527,3 +527,20 @@ def test_a_reasoning_model_thinks_then_calls_a_tool() -> None:
     calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
     assert [t.function.name for t in calls if t.function] == ["lookup"]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_thinking_not_included_leaves_the_answer_alone_whole_and_streamed() -> None:
+    """vLLM's `include_reasoning: false`: no reasoning_content, the thinking dropped."""
+    hidden = replace(R1, include=False)
+    text = "<think>Two and two.</think>It is 4."
+    body = full_response(
+        Endpoint.CHAT, "r1", 7, "demo", outputs([text], [RECORD]), 1, SPELLING, reasoning=hidden
+    )
+    ChatCompletion.model_validate(body)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "It is 4."}
+    w = ChunkWriter(Endpoint.CHAT, "r2", 5, "demo", SPELLING, reasoning=hidden)
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    stream = b"".join(w.text(0, p) for p in pieces) + w.finish(0, Finished(RECORD))
+    deltas = [json.loads(d)["choices"][0]["delta"] for d in events(stream)]
+    assert not any("reasoning_content" in d for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas) == "It is 4."

@@ -779,3 +779,99 @@ def test_the_chat_template_options_vllm_takes(codec: TextCodec, ctx: SchemaConte
         with pytest.raises(BadRequest) as info:
             text(body)
         assert info.value.param == param, body
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% if reasoning_effort %}"
+    "effort={{ reasoning_effort }}\n{% endif %}<think>{% endif %}"
+)
+"""A Qwen3-style template: earlier thinking rendered, the generation prompt opening a block."""
+
+
+def test_an_assistant_reply_goes_back_with_its_thinking(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    """A multi-turn loop sends the reply as the server gave it (`reasoning_content`, or
+    newer vLLM's `reasoning`, null when it did not think): a template that reads the
+    thinking renders it, and others ignore it."""
+    thinker = replace(codec, chat_template=THINKING_TEMPLATE)
+    for name in ("reasoning_content", "reasoning"):
+        reply = {"role": "assistant", "content": "4", "refusal": None, name: "2 + 2."}
+        chat = {"messages": [{"role": "user", "content": "2+2?"}, reply]}
+        prompt = parse(thinker, ctx, chat, endpoint=Endpoint.CHAT).requests[0].prompt_token_ids
+        assert thinker.decode(prompt, skip_special_tokens=False).endswith(
+            "<|assistant|>\n<think>2 + 2.</think>4\n<|assistant|>\n<think>"
+        )
+        bare = {"messages": [chat["messages"][0], {"role": "assistant", "content": "4"}]}
+        assert parse(codec, ctx, chat, endpoint=Endpoint.CHAT).requests[0].prompt_token_ids == (
+            parse(codec, ctx, bare, endpoint=Endpoint.CHAT).requests[0].prompt_token_ids
+        )
+        null = {"messages": [{"role": "user", "content": "hi"}, {**reply, name: None}]}
+        assert parse(codec, ctx, null, endpoint=Endpoint.CHAT).requests
+    for message, param in [
+        ({"role": "assistant", "content": "4", "reasoning_content": 7}, "reasoning_content"),
+        ({"role": "assistant", "content": "4", "reasoning": ["x"]}, "reasoning"),
+        ({"role": "user", "content": "4", "reasoning": "x"}, ""),
+    ]:
+        chat = {"messages": [{"role": "user", "content": "hi"}, message]}
+        with pytest.raises(BadRequest) as info:
+            parse(codec, ctx, chat, endpoint=Endpoint.CHAT)
+        assert info.value.param == f"messages[1].{param}".rstrip(".")
+
+
+def test_the_prompt_decides_whether_the_output_starts_thinking(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    """An assistant prefill `<think>` continued, or a template whose generation prompt opens
+    the block, leaves the output inside it: qwen3's parser takes it as thinking until
+    `</think>`."""
+    qwen3 = replace(ctx, reasoning_parser=PARSERS["qwen3"])
+    prefill = {
+        "messages": [
+            {"role": "user", "content": "How many bytes?"},
+            {"role": "assistant", "content": "<think>"},
+        ],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    for thinker, chat in [
+        (codec, prefill),
+        (replace(codec, chat_template=THINKING_TEMPLATE), {"messages": prefill["messages"][:1]}),
+    ]:
+        reasoning = parse(thinker, qwen3, chat, endpoint=Endpoint.CHAT).reasoning
+        assert reasoning is not None
+        assert reasoning.split("Return the bytes.</think>\n4") == ("Return the bytes.", "\n4")
+    plain = {"messages": prefill["messages"][:1]}
+    assert parse(codec, qwen3, plain, endpoint=Endpoint.CHAT).reasoning is PARSERS["qwen3"]
+
+
+def test_vllm_s_reasoning_request_fields_are_taken(codec: TextCodec, ctx: SchemaContext) -> None:
+    """`include_reasoning: false` drops the thinking from the response; `reasoning_effort`
+    (OpenAI's values) reaches the template, as vLLM passes it, and otherwise does nothing."""
+    qwen3 = replace(ctx, reasoning_parser=PARSERS["qwen3"])
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    hidden = parse(codec, qwen3, {**chat, "include_reasoning": False}, endpoint=Endpoint.CHAT)
+    assert hidden.reasoning == replace(PARSERS["qwen3"], include=False)
+    shown = parse(codec, qwen3, {**chat, "include_reasoning": True}, endpoint=Endpoint.CHAT)
+    assert shown.reasoning is PARSERS["qwen3"]
+    assert parse(codec, ctx, {**chat, "include_reasoning": False}, endpoint=Endpoint.CHAT)
+    thinker = replace(codec, chat_template=THINKING_TEMPLATE)
+    for effort in ("minimal", "low", "medium", "high", None):
+        body = {**chat, "reasoning_effort": effort}
+        prompt = parse(thinker, ctx, body, endpoint=Endpoint.CHAT).requests[0].prompt_token_ids
+        text = thinker.decode(prompt, skip_special_tokens=False)
+        assert text.endswith(f"effort={effort}\n<think>" if effort else "<|assistant|>\n<think>")
+        assert parse(codec, ctx, body, endpoint=Endpoint.CHAT).requests
+    for name, value in [
+        ("reasoning_effort", "max"),
+        ("reasoning_effort", 2),
+        ("include_reasoning", "no"),
+    ]:
+        with pytest.raises(BadRequest, match=name) as info:
+            parse(codec, ctx, {**chat, name: value}, endpoint=Endpoint.CHAT)
+        assert info.value.param == name
+    with pytest.raises(BadRequest, match="unknown field"):
+        parse(codec, ctx, {"prompt": "x", "reasoning_effort": "low"})

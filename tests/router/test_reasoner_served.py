@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -69,3 +70,41 @@ def test_the_reasoner_thinks_apart_and_its_thinking_stage_ends_on_its_token(
     check_chat_thinking_apart(
         oai, "demo-reasoner", SIGNATURE, MAX_TOKENS, "reasoning", thought, answer, counts
     )
+
+
+def test_a_think_prefill_is_thinking_and_a_reply_goes_back_as_the_sdk_gives_it(
+    reasoner: LocalFrontDoor,
+) -> None:
+    """An assistant prefill `<think>` continued (what Qwen3-Thinking templates open) leaves
+    the output inside the block: its thinking comes apart, streamed and not; the SDK's reply
+    object goes back in the next turn; `include_reasoning: false` drops the thinking."""
+    oai = openai.OpenAI(base_url=reasoner.http_url + "/v1", api_key="-", max_retries=0)
+    messages: Any = [
+        {"role": "user", "content": SIGNATURE},
+        {"role": "assistant", "content": "<think>"},
+    ]
+    ask: Any = {
+        "model": "demo-reasoner",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "extra_body": {"add_generation_prompt": False, "continue_final_message": True},
+    }
+    whole = oai.chat.completions.create(messages=messages, **ask).choices[0].message
+    thought = (whole.model_extra or {})["reasoning_content"]
+    assert thought and whole.content and "</think>" not in whole.content
+    deltas = [
+        c.choices[0].delta
+        for c in oai.chat.completions.create(messages=messages, stream=True, **ask)
+        if c.choices
+    ]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == whole.content
+    hidden = {**ask, "extra_body": {**ask["extra_body"], "include_reasoning": False}}
+    bare = oai.chat.completions.create(messages=messages, **hidden).choices[0].message
+    assert "reasoning_content" not in (bare.model_extra or {}) and bare.content == whole.content
+
+    turns: Any = [messages[0], whole, {"role": "user", "content": "And the median?"}]
+    again = oai.chat.completions.create(
+        model="demo-reasoner", messages=turns, max_tokens=8, extra_body={"reasoning_effort": "low"}
+    )
+    assert again.choices[0].finish_reason in ("stop", "length")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -37,7 +38,9 @@ def test_a_whole_output_splits_at_the_markers(
 
 
 @given(
-    parser=st.sampled_from([R1, QWEN3]),
+    parser=st.sampled_from(
+        [R1, QWEN3, replace(QWEN3, starts_open=True), replace(R1, include=False)]
+    ),
     parts=st.lists(st.sampled_from(["<", "<think>", "</", "think>", "</think>", "a", "b\n"])),
     cuts=st.lists(st.integers(0, 40), max_size=6),
 )
@@ -79,3 +82,61 @@ def test_the_front_door_arg_names_a_parser_or_gives_markers() -> None:
         reasoning_parser({"start": "<think>"})
     with pytest.raises(ValueError, match="starts_open must be true or false"):
         reasoning_parser({"end": "x", "starts_open": "yes"})
+
+
+PREFILLED = "<|user|>\nHow big is it?\n<|assistant|>\n<think>"
+"""A Qwen3-Thinking-2507 generation prompt, or an assistant prefill `<think>` continued."""
+
+
+@pytest.mark.parametrize(
+    ("parser", "prompt", "text", "split"),
+    [
+        (QWEN3, PREFILLED, "Return the bytes.</think>\n 4", ("Return the bytes.", "\n 4")),
+        (
+            QWEN3,
+            "<|user|>\nWhat does <think> do?\n<|assistant|>\n",
+            "It opens.",
+            (None, "It opens."),
+        ),
+        (QWEN3, "<|user|>\nHi\n<|assistant|>\n", "Hi</think>", (None, "Hi</think>")),
+        (QWEN3, "<think>a</think>b<|user|>\nHi\n<|assistant|>\n", "Hi", (None, "Hi")),
+        (R1, "<|assistant|>\n<think>\n\n</think>\n\n", "It is 4.", (None, "It is 4.")),
+        (R1, "<think>a</think>b<|user|>\nHi\n<|assistant|>\n", "x</think>y", ("x", "y")),
+        (R1, PREFILLED, "plan</think>answer", ("plan", "answer")),
+    ],
+)
+def test_the_prompt_says_whether_the_output_starts_inside_thinking(
+    parser: ReasoningParser, prompt: str, text: str, split: tuple[str | None, str]
+) -> None:
+    """A block the prompt leaves open (Qwen3-Thinking's templates open it; so does a prefill
+    `<think>` continued) makes the output thinking until `</think>`; an empty block the
+    prompt ends on (thinking switched off) makes it the answer; earlier turns' closed blocks
+    leave the parser's own start, and so does a user's message quoting a marker."""
+    for_prompt = parser.for_prompt(prompt)
+    assert for_prompt.split(text) == split
+    stream = ReasoningStream(for_prompt)
+    pieces = [stream.feed(text[i : i + 2]) for i in range(0, len(text), 2)] + [stream.finish()]
+    assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == (
+        split[0] or "",
+        split[1],
+    )
+
+
+def test_a_prefill_that_leaves_a_block_open_continues_thinking() -> None:
+    prompt = PREFILLED + "\nFirst,"
+    assert QWEN3.for_prompt(prompt).split(" count.</think>4") == (None, " count.</think>4")
+    prefilled = QWEN3.for_prompt(prompt, prefill="<think>\nFirst,")
+    assert prefilled.split(" count.</think>4") == (" count.", "4")
+    assert QWEN3.for_prompt(prompt, prefill="<think>a</think>b").starts_open is False
+
+
+def test_thinking_not_included_is_dropped_whole_and_streamed() -> None:
+    """vLLM's `include_reasoning: false`: only the answer goes out."""
+    hidden = replace(QWEN3, include=False)
+    assert hidden.split("<think>plan</think>answer") == (None, "answer")
+    assert hidden.split("<think>cut off") == (None, "")
+    stream = ReasoningStream(hidden)
+    assert stream.feed("<think>pl") == ("", "")
+    assert stream.feed("an</thi") == ("", "")
+    assert stream.feed("nk>It is") == ("", "It is")
+    assert stream.finish() == ("", "")

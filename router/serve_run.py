@@ -4,8 +4,9 @@ Serve's shutdown, serve run's Ctrl-C, stops the HTTP proxies at once, and with t
 response they stream; SIGTERM (docker stop, systemd, a process manager) skips even that, as
 Ray's handler exits the process. Here either signal first deletes the applications, which Serve
 drains as on `serve delete`: new requests are refused while each front door finishes its
-streams (its graceful_shutdown_timeout_s, router.app.DRAIN_S, at most). serve run's own
-shutdown follows. A second signal stops at once.
+streams (its graceful_shutdown_timeout_s, router.app.DRAIN_S, at most), then Serve shuts
+down. A second signal stops at once. An application that fails to deploy ends the process
+with exit code 1, naming why.
 """
 
 from __future__ import annotations
@@ -14,18 +15,21 @@ import argparse
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 
 import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
+from ray.serve.schema import ApplicationStatus
 from ray.serve.scripts import cli
 
 from replica.arguments import OptionError
 
 SERVE_NAMESPACE = "serve"
 """The Ray namespace serve run starts Serve in."""
+WATCH_S = 1.0
 
 log = logging.getLogger("slos_serve.serve_run")
 
@@ -75,5 +79,29 @@ def run(args: argparse.Namespace) -> int:
     stop = _Stop()
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    cli.main(["run", args.config], prog_name="serve", standalone_mode=False)
-    return 0
+    try:
+        cli.main(["run", "--non-blocking", args.config], prog_name="serve", standalone_mode=False)
+        failed = _until_one_fails_to_deploy()
+    except KeyboardInterrupt:
+        serve.shutdown()
+        return 0
+    log.error("application %r failed to deploy: %s", *failed)
+    serve.shutdown()
+    return 1
+
+
+def _until_one_fails_to_deploy() -> tuple[str, str]:
+    """Block as serve run does, but return the first application that fails to deploy before
+    it ever ran, and the last line of Serve's message (the exception), where serve run would
+    go on serving nothing: a process manager or a container must see the start fail (a
+    keys file with no key, a missing model directory). An update that fails later leaves
+    the running version serving; that is Serve's to report."""
+    ran: set[str] = set()
+    while True:
+        time.sleep(WATCH_S)
+        for name, app in serve.status().applications.items():
+            if app.status == ApplicationStatus.RUNNING:
+                ran.add(name)
+            elif app.status == ApplicationStatus.DEPLOY_FAILED and name not in ran:
+                lines = [line for line in app.message.splitlines() if line.strip()]
+                return name, lines[-1] if lines else "no message"

@@ -55,6 +55,19 @@ def get(url: str) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
+def slos_serve(config: Path, http_port: int, grpc_port: int) -> ServeCommand:
+    """`slos-serve serve CONFIG` on a private Ray cluster."""
+    return ServeCommand(
+        config=config,
+        health_url=f"http://127.0.0.1:{http_port}/health",
+        ports=(("127.0.0.1", http_port), ("127.0.0.1", grpc_port)),
+        log=config.with_suffix(".log"),
+        cwd=ROOT,
+        startup_timeout_s=START_TIMEOUT_S,
+        argv=(str(Path(sys.executable).parent / "slos-serve"), "serve", "--address", "local"),
+    )
+
+
 @dataclass(frozen=True)
 class Served:
     base: str
@@ -68,18 +81,32 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     config = yaml.safe_load((ROOT / "deploy" / "serve-cpu.yaml").read_text())
     path = tmp_path_factory.mktemp("serve") / "serve-cpu.yaml"
     path.write_text(yaml.safe_dump(with_ports(config, http_port, grpc_port)))
-    base = f"http://127.0.0.1:{http_port}"
-    command = ServeCommand(
-        config=path,
-        health_url=base + "/health",
-        ports=(("127.0.0.1", http_port), ("127.0.0.1", grpc_port)),
-        log=path.with_suffix(".log"),
-        cwd=ROOT,
-        startup_timeout_s=START_TIMEOUT_S,
-        argv=(str(Path(sys.executable).parent / "slos-serve"), "serve", "--address", "local"),
+    with serve_process.served(slos_serve(path, http_port, grpc_port)) as process:
+        yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", process)
+
+
+def test_an_application_that_fails_to_deploy_ends_the_process_naming_why(
+    tmp_path: Path,
+) -> None:
+    """serve run went on running (120 s and more), serving 404s, after the front door refused
+    to start open with a keys file holding no key: no process manager could tell."""
+    http_port, grpc_port = free_port(), free_port()
+    config = with_ports(
+        yaml.safe_load((ROOT / "deploy" / "serve-cpu.yaml").read_text()), http_port, grpc_port
     )
-    with serve_process.served(command) as process:
-        yield Served(base, f"127.0.0.1:{grpc_port}", process)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# every key revoked\n")
+    config["applications"][0]["args"]["api_keys_file"] = str(keys)
+    path = tmp_path / "serve-bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = slos_serve(path, http_port, grpc_port)
+    with (
+        pytest.raises(serve_process.ServeError, match="exited with 1 before") as info,
+        serve_process.served(command),
+    ):
+        pass
+    assert "failed to deploy: ValueError: api_keys_file" in str(info.value)
+    assert "holds no keys" in str(info.value)
 
 
 def test_one_completion_through_http(served: Served) -> None:

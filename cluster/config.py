@@ -176,6 +176,10 @@ class ClusterConfig:
     """How long a new request waits for a replica when none is up (the only one restarting,
     or being replaced), as Ray Serve queues requests while replicas start, before it is
     refused as unavailable (HTTP 503 with Retry-After). 0: refused at once."""
+    resource_wait_s: float = 0.0
+    """How long a launch waits for the Ray cluster to hold the GPUs a replica needs (GPU
+    nodes still joining, as on Kubernetes, where the head takes the config before its
+    workers are up; the autoscaler is asked for them) before it refuses. 0: at once."""
     door_lease_s: float = 10.0
     """How long a front door may go without renewing its lease (every quarter of it) before
     the controller ends its requests (within half a second more): no one reads them once the
@@ -198,6 +202,7 @@ class ClusterConfig:
             "num_cpus_per_replica",
             "num_gpus_per_replica",
             "arrival_wait_s",
+            "resource_wait_s",
         ):
             check_non_negative(name, getattr(self, name))
         per_rank = self.num_gpus_per_replica / self.tensor_parallel_size

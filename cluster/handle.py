@@ -21,6 +21,7 @@ from typing import Any
 import ray
 from ray import ObjectRef, ObjectRefGenerator
 from ray.actor import ActorHandle
+from ray.autoscaler.sdk import request_resources
 from ray.exceptions import ActorDiedError, RayActorError, RayError, TaskCancelledError
 from ray.util.placement_group import PlacementGroup, get_placement_group, remove_placement_group
 
@@ -59,6 +60,7 @@ DEAD_RENEWALS = 3
 """Renewals in a row that find the controller dead for good (`ActorDiedError`; a restarting
 one holds the call) before the door takes its cluster for stopped."""
 DOORS_POLL_S = 0.5
+GPU_POLL_S = 2.0
 """How often a launch asks whether the doors of a cluster it replaces have left."""
 
 
@@ -464,13 +466,11 @@ async def launch(
         handle = await _reattach(config)
         if handle is not None:
             return handle
+    # Before a running cluster of another config is stopped: a config this Ray cluster
+    # cannot place must leave it serving.
+    await _wait_for_gpus(config)
+    if detached:
         await _stop_running(config, drain_s)
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if gpus < config.num_gpus_per_replica:
-        raise ValueError(
-            f"num_gpus_per_replica={config.num_gpus_per_replica} but the Ray cluster has "
-            f"{gpus} GPU(s)"
-        )
     started = [await start_replica(config, i, namespace, detached) for i in range(config.replicas)]
     replicas = [actor for actor, _ in started]
     groups = [group for _, group in started]
@@ -494,6 +494,29 @@ async def launch(
     handle = ClusterHandle(config, controller, replicas, max_model_len, vocab_size, namespace)
     await handle.attach()
     return handle
+
+
+async def _wait_for_gpus(config: ClusterConfig) -> None:
+    """Returns once the Ray cluster holds the GPUs of a replica, asking its autoscaler for
+    every replica's (a group scaled to zero gets no other demand before the replicas ask);
+    a ValueError after `resource_wait_s`."""
+    need, wait_s = config.num_gpus_per_replica, config.resource_wait_s
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus >= need:
+        return
+    if wait_s > 0:
+        log.warning("waiting up to %g s for %g GPU(s); the Ray cluster has %g", wait_s, need, gpus)
+        request_resources(bundles=[{"GPU": need}] * config.replicas)
+        deadline = time.monotonic() + wait_s
+        while gpus < need and time.monotonic() < deadline:
+            await asyncio.sleep(min(GPU_POLL_S, max(0.0, deadline - time.monotonic())))
+            gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus >= need:
+            return
+    raise ValueError(
+        f"num_gpus_per_replica={need:g} but the Ray cluster has {gpus:g} GPU(s)"
+        + (f" after {wait_s:g} s" if wait_s > 0 else " (resource_wait_s waits for GPU nodes)")
+    )
 
 
 async def _reattach(config: ClusterConfig) -> ClusterHandle | None:

@@ -149,6 +149,30 @@ def test_a_detached_launch_replaces_a_cluster_of_another_config(
     runner.run(run())
 
 
+def test_a_launch_of_a_config_ray_cannot_place_leaves_the_running_cluster_serving(
+    ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
+) -> None:
+    """A Serve update asking for GPUs the Ray cluster lacks stopped the running cluster, then
+    failed: every request got a 503 until the old config was deployed again."""
+    config = replace(demo, replicas=1, num_kv_blocks=64)
+
+    async def run() -> None:
+        old = await launch(config, detached=True)
+        loaded = await incarnations(old)
+        with pytest.raises(ValueError, match="num_gpus_per_replica=1 but the Ray cluster has"):
+            await launch(replace(config, num_gpus_per_replica=1), detached=True)
+        began = time.monotonic()
+        with pytest.raises(ValueError, match=r"has 0 GPU\(s\) after 2 s"):  # GPU nodes may join
+            await launch(replace(config, num_gpus_per_replica=1, resource_wait_s=2), detached=True)
+        assert time.monotonic() - began >= 2
+        assert await incarnations(old) == loaded
+        assert (await _last(old.submit(long_request("kept", 4)))).num_output_tokens == 4
+        await old.shutdown()
+        assert _cluster_names() == []
+
+    runner.run(run())
+
+
 def test_a_door_handing_over_leaves_the_cluster_to_the_next(
     ray_session: None, runner: asyncio.Runner, demo: ClusterConfig
 ) -> None:

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 from tokenizers import Tokenizer
 from tqdm import tqdm
@@ -670,12 +671,13 @@ def _authorized(response: httpx.Response, api_key: str | None) -> httpx.Response
     """`response`, unless the server refused the key (or its absence): then no request of
     the run would be served."""
     if response.status_code in (401, 403):
-        given = "the --api-key given" if api_key else "no --api-key"
-        raise ValueError(
-            f"GET {response.request.url} answered {response.status_code} with {given}: the "
-            "server wants a valid API key (--api-key)"
-        )
+        raise _key_refused(f"GET {response.request.url} answered {response.status_code}", api_key)
     return response
+
+
+def _key_refused(answer: str, api_key: str | None) -> ValueError:
+    given = "the --api-key given" if api_key else "no --api-key"
+    return ValueError(f"{answer} with {given}: the server wants a valid API key (--api-key)")
 
 
 def server_info(args: argparse.Namespace) -> ServerInfo:
@@ -690,6 +692,9 @@ def server_info(args: argparse.Namespace) -> ServerInfo:
             try:
                 grpc_status = client.cluster_status(timeout_s=10.0)
             except ClientError as exc:
+                if exc.code is grpc.StatusCode.UNAUTHENTICATED:
+                    answer = f"{args.target} answered UNAUTHENTICATED ({exc.details})"
+                    raise _key_refused(answer, args.api_key) from None
                 raise ValueError(f"--target: {args.target} does not answer: {exc}") from None
         return ServerInfo(model or "", max_len, replicas or len(grpc_status.replicas), None)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

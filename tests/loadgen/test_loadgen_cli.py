@@ -122,6 +122,13 @@ def test_a_server_that_wants_a_key_is_named_before_the_run(live: LocalFrontDoor)
     with pytest.raises(SystemExit) as exc:
         cli.main([*base, "--api-key", "sk-wrong", "--no-progress"])
     assert "answered 401 with the --api-key given" in str(exc.value.code)
+    grpc = ["loadgen", "--target", live.grpc_target, "--protocol", "grpc", "--rate", "1"]
+    with pytest.raises(SystemExit) as exc:  # it said the server "does not answer"
+        cli.main([*grpc, "--duration", "1", "--no-progress"])
+    assert "answered UNAUTHENTICATED (missing API key" in str(exc.value.code)
+    assert str(exc.value.code).endswith(
+        "with no --api-key: the server wants a valid API key (--api-key)"
+    )
 
 
 @pytest.mark.slow

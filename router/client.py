@@ -49,6 +49,7 @@ from router.openai_format import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
 from router.openai_schema import (
     ECHOED_MESSAGE_FIELDS,
     MESSAGE_FIELDS,
+    REASONING_MESSAGE_FIELDS,
     STAGE_FIELDS,
     message_content,
     tool_call_fields,
@@ -260,6 +261,10 @@ class GenerateOptions:
     """Chat only: the output continues the last (assistant) message."""
     chat_template_kwargs: str | Mapping[str, Any] | None = None
     """Chat only: the template's own variables, as an object or its JSON text."""
+    include_reasoning: bool | None = None
+    """Chat only: False drops the thinking (no `Chunk.reasoning`)."""
+    reasoning_effort: str | None = None
+    """Chat only: OpenAI's minimal | low | medium | high, which the chat template gets."""
 
 
 OPTIONAL_SCALARS = tuple(
@@ -368,8 +373,12 @@ def _openai_message(index: int, message: Mapping[str, Any]) -> pb.ChatMessage:
     joined, and the fields a response's message echoes (refusal, ...) dropped, as HTTP
     takes them."""
     where = f"messages[{index}]"
-    _known_fields(message, MESSAGE_FIELDS, where, ignored=ECHOED_MESSAGE_FIELDS)
+    known = (*MESSAGE_FIELDS, *REASONING_MESSAGE_FIELDS)
+    _known_fields(message, known, where, ignored=ECHOED_MESSAGE_FIELDS)
     fields = {k: v for k, v in message.items() if k in MESSAGE_FIELDS}
+    thinking = [message[k] for k in REASONING_MESSAGE_FIELDS if message.get(k) is not None]
+    if thinking:  # the server checks it, as HTTP does
+        fields["reasoning_content"] = thinking[0]
     calls = fields.pop("tool_calls", None)
     if calls is not None:
         if not isinstance(calls, Sequence) or isinstance(calls, str):

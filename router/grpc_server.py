@@ -120,6 +120,8 @@ def _refuse_chat_only(request: pb.GenerateRequest) -> None:
         "add_generation_prompt": request.HasField("add_generation_prompt"),
         "continue_final_message": request.HasField("continue_final_message"),
         "chat_template_kwargs": bool(request.chat_template_kwargs),
+        "include_reasoning": request.HasField("include_reasoning"),
+        "reasoning_effort": request.HasField("reasoning_effort"),
     }
     given = [name for name, is_set in chat_only.items() if is_set]
     if given:
@@ -137,6 +139,8 @@ def _message_to_body(message: pb.ChatMessage) -> dict[str, Any]:
         body["tool_call_id"] = message.tool_call_id
     if message.name:
         body["name"] = message.name
+    if message.reasoning_content:
+        body["reasoning_content"] = message.reasoning_content
     return body
 
 

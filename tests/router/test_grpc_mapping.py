@@ -529,3 +529,42 @@ def test_chat_template_options_cross_grpc(codec: TextCodec) -> None:
     assert info.value.param == "chat_template_kwargs"
     with pytest.raises(ValueError, match=r"^chat_template_kwargs="):
         build_request(None, messages, GenerateOptions(chat_template_kwargs={"f": {1, 2}}))
+
+
+def test_reasoning_chat_options_cross_grpc(codec: TextCodec) -> None:
+    """An assistant reply sent back with its thinking (as the openai package's message dict
+    holds it, `reasoning_content` or `reasoning`), include_reasoning and reasoning_effort, as
+    HTTP takes them (the SDK refused the message, and the proto had no such fields)."""
+    codec = dataclasses.replace(
+        codec,
+        chat_template="{% for m in messages %}<{{ m.role }}>{{ m.reasoning_content }}|"
+        "{{ m.content }}{% endfor %}<assistant>{{ reasoning_effort }}",
+    )
+    reply = {"role": "assistant", "content": "4", "reasoning": "2+2", "refusal": None}
+    messages = [("user", "2+2?"), reply, ("user", "and 3+3?")]
+    options = GenerateOptions(include_reasoning=False, reasoning_effort="low")
+    endpoint, body = request_to_body(build_request(None, messages, options), "demo")
+    assert body["messages"][1] == {"role": "assistant", "content": "4", "reasoning_content": "2+2"}
+    assert (body["include_reasoning"], body["reasoning_effort"]) == (False, "low")
+    qwen3 = dataclasses.replace(CTX, reasoning_parser=REASONING_PARSERS["qwen3"])
+    parsed = parse_body(endpoint, body, {}, qwen3, codec, request_id="g", arrival_time=1.0)
+    assert codec.decode(parsed.requests[0].prompt_token_ids) == (
+        "<user>|2+2?<assistant>2+2|4<user>|and 3+3?<assistant>low"
+    )
+    assert parsed.reasoning is not None and not parsed.reasoning.include
+    for chat_only in (
+        GenerateOptions(include_reasoning=True),
+        GenerateOptions(reasoning_effort="low"),
+    ):
+        with pytest.raises(BadRequest, match="is chat-only: send messages"):
+            request_to_body(build_request("x", None, chat_only), "demo")
+    told = [("user", "hi"), {"role": "user", "content": "hi", "reasoning_content": "no"}]
+    with pytest.raises(BadRequest, match=r"messages\[1\]: only assistant messages take"):
+        parse_body(
+            *request_to_body(build_request(None, told, GenerateOptions()), "demo"),
+            {},
+            qwen3,
+            codec,
+            request_id="g",
+            arrival_time=1.0,
+        )

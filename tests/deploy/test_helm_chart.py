@@ -19,6 +19,8 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import ClusterConfig
+from replica.request import SLO
+from router.app import FrontDoorDeployment
 from router.config import FrontDoorConfig
 from router.reasoning import PARSERS as REASONING
 from router.reasoning import ReasoningParser
@@ -126,16 +128,13 @@ def test_other_objects_and_pod_templates_validate_against_kubernetes(
     render: Render, name: str
 ) -> None:
     objects = render(values_for(name))
-    assert sorted(o["kind"] for o in objects) == [
-        "PodDisruptionBudget",
-        "RayService",
-        "Service",
-        "Service",
-    ]
+    assert sorted(o["kind"] for o in objects) == ["PodDisruptionBudget", "RayService", "Service"]
     for obj in objects:
         if obj["kind"] != "RayService":
             validate_core(obj)
-    for i, template in enumerate(pod_templates(one(objects, "RayService"))):
+    rayservice = one(objects, "RayService")
+    validate_core({"apiVersion": "v1", "kind": "Service", **rayservice["spec"]["serveService"]})
+    for i, template in enumerate(pod_templates(rayservice)):
         validate_core(
             {
                 "apiVersion": "v1",
@@ -148,23 +147,114 @@ def test_other_objects_and_pod_templates_validate_against_kubernetes(
 
 def test_services_reach_the_serve_proxies_and_the_front_doors_grpc(render: Render) -> None:
     objects = render()
-    templates = pod_templates(one(objects, "RayService"))
-    for suffix, port, target, kuberay_label in [
-        ("-http", 8000, "serve", ("ray.io/serve", "true")),  # pods whose proxy is healthy
-        ("-grpc", 50051, "grpc", ("ray.io/node-type", "head")),  # where the front door runs
-    ]:
-        service = one(objects, "Service", suffix)
-        (service_port,) = service["spec"]["ports"]
-        assert (service_port["port"], service_port["targetPort"]) == (port, target)
-        selector = dict(service["spec"]["selector"])
-        label, value = kuberay_label
-        assert selector.pop(label) == value
-        for template in templates:
-            assert selector.items() <= template["metadata"]["labels"].items()
-            (container,) = template["spec"]["containers"]
-            assert target in {p["name"] for p in container["ports"]}
-    (app,) = serve_config(one(objects, "RayService"))["applications"]
+    rayservice = one(objects, "RayService")
+    templates = pod_templates(rayservice)
+    # HTTP is KubeRay's serve Service: KubeRay selects the active cluster's pods whose proxy is
+    # healthy, so an upgrade sends no request to a new cluster before its Serve app runs.
+    http = rayservice["spec"]["serveService"]
+    assert http["metadata"]["name"] == "slos-slos-serve-http"
+    assert "selector" not in http["spec"]
+    (http_port,) = http["spec"]["ports"]
+    assert (http_port["name"], http_port["port"], http_port["targetPort"]) == (
+        "serve",  # KubeRay keeps a port named as its head container's serve port
+        8000,
+        "serve",
+    )
+    grpc = one(objects, "Service", "-grpc")
+    (grpc_port,) = grpc["spec"]["ports"]
+    assert (grpc_port["port"], grpc_port["targetPort"]) == (50051, "grpc")
+    selector = dict(grpc["spec"]["selector"])
+    assert selector.pop("ray.io/node-type") == "head"  # where the front door runs
+    for template in templates:
+        assert selector.items() <= template["metadata"]["labels"].items()
+        (container,) = template["spec"]["containers"]
+        assert {"serve", "grpc"} <= {p["name"] for p in container["ports"]}
+    (app,) = serve_config(rayservice)["applications"]
     assert app["args"]["grpc"]["host"] == "0.0.0.0"
+
+
+@pytest.mark.parametrize("ports", [{}, {"dashboard": 8266, "metrics": 9090}])
+def test_ray_listens_on_the_container_ports(render: Render, ports: dict[str, int]) -> None:
+    """KubeRay reaches the dashboard, and Prometheus the metrics, through the container ports:
+    Ray must listen on the same numbers."""
+    cluster = one(render({"ports": ports}), "RayService")["spec"]["rayClusterConfig"]
+    head, *workers = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in (head, *workers):
+        (container,) = group["template"]["spec"]["containers"]
+        named = {p["name"]: str(p["containerPort"]) for p in container["ports"]}
+        assert group["rayStartParams"]["metrics-export-port"] == named["metrics"]
+    (container,) = head["template"]["spec"]["containers"]
+    named = {p["name"]: str(p["containerPort"]) for p in container["ports"]}
+    assert head["rayStartParams"]["dashboard-port"] == named["dashboard"]
+    assert (named["dashboard"], named["metrics"]) == (
+        str(ports.get("dashboard", 8265)),
+        str(ports.get("metrics", 8080)),
+    )
+
+
+def cpus(quantity: str | int) -> float:
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_replicas_run_on_the_worker_groups(render: Render, name: str) -> None:
+    """The head offers Ray no CPU (what runs there asks for none: the front door, pinned to it),
+    so each value set's worker groups must hold its replicas, every replica within one pod."""
+    assert FrontDoorDeployment.ray_actor_options["num_cpus"] == 0
+    rayservice = one(render(values_for(name)), "RayService")
+    config = rayservice["spec"]["rayClusterConfig"]
+    assert config["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    (app,) = serve_config(rayservice)["applications"]
+    cluster = ClusterConfig.from_dict(app["args"]["cluster"])
+    held = 0
+    for group in config["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        limits = container["resources"]["limits"]
+        fits = [cpus(limits["cpu"]) // cluster.num_cpus_per_replica]
+        if cluster.num_gpus_per_replica:
+            fits.append(limits.get("nvidia.com/gpu", 0) // cluster.num_gpus_per_replica)
+        held += group["replicas"] * int(min(fits))
+    assert held >= cluster.replicas
+
+
+def test_the_head_cpus_can_be_given_to_ray(render: Render) -> None:
+    for params, expected in [({"num-cpus": "2"}, {"num-cpus": "2"}), ({"num-cpus": None}, {})]:
+        head = one(render({"head": {"rayStartParams": params}}), "RayService")["spec"][
+            "rayClusterConfig"
+        ]["headGroupSpec"]
+        given = {k: v for k, v in head["rayStartParams"].items() if not k.endswith("-port")}
+        assert given == expected
+
+
+def test_tensor_parallel_on_cpu_installs(render: Render) -> None:
+    """On CPU a replica's ranks are processes on one node: no worker group needs GPUs."""
+    cluster = {"tensor_parallel_size": 2, "profile": "deploy/profiles/cpu-demo-tp2.json"}
+    (app,) = serve_config(one(render({"cluster": cluster}), "RayService"))["applications"]
+    config = ClusterConfig.from_dict(app["args"]["cluster"])
+    assert (config.tensor_parallel_size, config.num_gpus_per_replica) == (2, 0.0)
+    assert json.loads((ROOT / config.profile).read_text())["tp"] == 2
+
+
+def test_the_front_door_defaults_reach_the_front_door(render: Render) -> None:
+    for slo, expected in [("code", "code"), ({"ttft_ms": 500, "tpot_ms": 50}, SLO(500, 50))]:
+        values = {"defaultSlo": slo, "defaultChatMaxTokens": 1024}
+        (app,) = serve_config(one(render(values), "RayService"))["applications"]
+        config = FrontDoorConfig.from_args(app["args"])
+        assert (config.default_slo, config.default_chat_max_tokens) == (expected, 1024)
+
+
+def test_an_http_timeout_reaches_serve_on_a_new_ray_cluster(render: Render) -> None:
+    """Serve keeps the http_options it started with, so a change must change the pod template
+    (KubeRay then starts a new RayCluster) and not the Serve config alone."""
+    before, after = (one(render(v), "RayService") for v in ({}, {"httpRequestTimeoutS": 30}))
+    config = serve_config(after)
+    ServeDeploySchema.model_validate(config)
+    assert config["http_options"]["request_timeout_s"] == 30
+    old_head, *old_workers = pod_templates(before)
+    new_head, *new_workers = pod_templates(after)
+    assert old_head != new_head
+    assert old_workers == new_workers
 
 
 def test_disruption_budget_covers_workers_only(render: Render) -> None:
@@ -213,7 +303,6 @@ def test_optional_objects_render_and_validate(
         "NetworkPolicy",
         "PodDisruptionBudget",
         "RayService",
-        "Service",
         "Service",
         "Service",
         "Service",
@@ -340,11 +429,17 @@ def gpu_group(gpus: int) -> dict[str, Any]:
             r"/workerGroups/0/replicas': minimum: got -2, want 0",
         ),
         (
-            {"cluster": {"tensor_parallel_size": 4}, "workerGroups": [gpu_group(6)]},
+            {
+                "cluster": {"tensor_parallel_size": 4, "num_gpus_per_replica": 4.0},
+                "workerGroups": [gpu_group(6)],
+            },
             r"/workerGroups/0/gpus': multipleOf: got 6, want 4",
         ),
         (
-            {"cluster": {"tensor_parallel_size": 2}, "workerGroups": [gpu_group(0)]},
+            {
+                "cluster": {"tensor_parallel_size": 2, "num_gpus_per_replica": 2.0},
+                "workerGroups": [gpu_group(0)],
+            },
             r"/workerGroups/0/gpus': minimum: got 0, want 2",
         ),
         ({"cluster": {"tensor_parallel_size": 3}}, r"/cluster/tensor_parallel_size'"),
@@ -371,6 +466,18 @@ def gpu_group(gpus: int) -> dict[str, Any]:
         ({"reasoningParser": {"start": "<think>"}}, r"/reasoningParser'"),
         ({"clusterr": {}}, r"additional properties 'clusterr' not allowed"),
         ({"head": {"rayStartParams": {"num-cpus": 0}}}, r"/head/rayStartParams/num-cpus'"),
+        (  # the ports values set them, where the container ports say
+            {"head": {"rayStartParams": {"dashboard-port": "8266"}}},
+            r"/head/rayStartParams/dashboard-port'",
+        ),
+        (
+            {"workerGroups": [{**gpu_group(0), "rayStartParams": {"metrics-export-port": "9"}}]},
+            r"/workerGroups/0/rayStartParams/metrics-export-port'",
+        ),
+        ({"defaultSlo": {"ttft_ms": 100}}, r"/defaultSlo'"),
+        ({"defaultSlo": ""}, r"/defaultSlo'"),
+        ({"defaultChatMaxTokens": 0}, r"/defaultChatMaxTokens': minimum: got 0, want 1"),
+        ({"httpRequestTimeoutS": 0}, r"/httpRequestTimeoutS': exclusiveMinimum"),
         *(
             ({"cluster": {"spec_policy": policy, "draft": None}}, r"/cluster': missing .*'draft'")
             for policy in ("slos", "goodspeed", "specserve", "adaserve", "fixed:3")
@@ -423,6 +530,19 @@ def test_bad_values_are_refused_at_install_time(
             {"workerGroups": [{**gpu_group(0), "minReplicas": 3, "maxReplicas": 2}]},
             r"workerGroups\[gpu\]: minReplicas \(3\) must be <= maxReplicas \(2\)",
         ),
+        (
+            {"workerGroups": [{**gpu_group(0), "replicas": 0}]},
+            r"workerGroups\[gpu\]: replicas \(0\) must be within .* = \[1, 2\]",
+        ),
+        (
+            {"workerGroups": [{**gpu_group(0), "replicas": 3}]},
+            r"workerGroups\[gpu\]: replicas \(3\) must be within .* = \[1, 2\]",
+        ),
+        (
+            {"workerGroups": [gpu_group(0), gpu_group(0)]},
+            "workerGroups: names must be unique, got gpu, gpu",
+        ),
+        ({"defaultSlo": "batch"}, r"defaultSlo: batch is not a tier of cluster.tiers \(chat, "),
     ],
 )
 def test_values_the_app_or_kuberay_would_refuse_fail_the_install(
@@ -440,6 +560,7 @@ def test_names_fit_kuberay_and_kubernetes(render: Render) -> None:
     (service,) = [o for o in objects if o["kind"] == "RayService"]
     assert service["metadata"]["name"] == "x" * 47
     names = {o["metadata"]["name"] for o in objects}
+    names.add(service["spec"]["serveService"]["metadata"]["name"])
     suffixes = ("-http", "-grpc", "-workers", "-metrics", "-door-metrics")
     assert {"x" * 47 + suffix for suffix in suffixes} <= names
     assert max(len(name) for name in names) == 60
@@ -456,6 +577,7 @@ def test_names_fit_kuberay_and_kubernetes(render: Render) -> None:
         },
         {"scheduler": "sarathi", "spec_policy": "none"},
         {"calibrate": True},
+        {"resource_wait_s": 600.0},
         {"spec_policy": "adaserve", "adaserve": {"max_width": 6, "max_nodes": 24}},
         {"replicas": 1, "autoscale": {"min_replicas": 1, "max_replicas": 4, "signal": "slo"}},
     ],
@@ -476,8 +598,9 @@ def test_values_readme_lists_every_value() -> None:
     readme = (CHART / "README.md").read_text()
 
     def keys(node: Any, path: str) -> list[str]:
-        """Dotted paths of the values; a resources block is one value (ResourceRequirements)."""
-        if isinstance(node, dict) and node and not path.endswith("resources"):
+        """Dotted paths of the values; a resources block (ResourceRequirements) and a
+        rayStartParams block (`ray start` flags) are one value each."""
+        if isinstance(node, dict) and node and not path.endswith(("resources", "rayStartParams")):
             return [k for key, value in node.items() for k in keys(value, f"{path}.{key}")]
         return [path.lstrip(".")]
 

@@ -53,10 +53,21 @@ and max_replicas 1; cluster.config.ClusterConfig: replicas 2).
 {{- if ne (len $numbers) (len (uniq $numbers)) }}
 {{- fail (printf "ports: http (%d), grpc (%d), dashboard (%d) and metrics (%d) must differ from each other and from Ray's GCS and client ports (6379, 10001)" (int $ports.http) (int $ports.grpc) (int $ports.dashboard) (int $ports.metrics)) }}
 {{- end }}
+{{- $groups := list }}
 {{- range .Values.workerGroups }}
+{{- $groups = append $groups .name }}
 {{- if gt (int .minReplicas) (int .maxReplicas) }}
 {{- fail (printf "workerGroups[%s]: minReplicas (%d) must be <= maxReplicas (%d)" .name (int .minReplicas) (int .maxReplicas)) }}
 {{- end }}
+{{- if or (lt (int .replicas) (int .minReplicas)) (gt (int .replicas) (int .maxReplicas)) }}
+{{- fail (printf "workerGroups[%s]: replicas (%d) must be within [minReplicas, maxReplicas] = [%d, %d]" .name (int .replicas) (int .minReplicas) (int .maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- if ne (len $groups) (len (uniq $groups)) }}
+{{- fail (printf "workerGroups: names must be unique, got %s" (join ", " $groups)) }}
+{{- end }}
+{{- if and (kindIs "string" .Values.defaultSlo) (not (has .Values.defaultSlo $tiers)) }}
+{{- fail (printf "defaultSlo: %s is not a tier of cluster.tiers (%s)" .Values.defaultSlo (join ", " $tiers)) }}
 {{- end }}
 {{- end }}
 
@@ -93,9 +104,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- toYaml $grpc }}
 {{- end }}
 
+{{/* Ray Serve's http_options: on 0.0.0.0, so the Services reach the proxies. */}}
+{{- define "slos-serve.httpOptions" -}}
+{{- $options := dict "host" "0.0.0.0" "port" .Values.ports.http }}
+{{- with .Values.httpRequestTimeoutS }}
+{{- $_ := set $options "request_timeout_s" . }}
+{{- end }}
+{{- toYaml $options }}
+{{- end }}
+
 {{/*
 The Serve config (serveConfigV2): the same document as deploy/serve-*.yaml, except that HTTP
-and gRPC listen on 0.0.0.0 so the Services can reach them.
+and gRPC listen on 0.0.0.0 so the Services can reach them. The front door's defaults are
+written only when set: unset, the app's own apply.
 */}}
 {{- define "slos-serve.serveConfig" -}}
 {{- $keysFile := include "slos-serve.apiKeysFile" . }}
@@ -108,6 +129,12 @@ and gRPC listen on 0.0.0.0 so the Services can reach them.
   "reasoning_parser" .Values.reasoningParser
   "max_request_mb" .Values.maxRequestMb
 }}
+{{- with .Values.defaultSlo }}
+{{- $_ := set $args "default_slo" . }}
+{{- end }}
+{{- with .Values.defaultChatMaxTokens }}
+{{- $_ := set $args "default_chat_max_tokens" . }}
+{{- end }}
 {{- $app := dict
   "name" "slos-serve"
   "route_prefix" "/"
@@ -116,7 +143,7 @@ and gRPC listen on 0.0.0.0 so the Services can reach them.
 }}
 {{- $config := dict
   "proxy_location" "EveryNode"
-  "http_options" (dict "host" "0.0.0.0" "port" .Values.ports.http)
+  "http_options" (include "slos-serve.httpOptions" . | fromYaml)
   "grpc_options" (dict "port" .Values.ports.grpc)
   "applications" (list $app)
 }}
@@ -126,11 +153,18 @@ and gRPC listen on 0.0.0.0 so the Services can reach them.
 {{/*
 One Ray pod template. Called with a dict: root (the chart context), group (head or a worker
 group from values), component ("head" or "worker") and ports (name -> containerPort).
+Ray Serve keeps the http_options it started with (a running Serve logs and ignores new ones),
+so the head's template carries them too: a change makes KubeRay start a new RayCluster, whose
+Serve starts with them.
 */}}
 {{- define "slos-serve.podTemplate" -}}
 {{- $root := .root }}
 {{- $group := .group }}
-{{- $gpus := int (default 0 $group.gpus) -}}
+{{- $gpus := int (default 0 $group.gpus) }}
+{{- $annotations := deepCopy (default dict $root.Values.podAnnotations) }}
+{{- if eq .component "head" }}
+{{- $_ := set $annotations "slos-serve/http-options" (include "slos-serve.httpOptions" $root | fromYaml | toJson) }}
+{{- end -}}
 metadata:
   labels:
     {{- include "slos-serve.selectorLabels" $root | nindent 4 }}
@@ -138,7 +172,7 @@ metadata:
     {{- with $root.Values.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  {{- with $root.Values.podAnnotations }}
+  {{- with $annotations }}
   annotations:
     {{- toYaml . | nindent 4 }}
   {{- end }}

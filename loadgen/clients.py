@@ -47,7 +47,7 @@ from loadgen.records import RequestRecord, Verdict
 from loadgen.workloads import WorkloadRequest
 from replica.request import SLO, Request
 from router.client import AsyncClient, Chunk, ClientError, Result
-from router.openai_format import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
+from router.wire import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
 
 Clock = Callable[[], float]
 """Seconds on the run's clock (monotonic, 0 at the run's start)."""

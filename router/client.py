@@ -45,9 +45,11 @@ from replica.batch import TokenLogprob
 from replica.request import SLO
 from router.gen.slos_serve.v1 import serving_pb2 as pb
 from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
-from router.openai_format import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
-from router.openai_schema import (
+from router.wire import (
     ECHOED_MESSAGE_FIELDS,
+    HEADER_HOPS,
+    HEADER_REPLICA,
+    HEADER_VERDICT,
     MESSAGE_FIELDS,
     REASONING_MESSAGE_FIELDS,
     STAGE_FIELDS,

@@ -19,12 +19,10 @@ from router.frontdoor import Finished, Output
 from router.openai_schema import Echo, Endpoint
 from router.reasoning import ReasoningParser, ReasoningStream
 from router.tools import ToolCalling, ToolOutput
+from router.wire import HEADER_HOPS, HEADER_REPLICA, HEADER_VERDICT
 
 SSE_DONE = b"data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0
-HEADER_VERDICT = "x-slos-serve-verdict"
-HEADER_REPLICA = "x-slos-serve-replica"
-HEADER_HOPS = "x-slos-serve-hops"
 
 
 class Spelling(Protocol):

@@ -53,6 +53,14 @@ from router.structured import json_schema_grammar, structured_grammar
 from router.tokenizer import ChatOptions
 from router.tool_parsers import ToolParser
 from router.tools import ToolCalling, tool_calling, tools_of
+from router.wire import (
+    ECHOED_MESSAGE_FIELDS,
+    MESSAGE_FIELDS,
+    REASONING_MESSAGE_FIELDS,
+    STAGE_FIELDS,
+    message_content,
+    tool_call_fields,
+)
 
 MAX_PRIORITY = 19
 MAX_STOP_STRINGS = 16
@@ -231,13 +239,6 @@ FIELDS = {
     },
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
-ECHOED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call", "parsed")
-"""What the openai package's message objects hold besides, sent back with the conversation
-and ignored (as vLLM ignores them)."""
-REASONING_MESSAGE_FIELDS = ("reasoning_content", "reasoning")
-"""An assistant's earlier thinking, as this server's and vLLM's responses give it (newer
-vLLM names it `reasoning`): sent back with the conversation, it reaches the template."""
 TAKEN_MESSAGE_FIELDS = {*MESSAGE_FIELDS, *REASONING_MESSAGE_FIELDS, *ECHOED_MESSAGE_FIELDS}
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 """OpenAI's `reasoning_effort` values, which the chat template gets as it is given."""
@@ -694,40 +695,6 @@ def _tool_calls(raw: object, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def tool_call_fields(call: object, where: str) -> tuple[str, str, str]:
-    """An earlier call's id, function name and arguments (JSON text), in OpenAI's shape."""
-    function = call.get("function") if isinstance(call, Mapping) else None
-    if (
-        not isinstance(call, Mapping)
-        or set(call) - {"id", "type", "function", "index"}  # index: the SDK's stream helper
-        or call.get("type", "function") != "function"
-        or not isinstance(call.get("id", ""), str)
-        or not isinstance(function, Mapping)
-        or set(function) - {"parsed_arguments"} != {"name", "arguments"}
-        or not isinstance(function["name"], str)
-        or not isinstance(function["arguments"], str)
-    ):
-        raise BadRequest(
-            f"{where} must be {{id, type: function, function: {{name, arguments}}}}", where
-        )
-    return call.get("id", ""), function["name"], function["arguments"]
-
-
-def message_content(raw: object, where: str) -> str:
-    """Message content: a string, or a list of text parts (OpenAI's multi-part form)."""
-    if isinstance(raw, str):
-        return raw
-    if isinstance(raw, list):
-        parts = []
-        for j, part in enumerate(raw):
-            ok = isinstance(part, dict) and part.get("type") == "text"
-            if not ok or set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise BadRequest(f"{where}[{j}] must be {{type: text, text: <string>}}", where)
-            parts.append(part["text"])
-        return "".join(parts)
-    raise BadRequest(f"{where} must be a string or a list of text parts", where)
-
-
 def _sampling(
     endpoint: Endpoint,
     body: dict[str, Any],
@@ -1016,9 +983,6 @@ def _header_slo(lowered: Mapping[str, str], base: SLO) -> SLO:
         ),
         "slo",
     )
-
-
-STAGE_FIELDS = ("tpot_ms", "num_tokens", "ttft_ms", "name", "end_token_ids", "until")
 
 
 def _stages(raw: object, codec: Codec) -> tuple[Stage, ...]:

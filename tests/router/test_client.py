@@ -11,6 +11,8 @@ import asyncio
 import math
 import pickle
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -486,3 +488,15 @@ def test_wait_for_ready_waits_for_a_server_that_comes_up() -> None:
         starting.join()
         for server in servers:
             server.stop(None)
+
+
+def test_the_sdk_loads_none_of_the_servers_modules() -> None:
+    """A client imports the message shapes the doors check (router.wire), not the doors:
+    `import router.client` took 1-1.6 s on a loaded machine, with the tokenizer, the chat
+    template engine, the grammar engine and the metrics."""
+    heavy = ("llguidance", "jinja2", "tokenizers", "prometheus_client", "torch", "ray")
+    probe = f"import sys, router.client; print([m for m in {heavy!r} if m in sys.modules])"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert loaded.stdout.strip() == "[]"

@@ -60,8 +60,9 @@ DEAD_RENEWALS = 3
 """Renewals in a row that find the controller dead for good (`ActorDiedError`; a restarting
 one holds the call) before the door takes its cluster for stopped."""
 DOORS_POLL_S = 0.5
-GPU_POLL_S = 2.0
 """How often a launch asks whether the doors of a cluster it replaces have left."""
+GPU_POLL_S = 2.0
+"""How often a launch waiting for GPU nodes (`ClusterConfig.resource_wait_s`) looks again."""
 
 
 @dataclass

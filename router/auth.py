@@ -51,9 +51,13 @@ class ApiKeys:
     _looked: float = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._by_digest = {_digest(key): tenant for key, tenant in self.tenants.items()}
+        self._take(self.tenants)
         self._stamp = None if self.path is None else _stamp(self.path)
         self._looked = self.clock()
+
+    def _take(self, tenants: Mapping[str, str]) -> None:
+        self.tenants = tenants
+        self._by_digest = {_digest(key): tenant for key, tenant in tenants.items()}
 
     @property
     def enabled(self) -> bool:
@@ -88,8 +92,7 @@ class ApiKeys:
         except ValueError as exc:
             logger.error("API keys not reloaded, those before stay in force: %s", exc)
             return
-        self.tenants = tenants
-        self._by_digest = {_digest(key): tenant for key, tenant in tenants.items()}
+        self._take(tenants)
         logger.info("API keys reloaded from %s: %d key(s)", self.path, len(tenants))
 
     def authenticate(self, authorization: str | None) -> str:

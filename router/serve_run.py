@@ -35,7 +35,8 @@ log = logging.getLogger("slos_serve.serve_run")
 
 
 class _Stop:
-    """The SIGINT and SIGTERM handler: drain, then interrupt serve run (its Ctrl-C path)."""
+    """The SIGINT and SIGTERM handler: drain, then interrupt the wait for the end (Serve is
+    shut down after it)."""
 
     def __init__(self) -> None:
         self.signalled = False

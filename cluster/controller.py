@@ -31,7 +31,7 @@ from cluster.config import BestEffortOrder, ClusterConfig, SchedulerKind
 from cluster.control import Binding, ControlPlane, Decision
 from cluster.leases import Leases
 from cluster.logs import configure_logging
-from cluster.messages import AlreadyHeld, StepReport
+from cluster.messages import AlreadyHeld, ReplicaSnapshot, StepReport
 from cluster.metrics import Metrics
 from cluster.migration import resumed_request
 from cluster.names import NAMESPACE, slot_occupants
@@ -77,6 +77,11 @@ from a snapshot: Ray does not keep an async actor's calls in order, so a replica
 may come out of order, while a report a failed step never sent leaves a gap for good."""
 PLAN_RESEND_S = 0.25
 """A plan sent without a report back this long ago is considered lost."""
+HAND_OFF_TIMEOUT_S = 5.0
+"""How long a replica may take to accept a request before it is taken for down and the request
+bound elsewhere: one that hangs (a wedged device, a stopped process) would hold the request,
+and its client, for as long as it hangs. It holds the request if it wakes; `_drop_moved`
+then ends it there."""
 RESUME_WAIT_S = 120.0
 """How long a request that lost its replica waits for one to be up again (a restart reloads
 the model: seconds here, longer for a large checkpoint) before the client is told."""
@@ -468,11 +473,13 @@ class ClusterController:
         try:
             if actor is None:  # stopped by the autoscaler since the plane chose it
                 raise RayActorError
-            await actor.add_request.remote(request, admitted)
+            await _within(actor.add_request.remote(request, admitted), HAND_OFF_TIMEOUT_S)
             added = True
-        except RayActorError:
+        except (RayActorError, TimeoutError) as error:
             self.plane.abort(rid)
             if self.replicas[replica] is actor:  # not a replica replaced meanwhile
+                if isinstance(error, TimeoutError):
+                    log.warning("replica %d did not take a request in time: down", replica)
                 self.plane.mark_dead(replica)
             if self._left_in_hand_off(rid):  # nothing to retry
                 return Binding(rid, None, None, binding.hops, "aborted during its hand-off")
@@ -492,6 +499,9 @@ class ClusterController:
                 self._rebuilds[replica].binds.pop(rid, None)
         assert actor is not None  # it holds the request
         binding = replace(binding, actor=actor)
+        for vr in self.plane.replicas:  # a copy a replica back from a hang took meanwhile
+            if vr.index != replica and rid in vr.held:
+                self._end_copy(vr.index, rid)
         if self._left_in_hand_off(rid):
             actor.abort.remote(rid)
             return binding
@@ -738,7 +748,10 @@ class ClusterController:
             snapshot = await _within(actor.snapshot.remote(), HEALTH_TIMEOUT_S)
             if self.replicas[replica] is not actor:  # the autoscaler stopped it meanwhile
                 return
+            was_down = not self.plane.replicas[replica].alive
             self.plane.restore(replica, snapshot, time.time())
+            if was_down:
+                self._drop_moved(replica, snapshot)
             self.plane.metrics.inc("mirror_rebuilds")
             self.plane.metrics.inc("demoted", self.plane.replicas[replica].num_demoted)
             # Held since before the snapshot: another incarnation's are the past.
@@ -762,6 +775,23 @@ class ClusterController:
             if self._fold(report) is ReportFit.RESYNC:
                 return
         self._send_plan(replica, time.time())
+
+    def _drop_moved(self, replica: int, snapshot: ReplicaSnapshot) -> None:
+        """A replica back from down (it hung) may hold requests that went on elsewhere while
+        it was away (a stream resumed, a hand-off to it timed out): it ends them, rather
+        than compute them for no one. Those no other replica holds stay."""
+        elsewhere = {
+            rid for vr in self.plane.replicas if vr.index != replica and vr.alive for rid in vr.held
+        }
+        for held in snapshot.requests:
+            if held.request.request_id in elsewhere:
+                self._end_copy(replica, held.request.request_id)
+
+    def _end_copy(self, replica: int, request_id: str) -> None:
+        self.plane.replicas[replica].abort(request_id)
+        actor = self.replicas[replica]
+        if actor is not None:
+            actor.abort.remote(request_id)
 
     # -- autoscaling ----------------------------------------------------------------------------
 
@@ -920,11 +950,14 @@ class ClusterController:
             start_error=self._start_error,
         )
 
-    async def replica_up(self, replica: int) -> bool:
-        """Whether the health loop takes the replica for up: a stream stalled on it asks, as
-        a hung replica's streams never end by themselves."""
+    async def moves_from(self, replica: int) -> bool:
+        """Whether a stream stalled on the replica should resume elsewhere (a hung replica's
+        streams never end by themselves): the health loop takes it for down, and another
+        replica is up to take the stream. With none, the stream waits for this one."""
         await self.ready()
-        return self.plane.replicas[replica].alive
+        routable = self.plane.routable()
+        others = any(up for i, up in enumerate(routable) if i != replica)
+        return not self.plane.replicas[replica].alive and others
 
     async def replica_handles(self) -> list[ActorHandle | None]:
         """Per slot, the replica a front door may stream from and ask for the model's limits

@@ -55,7 +55,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 STALL_CHECK_S = 3.0
 """How long a stream waits for its replica's next item before it asks whether the replica
 is up (`ClusterHandle._next_ref`)."""
-STALLED_DOWN_CHECKS = 2
+STALLED_MOVE_CHECKS = 2
 DEAD_RENEWALS = 3
 """Renewals in a row that find the controller dead for good (`ActorDiedError`; a restarting
 one holds the call) before the door takes its cluster for stopped."""
@@ -239,21 +239,21 @@ class ClusterHandle:
         """The stream's next item (None: its end). A replica that hangs (a wedged device, a
         stopped process) holds its streams for as long as it hangs, while the controller
         takes it for down and routes around it: a stream that waits STALL_CHECK_S for an
-        item asks whether its replica is up, and once told twice in a row that it is not,
-        aborts it there (the replica gets the abort when it wakes) and resumes elsewhere.
-        Twice, as a replica the health loop took for down on a loaded machine is back
-        within seconds."""
+        item asks whether it should move (`ClusterController.moves_from`), and once told so
+        twice in a row aborts it there (the replica gets the abort when it wakes) and
+        resumes elsewhere. Twice, as a replica the health loop took for down on a loaded
+        machine is back within seconds."""
         step = asyncio.ensure_future(anext(gen, None))
-        down = 0
+        told = 0
         try:
             while not (await asyncio.wait({step}, timeout=STALL_CHECK_S))[0]:
-                check = asyncio.ensure_future(self._replica_up(binding))
+                check = asyncio.ensure_future(self._moves(binding))
                 await asyncio.wait({step, check}, return_when=asyncio.FIRST_COMPLETED)
                 if not check.done():  # the item came first (a restarting controller is slow)
                     check.cancel()
                     continue
-                down = 0 if check.result() else down + 1
-                if down == STALLED_DOWN_CHECKS:
+                told = told + 1 if check.result() else 0
+                if told == STALLED_MOVE_CHECKS:
                     actor: Any = binding.actor
                     actor.abort.remote(request_id)
                     raise _Lost
@@ -262,14 +262,14 @@ class ClusterHandle:
         finally:
             step.cancel()
 
-    async def _replica_up(self, binding: Binding) -> bool:
-        """Whether the controller takes the binding's replica for up (yes when it cannot say:
-        the stream waits on, as it did before it asked)."""
+    async def _moves(self, binding: Binding) -> bool:
+        """Whether the controller says the stream should leave the binding's replica (no when
+        it cannot say: the stream waits on, as it did before it asked)."""
         try:
-            up: bool = await self._controller.replica_up.remote(binding.replica)
+            moves: bool = await self._controller.moves_from.remote(binding.replica)
         except RayError:
-            return True
-        return up
+            return False
+        return moves
 
     @staticmethod
     def _open_stream(binding: Binding, request_id: str) -> ObjectRefGenerator:

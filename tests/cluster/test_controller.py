@@ -35,13 +35,14 @@ NUM_BLOCKS = 64
 
 
 class _Method:
-    """`.remote(...)` as on an actor handle: the call runs as a task of this event loop."""
+    """`.remote(...)` as on an actor handle: the call runs as a task of this event loop, which
+    a caller that stops waiting (a timeout) does not cancel, as Ray does not."""
 
     def __init__(self, call: Callable[..., Coroutine[Any, Any, Any]]) -> None:
         self._call = call
 
     def remote(self, *args: Any) -> Awaitable[Any]:
-        return asyncio.ensure_future(self._call(*args))
+        return asyncio.shield(asyncio.ensure_future(self._call(*args)))
 
 
 class LocalReplica:
@@ -63,6 +64,8 @@ class LocalReplica:
         """Health checks to fail as Ray fails the calls to an actor it will not restart."""
         self.slow_checks = 0
         """Health checks to answer a second late (the replica or the controller held up)."""
+        self.awake = _open()
+        """Cleared: the replica hangs (a stopped process); its calls wait until it is set."""
         self.add_request = _Method(self._add_request)
         self.abort = _Method(self._abort)
         self.set_plan = _Method(self._set_plan)
@@ -72,6 +75,7 @@ class LocalReplica:
         self.stream = _Streaming(core)
 
     async def _add_request(self, request: Request, admitted: bool) -> None:
+        await self.awake.wait()
         if self.failed_adds or self.down:
             self.failed_adds = max(0, self.failed_adds - 1)
             raise RayActorError
@@ -97,6 +101,7 @@ class LocalReplica:
         return snapshot
 
     async def _health(self) -> str:
+        await self.awake.wait()
         if self.slow_checks:
             self.slow_checks -= 1
             await asyncio.sleep(1.0)
@@ -813,5 +818,88 @@ def test_a_replica_late_to_answer_its_health_check_is_down_only_when_late_twice_
         await until(lambda: counters["mirror_rebuilds"] == rebuilt + 1, "its mirror rebuilt")
         assert vr.alive
         await replica.core.stop()
+
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def second_engine(target_dir: Path) -> Engine:
+    return Engine.from_dirs(target_dir, num_blocks=NUM_BLOCKS)
+
+
+def start_two(
+    engines: tuple[Engine, Engine], config: ClusterConfig
+) -> tuple[ClusterController, LocalReplica, LocalReplica]:
+    reports: list[ClusterController] = []
+
+    def replica(index: int) -> LocalReplica:
+        report = lambda r: asyncio.ensure_future(reports[0].report(r))  # noqa: E731
+        return LocalReplica(ReplicaCore(engines[index], index, report))
+
+    first, second = replica(0), replica(1)
+    controller = ClusterController(dataclasses.replace(config, replicas=2), [first, second])
+    reports.append(controller)
+    return controller, first, second
+
+
+def test_a_request_a_hung_replica_does_not_take_is_bound_elsewhere_and_dropped_there(
+    engine: Engine, second_engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that hung just before a hand-off held its request, and the client, for as
+    long as it hung (20-40 s live). The hand-off now times out: the request goes to the other
+    replica, and the hung one, once back, ends the copy it took."""
+    monkeypatch.setattr(controller_module, "HAND_OFF_TIMEOUT_S", 0.2)
+
+    async def run() -> None:
+        controller, hung, other = start_two((engine, second_engine), config)
+        await controller.ready()
+        hung.awake.clear()
+        binding = await asyncio.wait_for(controller.submit(request("bound", 64)), 10)
+        assert binding.replica == 1 and binding.verdict in (Verdict.ADMITTED, Verdict.BEST_EFFORT)
+        hung.awake.set()  # takes the request it was handed, as Ray delivers the call now
+        assert await asyncio.wait_for(finish(hung, "bound"), 20) == "abort"
+        assert await asyncio.wait_for(finish(other, "bound"), 20) == "length"
+        assert controller.plane.replicas[0].alive
+        await hung.core.stop()
+        await other.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_hand_off_that_times_out_on_the_only_replica_waits_for_it(
+    engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no other replica the request waits for this one, and keeps the copy it took."""
+    monkeypatch.setattr(controller_module, "HAND_OFF_TIMEOUT_S", 0.2)
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        replica.awake.clear()
+        submit = asyncio.create_task(controller.submit(request("waits", 8)))
+        await asyncio.sleep(0.5)  # the hand-off timed out; it waits for a replica
+        assert not submit.done() and not controller.plane.replicas[0].alive
+        replica.awake.set()
+        binding = await asyncio.wait_for(submit, 10)
+        assert binding.replica == 0 and binding.verdict in (Verdict.ADMITTED, Verdict.BEST_EFFORT)
+        assert await asyncio.wait_for(finish(replica, "waits"), 20) == "length"
+        await replica.core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_stalled_stream_moves_only_from_a_replica_down_with_another_up(
+    engine: Engine, second_engine: Engine, config: ClusterConfig
+) -> None:
+    async def run() -> None:
+        controller, first, second = start_two((engine, second_engine), config)
+        await controller.ready()
+        assert not await controller.moves_from(0)  # up
+        controller.plane.mark_dead(0)
+        assert await controller.moves_from(0)
+        controller.plane.mark_dead(1)
+        assert not await controller.moves_from(0)  # nowhere to go: it waits for replica 0
+        await first.core.stop()
+        await second.core.stop()
 
     asyncio.run(run())

@@ -438,11 +438,17 @@ class _Lost(Exception):
 
 def check_launch(config: ClusterConfig) -> None:
     """What a launch reads from disk before the replicas load the target: the profile, and the
-    draft when the replicas load one."""
+    draft when the replicas load one; and, on a running Ray cluster, the GPUs a replica needs
+    when the launch would not wait for them (Ray Serve builds an application, and so calls
+    this, before it stops the running version's door)."""
     cluster_profile(config)
     if config.loads_draft:
         assert config.draft is not None  # ClusterConfig requires one
         model_folder("draft", config.draft)
+    if ray.is_initialized() and config.resource_wait_s == 0:
+        short = _gpus_short(config)
+        if short:
+            raise ValueError(short + " (resource_wait_s waits for GPU nodes)")
 
 
 async def launch(
@@ -501,22 +507,31 @@ async def _wait_for_gpus(config: ClusterConfig) -> None:
     """Returns once the Ray cluster holds the GPUs of a replica, asking its autoscaler for
     every replica's (a group scaled to zero gets no other demand before the replicas ask);
     a ValueError after `resource_wait_s`."""
-    need, wait_s = config.num_gpus_per_replica, config.resource_wait_s
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if gpus >= need:
+    short, wait_s = _gpus_short(config), config.resource_wait_s
+    if not short:
         return
     if wait_s > 0:
-        log.warning("waiting up to %g s for %g GPU(s); the Ray cluster has %g", wait_s, need, gpus)
-        request_resources(bundles=[{"GPU": need}] * config.replicas)
+        log.warning("%s: waiting up to %g s for GPU nodes", short, wait_s)
+        request_resources(bundles=[{"GPU": config.num_gpus_per_replica}] * config.replicas)
         deadline = time.monotonic() + wait_s
-        while gpus < need and time.monotonic() < deadline:
+        while short and time.monotonic() < deadline:
             await asyncio.sleep(min(GPU_POLL_S, max(0.0, deadline - time.monotonic())))
-            gpus = ray.cluster_resources().get("GPU", 0)
-        if gpus >= need:
+            short = _gpus_short(config)
+        if not short:
             return
     raise ValueError(
+        short + (f" after {wait_s:g} s" if wait_s > 0 else " (resource_wait_s waits for GPU nodes)")
+    )
+
+
+def _gpus_short(config: ClusterConfig) -> str:
+    """Why the Ray cluster cannot hold a replica's GPUs ("": it can)."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    need = config.num_gpus_per_replica
+    return (
         f"num_gpus_per_replica={need:g} but the Ray cluster has {gpus:g} GPU(s)"
-        + (f" after {wait_s:g} s" if wait_s > 0 else " (resource_wait_s waits for GPU nodes)")
+        if gpus < need
+        else ""
     )
 
 
@@ -526,7 +541,7 @@ async def _reattach(config: ClusterConfig) -> ClusterHandle | None:
     try:
         controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
         if await controller.cluster_config.remote() != config:
-            log.info("a cluster with another config is running; stopping it")
+            log.info("a cluster with another config is running: it is to be replaced")
             return None
         replicas = await controller.replica_handles.remote()
     except (ValueError, RayActorError):

@@ -199,6 +199,21 @@ def test_build_app_reads_every_file_before_serve_stops_the_running_door(
         build_app(args)
 
 
+def test_build_app_refuses_gpus_the_ray_cluster_lacks_before_serve_stops_the_running_door(
+    ray_session: None, target_dir: Path, draft_dir: Path, tmp_path: Path
+) -> None:
+    """An update asking for GPUs the Ray cluster lacks passed the builder: Serve stopped the
+    running door, and the next door refused in its constructor, every request a 503. Unless
+    the launch is to wait for GPU nodes (resource_wait_s), the builder refuses it."""
+    args = demo_args(target_dir, draft_dir, tmp_path, 8000, 50051)
+    build_app(args)
+    args["cluster"] = {**args["cluster"], "num_gpus_per_replica": 1}
+    with pytest.raises(ValueError, match=r"num_gpus_per_replica=1 but the Ray cluster has 0 GPU"):
+        build_app(args)
+    args["cluster"]["resource_wait_s"] = 600
+    build_app(args)
+
+
 def test_a_stopped_door_has_time_to_drain_llm_streams() -> None:
     """Serve's default of 20 s cut longer streams off at an update or a delete."""
     assert FrontDoorDeployment._deployment_config.graceful_shutdown_timeout_s == DRAIN_S >= 120

@@ -151,7 +151,7 @@ def read_keys(path: Path | None, env: Mapping[str, str] | None) -> dict[str, str
         # open the server to every caller.
         raise ValueError(
             f"api_keys_file {str(path)!r} holds no keys (nor does {ENV_VAR}); refusing to "
-            "start without authentication: add a key, or drop api_keys_file to run open"
+            "run without authentication: add a key, or drop api_keys_file to run open"
         )
     return tenants
 
@@ -191,7 +191,7 @@ def parse_key_env(raw: str) -> dict[str, str]:
     items = [item for item in raw.split(",") if item.strip()]
     for number, item in enumerate(items, start=1):
         key, _, tenant = (part.strip() for part in item.partition(":"))
-        where = f"{ENV_VAR} item {number} ({item.strip()!r})"
+        where = f"{ENV_VAR} item {number}"  # not the item itself: it holds a key
         if not key:
             raise ValueError(f"{where}: no key before the ':'")
         _check(key, tenant or DEFAULT_TENANT, where)

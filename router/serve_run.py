@@ -50,12 +50,6 @@ class _Stop:
             "%s: draining the applications' streams before stopping (signal again to stop now)",
             signal.Signals(signum).name,
         )
-        try:
-            names = list(serve.status().applications)
-        except RayServeException:  # Serve is not up yet: nothing streams
-            names = []
-        for name in names:
-            serve.delete(name)
         raise KeyboardInterrupt
 
 
@@ -84,11 +78,34 @@ def run(args: argparse.Namespace) -> int:
         cli.main(["run", "--non-blocking", args.config], prog_name="serve", standalone_mode=False)
         failed = _until_one_fails_to_deploy()
     except KeyboardInterrupt:
+        _drain()
         serve.shutdown()
         return 0
     log.error("application %r failed to deploy: %s", *failed)
     serve.shutdown()
     return 1
+
+
+def _drain() -> None:
+    """Delete the applications, which Serve drains, and wait until it has: each door's
+    graceful_shutdown_timeout_s bounds it (router.app.DRAIN_S). Not serve.delete's own wait,
+    which gives up after 60 s with a TimeoutError (Ray 2.60), and so cut every stream still
+    open then and skipped Serve's shutdown. A second signal stops the wait."""
+    try:
+        names = list(serve.status().applications)
+        for name in names:
+            serve.delete(name, _blocking=False)
+        while any(_present(name) for name in names):
+            time.sleep(WATCH_S)
+    except RayServeException:  # Serve is not up yet: nothing streams
+        return
+    except KeyboardInterrupt:
+        return
+
+
+def _present(name: str) -> bool:
+    app = serve.status().applications.get(name)
+    return app is not None and app.status != ApplicationStatus.NOT_STARTED
 
 
 def _until_one_fails_to_deploy() -> tuple[str, str]:

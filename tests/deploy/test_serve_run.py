@@ -13,18 +13,22 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
 from loadgen import serve_process
 from loadgen.serve_process import ServeCommand
 from router.client import Client, Result
+from router.gen.slos_serve.v1 import serving_pb2 as pb
+from router.gen.slos_serve.v1 import serving_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
@@ -138,10 +142,19 @@ def test_models_endpoint_names_the_demo(served: Served) -> None:
 
 def test_sigterm_stops_it_once_the_open_streams_ended(served: Served) -> None:
     """docker stop, systemd: an HTTP and a gRPC stream open at the signal both end whole,
-    then the process exits (the last test here: it stops the module's server)."""
+    and so does one its client leaves unread for 65 s (serve.delete's own wait gave up at
+    60 s, cutting it and skipping Serve's shutdown); then the process exits (the last test
+    here: it stops the module's server)."""
     body = {"prompt": "def f(", "max_tokens": 400, "ignore_eos": True, "stream": True}
     started = threading.Event()
     events: list[bytes] = []
+    # No BDP probing: a 64 KiB window, which this stream's log-probabilities fill unread.
+    channel = grpc.insecure_channel(served.grpc_target, options=[("grpc.http2.bdp_probe", 0)])
+    held = pb_grpc.ServingStub(channel).Generate(
+        pb.GenerateRequest(prompt="def h(", max_tokens=1500, ignore_eos=True, logprobs=20),
+        timeout=300,
+    )
+    assert next(held).HasField("chunk")
 
     def over_http() -> None:
         request = urllib.request.Request(
@@ -163,6 +176,10 @@ def test_sigterm_stops_it_once_the_open_streams_ended(served: Served) -> None:
         served.process.send_signal(signal.SIGTERM)
         results = [item for item in stream if isinstance(item, Result)]
     reading.join(120)
+    time.sleep(65)
+    last = list(held)[-1]
+    channel.close()
+    assert last.HasField("final") and last.final.finish_reason == "length"
     assert [r.finish_reason for r in results] == ["length"]
     chunks = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -35,8 +35,8 @@ log = logging.getLogger("slos_serve.serve_run")
 
 
 class _Stop:
-    """The SIGINT and SIGTERM handler: drain, then interrupt the wait for the end (Serve is
-    shut down after it)."""
+    """The SIGINT and SIGTERM handler: the first interrupts the wait (`run` then drains and
+    shuts Serve down), a second the drain."""
 
     def __init__(self) -> None:
         self.signalled = False
@@ -97,9 +97,7 @@ def _drain() -> None:
             serve.delete(name, _blocking=False)
         while any(_present(name) for name in names):
             time.sleep(WATCH_S)
-    except RayServeException:  # Serve is not up yet: nothing streams
-        return
-    except KeyboardInterrupt:
+    except (RayServeException, KeyboardInterrupt):  # Serve is not up yet, or a second signal
         return
 
 

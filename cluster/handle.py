@@ -53,9 +53,10 @@ CONTROLLER_RETRIES = 20
 RETRY_DELAY_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
 STALL_CHECK_S = 3.0
-"""How long a stream waits for its replica's next item before it asks whether the replica
-is up (`ClusterHandle._next_ref`)."""
+"""How long a stream waits for its replica's next item before it asks the controller whether
+to move (`ClusterHandle._next_ref`)."""
 STALLED_MOVE_CHECKS = 2
+"""Answers in a row that say move before a stalled stream does."""
 DEAD_RENEWALS = 3
 """Renewals in a row that find the controller dead for good (`ActorDiedError`; a restarting
 one holds the call) before the door takes its cluster for stopped."""
@@ -445,10 +446,8 @@ def check_launch(config: ClusterConfig) -> None:
     if config.loads_draft:
         assert config.draft is not None  # ClusterConfig requires one
         model_folder("draft", config.draft)
-    if ray.is_initialized() and config.resource_wait_s == 0:
-        short = _gpus_short(config)
-        if short:
-            raise ValueError(short + " (resource_wait_s waits for GPU nodes)")
+    if ray.is_initialized():
+        _refuse_short_of_gpus(config)
 
 
 async def launch(
@@ -506,22 +505,26 @@ async def launch(
 async def _wait_for_gpus(config: ClusterConfig) -> None:
     """Returns once the Ray cluster holds the GPUs of a replica, asking its autoscaler for
     every replica's (a group scaled to zero gets no other demand before the replicas ask);
-    a ValueError after `resource_wait_s`."""
+    a ValueError after `resource_wait_s` (at once when it is 0)."""
+    _refuse_short_of_gpus(config)
     short, wait_s = _gpus_short(config), config.resource_wait_s
     if not short:
         return
-    if wait_s > 0:
-        log.warning("%s: waiting up to %g s for GPU nodes", short, wait_s)
-        request_resources(bundles=[{"GPU": config.num_gpus_per_replica}] * config.replicas)
-        deadline = time.monotonic() + wait_s
-        while short and time.monotonic() < deadline:
-            await asyncio.sleep(min(GPU_POLL_S, max(0.0, deadline - time.monotonic())))
-            short = _gpus_short(config)
-        if not short:
-            return
-    raise ValueError(
-        short + (f" after {wait_s:g} s" if wait_s > 0 else " (resource_wait_s waits for GPU nodes)")
-    )
+    log.warning("%s: waiting up to %g s for GPU nodes", short, wait_s)
+    request_resources(bundles=[{"GPU": config.num_gpus_per_replica}] * config.replicas)
+    deadline = time.monotonic() + wait_s
+    while short and time.monotonic() < deadline:
+        await asyncio.sleep(min(GPU_POLL_S, max(0.0, deadline - time.monotonic())))
+        short = _gpus_short(config)
+    if short:
+        raise ValueError(f"{short} after {wait_s:g} s")
+
+
+def _refuse_short_of_gpus(config: ClusterConfig) -> None:
+    """A ValueError when the Ray cluster lacks a replica's GPUs and the launch is not to wait."""
+    short = _gpus_short(config)
+    if short and config.resource_wait_s == 0:
+        raise ValueError(short + " (resource_wait_s waits for GPU nodes)")
 
 
 def _gpus_short(config: ClusterConfig) -> str:

@@ -107,7 +107,10 @@ class ReasoningStream:
         """Text that may be the start of a marker, not sent yet."""
 
     def feed(self, text: str) -> tuple[str, str]:
-        reasoning, content = self._split(text)
+        return self._shown(*self._split(text))
+
+    def _shown(self, reasoning: str, content: str) -> tuple[str, str]:
+        """The thinking goes out only when the parser includes it."""
         return (reasoning if self.parser.include else ""), content
 
     def _split(self, text: str) -> tuple[str, str]:
@@ -139,9 +142,7 @@ class ReasoningStream:
         if self.thinking is None:
             self.thinking = self.thought = self.parser.starts_open
         held, self.held = self.held, ""
-        if not self.thinking:
-            return "", held
-        return (held if self.parser.include else ""), ""
+        return self._shown(held, "") if self.thinking else ("", held)
 
 
 def _marker_prefix(text: str, marker: str) -> int:

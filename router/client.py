@@ -51,9 +51,10 @@ from router.wire import (
     HEADER_REPLICA,
     HEADER_VERDICT,
     MESSAGE_FIELDS,
-    REASONING_MESSAGE_FIELDS,
+    SENT_MESSAGE_FIELDS,
     STAGE_FIELDS,
     message_content,
+    message_reasoning,
     tool_call_fields,
 )
 
@@ -375,12 +376,11 @@ def _openai_message(index: int, message: Mapping[str, Any]) -> pb.ChatMessage:
     joined, and the fields a response's message echoes (refusal, ...) dropped, as HTTP
     takes them."""
     where = f"messages[{index}]"
-    known = (*MESSAGE_FIELDS, *REASONING_MESSAGE_FIELDS)
-    _known_fields(message, known, where, ignored=ECHOED_MESSAGE_FIELDS)
+    _known_fields(message, SENT_MESSAGE_FIELDS, where, ignored=ECHOED_MESSAGE_FIELDS)
     fields = {k: v for k, v in message.items() if k in MESSAGE_FIELDS}
-    thinking = [message[k] for k in REASONING_MESSAGE_FIELDS if message.get(k) is not None]
-    if thinking:  # the server checks it, as HTTP does
-        fields["reasoning_content"] = thinking[0]
+    thinking = message_reasoning(message, where)
+    if thinking is not None:
+        fields["reasoning_content"] = thinking
     calls = fields.pop("tool_calls", None)
     if calls is not None:
         if not isinstance(calls, Sequence) or isinstance(calls, str):

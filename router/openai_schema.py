@@ -55,10 +55,10 @@ from router.tool_parsers import ToolParser
 from router.tools import ToolCalling, tool_calling, tools_of
 from router.wire import (
     ECHOED_MESSAGE_FIELDS,
-    MESSAGE_FIELDS,
-    REASONING_MESSAGE_FIELDS,
+    SENT_MESSAGE_FIELDS,
     STAGE_FIELDS,
     message_content,
+    message_reasoning,
     tool_call_fields,
 )
 
@@ -239,7 +239,7 @@ FIELDS = {
     },
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-TAKEN_MESSAGE_FIELDS = {*MESSAGE_FIELDS, *REASONING_MESSAGE_FIELDS, *ECHOED_MESSAGE_FIELDS}
+TAKEN_MESSAGE_FIELDS = {*SENT_MESSAGE_FIELDS, *ECHOED_MESSAGE_FIELDS}
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 """OpenAI's `reasoning_effort` values, which the chat template gets as it is given."""
 
@@ -643,7 +643,7 @@ def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, A
             message["tool_call_id"] = m["tool_call_id"]
         elif m.get("tool_call_id") is not None:
             raise BadRequest(f"{where}: only tool messages take a tool_call_id", where)
-        thinking = _message_reasoning(m, where)
+        thinking = message_reasoning(m, where)
         if thinking is not None:
             message["reasoning_content"] = thinking
         texts = ("content", "name", "tool_call_id", "reasoning_content")
@@ -657,22 +657,6 @@ def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, A
             )
         messages.append(message)
     return messages
-
-
-def _message_reasoning(m: dict[str, Any], where: str) -> str | None:
-    """An assistant's earlier thinking, `reasoning_content` or `reasoning` (the first that
-    is not null)."""
-    texts = []
-    for name in REASONING_MESSAGE_FIELDS:
-        value = m.get(name)
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise BadRequest(f"{where}.{name} must be a string or null", f"{where}.{name}")
-        if m.get("role") != "assistant":
-            raise BadRequest(f"{where}: only assistant messages take {name}", where)
-        texts.append(value)
-    return texts[0] if texts else None
 
 
 def _tool_calls(raw: object, where: str) -> list[dict[str, Any]]:

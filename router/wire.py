@@ -7,6 +7,7 @@ imports it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from router.errors import BadRequest
 
@@ -17,6 +18,8 @@ and ignored (as vLLM ignores them)."""
 REASONING_MESSAGE_FIELDS = ("reasoning_content", "reasoning")
 """An assistant's earlier thinking, as this server's and vLLM's responses give it (newer
 vLLM names it `reasoning`): sent back with the conversation, it reaches the template."""
+SENT_MESSAGE_FIELDS = (*MESSAGE_FIELDS, *REASONING_MESSAGE_FIELDS)
+"""What a chat message may carry to the template."""
 STAGE_FIELDS = ("tpot_ms", "num_tokens", "ttft_ms", "name", "end_token_ids", "until")
 HEADER_VERDICT = "x-slos-serve-verdict"
 HEADER_REPLICA = "x-slos-serve-replica"
@@ -55,3 +58,19 @@ def message_content(raw: object, where: str) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise BadRequest(f"{where} must be a string or a list of text parts", where)
+
+
+def message_reasoning(m: Mapping[str, Any], where: str) -> str | None:
+    """An assistant's earlier thinking, `reasoning_content` or `reasoning` (the first that
+    is not null)."""
+    texts = []
+    for name in REASONING_MESSAGE_FIELDS:
+        value = m.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise BadRequest(f"{where}.{name} must be a string or null", f"{where}.{name}")
+        if m.get("role") != "assistant":
+            raise BadRequest(f"{where}: only assistant messages take {name}", where)
+        texts.append(value)
+    return texts[0] if texts else None

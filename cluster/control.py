@@ -198,8 +198,11 @@ class ControlPlane:
         if self._moving or not any(routable):
             return []
         loads = self.loads()
-        staying = handing | self._moved.keys()
-        waiting = {vr.index: vr.unstarted_best_effort(staying) for vr in self.replicas if vr.alive}
+        waiting = {
+            vr.index: [r for r in vr.unstarted_best_effort(handing) if r not in self._moved]
+            for vr in self.replicas
+            if vr.alive
+        }
         moves: list[tuple[str, int]] = []
         while True:
             least = least_loaded(loads, routable)

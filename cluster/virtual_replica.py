@@ -183,17 +183,17 @@ class VirtualReplica:
         """Requests held: the least-load first hop's signal."""
         return float(len(self.held))
 
-    def unstarted_best_effort(self, kept: AbstractSet[str]) -> list[str]:
+    def unstarted_best_effort(self, handing: AbstractSet[str]) -> list[str]:
         """The best-effort requests waiting for their first step, in the order bound, but
-        those in `kept`. One bound with a prefix credit starts from it: computed so far, its
-        prefill not begun (`credits`)."""
+        those in `handing` (still being handed to the replica). One bound with a prefix
+        credit starts from it: computed so far, its prefill not begun (`credits`)."""
         states = self.scheduler.queues.states
         guaranteed = self.admitted
         return [
             rid
             for rid in self.scheduler.queues.waiting
             if rid not in guaranteed
-            and rid not in kept
+            and rid not in handing
             and not states[rid].output_token_ids
             and states[rid].num_computed_tokens == self.credits.get(rid, 0)
         ]

@@ -157,6 +157,9 @@ class Result:
     abort_reason: str = ""
     """Why, when finish_reason is abort and the server knows (say, an output grammar the
     model could no longer follow)."""
+    reasoning_tokens: int | None = None
+    """Of `completion_tokens`, the thinking's (between its markers); None when the server
+    has no reasoning parser for the model."""
 
 
 @dataclass(frozen=True)
@@ -562,6 +565,7 @@ def result_from_proto(final: pb.Final) -> Result:
         prompt_tokens=final.prompt_tokens,
         completion_tokens=final.completion_tokens,
         cached_tokens=final.cached_tokens,
+        reasoning_tokens=final.reasoning_tokens if final.HasField("reasoning_tokens") else None,
         slo_attained=final.slo_attained if final.HasField("slo_attained") else None,
         stages=tuple(
             StageResult(s.name, s.attained, s.late_tokens, s.tokens) for s in final.stages

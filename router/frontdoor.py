@@ -38,6 +38,7 @@ from router.errors import (
 )
 from router.metrics import FrontDoorMetrics
 from router.openai_schema import Endpoint, ParsedRequest, SchemaContext, parse_body
+from router.reasoning import ReasoningParser
 from router.stops import OutputText
 from router.tokenizer import TextCodec
 
@@ -79,6 +80,9 @@ class Finished:
     record: FinalRecord
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the output (vLLM's stop_reason)."""
+    reasoning_tokens: int | None = None
+    """Of the output, the thinking's tokens (`ReasoningParser.thinking_tokens`); None when
+    the request has no reasoning parser."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class Output:
     record: FinalRecord
     stop_reason: str | int | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    reasoning_tokens: int | None = None
 
 
 class Generation:
@@ -113,8 +118,10 @@ class Generation:
         first: TokenChunk | FinalRecord,
         rest: AsyncIterator[TokenChunk | FinalRecord],
         prompt_only: bool = False,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.prompt_only = prompt_only
+        self.reasoning = reasoning
         self.door = door
         self.request = request
         self.slo_label = slo_label
@@ -155,7 +162,7 @@ class Generation:
                     item = replace(item, num_output_tokens=0, finish_reason="length", stages=stages)
                 self.door.metrics.record_final(item, self.slo_label, self.tenant)
                 stopped = item.finish_reason == "stop"
-                yield Finished(item, self.text.stop_reason if stopped else None)
+                yield Finished(item, self.text.stop_reason if stopped else None, self._thought())
                 return
             self.door.metrics.record_tokens(
                 self.slo_label, self.times[-1] if self.times else None, item.times
@@ -178,6 +185,12 @@ class Generation:
                 raise InternalError.of(exc) from exc
         self._lose()
         raise InternalError(f"the cluster's stream of {self.request_id} ended without a result")
+
+    def _thought(self) -> int | None:
+        if self.reasoning is None:
+            return None
+        codec = self.door.codec
+        return self.reasoning.thinking_tokens([codec.token_bytes(t) for t in self.token_ids])
 
     def _lose(self) -> None:
         """Count the request cut off by the server, not by its client."""
@@ -211,6 +224,7 @@ class Generation:
             finished.record,
             finished.stop_reason,
             tuple(prompt_logprobs),
+            finished.reasoning_tokens,
         )
 
     def close(self, lost: bool = False) -> None:
@@ -335,13 +349,13 @@ class FrontDoor:
         only = [echo.prompt_only for echo in parsed.echo] or [False] * len(parsed.requests)
         if len(parsed.requests) == 1:
             try:
-                one = await self._start_one(parsed.requests[0], parsed.slo_label, tenant, only[0])
+                one = await self._start_one(parsed.requests[0], parsed, tenant, only[0])
             except asyncio.CancelledError:  # the client left before the cluster answered
                 self.metrics.record_cancelled(None, parsed.slo_label, tenant)
                 raise
             return (one,)
         tasks = [
-            asyncio.create_task(self._start_one(r, parsed.slo_label, tenant, prompt_only))
+            asyncio.create_task(self._start_one(r, parsed, tenant, prompt_only))
             for r, prompt_only in zip(parsed.requests, only, strict=True)
         ]
         try:  # every choice's first answer, so that each one's verdict is counted
@@ -363,7 +377,7 @@ class FrontDoor:
         return started
 
     async def _start_one(
-        self, request: Request, slo_label: str, tenant: str, prompt_only: bool
+        self, request: Request, parsed: ParsedRequest, tenant: str, prompt_only: bool
     ) -> Generation:
         stream = self.cluster.submit(request)
         try:
@@ -382,11 +396,13 @@ class FrontDoor:
             self.cluster.abort(request.request_id)
             raise
         if isinstance(first, FinalRecord) and first.verdict is Verdict.REJECTED:
-            self.metrics.record_final(first, slo_label, tenant)
+            self.metrics.record_final(first, parsed.slo_label, tenant)
             raise Rejected(
                 first.reason or "rejected by the backup policy", None, first.retry_after_s
             )
-        return Generation(self, request, slo_label, tenant, first, stream, prompt_only)
+        return Generation(
+            self, request, parsed.slo_label, tenant, first, stream, prompt_only, parsed.reasoning
+        )
 
     async def status(self) -> ClusterStatus:
         try:

@@ -205,6 +205,7 @@ def final_to_proto(
     index: int = 0,
     tool_calls: Sequence[dict[str, Any]] = (),
     finish_reason: str | None = None,
+    reasoning_tokens: int | None = None,
 ) -> pb.Final:
     """`tool_calls` (OpenAI's form) and `finish_reason`: what tool calling made of the output
     (the record's finish reason otherwise)."""
@@ -220,6 +221,7 @@ def final_to_proto(
         completion_tokens=record.num_output_tokens,
         migrations=record.migrations,
         abort_reason=abort_reason(record),
+        reasoning_tokens=reasoning_tokens,
         stages=[
             pb.StageVerdict(
                 name=s.name, attained=s.attained, late_tokens=s.late_tokens, tokens=s.tokens
@@ -347,7 +349,12 @@ class ServingServicer(pb_grpc.ServingServicer):
                             chunk = pb.TextChunk(text=rest, reasoning=thought, index=index)
                             yield pb.GenerateResponse(chunk=chunk)
                         final = final_to_proto(
-                            record, event.stop_reason, index, calls or (), reason
+                            record,
+                            event.stop_reason,
+                            index,
+                            calls or (),
+                            reason,
+                            event.reasoning_tokens,
                         )
                         yield pb.GenerateResponse(final=final)
                     elif event.text or event.token_ids:

@@ -25,7 +25,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from cluster.api import FinalRecord
 from replica.batch import TokenLogprob
 from router import json_text
 from router.errors import (
@@ -252,7 +251,7 @@ async def _sse(
         parsed.tools,
         parsed.reasoning,
     )
-    records: dict[int, FinalRecord] = {}
+    finished: dict[int, Finished] = {}
     echoes = dict(enumerate(parsed.echo))
     failed = False
     try:
@@ -265,11 +264,11 @@ async def _sse(
                         prompt = [None, *event.prompt_logprobs]
                     yield writer.text(index, echo.text, echo.token_ids, prompt)
                 if isinstance(event, Finished):
-                    records[index] = event.record
+                    finished[index] = event
                     yield writer.finish(index, event)
                 elif event.text or event.logprobs:
                     yield writer.text(index, event.text, event.token_ids, event.logprobs)
-        ordered = [records[i] for i in range(len(generations))]
+        ordered = [finished[i] for i in range(len(generations))]
         yield writer.done(ordered, parsed.n, parsed.include_usage)
     except ApiError as exc:
         failed = True

@@ -155,17 +155,24 @@ def cluster_headers(summary: dict[str, Any]) -> dict[str, str]:
     return headers
 
 
-def usage(records: Sequence[FinalRecord], n: int) -> dict[str, Any]:
+def usage(
+    records: Sequence[FinalRecord], n: int, thinking: Sequence[int | None] = ()
+) -> dict[str, Any]:
     """Each prompt counted once, however many samples (`n`) it had, as OpenAI counts; of
-    them, the tokens the prefix cache held, as OpenAI reports its own cache's."""
+    them, the tokens the prefix cache held, as OpenAI reports its own cache's; of the output,
+    the thinking's tokens (`thinking`: each choice's, None without a reasoning parser)."""
     prompt = sum(r.num_prompt_tokens for r in records[::n])
     completion = sum(r.num_output_tokens for r in records)
-    return {
+    body = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in records[::n])},
     }
+    counts = [t for t in thinking if t is not None]
+    if counts:
+        body["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
+    return body
 
 
 def logprobs_json(
@@ -335,7 +342,7 @@ def full_response(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(records, n),
+        "usage": usage(records, n, [o.reasoning_tokens for o in outputs]),
         "service_tier": service_tier(records),
         "slos_serve": cluster_summary(records),
         **chat_prompt,
@@ -510,10 +517,13 @@ class ChunkWriter:
         self.choices.pop(index, None)
         return before + last
 
-    def done(self, records: Sequence[FinalRecord], n: int, include_usage: bool) -> bytes:
-        """After every choice finished: the usage chunk if asked for, then [DONE]."""
+    def done(self, finished: Sequence[Finished], n: int, include_usage: bool) -> bytes:
+        """After every choice finished (`finished`, in choice order): the usage chunk if asked
+        for, then [DONE]."""
         if include_usage:
-            return self._chunk([], usage=usage(records, n)) + SSE_DONE
+            records = [f.record for f in finished]
+            thinking = [f.reasoning_tokens for f in finished]
+            return self._chunk([], usage=usage(records, n, thinking)) + SSE_DONE
         return SSE_DONE
 
     def error(self, error: ApiError) -> bytes:

@@ -10,7 +10,7 @@ non-streamed responses agree.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -62,6 +62,30 @@ class ReasoningParser:
         if tail.endswith(self.end):
             return replace(self, starts_open=False)
         return self
+
+    def thinking_tokens(self, pieces: Sequence[bytes]) -> int:
+        """OpenAI's `reasoning_tokens` of an output given as its tokens' bytes: those between
+        the markers, which stay out of the count, as vLLM counts them. Bytes, not token ids,
+        find the markers, as a marker may be several tokens or share one with text; a token
+        holding any of the thinking counts."""
+        output = b"".join(pieces)
+        start = self.start.encode()
+        if start and output.startswith(start):
+            begin = len(start)
+        elif self.starts_open:
+            begin = 0
+        else:
+            return 0
+        end = output.find(self.end.encode(), begin)
+        if end < 0:
+            end = len(output)
+        count = 0
+        at = 0
+        for piece in pieces:
+            after = at + len(piece)
+            count += at < end and after > begin
+            at = after
+        return count
 
 
 PARSERS = {

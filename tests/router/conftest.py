@@ -76,9 +76,11 @@ def check_chat_thinking_apart(
     thought: str,
     answer: str,
     stages: list[tuple[str, int]],
+    reasoning_tokens: int,
 ) -> None:
     """A chat over HTTP, whole and streamed, gives `thought` as reasoning_content and
-    `answer` as content; the whole one, held to `slo`, reports `stages` (name, tokens)."""
+    `answer` as content, and counts `reasoning_tokens`; the whole one, held to `slo`,
+    reports `stages` (name, tokens)."""
     messages: Any = [{"role": "user", "content": prompt}]
     whole = oai.chat.completions.create(
         model=model,
@@ -92,9 +94,21 @@ def check_chat_thinking_apart(
     assert message.content == answer
     verdicts = (whole.model_extra or {})["slos_serve"]["stages"]
     assert [(v["name"], v["tokens"]) for v in verdicts] == stages
-    streamed = oai.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+    assert whole.usage is not None and whole.usage.completion_tokens_details is not None
+    assert whole.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    streamed = list(
+        oai.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
     )
+    usage = streamed[-1].usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
     deltas = [c.choices[0].delta for c in streamed if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
     assert "".join(d.content or "" for d in deltas) == answer

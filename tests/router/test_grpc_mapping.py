@@ -277,6 +277,10 @@ def test_final_and_status_round_trip() -> None:
     reasoned = dataclasses.replace(record, reason="a reason only an abort gives")
     assert result.abort_reason == result_from_proto(final_to_proto(reasoned)).abort_reason == ""
     assert "abort_reason" not in cluster_info(reasoned)
+    assert result.reasoning_tokens is None  # no reasoning parser: unset, not 0
+    thought = result_from_proto(final_to_proto(record, None, 0, (), None, 0))
+    assert thought.reasoning_tokens == 0
+    assert result_from_proto(final_to_proto(record, None, 0, (), None, 7)).reasoning_tokens == 7
     replica = ReplicaStatus(0, True, 1, 2, 1, 0, 0.5, {"decode": 1.25})
     status = ClusterStatus("demo", (replica,), {"admitted": 4}, scheduler="sarathi")
     assert status_from_proto(status_to_proto(status)) == status  # as HTTP reports it

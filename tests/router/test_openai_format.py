@@ -80,7 +80,7 @@ def test_sse_event_is_one_line_even_with_newlines() -> None:
 def test_chat_stream_shape() -> None:
     w = ChunkWriter(Endpoint.CHAT, "id1", 5, "demo", SPELLING)
     stream = w.text(0, "Hel") + w.text(0, "lo") + w.finish(0, Finished(RECORD))
-    stream += w.done([RECORD], 1, include_usage=True)
+    stream += w.done([Finished(RECORD)], 1, include_usage=True)
     data = events(stream)
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
@@ -101,7 +101,9 @@ def test_chat_stream_shape() -> None:
 
 def test_completion_stream_without_usage() -> None:
     w = ChunkWriter(Endpoint.COMPLETIONS, "id2", 5, "demo", SPELLING)
-    data = events(w.text(0, "x") + w.finish(0, Finished(RECORD)) + w.done([RECORD], 1, False))
+    data = events(
+        w.text(0, "x") + w.finish(0, Finished(RECORD)) + w.done([Finished(RECORD)], 1, False)
+    )
     assert [json.loads(d)["choices"][0]["text"] for d in data[:-1]] == ["x", ""]
     assert data[-1] == "[DONE]"
 
@@ -204,7 +206,9 @@ def test_chat_stream_of_several_choices() -> None:
     """Each choice's first delta carries the role; each ends with its own finish chunk."""
     w = ChunkWriter(Endpoint.CHAT, "id7", 5, "demo", SPELLING)
     stream = w.text(1, "b") + w.text(0, "a") + w.text(1, "c") + w.finish(1, Finished(RECORD))
-    stream += w.finish(0, Finished(ADMITTED)) + w.done([ADMITTED, RECORD], 2, include_usage=True)
+    stream += w.finish(0, Finished(ADMITTED)) + w.done(
+        [Finished(ADMITTED), Finished(RECORD)], 2, include_usage=True
+    )
     chunks = [json.loads(d) for d in events(stream)[:-1]]
     choices = [c["choices"][0] for c in chunks[:-1]]
     assert [(c["index"], c["delta"].get("role")) for c in choices[:3]] == [
@@ -385,7 +389,7 @@ def test_streamed_tool_calls_add_up_to_the_full_ones() -> None:
     w = ChunkWriter(Endpoint.CHAT, "t4", 5, "demo", SPELLING, REQUIRED)
     stream = w.text(1, CALLS[:10]) + w.text(0, CALLS[:30], (1,), LOGPROBS[:1])
     stream += w.text(0, CALLS[30:]) + w.text(1, CALLS[10:]) + w.finish(0, Finished(RECORD))
-    stream += w.finish(1, Finished(RECORD)) + w.done([RECORD, RECORD], 2, include_usage=False)
+    stream += w.finish(1, Finished(RECORD)) + w.done([Finished(RECORD)] * 2, 2, include_usage=False)
     data = events(stream)
     chunks = [ChatCompletionChunk.model_validate_json(d) for d in data[:-1]]
     assert all(not c.choices[0].delta.content for c in chunks)
@@ -544,3 +548,20 @@ def test_thinking_not_included_leaves_the_answer_alone_whole_and_streamed() -> N
     deltas = [json.loads(d)["choices"][0]["delta"] for d in events(stream)]
     assert not any("reasoning_content" in d for d in deltas)
     assert "".join(d.get("content", "") for d in deltas) == "It is 4."
+
+
+def test_usage_reports_the_thinking_tokens_whole_and_streamed() -> None:
+    """OpenAI's `completion_tokens_details.reasoning_tokens`, summed over the choices, with a
+    reasoning parser (0 is a count); without one, no details at all."""
+    text = "<think>Two and two.</think>It is 4."
+    thought = [Output(text, (), (), RECORD, None, (), 3), Output(text, (), (), RECORD, None, (), 0)]
+    body = full_response(Endpoint.CHAT, "r1", 7, "demo", thought, 2, SPELLING, reasoning=R1)
+    assert ChatCompletion.model_validate(body).usage.completion_tokens_details.reasoning_tokens == 3
+    plain = full_response(Endpoint.CHAT, "r1", 7, "demo", outputs(["x"], [RECORD]), 1, SPELLING)
+    assert "completion_tokens_details" not in plain["usage"]
+    w = ChunkWriter(Endpoint.CHAT, "r2", 5, "demo", SPELLING, reasoning=R1)
+    ends = [Finished(RECORD, None, 3), Finished(RECORD, None, 0)]
+    last = json.loads(events(w.done(ends, 2, include_usage=True))[-2])
+    assert last["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+    last = json.loads(events(w.done([Finished(RECORD)], 1, include_usage=True))[-2])
+    assert "completion_tokens_details" not in last["usage"]

@@ -65,10 +65,14 @@ def test_the_reasoner_thinks_apart_and_its_thinking_stage_ends_on_its_token(
     assert thought.strip() and answer.strip()
     counts = [("thinking", thinking), ("answer", len(tokens) - thinking)]
     assert [(s.name, s.tokens) for s in result.stages] == counts
+    start = codec.encode("<think>", add_special_tokens=False)
+    assert tokens[: len(start)] == start
+    between = thinking - 1 - len(start)  # the markers are not thinking
+    assert result.reasoning_tokens == between
 
     oai = openai.OpenAI(base_url=reasoner.http_url + "/v1", api_key="-", max_retries=0)
     check_chat_thinking_apart(
-        oai, "demo-reasoner", SIGNATURE, MAX_TOKENS, "reasoning", thought, answer, counts
+        oai, "demo-reasoner", SIGNATURE, MAX_TOKENS, "reasoning", thought, answer, counts, between
     )
 
 

@@ -140,3 +140,30 @@ def test_thinking_not_included_is_dropped_whole_and_streamed() -> None:
     assert stream.feed("an</thi") == ("", "")
     assert stream.feed("nk>It is") == ("", "It is")
     assert stream.finish() == ("", "")
+
+
+@pytest.mark.parametrize(
+    ("parser", "pieces", "count"),
+    [
+        (R1, ["<think>", "plan", " it", "</think>", "answer"], 2),  # markers as their own tokens
+        (R1, ["<", "think", ">pl", "an</", "think>", "x"], 2),  # markers over tokens, shared
+        (R1, ["plan", "</think>", "answer"], 1),  # the template opened it
+        (R1, ["still", " thinking"], 2),  # cut off while thinking: all of it
+        (R1, ["</think>", "answer"], 0),
+        (R1, ["a", "</think>", "b", "</think>"], 1),  # the answer may quote the marker
+        (QWEN3, ["an", "swer"], 0),  # no thinking
+        (QWEN3, ["<think>", "cut", " off"], 2),
+        (R1, [], 0),
+    ],
+)
+def test_the_thinking_tokens_are_those_between_the_markers(
+    parser: ReasoningParser, pieces: list[str], count: int
+) -> None:
+    assert parser.thinking_tokens([p.encode() for p in pieces]) == count
+    hidden = replace(parser, include=False)  # not shown is still generated, and counted
+    assert hidden.thinking_tokens([p.encode() for p in pieces]) == count
+
+
+def test_the_thinking_tokens_count_a_character_split_over_tokens_once_each() -> None:
+    pieces = [b"<think>", "\u00e9".encode()[:1], "\u00e9".encode()[1:], b"</think>", b"ok"]
+    assert R1.thinking_tokens(pieces) == 2

@@ -106,7 +106,12 @@ def check_thinking_apart(oai: openai.OpenAI, grpc_port: int, codec: TextCodec) -
     thinking = tokens.index(end) + 1
     slo = {"ttft_ms": 60_000, "stages": stages}
     counts = [("thinking", thinking), ("answer", len(tokens) - thinking)]
-    check_chat_thinking_apart(oai, "demo", "def fib(n):", 24, slo, thought, answer, counts)
+    # The tokens before the one that holds the line break, and that one if it holds thinking too.
+    pieces = [codec.decode(tokens[: i + 1]) for i in range(len(tokens))]
+    breaking = next(i for i, p in enumerate(pieces) if "\n" in p)
+    held = breaking + (len(pieces[breaking - 1] if breaking else "") < len(thought))
+    assert whole_grpc.result.reasoning_tokens == held
+    check_chat_thinking_apart(oai, "demo", "def fib(n):", 24, slo, thought, answer, counts, held)
 
 
 def test_a_cancelled_receive_is_a_disconnect() -> None:

@@ -77,8 +77,9 @@ class ApiKeys:
 
     def _follow(self) -> None:
         """Take the keys file again if it changed (looked at once per RELOAD_S at most). A
-        changed file that does not parse (half-written, every key removed) leaves the keys
-        in force, said once in the log: it neither opens the server nor locks everyone out."""
+        changed file that does not parse or holds no key (half-written, every key removed)
+        leaves the keys in force, said once in the log: it neither opens the server, nor
+        locks everyone out, nor leaves only SLOS_SERVE_API_KEYS's keys."""
         now = self.clock()
         if self.path is None or now - self._looked < RELOAD_S:
             return
@@ -88,7 +89,7 @@ class ApiKeys:
             return
         self._stamp = stamp
         try:
-            tenants = read_keys(self.path, self.env)
+            tenants = read_keys(self.path, self.env, reloading=True)
         except ValueError as exc:
             logger.error("API keys not reloaded, those before stay in force: %s", exc)
             return
@@ -129,31 +130,47 @@ class ApiKeys:
         return host
 
 
-def read_keys(path: Path | None, env: Mapping[str, str] | None) -> dict[str, str]:
-    tenants: dict[str, str] = {}
+def read_keys(
+    path: Path | None, env: Mapping[str, str] | None, reloading: bool = False
+) -> dict[str, str]:
+    """key -> tenant, from the file and the variable. `reloading`: a file that holds no key
+    is refused even when the variable holds some, as it is more likely being written than
+    meant to revoke every key it held."""
+    entries: dict[str, Entry] = {}
     if path is not None:
         try:
             text = path.read_text(encoding="utf-8-sig")  # an editor's BOM is no key
         except (OSError, UnicodeDecodeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise ValueError(f"api_keys_file {str(path)!r}: {why}") from None
-        tenants.update(parse_key_file(text, str(path)))
+        entries.update(parse_key_file(text, str(path)))
+        if reloading and not entries:
+            raise ValueError(f"api_keys_file {str(path)!r} holds no keys")
     raw = (os.environ if env is None else env).get(ENV_VAR, "")
-    for key, tenant in parse_key_env(raw).items():
-        if tenants.get(key, tenant) != tenant:
+    for key, entry in parse_key_env(raw).items():
+        known = entries.setdefault(key, entry)
+        if known.tenant != entry.tenant:
             raise ValueError(
-                f"{ENV_VAR} gives a key of api_keys_file's tenant {tenants[key]!r} to "
-                f"tenant {tenant!r}: one key, one tenant"
+                f"{entry.where} gives tenant {entry.tenant!r} the key {known.where} gives "
+                f"tenant {known.tenant!r}: one key, one tenant"
             )
-        tenants[key] = tenant
-    if path is not None and not tenants:
+    if path is not None and not entries:
         # A keys file says keys are wanted: an empty one (every key revoked) must not
         # open the server to every caller.
         raise ValueError(
             f"api_keys_file {str(path)!r} holds no keys (nor does {ENV_VAR}); refusing to "
             "run without authentication: add a key, or drop api_keys_file to run open"
         )
-    return tenants
+    return {key: entry.tenant for key, entry in entries.items()}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A key's tenant, and where it is given (a file's line, the variable's item): errors
+    name that, never the key."""
+
+    tenant: str
+    where: str
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:
@@ -165,11 +182,10 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
     return stat.st_mtime_ns, stat.st_size, stat.st_ino
 
 
-def parse_key_file(text: str, source: str) -> dict[str, str]:
+def parse_key_file(text: str, source: str) -> dict[str, Entry]:
     """`key [tenant]` per line; `#` starts a comment at a line's start or after a space (a
     key may hold one)."""
-    tenants: dict[str, str] = {}
-    lines: dict[str, int] = {}
+    entries: dict[str, Entry] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         words = COMMENT.sub("", line).split()
         if not words:
@@ -179,15 +195,15 @@ def parse_key_file(text: str, source: str) -> dict[str, str]:
             raise ValueError(f"{where}: expected `key [tenant]`, got {len(words)} words")
         key, tenant = words[0], words[1] if len(words) == 2 else DEFAULT_TENANT
         _check(key, tenant, where)
-        if key in lines:
-            raise ValueError(f"{where}: the key of line {lines[key]} again: one key, one line")
-        lines[key], tenants[key] = number, tenant
-    return tenants
+        if key in entries:
+            raise ValueError(f"{where}: the key of {entries[key].where} again: one key, one line")
+        entries[key] = Entry(tenant, where)
+    return entries
 
 
-def parse_key_env(raw: str) -> dict[str, str]:
+def parse_key_env(raw: str) -> dict[str, Entry]:
     """`key[:tenant]` items, comma-separated, spaces around either part ignored."""
-    tenants: dict[str, str] = {}
+    entries: dict[str, Entry] = {}
     items = [item for item in raw.split(",") if item.strip()]
     for number, item in enumerate(items, start=1):
         key, _, tenant = (part.strip() for part in item.partition(":"))
@@ -195,12 +211,12 @@ def parse_key_env(raw: str) -> dict[str, str]:
         if not key:
             raise ValueError(f"{where}: no key before the ':'")
         _check(key, tenant or DEFAULT_TENANT, where)
-        if key in tenants:
-            raise ValueError(f"{where}: that key again: one key, one item")
-        tenants[key] = tenant or DEFAULT_TENANT
-    if raw.strip() and not tenants:
+        if key in entries:
+            raise ValueError(f"{where}: the key of {entries[key].where} again: one key, one item")
+        entries[key] = Entry(tenant or DEFAULT_TENANT, where)
+    if raw.strip() and not entries:
         raise ValueError(f"{ENV_VAR} is set but holds no key: unset it to run open")
-    return tenants
+    return entries
 
 
 def _check(key: str, tenant: str, where: str) -> None:

@@ -12,6 +12,7 @@ from router.auth import (
     LOOPBACK,
     RELOAD_S,
     ApiKeys,
+    Entry,
     parse_key_file,
     read_keys,
 )
@@ -67,8 +68,8 @@ def test_a_key_file_with_no_keys_refuses_to_start_open(tmp_path: Path) -> None:
 def test_a_hash_inside_a_key_is_part_of_it_and_one_after_a_space_starts_a_comment() -> None:
     """`abc#def gamma` was read as key `abc` of tenant default (the rest a comment)."""
     assert parse_key_file("abc#def gamma\nsk-x # team-x\n#sk-y\n", "keys") == {
-        "abc#def": "gamma",
-        "sk-x": "default",
+        "abc#def": Entry("gamma", "keys:1"),
+        "sk-x": Entry("default", "keys:2"),
     }
 
 
@@ -86,12 +87,16 @@ def test_spaces_around_the_env_separators_are_not_part_of_key_or_tenant() -> Non
 @pytest.mark.parametrize(
     ("text", "env", "error"),
     [
-        ("sk-dup alpha\nsk-ok\nsk-dup beta\n", "", r"keys:3: the key of line 1 again"),
-        ("sk-dup alpha\nsk-dup alpha\n", "", r"keys:2: the key of line 1 again"),
+        ("sk-dup alpha\nsk-ok\nsk-dup beta\n", "", r"keys:3: the key of .*keys:1 again"),
+        ("sk-dup alpha\nsk-dup alpha\n", "", r"keys:2: the key of .*keys:1 again"),
         ("ключ-1 команда\n", "", r"keys:1: an API key is visible ASCII characters only"),
         ("sk-a unknown\n", "", r"keys:1: tenant 'unknown' is what calls with no key count as"),
-        ("sk-a alpha\n", "sk-a:beta", r"file's tenant 'alpha' to tenant 'beta'"),
-        ("", "sk-a:x,sk-a:y", r"item 2: that key again"),
+        (
+            "sk-b\nsk-a alpha\n",
+            "sk-c,sk-a:beta",
+            r"API_KEYS item 2 gives tenant 'beta' the key .*keys:2 gives tenant 'alpha'",
+        ),
+        ("", "sk-a:x,sk-a:y", r"item 2: the key of SLOS_SERVE_API_KEYS item 1 again"),
         ("", ":alpha", r"item 1: no key before the ':'"),
         ("", "sk-a:two words", r"item 1: tenant 'two words' holds a space"),
         ("", " , ,", r"SLOS_SERVE_API_KEYS is set but holds no key"),
@@ -140,6 +145,31 @@ def test_a_changed_keys_file_is_taken_within_the_reload_period(
     assert keys.authenticate("Bearer sk-kept") == "team"
     assert "API keys not reloaded, those before stay in force" in caplog.text
     assert "holds no keys" in caplog.text
+
+
+def test_a_keys_file_emptied_keeps_its_keys_beside_the_variables(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With keys in SLOS_SERVE_API_KEYS too, a file emptied (truncated before it is written
+    again) left only the variable's keys in force: every file key revoked at once. Started
+    so, the file may be empty: the server is not open."""
+    now = [0.0]
+    path = tmp_path / "keys"
+    path.write_text("sk-file team\n")
+    env = {ENV_VAR: "sk-env:ops"}
+    keys = ApiKeys(read_keys(path, env), path, env, clock=lambda: now[0])
+    path.write_text("")
+    now[0] = RELOAD_S
+    assert keys.authenticate("Bearer sk-file") == "team"
+    assert keys.authenticate("Bearer sk-env") == "ops"
+    assert "holds no keys" in caplog.text
+    path.write_text("sk-other team\n")
+    now[0] = 2 * RELOAD_S
+    with pytest.raises(Unauthorized):
+        keys.authenticate("Bearer sk-file")
+    assert ApiKeys.load(tmp_path / "keys", env).enabled
+    path.write_text("# none yet\n")
+    assert ApiKeys.load(path, env).tenants == {"sk-env": "ops"}
 
 
 def test_an_error_about_the_variable_names_its_item_not_the_key() -> None:

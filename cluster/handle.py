@@ -474,10 +474,16 @@ async def launch(
             return handle
     # Before a running cluster of another config is stopped: a config this Ray cluster
     # cannot place must leave it serving.
-    await _wait_for_gpus(config)
-    if detached:
-        await _stop_running(config, drain_s)
-    started = [await start_replica(config, i, namespace, detached) for i in range(config.replicas)]
+    asked = await _wait_for_gpus(config)
+    try:
+        if detached:
+            await _stop_running(config, drain_s)
+        started = [
+            await start_replica(config, i, namespace, detached) for i in range(config.replicas)
+        ]
+    finally:
+        if asked:  # the replicas' actors hold (or wait for) their GPUs now
+            _forget_gpu_request()
     replicas = [actor for actor, _ in started]
     groups = [group for _, group in started]
     infos: list[tuple[int, int]] = await asyncio.gather(*(r.info.remote() for r in replicas))
@@ -502,14 +508,15 @@ async def launch(
     return handle
 
 
-async def _wait_for_gpus(config: ClusterConfig) -> None:
+async def _wait_for_gpus(config: ClusterConfig) -> bool:
     """Returns once the Ray cluster holds the GPUs of a replica, asking its autoscaler for
     every replica's (a group scaled to zero gets no other demand before the replicas ask);
-    a ValueError after `resource_wait_s` (at once when it is 0)."""
+    a ValueError after `resource_wait_s` (at once when it is 0). True: it asked, and the
+    caller is to `_forget_gpu_request` once the replicas are started."""
     _refuse_short_of_gpus(config)
     short, wait_s = _gpus_short(config), config.resource_wait_s
     if not short:
-        return
+        return False
     log.warning("%s: waiting up to %g s for GPU nodes", short, wait_s)
     request_resources(bundles=[{"GPU": config.num_gpus_per_replica}] * config.replicas)
     deadline = time.monotonic() + wait_s
@@ -517,7 +524,15 @@ async def _wait_for_gpus(config: ClusterConfig) -> None:
         await asyncio.sleep(min(GPU_POLL_S, max(0.0, deadline - time.monotonic())))
         short = _gpus_short(config)
     if short:
+        _forget_gpu_request()
         raise ValueError(f"{short} after {wait_s:g} s")
+    return True
+
+
+def _forget_gpu_request() -> None:
+    """The autoscaler keeps a request until another replaces it: left, it would hold the GPU
+    nodes after the replicas stopped (or never started), whatever the load."""
+    request_resources(bundles=[])
 
 
 def _refuse_short_of_gpus(config: ClusterConfig) -> None:

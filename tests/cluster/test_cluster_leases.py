@@ -7,12 +7,15 @@ replaces one of another config once its doors have left."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
 import ray
+from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+from ray.experimental.internal_kv import _internal_kv_get
 from ray.util.placement_group import get_placement_group, placement_group
 
 from cluster.api import ClusterUnavailable, FinalRecord, TokenChunk
@@ -165,6 +168,8 @@ def test_a_launch_of_a_config_ray_cannot_place_leaves_the_running_cluster_servin
         with pytest.raises(ValueError, match=r"has 0 GPU\(s\) after 2 s"):  # GPU nodes may join
             await launch(replace(config, num_gpus_per_replica=1, resource_wait_s=2), detached=True)
         assert time.monotonic() - began >= 2
+        # The autoscaler is no longer asked for GPU nodes no replica will use.
+        assert json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL) or b"0") == []
         assert await incarnations(old) == loaded
         assert (await _last(old.submit(long_request("kept", 4)))).num_output_tokens == 4
         await old.shutdown()

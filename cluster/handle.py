@@ -57,6 +57,9 @@ STALL_CHECK_S = 3.0
 to move (`ClusterHandle._next_ref`)."""
 STALLED_MOVE_CHECKS = 2
 """Answers in a row that say move before a stalled stream does."""
+MOVE_ANSWER_S = STALL_CHECK_S / 2
+"""How long the controller's answer about a replica serves every stream stalled there: shorter
+than STALL_CHECK_S, so a stream's answers in a row are never the same one."""
 DEAD_RENEWALS = 3
 """Renewals in a row that find the controller dead for good (`ActorDiedError`; a restarting
 one holds the call) before the door takes its cluster for stopped."""
@@ -106,6 +109,8 @@ class ClusterHandle:
         self.lease_refused = False
         """The cluster is being stopped and refused this handle's lease: nothing it sends
         will be served (Serve's health check restarts such a door)."""
+        self._move_answers: dict[int | None, tuple[float, asyncio.Future[bool]]] = {}
+        """Per replica, the last `moves_from` asked and when (`_moves`)."""
 
     @property
     def model_name(self) -> str:
@@ -264,10 +269,21 @@ class ClusterHandle:
             step.cancel()
 
     async def _moves(self, binding: Binding) -> bool:
-        """Whether the controller says the stream should leave the binding's replica (no when
-        it cannot say: the stream waits on, as it did before it asked)."""
+        """Whether the controller says the stream should leave the binding's replica. One
+        question per replica, its answer shared for MOVE_ANSWER_S with every stream stalled
+        there: a queue of best-effort streams waiting minutes for their first token, or a
+        burst on a hung replica, asked once each per STALL_CHECK_S."""
+        now = time.monotonic()
+        asked = self._move_answers.get(binding.replica)
+        if asked is None or now - asked[0] >= MOVE_ANSWER_S:
+            asked = now, asyncio.ensure_future(self._ask_moves(binding.replica))
+            self._move_answers[binding.replica] = asked
+        return await asyncio.shield(asked[1])  # a stream whose item came leaves it to others
+
+    async def _ask_moves(self, replica: int | None) -> bool:
+        """No when the controller cannot say: the stream waits on, as it did before it asked."""
         try:
-            moves: bool = await self._controller.moves_from.remote(binding.replica)
+            moves: bool = await self._controller.moves_from.remote(replica)
         except RayError:
             return False
         return moves

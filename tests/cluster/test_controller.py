@@ -16,6 +16,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from cluster import controller as controller_module
+from cluster import handle as handle_module
 from cluster.api import FinalRecord, TokenChunk, Verdict
 from cluster.autoscale import AutoscaleConfig
 from cluster.config import ClusterConfig
@@ -901,6 +902,44 @@ def test_a_stalled_stream_moves_only_from_a_replica_down_with_another_up(
         assert await controller.moves_from(0)
         controller.plane.mark_dead(1)
         assert not await controller.moves_from(0)  # nowhere to go: it waits for replica 0
+        await first.core.stop()
+        await second.core.stop()
+
+    asyncio.run(run())
+
+
+def test_streams_stalled_on_one_replica_ask_the_controller_once_between_them(
+    engine: Engine, second_engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each stalled stream asked for itself every STALL_CHECK_S: 1,000 best-effort streams
+    queued for their first token made 333 controller calls a second. Now those on one
+    replica share one answer for MOVE_ANSWER_S; a stream that stops waiting leaves it to the
+    others, and a later question is asked again."""
+    monkeypatch.setattr(handle_module, "MOVE_ANSWER_S", 0.2)
+
+    async def run() -> None:
+        controller, first, second = start_two((engine, second_engine), config)
+        await controller.ready()
+        asked: list[int] = []
+
+        async def moves_from(replica: int) -> bool:
+            asked.append(replica)
+            await asyncio.sleep(0.05)
+            return await controller.moves_from(replica)
+
+        door = SimpleNamespace(moves_from=_Method(moves_from))
+        handle = ClusterHandle(config, door, [first, second], 64, 64)
+        on = [Binding(f"r{i}", Verdict.BEST_EFFORT, i % 2, 1) for i in range(40)]
+        left = asyncio.ensure_future(handle._moves(on[0]))
+        await asyncio.sleep(0)
+        left.cancel()
+        assert await asyncio.gather(*(handle._moves(b) for b in on)) == [False] * 40
+        assert sorted(asked) == [0, 1]
+        controller.plane.mark_dead(0)
+        assert await handle._moves(on[0]) is False  # the answer of a moment ago
+        await asyncio.sleep(0.2)
+        assert await handle._moves(on[0]) is True
+        assert sorted(asked) == [0, 0, 1]
         await first.core.stop()
         await second.core.stop()
 

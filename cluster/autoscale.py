@@ -5,7 +5,8 @@ must tune per workload: too high and bursts miss their SLOs, too low and GPUs id
 controller knows better what a replica can take: admission declines a request exactly when no
 replica can guarantee it. So the `slo` signal adds replicas when the share of SLO requests
 declined over the look-back window exceeds `max_declined` (in proportion to it), and learns
-from those windows how many admitted requests a replica holds when it is full. It removes a
+from the moments of its declines how many admitted requests a replica holds when it is full.
+It removes a
 replica when nothing was declined and the admitted requests would fit the replicas left
 within `headroom` of that learned load; before any decline it has learned nothing, so it
 steps down until one shows it where the load is.
@@ -126,9 +127,10 @@ class Autoscaler:
         self.config = config
         self.target = config.bounded(replicas)
         self.full_load: float | None = None
-        """slo: admitted requests a replica held while some were declined: an exponential
-        average, over the evaluations whose window saw a decline, of the window's mean per
-        replica (the window's quieter moments included, so it errs low: on the safe side)."""
+        """slo: admitted requests a replica held when requests were declined: an exponential
+        average over the samples with declines (`_learn`). Not the window's mean while it
+        held a decline: that learned the quiet after a lone decline (0.2 at a trickle), and
+        no removal passed while one request was held."""
         self._window: deque[_Period] = deque()
         """The look-back window, since the routable count last changed (a window of another
         count says nothing of this one)."""
@@ -143,6 +145,8 @@ class Autoscaler:
             sample, sample.decided - self._counts[0], sample.declined - self._counts[1]
         )
         self._counts = (sample.decided, sample.declined)
+        if period.declined:
+            self._learn(sample)
         if self._window and self._window[-1].sample.replicas != sample.replicas:
             self._window.clear()
         self._window.append(period)
@@ -177,7 +181,6 @@ class Autoscaler:
         if declined:
             if last.replicas < self.target:  # the missing replicas are for these declines
                 return self.target
-            self._learn(per_replica)
             share = declined / max(decided, 1)
             if share > self.config.max_declined:
                 return max(self.target + 1, math.ceil(self.target / (1 - min(share, 0.5))))
@@ -189,7 +192,13 @@ class Autoscaler:
             return self.target
         return self.target - 1
 
-    def _learn(self, per_replica: float) -> None:
+    def _learn(self, sample: ScaleSample) -> None:
+        """A decline while the replicas held under one admitted request each teaches nothing:
+        no load made it (an SLO an idle replica misses, a slowed machine), and a full replica
+        learned so small would keep every replica for good."""
+        per_replica = sample.admitted_held / sample.replicas if sample.replicas else 0.0
+        if per_replica < 1:
+            return
         if self.full_load is None:
             self.full_load = per_replica
         else:

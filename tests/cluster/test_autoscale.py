@@ -3,6 +3,8 @@ full load, and Ray Serve's ongoing-requests rule."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cluster.autoscale import AutoscaleConfig, Autoscaler, ScaleSample, ScaleSignal
@@ -119,6 +121,28 @@ def test_the_learned_full_load_stops_a_removal_that_would_overload_the_rest() ->
         scaler, 66.0, 30, decided_per_s=10, declined_per_s=0, held=6, replicas=3, base=base
     )
     assert target == 2
+
+
+def test_a_lone_decline_at_a_trickle_does_not_keep_a_replica_for_good() -> None:
+    """Soak QA: one decline at 0.1 req/s (a loaded machine) taught a full replica 0.2
+    admitted requests, the window's mean after it, and the second replica stayed as long as
+    one request was held. Declines teach the load at their moment, above one a replica."""
+    scaler = Autoscaler(dataclasses.replace(SLO, max_replicas=2), 2)
+    _, base = feed(scaler, 0.0, 1, decided_per_s=2, declined_per_s=1, held=1, replicas=2)
+    assert scaler.full_load is None  # half a request a replica: the SLO or the machine
+    target, _ = feed(
+        scaler, 1.0, 40, decided_per_s=1, declined_per_s=0, held=1, replicas=2, base=base
+    )
+    assert target == 1
+
+
+def test_the_full_load_is_the_load_when_requests_were_declined() -> None:
+    """Declines under a burst, then a quiet window: the quiet seconds after the last decline
+    do not pull the learned load down."""
+    scaler = Autoscaler(SLO, 2)
+    _, base = feed(scaler, 0.0, 4, decided_per_s=10, declined_per_s=3, held=16, replicas=2)
+    feed(scaler, 4.0, 9, decided_per_s=1, declined_per_s=0, held=2, replicas=2, base=base)
+    assert scaler.full_load == pytest.approx(8.0)
 
 
 def test_the_count_stays_within_its_bounds() -> None:

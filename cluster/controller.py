@@ -754,6 +754,7 @@ class ClusterController:
                 self._drop_moved(replica, snapshot)
             self.plane.metrics.inc("mirror_rebuilds")
             self.plane.metrics.inc("demoted", self.plane.replicas[replica].num_demoted)
+                log.info("replica %d is back; it takes requests again", replica)
             # Held since before the snapshot: another incarnation's are the past.
             rebuild.reports += [r for r in held if r.incarnation == snapshot.incarnation]
             self._wake_resumes()

@@ -844,11 +844,16 @@ def start_two(
 
 
 def test_a_request_a_hung_replica_does_not_take_is_bound_elsewhere_and_dropped_there(
-    engine: Engine, second_engine: Engine, config: ClusterConfig, monkeypatch: pytest.MonkeyPatch
+    engine: Engine,
+    second_engine: Engine,
+    config: ClusterConfig,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A replica that hung just before a hand-off held its request, and the client, for as
     long as it hung (20-40 s live). The hand-off now times out: the request goes to the other
-    replica, and the hung one, once back, ends the copy it took."""
+    replica, and the hung one, once back, ends the copy it took (and the log says it is back:
+    it said only that it was down)."""
     monkeypatch.setattr(controller_module, "HAND_OFF_TIMEOUT_S", 0.2)
 
     async def run() -> None:
@@ -863,6 +868,7 @@ def test_a_request_a_hung_replica_does_not_take_is_bound_elsewhere_and_dropped_t
         assert await asyncio.wait_for(finish(hung, "bound"), 20) == "abort"
         assert await asyncio.wait_for(finish(other, "bound"), 40) == "length"
         assert controller.plane.replicas[0].alive
+        assert "replica 0 is back; it takes requests again" in caplog.text
         await hung.core.stop()
         await other.core.stop()
 

@@ -180,11 +180,12 @@ class ClusterConfig:
     """How long a launch waits for the Ray cluster to hold the GPUs a replica needs (GPU
     nodes still joining, as on Kubernetes, where the head takes the config before its
     workers are up; the autoscaler is asked for them) before it refuses. 0: at once."""
-    door_lease_s: float = 10.0
+    door_lease_s: float = 30.0
     """How long a front door may go without renewing its lease (every quarter of it) before
     the controller ends its requests (within half a second more): no one reads them once the
     door has crashed or hung. A detached cluster no door renews for max(60 s, twice this)
-    stops itself."""
+    stops itself. 30 s, as 10 s lapsed for a live door on a starved machine (load ~190 on 2
+    cores), ending streams its clients were reading."""
 
     def __post_init__(self) -> None:
         check_text("model", self.model)

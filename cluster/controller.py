@@ -289,8 +289,10 @@ class ClusterController:
         unclaimed = self.leases.unclaimed(known, time.monotonic())
         if unclaimed:
             log.warning("%d requests no front door claimed since the restart end", len(unclaimed))
-        for rid in dict.fromkeys(orphans + unclaimed):
-            self._spawn(self.abort(rid))
+        for rid in orphans:
+            self._spawn(self.abort(rid, "its front door stopped renewing its lease (door_lease_s)"))
+        for rid in unclaimed:
+            self._spawn(self.abort(rid, "no front door claimed it after the controller restarted"))
 
     async def ready(self) -> None:
         """Returns once every mirror is built from its replica's snapshot."""
@@ -429,7 +431,8 @@ class ClusterController:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._revived.wait(), deadline - time.monotonic())
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, reason: str = "") -> None:
+        """`reason`: what the request's client is told (none when the client left)."""
         await self.ready()
         if request_id in self._waiting_for_replica:
             self._waiting_for_replica[request_id] = True
@@ -442,7 +445,7 @@ class ClusterController:
         replica = self.plane.abort(request_id)
         actor = None if replica is None else self.replicas[replica]
         if actor is not None:
-            actor.abort.remote(request_id)
+            actor.abort.remote(request_id, reason)
 
     async def _decide(self, request: Request, decision: Decision | None) -> Binding:
         if decision is not None:
@@ -751,10 +754,10 @@ class ClusterController:
             was_down = not self.plane.replicas[replica].alive
             self.plane.restore(replica, snapshot, time.time())
             if was_down:
+                log.info("replica %d is back; it takes requests again", replica)
                 self._drop_moved(replica, snapshot)
             self.plane.metrics.inc("mirror_rebuilds")
             self.plane.metrics.inc("demoted", self.plane.replicas[replica].num_demoted)
-                log.info("replica %d is back; it takes requests again", replica)
             # Held since before the snapshot: another incarnation's are the past.
             rebuild.reports += [r for r in held if r.incarnation == snapshot.incarnation]
             self._wake_resumes()

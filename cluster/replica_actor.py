@@ -186,8 +186,8 @@ class ReplicaActor:
         self.core.start()
         self.core.add_request(request, admitted)
 
-    async def abort(self, request_id: str) -> None:
-        self.core.abort(request_id)
+    async def abort(self, request_id: str, reason: str = "") -> None:
+        self.core.abort(request_id, reason=reason)
 
     async def release(self, request_id: str) -> None:
         """The controller binds the request elsewhere (ReplicaCore.abort's `release`)."""

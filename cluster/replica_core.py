@@ -102,7 +102,8 @@ class ReplicaCore:
         self._clock = clock
         self._held: dict[str, _Held] = {}
         self._streams: dict[str, _Stream] = {}
-        self._aborts: list[str] = []
+        self._aborts: dict[str, str] = {}
+        """Requests to end before the next step, with why (`StreamItem.abort_reason`)."""
         self._released: set[str] = set()
         """Of `_aborts`, the requests the controller takes back to bind elsewhere."""
         self._added: list[str] = []
@@ -150,14 +151,15 @@ class ReplicaCore:
         self._added.append(rid)
         self._wake.set()
 
-    def abort(self, request_id: str, release: bool = False) -> None:
+    def abort(self, request_id: str, release: bool = False, reason: str = "") -> None:
         """End a request before the next step, freeing its KV; unknown ids are ignored. One
         that ended already lets its stream go if no one opened it. `release`: the controller
-        binds it elsewhere, its stream ends as lost (its client resumes it there)."""
+        binds it elsewhere, its stream ends as lost (its client resumes it there). `reason`:
+        what its client is told, when the server ends it (not when the client left)."""
         if request_id not in self._held:
             self._drop_unread(request_id)
         elif request_id not in self._aborts:
-            self._aborts.append(request_id)
+            self._aborts[request_id] = reason
             if release:
                 self._released.add(request_id)
             self._wake.set()
@@ -379,11 +381,12 @@ class ReplicaCore:
         """End the aborted requests and report it as a step with no work: an abort may come
         from this side (the stream's reader went away) without the controller knowing, and
         its mirror must not keep a request the replica no longer holds."""
-        aborts, self._aborts = self._aborts, []
+        aborts, self._aborts = self._aborts, {}
         released, self._released = self._released, set()
         ended = [rid for rid in aborts if rid in self._held]
         for rid in ended:
-            self._end(rid, FinishReason.ABORT, lost=rid in released)
+            why = StreamItem(abort_reason=aborts[rid])
+            self._end(rid, FinishReason.ABORT, why, lost=rid in released)
             self._drop_unread(rid, gone=rid not in released)
         if ended:
             self.seq += 1

@@ -75,6 +75,7 @@ def test_a_lapsed_lease_ends_only_its_own_requests(
         kept = second.submit(long_request("kept", 1000))
         orphaned, served = await asyncio.gather(_last(orphan), _last(kept))
         assert orphaned.finish_reason == "abort" and orphaned.num_output_tokens < 1500
+        assert orphaned.reason == "its front door stopped renewing its lease (door_lease_s)"
         assert served.finish_reason == "length" and served.num_output_tokens == 1000
         assert await idle(second, 5.0)
 
@@ -124,6 +125,7 @@ def test_a_door_that_dies_while_the_controller_restarts_has_its_requests_ended(
         ray.kill(first._controller, no_restart=False)
         orphaned, served = await asyncio.gather(_last(orphan), _last(kept))
         assert orphaned.finish_reason == "abort" and orphaned.num_output_tokens < 1500
+        assert orphaned.reason == "no front door claimed it after the controller restarted"
         assert served.finish_reason == "length" and served.num_output_tokens == 600
         await first.shutdown()
         await second.shutdown()

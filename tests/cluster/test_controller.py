@@ -87,8 +87,8 @@ class LocalReplica:
             raise RayTaskError("add_request", "traceback", exc).as_instanceof_cause() from exc
         await self.add_reply.wait()
 
-    async def _abort(self, request_id: str) -> None:
-        self.core.abort(request_id)
+    async def _abort(self, request_id: str, reason: str = "") -> None:
+        self.core.abort(request_id, reason=reason)
 
     async def _set_plan(self, plan: BatchPlan, regraded: dict[str, bool] | None = None) -> None:
         if self.plans.is_set():

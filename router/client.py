@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import reprlib
 import threading
 import time
@@ -173,16 +174,29 @@ class Completion:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_attempts: int = 4
+    max_attempts: int | None = None
+    """None: as many as `max_retry_s` allows."""
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
     multiplier: float = 2.0
+    max_retry_s: float = 60.0
+    """No retry starts later than this after the first attempt. A Serve update that replaces
+    the front door closes its gRPC port for 10-40 s (Serve stops the old door before the new
+    one listens); four attempts gave up after 0.7 s."""
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1 or None, got {self.max_attempts}")
         if self.initial_backoff_s < 0 or self.max_backoff_s < 0 or self.multiplier < 1:
             raise ValueError("backoffs must be >= 0 and multiplier >= 1")
+        if not (math.isfinite(self.max_retry_s) and self.max_retry_s >= 0):
+            raise ValueError(f"max_retry_s must be >= 0 and finite, got {self.max_retry_s}")
+
+    def gives_up(self, attempt: int, retry_at: float) -> bool:
+        """Whether call `attempt` failing ends the retries, the next one being due `retry_at`
+        seconds after the first began."""
+        spent = self.max_attempts is not None and attempt >= self.max_attempts
+        return spent or retry_at > self.max_retry_s
 
     def backoff_s(self, attempt: int) -> float:
         """Wait before retry number `attempt` (1-based)."""
@@ -787,11 +801,17 @@ class _Base:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def _backoff(
-        self, exc: grpc.RpcError, attempt: int, deadline: float | None, started: bool = False
+        self,
+        exc: grpc.RpcError,
+        attempt: int,
+        deadline: float | None,
+        first: float,
+        started: bool = False,
     ) -> float:
-        """The wait before retrying call `attempt`, which failed with `exc`; raises its
-        `ClientError` when it is not retried (not UNAVAILABLE, out of attempts or time, or a
-        stream that had started). The last wait is cut to leave the retry its time."""
+        """The wait before retrying call `attempt` (the first began at `first`), which failed
+        with `exc`; raises its `ClientError` when it is not retried (not UNAVAILABLE, out of
+        attempts or time, or a stream that had started). The last wait is cut to leave the
+        retry its time."""
         error = _error(exc)
         wait = self.retry.backoff_s(attempt)
         left = self._remaining(deadline)
@@ -800,7 +820,7 @@ class _Base:
         if (
             started
             or error.code is not grpc.StatusCode.UNAVAILABLE
-            or attempt >= self.retry.max_attempts
+            or self.retry.gives_up(attempt, time.monotonic() + wait - first)
             or wait < 0
         ):
             raise error from None
@@ -875,7 +895,7 @@ class Client(_Base):
     def _stream(
         self, request: pb.GenerateRequest, deadline: float | None, stream: Stream
     ) -> Generator[Chunk | Result]:
-        attempt = 1
+        attempt, first = 1, time.monotonic()
         while True:
             call = self.stub.Generate(
                 request,
@@ -898,7 +918,7 @@ class Client(_Base):
                     raise ClientError(
                         grpc.StatusCode.CANCELLED, "the stream was cancelled"
                     ) from None
-                wait = self._backoff(exc, attempt, deadline, started)
+                wait = self._backoff(exc, attempt, deadline, first, started)
             finally:
                 call.cancel()
             time.sleep(wait)
@@ -915,7 +935,7 @@ class Client(_Base):
     def cluster_status(self, timeout_s: float | None = None) -> ClusterStatus:
         """The replicas' state and the cluster's counters, as `GET /v1/cluster/status`."""
         deadline = self._deadline(timeout_s)
-        attempt = 1
+        attempt, first = 1, time.monotonic()
         while True:
             try:
                 reply = self.stub.GetClusterStatus(
@@ -926,7 +946,7 @@ class Client(_Base):
                 )
                 return status_from_proto(reply)
             except grpc.RpcError as exc:
-                wait = self._backoff(exc, attempt, deadline)
+                wait = self._backoff(exc, attempt, deadline, first)
             time.sleep(wait)
             attempt += 1
 
@@ -988,7 +1008,7 @@ class AsyncClient(_Base):
     async def _stream(
         self, request: pb.GenerateRequest, deadline: float | None
     ) -> AsyncGenerator[Chunk | Result]:
-        attempt = 1
+        attempt, first = 1, time.monotonic()
         while True:
             call = self.stub.Generate(
                 request,
@@ -1006,7 +1026,7 @@ class AsyncClient(_Base):
                 ended.check()
                 return
             except grpc.RpcError as exc:
-                wait = self._backoff(exc, attempt, deadline, started)
+                wait = self._backoff(exc, attempt, deadline, first, started)
             except asyncio.CancelledError:
                 if self.closed and not _cancelling():  # grpc.aio cancels the calls it closes
                     raise ClientError(
@@ -1030,7 +1050,7 @@ class AsyncClient(_Base):
     async def cluster_status(self, timeout_s: float | None = None) -> ClusterStatus:
         """The replicas' state and the cluster's counters, as `GET /v1/cluster/status`."""
         deadline = self._deadline(timeout_s)
-        attempt = 1
+        attempt, first = 1, time.monotonic()
         while True:
             try:
                 reply = await self.stub.GetClusterStatus(
@@ -1041,7 +1061,7 @@ class AsyncClient(_Base):
                 )
                 return status_from_proto(reply)
             except grpc.RpcError as exc:
-                wait = self._backoff(exc, attempt, deadline)
+                wait = self._backoff(exc, attempt, deadline, first)
             await asyncio.sleep(wait)
             attempt += 1
 

@@ -354,7 +354,4 @@ class ControlPlane:
             self.metrics.inc(str(verdict))
             if hops > 1:
                 self.metrics.inc("routed")
-        credit = self.replicas[replica].credits.get(p.request.request_id, 0)
-        if credit:
-            self.metrics.inc("prefix_credited", credit)
         return Decision(p.request, Binding(p.request.request_id, verdict, replica, hops), p.resumed)

@@ -642,7 +642,8 @@ class ClusterController:
 
     def _fold_one(self, report: StepReport) -> ReportFit:
         vr = self.plane.replicas[report.replica]
-        demoted, dropped, missed = vr.num_demoted, vr.preempted_tokens, vr.credit_missed_tokens
+        demoted, dropped = vr.num_demoted, vr.preempted_tokens
+        credited, missed = vr.credited_tokens, vr.credit_missed_tokens
         try:
             fit = vr.apply(report)
         except Exception:  # a mirror that cannot fold a report is rebuilt, never left wrong
@@ -656,6 +657,7 @@ class ClusterController:
             self.plane.metrics.inc("preempted", len(report.plan.preempt))
             self.plane.metrics.inc("preempted_tokens", vr.preempted_tokens - dropped)
             self.plane.metrics.inc("demoted", vr.num_demoted - demoted)
+            self.plane.metrics.inc("prefix_credited", vr.credited_tokens - credited)
             self.plane.metrics.inc("prefix_credit_missed", vr.credit_missed_tokens - missed)
         return fit
 

@@ -118,7 +118,9 @@ class VirtualReplica:
         self.credits: dict[str, int] = {}
         """Requests bound with a credit whose prefill has not begun: the tokens credited."""
         self.credited_tokens = 0
-        """Prompt tokens credited as cached when their requests were bound."""
+        """Prompt tokens credited as cached when their requests were bound, counted when the
+        prefill began: a credit withdrawn before (the request moved, aborted) was never
+        looked up, and counted at the bind it made the credited tokens exceed the hits."""
         self.credit_missed_tokens = 0
         """Of those, the tokens the replica did not find cached when the prefill began."""
         self._pictured = ""
@@ -230,7 +232,6 @@ class VirtualReplica:
             self.computed.touch(request.prompt_token_ids)
         if credit:
             self.credits[rid] = credit
-            self.credited_tokens += credit
 
     def abort(self, request_id: str) -> bool:
         """Forget a request; False when this replica does not hold it. What it computed stays
@@ -315,7 +316,9 @@ class VirtualReplica:
             rid = entry.request_id
             if rid in self.credits and isinstance(entry, PrefillChunk) and rid in after:
                 found = after[rid] - entry.num_tokens
-                self.credit_missed_tokens += max(0, self.credits.pop(rid) - found)
+                credit = self.credits.pop(rid)
+                self.credited_tokens += credit
+                self.credit_missed_tokens += max(0, credit - found)
 
     def _remember_computed(self, report: StepReport) -> None:
         """What the step left cached, as the replica registers it: what a preempted request

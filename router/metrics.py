@@ -60,7 +60,8 @@ CONTROLLER_COUNTERS = {
     ),
     "prefix_credited": (
         "prefix_credited_tokens",
-        "Prompt tokens admission counted cached on the replica a request was bound to.",
+        "Prompt tokens admission counted cached on the replica a request was bound to, "
+        "counted as its prefill began.",
         1.0,
     ),
     "prefix_credit_missed": (

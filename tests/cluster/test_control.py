@@ -289,12 +289,12 @@ def test_best_effort_traffic_sharing_a_prefix_spreads_past_the_imbalance(
     ("overrides", "credited"),
     [({}, 32), ({"credit_prefixes": False}, 0), ({"prefix_caching": False}, 0)],
 )
-def test_the_plane_counts_the_prefix_it_credits_a_bound_request(
+def test_the_mirror_credits_a_bound_request_the_prefix_it_pictures(
     tmp_path: Path, overrides: dict[str, object], credited: int
 ) -> None:
     """By default a replica's mirror counts the prefix it pictures computed there as done
-    for a request bound there, and the plane counts those tokens; not with credit_prefixes
-    or prefix_caching off."""
+    for a request bound there (counted in the metrics once its prefill begins); not with
+    credit_prefixes or prefix_caching off."""
     p = plane(tmp_path, replicas=1, **overrides)
     vr = p.replicas[0]
     prompt = list(range(40))
@@ -303,7 +303,7 @@ def test_the_plane_counts_the_prefix_it_credits_a_bound_request(
     request = Request("r", [*prompt, 1], SamplingParams(max_tokens=2), tier=Tier.BEST_EFFORT)
     assert decide(p, request).binding.verdict is Verdict.BEST_EFFORT
     assert vr.credits == ({"r": credited} if credited else {})
-    assert p.metrics.counters.get("prefix_credited", 0) == credited
+    assert p.metrics.counters.get("prefix_credited", 0) == 0
 
 
 def test_a_draining_replica_keeps_what_it_holds_and_takes_nothing_new(tmp_path: Path) -> None:

@@ -950,3 +950,42 @@ def test_streams_stalled_on_one_replica_ask_the_controller_once_between_them(
         await second.core.stop()
 
     asyncio.run(run())
+
+
+def test_prefix_credits_are_counted_as_the_prefills_begin(
+    target_dir: Path, config: ClusterConfig
+) -> None:
+    """Agent QA saw prefix_credited_tokens pass the cache's hits (731,760 against 719,232):
+    a credit was counted at each bind, and a request moved or aborted before its prefill
+    dropped its credit there uncounted. Counted as the prefill begins, the credited tokens
+    less the missed ones are tokens the replica found cached."""
+
+    engine = Engine.from_dirs(target_dir, num_blocks=NUM_BLOCKS, prefix_caching=True)
+
+    async def run() -> None:
+        controller, replica = start(engine, config)
+        await controller.ready()
+        shared = list(range(100, 164))
+        ask = lambda rid, tail: Request(  # noqa: E731
+            rid, [*shared, *tail], SamplingParams(max_tokens=2), SLO(30_000, 5_000)
+        )
+        await controller.submit(ask("first", [1]))
+        assert await finish(replica, "first") == "length"
+        vr = controller.plane.replicas[0]
+        await until(lambda: "first" not in vr.held, "the mirror folded its end")
+        replica.plans.clear()  # bound, but no plan reaches the replica: no prefill begins
+        await controller.submit(ask("withdrawn", [2]))
+        credit = vr.credits["withdrawn"]
+        assert credit > 0
+        await controller.abort("withdrawn")
+        replica.plans.set()
+        await controller.submit(ask("second", [3]))
+        assert await finish(replica, "second") == "length"
+        await until(lambda: "second" not in vr.held, "the mirror folded its end")
+        counters = controller.plane.metrics.counters
+        assert counters.get("prefix_credited", 0) == credit
+        found = counters["prefix_credited"] - counters.get("prefix_credit_missed", 0)
+        assert 0 < found <= counters["prefix_cache_hits"]
+        await replica.core.stop()
+
+    asyncio.run(run())

@@ -492,12 +492,12 @@ def test_a_request_bound_after_its_prefix_was_computed_starts_from_it(
     now, _ = run_steps(vr, executor, now, 100)
     vr.add_best_effort(b, now)
     executor.add(b)
-    assert vr.credits == {"b": 48} and vr.credited_tokens == 48
+    assert vr.credits == {"b": 48} and vr.credited_tokens == 0  # counted as its prefill begins
     plan = vr.next_plan(now)
     assert plan is not None and plan.entries[0] == PrefillChunk("b", 2)
     outcome, duration = executor.execute(plan, now)
     vr.apply(StepReport(0, vr.incarnation, vr.seq + 1, plan, outcome, now + duration))
-    assert vr.credit_missed_tokens == 48 and vr.credits == {}
+    assert (vr.credited_tokens, vr.credit_missed_tokens) == (48, 48) and vr.credits == {}
     run_steps(vr, executor, now + duration, 200)
     assert executor.output("b") and not vr.has_work()
     c = replace(b, request_id="c")

@@ -82,7 +82,8 @@ class ToolCall:
     id: str
     name: str
     arguments: str
-    """A JSON object, as its text."""
+    """A JSON object, as its text (one cut by max_tokens is not JSON; sent back in a chat,
+    the template gets it as that text)."""
 
 
 @dataclass(frozen=True)

@@ -599,7 +599,7 @@ def _chat_text(
 
 def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: an assistant's tool calls with their
-    arguments as objects (as HF templates read them) and its thinking as
+    arguments as objects (as HF templates read them; other text as sent) and its thinking as
     `reasoning_content` (as Qwen3's read it), a tool message with the call it answers."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty list", "messages")
@@ -660,23 +660,28 @@ def _messages(raw: object, ctx: SchemaContext, codec: Codec) -> list[dict[str, A
 
 
 def _tool_calls(raw: object, where: str) -> list[dict[str, Any]]:
-    """An assistant's earlier calls, their arguments (JSON text) parsed."""
+    """An assistant's earlier calls, their arguments as the template takes them."""
     if not isinstance(raw, list):
         raise BadRequest(f"{where} must be a list", where)
     calls = []
     for j, call in enumerate(raw):
         call_id, name, text = tool_call_fields(call, f"{where}[{j}]")
-        named = f"{where}[{j}].function.arguments"
-        try:
-            arguments = json_text.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise BadRequest(f"{named} is not JSON", named) from exc
-        if not isinstance(arguments, dict):
-            raise BadRequest(f"{named} must be a JSON object", named)
+        arguments = _call_arguments(text)
         calls.append(
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         )
     return calls
+
+
+def _call_arguments(text: str) -> dict[str, Any] | str:
+    """A call's arguments as an object, as HF templates read them; any other text (a call
+    cut by max_tokens, as this server returns it) stays as sent: OpenAI takes any string
+    there, and an agent sending back what it was given must not be refused for it."""
+    try:
+        arguments = json_text.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return arguments if isinstance(arguments, dict) else text
 
 
 def _sampling(

@@ -148,7 +148,11 @@ class TextCodec:
             )
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             # The template's own checks (raise_exception) and its filters on the messages.
-            raise BadRequest(f"chat template failed on these messages: {exc}", "messages") from exc
+            cut = _text_arguments(messages)
+            note = f" ({cut} is not a JSON object: the template got it as text)" if cut else ""
+            raise BadRequest(
+                f"chat template failed on these messages: {exc}{note}", cut or "messages"
+            ) from exc
         if options.continue_final_message:
             return _ending_with(text, messages[-1]["content"])
         return text
@@ -162,6 +166,16 @@ class TextCodec:
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)
+
+
+def _text_arguments(messages: list[dict[str, Any]]) -> str | None:
+    """Where the first earlier call whose arguments are text, not an object, is: a template
+    that reads them as an object (iterates them, say) fails on that call."""
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.get("tool_calls", ())):
+            if isinstance(call["function"]["arguments"], str):
+                return f"messages[{i}].tool_calls[{j}].function.arguments"
+    return None
 
 
 def _ending_with(text: str, final: str) -> str:

@@ -27,7 +27,8 @@ HEADER_HOPS = "x-slos-serve-hops"
 
 
 def tool_call_fields(call: object, where: str) -> tuple[str, str, str]:
-    """An earlier call's id, function name and arguments (JSON text), in OpenAI's shape."""
+    """An earlier call's id, function name and arguments (text, JSON as the server sends it),
+    in OpenAI's shape."""
     function = call.get("function") if isinstance(call, Mapping) else None
     if (
         not isinstance(call, Mapping)

@@ -12,7 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replica.request import SLO, Stage, Tier
+from router.client import ChatMessage, GenerateOptions, ToolCall, build_request
 from router.errors import ApiError, BadRequest, ModelNotFound
+from router.grpc_server import request_to_body
 from router.openai_schema import (
     MAX_CHOICES,
     MAX_PRIORITY,
@@ -875,3 +877,89 @@ def test_vllm_s_reasoning_request_fields_are_taken(codec: TextCodec, ctx: Schema
         assert info.value.param == name
     with pytest.raises(BadRequest, match="unknown field"):
         parse(codec, ctx, {"prompt": "x", "reasoning_effort": "low"})
+
+
+CUT_ARGUMENTS = '{"path": "path", "path_binary_'
+"""A named call's arguments cut by max_tokens (`finish_reason: length`), as returned."""
+CALLS_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} ARGUMENTS</call>{% endfor %}"
+    "\n{% endfor %}<|assistant|>\n"
+)
+"""A template showing earlier calls, ARGUMENTS written as one family's template writes them."""
+ARGUMENTS = {
+    "hermes, qwen3": "{% if c.function.arguments is string %}{{ c.function.arguments }}"
+    "{% else %}{{ c.function.arguments | tojson }}{% endif %}",
+    "qwen2.5, llama3.1": "{{ c.function.arguments | tojson }}",
+    "llama3.2 pythonic": "{% for k, v in c.function.arguments.items() %}{{ k }}={{ v }}"
+    "{% endfor %}",
+    "qwen3-coder": "{% for k, v in c.function.arguments | items %}{{ k }}={{ v }}{% endfor %}",
+}
+
+
+def _called(arguments: str) -> list[dict[str, Any]]:
+    call = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "Read it."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "no such file", "tool_call_id": "c1"},
+    ]
+
+
+def _prompt(codec: TextCodec, ctx: SchemaContext, body: dict[str, Any]) -> str:
+    ids = parse(codec, ctx, body, endpoint=Endpoint.CHAT).requests[0].prompt_token_ids
+    return codec.decode(ids, skip_special_tokens=False)
+
+
+def test_a_call_cut_by_max_tokens_goes_back_as_its_text(
+    codec: TextCodec, ctx: SchemaContext
+) -> None:
+    """An agent sends back the call the server returned: arguments that are no JSON object
+    reach the template as sent (OpenAI takes any string there); a template printing them
+    prints that text, one reading them as an object is a 400 naming the call."""
+    for arguments in (CUT_ARGUMENTS, "[1]", ""):
+        assert _prompt(codec, ctx, {"messages": _called(arguments)}) == (
+            "<|user|>\nRead it.\n<|assistant|>\n\n<|tool|>\nno such file\n<|assistant|>\n"
+        )
+    shown = {
+        name: replace(codec, chat_template=CALLS_TEMPLATE.replace("ARGUMENTS", arguments))
+        for name, arguments in ARGUMENTS.items()
+    }
+    cut = {"messages": _called(CUT_ARGUMENTS)}
+    assert f"<call>read {CUT_ARGUMENTS}</call>" in _prompt(shown["hermes, qwen3"], ctx, cut)
+    quoted = '<call>read "{\\"path\\": \\"path\\", \\"path_binary_"</call>'
+    assert quoted in _prompt(shown["qwen2.5, llama3.1"], ctx, cut)
+    for name in ("llama3.2 pythonic", "qwen3-coder"):
+        with pytest.raises(BadRequest, match="is not a JSON object") as info:
+            parse(shown[name], ctx, cut, endpoint=Endpoint.CHAT)
+        assert info.value.param == "messages[1].tool_calls[0].function.arguments"
+    whole = {"messages": _called('{"path": "a"}')}
+    assert '<call>read {"path": "a"}</call>' in _prompt(shown["hermes, qwen3"], ctx, whole)
+    assert "<call>read path=a</call>" in _prompt(shown["llama3.2 pythonic"], ctx, whole)
+
+
+def test_grpc_sends_a_cut_call_back_as_http_does(codec: TextCodec, ctx: SchemaContext) -> None:
+    messages = [
+        ("user", "Read it."),
+        ChatMessage("assistant", tool_calls=[ToolCall("c1", "read", CUT_ARGUMENTS)]),
+        ChatMessage("tool", "no such file", tool_call_id="c1"),
+    ]
+    endpoint, body = request_to_body(build_request(None, messages, GenerateOptions()), "demo")
+    hermes = replace(
+        codec, chat_template=CALLS_TEMPLATE.replace("ARGUMENTS", ARGUMENTS["hermes, qwen3"])
+    )
+    http = {"messages": _called(CUT_ARGUMENTS)}
+    assert endpoint is Endpoint.CHAT and _prompt(hermes, ctx, body) == _prompt(hermes, ctx, http)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arguments=st.one_of(st.text(max_size=30), json_values.map(json.dumps)))
+def test_any_call_arguments_render_or_name_the_call(
+    codec: TextCodec, ctx: SchemaContext, arguments: str
+) -> None:
+    for template in ARGUMENTS.values():
+        shown = replace(codec, chat_template=CALLS_TEMPLATE.replace("ARGUMENTS", template))
+        try:
+            parse(shown, ctx, {"messages": _called(arguments)}, endpoint=Endpoint.CHAT)
+        except BadRequest as exc:
+            assert exc.param == "messages[1].tool_calls[0].function.arguments"

@@ -8,8 +8,10 @@ Two ways to judge a request, both reported:
 - The paper's form (SLOs-Serve section 6): TTFT slowdown over the zero-load TTFT within the
   target (equivalently TTFT <= SLO.ttft_ms), and the max TPOT over windows of 10 tokens within
   the TPOT target, because speculative decoding delivers tokens in bursts. Windows are
-  consecutive spans of 10 gaps from the first token (the last may be shorter); a window is held
-  to the TPOT that governs its last token.
+  consecutive spans of 10 gaps from the first token, the last one ending at the last token (so
+  overlapping the one before: a short last window would judge a single late gap alone); a
+  window is held to the TPOT that governs its last token. An output of fewer than 10 gaps is
+  one window.
 
 In both, a request attains only if it delivered all output_len tokens; rejected requests never
 attain. Best-effort requests are judged like the others: a deferred request that still met its
@@ -62,12 +64,15 @@ def mean_tpot_s(record: RequestRecord) -> float | None:
 def windowed_tpots(
     record: RequestRecord, window: int = TPOT_WINDOW
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(last token index, mean TPOT) of each window of `window` gaps after the first token."""
+    """(last token index, mean TPOT) of each window of `window` gaps after the first token: the
+    last window is the last `window` gaps (overlapping the one before), so each holds `window`
+    gaps when the output has that many."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     times = np.asarray(record.token_times_s[: record.output_len])
-    starts = np.arange(0, max(len(times) - 1, 0), window)
-    ends = np.minimum(starts + window, len(times) - 1)
+    gaps = max(len(times) - 1, 0)
+    starts = np.minimum(np.arange(0, gaps, window), max(gaps - window, 0))
+    ends = np.minimum(starts + window, gaps)
     return ends, (times[ends] - times[starts]) / (ends - starts)
 
 

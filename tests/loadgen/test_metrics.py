@@ -56,7 +56,7 @@ def test_early_tokens_bank_slack_for_a_later_stall() -> None:
     r = rec(times)
     assert attained_deadline(r)
     assert not attained_paper(r)
-    assert max_windowed_tpot_s(r) == pytest.approx(0.58)
+    assert max_windowed_tpot_s(r) == pytest.approx((0.6 - 0.011) / 10)  # the last 10 gaps
 
 
 def test_jitter_that_averages_out_passes_the_paper_form_only() -> None:
@@ -99,23 +99,39 @@ def test_stages_set_the_deadlines_and_window_targets() -> None:
     # deadlines: 0.1, 0.15 (thinking), then 0.25, 0.35 (answer, loose).
     assert attained_deadline(rec([0.1, 0.15, 0.25, 0.35], slo=slo))
     assert not attained_deadline(rec([0.1, 0.16, 0.25, 0.35], slo=slo))
-    # Paper form, window of 2 gaps: [0..2] ends in the answer (100 ms), [2..3] too.
-    r = rec([0.1, 0.1, 0.28, 0.35], slo=slo)
+    # Paper form, window of 2 gaps: [0..2] ends in the answer (100 ms), the last [1..3] too.
+    r = rec([0.1, 0.15, 0.28, 0.34], slo=slo)
     ends, tpots = windowed_tpots(r, window=2)
-    assert ends.tolist() == [2, 3] and tpots.tolist() == pytest.approx([0.09, 0.07])
+    assert ends.tolist() == [2, 3] and tpots.tolist() == pytest.approx([0.09, 0.095])
     assert attained_paper(r, window=2)
     assert not attained_paper(r, window=1)
 
 
-def test_windows_cover_every_gap_with_a_short_last_window() -> None:
+def test_the_last_window_is_the_last_ten_gaps() -> None:
     times = [0.1 + 0.01 * i for i in range(11)] + [0.3, 0.5]
     ends, tpots = windowed_tpots(rec(times))
     assert ends.tolist() == [10, 12]
-    assert tpots[1] == pytest.approx((0.5 - 0.2) / 2)
+    assert tpots[1] == pytest.approx((0.5 - 0.12) / 10)  # gaps 2..12, overlapping [0..10]
+    short = [0.1, 0.12, 0.3, 0.31]  # fewer than 10 gaps: one window of them all
+    assert windowed_tpots(rec(short))[0].tolist() == [3]
+    assert windowed_tpots(rec(short))[1] == pytest.approx([0.07])
     assert len(windowed_tpots(rec([0.1]))[0]) == 0
     assert max_windowed_tpot_s(rec([0.1])) is None
     with pytest.raises(ValueError, match="window"):
         windowed_tpots(rec([0.1]), window=0)
+
+
+def test_one_late_last_gap_is_judged_with_the_nine_before_it() -> None:
+    """QA's case: a 192-token request on time throughout (13 s of slack), then one 494.6 ms
+    gap at the end. 191 gaps left a last window of one gap, judged alone against 100 ms."""
+    times = [0.1 + 0.02 * i for i in range(191)]
+    times.append(times[-1] + 0.4946)
+    r = rec(times, slo=SLO(ttft_ms=100.0, tpot_ms=100.0))
+    assert attained_deadline(r)
+    ends, tpots = windowed_tpots(r)
+    assert ends[-1] == 191 and ends[-2] == 190
+    assert tpots[-1] == pytest.approx((9 * 0.02 + 0.4946) / 10)
+    assert attained_paper(r)
 
 
 def test_percentiles_interpolate_and_skip_missing() -> None:

@@ -4,14 +4,16 @@ The paper's headline metric (max load per GPU with >= 90% attainment). Given a f
 runs the system at a per-replica rate and returns its attainment (deadline semantics), search:
 bracket by multiplying the rate by `growth` (up while it passes, down while it fails), then
 bisect between the highest passing and lowest failing rate until they are within `rel_tol` of
-each other. This assumes attainment falls as the rate grows; every evaluated point is kept so a
-non-monotone system shows in the result (`monotone`) rather than hiding in one number.
+each other. This assumes attainment falls as the rate grows, and cannot detect otherwise: it
+only probes above the highest pass and below the lowest failure, so a rate that passes above a
+failing one is never run (runs at fixed rates, `--rate` each, show the curve).
+Every evaluated point is kept (`points`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,32 +41,24 @@ class CapacityResult:
     """Every evaluation, in the order run."""
 
     @property
-    def monotone(self) -> bool:
-        """Whether the points agree with the assumption: nothing passes above a failure."""
-        points = ((p.rate, p.attainment) for p in self.points)
-        return monotone(points, self.target, passes_high=False)
+    def bound(self) -> dict[str, float] | None:
+        """The search's limit when it did not measure the capacity: {"at_least": max_rate} if
+        even the ceiling passed, {"below": min_rate} if even the floor failed; None when a pass
+        and a failure bracket it. A ratio to a limit would compare the searches, not the
+        policies."""
+        if self.lowest_failing is None:
+            return {"at_least": self.capacity}
+        if self.capacity == 0.0:
+            return {"below": self.lowest_failing}
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "capacity": self.capacity,
             "lowest_failing": self.lowest_failing,
             "target": self.target,
-            "monotone": self.monotone,
             "points": [{"rate": p.rate, "attainment": p.attainment} for p in self.points],
         }
-
-
-def monotone(points: Iterable[tuple[float, float]], target: float, *, passes_high: bool) -> bool:
-    """Whether (x, attainment) points of a search agree with the order it assumes: with
-    `passes_high` (attainment rises with x, as with replicas) no failure above a pass, else
-    (it falls, as with the rate) no pass above a failure."""
-    failing: list[float] = []
-    passing: list[float] = []
-    for x, attainment in points:
-        (passing if attainment >= target else failing).append(x)
-    if not failing or not passing:
-        return True
-    return max(failing) < min(passing) if passes_high else max(passing) < min(failing)
 
 
 def checked_attainment(value: float, where: str) -> float:

@@ -1,9 +1,12 @@
-"""PNG figures of `slos-serve simulate` results: attainment vs rate, capacity bars, burst
+"""Figures of `slos-serve simulate` results: attainment vs rate, capacity bars, burst
 timeline, and attainment vs replica count for a sizing run.
 
 Each figure has a data-preparation function (tested on hand-made results) and a drawing
 function. Drawing uses matplotlib's object API on the Agg canvas, never pyplot, so no global
-backend state is touched and nothing needs a display.
+backend state is touched and nothing needs a display; the path's suffix picks the format (PNG
+without one). A capacity that is a search's bound, not a measurement, is marked as the tables
+mark it (">=1.50", "<0.001"; hatched bars). `credit` (the traces' attribution, for runs on
+trace arrivals) goes in each figure's heading.
 
 The burst timeline follows the SLOs-Serve paper's Figure 11: over one run, per second,
 how many requests arrived, how many were admitted, deferred to best effort or rejected, how many
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,9 +26,11 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from loadgen.capacity import DEFAULT_TARGET
+from loadgen.capacity_tables import Bound, Bounds, bound_of, capacity_cell
 from loadgen.metrics import attained_deadline
 from loadgen.records import RequestRecord, Verdict
 from loadgen.sizing import Sizing, rate_key
@@ -61,6 +66,8 @@ class Curve:
     stopped: tuple[bool, ...] = ()
     """Per point (or none): the run stopped early, so its attainment is only the most it could
     have reached (drawn as a hollow triangle under the target, off the line)."""
+    bound: Bound | None = None
+    """Set when the capacity is the search's ceiling or floor (named in the legend)."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +77,14 @@ class Panel:
     curves: tuple[Curve, ...]
 
 
-def attainment_panels(runs: Sequence[Mapping[str, Any]], capacity: Capacity) -> list[Panel]:
+def attainment_panels(
+    runs: Sequence[Mapping[str, Any]], capacity: Capacity, bounds: Bounds | None = None
+) -> list[Panel]:
     """One panel per (scenario, replica count) in first-seen order, one curve per policy.
 
     `runs` are the `runs` entries of the simulate JSON (scenario, policy, replicas,
-    rate_per_replica, attainment, stopped_early); a rate evaluated twice keeps its last value."""
+    rate_per_replica, attainment, stopped_early); a rate evaluated twice keeps its last value.
+    `bounds`: the capacities that are a search's bound (`summary.capacity_bounds`)."""
     points = _group(
         runs,
         lambda run: (str(run["scenario"]), int(run["replicas"])),
@@ -85,7 +95,8 @@ def attainment_panels(runs: Sequence[Mapping[str, Any]], capacity: Capacity) -> 
         curves = []
         for policy, by_rate in by_policy.items():
             found = capacity.get(scenario, {}).get(policy, {}).get(str(replicas))
-            curves.append(_curve(policy, by_rate, found))
+            bound = bound_of(bounds or {}, scenario, policy, str(replicas))
+            curves.append(replace(_curve(policy, by_rate, found), bound=bound))
         panels.append(Panel(scenario, replicas, tuple(curves)))
     return panels
 
@@ -119,19 +130,29 @@ def _curve(policy: str, points: Mapping[float, Point], mark: float | None) -> Cu
     )
 
 
-def _grid(n: int, width: float, height: float) -> tuple[Figure, list[Axes]]:
+def _grid(n: int, width: float, height: float, credit: str) -> tuple[Figure, list[Axes]]:
     cols = min(3, n)
     rows = math.ceil(n / cols)
     fig = Figure(figsize=(width * cols, height * rows), layout="constrained")
     FigureCanvasAgg(fig)
+    _credit(fig, credit)
     axes = fig.subplots(rows, cols, squeeze=False).ravel().tolist()
     for ax in axes[n:]:
         ax.set_visible(False)
     return fig, axes[:n]
 
 
-def plot_attainment(panels: Sequence[Panel], path: Path, target: float = DEFAULT_TARGET) -> None:
-    """Attainment vs per-replica rate per policy; a dotted vertical line marks each capacity."""
+def _credit(fig: Figure, credit: str) -> None:
+    """The data's attribution as the figure's heading (a trace's licence asks for it)."""
+    if credit:
+        fig.suptitle(credit, fontsize="x-small", wrap=True)
+
+
+def plot_attainment(
+    panels: Sequence[Panel], path: Path, target: float = DEFAULT_TARGET, credit: str = ""
+) -> None:
+    """Attainment vs per-replica rate per policy; a dotted vertical line marks each capacity
+    (a bound's is named in the legend: "slos (capacity >=1.50)")."""
     _plot_curves(
         panels,
         path,
@@ -139,6 +160,7 @@ def plot_attainment(panels: Sequence[Panel], path: Path, target: float = DEFAULT
         "request rate per replica (req/s)",
         target,
         integer_x=False,
+        credit=credit,
     )
 
 
@@ -150,16 +172,20 @@ def _plot_curves(
     target: float,
     *,
     integer_x: bool,
+    credit: str,
 ) -> None:
     if not panels:
         raise ValueError("no runs to plot")
-    fig, axes = _grid(len(panels), 4.5, 3.2)
+    fig, axes = _grid(len(panels), 4.5, 3.2, credit)
     for ax, panel in zip(axes, panels, strict=True):
         for color, curve in zip(_colors(), panel.curves, strict=False):
             stopped = curve.stopped or (False,) * len(curve.rates)
             whole = [i for i, s in enumerate(stopped) if not s]
             xs, ys = [curve.rates[i] for i in whole], [curve.attainments[i] for i in whole]
-            ax.plot(xs, ys, "o-", color=color, label=curve.policy, ms=3)
+            label = curve.policy
+            if curve.bound is not None:
+                label += f" (capacity {capacity_cell(curve.capacity, curve.bound)})"
+            ax.plot(xs, ys, "o-", color=color, label=label, ms=3)
             cut = [i for i, s in enumerate(stopped) if s]
             xs, ys = [curve.rates[i] for i in cut], [curve.attainments[i] for i in cut]
             ax.plot(xs, ys, "v", color=color, mfc="white", ms=5)
@@ -202,10 +228,20 @@ def sizing_panels(runs: Sequence[Mapping[str, Any]], sizing: Sizing) -> list[Pan
     return panels
 
 
-def plot_sizing(panels: Sequence[Panel], path: Path, target: float = DEFAULT_TARGET) -> None:
+def plot_sizing(
+    panels: Sequence[Panel], path: Path, target: float = DEFAULT_TARGET, credit: str = ""
+) -> None:
     """Attainment vs replica count at one total rate per panel; a dotted line marks each
     policy's count."""
-    _plot_curves(panels, path, lambda panel: panel.scenario, "replicas", target, integer_x=True)
+    _plot_curves(
+        panels,
+        path,
+        lambda panel: panel.scenario,
+        "replicas",
+        target,
+        integer_x=True,
+        credit=credit,
+    )
 
 
 @dataclass(frozen=True)
@@ -233,12 +269,12 @@ def replicas_needed(sizing: Sizing) -> list[Needed]:
     return out
 
 
-def plot_replicas_needed(needed: Sequence[Needed], path: Path) -> None:
+def plot_replicas_needed(needed: Sequence[Needed], path: Path, credit: str = "") -> None:
     """Replicas each policy needs as the total rate grows, one panel per scenario (a count not
     found within the search's ceiling is left out)."""
     if not needed:
         raise ValueError("no sizing to plot")
-    fig, axes = _grid(len(needed), 4.5, 3.2)
+    fig, axes = _grid(len(needed), 4.5, 3.2, credit)
     for ax, one in zip(axes, needed, strict=True):
         for color, (policy, counts) in zip(_colors(), one.replicas.items(), strict=False):
             ys = [math.nan if n is None else n for n in counts]
@@ -268,10 +304,13 @@ class Bars:
     scenarios: tuple[str, ...]
     policies: tuple[str, ...]
     values: tuple[tuple[float, ...], ...]
+    bounds: tuple[tuple[Bound | None, ...], ...]
+    """Like `values`: the bound a capacity is (a search's ceiling or floor), else None."""
 
 
-def capacity_bars(capacity: Capacity) -> list[Bars]:
-    """One group of bars per replica count, scenarios and policies in first-seen order."""
+def capacity_bars(capacity: Capacity, bounds: Bounds | None = None) -> list[Bars]:
+    """One group of bars per replica count, scenarios and policies in first-seen order;
+    `bounds`: the capacities that are a search's bound (`summary.capacity_bounds`)."""
     scenarios = list(capacity)
     policies: dict[str, None] = {}
     counts: dict[str, None] = {}
@@ -284,15 +323,17 @@ def capacity_bars(capacity: Capacity) -> list[Bars]:
         values = tuple(
             tuple(capacity[s].get(p, {}).get(n, math.nan) for s in scenarios) for p in policies
         )
-        out.append(Bars(n, tuple(scenarios), tuple(policies), values))
+        marks = tuple(tuple(bound_of(bounds or {}, s, p, n) for s in scenarios) for p in policies)
+        out.append(Bars(n, tuple(scenarios), tuple(policies), values, marks))
     return out
 
 
-def plot_capacity(bars: Sequence[Bars], path: Path) -> None:
-    """Per-scenario capacity, the policies side by side, one panel per replica count."""
+def plot_capacity(bars: Sequence[Bars], path: Path, credit: str = "") -> None:
+    """Per-scenario capacity, the policies side by side, one panel per replica count; each bar
+    labeled as the table prints it, a bound's hatched."""
     if not bars:
         raise ValueError("no capacities to plot")
-    fig, axes = _grid(len(bars), max(4.5, 1.3 * len(bars[0].scenarios)), 3.4)
+    fig, axes = _grid(len(bars), max(4.5, 1.3 * len(bars[0].scenarios)), 3.4, credit)
     for ax, group in zip(axes, bars, strict=True):
         x = np.arange(len(group.scenarios))
         width = 0.8 / len(group.policies)
@@ -300,11 +341,24 @@ def plot_capacity(bars: Sequence[Bars], path: Path) -> None:
             heights = np.asarray(group.values[i], dtype=float)
             offset = (i - (len(group.policies) - 1) / 2) * width
             drawn = ax.bar(x + offset, heights, width, label=policy, color=color)
-            ax.bar_label(drawn, fmt="%.2g", fontsize="x-small")
+            marks = group.bounds[i]
+            for bar, bound in zip(drawn, marks, strict=True):
+                if bound is not None:
+                    bar.set_hatch("//")
+            labels = [
+                "" if math.isnan(v) else capacity_cell(v, bound)
+                for v, bound in zip(group.values[i], marks, strict=True)
+            ]
+            ax.bar_label(drawn, labels, fontsize="x-small")
+        handles = ax.get_legend_handles_labels()[0]
+        if any(any(marks) for marks in group.bounds):
+            handles.append(
+                Patch(facecolor="white", edgecolor="gray", hatch="//", label="search limit")
+            )
         ax.set_xticks(x, group.scenarios)
         ax.set_ylabel("capacity (req/s per replica)")
         ax.set_title(f"capacity at {DEFAULT_TARGET:.0%} attainment, {group.replicas} replica(s)")
-        ax.legend(fontsize="small")
+        ax.legend(handles=handles, fontsize="small")
     fig.savefig(path, dpi=110)
 
 
@@ -359,12 +413,15 @@ def burst_timeline(records: Sequence[RequestRecord], bin_s: float = 1.0) -> Time
     )
 
 
-def plot_timelines(timelines: Mapping[str, Timeline], title: str, path: Path) -> None:
+def plot_timelines(
+    timelines: Mapping[str, Timeline], title: str, path: Path, credit: str = ""
+) -> None:
     """One row per policy (the same arrivals), like the paper's Figure 11."""
     if not timelines:
         raise ValueError("no timelines to plot")
     fig = Figure(figsize=(10, 2.4 * len(timelines)), layout="constrained")
     FigureCanvasAgg(fig)
+    _credit(fig, credit)
     axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False).ravel()
     for ax, (policy, t) in zip(axes, timelines.items(), strict=True):
         edges = [*t.starts, t.starts[-1] + t.bin_s]

@@ -845,7 +845,6 @@ def capacity_summary(found: CapacityResult, replicas: int | None) -> dict[str, A
         "capacity_per_replica": found.capacity / replicas if replicas else None,
         "lowest_failing_rps": found.lowest_failing,
         "target": found.target,
-        "monotone": found.monotone,
         "points": [{"rate": p.rate, "attainment": p.attainment} for p in found.points],
     }
 

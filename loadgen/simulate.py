@@ -30,7 +30,13 @@ per scenario: the least replica time a request costs without speculation (or pre
 the simulated replicas, whose inverse caps the rate any such policy sustains (a finite run can
 pass above it by finishing its backlog after the last arrival). A policy near full utilization
 at its capacity is out of hardware, not out of scheduling; ratios above the bound over a
-baseline's capacity need less work per request (speculation), not a better order.
+baseline's capacity need less work per request (speculation), not a better order. So each run
+also reports how long its arrivals lasted (`arrival_window_s`) and how long it kept working
+after the last one (`backlog_s`); a passing run whose backlog outlasts its arrivals is not
+`sustained` (it batched a queue after the arrivals stopped), and a search whose capacity is
+such a run says so (`capacity_searches[].sustained`, and a warning: lengthen --duration).
+A capacity at the search's ceiling or floor is a bound, not a measurement: it is marked, and
+left out of the ratios (loadgen.capacity_tables).
 
 Every rate of one search replays the same requests, only compressed or stretched in time (the
 paper's "truncate and rescale"): their count is fixed so the run at the reference rate (the
@@ -75,7 +81,7 @@ from loadgen.autoscaling import (
     scaled_run,
 )
 from loadgen.capacity import DEFAULT_TARGET, CapacityResult, check_rel_tol, find_capacity
-from loadgen.capacity_tables import ABLATION_PREFIX, markdown_tables, summarize
+from loadgen.capacity_tables import ABLATION_PREFIX, Bound, Bounds, markdown_tables, summarize
 from loadgen.metrics import RunReport, report
 from loadgen.mixes import parse_workload
 from loadgen.plots import (
@@ -214,6 +220,34 @@ def records(workload: Sequence[WorkloadRequest], result: SimResult) -> list[Requ
     return out
 
 
+@dataclass(frozen=True)
+class Backlog:
+    """How long a run's arrivals lasted, first to last (a session's later rounds are its
+    cost, not arrivals), and how long it kept working after the last one: its last token
+    minus that arrival (None when it stopped early). Few requests at a high rate arrive at
+    once and pass by being batched after the arrivals stop: a rate they could not sustain."""
+
+    arrival_window_s: float
+    backlog_s: float | None
+
+    def sustained(self, passed: bool) -> bool | None:
+        """Whether a passing run finished within its arrival window after its last arrival
+        (None for a failing run: there is no rate to vouch for)."""
+        if not passed:
+            return None
+        return self.backlog_s is not None and self.backlog_s <= self.arrival_window_s
+
+
+def backlog(workload: Sequence[WorkloadRequest], result: SimResult) -> Backlog:
+    """The run's `Backlog`, from its requests' arrivals and the result's last token."""
+    arrivals = [w.arrival_s for w in workload if w.follows is None]
+    last = max(arrivals)
+    if result.stopped is not None:
+        return Backlog(last - min(arrivals), None)
+    finish = max((o.token_times_s[-1] for o in result.outcomes if o.token_times_s), default=last)
+    return Backlog(last - min(arrivals), max(0.0, finish - last))
+
+
 def simulate_workload(
     perf: PerfModel, workload: Sequence[WorkloadRequest], config: SimConfig
 ) -> tuple[RunReport | None, SimResult, list[RequestRecord]]:
@@ -349,19 +383,21 @@ class Setup:
         drafts = policy.is_slos and policy is not Policy.SLOS_NOSPEC
         return self.perf if drafts or self.baseline_perf is None else self.baseline_perf
 
-    def run(self, policy: Policy, replicas: int, rate: float) -> tuple[RunReport | None, SimResult]:
+    def run(
+        self, policy: Policy, replicas: int, rate: float
+    ) -> tuple[RunReport | None, SimResult, Backlog]:
         """One policy at `rate` per replica; distserve reports its best pool split. The report
         is None for a run that stopped early (`stop_below`)."""
         if policy is Policy.DISTSERVE:
-            _, run_report, result = max(
+            _, run_report, result, run_backlog = max(
                 self.distserve_runs(replicas, rate), key=lambda r: attainment(r[1], r[2])
             )
-            return run_report, result
+            return run_report, result, run_backlog
         return self._run(self.config(policy, replicas), rate)
 
     def distserve_runs(
         self, replicas: int, rate: float
-    ) -> list[tuple[tuple[int, int], RunReport | None, SimResult]]:
+    ) -> list[tuple[tuple[int, int], RunReport | None, SimResult, Backlog]]:
         """distserve at each prefill:decode split (cluster.sim_distserve.RATIOS) of
         max(replicas, 2) replicas: one GPU cannot be split, so at 1 it runs a 1:1 pair and
         `rate` stays per replica (per GPU at TP 1), comparable with the other policies."""
@@ -393,10 +429,10 @@ class Setup:
             credit_prefixes=self.credit_prefixes,
         )
 
-    def _run(self, config: SimConfig, rate: float) -> tuple[RunReport | None, SimResult]:
+    def _run(self, config: SimConfig, rate: float) -> tuple[RunReport | None, SimResult, Backlog]:
         workload = self.workload(rate, config.replicas)
         run_report, result, _ = simulate_workload(self.perf_for(config.policy), workload, config)
-        return run_report, result
+        return run_report, result, backlog(workload, result)
 
 
 def attainment(run_report: RunReport | None, result: SimResult) -> float:
@@ -528,7 +564,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--start-rate",
         type=float,
-        help="capacity search start, req/s per replica (default: the scenario's START_RATES)",
+        help="capacity search start, req/s per replica, within [--min-rate, --max-rate] "
+        "(default: the scenario's START_RATES, moved into that range)",
     )
     parser.add_argument(
         "--rel-tol", type=float, help="capacity search tolerance, in (0, 1] (default 0.05)"
@@ -536,12 +573,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-rate",
         type=float,
-        help="capacity search floor: failing there reports capacity 0",
+        help='capacity search floor: failing there reports capacity 0, a bound ("<FLOOR" in '
+        "the table) left out of the ratios",
     )
     parser.add_argument(
         "--max-rate",
         type=float,
-        help="capacity search ceiling: passing there reports it as the capacity",
+        help="capacity search ceiling: passing there reports it as the capacity, a bound "
+        '(">=CEILING" in the table) left out of the ratios',
     )
     parser.add_argument(
         "--baseline-profile",
@@ -648,8 +687,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot",
         type=plot_file,
-        help="PNG path: PATH = attainment vs rate (capacities marked); PATH-capacity.png = "
-        "capacity bars (capacity runs); PATH-timeline.png = burst timeline of one run",
+        help="image path (its suffix picks the format: .png, .svg, .pdf, .jpg; none: .png): "
+        "PATH = attainment vs rate (capacities marked); PATH-capacity.png = capacity bars "
+        "(capacity runs); PATH-timeline.png = burst timeline of one run",
     )
     parser.add_argument(
         "--jobs",
@@ -698,6 +738,15 @@ def _traces(p: Plan) -> dict[str, Any]:
             for label, t in traces.items()
         }
     }
+
+
+def _credit(traces: Mapping[str, Any]) -> str:
+    """What the figures credit for `_traces`' arrivals (their licence asks for attribution);
+    "" for none, or only traces of the user's own."""
+    attributions = dict.fromkeys(
+        t["attribution"] for t in traces.get("traces", {}).values() if t["attribution"]
+    )
+    return "arrivals: " + "; ".join(attributions) if attributions else ""
 
 
 def _mixes(scenarios: Sequence[Workload]) -> dict[str, Any]:
@@ -929,6 +978,12 @@ def plan(args: argparse.Namespace) -> Plan:
     max_rate = 1e4 if args.max_rate is None else args.max_rate
     if min_rate > max_rate:
         raise OptionError(f"--min-rate {min_rate} exceeds --max-rate {max_rate}")
+    if args.start_rate is not None and not min_rate <= args.start_rate <= max_rate:
+        raise OptionError(
+            f"--start-rate {args.start_rate:g} lies outside the search's range [--min-rate "
+            f"{min_rate:g}, --max-rate {max_rate:g}]: give a start within it"
+        )
+    # A default start (the scenario's) moves into the range the user gave.
     start_rates = {s: min(max(r, min_rate), max_rate) for s, r in start_rates.items()}
     duration = args.duration or (PAPER_DURATION_S if paper else 600.0)
     timeline: Workload = Scenario.CODER if paper else scenarios[0]
@@ -1022,6 +1077,7 @@ def run(args: argparse.Namespace) -> int:
             credit_prefixes=args.credit_prefixes,
         )
 
+    traces = _traces(p)
     out: dict[str, Any] = {
         "profile": p.profile,
         "baseline_profile": p.baseline_profile or p.profile,
@@ -1032,7 +1088,7 @@ def run(args: argparse.Namespace) -> int:
         "zero_load": p.zero_load.to_dict() if p.zero_load is not None else None,
         "paper_table": args.paper_table,
         "arrivals": p.arrivals,
-        **_traces(p),
+        **traces,
         "duration_s": p.duration_s,
         "scenario_duration_s": {s.value: d for s, d in p.scenario_durations_s.items()},
         **_mixes(p.scenarios),
@@ -1054,7 +1110,7 @@ def run(args: argparse.Namespace) -> int:
             args.json.write_text(json.dumps({**out, **part}, indent=2) + "\n")
 
     if p.size_for:
-        out |= _size(p, setup, perf.tp, args.plot, save)
+        out |= _size(p, setup, perf.tp, Figures(args.plot, _credit(traces)), save)
     else:
         setups = {
             s: setup(
@@ -1064,7 +1120,7 @@ def run(args: argparse.Namespace) -> int:
             )
             for s in p.scenarios
         }
-        out |= _capacities(p, setups, args.plot, save)
+        out |= _capacities(p, setups, Figures(args.plot, _credit(traces)), save)
     save({})
     return 0
 
@@ -1074,8 +1130,16 @@ Save = Callable[[Mapping[str, Any]], None]
 fails loses none of them."""
 
 
+@dataclass(frozen=True)
+class Figures:
+    """Where the figures go (--plot; None: none drawn) and what they credit (`_credit`)."""
+
+    path: Path | None
+    credit: str
+
+
 def _capacities(
-    p: Plan, setups: Mapping[Workload, Setup], plot: Path | None, save: Save
+    p: Plan, setups: Mapping[Workload, Setup], figures: Figures, save: Save
 ) -> dict[str, Any]:
     """Every (scenario, policy, replica count)'s run at --rate, or its capacity search: the
     output's requests, work bounds, runs, summary and plots."""
@@ -1091,7 +1155,9 @@ def _capacities(
     }
     runs: list[dict[str, Any]] = []
     capacity: dict[str, dict[str, dict[str, float]]] = {}
+    bounds: dict[str, dict[str, dict[str, Bound]]] = {}
     searches: list[dict[str, Any]] = []
+    warnings: list[str] = []
     _print_run_header()
     jobs = [
         Job(s, policy, n) for s in p.scenarios for policy in p.policies for n in p.replica_counts
@@ -1105,29 +1171,58 @@ def _capacities(
         runs += job_runs
         if found is None:
             continue
-        capacity.setdefault(job.scenario.value, {}).setdefault(job.policy.value, {})[
-            str(job.replicas)
-        ] = found.capacity
+        scenario, policy, n = job.scenario.value, job.policy.value, str(job.replicas)
+        capacity.setdefault(scenario, {}).setdefault(policy, {})[n] = found.capacity
+        if found.bound is not None:
+            bounds.setdefault(scenario, {}).setdefault(policy, {})[n] = found.bound
+        at = _capacity_run(job_runs, found)
         searches.append(
-            {"scenario": job.scenario.value, "policy": job.policy.value, "replicas": job.replicas}
+            {"scenario": scenario, "policy": policy, "replicas": job.replicas}
             | found.to_dict()
+            | {"sustained": None if at is None else at["sustained"]}
         )
+        if at is not None and not at["sustained"]:
+            warnings.append(_not_sustained(job, at))
     out["runs"] = runs
     if p.rate is None:
         out["capacity_searches"] = searches
-        out["summary"] = summarize(capacity)
+        out["summary"] = summarize(capacity, bounds)
         print(markdown_tables(out["summary"]))
-    if plot is not None:
+        for warning in warnings:
+            print(warning)
+    if figures.path is not None:
         save(out)
-        out["plots"] = _plot(plot, p, setups[p.timeline_scenario], runs, capacity, out)
+        timeline = setups[p.timeline_scenario]
+        out["plots"] = _plot(figures.path, figures.credit, p, timeline, runs, capacity, bounds, out)
     return out
+
+
+def _capacity_run(
+    runs: Sequence[Mapping[str, Any]], found: CapacityResult
+) -> Mapping[str, Any] | None:
+    """The run of a search at its capacity (None when nothing passed)."""
+    if found.capacity == 0.0:
+        return None
+    return [r for r in runs if r["rate_per_replica"] == found.capacity][-1]
+
+
+def _not_sustained(job: Job, at: Mapping[str, Any]) -> str:
+    """The warning for a capacity whose run served its requests long after they arrived."""
+    return (
+        f"warning: {job.scenario.value} {job.policy.value} x{job.replicas}: capacity "
+        f"{at['rate_per_replica']:.3g} req/s per replica is not sustained: its "
+        f"{at['report']['overall']['requests']} requests arrived within "
+        f"{at['arrival_window_s']:.3g} s and took {at['backlog_s']:.3g} s more to finish (a "
+        "backlog batched after the arrivals stopped); lengthen --duration for more requests "
+        "per point"
+    )
 
 
 def _size(
     p: Plan,
     setup: Callable[[Workload, int, int | None], Setup],
     gpus_per_replica: int,
-    plot: Path | None,
+    figures: Figures,
     save: Save,
 ) -> dict[str, Any]:
     """Every (scenario, total rate, policy)'s sizing search: the output's requests, work
@@ -1180,13 +1275,13 @@ def _size(
         out["autoscale"] = {"replica_startup_s": p.replica_startup_s, "runs": scaled}
         out["summary"]["autoscaled"] = autoscale_summary(scaled)
         print(autoscale_table(scaled))
-    if plot is not None:
+    if figures.path is not None:
         save(out)
-        paths = figure_paths(plot)
-        plot_sizing(sizing_panels(runs, sizing), paths["attainment"])
+        paths = figure_paths(figures.path)
+        plot_sizing(sizing_panels(runs, sizing), paths["attainment"], credit=figures.credit)
         written = {"sizing": paths["attainment"]}
         if len(p.size_for) > 1:
-            plot_replicas_needed(replicas_needed(sizing), paths["replicas"])
+            plot_replicas_needed(replicas_needed(sizing), paths["replicas"], figures.credit)
             written["replicas"] = paths["replicas"]
         for name, where in written.items():
             print(f"plot {name}: {where}")
@@ -1392,19 +1487,21 @@ def timeline_rate(
 
 def _plot(
     path: Path,
+    credit: str,
     p: Plan,
     setup: Setup,
     runs: list[dict[str, Any]],
     capacity: dict[str, dict[str, dict[str, float]]],
+    bounds: Bounds,
     out: dict[str, Any],
 ) -> dict[str, str]:
     """Draw the figures; the timeline's data goes into `out` too. Returns name -> path."""
     paths = figure_paths(path)
     written = {}
-    plot_attainment(attainment_panels(runs, capacity), paths["attainment"])
+    plot_attainment(attainment_panels(runs, capacity, bounds), paths["attainment"], credit=credit)
     written["attainment"] = paths["attainment"]
     if capacity:
-        plot_capacity(capacity_bars(capacity), paths["capacity"])
+        plot_capacity(capacity_bars(capacity, bounds), paths["capacity"], credit)
         written["capacity"] = paths["capacity"]
     replicas = p.replica_counts[0]
     rate = p.rate if p.rate is not None else timeline_rate(capacity, setup.scenario, replicas)
@@ -1418,7 +1515,7 @@ def _plot(
             for policy in policies
         }
         title = f"{setup.scenario.value}, {p.arrivals} arrivals, {rate:.3g} req/s x{replicas}"
-        plot_timelines(timelines, title, paths["timeline"])
+        plot_timelines(timelines, title, paths["timeline"], credit)
         written["timeline"] = paths["timeline"]
         out["timeline"] = {
             "scenario": setup.scenario.value,
@@ -1463,7 +1560,7 @@ def _evaluate(
     """Attainment at one rate; the run is printed (by a worker too: progress as it happens)
     and appended to `runs`. A run stopped early shows the most it could have attained
     ("<" before it in the printout, `stopped_early` in the JSON) and has no report."""
-    run_report, result = setup.run(policy, replicas, rate)
+    run_report, result, run_backlog = setup.run(policy, replicas, rate)
     value = attainment(run_report, result)
     shown = f"{value:.3f}" if run_report is not None else f"<{value:.3f}"
     tqdm.write(
@@ -1480,6 +1577,9 @@ def _evaluate(
             "attainment": value,
             "stopped_early": run_report is None,
             "paper_attainment": None if run_report is None else run_report.overall.paper_attainment,
+            "arrival_window_s": run_backlog.arrival_window_s,
+            "backlog_s": run_backlog.backlog_s,
+            "sustained": run_backlog.sustained(value >= DEFAULT_TARGET),
             "steps": result.steps,
             "simulated_s": result.end_s,
             "wall_s": result.wall_s,

@@ -9,8 +9,10 @@ the same requests at the same total rate on n replicas: from a starting count, m
 least), then bisect the integers between the largest failing and the smallest passing count.
 The steps down are short because the runs below the answer are overloaded, and an overloaded
 run is the slowest to simulate (its queues only grow); a good start (the count the work bound
-allows) leaves the answer at most a little below it. Attainment is assumed to rise with the count;
-every evaluation is kept, so a system that breaks the assumption shows in `monotone`.
+allows) leaves the answer at most a little below it. Attainment is assumed to rise with the count,
+and the search cannot detect otherwise: it only probes between the largest failing and the
+smallest passing count, so a count that fails above a passing one is never run (runs at fixed
+counts, `--replicas N --rate TOTAL/N` each, show the curve). Every evaluation is kept (`points`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from loadgen.capacity import DEFAULT_TARGET, checked_attainment, monotone
+from loadgen.capacity import DEFAULT_TARGET, checked_attainment
 from loadgen.capacity_tables import BASELINES, DISTSERVE, FULL, best_baseline_title
 
 
@@ -40,18 +42,11 @@ class SizingResult:
     points: tuple[SizingPoint, ...]
     """Every evaluation, in the order run."""
 
-    @property
-    def monotone(self) -> bool:
-        """Whether the points agree with the assumption: no failure above a pass."""
-        points = ((p.replicas, p.attainment) for p in self.points)
-        return monotone(points, self.target, passes_high=True)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "replicas": self.replicas,
             "largest_failing": self.largest_failing,
             "target": self.target,
-            "monotone": self.monotone,
             "points": [{"replicas": p.replicas, "attainment": p.attainment} for p in self.points],
         }
 

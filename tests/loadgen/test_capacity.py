@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.capacity import CapacityPoint, CapacityResult, find_capacity
+from loadgen.capacity import find_capacity
 
 
 def system(threshold: float) -> object:
@@ -24,7 +24,7 @@ def test_finds_the_known_threshold_from_any_start(start: float, threshold: float
     assert result.capacity == pytest.approx(threshold, rel=0.011)
     assert result.lowest_failing is not None and result.lowest_failing > threshold
     assert (result.lowest_failing - result.capacity) <= 0.01 * result.capacity
-    assert result.monotone
+    assert result.bound is None
     assert len(result.points) < 30
 
 
@@ -42,17 +42,26 @@ def test_points_are_reported_in_evaluation_order() -> None:
     assert result.to_dict()["points"][0] == {"rate": 1.0, "attainment": 1.0}
 
 
-def test_unbounded_and_hopeless_systems() -> None:
+def test_unbounded_and_hopeless_systems_report_a_bound() -> None:
     always = find_capacity(lambda r: 1.0, 1.0, max_rate=100.0)
     assert always.capacity == 100.0 and always.lowest_failing is None
+    assert always.bound == {"at_least": 100.0}
     never = find_capacity(lambda r: 0.0, 1.0, min_rate=0.01)
     assert never.capacity == 0.0 and never.lowest_failing == 0.01
+    assert never.bound == {"below": 0.01}
 
 
-def test_non_monotone_points_are_flagged() -> None:
-    points = (CapacityPoint(1.0, 0.95), CapacityPoint(2.0, 0.5), CapacityPoint(3.0, 0.95))
-    assert not CapacityResult(1.0, 2.0, 0.9, points).monotone
-    assert CapacityResult(1.0, 2.0, 0.9, points[:2]).monotone
+def test_a_non_monotone_curve_goes_unseen_and_is_not_claimed_checked() -> None:
+    """QA's curve: passing up to 1.5, failing in (1.5, 2.5], passing again up to 6. The search
+    never runs a rate above its first failure, so nothing in the result could flag it."""
+
+    def attainment(rate: float) -> float:
+        return 0.95 if rate <= 1.5 or 2.5 < rate <= 6.0 else 0.5
+
+    result = find_capacity(attainment, 1.0, rel_tol=0.05)
+    assert result.capacity <= 1.5 and result.lowest_failing is not None
+    assert all(p.rate <= 2.0 for p in result.points)
+    assert "monotone" not in result.to_dict() and not hasattr(result, "monotone")
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from matplotlib.figure import Figure
 
 from loadgen.plots import (
     Curve,
@@ -101,6 +102,59 @@ def test_capacity_bars_group_by_replica_count_with_nan_for_missing() -> None:
     assert one.values[1] == (1.0, 2.0)
     assert two.replicas == "2"
     assert two.values[0][0] == 2.5 and math.isnan(two.values[1][0])
+
+
+def drawn(monkeypatch: pytest.MonkeyPatch) -> list[Figure]:
+    """The figures the plot functions draw, kept instead of written."""
+    figures: list[Figure] = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: figures.append(self))
+    return figures
+
+
+CREDIT = "arrivals: Azure LLM inference trace 2023 (CC-BY 4.0)"
+
+
+def test_capacity_bars_label_as_the_table_and_hatch_a_search_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    capacity = {
+        "chatbot": {"slos": {"1": 5.25}, "vllm": {"1": 1.5}},
+        "coder": {"slos": {"1": 0.0}},
+    }
+    bounds = {
+        "chatbot": {"vllm": {"1": {"at_least": 1.5}}},
+        "coder": {"slos": {"1": {"below": 0.001}}},
+    }
+    (bars,) = capacity_bars(capacity, bounds)
+    assert bars.bounds == ((None, {"below": 0.001}), ({"at_least": 1.5}, None))
+    figures = drawn(monkeypatch)
+    plot_capacity([bars], Path("unused.png"), CREDIT)
+    (fig,) = figures
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.texts] == ["5.25", "<0.001", ">=1.50", ""]
+    assert [bar.get_hatch() for bar in ax.patches] == [None, "//", "//", None]
+    assert ax.get_legend_handles_labels()[1] == ["slos", "vllm"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["slos", "vllm", "search limit"]
+    assert fig.get_suptitle() == CREDIT
+    assert capacity_bars(capacity)[0].bounds == ((None, None), (None, None))
+
+
+def test_attainment_names_a_capacity_at_the_search_limit_and_credits_the_trace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runs = [run("chatbot", p, r, 1.0) for p in ("slos", "vllm") for r in (0.75, 1.5)]
+    capacity = {"chatbot": {"slos": {"1": 1.5}, "vllm": {"1": 1.5}}}
+    bounds = {"chatbot": {"slos": {"1": {"at_least": 1.5}}}}
+    (panel,) = attainment_panels(runs, capacity, bounds)
+    assert [c.bound for c in panel.curves] == [{"at_least": 1.5}, None]
+    figures = drawn(monkeypatch)
+    plot_attainment([panel], Path("unused.png"), credit=CREDIT)
+    timeline = burst_timeline(RECORDS)
+    plot_timelines({"slos": timeline}, "chatbot", Path("unused.png"), CREDIT)
+    attainment, timelines = figures
+    labels = attainment.axes[0].get_legend_handles_labels()[1]
+    assert labels[:2] == ["slos (capacity >=1.50)", "vllm"]
+    assert attainment.get_suptitle() == CREDIT and timelines.get_suptitle() == CREDIT
 
 
 def test_burst_timeline_bins_arrivals_verdicts_and_deferred_completions() -> None:

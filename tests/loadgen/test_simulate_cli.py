@@ -20,7 +20,7 @@ import yaml
 from cluster.simulator import Policy
 from loadgen import cli, simulate
 from loadgen.arrivals import trace_arrivals
-from loadgen.traces import load_trace
+from loadgen.traces import AZURE_ATTRIBUTION, load_trace
 from loadgen.workloads import CPU_LOOSE_TPOT_FACTOR, CPU_TIGHT_TPOT_FACTOR, Scenario
 from loadgen.zero_load import ZeroLoad
 from replica.perf_info import Slowdown
@@ -105,6 +105,11 @@ def test_defaults_and_ablation() -> None:
         (("--capacity", "--rel-tol", "nan"), "--rel-tol must be > 0 and <= 1 .*, got nan"),
         (("--capacity", "--min-rate", "nan"), "--min-rate"),
         (("--capacity", "--min-rate", "2", "--max-rate", "1"), "--max-rate"),
+        (
+            ("--capacity", "--start-rate", "3", "--max-rate", "1.5"),
+            r"--start-rate 3 lies outside the search's range \[--min-rate 0.001, --max-rate 1.5\]",
+        ),
+        (("--capacity", "--start-rate", "0.1", "--min-rate", "0.5"), "--start-rate 0.1 lies out"),
         (("--capacity", "--scenario", "chatbot", "--timeline-scenario", "coder"), "--timeline"),
         (("--rate", "1", "--replica-slowdown", "0"), "--replica-slowdown"),
         (("--rate", "1", "--replica-slowdown", "inf"), "--replica-slowdown"),
@@ -239,6 +244,58 @@ def test_a_live_runs_conditions_reach_the_setup(tmp_path: Path) -> None:
     least_ms, rate = tool.work_bound(2)
     assert len(rounds) > 8 and sum(r.follows is None for r in rounds) == 8
     assert rate == pytest.approx(8 / (least_ms * len(rounds) / 1e3))
+
+
+def test_a_default_start_moves_into_the_range_given() -> None:
+    p = simulate.plan(parse("--capacity", "--scenario", "chatbot", "--max-rate", "1.5"))
+    assert p.start_rates == {Scenario.CHATBOT: 1.5}
+
+
+def test_a_capacity_passed_on_a_backlog_is_flagged_not_sustained(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """QA's case, tiny: 2 reasoning requests a point pass at every rate up to the ceiling, far
+    above the work bound, because they are batched after both arrived."""
+    out = tmp_path / "backlog.json"
+    argv = ("--scenario", "reasoning", "--policies", "slos", "--capacity", "--duration", "10")
+    argv += ("--start-rate", "0.2", "--max-rate", "0.8", "--rel-tol", "1", "--json", str(out))
+    assert simulate.run(parse(*argv)) == 0
+    data = json.loads(out.read_text())
+    for run in data["runs"]:
+        assert run["attainment"] >= 0.9
+        assert run["backlog_s"] > 10 * run["arrival_window_s"] > 0
+        assert run["sustained"] is False
+    (search,) = data["capacity_searches"]
+    assert search["capacity"] == 0.8 and search["sustained"] is False
+    assert data["summary"]["capacity_bounds"] == {"reasoning": {"slos": {"1": {"at_least": 0.8}}}}
+    printed = capsys.readouterr().out
+    assert "| reasoning | 1 | >=0.80 |" in printed
+    (warning,) = [line for line in printed.splitlines() if line.startswith("warning:")]
+    assert warning.startswith(
+        "warning: reasoning slos x1: capacity 0.8 req/s per replica is not sustained: its 2 "
+        "requests arrived within 0.85 s"
+    )
+    assert warning.endswith("lengthen --duration for more requests per point")
+    # Enough requests over the window: the backlog is short and the run sustained.
+    steady = tmp_path / "steady.json"
+    argv = ("--scenario", "chatbot", "--policies", "vllm", "--rate", "1", "--duration", "20")
+    assert simulate.run(parse(*argv, "--json", str(steady))) == 0
+    (run,) = json.loads(steady.read_text())["runs"]
+    assert run["attainment"] >= 0.9 and run["sustained"] is True
+    assert 0 < run["backlog_s"] < run["arrival_window_s"]
+    assert "warning:" not in capsys.readouterr().out
+
+
+def test_figures_credit_the_traces_their_arrivals_replay() -> None:
+    azure = {"file": "AzureLLMInferenceTrace_code", "requests": 1, "attribution": AZURE_ATTRIBUTION}
+    own = {"file": "ours", "requests": 10, "attribution": ""}
+    both = {"traces": {"coder": azure, "chatbot": azure | {"file": "conv"}, "mine": own}}
+    assert simulate._credit(both) == f"arrivals: {AZURE_ATTRIBUTION}"
+    assert simulate._credit({"traces": {"mine": own}}) == ""
+    assert simulate._credit({}) == ""
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    assert "its suffix picks the format" in " ".join(parser.format_help().split())
 
 
 def test_paper_table_excludes_a_rate(capsys: pytest.CaptureFixture[str]) -> None:
@@ -447,7 +504,7 @@ def test_sizing_replays_the_same_requests_on_every_count(
         for policy, sized in by_policy.items():
             by_count = {pt["replicas"]: pt["attainment"] for pt in sized["points"]}
             n = sized["replicas"]
-            assert n is not None and by_count[n] >= 0.9 and sized["monotone"]
+            assert n is not None and by_count[n] >= 0.9 and "monotone" not in sized
             failing = sized["largest_failing"]
             assert failing is None or (by_count[failing] < 0.9 and failing == n - 1)
             found.setdefault(rate, {})[policy] = n
@@ -574,7 +631,7 @@ def test_the_results_are_written_before_the_figures_are_drawn(
 ) -> None:
     """A figure that fails to draw loses none of the runs' results."""
 
-    def broken(*_: object) -> None:
+    def broken(*_: object, **__: object) -> None:
         raise RuntimeError("no figure")
 
     monkeypatch.setattr(simulate, "plot_attainment", broken)

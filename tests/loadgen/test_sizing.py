@@ -32,7 +32,6 @@ def test_finds_the_fewest_passing_count_from_any_start(start: int) -> None:
     found = find_replicas(attainment, start, most=64)  # type: ignore[arg-type]
     assert (found.replicas, found.largest_failing) == (7, 6)
     assert [p.replicas for p in found.points] == calls
-    assert found.monotone
     assert len(set(calls)) == len(calls)  # no count is run twice
 
 
@@ -67,9 +66,18 @@ def test_a_growth_below_two_still_moves_by_at_least_one() -> None:
     assert calls == [1, 2, 3, 4]
 
 
-def test_a_non_monotone_system_shows() -> None:
+def test_a_non_monotone_system_goes_unseen_and_is_not_claimed_checked() -> None:
+    """Failing at 5 above passing at 3 and 4: the search stops at 3 without running 5."""
+    calls: list[int] = []
+
+    def attainment(n: int) -> float:
+        calls.append(n)
+        return 0.5 if n == 5 or n < 3 else 0.95
+
+    found = find_replicas(attainment, 4)
+    assert (found.replicas, found.largest_failing) == (3, 2) and 5 not in calls
+    assert "monotone" not in found.to_dict() and not hasattr(found, "monotone")
     odd = SizingResult(3, 2, 0.9, (SizingPoint(3, 0.95), SizingPoint(5, 0.5), SizingPoint(2, 0.1)))
-    assert not odd.monotone
     assert odd.to_dict()["points"][1] == {"replicas": 5, "attainment": 0.5}
 
 

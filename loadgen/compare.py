@@ -151,7 +151,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the configs in turn this many times (A B C A B C ...); the summary takes "
         "each config's median and gives every round's ratio",
     )
-    parser.add_argument("--plot", type=plot_file, help="PNG: attainment vs rate per config")
+    parser.add_argument(
+        "--plot",
+        type=plot_file,
+        help="image path (its suffix picks the format: .png, .svg, .pdf, .jpg; none: .png): "
+        "attainment vs rate per config",
+    )
 
 
 def load_configs(args: argparse.Namespace) -> list[ServeConfig]:
@@ -220,30 +225,39 @@ def _ratio(values: dict[str, float | None], schedulers: dict[str, str]) -> float
 def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Capacity per replica (or attainment at the one rate) per config, the median over
     rounds, and slos over the best baseline: the best slos-scheduler config's over the best
-    other one's; with several rounds also each round's values and ratio."""
+    other one's; with several rounds also each round's values and ratio. A capacity at the
+    search's ceiling or floor (`bound`) is listed (`capacity_bounds`) and left out of the
+    ratios: a ratio to it would compare the searches' limits, not the schedulers."""
     schedulers = {r["label"]: r["scheduler"] for r in results}
     capacity: dict[str, list[float | None]] = {}
+    measured: dict[str, list[float | None]] = {}
+    bounds: dict[str, list[dict[str, float] | None]] = {}
     attainment: dict[str, list[float | None]] = {}
     for r in results:
         summary = r["summary"]
         if "capacity_rps" in summary:
-            capacity.setdefault(r["label"], []).append(summary["capacity_per_replica"])
+            value, bound = summary["capacity_per_replica"], summary.get("bound")
+            capacity.setdefault(r["label"], []).append(value)
+            measured.setdefault(r["label"], []).append(None if bound else value)
+            bounds.setdefault(r["label"], []).append(bound)
         else:
             attainment.setdefault(r["label"], []).append(summary["attainment"])
     out: dict[str, Any] = {}
     for key, by_label in (("capacity_per_replica", capacity), ("attainment", attainment)):
         if not by_label:
             continue
-        medians = {label: _median(values) for label, values in by_label.items()}
-        out[key] = medians
+        out[key] = {label: _median(values) for label, values in by_label.items()}
         if key == "capacity_per_replica":
+            medians = {label: _median(values) for label, values in measured.items()}
             out["capacity_ratio"] = _ratio(medians, schedulers)
+            if any(any(b) for b in bounds.values()):
+                out["capacity_bounds"] = bounds
         rounds = max(len(values) for values in by_label.values())
         if rounds > 1:
             out[f"{key}_by_round"] = by_label
             if key == "capacity_per_replica":
                 out["capacity_ratio_by_round"] = [
-                    _ratio({k: v[i] for k, v in by_label.items() if i < len(v)}, schedulers)
+                    _ratio({k: v[i] for k, v in measured.items() if i < len(v)}, schedulers)
                     for i in range(rounds)
                 ]
     return out

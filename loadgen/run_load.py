@@ -844,6 +844,7 @@ def capacity_summary(found: CapacityResult, replicas: int | None) -> dict[str, A
         "capacity_rps": found.capacity,
         "capacity_per_replica": found.capacity / replicas if replicas else None,
         "lowest_failing_rps": found.lowest_failing,
+        "bound": found.bound,
         "target": found.target,
         "points": [{"rate": p.rate, "attainment": p.attainment} for p in found.points],
     }

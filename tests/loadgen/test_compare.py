@@ -172,6 +172,18 @@ def test_the_ratio_is_the_best_slos_config_over_the_best_baseline() -> None:
     assert compare.summarize([point]) == {"attainment": {"a": 0.5}}
 
 
+def test_a_capacity_at_a_search_limit_is_listed_and_left_out_of_the_ratio() -> None:
+    """Two configs that both passed the search's ceiling compared as 1.00x (metrics QA):
+    a ratio to a limit compares the searches, not the schedulers."""
+    ceiling = result("slos", "slos", 8.0)
+    ceiling["summary"]["bound"] = {"at_least": 8.0}
+    summary = compare.summarize([ceiling, result("vllm", "vllm", 8.0)])
+    assert summary["capacity_per_replica"] == {"slos": 4.0, "vllm": 4.0}
+    assert summary["capacity_ratio"] is None
+    assert summary["capacity_bounds"] == {"slos": [{"at_least": 8.0}], "vllm": [None]}
+    assert "capacity_bounds" not in compare.summarize([result("slos", "slos", 8.0)])
+
+
 def test_rounds_summarize_by_median_with_every_rounds_ratio() -> None:
     rounds = [
         (1, {"slos": 10.0, "vllm": 12.0, "sarathi": 8.0}),

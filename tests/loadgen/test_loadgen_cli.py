@@ -275,6 +275,7 @@ def test_capacity_search_against_the_front_door(live: LocalFrontDoor, tmp_path: 
     summary = result["summary"]
     assert [p["rate"] for p in summary["points"]] == [1.0, 2.0]
     assert summary["capacity_rps"] == 2.0 and summary["capacity_per_replica"] == 1.0
+    assert summary["bound"] == {"at_least": 2.0}  # every rate passed: a bound, not a capacity
     # No flag claims the curve was checked: the search cannot see a non-monotone one.
     assert "monotone" not in summary and "monotone" not in result["capacity_search"]
     assert result["zero_load"]["source"] == "generous"

@@ -5,8 +5,8 @@ response they stream; SIGTERM (docker stop, systemd, a process manager) skips ev
 Ray's handler exits the process. Here either signal first deletes the applications, which Serve
 drains as on `serve delete`: new requests are refused while each front door finishes its
 streams (its graceful_shutdown_timeout_s, router.app.DRAIN_S, at most), then Serve shuts
-down. A second signal stops at once. An application that fails to deploy ends the process
-with exit code 1, naming why.
+down. A second signal stops at once. A Ray that does not start (or cannot be reached), or an
+application that fails to deploy, ends the process with exit code 1, naming why.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import logging
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from types import FrameType
 
 import ray
 from ray import serve
+from ray._private.node import Node
 from ray.serve.exceptions import RayServeException
 from ray.serve.schema import ApplicationStatus
 from ray.serve.scripts import cli
@@ -70,7 +72,12 @@ def run(args: argparse.Namespace) -> int:
         raise OptionError(f"{args.config} is not a file (give a Serve config, as to serve run)")
     logging.basicConfig(format="%(asctime)s slos-serve: %(message)s", stream=sys.stderr)
     # Before serve run, which then keeps this Ray instance, so this handler replaces Ray's.
-    ray.init(address=args.address, namespace=SERVE_NAMESPACE)
+    try:
+        ray.init(address=args.address, namespace=SERVE_NAMESPACE)
+    except Exception as exc:  # the start's timeout is a bare Exception
+        _stop_half_started(exc)
+        log.error("Ray did not start or could not be reached: %s", " ".join(str(exc).split()))
+        return 1
     stop = _Stop()
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -84,6 +91,19 @@ def run(args: argparse.Namespace) -> int:
     log.error("application %r failed to deploy: %s", *failed)
     serve.shutdown()
     return 1
+
+
+def _stop_half_started(exc: Exception) -> None:
+    """Stop the processes of the head node a failed ray.init was starting (its 30-s wait for
+    the raylet to register runs out on a loaded machine). ray.init drops that node, so
+    ray.shutdown cannot stop them; the raylet dies with this process, but the agents it
+    started outlive it, orphaned. The node is still the `self` of its frames in the
+    traceback."""
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        node = frame.f_locals.get("self")
+        if isinstance(node, Node):
+            node.kill_all_processes(check_alive=False, allow_graceful=True)
+            return
 
 
 def _drain() -> None:

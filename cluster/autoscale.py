@@ -6,10 +6,9 @@ controller knows better what a replica can take: admission declines a request ex
 replica can guarantee it. So the `slo` signal adds replicas when the share of SLO requests
 declined over the look-back window exceeds `max_declined` (in proportion to it), and learns
 from the moments of its declines how many admitted requests a replica holds when it is full.
-It removes a
-replica when nothing was declined and the admitted requests would fit the replicas left
-within `headroom` of that learned load; before any decline it has learned nothing, so it
-steps down until one shows it where the load is.
+It removes a replica when nothing was declined and the admitted requests would fit the
+replicas left within `headroom` of that learned load; before any decline it has learned
+nothing, so it steps down until one shows it where the load is.
 
 Replicas being started count toward the running count, and `slo` adds none while fewer
 replicas take requests than the target (one starting, or restarting after a failure): the

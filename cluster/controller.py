@@ -289,10 +289,10 @@ class ClusterController:
         unclaimed = self.leases.unclaimed(known, time.monotonic())
         if unclaimed:
             log.warning("%d requests no front door claimed since the restart end", len(unclaimed))
-        for rid in orphans:
-            self._spawn(self.abort(rid, "its front door stopped renewing its lease (door_lease_s)"))
-        for rid in unclaimed:
-            self._spawn(self.abort(rid, "no front door claimed it after the controller restarted"))
+        why = dict.fromkeys(unclaimed, "no front door claimed it after the controller restarted")
+        why |= dict.fromkeys(orphans, "its front door stopped renewing its lease (door_lease_s)")
+        for rid, reason in why.items():
+            self._spawn(self.abort(rid, reason))
 
     async def ready(self) -> None:
         """Returns once every mirror is built from its replica's snapshot."""

@@ -481,7 +481,8 @@ class ClusterController:
         except (RayActorError, TimeoutError) as error:
             self.plane.abort(rid)
             if self.replicas[replica] is actor:  # not a replica replaced meanwhile
-                if isinstance(error, TimeoutError):
+                # Said once: the hand-offs waiting on a hung replica time out together.
+                if isinstance(error, TimeoutError) and self.plane.replicas[replica].alive:
                     log.warning("replica %d did not take a request in time: down", replica)
                 self.plane.mark_dead(replica)
             if self._left_in_hand_off(rid):  # nothing to retry
@@ -712,8 +713,11 @@ class ClusterController:
                 self.plane.mark_dead(replica)
             return isinstance(error, ActorDiedError)
         self._slow.pop(replica, None)
-        if not vr.alive or incarnation != vr.incarnation:
+        was_down = not vr.alive
+        if was_down or incarnation != vr.incarnation:
             await self._sync(replica)
+            if was_down and vr.alive:  # not a replica just started: it was found down
+                log.info("replica %d is back; it takes requests", replica)
         return False
 
     def _count_death(self, slot: int, dead: bool) -> None:
@@ -756,7 +760,6 @@ class ClusterController:
             was_down = not self.plane.replicas[replica].alive
             self.plane.restore(replica, snapshot, time.time())
             if was_down:
-                log.info("replica %d is back; it takes requests again", replica)
                 self._drop_moved(replica, snapshot)
             self.plane.metrics.inc("mirror_rebuilds")
             self.plane.metrics.inc("demoted", self.plane.replicas[replica].num_demoted)

@@ -184,8 +184,9 @@ class ClusterConfig:
     """How long a front door may go without renewing its lease (every quarter of it) before
     the controller ends its requests (within half a second more): no one reads them once the
     door has crashed or hung. A detached cluster no door renews for max(60 s, twice this)
-    stops itself. 30 s, as 10 s lapsed for a live door on a starved machine (load ~190 on 2
-    cores), ending streams its clients were reading."""
+    stops itself (10 minutes after a Serve update's door handed it over: leases.py). 30 s,
+    as 10 s lapsed for a live door on a starved machine (load ~190 on 2 cores), ending
+    streams its clients were reading."""
 
     def __post_init__(self) -> None:
         check_text("model", self.model)

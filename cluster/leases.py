@@ -4,7 +4,7 @@ A front door (a `ClusterHandle`) renews its lease every quarter of `door_lease_s
 the requests it streams, from a thread of its own. A door that stops renewing has died: no
 one reads its requests any more, so the controller ends them. A detached cluster that no
 door has renewed for `abandoned_after_s` (the door that would stop it died before it could,
-or a door handed it over to a next one that never came) stops itself.
+or a door handed it over to a next one that never came: HANDOVER_WAIT_S then) stops itself.
 Pure and clock-injected, like the planner: the controller feeds it `time.monotonic()`.
 """
 
@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 ABANDONED_MIN_S = 60.0
 """A cluster outlives every door by at least this long: time for Serve to start the next one."""
+HANDOVER_WAIT_S = 600.0
+"""How long a cluster handed over (a Serve update) waits for the next door: Serve schedules
+and starts it in minutes on a loaded machine (4.5 min once, at load ~150, when the cluster
+stopped after 60 s, and the next door launched another, models loaded again)."""
 
 
 @dataclass
@@ -37,6 +41,8 @@ class Leases:
     """After a restart, until `unclaimed` has counted: the requests a door named since.
     Unlike `owners`, never pruned meanwhile, so a request briefly unknown (its replica's
     mirror rebuilt) still counts as claimed. None otherwise."""
+    handed_over: bool = False
+    """The last door to leave handed the cluster over, and no door has renewed since."""
 
     def __post_init__(self) -> None:
         if self.restarted:
@@ -48,6 +54,7 @@ class Leases:
         if self.closing or door in self.released:
             return False
         self.doors[door] = self.last_renewal = now
+        self.handed_over = False
         for request_id in requests:
             self.owners.setdefault(request_id, door)
             if self.claimed is not None:
@@ -71,7 +78,10 @@ class Leases:
         self.doors.pop(door, None)
         self.released.add(door)
         self.expire(now)
-        if handover or self.hearing(now):
+        if handover:
+            self.handed_over = True
+            return False
+        if self.hearing(now):
             return False
         self.closing = not self.doors
         return self.closing
@@ -132,4 +142,5 @@ class Leases:
 
     @property
     def abandoned_after_s(self) -> float:
-        return max(ABANDONED_MIN_S, 2 * self.lease_s)
+        wait = HANDOVER_WAIT_S if self.handed_over else ABANDONED_MIN_S
+        return max(wait, 2 * self.lease_s)

@@ -109,6 +109,7 @@ from loadgen.workloads import (
     generate_workload,
     shared_prompts,
     trace_file,
+    zero_load_decode_step_s,
     zero_load_ttft_from,
 )
 from loadgen.zero_load import ZeroLoad
@@ -362,6 +363,27 @@ class Setup:
             targets=SLOTargets.for_decode_step(self.zero_load.decode_step_s),
             length_scale=self.length_scale,
         )
+
+    def tpots_under_a_step(self) -> list[str]:
+        """One warning per class whose tightest TPOT target is under one decode step of its
+        request alone on the profile (without drafts): admission cannot guarantee such a
+        request, so slos serves it best-effort, behind the admitted work, while a policy that
+        admits everything may still meet its deadlines, the TTFT slack absorbing the extra
+        time (sizing QA: slos needed over 64 replicas where vllm needed 4)."""
+        perf = self.perf_for(Policy.VLLM).slowed(self.slowdown)
+        worst: dict[str, tuple[float, float]] = {}
+        for r in self.workload(1.0, 1):
+            tpot = min([r.slo.tpot_ms, *(s.tpot_ms for s in r.slo.stages)])
+            step = 1e3 * zero_load_decode_step_s(perf, r.prompt_len)
+            if tpot < step and tpot / step < worst.get(r.slo_class, (1.0, 0.0))[0]:
+                worst[r.slo_class] = (tpot / step, step)
+        return [
+            f"warning: {self.scenario.value} class {name}: a TPOT target of {ratio:.0%} of one "
+            f"decode step of its request alone ({step:.3g} ms): admission cannot guarantee "
+            "it, so slos serves such requests best-effort; raise the target or use a faster "
+            "profile"
+            for name, (ratio, step) in sorted(worst.items())
+        ]
 
     def work_bound(self, replicas: int) -> tuple[float, float]:
         """(mean ms, rate per replica): the least replica time the search's requests cost
@@ -1153,6 +1175,9 @@ def _capacities(
             for s, setup in setups.items()
         },
     }
+    for setup in setups.values():
+        for warning in setup.tpots_under_a_step():
+            print(warning)
     runs: list[dict[str, Any]] = []
     capacity: dict[str, dict[str, dict[str, float]]] = {}
     bounds: dict[str, dict[str, dict[str, Bound]]] = {}
@@ -1544,6 +1569,8 @@ def _sizing_bound(setup: Setup, total_rate: float) -> dict[str, float]:
     bound = _work_bound(setup, 1)
     fewest = math.ceil(total_rate / bound["rate_per_replica"])
     print(f"  so at least {fewest} replica(s) for {total_rate:g} req/s")
+    for warning in setup.tpots_under_a_step():
+        print(warning)
     return bound | {"replicas": fewest}
 
 

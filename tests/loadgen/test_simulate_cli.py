@@ -472,6 +472,23 @@ def test_a_mix_file_runs_beside_the_scenarios(tmp_path: Path) -> None:
     assert runs[0]["report"]["overall"]["requests"] == 10
 
 
+def test_a_tpot_target_under_one_decode_step_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Sizing QA: a class whose TPOT target was just under the profile's decode step (14 ms
+    against 15) made slos need over 64 replicas where vllm needed 4, its requests never
+    admitted; nothing said why. Now the class is named before the runs."""
+    mix = tmp_path / "fast.yaml"
+    fast = {"name": "fast", "share": 1, "prompt": 64, "output": 8, "ttft_ms": 500, "tpot_ms": 10}
+    chat = fast | {"name": "chat", "tpot_ms": 60}
+    mix.write_text(yaml.safe_dump({"name": "fast", "classes": [fast, chat]}))
+    point = ("--rate", "1", "--duration", "5", "--policies", "vllm")
+    assert simulate.run(parse("--scenario", str(mix), *point)) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "class fast: a TPOT target of" in warnings[0]
+    assert "serves such requests best-effort" in warnings[0]
+
+
 def test_sizing_replays_the_same_requests_on_every_count(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from pathlib import Path
+from typing import TextIO
 
 AZURE_ATTRIBUTION = (
     "Azure LLM inference trace 2023 (Azure/AzurePublicDataset, CC-BY 4.0); Patel et al., "
@@ -92,36 +93,48 @@ def load_trace(path: str | Path) -> Trace:
         raise ValueError(f"trace file {str(path)!r} is a directory")
     if not path.is_file():
         raise ValueError(f"trace file {str(path)!r} does not exist")
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        header = [h.strip() for h in reader.fieldnames or []]
-        missing = [c for c in COLUMNS if c not in header]
-        if missing:
-            raise ValueError(f"{path.name}: missing column(s) {missing}; header is {header}")
-        reader.fieldnames = header
-        rows: list[TraceRow] = []
-        start: datetime | None = None
-        for line, raw in enumerate(reader, start=2):
-            where = f"{path.name} line {line}"
-            if any(raw.get(c) is None for c in COLUMNS):
-                raise ValueError(f"{where}: expected {len(header)} fields, got fewer")
-            stamp = _parse_time(raw["TIMESTAMP"], where)
-            start = stamp if start is None else start
-            if (stamp.tzinfo is None) != (start.tzinfo is None):
-                raise ValueError(
-                    f"{where}: TIMESTAMP {raw['TIMESTAMP']!r} mixes time zones: give every row "
-                    f"an offset, or none"
-                )
-            t = (stamp - start).total_seconds()
-            if rows and t < rows[-1].time_s:
-                raise ValueError(f"{where}: timestamp goes back in time ({raw['TIMESTAMP']})")
-            rows.append(
-                TraceRow(
-                    time_s=t,
-                    context_tokens=_parse_count(raw["ContextTokens"], "ContextTokens", where),
-                    generated_tokens=_parse_count(raw["GeneratedTokens"], "GeneratedTokens", where),
-                )
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:  # a BOM, as Excel saves CSV
+            return _read_trace(path, f)
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path.name}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+
+
+def _read_trace(path: Path, f: TextIO) -> Trace:
+    """The trace in `f`, the file at `path` open."""
+    reader = csv.DictReader(f)
+    if reader.fieldnames is None:
+        raise ValueError(f"{path.name} is empty: give a header ({', '.join(COLUMNS)}) and rows")
+    header = [h.strip() for h in reader.fieldnames]
+    missing = [c for c in COLUMNS if c not in header]
+    if missing:
+        raise ValueError(f"{path.name}: missing column(s) {missing}; header is {header}")
+    reader.fieldnames = header
+    rows: list[TraceRow] = []
+    start: datetime | None = None
+    for line, raw in enumerate(reader, start=2):
+        where = f"{path.name} line {line}"
+        if any(raw.get(c) is None for c in COLUMNS):
+            raise ValueError(f"{where}: expected {len(header)} fields, got fewer")
+        stamp = _parse_time(raw["TIMESTAMP"], where)
+        start = stamp if start is None else start
+        if (stamp.tzinfo is None) != (start.tzinfo is None):
+            raise ValueError(
+                f"{where}: TIMESTAMP {raw['TIMESTAMP']!r} mixes time zones: give every row "
+                f"an offset, or none"
             )
+        t = (stamp - start).total_seconds()
+        if rows and t < rows[-1].time_s:
+            raise ValueError(f"{where}: timestamp goes back in time ({raw['TIMESTAMP']})")
+        rows.append(
+            TraceRow(
+                time_s=t,
+                context_tokens=_parse_count(raw["ContextTokens"], "ContextTokens", where),
+                generated_tokens=_parse_count(raw["GeneratedTokens"], "GeneratedTokens", where),
+            )
+        )
     azure = path.name in (AZURE_CODE_FILE, AZURE_CONV_FILE)
     return Trace(name=path.stem, rows=tuple(rows), attribution=AZURE_ATTRIBUTION if azure else "")
 

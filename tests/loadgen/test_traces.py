@@ -64,7 +64,7 @@ def test_column_order_and_extra_columns_do_not_matter(tmp_path: Path) -> None:
         ("2023-11-16 18:00:00,1,2\n2023-11-16 18:00:01,1\n", HEADER, "line 3: expected 3"),
         ("2023-11-16 18:00:00,1,2\n", HEADER, "at least 2 rows"),
         ("2023-11-16 18:00:00,1,2\n2023-11-16 18:00:00,1,2\n", HEADER, "spans no time"),
-        ("", "", "missing column"),
+        ("", "", "is empty: give a header"),
         ("2023-11-16 18:00:00,1,2\n2023-11-16 18:20:00+00:00,1,2\n", HEADER, "mixes time zones"),
     ],
 )
@@ -73,6 +73,20 @@ def test_malformed_files_name_the_problem(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         load_trace(write(tmp_path, body, header))
+
+
+def test_a_byte_order_mark_is_no_column_and_bytes_that_are_no_text_are_named(
+    tmp_path: Path,
+) -> None:
+    """Sizing QA: a CSV saved by Excel (UTF-8 with a BOM) lacked its TIMESTAMP column, and
+    bytes that are no UTF-8 gave the decoder's message without the file's name."""
+    bom = tmp_path / "excel.csv"
+    bom.write_text(HEADER + "2023-11-16 18:00:00,1,2\n2023-11-16 18:00:01,3,4\n", "utf-8-sig")
+    assert [r.context_tokens for r in load_trace(bom).rows] == [1, 3]
+    junk = tmp_path / "junk.csv"
+    junk.write_bytes(b"\xff\xfe\x00junk")
+    with pytest.raises(ValueError, match=r"junk.csv: not UTF-8 text"):
+        load_trace(junk)
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -1323,7 +1323,7 @@ def _by_scenario_and_rate(values: Mapping[tuple[Workload, float], T]) -> dict[st
 
 def _print_run_header() -> None:
     print(
-        f"{'scenario':<11}{'policy':<15}{'replicas':>8}{'rate/rep':>10}{'attain':>8}{'wall s':>8}"
+        f"{'scenario':<11} {'policy':<15}{'replicas':>8}{'rate/rep':>10}{'attain':>8}{'wall s':>8}"
     )
 
 
@@ -1591,7 +1591,7 @@ def _evaluate(
     value = attainment(run_report, result)
     shown = f"{value:.3f}" if run_report is not None else f"<{value:.3f}"
     tqdm.write(
-        f"{setup.scenario.value:<11}{policy.value:<15}{replicas:>8}{rate:>10.3f}"
+        f"{setup.scenario.value:<11} {policy.value:<15} {replicas:>7}{rate:>10.3f}"
         f"{shown:>8}{result.wall_s:>8.1f}"
     )
     sys.stdout.flush()

@@ -568,6 +568,23 @@ def test_sizing_compares_each_count_with_autoscalers(
         summary = data["summary"]["autoscaled"]["chatbot"]["9"][policy][scale_signal]
         assert summary["attainment"] == run["attainment"]
         assert f"| chatbot | 9 | {policy} | {scale_signal} | {run['attainment']:.3f} |" in printed
+    assert "warning" not in printed
+
+
+def test_an_autoscaled_window_of_few_replica_starts_warns(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Sizing QA: a 60 s window with 60 s replica starts showed the added replicas' time and
+    no gain, and said nothing: they started as the arrivals ended."""
+    argv = ("--size-for", "4", "--scenario", "chatbot", "--policies", "vllm", "--duration", "20")
+    argv += ("--max-replicas", "2", "--autoscale", "ongoing:4", "--replica-startup-s", "5")
+    assert simulate.run(parse(*argv)) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert warnings == [
+        "warning: chatbot: a replica the autoscaler adds serves 5 s after it is asked for, in a "
+        "20 s window: what it adds late counts in the replicas it ran, with little left to "
+        "serve (lengthen --duration)"
+    ]
 
 
 @pytest.mark.parametrize(

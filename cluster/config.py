@@ -180,13 +180,13 @@ class ClusterConfig:
     """How long a launch waits for the Ray cluster to hold the GPUs a replica needs (GPU
     nodes still joining, as on Kubernetes, where the head takes the config before its
     workers are up; the autoscaler is asked for them) before it refuses. 0: at once."""
-    door_lease_s: float = 30.0
+    door_lease_s: float = 10.0
     """How long a front door may go without renewing its lease (every quarter of it) before
     the controller ends its requests (within half a second more): no one reads them once the
     door has crashed or hung. A detached cluster no door renews for max(60 s, twice this)
-    stops itself (10 minutes after a Serve update's door handed it over: leases.py). 30 s,
-    as 10 s lapsed for a live door on a starved machine (load ~190 on 2 cores), ending
-    streams its clients were reading."""
+    stops itself (10 minutes after a Serve update's door handed it over: leases.py). Longer
+    keeps a live door on a starved machine (10 s lapsed once at load ~190 on 2 cores), but
+    also a crashed door's lease: a delete within it leaves the cluster to stop itself."""
 
     def __post_init__(self) -> None:
         check_text("model", self.model)

@@ -230,18 +230,21 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ratios: a ratio to it would compare the searches' limits, not the schedulers."""
     schedulers = {r["label"]: r["scheduler"] for r in results}
     capacity: dict[str, list[float | None]] = {}
-    measured: dict[str, list[float | None]] = {}
     bounds: dict[str, list[dict[str, float] | None]] = {}
     attainment: dict[str, list[float | None]] = {}
     for r in results:
         summary = r["summary"]
         if "capacity_rps" in summary:
-            value, bound = summary["capacity_per_replica"], summary.get("bound")
-            capacity.setdefault(r["label"], []).append(value)
-            measured.setdefault(r["label"], []).append(None if bound else value)
-            bounds.setdefault(r["label"], []).append(bound)
+            capacity.setdefault(r["label"], []).append(summary["capacity_per_replica"])
+            bounds.setdefault(r["label"], []).append(summary.get("bound"))
         else:
             attainment.setdefault(r["label"], []).append(summary["attainment"])
+    measured = {  # the capacities a ratio may use: none that is a search's limit
+        label: [
+            None if bound else value for value, bound in zip(values, bounds[label], strict=True)
+        ]
+        for label, values in capacity.items()
+    }
     out: dict[str, Any] = {}
     for key, by_label in (("capacity_per_replica", capacity), ("attainment", attainment)):
         if not by_label:

@@ -143,7 +143,7 @@ def read_keys(
         except (OSError, UnicodeDecodeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise ValueError(f"api_keys_file {str(path)!r}: {why}") from None
-        entries.update(parse_key_file(text, str(path)))
+        entries = parse_key_file(text, str(path))
         if reloading and not entries:
             raise ValueError(f"api_keys_file {str(path)!r} holds no keys")
     raw = (os.environ if env is None else env).get(ENV_VAR, "")
